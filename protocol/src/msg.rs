@@ -1,0 +1,369 @@
+//! Message types. Every message is a JSON object with a `"type"` tag.
+//!
+//! - [`ClientMsg`]: shim → arbiter, on the client socket.
+//! - [`ArbiterMsg`]: arbiter → shim.
+//! - [`ControlRequest`] / [`ControlReply`]: kiwictl ↔ arbiter, on the control socket only.
+//!
+//! Identity is the connection: the arbiter takes a client's host pid and uid from the
+//! socket (SO_PEERCRED), never from a message, so no client can act for another.
+
+use serde::{Deserialize, Serialize};
+
+/// Registration: the first message on a client connection. One connection per
+/// (process, GPU): a process using two GPUs opens two connections.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Register {
+    /// Must equal [`crate::PROTOCOL_VERSION`].
+    pub version: u16,
+    /// The pid as the client sees it (its own PID namespace). Informational: the
+    /// arbiter records the host pid from SO_PEERCRED beside it.
+    pub pid: u32,
+    /// GPU UUID as the driver reports it, e.g. `GPU-8a3c…`.
+    pub gpu_uuid: String,
+    /// The GPU's total memory in bytes (`cuDeviceTotalMem`).
+    pub gpu_total_memory: u64,
+    /// Bytes this client has allocated (its working set) at registration.
+    #[serde(default)]
+    pub working_set_bytes: u64,
+    /// Of those, bytes resident in GPU memory now.
+    #[serde(default)]
+    pub resident_bytes: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_namespace: Option<String>,
+    /// A short name for people: the program name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Set when re-registering after the arbiter restarted: what this client held.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resume: Option<Resume>,
+}
+
+/// A re-registering client's state, so a new arbiter can rebuild its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Resume {
+    /// The client held the GPU (exclusively or shared) when the old arbiter went away.
+    pub holding: bool,
+    /// It was waiting for the GPU.
+    pub waiting: bool,
+}
+
+/// Memory figures a client reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Usage {
+    /// All bytes the application has allocated (resident + swapped out).
+    pub working_set_bytes: u64,
+    /// Bytes currently in GPU memory.
+    pub resident_bytes: u64,
+}
+
+/// Direction of a swap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SwapDirection {
+    Out,
+    In,
+}
+
+/// Shim → arbiter.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ClientMsg {
+    Register(Register),
+    /// The client wants the GPU. Answered by [`ArbiterMsg::Grant`], at once or later.
+    Request,
+    /// The client gives the GPU back: after a [`ArbiterMsg::Drop`], or early because it
+    /// went idle. Carries its memory after any swap-out.
+    Release(Usage),
+    /// The working set or residency changed (allocation, free, swap).
+    Usage(Usage),
+    /// A swap finished; recorded in the event log.
+    Swapped {
+        direction: SwapDirection,
+        bytes: u64,
+        duration_ns: u64,
+    },
+    /// Answer to [`ArbiterMsg::Reclaim`]: memory after evicting.
+    Reclaimed(Usage),
+    /// Liveness / latency probe; answered by [`ArbiterMsg::Pong`].
+    Ping { token: u64 },
+}
+
+/// Why the arbiter asks a holder to give the GPU back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DropReason {
+    /// The holder used its time quantum and someone is waiting.
+    TqExpired,
+    /// Working sets stopped fitting (or the scheduler was turned on) while several
+    /// clients ran side by side: all but one must yield.
+    NoLongerFits,
+}
+
+/// Arbiter → shim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ArbiterMsg {
+    /// Answer to [`ClientMsg::Register`].
+    Registered {
+        client_id: u64,
+        settings: Settings,
+        /// GPU memory the arbiter schedules against (total − context reserve).
+        capacity_bytes: u64,
+    },
+    /// The GPU is this client's. `exclusive: false` means every working set fits (or
+    /// the scheduler is off): run alongside the others, no swapping needed.
+    Grant { exclusive: bool, tq_ms: u64 },
+    /// Give the GPU back: stop submitting, drain, evict at least `need_bytes`
+    /// (least recently used first), then send [`ClientMsg::Release`].
+    Drop { need_bytes: u64, reason: DropReason },
+    /// A client not holding the GPU is asked to evict `need_bytes` so the next holder
+    /// fits; answer [`ClientMsg::Reclaimed`].
+    Reclaim { need_bytes: u64 },
+    /// The GPU was taken away: the client ignored a drop past the grace period. It
+    /// must not submit work until granted again.
+    Revoked { reason: String },
+    /// Scheduler settings changed (`kiwictl -S/-T`), sent to every client of the GPU.
+    Settings(Settings),
+    Pong { token: u64 },
+    /// A refused request. Fatal errors are followed by closing the connection.
+    Error { code: ErrorCode, message: String },
+}
+
+/// Per-GPU scheduler settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    pub scheduler_on: bool,
+    pub tq_ms: u64,
+}
+
+/// Machine-readable error kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    Malformed,
+    Version,
+    Oversize,
+    /// A message that needs registration came first, or registration came twice.
+    NotRegistered,
+    AlreadyRegistered,
+    /// A control request on the client socket, or a client request on the control socket.
+    WrongSocket,
+    /// Too many messages too fast.
+    RateLimited,
+    UnknownGpu,
+    InvalidArgument,
+    Internal,
+}
+
+/// kiwictl → arbiter, on the control socket.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ControlRequest {
+    /// `kiwictl -S on|off`. `gpu`: UUID or index; `None` means every GPU, and the
+    /// default for GPUs seen later.
+    SetScheduler { on: bool, gpu: Option<String> },
+    /// `kiwictl -T <seconds>`.
+    SetTq { tq_ms: u64, gpu: Option<String> },
+    Status { gpu: Option<String> },
+    /// Events with `seq >= since_seq`, at most `limit` (capped by the arbiter).
+    Events {
+        gpu: Option<String>,
+        since_seq: u64,
+        limit: u32,
+    },
+}
+
+/// Arbiter → kiwictl.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ControlReply {
+    /// A setting was changed on `gpus` (UUIDs).
+    Done { message: String, gpus: Vec<String> },
+    Status(StatusReport),
+    Events {
+        events: Vec<Event>,
+        /// Pass as `since_seq` to continue.
+        next_seq: u64,
+        /// Whether more events are waiting past this page.
+        more: bool,
+        /// The arbiter's CLOCK_MONOTONIC now, in ns, to place events in time.
+        now_ns: u64,
+    },
+    Error { code: ErrorCode, message: String },
+}
+
+/// `kiwictl status`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatusReport {
+    /// Defaults applied to GPUs first seen from now on.
+    pub default_settings: Settings,
+    pub gpus: Vec<GpuStatus>,
+    pub now_ns: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuStatus {
+    pub index: u32,
+    pub uuid: String,
+    pub settings: Settings,
+    pub total_memory_bytes: u64,
+    /// Total minus the context reserve: what working sets are measured against.
+    pub capacity_bytes: u64,
+    /// Whether every registered working set fits at once (no arbitration needed).
+    pub fits: bool,
+    /// Client ids holding the GPU (one when exclusive).
+    pub holders: Vec<u64>,
+    /// Waiting client ids, first in line first.
+    pub queue: Vec<u64>,
+    pub clients: Vec<ClientStatus>,
+}
+
+/// What a client is doing, as `kiwictl status` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClientState {
+    /// Granted shared access (working sets fit, or the scheduler is off).
+    Running,
+    /// Exclusive holder.
+    Holding,
+    Waiting,
+    Idle,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClientStatus {
+    pub id: u64,
+    pub pid: u32,
+    pub host_pid: u32,
+    pub name: Option<String>,
+    pub container_id: Option<String>,
+    pub pod_name: Option<String>,
+    pub pod_namespace: Option<String>,
+    pub state: ClientState,
+    pub working_set_bytes: u64,
+    pub resident_bytes: u64,
+    pub swapped_bytes: u64,
+    pub waited_ns: u64,
+    pub held_ns: u64,
+}
+
+/// One entry of a GPU's event log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// Increasing over the whole arbiter, never reused.
+    pub seq: u64,
+    /// CLOCK_MONOTONIC nanoseconds (same clock as the simulator's trace).
+    pub t_ns: u64,
+    pub gpu: String,
+    pub client: Option<u64>,
+    pub kind: EventKind,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum EventKind {
+    Register {
+        pid: u32,
+        host_pid: u32,
+        name: Option<String>,
+        pod_name: Option<String>,
+        pod_namespace: Option<String>,
+        working_set_bytes: u64,
+        resumed: bool,
+    },
+    Request,
+    Grant {
+        exclusive: bool,
+        waited_ns: u64,
+    },
+    Drop {
+        need_bytes: u64,
+        reason: DropReason,
+    },
+    Release {
+        /// Released before the arbiter asked (the holder went idle).
+        early: bool,
+        resident_bytes: u64,
+    },
+    Reclaim {
+        need_bytes: u64,
+    },
+    Revoke,
+    SwapOut {
+        bytes: u64,
+        duration_ns: u64,
+    },
+    SwapIn {
+        bytes: u64,
+        duration_ns: u64,
+    },
+    Usage {
+        working_set_bytes: u64,
+        resident_bytes: u64,
+    },
+    Exit,
+    Scheduler {
+        on: bool,
+    },
+    Tq {
+        tq_ms: u64,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wire_shape_is_documented_shape() {
+        let j = serde_json::to_string(&ClientMsg::Request).unwrap();
+        assert_eq!(j, r#"{"type":"request"}"#);
+        let j = serde_json::to_string(&ClientMsg::Release(Usage {
+            working_set_bytes: 10,
+            resident_bytes: 4,
+        }))
+        .unwrap();
+        assert_eq!(
+            j,
+            r#"{"type":"release","working_set_bytes":10,"resident_bytes":4}"#
+        );
+        let j = serde_json::to_string(&ArbiterMsg::Grant {
+            exclusive: true,
+            tq_ms: 30000,
+        })
+        .unwrap();
+        assert_eq!(j, r#"{"type":"grant","exclusive":true,"tq_ms":30000}"#);
+    }
+
+    #[test]
+    fn register_minimal_and_unknown_fields() {
+        let m: ClientMsg = serde_json::from_str(
+            r#"{"type":"register","version":1,"pid":7,"gpu_uuid":"GPU-1","gpu_total_memory":1024}"#,
+        )
+        .unwrap();
+        match m {
+            ClientMsg::Register(r) => {
+                assert_eq!(r.pid, 7);
+                assert_eq!(r.working_set_bytes, 0);
+                assert!(r.resume.is_none());
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(serde_json::from_str::<ClientMsg>(
+            r#"{"type":"set_scheduler","on":false,"gpu":null}"#
+        )
+        .is_err());
+        assert!(serde_json::from_str::<ControlRequest>(
+            r#"{"type":"set_scheduler","on":false,"gpu":null}"#
+        )
+        .is_ok());
+    }
+}
