@@ -119,7 +119,16 @@ pub enum ArbiterMsg {
     },
     /// The GPU is this client's. `exclusive: false` means every working set fits (or
     /// the scheduler is off): run alongside the others, no swapping needed.
-    Grant { exclusive: bool, tq_ms: u64 },
+    /// `waiting`: clients queued behind this one at the time of the grant.
+    Grant {
+        exclusive: bool,
+        tq_ms: u64,
+        waiting: u32,
+    },
+    /// Sent to the holder(s) when the queue goes from empty to non-empty
+    /// (`waiting > 0`) or back to empty (`waiting == 0`). A holder that goes idle
+    /// while others wait releases early.
+    Contended { waiting: u32 },
     /// Give the GPU back: stop submitting, drain, evict at least `need_bytes`
     /// (least recently used first), then send [`ClientMsg::Release`].
     Drop { need_bytes: u64, reason: DropReason },
@@ -338,9 +347,13 @@ mod tests {
         let j = serde_json::to_string(&ArbiterMsg::Grant {
             exclusive: true,
             tq_ms: 30000,
+            waiting: 1,
         })
         .unwrap();
-        assert_eq!(j, r#"{"type":"grant","exclusive":true,"tq_ms":30000}"#);
+        assert_eq!(
+            j,
+            r#"{"type":"grant","exclusive":true,"tq_ms":30000,"waiting":1}"#
+        );
     }
 
     #[test]
