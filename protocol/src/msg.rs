@@ -127,8 +127,9 @@ pub enum ArbiterMsg {
     },
     /// Sent to the holder(s) when the queue goes from empty to non-empty
     /// (`waiting > 0`) or back to empty (`waiting == 0`). A holder that goes idle
-    /// while others wait releases early.
-    Contended { waiting: u32 },
+    /// while others wait releases early, evicting `need_bytes` first so the next
+    /// holder fits.
+    Contended { waiting: u32, need_bytes: u64 },
     /// Give the GPU back: stop submitting, drain, evict at least `need_bytes`
     /// (least recently used first), then send [`ClientMsg::Release`].
     Drop { need_bytes: u64, reason: DropReason },
