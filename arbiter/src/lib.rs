@@ -1,1 +1,13 @@
-//! (in progress)
+//! kiwi-arbiter: the Kiwi Scheduler daemon.
+//!
+//! - [`sched`]: one GPU's scheduler as a pure state machine (no I/O, injected clock).
+//! - [`events`]: the per-GPU event log read by `kiwictl timeline`.
+//! - [`server`]: the tokio daemon: client and control sockets, timers, dispatch.
+//! - [`clock`]: CLOCK_MONOTONIC in nanoseconds, the clock of every timestamp.
+
+pub mod clock;
+pub mod events;
+pub mod sched;
+pub mod server;
+
+pub use server::{serve, ServerConfig};

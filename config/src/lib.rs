@@ -100,7 +100,9 @@ impl std::str::FromStr for SchedulerMode {
         match s {
             "on" => Ok(SchedulerMode::On),
             "off" => Ok(SchedulerMode::Off),
-            other => Err(format!("scheduler must be \"on\" or \"off\", not {other:?}")),
+            other => Err(format!(
+                "scheduler must be \"on\" or \"off\", not {other:?}"
+            )),
         }
     }
 }
@@ -288,13 +290,19 @@ impl Config {
             return Err(invalid("socket_dir must not be empty".into()));
         }
         if self.device_plugin.vgpus_per_gpu == 0 {
-            return Err(invalid("device_plugin.vgpus_per_gpu must be at least 1".into()));
+            return Err(invalid(
+                "device_plugin.vgpus_per_gpu must be at least 1".into(),
+            ));
         }
         if self.runtime.runtimes.is_empty() {
-            return Err(invalid("runtime.runtimes must name at least one runtime".into()));
+            return Err(invalid(
+                "runtime.runtimes must name at least one runtime".into(),
+            ));
         }
         if self.arbiter.event_log_capacity == 0 {
-            return Err(invalid("arbiter.event_log_capacity must be at least 1".into()));
+            return Err(invalid(
+                "arbiter.event_log_capacity must be at least 1".into(),
+            ));
         }
         Ok(())
     }
@@ -401,9 +409,12 @@ vgpus_per_gpu = 4
 
     #[test]
     fn malformed_names_file_and_line() {
-        let err = Config::from_str_at("socket_dir = \"/x\"\n[arbiter]\ntq_seconds = = 3\n", Path::new("/etc/k.toml"))
-            .unwrap_err()
-            .to_string();
+        let err = Config::from_str_at(
+            "socket_dir = \"/x\"\n[arbiter]\ntq_seconds = = 3\n",
+            Path::new("/etc/k.toml"),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("/etc/k.toml"), "{err}");
         assert!(err.contains("line 3"), "{err}");
     }
@@ -415,7 +426,9 @@ vgpus_per_gpu = 4
         assert!(Config::from_str_at("[arbiter]\ntq_seconds = 0\n", Path::new("c")).is_err());
         assert!(Config::from_str_at("[arbiter]\ntq_seconds = -3\n", Path::new("c")).is_err());
         assert!(Config::from_str_at("[arbiter]\nscheduler = \"maybe\"\n", Path::new("c")).is_err());
-        assert!(Config::from_str_at("[device_plugin]\nvgpus_per_gpu = 0\n", Path::new("c")).is_err());
+        assert!(
+            Config::from_str_at("[device_plugin]\nvgpus_per_gpu = 0\n", Path::new("c")).is_err()
+        );
     }
 
     #[test]

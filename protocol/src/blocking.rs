@@ -69,7 +69,8 @@ impl<S: Serialize, R: DeserializeOwned> Connection<S, R> {
             return Ok(Some(m));
         }
         let old = self.stream.read_timeout()?;
-        self.stream.set_read_timeout(Some(timeout.max(Duration::from_micros(1))))?;
+        self.stream
+            .set_read_timeout(Some(timeout.max(Duration::from_micros(1))))?;
         let res = self.fill();
         self.stream.set_read_timeout(old)?;
         match res {

@@ -158,7 +158,10 @@ mod tests {
         h.extend_from_slice(&PROTOCOL_VERSION.to_be_bytes());
         h.extend_from_slice(&((MAX_PAYLOAD as u32) + 1).to_be_bytes());
         d.push(&h);
-        assert!(matches!(d.next_payload(), Err(ProtocolError::Oversize { .. })));
+        assert!(matches!(
+            d.next_payload(),
+            Err(ProtocolError::Oversize { .. })
+        ));
     }
 
     #[test]
@@ -167,7 +170,10 @@ mod tests {
         frame[3] = 9;
         let mut d = FrameDecoder::new();
         d.push(&frame);
-        assert!(matches!(d.next_payload(), Err(ProtocolError::Version { got: 9 })));
+        assert!(matches!(
+            d.next_payload(),
+            Err(ProtocolError::Version { got: 9 })
+        ));
         let mut d = FrameDecoder::new();
         d.push(b"GET / HTTP/1.1\r\n\r\n");
         assert!(matches!(d.next_payload(), Err(ProtocolError::BadMagic(_))));

@@ -92,7 +92,9 @@ pub enum ClientMsg {
     /// Answer to [`ArbiterMsg::Reclaim`]: memory after evicting.
     Reclaimed(Usage),
     /// Liveness / latency probe; answered by [`ArbiterMsg::Pong`].
-    Ping { token: u64 },
+    Ping {
+        token: u64,
+    },
 }
 
 /// Why the arbiter asks a holder to give the GPU back.
@@ -129,21 +131,36 @@ pub enum ArbiterMsg {
     /// (`waiting > 0`) or back to empty (`waiting == 0`). A holder that goes idle
     /// while others wait releases early, evicting `need_bytes` first so the next
     /// holder fits.
-    Contended { waiting: u32, need_bytes: u64 },
+    Contended {
+        waiting: u32,
+        need_bytes: u64,
+    },
     /// Give the GPU back: stop submitting, drain, evict at least `need_bytes`
     /// (least recently used first), then send [`ClientMsg::Release`].
-    Drop { need_bytes: u64, reason: DropReason },
+    Drop {
+        need_bytes: u64,
+        reason: DropReason,
+    },
     /// A client not holding the GPU is asked to evict `need_bytes` so the next holder
     /// fits; answer [`ClientMsg::Reclaimed`].
-    Reclaim { need_bytes: u64 },
+    Reclaim {
+        need_bytes: u64,
+    },
     /// The GPU was taken away: the client ignored a drop past the grace period. It
     /// must not submit work until granted again.
-    Revoked { reason: String },
+    Revoked {
+        reason: String,
+    },
     /// Scheduler settings changed (`kiwictl -S/-T`), sent to every client of the GPU.
     Settings(Settings),
-    Pong { token: u64 },
+    Pong {
+        token: u64,
+    },
     /// A refused request. Fatal errors are followed by closing the connection.
-    Error { code: ErrorCode, message: String },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
 }
 
 /// Per-GPU scheduler settings.
@@ -179,10 +196,18 @@ pub enum ErrorCode {
 pub enum ControlRequest {
     /// `kiwictl -S on|off`. `gpu`: UUID or index; `None` means every GPU, and the
     /// default for GPUs seen later.
-    SetScheduler { on: bool, gpu: Option<String> },
+    SetScheduler {
+        on: bool,
+        gpu: Option<String>,
+    },
     /// `kiwictl -T <seconds>`.
-    SetTq { tq_ms: u64, gpu: Option<String> },
-    Status { gpu: Option<String> },
+    SetTq {
+        tq_ms: u64,
+        gpu: Option<String>,
+    },
+    Status {
+        gpu: Option<String>,
+    },
     /// Events with `seq >= since_seq`, at most `limit` (capped by the arbiter).
     Events {
         gpu: Option<String>,
@@ -196,7 +221,10 @@ pub enum ControlRequest {
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum ControlReply {
     /// A setting was changed on `gpus` (UUIDs).
-    Done { message: String, gpus: Vec<String> },
+    Done {
+        message: String,
+        gpus: Vec<String>,
+    },
     Status(StatusReport),
     Events {
         events: Vec<Event>,
@@ -207,7 +235,10 @@ pub enum ControlReply {
         /// The arbiter's CLOCK_MONOTONIC now, in ns, to place events in time.
         now_ns: u64,
     },
-    Error { code: ErrorCode, message: String },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
 }
 
 /// `kiwictl status`.

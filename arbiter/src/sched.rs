@@ -1,0 +1,736 @@
+//! The Kiwi Scheduler for one GPU, as a pure state machine.
+//!
+//! No I/O and no clock: every input carries `now` (monotonic nanoseconds) and every
+//! decision comes back as [`Output`]s — messages to send and events to log. The
+//! daemon ([`crate::server`]) feeds it socket traffic and calls [`GpuScheduler::tick`]
+//! at [`GpuScheduler::next_deadline`]. Property tests drive it with simulated time.
+//!
+//! Rules (DESIGN.md, "Arbiter semantics"):
+//! - While the registered working sets fit in `capacity` (or the scheduler is off),
+//!   every request is granted at once, shared.
+//! - Otherwise one holder at a time, FIFO. A holder is asked to drop after TQ only when
+//!   someone waits; a lone holder keeps the GPU. Holders hear when others start
+//!   waiting, so an idle holder releases early.
+//! - Room for the next holder: a dropped holder is told how many bytes the next one
+//!   needs, and so is a holder that hears others wait (for an early release). Whatever
+//!   is still missing at grant time is reclaimed from idle clients, least recently
+//!   active first, in parallel with the grant: room-making never delays a grant (the
+//!   new holder's swap-in waits for the memory to come free).
+//! - A holder that ignores a drop for `grace` loses the GPU (it is told so). A client
+//!   that goes away releases everything at once.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use kiwi_protocol::{
+    ArbiterMsg, ClientState, ClientStatus, DropReason, EventKind, GpuStatus, Register, Settings,
+    Usage,
+};
+
+/// Connection-scoped client id, assigned by the server.
+pub type ClientId = u64;
+/// Monotonic nanoseconds.
+pub type Nanos = u64;
+
+/// What the scheduler asks the server to do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    Send(ClientId, ArbiterMsg),
+    Log(Option<ClientId>, EventKind),
+}
+
+/// Identity and labels of a client, fixed at registration.
+#[derive(Debug, Clone, Default)]
+pub struct ClientInfo {
+    pub pid: u32,
+    pub host_pid: u32,
+    pub name: Option<String>,
+    pub container_id: Option<String>,
+    pub pod_name: Option<String>,
+    pub pod_namespace: Option<String>,
+}
+
+impl ClientInfo {
+    pub fn from_register(r: &Register, host_pid: u32) -> Self {
+        Self {
+            pid: r.pid,
+            host_pid,
+            name: r.name.clone(),
+            container_id: r.container_id.clone(),
+            pod_name: r.pod_name.clone(),
+            pod_namespace: r.pod_namespace.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Client {
+    info: ClientInfo,
+    usage: Usage,
+    /// When the current wait began.
+    requested_at: Option<Nanos>,
+    /// Last time it held or released the GPU: the LRU key for reclaiming.
+    last_active: Nanos,
+    waited_ns: u64,
+    held_ns: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Hold {
+    since: Nanos,
+    exclusive: bool,
+    drop_sent: Option<Nanos>,
+}
+
+/// One GPU's scheduler.
+#[derive(Debug, Clone)]
+pub struct GpuScheduler {
+    total: u64,
+    capacity: u64,
+    settings: Settings,
+    grace_ns: u64,
+    clients: BTreeMap<ClientId, Client>,
+    queue: VecDeque<ClientId>,
+    holders: BTreeMap<ClientId, Hold>,
+    /// Whether holders were last told that someone waits.
+    contended: bool,
+    out: Vec<Output>,
+}
+
+fn ms_to_ns(ms: u64) -> u64 {
+    ms.saturating_mul(1_000_000)
+}
+
+impl GpuScheduler {
+    /// `capacity`: total minus the context reserve.
+    pub fn new(total: u64, capacity: u64, settings: Settings, grace_ms: u64) -> Self {
+        Self {
+            total,
+            capacity,
+            settings,
+            grace_ns: ms_to_ns(grace_ms),
+            clients: BTreeMap::new(),
+            queue: VecDeque::new(),
+            holders: BTreeMap::new(),
+            contended: false,
+            out: Vec::new(),
+        }
+    }
+
+    pub fn settings(&self) -> Settings {
+        self.settings
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.clients.is_empty()
+    }
+
+    pub fn has_client(&self, id: ClientId) -> bool {
+        self.clients.contains_key(&id)
+    }
+
+    /// Whether every registered working set fits at once.
+    pub fn fits(&self) -> bool {
+        self.working_sets() <= self.capacity
+    }
+
+    fn working_sets(&self) -> u64 {
+        self.clients
+            .values()
+            .map(|c| c.usage.working_set_bytes)
+            .fold(0u64, u64::saturating_add)
+    }
+
+    fn resident(&self) -> u64 {
+        self.clients
+            .values()
+            .map(|c| c.usage.resident_bytes)
+            .fold(0u64, u64::saturating_add)
+    }
+
+    /// No arbitration needed: everybody runs side by side.
+    fn shared_mode(&self) -> bool {
+        !self.settings.scheduler_on || self.fits()
+    }
+
+    /// Bytes that must leave GPU memory before `next` can bring all of its own in.
+    fn need_for(&self, next: ClientId) -> u64 {
+        let Some(c) = self.clients.get(&next) else {
+            return 0;
+        };
+        let free = self.capacity.saturating_sub(self.resident());
+        c.usage
+            .working_set_bytes
+            .saturating_sub(c.usage.resident_bytes)
+            .saturating_sub(free)
+    }
+
+    /// Current holders (one when exclusive), for tests and status.
+    pub fn holders(&self) -> Vec<ClientId> {
+        self.holders.keys().copied().collect()
+    }
+
+    /// Whether `id` holds an exclusive grant.
+    pub fn holds_exclusive(&self, id: ClientId) -> bool {
+        self.holders.get(&id).is_some_and(|h| h.exclusive)
+    }
+
+    pub fn queue(&self) -> Vec<ClientId> {
+        self.queue.iter().copied().collect()
+    }
+
+    fn send(&mut self, id: ClientId, msg: ArbiterMsg) {
+        self.out.push(Output::Send(id, msg));
+    }
+
+    fn log(&mut self, id: Option<ClientId>, kind: EventKind) {
+        self.out.push(Output::Log(id, kind));
+    }
+
+    fn finish(&mut self, now: Nanos) -> Vec<Output> {
+        self.schedule(now);
+        std::mem::take(&mut self.out)
+    }
+
+    // ---- inputs -------------------------------------------------------------
+
+    /// A client registered on this GPU. `resume` is set when it re-registers after an
+    /// arbiter restart, carrying what it held.
+    pub fn register(
+        &mut self,
+        now: Nanos,
+        id: ClientId,
+        info: ClientInfo,
+        usage: Usage,
+        resume: Option<kiwi_protocol::Resume>,
+    ) -> Vec<Output> {
+        self.log(
+            Some(id),
+            EventKind::Register {
+                pid: info.pid,
+                host_pid: info.host_pid,
+                name: info.name.clone(),
+                pod_name: info.pod_name.clone(),
+                pod_namespace: info.pod_namespace.clone(),
+                working_set_bytes: usage.working_set_bytes,
+                resumed: resume.is_some(),
+            },
+        );
+        self.clients.insert(
+            id,
+            Client {
+                info,
+                usage,
+                requested_at: None,
+                last_active: now,
+                waited_ns: 0,
+                held_ns: 0,
+            },
+        );
+        self.send(
+            id,
+            ArbiterMsg::Registered {
+                client_id: id,
+                settings: self.settings,
+                capacity_bytes: self.capacity,
+            },
+        );
+        if let Some(r) = resume {
+            if r.holding {
+                // It kept working while no arbiter ran; take it as holder again. If that
+                // makes two exclusive holders, the transition logic drops one.
+                let exclusive = !self.shared_mode() && self.holders.is_empty();
+                self.holders.insert(
+                    id,
+                    Hold {
+                        since: now,
+                        exclusive,
+                        drop_sent: None,
+                    },
+                );
+                self.log(
+                    Some(id),
+                    EventKind::Grant {
+                        exclusive,
+                        waited_ns: 0,
+                    },
+                );
+            } else if r.waiting {
+                return self.request(now, id);
+            }
+        }
+        self.finish(now)
+    }
+
+    /// The client wants the GPU.
+    pub fn request(&mut self, now: Nanos, id: ClientId) -> Vec<Output> {
+        if !self.clients.contains_key(&id) {
+            return Vec::new();
+        }
+        if let Some(h) = self.holders.get(&id) {
+            // Already holding (e.g. a client that lost track after a reconnect):
+            // confirm idempotently.
+            let exclusive = h.exclusive;
+            let waiting = self.queue.len() as u32;
+            self.send(
+                id,
+                ArbiterMsg::Grant {
+                    exclusive,
+                    tq_ms: self.settings.tq_ms,
+                    waiting,
+                },
+            );
+            return self.finish(now);
+        }
+        if self.queue.contains(&id) {
+            return self.finish(now);
+        }
+        self.log(Some(id), EventKind::Request);
+        if let Some(c) = self.clients.get_mut(&id) {
+            c.requested_at = Some(now);
+        }
+        self.queue.push_back(id);
+        self.finish(now)
+    }
+
+    /// The client gives the GPU back (after a drop, or early), or cancels its request.
+    pub fn release(&mut self, now: Nanos, id: ClientId, usage: Usage) -> Vec<Output> {
+        let Some(c) = self.clients.get_mut(&id) else {
+            return Vec::new();
+        };
+        c.usage = usage;
+        if let Some(h) = self.holders.remove(&id) {
+            let c = self.clients.get_mut(&id).expect("checked above");
+            c.held_ns += now.saturating_sub(h.since);
+            c.last_active = now;
+            self.log(
+                Some(id),
+                EventKind::Release {
+                    early: h.drop_sent.is_none(),
+                    resident_bytes: usage.resident_bytes,
+                },
+            );
+            if self.holders.is_empty() {
+                self.handoff(now);
+            }
+        } else {
+            self.cancel_wait(now, id);
+        }
+        self.finish(now)
+    }
+
+    /// Working set or residency changed.
+    pub fn usage(&mut self, now: Nanos, id: ClientId, usage: Usage) -> Vec<Output> {
+        let Some(c) = self.clients.get_mut(&id) else {
+            return Vec::new();
+        };
+        if c.usage == usage {
+            return Vec::new();
+        }
+        c.usage = usage;
+        self.log(
+            Some(id),
+            EventKind::Usage {
+                working_set_bytes: usage.working_set_bytes,
+                resident_bytes: usage.resident_bytes,
+            },
+        );
+        self.finish(now)
+    }
+
+    /// Answer to a reclaim.
+    pub fn reclaimed(&mut self, now: Nanos, id: ClientId, usage: Usage) -> Vec<Output> {
+        let Some(c) = self.clients.get_mut(&id) else {
+            return Vec::new();
+        };
+        c.usage = usage;
+        self.finish(now)
+    }
+
+    /// A swap finished (event log only).
+    pub fn swapped(
+        &mut self,
+        now: Nanos,
+        id: ClientId,
+        direction: kiwi_protocol::SwapDirection,
+        bytes: u64,
+        duration_ns: u64,
+    ) -> Vec<Output> {
+        if !self.clients.contains_key(&id) {
+            return Vec::new();
+        }
+        let kind = match direction {
+            kiwi_protocol::SwapDirection::Out => EventKind::SwapOut { bytes, duration_ns },
+            kiwi_protocol::SwapDirection::In => EventKind::SwapIn { bytes, duration_ns },
+        };
+        self.log(Some(id), kind);
+        self.finish(now)
+    }
+
+    /// The client is gone (connection closed, process died): it releases everything.
+    pub fn exit(&mut self, now: Nanos, id: ClientId) -> Vec<Output> {
+        if self.clients.remove(&id).is_none() {
+            return Vec::new();
+        }
+        self.log(Some(id), EventKind::Exit);
+        // Its memory is gone with it: the next one in line is granted at once.
+        self.holders.remove(&id);
+        self.queue.retain(|&q| q != id);
+        self.finish(now)
+    }
+
+    /// `kiwictl -S on|off`.
+    pub fn set_scheduler(&mut self, now: Nanos, on: bool) -> Vec<Output> {
+        if self.settings.scheduler_on != on {
+            self.settings.scheduler_on = on;
+            self.log(None, EventKind::Scheduler { on });
+            self.broadcast_settings();
+        }
+        self.finish(now)
+    }
+
+    /// `kiwictl -T`.
+    pub fn set_tq(&mut self, now: Nanos, tq_ms: u64) -> Vec<Output> {
+        if self.settings.tq_ms != tq_ms {
+            self.settings.tq_ms = tq_ms.max(1);
+            self.log(
+                None,
+                EventKind::Tq {
+                    tq_ms: self.settings.tq_ms,
+                },
+            );
+            self.broadcast_settings();
+        }
+        self.finish(now)
+    }
+
+    /// Timers: TQ expiry, grace expiry, room-making deadline.
+    pub fn tick(&mut self, now: Nanos) -> Vec<Output> {
+        self.finish(now)
+    }
+
+    /// When [`Self::tick`] must next be called, if ever.
+    pub fn next_deadline(&self) -> Option<Nanos> {
+        let mut d: Option<Nanos> = None;
+        let mut at = |t: Nanos| d = Some(d.map_or(t, |x: Nanos| x.min(t)));
+        if self.settings.scheduler_on && !self.fits() {
+            for h in self.holders.values() {
+                match h.drop_sent {
+                    Some(sent) => at(sent + self.grace_ns),
+                    None if !self.queue.is_empty() => at(h.since + self.tq_ns()),
+                    None => {}
+                }
+            }
+        }
+        d
+    }
+
+    fn tq_ns(&self) -> u64 {
+        ms_to_ns(self.settings.tq_ms)
+    }
+
+    fn broadcast_settings(&mut self) {
+        let ids: Vec<_> = self.clients.keys().copied().collect();
+        for id in ids {
+            self.send(id, ArbiterMsg::Settings(self.settings));
+        }
+    }
+
+    fn cancel_wait(&mut self, now: Nanos, id: ClientId) {
+        let was_queued = self.queue.contains(&id);
+        self.queue.retain(|&q| q != id);
+        if was_queued {
+            if let Some(c) = self.clients.get_mut(&id) {
+                if let Some(r) = c.requested_at.take() {
+                    c.waited_ns += now.saturating_sub(r);
+                }
+            }
+        }
+    }
+
+    // ---- the decisions ------------------------------------------------------
+
+    fn grant(&mut self, now: Nanos, id: ClientId, exclusive: bool) {
+        let Some(c) = self.clients.get_mut(&id) else {
+            return;
+        };
+        let waited = c.requested_at.take().map_or(0, |r| now.saturating_sub(r));
+        c.waited_ns += waited;
+        c.last_active = now;
+        self.holders.insert(
+            id,
+            Hold {
+                since: now,
+                exclusive,
+                drop_sent: None,
+            },
+        );
+        let waiting = self.queue.len() as u32;
+        self.log(
+            Some(id),
+            EventKind::Grant {
+                exclusive,
+                waited_ns: waited,
+            },
+        );
+        self.send(
+            id,
+            ArbiterMsg::Grant {
+                exclusive,
+                tq_ms: self.settings.tq_ms,
+                waiting,
+            },
+        );
+        self.contended = exclusive && waiting > 0;
+    }
+
+    /// Grants the first in line and reclaims whatever memory it still lacks from idle
+    /// clients, least recently active first.
+    fn handoff(&mut self, now: Nanos) {
+        if self.shared_mode() || !self.holders.is_empty() {
+            return;
+        }
+        let Some(next) = self.queue.pop_front() else {
+            return;
+        };
+        let mut need = self.need_for(next);
+        if need > 0 {
+            let mut victims: Vec<(Nanos, ClientId, u64)> = self
+                .clients
+                .iter()
+                .filter(|(&id, c)| id != next && c.usage.resident_bytes > 0)
+                .map(|(&id, c)| (c.last_active, id, c.usage.resident_bytes))
+                .collect();
+            victims.sort();
+            for (_, id, resident) in victims {
+                if need == 0 {
+                    break;
+                }
+                let take = resident.min(need);
+                need -= take;
+                self.log(Some(id), EventKind::Reclaim { need_bytes: take });
+                self.send(id, ArbiterMsg::Reclaim { need_bytes: take });
+            }
+        }
+        self.grant(now, next, true);
+    }
+
+    fn schedule(&mut self, now: Nanos) {
+        if self.shared_mode() {
+            // Everyone fits (or no arbitration): grant every waiter, shared.
+            while let Some(id) = self.queue.pop_front() {
+                self.grant(now, id, false);
+            }
+            for h in self.holders.values_mut() {
+                h.drop_sent = None;
+            }
+            self.notify_contention(now);
+            return;
+        }
+
+        // Several holders left over from shared mode (or resumed): keep the longest
+        // holder, drop the others so their memory makes room.
+        if !self.holders.is_empty() {
+            let keep = self
+                .holders
+                .iter()
+                .min_by_key(|(id, h)| (!h.exclusive, h.since, **id))
+                .map(|(id, _)| *id)
+                .expect("non-empty");
+            let mut overflow = self
+                .resident()
+                .saturating_add(self.need_bytes_to_complete(keep))
+                .saturating_sub(self.capacity);
+            let others: Vec<ClientId> = self
+                .holders
+                .keys()
+                .copied()
+                .filter(|&i| i != keep)
+                .collect();
+            for id in others {
+                let h = self.holders.get_mut(&id).expect("listed");
+                if h.drop_sent.is_some() {
+                    continue;
+                }
+                h.drop_sent = Some(now);
+                let resident = self.clients.get(&id).map_or(0, |c| c.usage.resident_bytes);
+                let need = resident.min(overflow);
+                overflow -= need;
+                self.log(
+                    Some(id),
+                    EventKind::Drop {
+                        need_bytes: need,
+                        reason: DropReason::NoLongerFits,
+                    },
+                );
+                self.send(
+                    id,
+                    ArbiterMsg::Drop {
+                        need_bytes: need,
+                        reason: DropReason::NoLongerFits,
+                    },
+                );
+            }
+            if let Some(h) = self.holders.get_mut(&keep) {
+                if !h.exclusive {
+                    h.exclusive = true;
+                    h.since = now;
+                }
+            }
+        }
+
+        // Grace: a holder that ignored its drop loses the GPU.
+        let expired: Vec<ClientId> = self
+            .holders
+            .iter()
+            .filter(|(_, h)| h.drop_sent.is_some_and(|s| now >= s + self.grace_ns))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            let h = self.holders.remove(&id).expect("listed");
+            if let Some(c) = self.clients.get_mut(&id) {
+                c.held_ns += now.saturating_sub(h.since);
+                c.last_active = now;
+            }
+            self.log(Some(id), EventKind::Revoke);
+            self.send(
+                id,
+                ArbiterMsg::Revoked {
+                    reason: format!(
+                        "did not release the GPU within {} ms of being asked",
+                        self.grace_ns / 1_000_000
+                    ),
+                },
+            );
+        }
+
+        // Nobody holds: hand over to the first in line.
+        self.handoff(now);
+
+        // TQ: drop the holder only when someone waits.
+        if !self.queue.is_empty() {
+            let tq = self.tq_ns();
+            let due: Vec<ClientId> = self
+                .holders
+                .iter()
+                .filter(|(_, h)| h.drop_sent.is_none() && now >= h.since + tq)
+                .map(|(id, _)| *id)
+                .collect();
+            let next = self.queue.front().copied();
+            for id in due {
+                let need = next.map_or(0, |n| self.need_for(n));
+                if let Some(h) = self.holders.get_mut(&id) {
+                    h.drop_sent = Some(now);
+                }
+                self.log(
+                    Some(id),
+                    EventKind::Drop {
+                        need_bytes: need,
+                        reason: DropReason::TqExpired,
+                    },
+                );
+                self.send(
+                    id,
+                    ArbiterMsg::Drop {
+                        need_bytes: need,
+                        reason: DropReason::TqExpired,
+                    },
+                );
+            }
+        }
+        self.notify_contention(now);
+    }
+
+    fn need_bytes_to_complete(&self, id: ClientId) -> u64 {
+        self.clients.get(&id).map_or(0, |c| {
+            c.usage
+                .working_set_bytes
+                .saturating_sub(c.usage.resident_bytes)
+        })
+    }
+
+    /// Tells holders when someone starts (or stops) waiting, with what the next
+    /// holder needs, so an idle holder can release early and evict just that.
+    fn notify_contention(&mut self, _now: Nanos) {
+        let waiting = if self.shared_mode() {
+            0
+        } else {
+            self.queue.len() as u32
+        };
+        let contended = waiting > 0;
+        if contended == self.contended {
+            return;
+        }
+        self.contended = contended;
+        let need = self.queue.front().map_or(0, |&n| self.need_for(n));
+        let holders: Vec<ClientId> = self.holders.keys().copied().collect();
+        for id in holders {
+            self.send(
+                id,
+                ArbiterMsg::Contended {
+                    waiting,
+                    need_bytes: need,
+                },
+            );
+        }
+    }
+
+    // ---- status -------------------------------------------------------------
+
+    /// A snapshot for `kiwictl status`.
+    pub fn status(&self, now: Nanos, index: u32, uuid: &str) -> GpuStatus {
+        let clients = self
+            .clients
+            .iter()
+            .map(|(&id, c)| {
+                let (state, held_extra) = match self.holders.get(&id) {
+                    Some(h) if h.exclusive => (ClientState::Holding, now.saturating_sub(h.since)),
+                    Some(h) => (ClientState::Running, now.saturating_sub(h.since)),
+                    None if c.requested_at.is_some() => (ClientState::Waiting, 0),
+                    None => (ClientState::Idle, 0),
+                };
+                let wait_extra = c.requested_at.map_or(0, |r| now.saturating_sub(r));
+                ClientStatus {
+                    id,
+                    pid: c.info.pid,
+                    host_pid: c.info.host_pid,
+                    name: c.info.name.clone(),
+                    container_id: c.info.container_id.clone(),
+                    pod_name: c.info.pod_name.clone(),
+                    pod_namespace: c.info.pod_namespace.clone(),
+                    state,
+                    working_set_bytes: c.usage.working_set_bytes,
+                    resident_bytes: c.usage.resident_bytes,
+                    swapped_bytes: c
+                        .usage
+                        .working_set_bytes
+                        .saturating_sub(c.usage.resident_bytes),
+                    waited_ns: c.waited_ns + wait_extra,
+                    held_ns: c.held_ns + held_extra,
+                }
+            })
+            .collect();
+        let queue: Vec<u64> = self.queue.iter().copied().collect();
+        GpuStatus {
+            index,
+            uuid: uuid.to_string(),
+            settings: self.settings,
+            total_memory_bytes: self.total,
+            capacity_bytes: self.capacity,
+            fits: self.fits(),
+            holders: self.holders(),
+            queue,
+            clients,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

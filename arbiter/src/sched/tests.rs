@@ -1,0 +1,497 @@
+//! Unit and property tests of the scheduling core, with simulated time.
+
+use super::*;
+use kiwi_protocol::{ArbiterMsg, DropReason, Resume};
+use proptest::prelude::*;
+use std::collections::BTreeSet;
+
+const MIB: u64 = 1 << 20;
+const SEC: u64 = 1_000_000_000;
+const MS: u64 = 1_000_000;
+
+fn sched(capacity: u64, tq_ms: u64, grace_ms: u64) -> GpuScheduler {
+    GpuScheduler::new(
+        capacity,
+        capacity,
+        Settings {
+            scheduler_on: true,
+            tq_ms,
+        },
+        grace_ms,
+    )
+}
+
+fn usage(ws: u64, resident: u64) -> Usage {
+    Usage {
+        working_set_bytes: ws,
+        resident_bytes: resident,
+    }
+}
+
+fn sent(outs: &[Output], to: ClientId) -> Vec<ArbiterMsg> {
+    outs.iter()
+        .filter_map(|o| match o {
+            Output::Send(id, m) if *id == to => Some(m.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn granted(outs: &[Output], to: ClientId) -> Option<bool> {
+    sent(outs, to).iter().find_map(|m| match m {
+        ArbiterMsg::Grant { exclusive, .. } => Some(*exclusive),
+        _ => None,
+    })
+}
+
+fn dropped(outs: &[Output], to: ClientId) -> Option<u64> {
+    sent(outs, to).iter().find_map(|m| match m {
+        ArbiterMsg::Drop { need_bytes, .. } => Some(*need_bytes),
+        _ => None,
+    })
+}
+
+fn reg(s: &mut GpuScheduler, now: Nanos, id: ClientId, ws: u64) {
+    s.register(now, id, ClientInfo::default(), usage(ws, 0), None);
+}
+
+#[test]
+fn fitting_clients_run_together() {
+    let mut s = sched(1000 * MIB, 30_000, 5_000);
+    reg(&mut s, 0, 1, 400 * MIB);
+    reg(&mut s, 0, 2, 400 * MIB);
+    assert_eq!(granted(&s.request(1, 1), 1), Some(false));
+    assert_eq!(granted(&s.request(2, 2), 2), Some(false));
+    assert_eq!(s.holders(), vec![1, 2]);
+    assert_eq!(s.next_deadline(), None, "no timers while everything fits");
+}
+
+#[test]
+fn seed_timeline_tq_then_early_release() {
+    // T1: A asks and gets the GPU; T2: B asks and waits; T3 = T1 + TQ: A is dropped,
+    // B runs; T4: B releases early; A resumes.
+    let tq = 2_000;
+    let mut s = sched(1000 * MIB, tq, 500);
+    reg(&mut s, 0, 1, 700 * MIB);
+    reg(&mut s, 0, 2, 700 * MIB);
+    let t1 = SEC;
+    assert_eq!(granted(&s.request(t1, 1), 1), Some(true));
+    s.usage(t1, 1, usage(700 * MIB, 700 * MIB));
+    let t2 = t1 + SEC / 2;
+    let outs = s.request(t2, 2);
+    assert_eq!(granted(&outs, 2), None, "B must wait while A holds");
+    assert!(sent(&outs, 1)
+        .iter()
+        .any(|m| matches!(m, ArbiterMsg::Contended { waiting: 1, need_bytes } if *need_bytes == 400 * MIB)));
+    let t3 = t1 + tq * MS;
+    assert_eq!(s.next_deadline(), Some(t3));
+    assert!(s.tick(t3 - 1).is_empty());
+    let outs = s.tick(t3);
+    // B needs 700 MiB; free is 300 MiB: A must evict 400 MiB.
+    assert_eq!(dropped(&outs, 1), Some(400 * MIB));
+    let outs = s.release(t3 + 10 * MS, 1, usage(700 * MIB, 300 * MIB));
+    assert_eq!(granted(&outs, 2), Some(true));
+    let outs = s.request(t3 + 11 * MS, 1);
+    assert_eq!(granted(&outs, 1), None, "A waits for B now");
+    let t4 = t3 + SEC;
+    let outs = s.release(t4, 2, usage(700 * MIB, 700 * MIB));
+    // A needs its 400 MiB back; B released early with 700 resident: A is granted at
+    // once and B is asked to evict 400 MiB.
+    assert!(sent(&outs, 2)
+        .iter()
+        .any(|m| matches!(m, ArbiterMsg::Reclaim { need_bytes } if *need_bytes == 400 * MIB)));
+    assert_eq!(granted(&outs, 1), Some(true));
+}
+
+#[test]
+fn lone_holder_keeps_the_gpu_past_tq() {
+    let mut s = sched(1000 * MIB, 1_000, 500);
+    reg(&mut s, 0, 1, 700 * MIB);
+    reg(&mut s, 0, 2, 700 * MIB);
+    s.request(0, 1);
+    assert_eq!(s.next_deadline(), None);
+    assert!(s.tick(100 * SEC).is_empty());
+    // Somebody arrives long after TQ: the holder is dropped right away.
+    let outs = s.request(100 * SEC, 2);
+    assert!(dropped(&outs, 1).is_some());
+}
+
+#[test]
+fn ignoring_a_drop_costs_the_gpu_after_grace() {
+    let mut s = sched(1000 * MIB, 1_000, 300);
+    reg(&mut s, 0, 1, 700 * MIB);
+    reg(&mut s, 0, 2, 700 * MIB);
+    s.request(0, 1);
+    s.request(1, 2);
+    let outs = s.tick(SEC);
+    assert!(dropped(&outs, 1).is_some());
+    assert_eq!(s.next_deadline(), Some(SEC + 300 * MS));
+    let outs = s.tick(SEC + 300 * MS);
+    assert!(sent(&outs, 1)
+        .iter()
+        .any(|m| matches!(m, ArbiterMsg::Revoked { .. })));
+    assert_eq!(granted(&outs, 2), Some(true));
+    assert!(outs
+        .iter()
+        .any(|o| matches!(o, Output::Log(Some(1), EventKind::Revoke))));
+}
+
+#[test]
+fn exit_of_holder_grants_next_at_once() {
+    let mut s = sched(1000 * MIB, 30_000, 5_000);
+    reg(&mut s, 0, 1, 700 * MIB);
+    reg(&mut s, 0, 2, 700 * MIB);
+    reg(&mut s, 0, 3, 700 * MIB);
+    s.request(0, 1);
+    s.usage(0, 1, usage(700 * MIB, 700 * MIB));
+    s.request(1, 2);
+    let outs = s.exit(2, 1);
+    assert_eq!(granted(&outs, 2), Some(true));
+}
+
+#[test]
+fn scheduler_off_grants_everyone() {
+    let mut s = sched(1000 * MIB, 30_000, 5_000);
+    reg(&mut s, 0, 1, 700 * MIB);
+    reg(&mut s, 0, 2, 700 * MIB);
+    s.request(0, 1);
+    assert_eq!(granted(&s.request(1, 2), 2), None);
+    let outs = s.set_scheduler(2, false);
+    assert_eq!(granted(&outs, 2), Some(false));
+    assert!(sent(&outs, 1).iter().any(|m| matches!(
+        m,
+        ArbiterMsg::Settings(Settings {
+            scheduler_on: false,
+            ..
+        })
+    )));
+    // Back on: the two running side by side no longer fit; one is dropped.
+    let outs = s.set_scheduler(3, true);
+    let drops: Vec<_> = [1, 2]
+        .iter()
+        .filter(|&&id| dropped(&outs, id).is_some())
+        .collect();
+    assert_eq!(drops.len(), 1, "{outs:?}");
+}
+
+#[test]
+fn growing_past_capacity_drops_all_but_one() {
+    let mut s = sched(1000 * MIB, 30_000, 5_000);
+    reg(&mut s, 0, 1, 400 * MIB);
+    reg(&mut s, 0, 2, 400 * MIB);
+    s.request(0, 1);
+    s.request(0, 2);
+    s.usage(0, 1, usage(400 * MIB, 400 * MIB));
+    s.usage(0, 2, usage(400 * MIB, 400 * MIB));
+    let outs = s.usage(5, 2, usage(800 * MIB, 400 * MIB));
+    let drops: Vec<_> = outs
+        .iter()
+        .filter(|o| {
+            matches!(
+                o,
+                Output::Send(
+                    _,
+                    ArbiterMsg::Drop {
+                        reason: DropReason::NoLongerFits,
+                        ..
+                    }
+                )
+            )
+        })
+        .collect();
+    assert_eq!(drops.len(), 1, "{outs:?}");
+    assert!(s.holds_exclusive(2) != s.holds_exclusive(1));
+}
+
+#[test]
+fn tq_change_applies_to_current_holder() {
+    let mut s = sched(1000 * MIB, 30_000, 5_000);
+    reg(&mut s, 0, 1, 700 * MIB);
+    reg(&mut s, 0, 2, 700 * MIB);
+    s.request(0, 1);
+    s.request(0, 2);
+    assert_eq!(s.next_deadline(), Some(30 * SEC));
+    s.set_tq(SEC, 2_000);
+    assert_eq!(s.next_deadline(), Some(2 * SEC));
+}
+
+#[test]
+fn resumed_holders_rebuild_state() {
+    let mut s = sched(1000 * MIB, 30_000, 5_000);
+    let holding = Some(Resume {
+        holding: true,
+        waiting: false,
+    });
+    let waiting = Some(Resume {
+        holding: false,
+        waiting: true,
+    });
+    s.register(
+        0,
+        1,
+        ClientInfo::default(),
+        usage(700 * MIB, 700 * MIB),
+        holding,
+    );
+    let outs = s.register(0, 2, ClientInfo::default(), usage(700 * MIB, 0), waiting);
+    assert_eq!(granted(&outs, 2), None);
+    assert_eq!(s.holders(), vec![1]);
+    assert_eq!(s.queue(), vec![2]);
+    assert!(s.holds_exclusive(1));
+}
+
+#[test]
+fn release_without_holding_cancels_the_request() {
+    let mut s = sched(1000 * MIB, 30_000, 5_000);
+    reg(&mut s, 0, 1, 700 * MIB);
+    reg(&mut s, 0, 2, 700 * MIB);
+    s.request(0, 1);
+    s.request(0, 2);
+    s.release(1, 2, usage(700 * MIB, 0));
+    assert!(s.queue().is_empty());
+    assert_eq!(s.next_deadline(), None);
+}
+
+// ---- property tests ---------------------------------------------------------
+
+/// How a simulated client behaves.
+#[derive(Debug, Clone, Copy)]
+enum Behaviour {
+    /// Answers drops and reclaims after `delay_ms` (< grace).
+    Cooperative { delay_ms: u64 },
+    /// Never answers a drop or a reclaim.
+    Stubborn,
+}
+
+#[derive(Debug, Clone)]
+struct SimClient {
+    ws: u64,
+    resident: u64,
+    behaviour: Behaviour,
+    /// Time it holds the GPU before releasing on its own.
+    hold_ms: u64,
+    /// Time between a release and the next request.
+    think_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Action {
+    Request(ClientId),
+    Release(ClientId),
+    Reclaimed(ClientId, u64),
+}
+
+struct Sim {
+    s: GpuScheduler,
+    clients: BTreeMap<ClientId, SimClient>,
+    agenda: Vec<(Nanos, Action)>,
+    requested_at: BTreeMap<ClientId, Nanos>,
+    holding: BTreeSet<ClientId>,
+    max_wait: Nanos,
+    grants: usize,
+    violations: Vec<String>,
+}
+
+impl Sim {
+    fn apply(&mut self, now: Nanos, outs: Vec<Output>) {
+        let mut work: std::collections::VecDeque<Output> = outs.into();
+        while let Some(o) = work.pop_front() {
+            if std::env::var("SIMLOG").is_ok() {
+                eprintln!("{:>6} ms {:?}", now / MS, o);
+            }
+            let Output::Send(id, msg) = o else { continue };
+            let Some(c) = self.clients.get(&id).cloned() else {
+                continue;
+            };
+            match msg {
+                ArbiterMsg::Grant { exclusive, .. } => {
+                    self.grants += 1;
+                    let others: Vec<_> =
+                        self.s.holders().into_iter().filter(|&h| h != id).collect();
+                    if exclusive && !others.is_empty() {
+                        self.violations.push(format!(
+                            "t={now}: exclusive grant to {id} while {others:?} hold"
+                        ));
+                    }
+                    if let Some(r) = self.requested_at.remove(&id) {
+                        self.max_wait = self.max_wait.max(now - r);
+                    }
+                    self.holding.insert(id);
+                    self.clients.get_mut(&id).unwrap().resident = c.ws;
+                    work.extend(self.s.usage(now, id, usage(c.ws, c.ws)));
+                    self.agenda
+                        .push((now + c.hold_ms * MS, Action::Release(id)));
+                }
+                ArbiterMsg::Drop { need_bytes, .. } => {
+                    if let Behaviour::Cooperative { delay_ms } = c.behaviour {
+                        let cl = self.clients.get_mut(&id).unwrap();
+                        cl.resident = cl.resident.saturating_sub(need_bytes);
+                        self.agenda.retain(|(_, a)| *a != Action::Release(id));
+                        self.agenda.push((now + delay_ms * MS, Action::Release(id)));
+                    }
+                }
+                ArbiterMsg::Reclaim { need_bytes } => {
+                    if let Behaviour::Cooperative { delay_ms } = c.behaviour {
+                        self.agenda
+                            .push((now + delay_ms * MS, Action::Reclaimed(id, need_bytes)));
+                    }
+                }
+                ArbiterMsg::Revoked { .. } => {
+                    self.holding.remove(&id);
+                    self.agenda.retain(|(_, a)| *a != Action::Release(id));
+                    self.agenda
+                        .push((now + c.think_ms * MS, Action::Request(id)));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn run(&mut self, until: Nanos) {
+        let mut now = 0;
+        while now < until {
+            let next_action = self.agenda.iter().map(|(t, _)| *t).min();
+            let next = match (next_action, self.s.next_deadline()) {
+                (Some(a), Some(d)) => a.min(d),
+                (Some(a), None) => a,
+                (None, Some(d)) => d,
+                (None, None) => break,
+            };
+            now = next.max(now);
+            let outs = self.s.tick(now);
+            self.apply(now, outs);
+            let due: Vec<_> = {
+                let (due, rest): (Vec<_>, Vec<_>) =
+                    self.agenda.drain(..).partition(|(t, _)| *t <= now);
+                self.agenda = rest;
+                due
+            };
+            for (_, a) in due {
+                if std::env::var("SIMLOG").is_ok() {
+                    eprintln!("{:>6} ms ACTION {:?}", now / MS, a);
+                }
+                let outs = match a {
+                    Action::Request(id) => {
+                        self.requested_at.entry(id).or_insert(now);
+                        self.s.request(now, id)
+                    }
+                    Action::Release(id) => {
+                        if !self.holding.remove(&id) {
+                            continue;
+                        }
+                        let c = &self.clients[&id];
+                        let out = self.s.release(now, id, usage(c.ws, c.resident));
+                        self.agenda
+                            .push((now + c.think_ms * MS, Action::Request(id)));
+                        out
+                    }
+                    Action::Reclaimed(id, need) => {
+                        let cl = self.clients.get_mut(&id).unwrap();
+                        cl.resident = cl.resident.saturating_sub(need);
+                        let u = usage(cl.ws, cl.resident);
+                        self.s.reclaimed(now, id, u)
+                    }
+                };
+                self.apply(now, outs);
+            }
+        }
+        // Anyone still waiting must not have waited past the bound either.
+        for (&id, &r) in &self.requested_at {
+            let _ = id;
+            self.max_wait = self.max_wait.max(now.saturating_sub(r));
+        }
+    }
+}
+
+fn behaviour() -> impl Strategy<Value = Behaviour> {
+    prop_oneof![
+        4 => (0u64..400).prop_map(|d| Behaviour::Cooperative { delay_ms: d }),
+        1 => Just(Behaviour::Stubborn),
+    ]
+}
+
+fn sim_client(capacity: u64, must_overflow: bool) -> impl Strategy<Value = SimClient> {
+    let ws = if must_overflow {
+        (capacity / 2 + 1)..=capacity
+    } else {
+        1..=capacity / 8
+    };
+    (ws, behaviour(), 1u64..5_000, 0u64..3_000).prop_map(|(ws, behaviour, hold_ms, think_ms)| {
+        SimClient {
+            ws,
+            resident: 0,
+            behaviour,
+            hold_ms,
+            think_ms,
+        }
+    })
+}
+
+fn build(
+    clients: Vec<SimClient>,
+    starts: Vec<u64>,
+    tq_ms: u64,
+    grace_ms: u64,
+    capacity: u64,
+) -> Sim {
+    let mut s = sched(capacity, tq_ms, grace_ms);
+    let mut map = BTreeMap::new();
+    let mut agenda = Vec::new();
+    for (i, (c, start)) in clients.into_iter().zip(starts).enumerate() {
+        let id = i as ClientId + 1;
+        s.register(0, id, ClientInfo::default(), usage(c.ws, 0), None);
+        agenda.push((start * MS, Action::Request(id)));
+        map.insert(id, c);
+    }
+    Sim {
+        s,
+        clients: map,
+        agenda,
+        requested_at: BTreeMap::new(),
+        holding: BTreeSet::new(),
+        max_wait: 0,
+        grants: 0,
+        violations: Vec::new(),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// When the working sets exceed capacity, no exclusive grant is ever issued while
+    /// another client holds, and every waiter is granted within
+    /// (clients − 1) × (TQ + grace), even with clients that ignore drops.
+    #[test]
+    fn exclusion_and_bounded_wait_when_oversubscribed(
+        clients in proptest::collection::vec(sim_client(1000 * MIB, true), 2..6),
+        starts in proptest::collection::vec(0u64..3_000, 6),
+        tq_ms in 50u64..3_000,
+        grace_ms in 450u64..1_500,
+    ) {
+        let n = clients.len() as u64;
+        let mut sim = build(clients, starts, tq_ms, grace_ms, 1000 * MIB);
+        sim.run(120 * SEC);
+        prop_assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+        prop_assert!(sim.grants > 0);
+        let bound = (n - 1) * (tq_ms + grace_ms) * MS;
+        prop_assert!(sim.max_wait <= bound, "waited {} ms > bound {} ms", sim.max_wait / MS, bound / MS);
+        // Whenever it settles, at most one client holds.
+        prop_assert!(sim.s.holders().len() <= 1);
+    }
+
+    /// When everything fits, every request is granted at once, shared, and nobody is
+    /// ever dropped.
+    #[test]
+    fn concurrency_when_working_sets_fit(
+        clients in proptest::collection::vec(sim_client(1000 * MIB, false), 2..8),
+        starts in proptest::collection::vec(0u64..3_000, 8),
+        tq_ms in 50u64..3_000,
+    ) {
+        let mut sim = build(clients, starts, tq_ms, 500, 1000 * MIB);
+        sim.run(60 * SEC);
+        prop_assert_eq!(sim.max_wait, 0);
+        prop_assert!(sim.grants > 0);
+        prop_assert!(sim.violations.is_empty());
+        prop_assert!(sim.s.holders().iter().all(|&h| !sim.s.holds_exclusive(h)));
+    }
+}
