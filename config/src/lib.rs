@@ -190,6 +190,8 @@ pub struct DevicePluginConfig {
     /// GPU list file for nodes without NVML.
     pub gpu_list: Option<PathBuf>,
     pub metrics_addr: Option<String>,
+    /// How often every GPU is probed for health, in milliseconds.
+    pub health_interval_ms: u64,
 }
 
 impl Default for DevicePluginConfig {
@@ -201,6 +203,7 @@ impl Default for DevicePluginConfig {
             device_list_strategy: "envvar".into(),
             gpu_list: None,
             metrics_addr: None,
+            health_interval_ms: 5_000,
         }
     }
 }
@@ -292,6 +295,11 @@ impl Config {
         if self.device_plugin.vgpus_per_gpu == 0 {
             return Err(invalid(
                 "device_plugin.vgpus_per_gpu must be at least 1".into(),
+            ));
+        }
+        if self.device_plugin.health_interval_ms == 0 {
+            return Err(invalid(
+                "device_plugin.health_interval_ms must be at least 1".into(),
             ));
         }
         if self.runtime.runtimes.is_empty() {
@@ -405,6 +413,7 @@ vgpus_per_gpu = 4
         assert_eq!(c.arbiter.tq(), Duration::from_millis(2500));
         assert_eq!(c.runtime.runtimes, vec!["crun"]);
         assert_eq!(c.device_plugin.vgpus_per_gpu, 4);
+        assert_eq!(c.device_plugin.health_interval_ms, 5_000);
     }
 
     #[test]
@@ -428,6 +437,10 @@ vgpus_per_gpu = 4
         assert!(Config::from_str_at("[arbiter]\nscheduler = \"maybe\"\n", Path::new("c")).is_err());
         assert!(
             Config::from_str_at("[device_plugin]\nvgpus_per_gpu = 0\n", Path::new("c")).is_err()
+        );
+        assert!(
+            Config::from_str_at("[device_plugin]\nhealth_interval_ms = 0\n", Path::new("c"))
+                .is_err()
         );
     }
 
