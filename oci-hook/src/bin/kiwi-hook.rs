@@ -1,0 +1,56 @@
+//! `kiwi-hook`: the OCI prestart / createRuntime hook. Reads the container state on
+//! stdin; for a container that claims a vGPU, binds the shim and the arbiter's client
+//! socket directory into it, lists the shim in `/etc/ld.so.preload` and creates missing
+//! device nodes. An unclaimed container is left alone (exit 0).
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use kiwi_config::Config;
+use kiwi_oci::hook::{self, HookError};
+use kiwi_oci::log::Logger;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kiwi-hook",
+    version,
+    about = "Kiwi's OCI hook: injects the shim into claimed containers"
+)]
+struct Args {
+    /// Config file (default: $KIWI_CONFIG, then /etc/kiwi/config.toml).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Arbiter socket directory (default: $KIWI_SOCKET_DIR, the config file, /run/kiwi).
+    #[arg(long, value_name = "DIR")]
+    socket_dir: Option<PathBuf>,
+    /// The hook stage this runs at (informational: prestart, createRuntime).
+    stage: Option<String>,
+}
+
+fn run(args: &Args, log: &mut Logger) -> Result<(), HookError> {
+    let state = hook::read_state(std::io::stdin().lock())?;
+    let Some((spec, claim)) = hook::claimed_spec(&state)? else {
+        return Ok(());
+    };
+    let cfg = Config::load(args.config.as_deref())?;
+    *log = Logger::new("kiwi-hook", cfg.runtime.log_path.clone());
+    let socket_dir = cfg.socket_dir(args.socket_dir.as_deref());
+    let inj = hook::plan(&state, &spec, &claim, &cfg, &socket_dir)?;
+    hook::inject(&inj)?;
+    log.info(&format!(
+        "container {}: injected shim, {} device node(s), socket dir {}",
+        state.id,
+        inj.nodes.len(),
+        inj.client_dir.display()
+    ));
+    Ok(())
+}
+
+fn main() {
+    let args = Args::parse();
+    let mut log = Logger::new("kiwi-hook", None);
+    if let Err(e) = run(&args, &mut log) {
+        log.error(&e.to_string(), None);
+        std::process::exit(1);
+    }
+}

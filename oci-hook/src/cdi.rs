@@ -1,0 +1,201 @@
+//! The CDI spec (`kiwictl cdi generate`) for runtimes that speak the Container Device
+//! Interface (podman, CRI-O, containerd with CDI on): kind `kiwi.dev/gpu`, one device
+//! per GPU by index and by UUID, plus `all`.
+//!
+//! Each device sets the claim (`KIWI_VISIBLE_DEVICES`) and adds its GPU's node; the
+//! spec-wide edits add the control nodes and `kiwi-hook` as a `createRuntime` hook,
+//! which then does in the container what it does for kiwi-runtime. This module builds
+//! and prints the spec; it does not install it.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use kiwi_config::Config;
+use serde::{Deserialize, Serialize};
+
+use crate::gpu::{self, DeviceNode, GpuError, GpuInfo, HostDevices};
+
+pub const CDI_VERSION: &str = "0.6.0";
+pub const CDI_KIND: &str = "kiwi.dev/gpu";
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CdiSpec {
+    pub cdi_version: String,
+    pub kind: String,
+    pub devices: Vec<CdiDevice>,
+    #[serde(default)]
+    pub container_edits: ContainerEdits,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CdiDevice {
+    pub name: String,
+    pub container_edits: ContainerEdits,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ContainerEdits {
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub device_nodes: Vec<CdiDeviceNode>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hooks: Vec<CdiHook>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CdiDeviceNode {
+    pub path: PathBuf,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub major: u64,
+    pub minor: u64,
+    pub file_mode: u32,
+    pub permissions: String,
+}
+
+impl From<&DeviceNode> for CdiDeviceNode {
+    fn from(n: &DeviceNode) -> Self {
+        CdiDeviceNode {
+            path: n.path.clone(),
+            kind: "c".into(),
+            major: n.major,
+            minor: n.minor,
+            file_mode: n.mode,
+            permissions: "rwm".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CdiHook {
+    pub hook_name: String,
+    pub path: PathBuf,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub args: Vec<String>,
+}
+
+fn claim_env(v: &str) -> String {
+    format!("{}={v}", crate::CLAIM_ENV)
+}
+
+/// Builds the spec for `gpus`, with the device numbers of the host's nodes under
+/// `runtime.device_root` and the hook of `runtime.hook_path`.
+pub fn generate_cdi_spec(gpus: &[GpuInfo], cfg: &Config) -> Result<CdiSpec, GpuError> {
+    let devices = HostDevices::new(&cfg.runtime.device_root);
+    let mut out = Vec::new();
+    let mut all_nodes = Vec::new();
+    for g in gpus {
+        let node = devices
+            .node(&format!("nvidia{}", g.minor))
+            .map_err(|e| match e {
+                GpuError::MissingNode { path, .. } => GpuError::UnknownGpu {
+                    gpu: g.index.to_string(),
+                    reason: format!("{} does not exist", path.display()),
+                },
+                other => other,
+            })?;
+        let cdi_node = CdiDeviceNode::from(&node);
+        out.push(CdiDevice {
+            name: g.index.to_string(),
+            container_edits: ContainerEdits {
+                env: vec![claim_env(
+                    &g.uuid.clone().unwrap_or_else(|| g.index.to_string()),
+                )],
+                device_nodes: vec![cdi_node.clone()],
+                hooks: vec![],
+            },
+        });
+        if let Some(u) = &g.uuid {
+            out.push(CdiDevice {
+                name: u.clone(),
+                container_edits: ContainerEdits {
+                    env: vec![claim_env(u)],
+                    device_nodes: vec![cdi_node.clone()],
+                    hooks: vec![],
+                },
+            });
+        }
+        all_nodes.push(cdi_node);
+    }
+    out.push(CdiDevice {
+        name: "all".into(),
+        container_edits: ContainerEdits {
+            env: vec![claim_env("all")],
+            device_nodes: all_nodes,
+            hooks: vec![],
+        },
+    });
+    let control = devices.control_nodes()?;
+    let hook = crate::runtime::hook_entry(cfg, &cfg.socket_dir(None));
+    let mut args = hook.args;
+    if let Some(last) = args.last_mut() {
+        *last = "createRuntime".into();
+    }
+    Ok(CdiSpec {
+        cdi_version: CDI_VERSION.into(),
+        kind: CDI_KIND.into(),
+        devices: out,
+        container_edits: ContainerEdits {
+            env: vec![],
+            device_nodes: control.iter().map(CdiDeviceNode::from).collect(),
+            hooks: vec![CdiHook {
+                hook_name: "createRuntime".into(),
+                path: hook.path,
+                args,
+            }],
+        },
+    })
+}
+
+/// `kiwictl cdi generate` arguments.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CdiGenerateArgs {
+    /// Write the spec to this file (e.g. /etc/cdi/kiwi.json) instead of stdout.
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// Config file (default: $KIWI_CONFIG, then /etc/kiwi/config.toml).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+}
+
+/// Discovers the GPUs, builds the spec and prints it as JSON.
+pub fn run_cdi_generate(args: &CdiGenerateArgs) -> anyhow::Result<()> {
+    let cfg = Config::load(args.config.as_deref())?;
+    let gpus = gpu::discover_for_cdi(&cfg).context("cannot list the GPUs of this node")?;
+    let spec = generate_cdi_spec(&gpus, &cfg)?;
+    let mut text = serde_json::to_string_pretty(&spec).context("serializing the CDI spec")?;
+    text.push('\n');
+    match &args.output {
+        Some(path) => write_atomically(path, text.as_bytes())
+            .with_context(|| format!("cannot write {}", path.display()))?,
+        None => std::io::stdout()
+            .write_all(text.as_bytes())
+            .context("cannot write to stdout")?,
+    }
+    Ok(())
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let tmp = dir.join(format!(
+        ".{}.tmp{}",
+        path.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}

@@ -1,0 +1,286 @@
+//! What `kiwi-runtime` does before it `exec`s the real runtime: pick that runtime, and
+//! for `create`/`run` of a claimed container, edit `config.json` (device nodes, allow
+//! rules, driver files or `NVIDIA_VISIBLE_DEVICES`, the `kiwi-hook` prestart hook).
+//!
+//! An unclaimed container's spec is never written. A claimed one that Kiwi cannot serve
+//! is refused before anything is written, so a failed create leaves the bundle as it
+//! was. This module never execs; the binary does, once this returns.
+
+use std::ffi::OsStr;
+use std::path::{Path, PathBuf};
+
+use kiwi_config::Config;
+
+use crate::claim::{Claim, GpuRef};
+use crate::driver::{self, DriverError};
+use crate::gpu::{self, GpuDiscovery, GpuError, HostDevices};
+use crate::log::Logger;
+use crate::runc_args::RuncCommand;
+use crate::spec::{Hook, Spec, SpecError};
+
+/// The stage the hook is added to. runc runs `prestart` hooks at the same point as
+/// `createRuntime` (namespaces made, before `pivot_root`), and every runtime that runs
+/// NVIDIA's legacy hook runs it.
+pub const HOOK_STAGE: &str = "prestart";
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("none of the configured runtimes {names:?} (runtime.runtimes) was found on PATH")]
+    NoRuntime { names: Vec<String> },
+    #[error(transparent)]
+    Config(#[from] kiwi_config::ConfigError),
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error("cannot give the container its vGPU: {0}")]
+    Gpu(#[from] GpuError),
+    #[error("cannot give the container its vGPU: the Kiwi shim {path} is missing on this host (runtime.shim_path)")]
+    ShimMissing { path: PathBuf },
+    #[error("cannot give the container its vGPU: kiwi-hook {path} is missing or not executable (runtime.hook_path)")]
+    HookMissing { path: PathBuf },
+    #[error("cannot give the container its vGPU: {0}")]
+    Driver(#[from] DriverError),
+    #[error("cannot find the bundle: {path}: {source}")]
+    Bundle {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// The first of `names` that exists: absolute or relative paths as given, bare names on
+/// `path_env`. A candidate that is `self_exe` is skipped, so installing kiwi-runtime
+/// under a runtime's name cannot make it exec itself forever.
+pub fn find_runtime(
+    names: &[String],
+    path_env: Option<&OsStr>,
+    self_exe: Option<&Path>,
+) -> Result<PathBuf, RuntimeError> {
+    let me = self_exe.and_then(|p| std::fs::canonicalize(p).ok());
+    let not_me = |p: &Path| me.is_none() || std::fs::canonicalize(p).ok() != me;
+    for name in names {
+        if name.contains('/') {
+            let p = PathBuf::from(name);
+            if is_executable(&p) && not_me(&p) {
+                return Ok(p);
+            }
+            continue;
+        }
+        let path = path_env.unwrap_or(OsStr::new(
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        ));
+        for dir in std::env::split_paths(path) {
+            let p = dir.join(name);
+            if is_executable(&p) && not_me(&p) {
+                return Ok(p);
+            }
+        }
+    }
+    Err(RuntimeError::NoRuntime {
+        names: names.to_vec(),
+    })
+}
+
+/// Whether the runtime is NVIDIA's (which then adds the driver libraries itself).
+pub fn is_nvidia_runtime(runtime: &Path) -> bool {
+    runtime
+        .file_name()
+        .and_then(OsStr::to_str)
+        .is_some_and(|n| n.starts_with("nvidia-container-runtime"))
+}
+
+/// The hook entry kiwi-runtime inserts: it carries the config file (when one is in use)
+/// and the socket directory, so the hook sees what the runtime saw.
+pub fn hook_entry(cfg: &Config, socket_dir: &Path) -> Hook {
+    let mut args = vec!["kiwi-hook".to_string()];
+    if let Some(src) = &cfg.source {
+        let abs = std::fs::canonicalize(src).unwrap_or_else(|_| src.clone());
+        args.push("--config".into());
+        args.push(abs.to_string_lossy().into_owned());
+    }
+    args.push("--socket-dir".into());
+    args.push(socket_dir.to_string_lossy().into_owned());
+    args.push(HOOK_STAGE.into());
+    Hook {
+        path: cfg.runtime.hook_path.clone(),
+        args,
+        env: Vec::new(),
+        timeout: None,
+    }
+}
+
+/// The claim as NVIDIA's toolkit reads `NVIDIA_VISIBLE_DEVICES`.
+pub fn nvidia_visible_devices(claim: &Claim) -> String {
+    match claim {
+        Claim::None => "void".into(),
+        Claim::All => "all".into(),
+        Claim::Gpus(g) => g
+            .iter()
+            .map(GpuRef::to_string)
+            .collect::<Vec<_>>()
+            .join(","),
+    }
+}
+
+/// Checks everything a claimed container needs from the host. Nothing is written.
+pub fn check_host(cfg: &Config) -> Result<(), RuntimeError> {
+    if !cfg.runtime.shim_path.is_file() {
+        return Err(RuntimeError::ShimMissing {
+            path: cfg.runtime.shim_path.clone(),
+        });
+    }
+    if !is_executable(&cfg.runtime.hook_path) {
+        return Err(RuntimeError::HookMissing {
+            path: cfg.runtime.hook_path.clone(),
+        });
+    }
+    Ok(())
+}
+
+/// Applies Kiwi's edits to a claimed spec in memory. `discovery` is called only when a
+/// GPU UUID needs resolving.
+pub fn edit_spec(
+    spec: &mut Spec,
+    claim: &Claim,
+    cfg: &Config,
+    socket_dir: &Path,
+    nvidia_runtime: bool,
+    discovery: impl FnOnce() -> Result<Box<dyn GpuDiscovery>, GpuError>,
+    log: &Logger,
+) -> Result<(), RuntimeError> {
+    check_host(cfg)?;
+    let devices = HostDevices::new(&cfg.runtime.device_root);
+    let nodes = gpu::resolve_claim(claim, &devices, discovery)?;
+    let files = if nvidia_runtime {
+        Vec::new()
+    } else if !cfg.runtime.driver_files.is_empty() {
+        driver::from_list(&cfg.runtime.driver_files)?
+    } else {
+        let (found, missing) = driver::discover();
+        if !missing.is_empty() {
+            log.info(&format!(
+                "driver files not found on this host, not injected: {}",
+                missing.join(", ")
+            ));
+        }
+        found
+    };
+    for node in &nodes {
+        spec.add_device(node);
+    }
+    if nvidia_runtime {
+        spec.set_env(
+            crate::NVIDIA_VISIBLE_DEVICES_ENV,
+            &nvidia_visible_devices(claim),
+        );
+    }
+    for f in &files {
+        spec.add_ro_bind(&f.source, &f.destination);
+    }
+    spec.add_hook(HOOK_STAGE, &hook_entry(cfg, socket_dir));
+    log.info(&format!(
+        "{}: claim {} -> {} device node(s), {} driver file(s), hook {}",
+        spec.path().display(),
+        nvidia_visible_devices(claim),
+        nodes.len(),
+        files.len(),
+        cfg.runtime.hook_path.display()
+    ));
+    Ok(())
+}
+
+/// For `create`/`run`: loads the bundle's spec and, if it claims a vGPU, edits it and
+/// writes it back. Returns whether the spec was written.
+pub fn prepare_create(
+    cmd: &RuncCommand,
+    cfg: &Config,
+    runtime: &Path,
+    log: &Logger,
+) -> Result<bool, RuntimeError> {
+    let bundle = match &cmd.bundle {
+        Some(b) => b.clone(),
+        None => std::env::current_dir().map_err(|source| RuntimeError::Bundle {
+            path: PathBuf::from("."),
+            source,
+        })?,
+    };
+    let mut spec = Spec::load(&bundle)?;
+    let claim = spec.claim()?;
+    if !claim.is_claimed() {
+        return Ok(false);
+    }
+    let socket_dir = cfg.socket_dir(None);
+    edit_spec(
+        &mut spec,
+        &claim,
+        cfg,
+        &socket_dir,
+        is_nvidia_runtime(runtime),
+        || gpu::discovery_from_config(cfg),
+        log,
+    )?;
+    spec.write_back()?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn runtime_search_skips_missing_and_self() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("fake-runc");
+        std::fs::write(&a, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&a, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path = dir.path().as_os_str();
+        let names = vec!["nope".to_string(), "fake-runc".to_string()];
+        assert_eq!(find_runtime(&names, Some(path), None).unwrap(), a);
+        let e = find_runtime(&names, Some(path), Some(&a)).unwrap_err();
+        assert!(e.to_string().contains("[\"nope\", \"fake-runc\"]"), "{e}");
+        assert!(is_nvidia_runtime(Path::new(
+            "/usr/bin/nvidia-container-runtime"
+        )));
+        assert!(!is_nvidia_runtime(&a));
+    }
+
+    #[test]
+    fn hook_carries_config_and_socket_dir() {
+        let mut cfg = Config::default();
+        let h = hook_entry(&cfg, Path::new("/run/kiwi"));
+        assert_eq!(
+            h.args,
+            ["kiwi-hook", "--socket-dir", "/run/kiwi", "prestart"]
+        );
+        cfg.source = Some(PathBuf::from("/etc/other.toml"));
+        let h = hook_entry(&cfg, Path::new("/s"));
+        assert_eq!(h.args[1..3], ["--config", "/etc/other.toml"]);
+    }
+
+    #[test]
+    fn missing_shim_refuses_before_editing() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::default();
+        cfg.runtime.shim_path = dir.path().join("libkiwi.so");
+        let text = r#"{"process":{"env":["KIWI_VISIBLE_DEVICES=0"]}}"#;
+        let mut spec = Spec::parse(text.as_bytes(), Path::new("c.json")).unwrap();
+        let before = spec.value().clone();
+        let log = Logger::new("test", None);
+        let e = edit_spec(
+            &mut spec,
+            &Claim::All,
+            &cfg,
+            Path::new("/s"),
+            false,
+            || panic!(),
+            &log,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("shim"), "{e}");
+        assert_eq!(spec.value(), &before);
+    }
+}
