@@ -380,10 +380,8 @@ impl Nvml {
             let p = unsafe { f(rc) };
             if !p.is_null() {
                 // SAFETY: non-null, NUL-terminated, static.
-                return format!(
-                    "{} (code {rc})",
-                    unsafe { CStr::from_ptr(p) }.to_string_lossy()
-                );
+                let text = unsafe { CStr::from_ptr(p) };
+                return format!("{} (code {rc})", text.to_string_lossy());
             }
         }
         format!("error code {rc}")
