@@ -6,7 +6,8 @@
 //!   so a socket the arbiter recreates after a restart is seen inside; read-only, so a
 //!   container cannot replace the arbiter's socket for everyone),
 //! - bind a copy of `/etc/ld.so.preload` that lists the shim after the image's own
-//!   entries (a bind, so the image is never modified and a read-only root works),
+//!   entries (a bind, so the image is never modified and a read-only root works; only
+//!   an image without the file gets an empty mount point),
 //! - create the device nodes that are missing.
 //!
 //! The namespace work runs in a forked child, so the hook's own process never changes
@@ -15,7 +16,6 @@
 
 use std::ffi::CString;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -98,6 +98,7 @@ pub fn read_state(r: impl Read) -> Result<State, HookError> {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Injection {
     pub pid: i32,
+    pub bundle: PathBuf,
     pub rootfs: PathBuf,
     pub shim: PathBuf,
     pub client_dir: PathBuf,
@@ -167,6 +168,7 @@ pub fn plan(
     }
     Ok(Injection {
         pid,
+        bundle: state.bundle.clone(),
         rootfs: spec.rootfs(&state.bundle),
         shim: cfg.runtime.shim_path.clone(),
         client_dir,
@@ -382,35 +384,26 @@ fn inject_here(inj: &Injection) -> Result<(), String> {
         _ => String::new(),
     };
     if let Some(contents) = preload_contents(&existing) {
-        let memfd = memfd_with(&contents)?;
         ensure_file(&preload_target, "/etc/ld.so.preload")?;
-        let source = PathBuf::from(format!("/proc/self/fd/{}", memfd.as_raw_fd()));
-        bind_ro(
+        // The bind source is a file in the bundle directory (the runtime's, always
+        // writable), removed as soon as it is mounted: the mount keeps its contents and
+        // nothing is left behind. (A memfd cannot be a bind source: EINVAL.)
+        let source = inj
+            .bundle
+            .join(format!(".kiwi-ld.so.preload.{}", std::process::id()));
+        std::fs::write(&source, contents)
+            .map_err(|e| format!("cannot write {}: {e}", source.display()))?;
+        let _ = std::fs::set_permissions(&source, std::fs::Permissions::from_mode(0o644));
+        let bound = bind_ro(
             &source,
             &preload_target,
             "/etc/ld.so.preload",
             MsFlags::MS_NOEXEC,
-        )?;
+        );
+        let _ = std::fs::remove_file(&source);
+        bound?;
     }
     Ok(())
-}
-
-/// An anonymous in-memory file holding `contents`, the source of the preload bind: it
-/// lives as long as the mount and leaves nothing behind on any filesystem.
-fn memfd_with(contents: &str) -> Result<OwnedFd, String> {
-    // SAFETY: memfd_create with a static NUL-terminated name and valid flags.
-    let fd = unsafe { libc::memfd_create(c"kiwi-ld.so.preload".as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(format!("memfd_create: {}", std::io::Error::last_os_error()));
-    }
-    // SAFETY: fd is a fresh descriptor owned by nobody else.
-    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-    let mut f = std::fs::File::from(owned);
-    f.write_all(contents.as_bytes())
-        .map_err(|e| format!("writing the preload list: {e}"))?;
-    f.set_permissions(std::fs::Permissions::from_mode(0o644))
-        .map_err(|e| format!("chmod of the preload list: {e}"))?;
-    Ok(OwnedFd::from(f))
 }
 
 #[cfg(test)]

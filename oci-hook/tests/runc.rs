@@ -1,0 +1,184 @@
+//! A busybox container run for real through `kiwi-runtime run` (runc underneath).
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+/// Prints one `KEY=...` line per fact the assertions check.
+fn probe_script(driver: &str) -> String {
+    format!(
+        r#"
+echo "SHIM=$(cat /usr/lib/kiwi/libkiwi.so 2>&1)"
+if (echo x > /usr/lib/kiwi/libkiwi.so) 2>/dev/null; then echo SHIM_RW=writable; else echo SHIM_RW=readonly; fi
+echo "PRELOAD=$(cat /etc/ld.so.preload 2>&1 | tr '\n' ' ')"
+for d in /dev/nvidia0 /dev/nvidia1 /dev/nvidiactl /dev/nvidia-uvm /dev/nvidia-uvm-tools; do
+  if [ -e $d ]; then echo "NODE $(stat -c '%n %t:%T %a %F' $d)"; echo "OPEN $d $(cat $d 2>&1 | head -1)"; else echo "NODE $d absent"; fi
+done
+if [ -d /run/kiwi/client ]; then echo SOCKDIR=present; else echo SOCKDIR=absent; fi
+if [ -e /usr/lib/kiwi/libkiwi.so ]; then echo SHIMFILE=present; else echo SHIMFILE=absent; fi
+/bin/uconnect /run/kiwi/client/arbiter.sock container 2>&1
+echo "DRIVER=$(cat {driver} 2>&1)"
+echo DONE
+"#
+    )
+}
+
+fn line<'a>(out: &'a str, key: &str) -> &'a str {
+    out.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .unwrap_or_else(|| panic!("no {key} line in:\n{out}"))
+}
+
+#[test]
+fn claimed_container_gets_shim_preload_socket_and_devices() {
+    if !require(&["runc", "busybox", "gcc"]) {
+        return;
+    }
+    let fx = Fixture::new();
+    let arbiter = FakeArbiter::start(&fx.socket_dir);
+    let driver = fx.driver_file.display().to_string();
+    // By UUID, through the configured GPU list: UUID1 is GPU 1, so nvidia0 stays out.
+    let claim = format!("KIWI_VISIBLE_DEVICES={UUID1}");
+    let bundle = fx.bundle("claimed", &probe_script(&driver), &[&claim]);
+    let out = fx.run_container(&bundle);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "run failed: {stderr}\n{stdout}");
+    assert!(stdout.contains("DONE"), "{stdout}");
+
+    assert_eq!(line(&stdout, "SHIM="), SHIM_CONTENT);
+    assert_eq!(line(&stdout, "SHIM_RW="), "readonly");
+    assert_eq!(
+        line(&stdout, "PRELOAD="),
+        "/lib/libimage-own.so /usr/lib/kiwi/libkiwi.so ",
+        "the image's entry is kept, the shim added"
+    );
+    assert!(stdout.contains("NODE /dev/nvidia0 absent"), "{stdout}");
+    // busybox stat prints majors and minors in hex: 195 = c3, 255 = ff, 250 = fa.
+    assert!(
+        stdout.contains("NODE /dev/nvidia1 c3:1 666 character special file"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("NODE /dev/nvidiactl c3:ff 666"), "{stdout}");
+    assert!(
+        stdout.contains("NODE /dev/nvidia-uvm c3:fa 666"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("NODE /dev/nvidia-uvm-tools c3:fb 666"),
+        "{stdout}"
+    );
+    // The device cgroup (runc spec: deny all) lets them be opened: no driver → ENXIO.
+    for d in [
+        "/dev/nvidia1",
+        "/dev/nvidiactl",
+        "/dev/nvidia-uvm",
+        "/dev/nvidia-uvm-tools",
+    ] {
+        let l = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("OPEN {d} ")))
+            .unwrap();
+        assert!(l.contains("No such device or address"), "{l}");
+        assert!(!l.contains("not permitted"), "{l}");
+    }
+    assert_eq!(line(&stdout, "SOCKDIR="), "present");
+    assert_eq!(line(&stdout, "UCONNECT-REPLY:"), "ok");
+    assert_eq!(
+        arbiter.wait_heard(1, Duration::from_secs(5)),
+        vec!["hello from container"]
+    );
+    assert_eq!(line(&stdout, "DRIVER="), DRIVER_CONTENT);
+
+    // The image itself was not modified: the preload list is a bind, not a write.
+    let image_preload = std::fs::read_to_string(bundle.join("rootfs/etc/ld.so.preload")).unwrap();
+    assert_eq!(image_preload, "/lib/libimage-own.so\n");
+    // The spec carries the devices, allow rules and the hook with our config file.
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(bundle.join("config.json")).unwrap()).unwrap();
+    let rules = spec["linux"]["resources"]["devices"].as_array().unwrap();
+    assert!(rules
+        .iter()
+        .any(|r| r["allow"] == true && r["major"] == 195 && r["minor"] == 1));
+    let hook = &spec["hooks"]["prestart"][0];
+    assert_eq!(hook["path"], HOOK);
+    let args: Vec<&str> = hook["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    let cfg = std::fs::canonicalize(&fx.config).unwrap();
+    assert_eq!(args[1..3], ["--config", cfg.to_str().unwrap()]);
+    assert!(fx.runc_list().is_empty(), "container left behind");
+}
+
+#[test]
+fn claim_by_index_and_all() {
+    if !require(&["runc", "busybox", "gcc"]) {
+        return;
+    }
+    let fx = Fixture::new();
+    let _arbiter = FakeArbiter::start(&fx.socket_dir);
+    let script = "for d in /dev/nvidia0 /dev/nvidia1; do [ -e $d ] && echo HAS $d; done; cat /etc/ld.so.preload; echo DONE";
+    let b0 = fx.bundle("idx", script, &["KIWI_VISIBLE_DEVICES=0"]);
+    let (o0, e0) = text(&fx.run_container(&b0));
+    assert!(
+        o0.contains("HAS /dev/nvidia0") && !o0.contains("HAS /dev/nvidia1"),
+        "{o0}{e0}"
+    );
+    assert!(o0.contains("/usr/lib/kiwi/libkiwi.so"), "{o0}");
+    let ba = fx.bundle("all", script, &["KIWI_VISIBLE_DEVICES=all"]);
+    let (oa, ea) = text(&fx.run_container(&ba));
+    assert!(
+        oa.contains("HAS /dev/nvidia0") && oa.contains("HAS /dev/nvidia1"),
+        "{oa}{ea}"
+    );
+}
+
+#[test]
+fn unclaimed_container_is_untouched() {
+    if !require(&["runc", "busybox", "gcc"]) {
+        return;
+    }
+    let fx = Fixture::new();
+    let arbiter = FakeArbiter::start(&fx.socket_dir);
+    let driver = fx.driver_file.display().to_string();
+    for (name, env) in [
+        ("noclaim", vec![]),
+        ("none", vec!["KIWI_VISIBLE_DEVICES=none"]),
+    ] {
+        let bundle = fx.bundle(name, &probe_script(&driver), &env);
+        let before = std::fs::read(bundle.join("config.json")).unwrap();
+        let out = fx.run_container(&bundle);
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "{stderr}");
+        assert_eq!(
+            std::fs::read(bundle.join("config.json")).unwrap(),
+            before,
+            "config.json must stay byte-for-byte"
+        );
+        assert_eq!(line(&stdout, "SHIMFILE="), "absent");
+        assert_eq!(line(&stdout, "PRELOAD="), "/lib/libimage-own.so ");
+        assert_eq!(line(&stdout, "SOCKDIR="), "absent");
+        for d in ["nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"] {
+            assert!(
+                stdout.contains(&format!("NODE /dev/{d} absent")),
+                "{stdout}"
+            );
+        }
+        assert!(
+            line(&stdout, "DRIVER=").contains("No such file"),
+            "{stdout}"
+        );
+        assert!(
+            !bundle.join("rootfs/usr/lib/kiwi").exists(),
+            "nothing created in the image"
+        );
+    }
+    assert!(
+        arbiter.heard.lock().unwrap().is_empty(),
+        "no connection expected"
+    );
+}
