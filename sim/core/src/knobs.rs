@@ -1,0 +1,189 @@
+//! The simulator's environment knobs (`KIWI_SIM_*`), parsed once per process.
+//!
+//! The knobs only shape a machine segment when the segment is created: a later
+//! process naming an existing segment gets the segment's GPUs, memory and
+//! bandwidths, whatever its own environment says (see `docs/simulator.md`).
+
+use std::path::PathBuf;
+
+/// Most GPUs one simulated machine can have (fixed by the segment layout).
+pub const MAX_GPUS: u32 = 16;
+
+/// Why a knob could not be used.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum KnobError {
+    #[error("{var}={value:?}: {reason}")]
+    Invalid {
+        var: &'static str,
+        value: String,
+        reason: String,
+    },
+}
+
+/// The simulator configuration read from the environment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimConfig {
+    /// `KIWI_SIM_GPUS`, default 1.
+    pub gpus: u32,
+    /// `KIWI_SIM_MEMORY` in bytes, default 16 GiB.
+    pub memory: u64,
+    /// `KIWI_SIM_NAME`, default `default`.
+    pub name: String,
+    /// `KIWI_SIM_PCIE_GBPS` (GB/s, 1e9 bytes), default 25.
+    pub pcie_gbps: f64,
+    /// `KIWI_SIM_HBM_GBPS` (GB/s), default 1000.
+    pub hbm_gbps: f64,
+    /// `KIWI_SIM_TRACE`: file every kernel appends a line to.
+    pub trace: Option<PathBuf>,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            gpus: 1,
+            memory: 16 << 30,
+            name: "default".into(),
+            pcie_gbps: 25.0,
+            hbm_gbps: 1000.0,
+            trace: None,
+        }
+    }
+}
+
+impl SimConfig {
+    /// Reads the knobs from the process environment.
+    pub fn from_env() -> Result<SimConfig, KnobError> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Reads the knobs through `get` (testable without touching the environment).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<SimConfig, KnobError> {
+        let mut c = SimConfig::default();
+        let bad = |var: &'static str, value: &str, reason: String| KnobError::Invalid {
+            var,
+            value: value.to_string(),
+            reason,
+        };
+        if let Some(v) = get("KIWI_SIM_GPUS") {
+            let n: u32 = v
+                .trim()
+                .parse()
+                .map_err(|_| bad("KIWI_SIM_GPUS", &v, "not a whole number".into()))?;
+            if n == 0 || n > MAX_GPUS {
+                return Err(bad(
+                    "KIWI_SIM_GPUS",
+                    &v,
+                    format!("must be between 1 and {MAX_GPUS}"),
+                ));
+            }
+            c.gpus = n;
+        }
+        if let Some(v) = get("KIWI_SIM_MEMORY") {
+            let n = kiwi_config::parse_size(&v).map_err(|e| bad("KIWI_SIM_MEMORY", &v, e))?;
+            if n < crate::GRANULARITY {
+                return Err(bad("KIWI_SIM_MEMORY", &v, "must be at least 2MiB".into()));
+            }
+            c.memory = n;
+        }
+        if let Some(v) = get("KIWI_SIM_NAME") {
+            validate_name(&v).map_err(|e| bad("KIWI_SIM_NAME", &v, e))?;
+            c.name = v;
+        }
+        for (var, slot) in [
+            ("KIWI_SIM_PCIE_GBPS", &mut c.pcie_gbps),
+            ("KIWI_SIM_HBM_GBPS", &mut c.hbm_gbps),
+        ] {
+            if let Some(v) = get(var) {
+                let g: f64 = v
+                    .trim()
+                    .parse()
+                    .map_err(|_| bad(var, &v, "not a number".into()))?;
+                if !(g.is_finite() && g > 0.0) {
+                    return Err(bad(var, &v, "must be a positive number of GB/s".into()));
+                }
+                *slot = g;
+            }
+        }
+        if let Some(v) = get("KIWI_SIM_TRACE") {
+            if !v.is_empty() {
+                c.trace = Some(PathBuf::from(v));
+            }
+        }
+        Ok(c)
+    }
+}
+
+/// A machine name becomes part of a file name in `/dev/shm`: keep it tame.
+pub fn validate_name(name: &str) -> Result<(), String> {
+    if name.is_empty() || name.len() > 100 {
+        return Err("must be 1 to 100 characters".into());
+    }
+    if !name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        || name.starts_with('.')
+    {
+        return Err("only letters, digits, '-', '_' and '.' (not first) are allowed".into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(pairs: &[(&str, &str)]) -> Result<SimConfig, KnobError> {
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        SimConfig::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn defaults_match_design() {
+        let c = cfg(&[]).unwrap();
+        assert_eq!(c.gpus, 1);
+        assert_eq!(c.memory, 16 << 30);
+        assert_eq!(c.name, "default");
+        assert_eq!(c.pcie_gbps, 25.0);
+        assert_eq!(c.hbm_gbps, 1000.0);
+        assert_eq!(c.trace, None);
+    }
+
+    #[test]
+    fn knobs_parse() {
+        let c = cfg(&[
+            ("KIWI_SIM_GPUS", "2"),
+            ("KIWI_SIM_MEMORY", "1GiB"),
+            ("KIWI_SIM_NAME", "t-1"),
+            ("KIWI_SIM_PCIE_GBPS", "1.5"),
+            ("KIWI_SIM_TRACE", "/tmp/x"),
+        ])
+        .unwrap();
+        assert_eq!(c.gpus, 2);
+        assert_eq!(c.memory, 1 << 30);
+        assert_eq!(c.name, "t-1");
+        assert_eq!(c.pcie_gbps, 1.5);
+        assert_eq!(c.trace, Some(PathBuf::from("/tmp/x")));
+    }
+
+    #[test]
+    fn bad_knobs_are_rejected_with_the_variable_named() {
+        for (k, v) in [
+            ("KIWI_SIM_GPUS", "0"),
+            ("KIWI_SIM_GPUS", "x"),
+            ("KIWI_SIM_GPUS", "17"),
+            ("KIWI_SIM_MEMORY", "lots"),
+            ("KIWI_SIM_MEMORY", "1k"),
+            ("KIWI_SIM_NAME", "../etc"),
+            ("KIWI_SIM_NAME", ""),
+            ("KIWI_SIM_PCIE_GBPS", "-1"),
+            ("KIWI_SIM_HBM_GBPS", "nan"),
+        ] {
+            let e = cfg(&[(k, v)]).unwrap_err();
+            assert!(e.to_string().starts_with(k), "{e}");
+        }
+    }
+}

@@ -1,0 +1,634 @@
+//! The simulated machine: one named shared-memory segment per `KIWI_SIM_NAME`.
+//!
+//! The segment (`/dev/shm/kiwi-sim-<name>`) makes a simulated GPU the *same* GPU for
+//! every process naming it. Per GPU it holds the capacity, a table of per-process use
+//! (pid + process start time, so a reused pid is not mistaken for the old process)
+//! and a fault flag. Every change happens under an exclusive `flock` on the segment
+//! file, so the kernel releases the lock if its holder dies; entries of dead processes
+//! are reclaimed before an allocation is refused and whenever use is read, as a real
+//! driver frees the memory of a killed process.
+//!
+//! Kernels of different processes on one GPU never overlap: [`Machine::kernel_lock`]
+//! takes a per-process mutex and then an `flock` on `kiwi-sim-<name>.gpu<N>.lock`.
+//!
+//! This module owns the segment layout and nothing else: device memory contents live
+//! in the owning process (see `sim/cuda`).
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::knobs::{validate_name, SimConfig, MAX_GPUS};
+
+/// Most processes one simulated GPU tracks at once.
+pub const MAX_PROCS: usize = 256;
+const MAGIC: u64 = 0x4b49_5749_5349_4d31; // "KIWISIM1"
+const LAYOUT_VERSION: u64 = 2;
+
+/// Errors of the machine segment.
+#[derive(Debug, thiserror::Error)]
+pub enum MachineError {
+    #[error("out of memory on simulated GPU {gpu}: {requested} bytes requested, {free} of {capacity} free")]
+    OutOfMemory {
+        gpu: u32,
+        requested: u64,
+        free: u64,
+        capacity: u64,
+    },
+    #[error("simulated GPU {gpu} does not exist (the machine has {count})")]
+    NoSuchGpu { gpu: u32, count: u32 },
+    #[error("simulated GPU {0} tracks too many processes")]
+    TooManyProcesses(u32),
+    #[error("invalid machine name {name:?}: {reason}")]
+    BadName { name: String, reason: String },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{0}: not a Kiwi simulator segment (or another layout version); remove it with `kiwi-sim reset`")]
+    Corrupt(PathBuf),
+}
+
+#[repr(C)]
+struct ProcSlot {
+    pid: AtomicU64,
+    start_time: AtomicU64,
+    bytes: AtomicU64,
+}
+
+#[repr(C)]
+struct GpuSlot {
+    capacity: AtomicU64,
+    fault_xid: AtomicU64,
+    fault_lost: AtomicU64,
+    fault_generation: AtomicU64,
+    procs: [ProcSlot; MAX_PROCS],
+}
+
+#[repr(C)]
+struct Segment {
+    magic: AtomicU64,
+    version: AtomicU64,
+    gpus: AtomicU64,
+    pcie_bits: AtomicU64,
+    hbm_bits: AtomicU64,
+    gpu: [GpuSlot; MAX_GPUS as usize],
+}
+
+/// Settings fixed when the segment was created (they win over later processes' knobs).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MachineSettings {
+    pub gpus: u32,
+    pub pcie_gbps: f64,
+    pub hbm_gbps: f64,
+}
+
+/// One process's use of a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessUsage {
+    pub pid: u32,
+    pub bytes: u64,
+}
+
+/// A GPU's capacity and use, after dead processes were reclaimed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuUsage {
+    pub capacity: u64,
+    pub used: u64,
+    pub processes: Vec<ProcessUsage>,
+}
+
+impl GpuUsage {
+    pub fn free(&self) -> u64 {
+        self.capacity.saturating_sub(self.used)
+    }
+}
+
+/// A GPU's fault flag, as `kiwi-sim fault` sets it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FaultState {
+    /// Xid of the last fault (0: none).
+    pub xid: u64,
+    /// The GPU is lost ("fallen off the bus"): NVML refuses handles for it.
+    pub lost: bool,
+    /// Bumped on every `set_fault`, so event waiters see each fault once.
+    pub generation: u64,
+}
+
+/// A mapped machine segment.
+pub struct Machine {
+    name: String,
+    path: PathBuf,
+    file: File,
+    seg: *const Segment,
+    kernel_locks: Vec<KernelLock>,
+    me: (u64, u64),
+}
+
+// SAFETY: the mapping is shared memory accessed only through atomics; the pointer
+// stays valid for the life of `Machine` (unmapped in Drop).
+unsafe impl Send for Machine {}
+// SAFETY: as above, all access to the segment goes through atomics.
+unsafe impl Sync for Machine {}
+
+struct KernelLock {
+    in_process: Mutex<()>,
+    file: File,
+}
+
+/// Held while a kernel runs; releases the GPU's cross-process lock on drop.
+pub struct KernelGuard<'a> {
+    _in_process: MutexGuard<'a, ()>,
+    fd: i32,
+}
+
+impl Drop for KernelGuard<'_> {
+    fn drop(&mut self) {
+        // SAFETY: fd belongs to the Machine that outlives this guard.
+        unsafe { libc::flock(self.fd, libc::LOCK_UN) };
+    }
+}
+
+/// Where segments live (tmpfs, like POSIX shm_open).
+pub const SHM_DIR: &str = "/dev/shm";
+
+/// Path of the segment for machine `name`.
+pub fn segment_path(name: &str) -> PathBuf {
+    Path::new(SHM_DIR).join(format!("kiwi-sim-{name}"))
+}
+
+fn kernel_lock_path(name: &str, gpu: u32) -> PathBuf {
+    Path::new(SHM_DIR).join(format!("kiwi-sim-{name}.gpu{gpu}.lock"))
+}
+
+/// Start time (clock ticks since boot) of `pid`, or None if it no longer exists.
+pub fn process_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Field 2 (comm) may contain spaces and parentheses: split after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // rest starts at field 3 (state); starttime is field 22.
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // A zombie has exited: its memory is gone on a real GPU too.
+    if fields.first() == Some(&"Z") {
+        return None;
+    }
+    fields.get(19)?.parse().ok()
+}
+
+struct FileLock<'a>(&'a File);
+
+impl<'a> FileLock<'a> {
+    fn exclusive(f: &'a File) -> FileLock<'a> {
+        loop {
+            // SAFETY: a valid open fd; flock has no memory effects.
+            let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
+            if r == 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                return FileLock(f);
+            }
+        }
+    }
+}
+
+impl Drop for FileLock<'_> {
+    fn drop(&mut self) {
+        // SAFETY: a valid open fd.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+impl Machine {
+    /// Opens machine `cfg.name`, creating it with `cfg`'s knobs if it does not exist.
+    pub fn open(cfg: &SimConfig) -> Result<Machine, MachineError> {
+        Self::open_inner(&cfg.name, Some(cfg))
+    }
+
+    /// Opens an existing machine; `Ok(None)` when no process has created it yet.
+    pub fn open_existing(name: &str) -> Result<Option<Machine>, MachineError> {
+        validate_name(name).map_err(|reason| MachineError::BadName {
+            name: name.into(),
+            reason,
+        })?;
+        if !segment_path(name).exists() {
+            return Ok(None);
+        }
+        Self::open_inner(name, None).map(Some)
+    }
+
+    fn open_inner(name: &str, create: Option<&SimConfig>) -> Result<Machine, MachineError> {
+        validate_name(name).map_err(|reason| MachineError::BadName {
+            name: name.into(),
+            reason,
+        })?;
+        let path = segment_path(name);
+        let io = |source| MachineError::Io {
+            path: path.clone(),
+            source,
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(create.is_some())
+            .truncate(false)
+            .mode(0o666)
+            .open(&path)
+            .map_err(io)?;
+        let size = std::mem::size_of::<Segment>();
+        let seg = {
+            let _lock = FileLock::exclusive(&file);
+            let len = file.metadata().map_err(io)?.len();
+            let fresh = len == 0;
+            if fresh {
+                if create.is_none() {
+                    return Err(MachineError::Corrupt(path));
+                }
+                file.set_len(size as u64).map_err(io)?;
+                // umask may have narrowed the mode; other users' processes share it.
+                // SAFETY: valid fd.
+                unsafe { libc::fchmod(file.as_raw_fd(), 0o666) };
+            } else if len != size as u64 {
+                return Err(MachineError::Corrupt(path));
+            }
+            // SAFETY: mapping a file we hold open, of exactly `size` bytes, shared.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    size,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    file.as_raw_fd(),
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(io(std::io::Error::last_os_error()));
+            }
+            let seg = p as *const Segment;
+            // SAFETY: the mapping is valid, aligned (page) and at least `size` long.
+            let s = unsafe { &*seg };
+            if fresh {
+                let cfg = create.expect("checked above");
+                s.gpus.store(u64::from(cfg.gpus), Ordering::SeqCst);
+                s.pcie_bits.store(cfg.pcie_gbps.to_bits(), Ordering::SeqCst);
+                s.hbm_bits.store(cfg.hbm_gbps.to_bits(), Ordering::SeqCst);
+                for g in 0..cfg.gpus as usize {
+                    s.gpu[g].capacity.store(cfg.memory, Ordering::SeqCst);
+                }
+                s.version.store(LAYOUT_VERSION, Ordering::SeqCst);
+                s.magic.store(MAGIC, Ordering::SeqCst);
+            } else if s.magic.load(Ordering::SeqCst) != MAGIC
+                || s.version.load(Ordering::SeqCst) != LAYOUT_VERSION
+            {
+                // SAFETY: unmapping what we just mapped.
+                unsafe { libc::munmap(p, size) };
+                return Err(MachineError::Corrupt(path));
+            }
+            seg
+        };
+        // SAFETY: seg valid as above.
+        let gpus = unsafe { &*seg }.gpus.load(Ordering::SeqCst) as u32;
+        let mut kernel_locks = Vec::new();
+        for g in 0..gpus {
+            let lp = kernel_lock_path(name, g);
+            let f = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o666)
+                .open(&lp)
+                .map_err(|source| MachineError::Io { path: lp, source })?;
+            kernel_locks.push(KernelLock {
+                in_process: Mutex::new(()),
+                file: f,
+            });
+        }
+        let pid = std::process::id();
+        let me = (u64::from(pid), process_start_time(pid).unwrap_or(0));
+        Ok(Machine {
+            name: name.to_string(),
+            path,
+            file,
+            seg,
+            kernel_locks,
+            me,
+        })
+    }
+
+    fn seg(&self) -> &Segment {
+        // SAFETY: valid for the life of self (see Machine::open).
+        unsafe { &*self.seg }
+    }
+
+    /// The machine's name (`KIWI_SIM_NAME`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Path of the segment file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Number of simulated GPUs.
+    pub fn gpu_count(&self) -> u32 {
+        self.seg().gpus.load(Ordering::Relaxed) as u32
+    }
+
+    /// GPUs and bandwidths fixed at creation.
+    pub fn settings(&self) -> MachineSettings {
+        let s = self.seg();
+        MachineSettings {
+            gpus: self.gpu_count(),
+            pcie_gbps: f64::from_bits(s.pcie_bits.load(Ordering::Relaxed)),
+            hbm_gbps: f64::from_bits(s.hbm_bits.load(Ordering::Relaxed)),
+        }
+    }
+
+    fn gpu(&self, gpu: u32) -> Result<&GpuSlot, MachineError> {
+        let count = self.gpu_count();
+        if gpu >= count {
+            return Err(MachineError::NoSuchGpu { gpu, count });
+        }
+        Ok(&self.seg().gpu[gpu as usize])
+    }
+
+    /// Capacity of `gpu` in bytes.
+    pub fn capacity(&self, gpu: u32) -> Result<u64, MachineError> {
+        Ok(self.gpu(gpu)?.capacity.load(Ordering::Relaxed))
+    }
+
+    /// Frees the slots of processes that no longer exist; returns bytes in use after.
+    fn collect_garbage(slot: &GpuSlot) -> u64 {
+        let mut used = 0;
+        for p in &slot.procs {
+            let pid = p.pid.load(Ordering::Relaxed);
+            if pid == 0 {
+                continue;
+            }
+            let alive = u32::try_from(pid)
+                .ok()
+                .and_then(process_start_time)
+                .is_some_and(|t| t == p.start_time.load(Ordering::Relaxed));
+            if alive {
+                used += p.bytes.load(Ordering::Relaxed);
+            } else {
+                p.bytes.store(0, Ordering::Relaxed);
+                p.start_time.store(0, Ordering::Relaxed);
+                p.pid.store(0, Ordering::Relaxed);
+            }
+        }
+        used
+    }
+
+    /// Accounts `bytes` of physical memory on `gpu` to this process, or refuses with
+    /// `OutOfMemory` when the GPU (all processes together) cannot hold them.
+    pub fn reserve(&self, gpu: u32, bytes: u64) -> Result<(), MachineError> {
+        let slot = self.gpu(gpu)?;
+        let _lock = FileLock::exclusive(&self.file);
+        let used = Self::collect_garbage(slot);
+        let capacity = slot.capacity.load(Ordering::Relaxed);
+        if used.checked_add(bytes).is_none_or(|t| t > capacity) {
+            return Err(MachineError::OutOfMemory {
+                gpu,
+                requested: bytes,
+                free: capacity.saturating_sub(used),
+                capacity,
+            });
+        }
+        let mine = slot
+            .procs
+            .iter()
+            .find(|p| {
+                p.pid.load(Ordering::Relaxed) == self.me.0
+                    && p.start_time.load(Ordering::Relaxed) == self.me.1
+            })
+            .or_else(|| {
+                let free = slot
+                    .procs
+                    .iter()
+                    .find(|p| p.pid.load(Ordering::Relaxed) == 0)?;
+                free.start_time.store(self.me.1, Ordering::Relaxed);
+                free.bytes.store(0, Ordering::Relaxed);
+                free.pid.store(self.me.0, Ordering::Relaxed);
+                Some(free)
+            })
+            .ok_or(MachineError::TooManyProcesses(gpu))?;
+        mine.bytes.fetch_add(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Gives back `bytes` this process had reserved on `gpu`.
+    pub fn release(&self, gpu: u32, bytes: u64) {
+        let Ok(slot) = self.gpu(gpu) else { return };
+        let _lock = FileLock::exclusive(&self.file);
+        if let Some(p) = slot.procs.iter().find(|p| {
+            p.pid.load(Ordering::Relaxed) == self.me.0
+                && p.start_time.load(Ordering::Relaxed) == self.me.1
+        }) {
+            let left = p.bytes.load(Ordering::Relaxed).saturating_sub(bytes);
+            p.bytes.store(left, Ordering::Relaxed);
+            if left == 0 {
+                p.start_time.store(0, Ordering::Relaxed);
+                p.pid.store(0, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Capacity and use of `gpu` (dead processes reclaimed first).
+    pub fn usage(&self, gpu: u32) -> Result<GpuUsage, MachineError> {
+        let slot = self.gpu(gpu)?;
+        let _lock = FileLock::exclusive(&self.file);
+        let used = Self::collect_garbage(slot);
+        let processes = slot
+            .procs
+            .iter()
+            .filter(|p| p.pid.load(Ordering::Relaxed) != 0)
+            .map(|p| ProcessUsage {
+                pid: p.pid.load(Ordering::Relaxed) as u32,
+                bytes: p.bytes.load(Ordering::Relaxed),
+            })
+            .collect();
+        Ok(GpuUsage {
+            capacity: slot.capacity.load(Ordering::Relaxed),
+            used,
+            processes,
+        })
+    }
+
+    /// Raises a fault on `gpu` (`xid`, and whether the GPU is lost), or clears it with
+    /// `xid == 0 && !lost`.
+    pub fn set_fault(&self, gpu: u32, xid: u64, lost: bool) -> Result<(), MachineError> {
+        let slot = self.gpu(gpu)?;
+        let _lock = FileLock::exclusive(&self.file);
+        slot.fault_xid.store(xid, Ordering::SeqCst);
+        slot.fault_lost.store(u64::from(lost), Ordering::SeqCst);
+        slot.fault_generation.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// The fault flag of `gpu`.
+    pub fn fault(&self, gpu: u32) -> Result<FaultState, MachineError> {
+        let slot = self.gpu(gpu)?;
+        Ok(FaultState {
+            xid: slot.fault_xid.load(Ordering::SeqCst),
+            lost: slot.fault_lost.load(Ordering::SeqCst) != 0,
+            generation: slot.fault_generation.load(Ordering::SeqCst),
+        })
+    }
+
+    /// Takes `gpu` exclusively for one kernel: no other thread of this process and no
+    /// other process runs a kernel on it until the guard drops. Released by the kernel
+    /// if the holder dies.
+    pub fn kernel_lock(&self, gpu: u32) -> Result<KernelGuard<'_>, MachineError> {
+        let count = self.gpu_count();
+        let l = self
+            .kernel_locks
+            .get(gpu as usize)
+            .ok_or(MachineError::NoSuchGpu { gpu, count })?;
+        let g = l.in_process.lock().unwrap_or_else(|e| e.into_inner());
+        let fd = l.file.as_raw_fd();
+        loop {
+            // SAFETY: a valid open fd.
+            let r = unsafe { libc::flock(fd, libc::LOCK_EX) };
+            if r == 0 {
+                break;
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(MachineError::Io {
+                    path: kernel_lock_path(&self.name, gpu),
+                    source: e,
+                });
+            }
+        }
+        Ok(KernelGuard { _in_process: g, fd })
+    }
+}
+
+impl Drop for Machine {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the mapping created in open; no references outlive self.
+        unsafe {
+            libc::munmap(
+                self.seg as *mut libc::c_void,
+                std::mem::size_of::<Segment>(),
+            )
+        };
+    }
+}
+
+/// Removes machine `name`'s segment and lock files. Processes still attached keep
+/// their (now private) copy; new processes create a fresh machine.
+pub fn reset(name: &str) -> Result<bool, MachineError> {
+    validate_name(name).map_err(|reason| MachineError::BadName {
+        name: name.into(),
+        reason,
+    })?;
+    let path = segment_path(name);
+    let existed = path.exists();
+    let _ = std::fs::remove_file(&path);
+    for g in 0..MAX_GPUS {
+        let _ = std::fs::remove_file(kernel_lock_path(name, g));
+    }
+    Ok(existed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(tag: &str, gpus: u32, memory: u64) -> SimConfig {
+        SimConfig {
+            gpus,
+            memory,
+            name: format!("unit-{tag}-{}", std::process::id()),
+            ..SimConfig::default()
+        }
+    }
+
+    #[test]
+    fn capacity_is_enforced_and_released() {
+        let c = cfg("cap", 2, 100 << 20);
+        let m = Machine::open(&c).unwrap();
+        m.reserve(0, 60 << 20).unwrap();
+        let e = m.reserve(0, 50 << 20).unwrap_err();
+        assert!(matches!(e, MachineError::OutOfMemory { free, .. } if free == 40 << 20));
+        m.reserve(1, 100 << 20).unwrap();
+        m.release(0, 60 << 20);
+        m.reserve(0, 100 << 20).unwrap();
+        let u = m.usage(0).unwrap();
+        assert_eq!(u.used, 100 << 20);
+        assert_eq!(
+            u.processes,
+            vec![ProcessUsage {
+                pid: std::process::id(),
+                bytes: 100 << 20
+            }]
+        );
+        assert!(matches!(
+            m.reserve(2, 1),
+            Err(MachineError::NoSuchGpu { .. })
+        ));
+        reset(&c.name).unwrap();
+    }
+
+    #[test]
+    fn later_opens_see_the_first_knobs() {
+        let c = cfg("knobs", 1, 64 << 20);
+        let a = Machine::open(&c).unwrap();
+        let mut other = c.clone();
+        other.gpus = 3;
+        other.memory = 1 << 30;
+        let b = Machine::open(&other).unwrap();
+        assert_eq!(b.gpu_count(), 1);
+        assert_eq!(b.capacity(0).unwrap(), 64 << 20);
+        a.reserve(0, 10 << 20).unwrap();
+        // Same process, same entry: both handles see it.
+        assert_eq!(b.usage(0).unwrap().used, 10 << 20);
+        reset(&c.name).unwrap();
+    }
+
+    #[test]
+    fn dead_processes_are_reclaimed() {
+        let c = cfg("gc", 1, 64 << 20);
+        let m = Machine::open(&c).unwrap();
+        // Forge an entry for a process that exited: spawn and reap `true`.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let start = process_start_time(pid);
+        child.wait().unwrap();
+        let slot = &m.seg().gpu[0].procs[0];
+        slot.pid.store(u64::from(pid), Ordering::Relaxed);
+        slot.start_time.store(start.unwrap_or(1), Ordering::Relaxed);
+        slot.bytes.store(60 << 20, Ordering::Relaxed);
+        m.reserve(0, 30 << 20)
+            .expect("dead process's 60MiB must be reclaimed");
+        assert_eq!(m.usage(0).unwrap().used, 30 << 20);
+        reset(&c.name).unwrap();
+    }
+
+    #[test]
+    fn faults_set_and_clear() {
+        let c = cfg("fault", 1, 64 << 20);
+        let m = Machine::open(&c).unwrap();
+        assert_eq!(m.fault(0).unwrap(), FaultState::default());
+        m.set_fault(0, 79, true).unwrap();
+        let f = m.fault(0).unwrap();
+        assert_eq!((f.xid, f.lost, f.generation), (79, true, 1));
+        m.set_fault(0, 0, false).unwrap();
+        assert_eq!(m.fault(0).unwrap().generation, 2);
+        reset(&c.name).unwrap();
+    }
+
+    #[test]
+    fn bad_names_are_refused() {
+        assert!(matches!(
+            Machine::open_existing("../x"),
+            Err(MachineError::BadName { .. })
+        ));
+    }
+}

@@ -1,0 +1,203 @@
+/* Compiled against NVIDIA's real cuda.h and linked with -lcuda against the
+ * simulator: proves the simulator's ABI (types, enum values, struct layouts,
+ * symbol names) matches the real driver's for the calls below. Prints "OK" and
+ * exits 0 on success; prints the failing call and exits 1 otherwise. */
+#include <cuda.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CHECK(call)                                                            \
+    do {                                                                       \
+        CUresult r_ = (call);                                                  \
+        if (r_ != CUDA_SUCCESS) {                                              \
+            const char *n_ = "?";                                              \
+            cuGetErrorName(r_, &n_);                                           \
+            fprintf(stderr, "FAIL %s:%d %s -> %d %s\n", __FILE__, __LINE__,   \
+                    #call, (int)r_, n_);                                       \
+            return 1;                                                          \
+        }                                                                      \
+    } while (0)
+
+#define EXPECT(call, want)                                                     \
+    do {                                                                       \
+        CUresult r_ = (call);                                                  \
+        if (r_ != (want)) {                                                    \
+            fprintf(stderr, "FAIL %s:%d %s -> %d, want %s (%d)\n", __FILE__,  \
+                    __LINE__, #call, (int)r_, #want, (int)(want));             \
+            return 1;                                                          \
+        }                                                                      \
+    } while (0)
+
+#define ASSERT(cond)                                                           \
+    do {                                                                       \
+        if (!(cond)) {                                                         \
+            fprintf(stderr, "FAIL %s:%d %s\n", __FILE__, __LINE__, #cond);    \
+            return 1;                                                          \
+        }                                                                      \
+    } while (0)
+
+static const char ptx[] = ".version 7.0\n.target sm_52\n.address_size 64\n"
+                          ".visible .entry kiwi_fill() { ret; }\n";
+
+static int host_calls = 0;
+static void CUDA_CB on_host(void *p) { *(int *)p += 1; }
+
+int main(void) {
+    int n = 0, v = 0, major = 0;
+    char name[128];
+    size_t total = 0, free_ = 0;
+    CUdevice dev;
+    CUcontext ctx, cur;
+
+    EXPECT(cuDeviceGetCount(&n), CUDA_ERROR_NOT_INITIALIZED);
+    CHECK(cuInit(0));
+    CHECK(cuDriverGetVersion(&v));
+    ASSERT(v >= 12000);
+    CHECK(cuDeviceGetCount(&n));
+    ASSERT(n == 2); /* the test sets KIWI_SIM_GPUS=2 */
+    EXPECT(cuDeviceGet(&dev, n), CUDA_ERROR_INVALID_DEVICE);
+    CHECK(cuDeviceGet(&dev, 0));
+    CHECK(cuDeviceGetName(name, sizeof name, dev));
+    ASSERT(strstr(name, "Kiwi") != NULL);
+    CUuuid u0, u1;
+    CHECK(cuDeviceGetUuid(&u0, 0));
+    CHECK(cuDeviceGetUuid_v2(&u1, 1));
+    ASSERT(memcmp(u0.bytes, u1.bytes, 16) != 0);
+    CHECK(cuDeviceTotalMem(&total, dev));
+    ASSERT(total == (size_t)256 << 20); /* KIWI_SIM_MEMORY=256MiB */
+    CHECK(cuDeviceGetAttribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev));
+    ASSERT(major >= 5);
+    CHECK(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev));
+    ASSERT(v == 1);
+    CHECK(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_WARP_SIZE, dev));
+    ASSERT(v == 32);
+
+    CHECK(cuDevicePrimaryCtxRetain(&ctx, dev));
+    CHECK(cuCtxSetCurrent(ctx));
+    CHECK(cuCtxGetCurrent(&cur));
+    ASSERT(cur == ctx);
+    CHECK(cuMemGetInfo(&free_, &total));
+    ASSERT(total == (size_t)256 << 20 && free_ <= total);
+
+    /* Linear memory, copies, memsets. */
+    enum { WORDS = 1 << 20 };
+    CUdeviceptr d = 0;
+    CHECK(cuMemAlloc(&d, WORDS * 4));
+    uint32_t *h = malloc(WORDS * 4);
+    for (uint32_t i = 0; i < WORDS; i++) h[i] = i;
+    CHECK(cuMemcpyHtoD(d, h, WORDS * 4));
+    memset(h, 0, WORDS * 4);
+    CHECK(cuMemcpyDtoH(h, d + 4 * 100, 4 * 10));
+    ASSERT(h[0] == 100 && h[9] == 109);
+    CHECK(cuMemsetD32(d, 0xabcdef01u, WORDS));
+    CHECK(cuMemcpyDtoH(h, d, WORDS * 4));
+    ASSERT(h[0] == 0xabcdef01u && h[WORDS - 1] == 0xabcdef01u);
+    EXPECT(cuMemcpyHtoD(d + WORDS * 4 - 4, h, 8), CUDA_ERROR_INVALID_VALUE);
+
+    /* Kernels by entry name, launched through kernelParams and extra. */
+    CUmodule mod;
+    CUfunction fill, add, sum, spin;
+    CHECK(cuModuleLoadData(&mod, ptx));
+    CHECK(cuModuleGetFunction(&fill, mod, "kiwi_fill"));
+    CHECK(cuModuleGetFunction(&add, mod, "kiwi_add"));
+    CHECK(cuModuleGetFunction(&sum, mod, "kiwi_checksum"));
+    CHECK(cuModuleGetFunction(&spin, mod, "kiwi_spin"));
+    EXPECT(cuModuleGetFunction(&spin, mod, "no_such_kernel"), CUDA_ERROR_NOT_FOUND);
+    CUstream s;
+    CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    unsigned int value = 7;
+    unsigned long long words = WORDS;
+    void *fill_args[] = {&d, &value, &words};
+    CHECK(cuLaunchKernel(fill, 64, 1, 1, 256, 1, 1, 0, s, fill_args, NULL));
+    struct { CUdeviceptr p; unsigned int delta; unsigned int pad; unsigned long long w; } packed = {d, 5, 0, WORDS};
+    size_t packed_size = sizeof packed;
+    void *extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, &packed, CU_LAUNCH_PARAM_BUFFER_SIZE, &packed_size, CU_LAUNCH_PARAM_END};
+    CHECK(cuLaunchKernel(add, 64, 1, 1, 256, 1, 1, 0, s, NULL, extra));
+    CUdeviceptr out;
+    CHECK(cuMemAlloc(&out, 8));
+    void *sum_args[] = {&d, &words, &out};
+    CUlaunchConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDimX = 64; cfg.gridDimY = 1; cfg.gridDimZ = 1;
+    cfg.blockDimX = 256; cfg.blockDimY = 1; cfg.blockDimZ = 1;
+    cfg.hStream = s;
+    CHECK(cuLaunchKernelEx(&cfg, sum, sum_args, NULL));
+    unsigned long long ns = 20 * 1000 * 1000;
+    void *spin_args[] = {&ns};
+    CUevent e0, e1;
+    CHECK(cuEventCreate(&e0, 0));
+    CHECK(cuEventCreate(&e1, 0));
+    CHECK(cuEventRecord(e0, s));
+    CHECK(cuLaunchKernel(spin, 1, 1, 1, 1, 1, 1, 0, s, spin_args, NULL));
+    CHECK(cuEventRecord(e1, s));
+    CHECK(cuLaunchHostFunc(s, on_host, &host_calls));
+    EXPECT(cuStreamQuery(s), CUDA_ERROR_NOT_READY);
+    CHECK(cuStreamSynchronize(s));
+    CHECK(cuStreamQuery(s));
+    ASSERT(host_calls == 1);
+    float ms = 0;
+    CHECK(cuEventElapsedTime(&ms, e0, e1));
+    ASSERT(ms >= 19.0f && ms < 200.0f);
+    unsigned long long got = 0;
+    CHECK(cuMemcpyDtoH(&got, out, 8));
+    ASSERT(got == 12ull * WORDS);
+
+    /* Pinned host memory and async copies on the per-thread stream. */
+    void *pinned;
+    CHECK(cuMemAllocHost(&pinned, 4096));
+    CHECK(cuMemcpyDtoHAsync(pinned, d, 4096, CU_STREAM_PER_THREAD));
+    CHECK(cuStreamSynchronize(CU_STREAM_PER_THREAD));
+    ASSERT(((uint32_t *)pinned)[1023] == 12);
+    CHECK(cuMemFreeHost(pinned));
+    CHECK(cuMemHostRegister(h, 4096, 0));
+    EXPECT(cuMemHostRegister(h, 4096, 0), CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
+    CHECK(cuMemHostUnregister(h));
+
+    /* VMM with the real CUmemAllocationProp / CUmemAccessDesc layouts. */
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 1;
+    size_t gran = 0;
+    CHECK(cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+    ASSERT(gran == 2 << 20);
+    CUdeviceptr va;
+    CUmemGenericAllocationHandle mh;
+    CHECK(cuMemAddressReserve(&va, 2 * gran, 0, 0, 0));
+    CHECK(cuMemCreate(&mh, 2 * gran, &prop, 0));
+    CHECK(cuMemMap(va, 2 * gran, 0, mh, 0));
+    CUmemAccessDesc acc;
+    acc.location = prop.location;
+    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CHECK(cuMemSetAccess(va, 2 * gran, &acc, 1));
+    CHECK(cuMemsetD8(va, 1, 2 * gran));
+    CHECK(cuMemRelease(mh));
+    CHECK(cuMemUnmap(va, 2 * gran));
+    CHECK(cuMemAddressFree(va, 2 * gran));
+
+    /* Entry points by base name. */
+    void *fn = NULL;
+    CUdriverProcAddressQueryResult st;
+    CHECK(cuGetProcAddress("cuMemAlloc", &fn, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &st));
+    ASSERT(fn == (void *)&cuMemAlloc_v2 && st == CU_GET_PROC_ADDRESS_SUCCESS);
+    EXPECT(cuGetProcAddress("cuNoSuchCall", &fn, 12000, 0, &st), CUDA_ERROR_NOT_FOUND);
+    ASSERT(fn == NULL && st == CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND);
+
+    const char *en = NULL;
+    CHECK(cuGetErrorName(CUDA_ERROR_ILLEGAL_ADDRESS, &en));
+    ASSERT(strcmp(en, "CUDA_ERROR_ILLEGAL_ADDRESS") == 0);
+
+    CHECK(cuMemFree(d));
+    CHECK(cuMemFree(out));
+    CHECK(cuEventDestroy(e0));
+    CHECK(cuEventDestroy(e1));
+    CHECK(cuStreamDestroy(s));
+    CHECK(cuModuleUnload(mod));
+    CHECK(cuDevicePrimaryCtxRelease(dev));
+    free(h);
+    printf("OK\n");
+    return 0;
+}

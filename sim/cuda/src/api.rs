@@ -1,0 +1,1925 @@
+//! The exported `cu*` entry points. Each one runs through [`guard`] (no panic
+//! crosses the C ABI) and reads caller memory only through the `ffi` helpers.
+//! Stream-taking calls have `_ptsz`/`_ptds` twins whose NULL stream is the calling
+//! thread's per-thread default stream.
+#![allow(non_snake_case, clippy::too_many_arguments)]
+
+use std::ffi::{c_char, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kiwi_sim_core::{ident, GRANULARITY};
+
+use crate::abi::*;
+use crate::driver::{self, driver, Driver};
+use crate::exec::{Builtin, Context, Event, EventState, Op, Stream};
+use crate::ffi::{c_str, guard, out, read, write_c_string};
+use crate::memory::Access;
+
+/// The driver version the simulator claims (CUDA 12.4).
+pub const DRIVER_VERSION: i32 = 12040;
+
+// ---------------------------------------------------------------- init, devices
+
+#[no_mangle]
+extern "C" fn cuInit(flags: u32) -> CUresult {
+    guard(|| {
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        driver::init().map(|_| ())
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuDriverGetVersion(v: *mut i32) -> CUresult {
+    guard(|| out(v, DRIVER_VERSION))
+}
+
+#[no_mangle]
+extern "C" fn cuDeviceGet(dev: *mut CUdevice, ordinal: i32) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        d.device(ordinal)?;
+        out(dev, ordinal)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuDeviceGetCount(count: *mut i32) -> CUresult {
+    guard(|| out(count, driver()?.gpus as i32))
+}
+
+#[no_mangle]
+extern "C" fn cuDeviceGetName(name: *mut c_char, len: i32, dev: CUdevice) -> CUresult {
+    guard(|| {
+        driver()?.device(dev)?;
+        write_c_string(name, len, ident::DEVICE_NAME)
+    })
+}
+
+fn device_uuid(uuid: *mut CUuuid, dev: CUdevice) -> Result<(), CUresult> {
+    let d = driver()?;
+    let g = d.device(dev)?;
+    out(
+        uuid,
+        CUuuid {
+            bytes: ident::gpu_uuid(&d.name, g),
+        },
+    )
+}
+
+#[no_mangle]
+extern "C" fn cuDeviceGetUuid(uuid: *mut CUuuid, dev: CUdevice) -> CUresult {
+    guard(|| device_uuid(uuid, dev))
+}
+
+#[no_mangle]
+extern "C" fn cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice) -> CUresult {
+    guard(|| device_uuid(uuid, dev))
+}
+
+#[no_mangle]
+extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        let g = d.device(dev)?;
+        let cap = d
+            .machine
+            .capacity(g)
+            .map_err(|_| CUDA_ERROR_INVALID_DEVICE)?;
+        out(bytes, cap as usize)
+    })
+}
+
+fn attribute_value(d: &Driver, a: i32, g: u32) -> Result<i32, CUresult> {
+    use crate::abi::attr::*;
+    Ok(match a {
+        MAX_THREADS_PER_BLOCK => 1024,
+        MAX_BLOCK_DIM_X | MAX_BLOCK_DIM_Y => 1024,
+        MAX_BLOCK_DIM_Z => 64,
+        MAX_GRID_DIM_X => i32::MAX,
+        MAX_GRID_DIM_Y | MAX_GRID_DIM_Z => 65535,
+        MAX_SHARED_MEMORY_PER_BLOCK => 48 << 10,
+        TOTAL_CONSTANT_MEMORY => 64 << 10,
+        WARP_SIZE => 32,
+        MAX_PITCH => i32::MAX,
+        MAX_REGISTERS_PER_BLOCK | MAX_REGISTERS_PER_MULTIPROCESSOR => 65536,
+        CLOCK_RATE => 1_755_000,
+        TEXTURE_ALIGNMENT => 512,
+        GPU_OVERLAP | CONCURRENT_KERNELS | UNIFIED_ADDRESSING | CAN_MAP_HOST_MEMORY => 1,
+        MULTIPROCESSOR_COUNT => 108,
+        INTEGRATED | COMPUTE_MODE | ECC_ENABLED | PCI_DOMAIN_ID | PCI_DEVICE_ID => 0,
+        PCI_BUS_ID => ident::pci_bus(g) as i32,
+        MEMORY_CLOCK_RATE => 1_593_000,
+        GLOBAL_MEMORY_BUS_WIDTH => 5120,
+        L2_CACHE_SIZE => 40 << 20,
+        MAX_THREADS_PER_MULTIPROCESSOR => 2048,
+        ASYNC_ENGINE_COUNT => 2,
+        COMPUTE_CAPABILITY_MAJOR => 8,
+        COMPUTE_CAPABILITY_MINOR => 0,
+        STREAM_PRIORITIES_SUPPORTED | COOPERATIVE_LAUNCH | HOST_REGISTER_SUPPORTED => 1,
+        MAX_SHARED_MEMORY_PER_MULTIPROCESSOR => 164 << 10,
+        MAX_SHARED_MEMORY_PER_BLOCK_OPTIN => 163 << 10,
+        VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED | MEMORY_POOLS_SUPPORTED => 1,
+        MANAGED_MEMORY | CONCURRENT_MANAGED_ACCESS => 0,
+        MAX_BLOCKS_PER_MULTIPROCESSOR => 32,
+        a if a > 0 && a < MAX => {
+            let _ = d;
+            0
+        }
+        _ => return Err(CUDA_ERROR_INVALID_VALUE),
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuDeviceGetAttribute(pi: *mut i32, attrib: i32, dev: CUdevice) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        let g = d.device(dev)?;
+        out(pi, attribute_value(d, attrib, g)?)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuDeviceComputeCapability(
+    major: *mut i32,
+    minor: *mut i32,
+    dev: CUdevice,
+) -> CUresult {
+    guard(|| {
+        driver()?.device(dev)?;
+        out(major, 8)?;
+        out(minor, 0)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuDeviceGetPCIBusId(bus: *mut c_char, len: i32, dev: CUdevice) -> CUresult {
+    guard(|| {
+        let g = driver()?.device(dev)?;
+        // cuda's form has a 4-digit domain: 0000:BB:00.0
+        let id = ident::pci_bus_id(g);
+        write_c_string(bus, len, &id[4..])
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuDeviceCanAccessPeer(can: *mut i32, dev: CUdevice, peer: CUdevice) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        d.device(dev)?;
+        d.device(peer)?;
+        out(can, 0)
+    })
+}
+
+// ---------------------------------------------------------------- contexts
+
+fn primary_retain(pctx: *mut CUcontext, dev: CUdevice) -> Result<(), CUresult> {
+    let d = driver()?;
+    let g = d.device(dev)?;
+    if pctx.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let mut p = d.primary[g as usize]
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let ctx = match &p.ctx {
+        Some(c) => c.clone(),
+        None => {
+            let c = Context::new(d, g, p.flags, true);
+            d.register_context(&c);
+            p.ctx = Some(c.clone());
+            c
+        }
+    };
+    p.refs += 1;
+    out(pctx, ctx.handle() as CUcontext)
+}
+
+#[no_mangle]
+extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
+    guard(|| primary_retain(pctx, dev))
+}
+
+fn primary_release(dev: CUdevice) -> Result<(), CUresult> {
+    let d = driver()?;
+    let g = d.device(dev)?;
+    let mut p = d.primary[g as usize]
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if p.refs == 0 {
+        return Err(CUDA_ERROR_INVALID_CONTEXT);
+    }
+    // The context (and its memory) stays until reset or exit: a documented
+    // simplification; the next retain gets the same context back.
+    p.refs -= 1;
+    Ok(())
+}
+
+#[no_mangle]
+extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
+    guard(|| primary_release(dev))
+}
+
+#[no_mangle]
+extern "C" fn cuDevicePrimaryCtxRelease(dev: CUdevice) -> CUresult {
+    guard(|| primary_release(dev))
+}
+
+fn primary_reset(dev: CUdevice) -> Result<(), CUresult> {
+    let d = driver()?;
+    let g = d.device(dev)?;
+    let ctx = d.primary[g as usize]
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .ctx
+        .clone();
+    if let Some(c) = ctx {
+        c.wait_for(c.submitted());
+        d.mem.free_owned_by(c.handle());
+        c.sticky.store(CUDA_SUCCESS, Ordering::Release);
+    }
+    Ok(())
+}
+
+#[no_mangle]
+extern "C" fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) -> CUresult {
+    guard(|| primary_reset(dev))
+}
+
+#[no_mangle]
+extern "C" fn cuDevicePrimaryCtxReset(dev: CUdevice) -> CUresult {
+    guard(|| primary_reset(dev))
+}
+
+#[no_mangle]
+extern "C" fn cuDevicePrimaryCtxGetState(
+    dev: CUdevice,
+    flags: *mut u32,
+    active: *mut i32,
+) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        let g = d.device(dev)?;
+        let p = d.primary[g as usize]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        out(flags, p.flags)?;
+        out(active, i32::from(p.refs > 0))
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, flags: u32) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        let g = d.device(dev)?;
+        d.primary[g as usize]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .flags = flags;
+        Ok(())
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuCtxCreate_v2(pctx: *mut CUcontext, flags: u32, dev: CUdevice) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        let g = d.device(dev)?;
+        if pctx.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let c = Context::new(d, g, flags, false);
+        d.register_context(&c);
+        out(pctx, c.handle() as CUcontext)?;
+        driver::push_current(c);
+        Ok(())
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        let c = d.context(ctx as usize)?;
+        if c.primary {
+            return Err(CUDA_ERROR_INVALID_CONTEXT);
+        }
+        c.wait_for(c.submitted());
+        c.destroyed.store(true, Ordering::Release);
+        d.contexts
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(ctx as usize));
+        d.streams
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|_, s| !Arc::ptr_eq(&s.ctx, &c));
+        c.shut_down();
+        d.mem.free_owned_by(ctx as usize);
+        driver::forget_current(ctx as usize);
+        Ok(())
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        if ctx.is_null() {
+            driver::set_current(None);
+            return Ok(());
+        }
+        driver::set_current(Some(d.context(ctx as usize)?));
+        Ok(())
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult {
+    guard(|| {
+        driver()?;
+        out(pctx, driver::current_handle() as CUcontext)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuCtxPushCurrent_v2(ctx: CUcontext) -> CUresult {
+    guard(|| {
+        let c = driver()?.context(ctx as usize)?;
+        driver::push_current(c);
+        Ok(())
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuCtxPopCurrent_v2(pctx: *mut CUcontext) -> CUresult {
+    guard(|| {
+        driver()?;
+        let c = driver::pop_current().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+        if !pctx.is_null() {
+            out(pctx, c.handle() as CUcontext)?;
+        }
+        Ok(())
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuCtxSynchronize() -> CUresult {
+    guard(|| {
+        driver()?;
+        driver::current_unchecked()?.synchronize()
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuCtxGetDevice(dev: *mut CUdevice) -> CUresult {
+    guard(|| {
+        driver()?;
+        out(dev, driver::current_unchecked()?.device as CUdevice)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuCtxGetFlags(flags: *mut u32) -> CUresult {
+    guard(|| {
+        driver()?;
+        out(flags, driver::current_unchecked()?.flags)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuCtxGetApiVersion(ctx: CUcontext, version: *mut u32) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        if !ctx.is_null() {
+            d.context(ctx as usize)?;
+        } else {
+            driver::current_unchecked()?;
+        }
+        out(version, 3020)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuCtxGetStreamPriorityRange(least: *mut i32, greatest: *mut i32) -> CUresult {
+    guard(|| {
+        driver()?;
+        if !least.is_null() {
+            out(least, 0)?;
+        }
+        if !greatest.is_null() {
+            out(greatest, -5)?;
+        }
+        Ok(())
+    })
+}
+
+// ---------------------------------------------------------------- device memory
+
+#[no_mangle]
+extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        let ctx = driver::current()?;
+        let u = d
+            .machine
+            .usage(ctx.device)
+            .map_err(|_| CUDA_ERROR_INVALID_DEVICE)?;
+        out(free, u.free() as usize)?;
+        out(total, u.capacity as usize)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        let ctx = driver::current()?;
+        if dptr.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let p = d.mem.alloc_linear(ctx.device, size as u64, ctx.handle())?;
+        out(dptr, p)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemAllocPitch_v2(
+    dptr: *mut CUdeviceptr,
+    pitch: *mut usize,
+    width: usize,
+    height: usize,
+    elem: u32,
+) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        let ctx = driver::current()?;
+        if !matches!(elem, 4 | 8 | 16) || width == 0 || height == 0 || pitch.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let p = width.next_multiple_of(512);
+        let size = p.checked_mul(height).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if dptr.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let a = d.mem.alloc_linear(ctx.device, size as u64, ctx.handle())?;
+        out(dptr, a)?;
+        out(pitch, p)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemFree_v2(ptr: CUdeviceptr) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        if ptr == 0 {
+            return Ok(());
+        }
+        // Like the real driver, freeing waits for work that may still use it.
+        if let Ok(ctx) = driver::current_unchecked() {
+            ctx.wait_for(ctx.submitted());
+        }
+        d.mem.free_linear(ptr)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemGetAddressRange_v2(
+    base: *mut CUdeviceptr,
+    size: *mut usize,
+    ptr: CUdeviceptr,
+) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        let (b, s) = d.mem.address_range(ptr).ok_or(CUDA_ERROR_NOT_FOUND)?;
+        if !base.is_null() {
+            out(base, b)?;
+        }
+        if !size.is_null() {
+            out(size, s as usize)?;
+        }
+        Ok(())
+    })
+}
+
+fn alloc_async(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    stream: CUstream,
+    pt: bool,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    let s = d.stream(stream, pt)?;
+    if dptr.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // Memory is taken at once (so OUT_OF_MEMORY is reported here); the pointer is
+    // usable by work queued after this call, as with a real pool.
+    let p = d
+        .mem
+        .alloc_linear(s.ctx.device, size as u64, s.ctx.handle())?;
+    out(dptr, p)
+}
+
+#[no_mangle]
+extern "C" fn cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> CUresult {
+    guard(|| alloc_async(dptr, size, stream, false))
+}
+
+#[no_mangle]
+extern "C" fn cuMemAllocAsync_ptsz(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    stream: CUstream,
+) -> CUresult {
+    guard(|| alloc_async(dptr, size, stream, true))
+}
+
+fn free_async(ptr: CUdeviceptr, stream: CUstream, pt: bool) -> Result<(), CUresult> {
+    let d = driver()?;
+    let s = d.stream(stream, pt)?;
+    if !d.mem.is_linear_start(ptr) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    s.ctx.submit(&s, Op::Free { ptr }).map(|_| ())
+}
+
+#[no_mangle]
+extern "C" fn cuMemFreeAsync(ptr: CUdeviceptr, stream: CUstream) -> CUresult {
+    guard(|| free_async(ptr, stream, false))
+}
+
+#[no_mangle]
+extern "C" fn cuMemFreeAsync_ptsz(ptr: CUdeviceptr, stream: CUstream) -> CUresult {
+    guard(|| free_async(ptr, stream, true))
+}
+
+// ---------------------------------------------------------------- pinned host memory
+
+fn host_alloc(pp: *mut *mut c_void, size: usize) -> Result<(), CUresult> {
+    let d = driver()?;
+    driver::current()?;
+    if pp.is_null() || size == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: anonymous private mapping; affects no existing memory.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    d.mem.host_add(p as usize, size, true)?;
+    out(pp, p)
+}
+
+#[no_mangle]
+extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, size: usize) -> CUresult {
+    guard(|| host_alloc(pp, size))
+}
+
+#[no_mangle]
+extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, flags: u32) -> CUresult {
+    guard(|| {
+        if flags & !0x7 != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        host_alloc(pp, size)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        let len = d.mem.host_remove(p as usize, true)?;
+        // SAFETY: unmapping a mapping host_alloc created with this length.
+        unsafe { libc::munmap(p, len) };
+        Ok(())
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemHostRegister_v2(p: *mut c_void, size: usize, flags: u32) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        driver::current()?;
+        if p.is_null() || size == 0 || flags & !0xf != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        d.mem.host_add(p as usize, size, false)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CUresult {
+    guard(|| driver()?.mem.host_remove(p as usize, false).map(|_| ()))
+}
+
+// ---------------------------------------------------------------- copies and memsets
+
+/// Validates device ranges at submission: a bad pointer is `CUDA_ERROR_INVALID_VALUE`
+/// right away (memory freed or unmapped after submission fails at execution with a
+/// sticky `CUDA_ERROR_ILLEGAL_ADDRESS`).
+fn check_range(d: &Driver, ptr: u64, n: u64, write: bool) -> Result<(), CUresult> {
+    d.mem
+        .resolve(ptr, n, write)
+        .map(|_| ())
+        .map_err(|_| CUDA_ERROR_INVALID_VALUE)
+}
+
+fn copy_op(d: &Driver, dst: u64, src: u64, n: u64) -> Result<Op, CUresult> {
+    let dd = d.mem.is_device_address(dst);
+    let sd = d.mem.is_device_address(src);
+    if (!dd && dst == 0) || (!sd && src == 0) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if dd {
+        check_range(d, dst, n, true)?;
+    }
+    if sd {
+        check_range(d, src, n, false)?;
+    }
+    Ok(match (dd, sd) {
+        (true, true) => Op::DtoD { dst, src, n },
+        (true, false) => Op::HtoD {
+            dst,
+            src: src as usize,
+            n,
+        },
+        (false, true) => Op::DtoH {
+            dst: dst as usize,
+            src,
+            n,
+        },
+        (false, false) => Op::HtoH {
+            dst: dst as usize,
+            src: src as usize,
+            n,
+        },
+    })
+}
+
+/// Queues `op` on `stream` and, for synchronous calls, waits for it.
+fn enqueue(stream: CUstream, pt: bool, op: Op, sync: bool) -> Result<(), CUresult> {
+    let d = driver()?;
+    let s = d.stream(stream, pt)?;
+    s.ctx.check()?;
+    let seq = s.ctx.submit(&s, op)?;
+    if sync {
+        s.ctx.wait_for(seq);
+        s.ctx.check()?;
+    }
+    Ok(())
+}
+
+fn memcpy(
+    dst: u64,
+    src: u64,
+    n: usize,
+    stream: CUstream,
+    pt: bool,
+    sync: bool,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if n == 0 {
+        return Ok(());
+    }
+    let op = copy_op(d, dst, src, n as u64)?;
+    enqueue(stream, pt, op, sync)
+}
+
+fn htod(
+    dst: u64,
+    src: *const c_void,
+    n: usize,
+    stream: CUstream,
+    pt: bool,
+    sync: bool,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if n == 0 {
+        return Ok(());
+    }
+    if src.is_null() || d.mem.is_device_address(src as u64) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    check_range(d, dst, n as u64, true)?;
+    let op = Op::HtoD {
+        dst,
+        src: src as usize,
+        n: n as u64,
+    };
+    enqueue(stream, pt, op, sync)
+}
+
+fn dtoh(
+    dst: *mut c_void,
+    src: u64,
+    n: usize,
+    stream: CUstream,
+    pt: bool,
+    sync: bool,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if n == 0 {
+        return Ok(());
+    }
+    if dst.is_null() || d.mem.is_device_address(dst as u64) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    check_range(d, src, n as u64, false)?;
+    let op = Op::DtoH {
+        dst: dst as usize,
+        src,
+        n: n as u64,
+    };
+    enqueue(stream, pt, op, sync)
+}
+
+fn dtod(
+    dst: u64,
+    src: u64,
+    n: usize,
+    stream: CUstream,
+    pt: bool,
+    sync: bool,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if n == 0 {
+        return Ok(());
+    }
+    check_range(d, src, n as u64, false)?;
+    check_range(d, dst, n as u64, true)?;
+    let op = Op::DtoD {
+        dst,
+        src,
+        n: n as u64,
+    };
+    enqueue(stream, pt, op, sync)
+}
+
+fn memset(
+    dst: u64,
+    value: u32,
+    elem: u8,
+    count: usize,
+    stream: CUstream,
+    pt: bool,
+    sync: bool,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if count == 0 {
+        return Ok(());
+    }
+    if !dst.is_multiple_of(u64::from(elem)) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    check_range(d, dst, count as u64 * u64::from(elem), true)?;
+    let op = Op::Memset {
+        dst,
+        value,
+        elem,
+        count: count as u64,
+    };
+    enqueue(stream, pt, op, sync)
+}
+
+const NULL_STREAM: CUstream = std::ptr::null_mut();
+
+#[no_mangle]
+extern "C" fn cuMemcpy(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> CUresult {
+    guard(|| memcpy(dst, src, n, NULL_STREAM, false, true))
+}
+#[no_mangle]
+extern "C" fn cuMemcpy_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> CUresult {
+    guard(|| memcpy(dst, src, n, NULL_STREAM, true, true))
+}
+#[no_mangle]
+extern "C" fn cuMemcpyAsync(dst: CUdeviceptr, src: CUdeviceptr, n: usize, s: CUstream) -> CUresult {
+    guard(|| memcpy(dst, src, n, s, false, false))
+}
+#[no_mangle]
+extern "C" fn cuMemcpyAsync_ptsz(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    n: usize,
+    s: CUstream,
+) -> CUresult {
+    guard(|| memcpy(dst, src, n, s, true, false))
+}
+#[no_mangle]
+extern "C" fn cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, n: usize) -> CUresult {
+    guard(|| htod(dst, src, n, NULL_STREAM, false, true))
+}
+#[no_mangle]
+extern "C" fn cuMemcpyHtoD_v2_ptds(dst: CUdeviceptr, src: *const c_void, n: usize) -> CUresult {
+    guard(|| htod(dst, src, n, NULL_STREAM, true, true))
+}
+#[no_mangle]
+extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, n: usize) -> CUresult {
+    guard(|| dtoh(dst, src, n, NULL_STREAM, false, true))
+}
+#[no_mangle]
+extern "C" fn cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: CUdeviceptr, n: usize) -> CUresult {
+    guard(|| dtoh(dst, src, n, NULL_STREAM, true, true))
+}
+#[no_mangle]
+extern "C" fn cuMemcpyDtoD_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> CUresult {
+    guard(|| dtod(dst, src, n, NULL_STREAM, false, true))
+}
+#[no_mangle]
+extern "C" fn cuMemcpyDtoD_v2_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> CUresult {
+    guard(|| dtod(dst, src, n, NULL_STREAM, true, true))
+}
+#[no_mangle]
+extern "C" fn cuMemcpyHtoDAsync_v2(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    n: usize,
+    s: CUstream,
+) -> CUresult {
+    guard(|| htod(dst, src, n, s, false, false))
+}
+#[no_mangle]
+extern "C" fn cuMemcpyHtoDAsync_v2_ptsz(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    n: usize,
+    s: CUstream,
+) -> CUresult {
+    guard(|| htod(dst, src, n, s, true, false))
+}
+#[no_mangle]
+extern "C" fn cuMemcpyDtoHAsync_v2(
+    dst: *mut c_void,
+    src: CUdeviceptr,
+    n: usize,
+    s: CUstream,
+) -> CUresult {
+    guard(|| dtoh(dst, src, n, s, false, false))
+}
+#[no_mangle]
+extern "C" fn cuMemcpyDtoHAsync_v2_ptsz(
+    dst: *mut c_void,
+    src: CUdeviceptr,
+    n: usize,
+    s: CUstream,
+) -> CUresult {
+    guard(|| dtoh(dst, src, n, s, true, false))
+}
+#[no_mangle]
+extern "C" fn cuMemcpyDtoDAsync_v2(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    n: usize,
+    s: CUstream,
+) -> CUresult {
+    guard(|| dtod(dst, src, n, s, false, false))
+}
+#[no_mangle]
+extern "C" fn cuMemcpyDtoDAsync_v2_ptsz(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    n: usize,
+    s: CUstream,
+) -> CUresult {
+    guard(|| dtod(dst, src, n, s, true, false))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD8_v2(dst: CUdeviceptr, v: u8, n: usize) -> CUresult {
+    guard(|| memset(dst, u32::from(v), 1, n, NULL_STREAM, false, true))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD8_v2_ptds(dst: CUdeviceptr, v: u8, n: usize) -> CUresult {
+    guard(|| memset(dst, u32::from(v), 1, n, NULL_STREAM, true, true))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD16_v2(dst: CUdeviceptr, v: u16, n: usize) -> CUresult {
+    guard(|| memset(dst, u32::from(v), 2, n, NULL_STREAM, false, true))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD16_v2_ptds(dst: CUdeviceptr, v: u16, n: usize) -> CUresult {
+    guard(|| memset(dst, u32::from(v), 2, n, NULL_STREAM, true, true))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD32_v2(dst: CUdeviceptr, v: u32, n: usize) -> CUresult {
+    guard(|| memset(dst, v, 4, n, NULL_STREAM, false, true))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD32_v2_ptds(dst: CUdeviceptr, v: u32, n: usize) -> CUresult {
+    guard(|| memset(dst, v, 4, n, NULL_STREAM, true, true))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD8Async(dst: CUdeviceptr, v: u8, n: usize, s: CUstream) -> CUresult {
+    guard(|| memset(dst, u32::from(v), 1, n, s, false, false))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD8Async_ptsz(dst: CUdeviceptr, v: u8, n: usize, s: CUstream) -> CUresult {
+    guard(|| memset(dst, u32::from(v), 1, n, s, true, false))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD16Async(dst: CUdeviceptr, v: u16, n: usize, s: CUstream) -> CUresult {
+    guard(|| memset(dst, u32::from(v), 2, n, s, false, false))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD16Async_ptsz(dst: CUdeviceptr, v: u16, n: usize, s: CUstream) -> CUresult {
+    guard(|| memset(dst, u32::from(v), 2, n, s, true, false))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD32Async(dst: CUdeviceptr, v: u32, n: usize, s: CUstream) -> CUresult {
+    guard(|| memset(dst, v, 4, n, s, false, false))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD32Async_ptsz(dst: CUdeviceptr, v: u32, n: usize, s: CUstream) -> CUresult {
+    guard(|| memset(dst, v, 4, n, s, true, false))
+}
+
+// ---------------------------------------------------------------- VMM
+
+fn check_prop(d: &Driver, prop: *const CUmemAllocationProp) -> Result<u32, CUresult> {
+    let p = read(prop)?;
+    if p.type_ != CU_MEM_ALLOCATION_TYPE_PINNED || p.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    d.device(p.location.id)
+        .map_err(|_| CUDA_ERROR_INVALID_DEVICE)
+}
+
+#[no_mangle]
+extern "C" fn cuMemGetAllocationGranularity(
+    g: *mut usize,
+    prop: *const CUmemAllocationProp,
+    option: i32,
+) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        check_prop(d, prop)?;
+        if !matches!(option, 0 | 1) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        out(g, GRANULARITY as usize)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemAddressReserve(
+    ptr: *mut CUdeviceptr,
+    size: usize,
+    align: usize,
+    addr: CUdeviceptr,
+    flags: u64,
+) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        if ptr.is_null() || flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let at = d.mem.reserve(size as u64, align as u64, addr)?;
+        out(ptr, at)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUresult {
+    guard(|| driver()?.mem.unreserve(ptr, size as u64))
+}
+
+#[no_mangle]
+extern "C" fn cuMemCreate(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: u64,
+) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        let g = check_prop(d, prop)?;
+        if handle.is_null() || flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let h = d.mem.create(g, size as u64)?;
+        out(handle, h)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
+    guard(|| driver()?.mem.release(handle))
+}
+
+#[no_mangle]
+extern "C" fn cuMemMap(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    flags: u64,
+) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        d.mem.map(ptr, size as u64, offset as u64, handle)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
+    guard(|| driver()?.mem.unmap(ptr, size as u64))
+}
+
+#[no_mangle]
+extern "C" fn cuMemSetAccess(
+    ptr: CUdeviceptr,
+    size: usize,
+    desc: *const CUmemAccessDesc,
+    count: usize,
+) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        if desc.is_null() || count == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // With several devices each descriptor names one; a simulated mapping has a
+        // single access level, taken from the last descriptor.
+        let mut access = Access::None;
+        for i in 0..count {
+            // SAFETY: the caller passes an array of `count` descriptors.
+            let dsc = read(unsafe { desc.add(i) })?;
+            if dsc.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            d.device(dsc.location.id)
+                .map_err(|_| CUDA_ERROR_INVALID_DEVICE)?;
+            access = match dsc.flags {
+                CU_MEM_ACCESS_FLAGS_PROT_NONE => Access::None,
+                CU_MEM_ACCESS_FLAGS_PROT_READ => Access::Read,
+                CU_MEM_ACCESS_FLAGS_PROT_READWRITE => Access::ReadWrite,
+                _ => return Err(CUDA_ERROR_INVALID_VALUE),
+            };
+        }
+        d.mem.set_access(ptr, size as u64, access)
+    })
+}
+
+// ---------------------------------------------------------------- streams and events
+
+fn register_stream(d: &Driver, s: Arc<Stream>) -> usize {
+    let h = Arc::as_ptr(&s) as usize;
+    d.streams
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(h, s);
+    h
+}
+
+fn stream_create(ph: *mut CUstream, flags: u32, priority: i32) -> Result<(), CUresult> {
+    let d = driver()?;
+    let ctx = driver::current()?;
+    if ph.is_null() || flags & !CU_STREAM_NON_BLOCKING != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let s = Arc::new(Stream {
+        ctx,
+        last_seq: AtomicU64::new(0),
+        flags,
+        priority: priority.clamp(-5, 0),
+    });
+    let h = register_stream(d, s);
+    out(ph, h as CUstream)
+}
+
+#[no_mangle]
+extern "C" fn cuStreamCreate(ph: *mut CUstream, flags: u32) -> CUresult {
+    guard(|| stream_create(ph, flags, 0))
+}
+
+#[no_mangle]
+extern "C" fn cuStreamCreateWithPriority(ph: *mut CUstream, flags: u32, priority: i32) -> CUresult {
+    guard(|| stream_create(ph, flags, priority))
+}
+
+#[no_mangle]
+extern "C" fn cuStreamDestroy_v2(s: CUstream) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        // Pending work still completes; the handle is gone at once.
+        d.streams
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(s as usize))
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+    })
+}
+
+fn stream_sync(s: CUstream, pt: bool) -> Result<(), CUresult> {
+    let d = driver()?;
+    let legacy = s.is_null() && !pt || s as usize == CU_STREAM_LEGACY;
+    let st = d.stream(s, pt)?;
+    // The legacy stream waits for all blocking work of the context; one executor per
+    // context makes that "everything submitted so far".
+    let seq = if legacy {
+        st.ctx.submitted()
+    } else {
+        st.last_seq.load(Ordering::Acquire)
+    };
+    st.ctx.wait_for(seq);
+    st.ctx.check()
+}
+
+#[no_mangle]
+extern "C" fn cuStreamSynchronize(s: CUstream) -> CUresult {
+    guard(|| stream_sync(s, false))
+}
+
+#[no_mangle]
+extern "C" fn cuStreamSynchronize_ptsz(s: CUstream) -> CUresult {
+    guard(|| stream_sync(s, true))
+}
+
+fn stream_query(s: CUstream, pt: bool) -> Result<(), CUresult> {
+    let d = driver()?;
+    let st = d.stream(s, pt)?;
+    st.ctx.check()?;
+    if st.ctx.is_done(st.last_seq.load(Ordering::Acquire)) {
+        Ok(())
+    } else {
+        Err(CUDA_ERROR_NOT_READY)
+    }
+}
+
+#[no_mangle]
+extern "C" fn cuStreamQuery(s: CUstream) -> CUresult {
+    guard(|| stream_query(s, false))
+}
+
+#[no_mangle]
+extern "C" fn cuStreamQuery_ptsz(s: CUstream) -> CUresult {
+    guard(|| stream_query(s, true))
+}
+
+fn stream_wait_event(s: CUstream, e: CUevent, pt: bool) -> Result<(), CUresult> {
+    let d = driver()?;
+    let st = d.stream(s, pt)?;
+    let ev = d.event(e)?;
+    let (ctx, seq) = {
+        let g = ev.state.lock().unwrap_or_else(|e| e.into_inner());
+        match &g.ctx {
+            Some(c) => (c.clone(), event_seq(&g, c)),
+            None => return Ok(()), // never recorded: nothing to wait for
+        }
+    };
+    if Arc::ptr_eq(&ctx, &st.ctx) {
+        // Same executor: submission order already puts the record first.
+        return Ok(());
+    }
+    st.ctx.submit(&st, Op::WaitFor { ctx, seq }).map(|_| ())
+}
+
+#[no_mangle]
+extern "C" fn cuStreamWaitEvent(s: CUstream, e: CUevent, _flags: u32) -> CUresult {
+    guard(|| stream_wait_event(s, e, false))
+}
+
+#[no_mangle]
+extern "C" fn cuStreamWaitEvent_ptsz(s: CUstream, e: CUevent, _flags: u32) -> CUresult {
+    guard(|| stream_wait_event(s, e, true))
+}
+
+fn add_callback(
+    s: CUstream,
+    cb: CUstreamCallback,
+    data: *mut c_void,
+    flags: u32,
+    pt: bool,
+) -> Result<(), CUresult> {
+    let f = cb.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    if flags != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let d = driver()?;
+    let st = d.stream(s, pt)?;
+    st.ctx
+        .submit(
+            &st,
+            Op::Callback {
+                f,
+                stream: s as usize,
+                data: data as usize,
+            },
+        )
+        .map(|_| ())
+}
+
+#[no_mangle]
+extern "C" fn cuStreamAddCallback(
+    s: CUstream,
+    cb: CUstreamCallback,
+    data: *mut c_void,
+    flags: u32,
+) -> CUresult {
+    guard(|| add_callback(s, cb, data, flags, false))
+}
+
+#[no_mangle]
+extern "C" fn cuStreamAddCallback_ptsz(
+    s: CUstream,
+    cb: CUstreamCallback,
+    data: *mut c_void,
+    flags: u32,
+) -> CUresult {
+    guard(|| add_callback(s, cb, data, flags, true))
+}
+
+#[no_mangle]
+extern "C" fn cuStreamGetFlags(s: CUstream, flags: *mut u32) -> CUresult {
+    guard(|| out(flags, driver()?.stream(s, false)?.flags))
+}
+
+#[no_mangle]
+extern "C" fn cuStreamGetPriority(s: CUstream, prio: *mut i32) -> CUresult {
+    guard(|| out(prio, driver()?.stream(s, false)?.priority))
+}
+
+#[no_mangle]
+extern "C" fn cuStreamGetCtx(s: CUstream, pctx: *mut CUcontext) -> CUresult {
+    guard(|| {
+        let st = driver()?.stream(s, false)?;
+        out(pctx, st.ctx.handle() as CUcontext)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuEventCreate(ph: *mut CUevent, flags: u32) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        driver::current()?;
+        if ph.is_null() || flags & !0x7 != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let e = Arc::new(Event {
+            flags,
+            state: Mutex::new(EventState::default()),
+        });
+        let h = Arc::as_ptr(&e) as usize;
+        d.events
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(h, e);
+        out(ph, h as CUevent)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuEventDestroy_v2(e: CUevent) -> CUresult {
+    guard(|| {
+        driver()?
+            .events
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(e as usize))
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+    })
+}
+
+fn event_record(e: CUevent, s: CUstream, pt: bool) -> Result<(), CUresult> {
+    let d = driver()?;
+    let ev = d.event(e)?;
+    let st = d.stream(s, pt)?;
+    // The lock is not held across submission (which may block on a full queue while
+    // the executor needs this lock); the generation ties the op to this record.
+    let generation = {
+        let mut g = ev.state.lock().unwrap_or_else(|e| e.into_inner());
+        g.generation += 1;
+        g.ctx = Some(st.ctx.clone());
+        g.seq = u64::MAX;
+        g.time_ns = 0;
+        g.generation
+    };
+    let got = st.ctx.submit(
+        &st,
+        Op::EventRecord {
+            event: ev.clone(),
+            generation,
+        },
+    );
+    let mut g = ev.state.lock().unwrap_or_else(|e| e.into_inner());
+    match got {
+        Ok(seq) => {
+            if g.generation == generation {
+                g.seq = seq;
+            }
+            Ok(())
+        }
+        Err(e) => {
+            if g.generation == generation {
+                g.ctx = None;
+            }
+            Err(e)
+        }
+    }
+}
+
+/// The sequence an event waits for (a record still being submitted counts as
+/// "everything submitted so far").
+fn event_seq(g: &EventState, ctx: &Context) -> u64 {
+    if g.seq == u64::MAX {
+        ctx.submitted()
+    } else {
+        g.seq
+    }
+}
+
+#[no_mangle]
+extern "C" fn cuEventRecord(e: CUevent, s: CUstream) -> CUresult {
+    guard(|| event_record(e, s, false))
+}
+
+#[no_mangle]
+extern "C" fn cuEventRecord_ptsz(e: CUevent, s: CUstream) -> CUresult {
+    guard(|| event_record(e, s, true))
+}
+
+#[no_mangle]
+extern "C" fn cuEventRecordWithFlags(e: CUevent, s: CUstream, _flags: u32) -> CUresult {
+    guard(|| event_record(e, s, false))
+}
+
+#[no_mangle]
+extern "C" fn cuEventRecordWithFlags_ptsz(e: CUevent, s: CUstream, _flags: u32) -> CUresult {
+    guard(|| event_record(e, s, true))
+}
+
+#[no_mangle]
+extern "C" fn cuEventQuery(e: CUevent) -> CUresult {
+    guard(|| {
+        let ev = driver()?.event(e)?;
+        let g = ev.state.lock().unwrap_or_else(|e| e.into_inner());
+        match &g.ctx {
+            None => Ok(()),
+            Some(_) if g.time_ns != 0 => Ok(()),
+            Some(c) if c.is_done(event_seq(&g, c)) => c.check(),
+            Some(_) => Err(CUDA_ERROR_NOT_READY),
+        }
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuEventSynchronize(e: CUevent) -> CUresult {
+    guard(|| {
+        let ev = driver()?.event(e)?;
+        let (ctx, seq) = {
+            let g = ev.state.lock().unwrap_or_else(|e| e.into_inner());
+            let seq = g.ctx.as_ref().map(|c| event_seq(&g, c)).unwrap_or(0);
+            (g.ctx.clone(), seq)
+        };
+        match ctx {
+            None => Ok(()),
+            Some(c) => {
+                c.wait_for(seq);
+                c.check()
+            }
+        }
+    })
+}
+
+fn elapsed(ms: *mut f32, start: CUevent, end: CUevent) -> Result<(), CUresult> {
+    let d = driver()?;
+    let (a, b) = (d.event(start)?, d.event(end)?);
+    if (a.flags | b.flags) & CU_EVENT_DISABLE_TIMING != 0 {
+        return Err(CUDA_ERROR_INVALID_HANDLE);
+    }
+    let ta = {
+        let g = a.state.lock().unwrap_or_else(|e| e.into_inner());
+        if g.ctx.is_none() {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        g.time_ns
+    };
+    let tb = {
+        let g = b.state.lock().unwrap_or_else(|e| e.into_inner());
+        if g.ctx.is_none() {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        g.time_ns
+    };
+    if ta == 0 || tb == 0 {
+        return Err(CUDA_ERROR_NOT_READY);
+    }
+    out(ms, (tb as f64 - ta as f64) as f32 / 1e6)
+}
+
+#[no_mangle]
+extern "C" fn cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent) -> CUresult {
+    guard(|| elapsed(ms, start, end))
+}
+
+#[no_mangle]
+extern "C" fn cuEventElapsedTime_v2(ms: *mut f32, start: CUevent, end: CUevent) -> CUresult {
+    guard(|| elapsed(ms, start, end))
+}
+
+// ---------------------------------------------------------------- modules and launches
+
+/// The four built-in kernels; a `CUfunction` is a pointer into this table.
+static FUNCTIONS: [Builtin; 4] = [
+    Builtin::Fill,
+    Builtin::Add,
+    Builtin::Checksum,
+    Builtin::Spin,
+];
+
+fn function(f: CUfunction) -> Result<Builtin, CUresult> {
+    FUNCTIONS
+        .iter()
+        .find(|b| std::ptr::eq(*b as *const Builtin, f as *const Builtin))
+        .copied()
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)
+}
+
+fn module_load(m: *mut CUmodule, image: *const c_void) -> Result<(), CUresult> {
+    let d = driver()?;
+    driver::current()?;
+    if m.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if image.is_null() {
+        return Err(CUDA_ERROR_INVALID_IMAGE);
+    }
+    // Any image is accepted: entry names resolve to the built-ins.
+    out(m, d.new_module() as CUmodule)
+}
+
+#[no_mangle]
+extern "C" fn cuModuleLoadData(m: *mut CUmodule, image: *const c_void) -> CUresult {
+    guard(|| module_load(m, image))
+}
+
+#[no_mangle]
+extern "C" fn cuModuleLoadDataEx(
+    m: *mut CUmodule,
+    image: *const c_void,
+    _n: u32,
+    _o: *mut i32,
+    _v: *mut *mut c_void,
+) -> CUresult {
+    guard(|| module_load(m, image))
+}
+
+#[no_mangle]
+extern "C" fn cuModuleLoad(m: *mut CUmodule, fname: *const c_char) -> CUresult {
+    guard(|| {
+        let path = c_str(fname)?;
+        if !std::path::Path::new(path).is_file() {
+            return Err(CUDA_ERROR_FILE_NOT_FOUND);
+        }
+        module_load(m, fname.cast())
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuModuleUnload(m: CUmodule) -> CUresult {
+    guard(|| {
+        if driver()?.drop_module(m as usize) {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_INVALID_HANDLE)
+        }
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuModuleGetFunction(
+    f: *mut CUfunction,
+    m: CUmodule,
+    name: *const c_char,
+) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        if !d.has_module(m as usize) {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        let name = c_str(name)?;
+        let b = FUNCTIONS
+            .iter()
+            .find(|b| b.name() == name)
+            .ok_or(CUDA_ERROR_NOT_FOUND)?;
+        out(f, b as *const Builtin as CUfunction)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuFuncGetAttribute(pi: *mut i32, attrib: i32, f: CUfunction) -> CUresult {
+    guard(|| {
+        driver()?;
+        function(f)?;
+        let v = match attrib {
+            0 => 1024,   // MAX_THREADS_PER_BLOCK
+            4 => 32,     // NUM_REGS
+            5 | 6 => 80, // PTX / BINARY version
+            1..=8 => 0,
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        out(pi, v)
+    })
+}
+
+/// Reads the kernel's arguments now (as the driver does at launch).
+fn kernel_args(
+    kind: Builtin,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> Result<[u64; 3], CUresult> {
+    let sizes = kind.param_sizes();
+    let mut args = [0u64; 3];
+    let rd = |p: *const u8, size: usize| -> Result<u64, CUresult> {
+        Ok(match size {
+            4 => u64::from(read(p.cast::<u32>())?),
+            _ => read(p.cast::<u64>())?,
+        })
+    };
+    if !params.is_null() {
+        for (i, &sz) in sizes.iter().enumerate() {
+            // SAFETY: kernelParams holds one pointer per kernel parameter.
+            let p = read(unsafe { params.add(i) })?;
+            args[i] = rd(p.cast(), sz)?;
+        }
+        return Ok(args);
+    }
+    if extra.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // extra: {CU_LAUNCH_PARAM_BUFFER_POINTER, buf, CU_LAUNCH_PARAM_BUFFER_SIZE, &size, END}
+    let (mut buf, mut size) = (std::ptr::null::<u8>(), None);
+    let mut i = 0;
+    loop {
+        // SAFETY: extra is a key/value list terminated by CU_LAUNCH_PARAM_END.
+        let key = read(unsafe { extra.add(i) })? as usize;
+        match key {
+            CU_LAUNCH_PARAM_END => break,
+            CU_LAUNCH_PARAM_BUFFER_POINTER => {
+                // SAFETY: as above, the value follows its key.
+                buf = read(unsafe { extra.add(i + 1) })?.cast();
+            }
+            CU_LAUNCH_PARAM_BUFFER_SIZE => {
+                // SAFETY: as above.
+                let sp = read(unsafe { extra.add(i + 1) })?;
+                size = Some(read(sp.cast::<usize>())?);
+            }
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        }
+        i += 2;
+    }
+    let size = size.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let mut off = 0usize;
+    for (i, &sz) in sizes.iter().enumerate() {
+        off = off.next_multiple_of(sz);
+        if off + sz > size || buf.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: within the caller's buffer of `size` bytes (checked above).
+        args[i] = rd(unsafe { buf.add(off) }, sz)?;
+        off += sz;
+    }
+    Ok(args)
+}
+
+fn launch(
+    f: CUfunction,
+    grid: [u32; 3],
+    block: [u32; 3],
+    stream: CUstream,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+    pt: bool,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    let kind = function(f)?;
+    if grid.contains(&0) || block.contains(&0) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if block.iter().map(|&b| u64::from(b)).product::<u64>() > 1024 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let args = kernel_args(kind, params, extra)?;
+    let s = d.stream(stream, pt)?;
+    s.ctx.check()?;
+    s.ctx.submit(&s, Op::Kernel { kind, args }).map(|_| ())
+}
+
+#[no_mangle]
+extern "C" fn cuLaunchKernel(
+    f: CUfunction,
+    gx: u32,
+    gy: u32,
+    gz: u32,
+    bx: u32,
+    by: u32,
+    bz: u32,
+    _shmem: u32,
+    s: CUstream,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    guard(|| launch(f, [gx, gy, gz], [bx, by, bz], s, params, extra, false))
+}
+
+#[no_mangle]
+extern "C" fn cuLaunchKernel_ptsz(
+    f: CUfunction,
+    gx: u32,
+    gy: u32,
+    gz: u32,
+    bx: u32,
+    by: u32,
+    bz: u32,
+    _shmem: u32,
+    s: CUstream,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    guard(|| launch(f, [gx, gy, gz], [bx, by, bz], s, params, extra, true))
+}
+
+fn launch_ex(
+    cfg: *const CUlaunchConfig,
+    f: CUfunction,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+    pt: bool,
+) -> Result<(), CUresult> {
+    if cfg.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: a non-NULL config points to a CUlaunchConfig (C API contract).
+    let c = unsafe { &*cfg };
+    launch(
+        f,
+        [c.grid_dim_x, c.grid_dim_y, c.grid_dim_z],
+        [c.block_dim_x, c.block_dim_y, c.block_dim_z],
+        c.h_stream,
+        params,
+        extra,
+        pt,
+    )
+}
+
+#[no_mangle]
+extern "C" fn cuLaunchKernelEx(
+    cfg: *const CUlaunchConfig,
+    f: CUfunction,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    guard(|| launch_ex(cfg, f, params, extra, false))
+}
+
+#[no_mangle]
+extern "C" fn cuLaunchKernelEx_ptsz(
+    cfg: *const CUlaunchConfig,
+    f: CUfunction,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    guard(|| launch_ex(cfg, f, params, extra, true))
+}
+
+fn host_func(s: CUstream, f: CUhostFn, data: *mut c_void, pt: bool) -> Result<(), CUresult> {
+    let f = f.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let d = driver()?;
+    let st = d.stream(s, pt)?;
+    st.ctx.check()?;
+    st.ctx
+        .submit(
+            &st,
+            Op::HostFn {
+                f,
+                data: data as usize,
+            },
+        )
+        .map(|_| ())
+}
+
+#[no_mangle]
+extern "C" fn cuLaunchHostFunc(s: CUstream, f: CUhostFn, data: *mut c_void) -> CUresult {
+    guard(|| host_func(s, f, data, false))
+}
+
+#[no_mangle]
+extern "C" fn cuLaunchHostFunc_ptsz(s: CUstream, f: CUhostFn, data: *mut c_void) -> CUresult {
+    guard(|| host_func(s, f, data, true))
+}
+
+// ---------------------------------------------------------------- errors, entry points
+
+#[no_mangle]
+extern "C" fn cuGetErrorName(e: CUresult, s: *mut *const c_char) -> CUresult {
+    guard(|| match ERRORS.iter().find(|x| x.0 == e) {
+        Some(x) => out(s, x.1.as_ptr()),
+        None => {
+            let _ = out(s, std::ptr::null());
+            Err(CUDA_ERROR_INVALID_VALUE)
+        }
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuGetErrorString(e: CUresult, s: *mut *const c_char) -> CUresult {
+    guard(|| match ERRORS.iter().find(|x| x.0 == e) {
+        Some(x) => out(s, x.2.as_ptr()),
+        None => {
+            let _ = out(s, std::ptr::null());
+            Err(CUDA_ERROR_INVALID_VALUE)
+        }
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuGetExportTable(table: *mut *const c_void, _id: *const CUuuid) -> CUresult {
+    guard(|| {
+        if !table.is_null() {
+            out(table, std::ptr::null())?;
+        }
+        Err(CUDA_ERROR_NOT_SUPPORTED)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: i32,
+    flags: u64,
+) -> CUresult {
+    guard(|| crate::procaddr::get_proc_address(symbol, pfn, version, flags, std::ptr::null_mut()))
+}
+
+#[no_mangle]
+extern "C" fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: i32,
+    flags: u64,
+    status: *mut i32,
+) -> CUresult {
+    guard(|| crate::procaddr::get_proc_address(symbol, pfn, version, flags, status))
+}
+
+/// Every export: (symbol, minimum CUDA version, address). `procaddr` derives base
+/// names from the symbols.
+pub fn exports() -> Vec<(&'static str, i32, usize)> {
+    macro_rules! table {
+        ($($name:ident = $ver:expr),* $(,)?) => {
+            vec![$((stringify!($name), $ver, $name as *const () as usize)),*]
+        };
+    }
+    table![
+        cuInit = 2000,
+        cuDriverGetVersion = 2020,
+        cuDeviceGet = 2000,
+        cuDeviceGetCount = 2000,
+        cuDeviceGetName = 2000,
+        cuDeviceGetUuid = 9020,
+        cuDeviceGetUuid_v2 = 11040,
+        cuDeviceTotalMem_v2 = 3020,
+        cuDeviceGetAttribute = 2000,
+        cuDeviceComputeCapability = 2000,
+        cuDeviceGetPCIBusId = 4010,
+        cuDeviceCanAccessPeer = 4000,
+        cuDevicePrimaryCtxRetain = 7000,
+        cuDevicePrimaryCtxRelease = 7000,
+        cuDevicePrimaryCtxRelease_v2 = 11000,
+        cuDevicePrimaryCtxReset = 7000,
+        cuDevicePrimaryCtxReset_v2 = 11000,
+        cuDevicePrimaryCtxGetState = 7000,
+        cuDevicePrimaryCtxSetFlags_v2 = 11000,
+        cuCtxCreate_v2 = 3020,
+        cuCtxDestroy_v2 = 4000,
+        cuCtxSetCurrent = 4000,
+        cuCtxGetCurrent = 4000,
+        cuCtxPushCurrent_v2 = 4000,
+        cuCtxPopCurrent_v2 = 4000,
+        cuCtxSynchronize = 2000,
+        cuCtxGetDevice = 2000,
+        cuCtxGetFlags = 7000,
+        cuCtxGetApiVersion = 3020,
+        cuCtxGetStreamPriorityRange = 5050,
+        cuMemGetInfo_v2 = 3020,
+        cuMemAlloc_v2 = 3020,
+        cuMemAllocPitch_v2 = 3020,
+        cuMemFree_v2 = 3020,
+        cuMemGetAddressRange_v2 = 3020,
+        cuMemAllocAsync = 11020,
+        cuMemFreeAsync = 11020,
+        cuMemAllocHost_v2 = 3020,
+        cuMemHostAlloc = 2020,
+        cuMemFreeHost = 2000,
+        cuMemHostRegister_v2 = 6050,
+        cuMemHostUnregister = 4000,
+        cuMemcpy = 4000,
+        cuMemcpyAsync = 4000,
+        cuMemcpyHtoD_v2 = 3020,
+        cuMemcpyDtoH_v2 = 3020,
+        cuMemcpyDtoD_v2 = 3020,
+        cuMemcpyHtoDAsync_v2 = 3020,
+        cuMemcpyDtoHAsync_v2 = 3020,
+        cuMemcpyDtoDAsync_v2 = 3020,
+        cuMemsetD8_v2 = 3020,
+        cuMemsetD16_v2 = 3020,
+        cuMemsetD32_v2 = 3020,
+        cuMemsetD8Async = 3020,
+        cuMemsetD16Async = 3020,
+        cuMemsetD32Async = 3020,
+        cuMemGetAllocationGranularity = 10020,
+        cuMemAddressReserve = 10020,
+        cuMemAddressFree = 10020,
+        cuMemCreate = 10020,
+        cuMemRelease = 10020,
+        cuMemMap = 10020,
+        cuMemUnmap = 10020,
+        cuMemSetAccess = 10020,
+        cuStreamCreate = 2000,
+        cuStreamCreateWithPriority = 5050,
+        cuStreamDestroy_v2 = 4000,
+        cuStreamSynchronize = 2000,
+        cuStreamQuery = 2000,
+        cuStreamWaitEvent = 3020,
+        cuStreamAddCallback = 5000,
+        cuStreamGetFlags = 5050,
+        cuStreamGetPriority = 5050,
+        cuStreamGetCtx = 9020,
+        cuEventCreate = 2000,
+        cuEventDestroy_v2 = 4000,
+        cuEventRecord = 2000,
+        cuEventRecordWithFlags = 11010,
+        cuEventQuery = 2000,
+        cuEventSynchronize = 2000,
+        cuEventElapsedTime = 2000,
+        cuEventElapsedTime_v2 = 12080,
+        cuModuleLoadData = 2000,
+        cuModuleLoadDataEx = 2010,
+        cuModuleLoad = 2000,
+        cuModuleUnload = 2000,
+        cuModuleGetFunction = 2000,
+        cuFuncGetAttribute = 2020,
+        cuLaunchKernel = 4000,
+        cuLaunchKernelEx = 11060,
+        cuLaunchHostFunc = 10000,
+        cuGetErrorName = 6000,
+        cuGetErrorString = 6000,
+        cuGetExportTable = 3000,
+        cuGetProcAddress = 11030,
+        cuGetProcAddress_v2 = 12000,
+    ]
+}
+
+/// Per-thread-default-stream variants: (base name, symbol, address).
+pub fn per_thread_exports() -> Vec<(&'static str, &'static str, usize)> {
+    macro_rules! table {
+        ($($base:literal => $name:ident),* $(,)?) => {
+            vec![$(($base, stringify!($name), $name as *const () as usize)),*]
+        };
+    }
+    table![
+        "cuMemcpy" => cuMemcpy_ptds,
+        "cuMemcpyHtoD" => cuMemcpyHtoD_v2_ptds,
+        "cuMemcpyDtoH" => cuMemcpyDtoH_v2_ptds,
+        "cuMemcpyDtoD" => cuMemcpyDtoD_v2_ptds,
+        "cuMemsetD8" => cuMemsetD8_v2_ptds,
+        "cuMemsetD16" => cuMemsetD16_v2_ptds,
+        "cuMemsetD32" => cuMemsetD32_v2_ptds,
+        "cuMemcpyAsync" => cuMemcpyAsync_ptsz,
+        "cuMemcpyHtoDAsync" => cuMemcpyHtoDAsync_v2_ptsz,
+        "cuMemcpyDtoHAsync" => cuMemcpyDtoHAsync_v2_ptsz,
+        "cuMemcpyDtoDAsync" => cuMemcpyDtoDAsync_v2_ptsz,
+        "cuMemsetD8Async" => cuMemsetD8Async_ptsz,
+        "cuMemsetD16Async" => cuMemsetD16Async_ptsz,
+        "cuMemsetD32Async" => cuMemsetD32Async_ptsz,
+        "cuMemAllocAsync" => cuMemAllocAsync_ptsz,
+        "cuMemFreeAsync" => cuMemFreeAsync_ptsz,
+        "cuStreamSynchronize" => cuStreamSynchronize_ptsz,
+        "cuStreamQuery" => cuStreamQuery_ptsz,
+        "cuStreamWaitEvent" => cuStreamWaitEvent_ptsz,
+        "cuStreamAddCallback" => cuStreamAddCallback_ptsz,
+        "cuEventRecord" => cuEventRecord_ptsz,
+        "cuEventRecordWithFlags" => cuEventRecordWithFlags_ptsz,
+        "cuLaunchKernel" => cuLaunchKernel_ptsz,
+        "cuLaunchKernelEx" => cuLaunchKernelEx_ptsz,
+        "cuLaunchHostFunc" => cuLaunchHostFunc_ptsz,
+    ]
+}

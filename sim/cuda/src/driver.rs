@@ -1,0 +1,265 @@
+//! Process-wide driver state: the machine segment, memory, contexts, streams,
+//! events and modules, plus each thread's context stack.
+//!
+//! `cuInit` creates the state once; every other call before it fails with
+//! `CUDA_ERROR_NOT_INITIALIZED`, as on the real driver.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+
+use kiwi_sim_core::trace::TraceWriter;
+use kiwi_sim_core::{Machine, SimConfig};
+
+use crate::abi::*;
+use crate::exec::{Context, Event, Stream};
+use crate::memory::Memory;
+
+pub struct Primary {
+    pub ctx: Option<Arc<Context>>,
+    pub refs: u32,
+    pub flags: u32,
+}
+
+/// Everything `cuInit` sets up.
+pub struct Driver {
+    pub machine: &'static Machine,
+    pub name: String,
+    pub gpus: u32,
+    /// Host↔device bandwidth in bytes/s.
+    pub pcie_bps: f64,
+    /// Device memory bandwidth in bytes/s.
+    pub hbm_bps: f64,
+    pub trace: Option<TraceWriter>,
+    pub mem: Memory,
+    pub primary: Vec<Mutex<Primary>>,
+    pub contexts: RwLock<HashMap<usize, Arc<Context>>>,
+    pub streams: RwLock<HashMap<usize, Arc<Stream>>>,
+    pub events: RwLock<HashMap<usize, Arc<Event>>>,
+    pub modules: Mutex<HashMap<usize, u64>>,
+    next_module: AtomicU64,
+}
+
+static DRIVER: OnceLock<Result<Driver, CUresult>> = OnceLock::new();
+
+fn init_driver() -> Result<Driver, CUresult> {
+    let cfg = SimConfig::from_env().map_err(|e| {
+        eprintln!("kiwi-sim libcuda: {e}");
+        CUDA_ERROR_INVALID_VALUE
+    })?;
+    let machine = Machine::open(&cfg).map_err(|e| {
+        eprintln!("kiwi-sim libcuda: {e}");
+        CUDA_ERROR_OPERATING_SYSTEM
+    })?;
+    // The driver lives for the whole process.
+    let machine: &'static Machine = Box::leak(Box::new(machine));
+    let settings = machine.settings();
+    let trace = match &cfg.trace {
+        Some(p) => Some(TraceWriter::open(p).map_err(|e| {
+            eprintln!("kiwi-sim libcuda: KIWI_SIM_TRACE={}: {e}", p.display());
+            CUDA_ERROR_OPERATING_SYSTEM
+        })?),
+        None => None,
+    };
+    let mem = Memory::new(machine)?;
+    Ok(Driver {
+        machine,
+        name: cfg.name.clone(),
+        gpus: settings.gpus,
+        pcie_bps: settings.pcie_gbps * 1e9,
+        hbm_bps: settings.hbm_gbps * 1e9,
+        trace,
+        mem,
+        primary: (0..settings.gpus)
+            .map(|_| {
+                Mutex::new(Primary {
+                    ctx: None,
+                    refs: 0,
+                    flags: 0,
+                })
+            })
+            .collect(),
+        contexts: RwLock::new(HashMap::new()),
+        streams: RwLock::new(HashMap::new()),
+        events: RwLock::new(HashMap::new()),
+        modules: Mutex::new(HashMap::new()),
+        next_module: AtomicU64::new(1),
+    })
+}
+
+/// `cuInit`: idempotent; the first call's outcome sticks.
+pub fn init() -> Result<&'static Driver, CUresult> {
+    match DRIVER.get_or_init(init_driver) {
+        Ok(d) => Ok(d),
+        Err(e) => Err(*e),
+    }
+}
+
+/// The driver, or `CUDA_ERROR_NOT_INITIALIZED` before `cuInit`.
+#[inline]
+pub fn driver() -> Result<&'static Driver, CUresult> {
+    match DRIVER.get() {
+        Some(Ok(d)) => Ok(d),
+        Some(Err(e)) => Err(*e),
+        None => Err(CUDA_ERROR_NOT_INITIALIZED),
+    }
+}
+
+thread_local! {
+    /// This thread's context stack (top = current).
+    static CTX_STACK: RefCell<Vec<Arc<Context>>> = const { RefCell::new(Vec::new()) };
+    /// Per-thread default streams, by context handle.
+    static PT_STREAMS: RefCell<HashMap<usize, Arc<Stream>>> = RefCell::new(HashMap::new());
+}
+
+impl Driver {
+    pub fn device(&self, dev: CUdevice) -> Result<u32, CUresult> {
+        if dev < 0 || dev as u32 >= self.gpus {
+            return Err(CUDA_ERROR_INVALID_DEVICE);
+        }
+        Ok(dev as u32)
+    }
+
+    pub fn register_context(&self, ctx: &Arc<Context>) {
+        self.contexts
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(ctx.handle(), ctx.clone());
+    }
+
+    pub fn context(&self, handle: usize) -> Result<Arc<Context>, CUresult> {
+        self.contexts
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&handle)
+            .cloned()
+            .ok_or(CUDA_ERROR_INVALID_CONTEXT)
+    }
+
+    /// The module id for a `CUmodule` handle.
+    pub fn new_module(&self) -> usize {
+        let id = self.next_module.fetch_add(1, Ordering::Relaxed);
+        // Handles are small non-zero integers wearing a pointer type.
+        let h = (id as usize) << 4;
+        self.modules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(h, id);
+        h
+    }
+
+    pub fn has_module(&self, h: usize) -> bool {
+        self.modules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(&h)
+    }
+
+    pub fn drop_module(&self, h: usize) -> bool {
+        self.modules
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&h)
+            .is_some()
+    }
+
+    /// The stream for a `CUstream` argument. NULL means the legacy stream, or the
+    /// per-thread stream when called through a `_ptsz`/`_ptds` entry point.
+    #[inline]
+    pub fn stream(&self, h: CUstream, per_thread: bool) -> Result<Arc<Stream>, CUresult> {
+        let h = h as usize;
+        match h {
+            0 if per_thread => per_thread_stream(),
+            0 | CU_STREAM_LEGACY => {
+                let ctx = current()?;
+                Ok(ctx.null_stream())
+            }
+            CU_STREAM_PER_THREAD => per_thread_stream(),
+            _ => {
+                let s = self
+                    .streams
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&h)
+                    .cloned()
+                    .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+                s.ctx.check()?;
+                Ok(s)
+            }
+        }
+    }
+
+    pub fn event(&self, h: CUevent) -> Result<Arc<Event>, CUresult> {
+        self.events
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(h as usize))
+            .cloned()
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+    }
+}
+
+/// The current context of this thread, checked for destruction and sticky errors.
+#[inline]
+pub fn current() -> Result<Arc<Context>, CUresult> {
+    let ctx = current_unchecked()?;
+    ctx.check()?;
+    Ok(ctx)
+}
+
+/// The current context without the sticky-error check.
+pub fn current_unchecked() -> Result<Arc<Context>, CUresult> {
+    CTX_STACK
+        .with(|s| s.borrow().last().cloned())
+        .ok_or(CUDA_ERROR_INVALID_CONTEXT)
+}
+
+/// `cuCtxGetCurrent` without touching the registry (the fast path).
+#[inline]
+pub fn current_handle() -> usize {
+    CTX_STACK.with(|s| s.borrow().last().map(|c| c.handle()).unwrap_or(0))
+}
+
+pub fn push_current(ctx: Arc<Context>) {
+    CTX_STACK.with(|s| s.borrow_mut().push(ctx));
+}
+
+pub fn pop_current() -> Option<Arc<Context>> {
+    CTX_STACK.with(|s| s.borrow_mut().pop())
+}
+
+/// `cuCtxSetCurrent`: replaces the top of the stack (NULL pops it).
+pub fn set_current(ctx: Option<Arc<Context>>) {
+    CTX_STACK.with(|s| {
+        let mut s = s.borrow_mut();
+        s.pop();
+        if let Some(c) = ctx {
+            s.push(c);
+        }
+    });
+}
+
+/// Removes a destroyed context from this thread's stack.
+pub fn forget_current(handle: usize) {
+    CTX_STACK.with(|s| s.borrow_mut().retain(|c| c.handle() != handle));
+    PT_STREAMS.with(|m| m.borrow_mut().remove(&handle));
+}
+
+fn per_thread_stream() -> Result<Arc<Stream>, CUresult> {
+    let ctx = current()?;
+    let h = ctx.handle();
+    Ok(PT_STREAMS.with(|m| {
+        m.borrow_mut()
+            .entry(h)
+            .or_insert_with(|| {
+                Arc::new(Stream {
+                    ctx: ctx.clone(),
+                    last_seq: AtomicU64::new(0),
+                    flags: 0,
+                    priority: 0,
+                })
+            })
+            .clone()
+    }))
+}

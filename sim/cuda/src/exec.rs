@@ -1,0 +1,607 @@
+//! Contexts and their executors: asynchronous work in submission order.
+//!
+//! Each context has one worker thread that runs queued work (kernels, async copies
+//! and memsets, event records, host functions, cross-context stream waits, async
+//! frees). All streams of a context are serialized by that one worker, in submission
+//! order (documented simplification: stream order is kept, stream concurrency is
+//! not modelled). The queue is bounded at [`QUEUE_DEPTH`] pending operations; a
+//! submission blocks while it is full, as a launch does on hardware.
+//!
+//! The submission path takes one uncontended mutex, writes into a preallocated ring
+//! and wakes the worker only when it sleeps: no syscall and no allocation while the
+//! worker is busy.
+
+use std::collections::VecDeque;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use kiwi_sim_core::{monotonic_ns, TraceRecord};
+
+use crate::abi::*;
+use crate::driver::Driver;
+use crate::memory::Fault;
+
+/// Most operations queued on one context before submission blocks.
+pub const QUEUE_DEPTH: usize = 1024;
+
+/// The built-in kernels, found by entry name in any module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Builtin {
+    /// `kiwi_fill(u32* ptr, u32 value, u64 words)`
+    Fill,
+    /// `kiwi_add(u32* ptr, u32 delta, u64 words)`
+    Add,
+    /// `kiwi_checksum(const u32* ptr, u64 words, u64* out)`: u64 sum of the words.
+    Checksum,
+    /// `kiwi_spin(u64 nanoseconds)`
+    Spin,
+}
+
+impl Builtin {
+    pub fn name(self) -> &'static str {
+        match self {
+            Builtin::Fill => "kiwi_fill",
+            Builtin::Add => "kiwi_add",
+            Builtin::Checksum => "kiwi_checksum",
+            Builtin::Spin => "kiwi_spin",
+        }
+    }
+
+    /// Parameter sizes in order (for `kernelParams` and the packed `extra` buffer).
+    pub fn param_sizes(self) -> &'static [usize] {
+        match self {
+            Builtin::Fill | Builtin::Add => &[8, 4, 8],
+            Builtin::Checksum => &[8, 8, 8],
+            Builtin::Spin => &[8],
+        }
+    }
+}
+
+/// One queued operation.
+pub enum Op {
+    Kernel {
+        kind: Builtin,
+        args: [u64; 3],
+    },
+    /// Host → device (`src` is a host address).
+    HtoD {
+        dst: u64,
+        src: usize,
+        n: u64,
+    },
+    /// Device → host.
+    DtoH {
+        dst: usize,
+        src: u64,
+        n: u64,
+    },
+    DtoD {
+        dst: u64,
+        src: u64,
+        n: u64,
+    },
+    HtoH {
+        dst: usize,
+        src: usize,
+        n: u64,
+    },
+    Memset {
+        dst: u64,
+        value: u32,
+        elem: u8,
+        count: u64,
+    },
+    EventRecord {
+        event: Arc<Event>,
+        generation: u64,
+    },
+    WaitFor {
+        ctx: Arc<Context>,
+        seq: u64,
+    },
+    HostFn {
+        f: unsafe extern "C" fn(*mut c_void),
+        data: usize,
+    },
+    Callback {
+        f: unsafe extern "C" fn(CUstream, CUresult, *mut c_void),
+        stream: usize,
+        data: usize,
+    },
+    Free {
+        ptr: u64,
+    },
+}
+
+struct Queue {
+    ops: VecDeque<(u64, Op)>,
+    worker_idle: bool,
+    shutdown: bool,
+    space_waiters: usize,
+}
+
+/// A CUDA context.
+pub struct Context {
+    pub device: u32,
+    pub flags: u32,
+    pub primary: bool,
+    driver: &'static Driver,
+    queue: Mutex<Queue>,
+    work_cv: Condvar,
+    space_cv: Condvar,
+    submitted: AtomicU64,
+    completed: AtomicU64,
+    done_mx: Mutex<()>,
+    done_cv: Condvar,
+    waiters: AtomicUsize,
+    /// Sticky error (e.g. `CUDA_ERROR_ILLEGAL_ADDRESS`): every later call fails with it.
+    pub sticky: AtomicU32,
+    pub destroyed: AtomicBool,
+    worker: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The legacy NULL stream of this context.
+    pub null_stream: Mutex<Option<Arc<Stream>>>,
+}
+
+/// A stream: the context it belongs to and its last submitted operation.
+pub struct Stream {
+    pub ctx: Arc<Context>,
+    pub last_seq: AtomicU64,
+    pub flags: u32,
+    pub priority: i32,
+}
+
+/// An event: where it was last recorded and when that point completed.
+pub struct Event {
+    pub flags: u32,
+    pub state: Mutex<EventState>,
+}
+
+#[derive(Default)]
+pub struct EventState {
+    pub ctx: Option<Arc<Context>>,
+    /// Sequence of the record operation; `u64::MAX` while it is being submitted.
+    pub seq: u64,
+    /// Completion time (monotonic ns), 0 while pending.
+    pub time_ns: u64,
+    /// Bumped by every record, so a stale record op does not complete a newer one.
+    pub generation: u64,
+}
+
+impl Context {
+    pub fn new(driver: &'static Driver, device: u32, flags: u32, primary: bool) -> Arc<Context> {
+        let ctx = Arc::new(Context {
+            device,
+            flags,
+            primary,
+            driver,
+            queue: Mutex::new(Queue {
+                ops: VecDeque::with_capacity(QUEUE_DEPTH),
+                worker_idle: false,
+                shutdown: false,
+                space_waiters: 0,
+            }),
+            work_cv: Condvar::new(),
+            space_cv: Condvar::new(),
+            submitted: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
+            done_mx: Mutex::new(()),
+            done_cv: Condvar::new(),
+            waiters: AtomicUsize::new(0),
+            sticky: AtomicU32::new(CUDA_SUCCESS),
+            destroyed: AtomicBool::new(false),
+            worker: Mutex::new(None),
+            null_stream: Mutex::new(None),
+        });
+        *ctx.null_stream.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(Stream {
+            ctx: ctx.clone(),
+            last_seq: AtomicU64::new(0),
+            flags: 0,
+            priority: 0,
+        }));
+        let worker_ctx = ctx.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("kiwi-sim-gpu{device}"))
+            .spawn(move || worker_ctx.run_worker())
+            .expect("spawning the context executor thread");
+        *ctx.worker.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
+        ctx
+    }
+
+    /// The handle value given to C (`CUcontext`).
+    pub fn handle(self: &Arc<Self>) -> usize {
+        Arc::as_ptr(self) as usize
+    }
+
+    pub fn null_stream(&self) -> Arc<Stream> {
+        self.null_stream
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .expect("set at creation, cleared only on destroy")
+    }
+
+    /// The sticky error of this context, if any.
+    pub fn check(&self) -> Result<(), CUresult> {
+        if self.destroyed.load(Ordering::Acquire) {
+            return Err(CUDA_ERROR_CONTEXT_IS_DESTROYED);
+        }
+        match self.sticky.load(Ordering::Acquire) {
+            CUDA_SUCCESS => Ok(()),
+            e => Err(e),
+        }
+    }
+
+    /// Queues `op` on `stream` (which belongs to this context); returns its sequence.
+    pub fn submit(&self, stream: &Stream, op: Op) -> Result<u64, CUresult> {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        while q.ops.len() >= QUEUE_DEPTH && !q.shutdown {
+            q.space_waiters += 1;
+            q = self.space_cv.wait(q).unwrap_or_else(|e| e.into_inner());
+            q.space_waiters -= 1;
+        }
+        if q.shutdown {
+            return Err(CUDA_ERROR_CONTEXT_IS_DESTROYED);
+        }
+        let seq = self.submitted.load(Ordering::Relaxed) + 1;
+        self.submitted.store(seq, Ordering::Release);
+        stream.last_seq.store(seq, Ordering::Release);
+        q.ops.push_back((seq, op));
+        if q.worker_idle {
+            q.worker_idle = false;
+            self.work_cv.notify_one();
+        }
+        Ok(seq)
+    }
+
+    /// Sequence number of the last submitted operation.
+    pub fn submitted(&self) -> u64 {
+        self.submitted.load(Ordering::Acquire)
+    }
+
+    pub fn is_done(&self, seq: u64) -> bool {
+        self.completed.load(Ordering::Acquire) >= seq
+    }
+
+    /// Blocks until operation `seq` has completed.
+    pub fn wait_for(&self, seq: u64) {
+        if self.is_done(seq) {
+            return;
+        }
+        self.waiters.fetch_add(1, Ordering::SeqCst);
+        let mut g = self.done_mx.lock().unwrap_or_else(|e| e.into_inner());
+        while self.completed.load(Ordering::SeqCst) < seq {
+            g = self.done_cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(g);
+        self.waiters.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Waits for everything submitted so far and returns the sticky error, if any.
+    pub fn synchronize(&self) -> Result<(), CUresult> {
+        self.wait_for(self.submitted());
+        self.check()
+    }
+
+    /// Stops the executor after it drained its queue.
+    pub fn shut_down(&self) {
+        {
+            let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+            q.shutdown = true;
+            self.work_cv.notify_all();
+            self.space_cv.notify_all();
+        }
+        if let Some(h) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
+        }
+        // Break the context ↔ null stream cycle.
+        self.null_stream
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+    }
+
+    fn run_worker(self: Arc<Self>) {
+        loop {
+            let (seq, op) = {
+                let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    if let Some(item) = q.ops.pop_front() {
+                        if q.space_waiters > 0 {
+                            self.space_cv.notify_one();
+                        }
+                        break item;
+                    }
+                    if q.shutdown {
+                        return;
+                    }
+                    q.worker_idle = true;
+                    q = self.work_cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            // A panic in one operation must not kill the executor (waiters would hang).
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.execute(op);
+            }));
+            if r.is_err() {
+                self.sticky
+                    .store(CUDA_ERROR_LAUNCH_FAILED, Ordering::Release);
+            }
+            self.completed.store(seq, Ordering::SeqCst);
+            if self.waiters.load(Ordering::SeqCst) > 0 {
+                let _g = self.done_mx.lock().unwrap_or_else(|e| e.into_inner());
+                self.done_cv.notify_all();
+            }
+        }
+    }
+
+    fn fail(&self, e: CUresult) {
+        // Only the first error sticks, as on hardware.
+        let _ = self
+            .sticky
+            .compare_exchange(CUDA_SUCCESS, e, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    fn execute(&self, op: Op) {
+        let broken = self.sticky.load(Ordering::Acquire) != CUDA_SUCCESS;
+        let d = self.driver;
+        match op {
+            Op::EventRecord { event, generation } => {
+                let mut st = event.state.lock().unwrap_or_else(|e| e.into_inner());
+                if st.generation == generation {
+                    st.time_ns = monotonic_ns();
+                }
+            }
+            Op::WaitFor { ctx, seq } => ctx.wait_for(seq),
+            _ if broken => {}
+            Op::Kernel { kind, args } => {
+                if let Err(f) = self.run_kernel(kind, args) {
+                    let _ = f;
+                    self.fail(CUDA_ERROR_ILLEGAL_ADDRESS);
+                }
+            }
+            Op::HtoD { dst, src, n } => {
+                let start = monotonic_ns();
+                match d.mem.resolve(dst, n, true) {
+                    Ok(pieces) => {
+                        let mut at = src;
+                        for p in pieces {
+                            // SAFETY: host range validated by the caller's contract;
+                            // device piece resolved and kept alive by `p.phys`.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    at as *const u8,
+                                    p.phys.host_ptr(p.offset),
+                                    p.len as usize,
+                                )
+                            };
+                            at += p.len as usize;
+                        }
+                        pace(start, n as f64 / d.pcie_bps);
+                    }
+                    Err(_) => self.fail(CUDA_ERROR_ILLEGAL_ADDRESS),
+                }
+            }
+            Op::DtoH { dst, src, n } => {
+                let start = monotonic_ns();
+                match d.mem.resolve(src, n, false) {
+                    Ok(pieces) => {
+                        let mut at = dst;
+                        for p in pieces {
+                            // SAFETY: as for HtoD, in the other direction.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    p.phys.host_ptr(p.offset),
+                                    at as *mut u8,
+                                    p.len as usize,
+                                )
+                            };
+                            at += p.len as usize;
+                        }
+                        pace(start, n as f64 / d.pcie_bps);
+                    }
+                    Err(_) => self.fail(CUDA_ERROR_ILLEGAL_ADDRESS),
+                }
+            }
+            Op::DtoD { dst, src, n } => {
+                let start = monotonic_ns();
+                match (d.mem.resolve(src, n, false), d.mem.resolve(dst, n, true)) {
+                    (Ok(s), Ok(t)) => {
+                        copy_pieces(&s, &t);
+                        pace(start, 2.0 * n as f64 / d.hbm_bps);
+                    }
+                    _ => self.fail(CUDA_ERROR_ILLEGAL_ADDRESS),
+                }
+            }
+            Op::HtoH { dst, src, n } => {
+                let start = monotonic_ns();
+                // SAFETY: both host ranges are the caller's, per the cuMemcpy contract.
+                unsafe {
+                    std::ptr::copy(src as *const u8, dst as *mut u8, n as usize);
+                }
+                pace(start, n as f64 / d.pcie_bps);
+            }
+            Op::Memset {
+                dst,
+                value,
+                elem,
+                count,
+            } => {
+                let start = monotonic_ns();
+                let n = count * u64::from(elem);
+                match d.mem.resolve(dst, n, true) {
+                    Ok(pieces) => {
+                        let pattern: [u8; 4] = match elem {
+                            1 => [value as u8; 4],
+                            2 => {
+                                let b = (value as u16).to_le_bytes();
+                                [b[0], b[1], b[0], b[1]]
+                            }
+                            _ => value.to_le_bytes(),
+                        };
+                        let mut phase = 0usize;
+                        for p in pieces {
+                            // SAFETY: resolved, writable device piece kept alive by p.phys.
+                            let bytes = unsafe {
+                                std::slice::from_raw_parts_mut(
+                                    p.phys.host_ptr(p.offset),
+                                    p.len as usize,
+                                )
+                            };
+                            fill_pattern(bytes, &pattern, phase);
+                            phase = (phase + bytes.len()) % 4;
+                        }
+                        pace(start, n as f64 / d.hbm_bps);
+                    }
+                    Err(_) => self.fail(CUDA_ERROR_ILLEGAL_ADDRESS),
+                }
+            }
+            Op::HostFn { f, data } => {
+                // SAFETY: the user's host function with the user's data, as
+                // cuLaunchHostFunc promises.
+                unsafe { f(data as *mut c_void) }
+            }
+            Op::Callback { f, stream, data } => {
+                // SAFETY: the user's stream callback, as cuStreamAddCallback promises.
+                unsafe { f(stream as CUstream, CUDA_SUCCESS, data as *mut c_void) }
+            }
+            Op::Free { ptr } => {
+                let _ = d.mem.free_linear(ptr);
+            }
+        }
+    }
+
+    /// Runs a built-in kernel holding the device exclusively (across processes) for
+    /// at least its modelled duration, then appends its trace line.
+    fn run_kernel(&self, kind: Builtin, args: [u64; 3]) -> Result<(), Fault> {
+        let d = self.driver;
+        let guard = d.machine.kernel_lock(self.device).ok();
+        let start = monotonic_ns();
+        let modelled_s = match kind {
+            Builtin::Spin => args[0] as f64 / 1e9,
+            Builtin::Fill => {
+                let (ptr, value, words) = (args[0], args[1] as u32, args[2]);
+                for p in d.mem.resolve(ptr, words * 4, true)? {
+                    for_words(&p, |w| *w = value);
+                }
+                (words * 4) as f64 / d.hbm_bps
+            }
+            Builtin::Add => {
+                let (ptr, delta, words) = (args[0], args[1] as u32, args[2]);
+                for p in d.mem.resolve(ptr, words * 4, true)? {
+                    for_words(&p, |w| *w = w.wrapping_add(delta));
+                }
+                (words * 8) as f64 / d.hbm_bps
+            }
+            Builtin::Checksum => {
+                let (ptr, words, out) = (args[0], args[1], args[2]);
+                let mut sum = 0u64;
+                for p in d.mem.resolve(ptr, words * 4, false)? {
+                    for_words(&p, |w| sum = sum.wrapping_add(u64::from(*w)));
+                }
+                let dst = d.mem.resolve(out, 8, true)?;
+                copy_from_host(&dst, &sum.to_le_bytes());
+                (words * 4) as f64 / d.hbm_bps
+            }
+        };
+        pace(start, modelled_s);
+        let end = monotonic_ns();
+        drop(guard);
+        if let Some(t) = &d.trace {
+            let _ = t.append(&TraceRecord {
+                pid: std::process::id(),
+                device: self.device,
+                start_ns: start,
+                end_ns: end,
+                name: kind.name().to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Sleeps until `seconds` of wall time have passed since `start_ns`.
+fn pace(start_ns: u64, seconds: f64) {
+    let target = start_ns + (seconds * 1e9) as u64;
+    let now = monotonic_ns();
+    if target > now {
+        std::thread::sleep(Duration::from_nanos(target - now));
+    }
+}
+
+/// Applies `f` to each whole u32 of a piece (pieces of kernels are 4-byte multiples
+/// whenever the kernel's pointer is 4-byte aligned; a misaligned tail is ignored).
+fn for_words(p: &crate::memory::Piece, mut f: impl FnMut(&mut u32)) {
+    let base = p.phys.host_ptr(p.offset);
+    let words = (p.len / 4) as usize;
+    if (base as usize).is_multiple_of(4) {
+        // SAFETY: resolved piece of `p.len` bytes, aligned, kept alive by p.phys.
+        let s = unsafe { std::slice::from_raw_parts_mut(base.cast::<u32>(), words) };
+        s.iter_mut().for_each(f);
+    } else {
+        for i in 0..words {
+            // SAFETY: as above, using unaligned accesses.
+            unsafe {
+                let w = base.add(i * 4).cast::<u32>();
+                let mut v = w.read_unaligned();
+                f(&mut v);
+                w.write_unaligned(v);
+            }
+        }
+    }
+}
+
+fn fill_pattern(bytes: &mut [u8], pattern: &[u8; 4], phase: usize) {
+    if pattern.iter().all(|&b| b == pattern[0]) {
+        bytes.fill(pattern[0]);
+        return;
+    }
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = pattern[(phase + i) % 4];
+    }
+}
+
+fn copy_from_host(dst: &[crate::memory::Piece], src: &[u8]) {
+    let mut at = 0;
+    for p in dst {
+        // SAFETY: resolved writable piece; src has at least p.len bytes left.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr().add(at),
+                p.phys.host_ptr(p.offset),
+                p.len as usize,
+            )
+        };
+        at += p.len as usize;
+    }
+}
+
+fn copy_pieces(src: &[crate::memory::Piece], dst: &[crate::memory::Piece]) {
+    let (mut si, mut so, mut di, mut doff) = (0, 0u64, 0, 0u64);
+    while si < src.len() && di < dst.len() {
+        let s = &src[si];
+        let t = &dst[di];
+        let n = (s.len - so).min(t.len - doff);
+        // SAFETY: both pieces resolved and alive; `copy` tolerates overlap.
+        unsafe {
+            std::ptr::copy(
+                s.phys.host_ptr(s.offset + so),
+                t.phys.host_ptr(t.offset + doff),
+                n as usize,
+            )
+        };
+        so += n;
+        doff += n;
+        if so == s.len {
+            si += 1;
+            so = 0;
+        }
+        if doff == t.len {
+            di += 1;
+            doff = 0;
+        }
+    }
+}

@@ -1,0 +1,610 @@
+//! Device memory of this process: the device virtual address space, physical
+//! allocations, VMM mappings, and resolving a device address range to host bytes.
+//!
+//! Model (see `docs/simulator.md`):
+//! - Device addresses live in a window of this process's address space that is
+//!   reserved `PROT_NONE` (near `0x7000_0000_0000`, 2 TiB): the host can never get
+//!   memory there, and host code that dereferences a device pointer segfaults as it
+//!   would with a real GPU.
+//! - Contents of each physical allocation live in a private anonymous `mmap`
+//!   (`MAP_NORESERVE`) of this process. Capacity is accounted in the shared machine
+//!   segment: a physical allocation that does not fit fails with
+//!   `CUDA_ERROR_OUT_OF_MEMORY`, across processes.
+//! - `cuMemAlloc` allocations are accounted at their size rounded up to 512 bytes;
+//!   their addresses are 512-byte aligned (2 MiB aligned from 2 MiB up).
+//! - VMM: reserve VA, create physical (2 MiB granularity), map at offset 0, set
+//!   access (required after every map), unmap exactly whole mappings; a physical
+//!   allocation is freed when neither its handle nor any mapping is left.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use kiwi_sim_core::{Machine, MachineError, GRANULARITY};
+
+use crate::abi::*;
+
+/// Preferred start of the device address window.
+pub const VA_HINT: u64 = 0x7000_0000_0000;
+/// Size of the device address window.
+pub const VA_LEN: u64 = 2 << 40;
+/// Alignment (and accounting unit) of `cuMemAlloc` allocations.
+pub const SMALL_ALIGN: u64 = 512;
+
+/// Physical device memory: one `cuMemAlloc` or one `cuMemCreate`.
+pub struct Phys {
+    pub gpu: u32,
+    pub size: u64,
+    host: *mut u8,
+    map_len: usize,
+    machine: &'static Machine,
+}
+
+// SAFETY: `host` is a private mapping owned by this Phys; concurrent access to the
+// bytes is the simulated program's business, as on a GPU.
+unsafe impl Send for Phys {}
+// SAFETY: as above.
+unsafe impl Sync for Phys {}
+
+impl Phys {
+    /// Accounts `size` bytes on `gpu` and allocates their backing store.
+    pub fn new(machine: &'static Machine, gpu: u32, size: u64) -> Result<Arc<Phys>, CUresult> {
+        machine.reserve(gpu, size).map_err(|e| match e {
+            MachineError::OutOfMemory { .. } | MachineError::TooManyProcesses(_) => {
+                CUDA_ERROR_OUT_OF_MEMORY
+            }
+            MachineError::NoSuchGpu { .. } => CUDA_ERROR_INVALID_DEVICE,
+            _ => CUDA_ERROR_OPERATING_SYSTEM,
+        })?;
+        let map_len = (size.max(1) as usize).next_multiple_of(4096);
+        // SAFETY: anonymous private mapping; no existing memory is affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            machine.release(gpu, size);
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        Ok(Arc::new(Phys {
+            gpu,
+            size,
+            host: p.cast(),
+            map_len,
+            machine,
+        }))
+    }
+
+    /// Host address of byte `offset`.
+    pub fn host_ptr(&self, offset: u64) -> *mut u8 {
+        debug_assert!(offset <= self.size);
+        // SAFETY: offset is within the mapping (callers resolve ranges first).
+        unsafe { self.host.add(offset as usize) }
+    }
+}
+
+impl Drop for Phys {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping; no references to it outlive self.
+        unsafe { libc::munmap(self.host.cast(), self.map_len) };
+        self.machine.release(self.gpu, self.size);
+    }
+}
+
+/// Device access to a mapping, as `cuMemSetAccess` set it.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Access {
+    None,
+    Read,
+    ReadWrite,
+}
+
+struct Mapping {
+    size: u64,
+    phys: Arc<Phys>,
+    access: Access,
+}
+
+enum RegionKind {
+    /// `cuMemAlloc*`: always mapped read-write.
+    Linear { phys: Arc<Phys>, owner: usize },
+    /// `cuMemAddressReserve`: mappings keyed by start address.
+    Reserved { mappings: BTreeMap<u64, Mapping> },
+}
+
+struct Region {
+    size: u64,
+    kind: RegionKind,
+}
+
+/// A piece of a resolved device range.
+pub struct Piece {
+    pub phys: Arc<Phys>,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// Why a device range could not be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// No allocation or mapping there (freed, unmapped, never allocated).
+    Unmapped,
+    /// Mapped, but `cuMemSetAccess` did not grant this access.
+    NoAccess,
+}
+
+struct VaSpace {
+    regions: BTreeMap<u64, Region>,
+    /// Free VA ranges: start → size.
+    free: BTreeMap<u64, u64>,
+}
+
+/// All device memory of this process.
+pub struct Memory {
+    machine: &'static Machine,
+    pub base: u64,
+    pub len: u64,
+    va: RwLock<VaSpace>,
+    handles: Mutex<HashMap<u64, Arc<Phys>>>,
+    next_handle: AtomicU64,
+    /// Pinned host allocations and registrations: start → (len, allocated by us).
+    host: Mutex<BTreeMap<usize, (usize, bool)>>,
+}
+
+fn round_up(v: u64, to: u64) -> u64 {
+    v.div_ceil(to) * to
+}
+
+impl Memory {
+    pub fn new(machine: &'static Machine) -> Result<Memory, CUresult> {
+        // SAFETY: a PROT_NONE reservation; the kernel treats the address as a hint.
+        let p = unsafe {
+            libc::mmap(
+                VA_HINT as *mut libc::c_void,
+                VA_LEN as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(CUDA_ERROR_OPERATING_SYSTEM);
+        }
+        // Start on a 2 MiB boundary and keep address 0 impossible.
+        let base = round_up(p as u64, GRANULARITY);
+        let len = VA_LEN - (base - p as u64);
+        let mut free = BTreeMap::new();
+        free.insert(base, len);
+        Ok(Memory {
+            machine,
+            base,
+            len,
+            va: RwLock::new(VaSpace {
+                regions: BTreeMap::new(),
+                free,
+            }),
+            handles: Mutex::new(HashMap::new()),
+            next_handle: AtomicU64::new(1),
+            host: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    /// Is `addr` inside the device address window (i.e. not a host address)?
+    pub fn is_device_address(&self, addr: u64) -> bool {
+        addr >= self.base && addr < self.base + self.len
+    }
+
+    fn va_alloc(va: &mut VaSpace, size: u64, align: u64, fixed: Option<u64>) -> Option<u64> {
+        let found = va.free.iter().find_map(|(&start, &len)| {
+            let at = match fixed {
+                Some(f) => {
+                    if f >= start && f + size <= start + len && f % align == 0 {
+                        f
+                    } else {
+                        return None;
+                    }
+                }
+                None => round_up(start, align),
+            };
+            (at + size <= start + len).then_some((start, len, at))
+        });
+        let (start, len, at) = found?;
+        va.free.remove(&start);
+        if at > start {
+            va.free.insert(start, at - start);
+        }
+        if at + size < start + len {
+            va.free.insert(at + size, start + len - at - size);
+        }
+        Some(at)
+    }
+
+    fn va_free(va: &mut VaSpace, mut start: u64, mut size: u64) {
+        // Coalesce with neighbours.
+        if let Some((&ps, &pl)) = va.free.range(..start).next_back() {
+            if ps + pl == start {
+                va.free.remove(&ps);
+                start = ps;
+                size += pl;
+            }
+        }
+        if let Some(&nl) = va.free.get(&(start + size)) {
+            va.free.remove(&(start + size));
+            size += nl;
+        }
+        va.free.insert(start, size);
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, VaSpace> {
+        self.va.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, VaSpace> {
+        self.va.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `cuMemAlloc`: physical memory on `gpu` at a fresh address, owned by context `owner`.
+    pub fn alloc_linear(&self, gpu: u32, size: u64, owner: usize) -> Result<u64, CUresult> {
+        if size == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let accounted = round_up(size, SMALL_ALIGN);
+        let phys = Phys::new(self.machine, gpu, accounted)?;
+        let align = if accounted >= GRANULARITY {
+            GRANULARITY
+        } else {
+            SMALL_ALIGN
+        };
+        let mut va = self.write();
+        let at = Self::va_alloc(&mut va, accounted, align, None).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        va.regions.insert(
+            at,
+            Region {
+                size: accounted,
+                kind: RegionKind::Linear { phys, owner },
+            },
+        );
+        Ok(at)
+    }
+
+    /// `cuMemFree`: `ptr` must be the start of a `cuMemAlloc` allocation.
+    pub fn free_linear(&self, ptr: u64) -> Result<(), CUresult> {
+        let mut va = self.write();
+        match va.regions.get(&ptr) {
+            Some(Region {
+                kind: RegionKind::Linear { .. },
+                ..
+            }) => {}
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        }
+        let r = va.regions.remove(&ptr).expect("checked above");
+        Self::va_free(&mut va, ptr, r.size);
+        drop(va);
+        drop(r); // releases capacity outside the VA lock
+        Ok(())
+    }
+
+    /// Is `ptr` the start of a live `cuMemAlloc` allocation?
+    pub fn is_linear_start(&self, ptr: u64) -> bool {
+        matches!(
+            self.read().regions.get(&ptr),
+            Some(Region {
+                kind: RegionKind::Linear { .. },
+                ..
+            })
+        )
+    }
+
+    /// Frees every `cuMemAlloc` allocation owned by context `owner` (context destroy).
+    pub fn free_owned_by(&self, owner: usize) {
+        let mut va = self.write();
+        let mine: Vec<u64> = va
+            .regions
+            .iter()
+            .filter(|(_, r)| matches!(r.kind, RegionKind::Linear { owner: o, .. } if o == owner))
+            .map(|(&a, _)| a)
+            .collect();
+        let mut dropped = Vec::new();
+        for a in mine {
+            if let Some(r) = va.regions.remove(&a) {
+                Self::va_free(&mut va, a, r.size);
+                dropped.push(r);
+            }
+        }
+        drop(va);
+        drop(dropped);
+    }
+
+    /// `cuMemGetAddressRange`: the allocation (or mapping) containing `ptr`.
+    pub fn address_range(&self, ptr: u64) -> Option<(u64, u64)> {
+        let va = self.read();
+        let (&start, r) = va.regions.range(..=ptr).next_back()?;
+        if ptr >= start + r.size {
+            return None;
+        }
+        match &r.kind {
+            RegionKind::Linear { .. } => Some((start, r.size)),
+            RegionKind::Reserved { mappings } => {
+                let (&ms, m) = mappings.range(..=ptr).next_back()?;
+                (ptr < ms + m.size).then_some((ms, m.size))
+            }
+        }
+    }
+
+    /// `cuMemAddressReserve`.
+    pub fn reserve(&self, size: u64, align: u64, hint: u64) -> Result<u64, CUresult> {
+        if size == 0 || !size.is_multiple_of(GRANULARITY) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let align = if align == 0 { GRANULARITY } else { align };
+        if !align.is_power_of_two() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let align = align.max(GRANULARITY);
+        let mut va = self.write();
+        // The hint is honoured when that range is free, as the real driver does.
+        let at = (hint != 0)
+            .then(|| Self::va_alloc(&mut va, size, align, Some(hint)))
+            .flatten()
+            .or_else(|| Self::va_alloc(&mut va, size, align, None))
+            .ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        va.regions.insert(
+            at,
+            Region {
+                size,
+                kind: RegionKind::Reserved {
+                    mappings: BTreeMap::new(),
+                },
+            },
+        );
+        Ok(at)
+    }
+
+    /// `cuMemAddressFree`: exactly a reservation, with nothing mapped in it.
+    pub fn unreserve(&self, ptr: u64, size: u64) -> Result<(), CUresult> {
+        let mut va = self.write();
+        match va.regions.get(&ptr) {
+            Some(Region {
+                size: s,
+                kind: RegionKind::Reserved { mappings },
+            }) if *s == size => {
+                if !mappings.is_empty() {
+                    return Err(CUDA_ERROR_INVALID_VALUE);
+                }
+            }
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        }
+        va.regions.remove(&ptr);
+        Self::va_free(&mut va, ptr, size);
+        Ok(())
+    }
+
+    /// `cuMemCreate`: physical memory on `gpu`, returned as a handle.
+    pub fn create(&self, gpu: u32, size: u64) -> Result<u64, CUresult> {
+        if size == 0 || !size.is_multiple_of(GRANULARITY) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let phys = Phys::new(self.machine, gpu, size)?;
+        let h = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        self.handles
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(h, phys);
+        Ok(h)
+    }
+
+    /// `cuMemRelease`: drops the handle; memory lives on while mapped.
+    pub fn release(&self, handle: u64) -> Result<(), CUresult> {
+        let p = self
+            .handles
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&handle)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        drop(p);
+        Ok(())
+    }
+
+    /// `cuMemMap(ptr, size, 0, handle, 0)`.
+    pub fn map(&self, ptr: u64, size: u64, offset: u64, handle: u64) -> Result<(), CUresult> {
+        if offset != 0
+            || size == 0
+            || !size.is_multiple_of(GRANULARITY)
+            || !ptr.is_multiple_of(GRANULARITY)
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let phys = self
+            .handles
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&handle)
+            .cloned()
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        if size > phys.size {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let mut va = self.write();
+        let (&start, region) = va
+            .regions
+            .range_mut(..=ptr)
+            .next_back()
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if ptr + size > start + region.size {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let RegionKind::Reserved { mappings } = &mut region.kind else {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        };
+        // No overlap with an existing mapping.
+        if let Some((&ms, m)) = mappings.range(..ptr + size).next_back() {
+            if ms + m.size > ptr {
+                return Err(CUDA_ERROR_ALREADY_MAPPED);
+            }
+        }
+        mappings.insert(
+            ptr,
+            Mapping {
+                size,
+                phys,
+                access: Access::None,
+            },
+        );
+        Ok(())
+    }
+
+    /// Visits the mappings that exactly tile `[ptr, ptr+size)`; refuses ranges with
+    /// gaps or cutting through a mapping.
+    fn tiled(
+        mappings: &mut BTreeMap<u64, Mapping>,
+        ptr: u64,
+        size: u64,
+    ) -> Result<Vec<u64>, CUresult> {
+        let mut at = ptr;
+        let mut keys = Vec::new();
+        for (&ms, m) in mappings.range(ptr..ptr + size) {
+            if ms != at {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            at = ms + m.size;
+            keys.push(ms);
+        }
+        if at != ptr + size || keys.is_empty() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        Ok(keys)
+    }
+
+    fn with_reservation<R>(
+        &self,
+        ptr: u64,
+        size: u64,
+        f: impl FnOnce(&mut BTreeMap<u64, Mapping>) -> Result<R, CUresult>,
+    ) -> Result<R, CUresult> {
+        let mut va = self.write();
+        let (&start, region) = va
+            .regions
+            .range_mut(..=ptr)
+            .next_back()
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if size == 0 || ptr + size > start + region.size {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        match &mut region.kind {
+            RegionKind::Reserved { mappings } => f(mappings),
+            RegionKind::Linear { .. } => Err(CUDA_ERROR_INVALID_VALUE),
+        }
+    }
+
+    /// `cuMemSetAccess` for one device.
+    pub fn set_access(&self, ptr: u64, size: u64, access: Access) -> Result<(), CUresult> {
+        self.with_reservation(ptr, size, |mappings| {
+            for k in Self::tiled(mappings, ptr, size)? {
+                mappings.get_mut(&k).expect("tiled keys exist").access = access;
+            }
+            Ok(())
+        })
+    }
+
+    /// `cuMemUnmap`: must cover exactly whole mappings.
+    pub fn unmap(&self, ptr: u64, size: u64) -> Result<(), CUresult> {
+        let dropped = self.with_reservation(ptr, size, |mappings| {
+            let keys = Self::tiled(mappings, ptr, size)?;
+            Ok(keys
+                .into_iter()
+                .filter_map(|k| mappings.remove(&k))
+                .collect::<Vec<_>>())
+        })?;
+        drop(dropped); // may free physical memory: outside the VA lock
+        Ok(())
+    }
+
+    /// Resolves `[addr, addr+len)` for a device access (`write` for stores).
+    pub fn resolve(&self, addr: u64, len: u64, write: bool) -> Result<Vec<Piece>, Fault> {
+        let va = self.read();
+        let (&start, r) = va
+            .regions
+            .range(..=addr)
+            .next_back()
+            .ok_or(Fault::Unmapped)?;
+        let end = addr.checked_add(len).ok_or(Fault::Unmapped)?;
+        if end > start + r.size {
+            return Err(Fault::Unmapped);
+        }
+        match &r.kind {
+            RegionKind::Linear { phys, .. } => Ok(vec![Piece {
+                phys: phys.clone(),
+                offset: addr - start,
+                len,
+            }]),
+            RegionKind::Reserved { mappings } => {
+                let mut pieces = Vec::new();
+                let mut at = addr;
+                let first = mappings.range(..=addr).next_back().map(|(&k, _)| k);
+                let iter = first.into_iter().flat_map(|f| mappings.range(f..end));
+                for (&ms, m) in iter {
+                    if ms > at {
+                        return Err(Fault::Unmapped);
+                    }
+                    if ms + m.size <= at {
+                        continue;
+                    }
+                    let ok = match m.access {
+                        Access::ReadWrite => true,
+                        Access::Read => !write,
+                        Access::None => false,
+                    };
+                    if !ok {
+                        return Err(Fault::NoAccess);
+                    }
+                    let take = (ms + m.size).min(end) - at;
+                    pieces.push(Piece {
+                        phys: m.phys.clone(),
+                        offset: at - ms,
+                        len: take,
+                    });
+                    at += take;
+                    if at == end {
+                        break;
+                    }
+                }
+                if at != end {
+                    return Err(Fault::Unmapped);
+                }
+                Ok(pieces)
+            }
+        }
+    }
+
+    /// Records pinned host memory we allocated (`alloc = true`) or a registration.
+    pub fn host_add(&self, ptr: usize, len: usize, alloc: bool) -> Result<(), CUresult> {
+        let mut h = self.host.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((&s, &(l, _))) = h.range(..ptr + len).next_back() {
+            if s + l > ptr {
+                return Err(CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
+            }
+        }
+        h.insert(ptr, (len, alloc));
+        Ok(())
+    }
+
+    /// Removes a pinned host entry that starts at `ptr`; returns (len, allocated).
+    pub fn host_remove(&self, ptr: usize, alloc: bool) -> Result<usize, CUresult> {
+        let mut h = self.host.lock().unwrap_or_else(|e| e.into_inner());
+        match h.get(&ptr) {
+            Some(&(len, a)) if a == alloc => {
+                h.remove(&ptr);
+                Ok(len)
+            }
+            _ if alloc => Err(CUDA_ERROR_INVALID_VALUE),
+            _ => Err(CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED),
+        }
+    }
+}

@@ -1,0 +1,94 @@
+//! `cuGetProcAddress` / `cuGetProcAddress_v2`: the path the CUDA runtime, cuBLAS and
+//! the Kiwi shim take to every entry point. Base names (`"cuMemAlloc"`) map to the
+//! newest implemented versioned symbol (`cuMemAlloc_v2`) whose introduction version
+//! is at most the requested CUDA version; with
+//! `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM` the `_ptsz`/`_ptds` variant is
+//! returned where one exists. Unknown names give `CUDA_ERROR_NOT_FOUND` and NULL.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void};
+use std::sync::OnceLock;
+
+use crate::abi::*;
+use crate::ffi::{c_str, out};
+
+struct Table {
+    /// base name → [(min version, address)], sorted by version.
+    by_base: HashMap<&'static str, Vec<(i32, usize)>>,
+    /// base name → per-thread variant address.
+    per_thread: HashMap<&'static str, usize>,
+}
+
+/// `cuMemAlloc_v2` → `cuMemAlloc`; names without a `_vN` suffix are their own base.
+pub fn base_name(symbol: &str) -> &str {
+    if let Some(i) = symbol.rfind("_v") {
+        let tail = &symbol[i + 2..];
+        if !tail.is_empty() && tail.bytes().all(|b| b.is_ascii_digit()) {
+            return &symbol[..i];
+        }
+    }
+    symbol
+}
+
+fn table() -> &'static Table {
+    static T: OnceLock<Table> = OnceLock::new();
+    T.get_or_init(|| {
+        let mut by_base: HashMap<&'static str, Vec<(i32, usize)>> = HashMap::new();
+        for (sym, ver, addr) in crate::api::exports() {
+            by_base.entry(base_name(sym)).or_default().push((ver, addr));
+        }
+        for v in by_base.values_mut() {
+            v.sort();
+        }
+        let per_thread = crate::api::per_thread_exports()
+            .into_iter()
+            .map(|(base, _, addr)| (base, addr))
+            .collect();
+        Table {
+            by_base,
+            per_thread,
+        }
+    })
+}
+
+pub fn get_proc_address(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: i32,
+    flags: u64,
+    status: *mut i32,
+) -> Result<(), CUresult> {
+    let set_status = |s: i32| {
+        if !status.is_null() {
+            let _ = out(status, s);
+        }
+    };
+    let name = c_str(symbol)?;
+    if pfn.is_null() || flags > 2 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    out(pfn, std::ptr::null_mut())?;
+    let t = table();
+    // Callers are meant to pass base names; accept a full versioned name as well.
+    let base = if t.by_base.contains_key(name) {
+        name
+    } else {
+        base_name(name)
+    };
+    let Some(versions) = t.by_base.get(base) else {
+        set_status(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND);
+        return Err(CUDA_ERROR_NOT_FOUND);
+    };
+    let Some(&(_, addr)) = versions.iter().rev().find(|(v, _)| *v <= version) else {
+        set_status(CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT);
+        return Err(CUDA_ERROR_NOT_FOUND);
+    };
+    let addr = if flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0 {
+        t.per_thread.get(base).copied().unwrap_or(addr)
+    } else {
+        addr
+    };
+    out(pfn, addr as *mut c_void)?;
+    set_status(CU_GET_PROC_ADDRESS_SUCCESS);
+    Ok(())
+}
