@@ -1,1 +1,37 @@
-//! (in progress)
+//! `libkiwi.so`: the CUDA driver interposer that makes a GPU process swappable and
+//! makes its work wait for its turn.
+//!
+//! Loaded with `LD_PRELOAD` or `/etc/ld.so.preload`, it exports the driver's entry
+//! points ([`exports`]), its own `dlsym` ([`dl`]) and `cuGetProcAddress`
+//! ([`procaddr`]), so every path into the driver meets the shim. Allocations are
+//! VMM-backed and swappable at stable addresses ([`mem`]); submissions pass a gate
+//! ([`gate`]) that is open only while this process holds the GPU and its memory is
+//! resident; the arbiter conversation lives in [`client`].
+//!
+//! ## Environment (what `kiwictl run` sets)
+//!
+//! | variable | meaning |
+//! | --- | --- |
+//! | `LD_PRELOAD` | the shim: `/usr/local/lib/kiwi/libkiwi.so` (host), `target/<profile>/libkiwi.so` (tree) |
+//! | `KIWI_SOCKET_DIR` | socket directory; the shim connects to `<dir>/client/arbiter.sock` (default `/run/kiwi`) |
+//! | `KIWI_ARBITER_TIMEOUT` | seconds to wait for the arbiter at `cuInit` (default 30), then unmanaged |
+//! | `KIWI_REQUIRE_ARBITER` | `1`: fail `cuInit` instead of running unmanaged |
+//! | `KIWI_IDLE_MS` | idle time after which a contended holder releases early (default 100) |
+//! | `KIWI_REAL_LIBCUDA` | path of the real driver (default `libcuda.so.1`) |
+//! | `KIWI_LOG` | `error`, `warn` (default), `info`, `debug` |
+//! | `KIWI_STATS` | file the shim writes its counters to at exit |
+//! | `KIWI_POD_NAME`, `KIWI_POD_NAMESPACE`, `KIWI_CONTAINER_ID` | shown by `kiwictl status` |
+
+pub mod client;
+pub mod cuda;
+pub mod dl;
+pub mod env;
+pub mod exports;
+pub mod ffi;
+pub mod gate;
+pub mod hooks;
+pub mod log;
+pub mod mem;
+pub mod procaddr;
+pub mod real;
+pub mod stats;

@@ -1,0 +1,195 @@
+//! The gate every work submission passes. While this process may run work (it holds
+//! the GPU, or the arbiter said everyone fits, or it runs unmanaged) and its memory is
+//! resident, the gate is open and a submission costs two atomic operations: no lock,
+//! no allocation, no system call. Otherwise the submitting thread goes to the client
+//! ([`crate::client`]) and waits for its turn.
+//!
+//! Closing is a two-sided handshake: the closer clears `open`, then waits until no
+//! submission is between its check and its driver call (`inflight` = 0); a submitter
+//! announces itself in `inflight`, then re-checks `open`. Both sides use SeqCst, so at
+//! least one of them sees the other.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use crate::cuda::CUresult;
+
+/// Low 32 bits: submissions in flight. High 32 bits: submissions so far (wrapping).
+const ENTER: u64 = (1 << 32) | 1;
+const INFLIGHT_MASK: u64 = 0xffff_ffff;
+
+pub struct Gate {
+    open: AtomicBool,
+    counter: AtomicU64,
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Gate {
+    pub const fn new() -> Self {
+        Self {
+            open: AtomicBool::new(false),
+            counter: AtomicU64::new(0),
+        }
+    }
+
+    /// Enters if open; the caller must [`Gate::exit`] after its driver call.
+    #[inline(always)]
+    pub fn try_enter(&self) -> bool {
+        if !self.open.load(Ordering::SeqCst) {
+            return false;
+        }
+        self.counter.fetch_add(ENTER, Ordering::SeqCst);
+        if self.open.load(Ordering::SeqCst) {
+            return true;
+        }
+        self.counter.fetch_sub(1, Ordering::SeqCst);
+        false
+    }
+
+    #[inline(always)]
+    pub fn exit(&self) {
+        self.counter.fetch_sub(1, Ordering::Release);
+    }
+
+    pub fn is_open(&self) -> bool {
+        self.open.load(Ordering::SeqCst)
+    }
+
+    pub fn open(&self) {
+        self.open.store(true, Ordering::SeqCst);
+    }
+
+    /// Stops admitting and waits for submissions already past the check.
+    pub fn close_and_wait(&self) {
+        self.open.store(false, Ordering::SeqCst);
+        let mut spins = 0u32;
+        while self.counter.load(Ordering::SeqCst) & INFLIGHT_MASK != 0 {
+            spins += 1;
+            if spins < 100 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Stops admitting without waiting (memory became non-resident: the next submission
+    /// must take the slow path).
+    pub fn close(&self) {
+        self.open.store(false, Ordering::SeqCst);
+    }
+
+    /// Submissions so far (wrapping at 2^32): the idle detector watches it change.
+    pub fn submissions(&self) -> u32 {
+        (self.counter.load(Ordering::Relaxed) >> 32) as u32
+    }
+}
+
+/// The process's gate.
+pub static GATE: Gate = Gate::new();
+
+/// Runs the driver call `f` once this process may submit work.
+#[inline(always)]
+pub fn submit(name: &'static str, f: impl FnOnce() -> CUresult) -> CUresult {
+    if GATE.try_enter() {
+        let r = f();
+        GATE.exit();
+        return r;
+    }
+    submit_slow(name, f)
+}
+
+#[cold]
+#[inline(never)]
+fn submit_slow(name: &'static str, f: impl FnOnce() -> CUresult) -> CUresult {
+    crate::ffi::guarded(name, || loop {
+        crate::stats::SLOW_SUBMITS.fetch_add(1, Ordering::Relaxed);
+        if let Err(code) = crate::client::acquire(&GATE) {
+            crate::kdebug!("{name}: refused with CUDA error {code}");
+            return code;
+        }
+        if GATE.try_enter() {
+            let r = f();
+            GATE.exit();
+            return r;
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn closed_gate_refuses_and_counts_nothing() {
+        let g = Gate::new();
+        assert!(!g.try_enter());
+        g.open();
+        assert!(g.try_enter());
+        assert!(g.try_enter());
+        g.exit();
+        g.exit();
+        assert_eq!(g.submissions(), 2);
+        g.close_and_wait();
+        assert!(!g.try_enter());
+        assert_eq!(g.submissions(), 2);
+    }
+
+    #[test]
+    fn close_waits_for_inflight_submissions() {
+        let g = Arc::new(Gate::new());
+        g.open();
+        assert!(g.try_enter());
+        let g2 = g.clone();
+        let closer = std::thread::spawn(move || {
+            let t = std::time::Instant::now();
+            g2.close_and_wait();
+            t.elapsed()
+        });
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(
+            !closer.is_finished(),
+            "close returned while a submission was in flight"
+        );
+        g.exit();
+        let waited = closer.join().unwrap();
+        assert!(waited >= std::time::Duration::from_millis(50));
+    }
+
+    #[test]
+    fn no_submission_runs_after_close_returns() {
+        // Hammer the handshake: after close_and_wait returns, no thread may be inside.
+        let g = Arc::new(Gate::new());
+        let inside = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let workers: Vec<_> = (0..3)
+            .map(|_| {
+                let (g, inside, stop) = (g.clone(), inside.clone(), stop.clone());
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        if g.try_enter() {
+                            inside.fetch_add(1, Ordering::SeqCst);
+                            inside.fetch_sub(1, Ordering::SeqCst);
+                            g.exit();
+                        }
+                    }
+                })
+            })
+            .collect();
+        for _ in 0..2000 {
+            g.open();
+            std::hint::spin_loop();
+            g.close_and_wait();
+            assert_eq!(inside.load(Ordering::SeqCst), 0);
+        }
+        stop.store(true, Ordering::Relaxed);
+        for w in workers {
+            w.join().unwrap();
+        }
+    }
+}

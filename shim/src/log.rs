@@ -1,0 +1,76 @@
+//! `[kiwi]`-prefixed log lines on stderr, filtered by `KIWI_LOG`
+//! (`error`, `warn` (default), `info`, `debug`). Writing never panics and never
+//! allocates more than the formatted line.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub enum Level {
+    Error = 1,
+    Warn = 2,
+    Info = 3,
+    Debug = 4,
+}
+
+/// 0 = not read yet.
+static LEVEL: AtomicU8 = AtomicU8::new(0);
+
+pub fn parse_level(s: &str) -> Option<Level> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "error" => Some(Level::Error),
+        "warn" | "warning" => Some(Level::Warn),
+        "info" => Some(Level::Info),
+        "debug" | "trace" => Some(Level::Debug),
+        _ => None,
+    }
+}
+
+pub fn enabled(level: Level) -> bool {
+    let mut cur = LEVEL.load(Ordering::Relaxed);
+    if cur == 0 {
+        cur = std::env::var("KIWI_LOG")
+            .ok()
+            .and_then(|v| parse_level(&v))
+            .unwrap_or(Level::Warn) as u8;
+        LEVEL.store(cur, Ordering::Relaxed);
+    }
+    level as u8 <= cur
+}
+
+pub fn write(level: Level, args: std::fmt::Arguments<'_>) {
+    if !enabled(level) {
+        return;
+    }
+    let tag = match level {
+        Level::Error => "error",
+        Level::Warn => "warn",
+        Level::Info => "info",
+        Level::Debug => "debug",
+    };
+    let line = format!("[kiwi] {tag}: pid {}: {args}\n", std::process::id());
+    // One write call per line so lines from several threads do not interleave.
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
+#[macro_export]
+macro_rules! kwarn { ($($a:tt)*) => { $crate::log::write($crate::log::Level::Warn, format_args!($($a)*)) } }
+#[macro_export]
+macro_rules! kerror { ($($a:tt)*) => { $crate::log::write($crate::log::Level::Error, format_args!($($a)*)) } }
+#[macro_export]
+macro_rules! kinfo { ($($a:tt)*) => { $crate::log::write($crate::log::Level::Info, format_args!($($a)*)) } }
+#[macro_export]
+macro_rules! kdebug { ($($a:tt)*) => { $crate::log::write($crate::log::Level::Debug, format_args!($($a)*)) } }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_parse() {
+        assert_eq!(parse_level("WARN"), Some(Level::Warn));
+        assert_eq!(parse_level(" debug "), Some(Level::Debug));
+        assert_eq!(parse_level("loud"), None);
+        assert!(Level::Error < Level::Debug);
+    }
+}

@@ -1,0 +1,187 @@
+//! `cuGetProcAddress` / `cuGetProcAddress_v2`: the path the CUDA runtime, cuBLAS and
+//! gpuburst take to every entry point. The real driver answers first (so the CUDA
+//! version and the per-thread-stream flag select exactly the variant the driver
+//! would); the shim then swaps the driver's function for its own wrapper of that same
+//! function, found by address. When the address is unknown (a driver handing out
+//! internal entry points), the wrapper is chosen by name: the requested base name, the
+//! `_ptsz`/`_ptds` variant when the per-thread flag is set, the newest `_vN`.
+
+use std::ffi::c_void;
+
+use crate::cuda::CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
+use crate::exports::{Class, SYMBOLS};
+
+/// Which function a lookup should hand out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resolution {
+    /// The shim's wrapper of export `index`.
+    Wrapper(usize),
+    /// The driver's own function (the shim does not wrap it).
+    Driver,
+}
+
+/// Splits `cuMemcpyHtoDAsync_v2_ptsz` into (`cuMemcpyHtoDAsync`, version 2, per-thread).
+pub fn split_name(name: &str) -> (&str, u32, bool) {
+    let (rest, per_thread) = match name
+        .strip_suffix("_ptsz")
+        .or_else(|| name.strip_suffix("_ptds"))
+    {
+        Some(r) => (r, true),
+        None => (name, false),
+    };
+    if let Some(pos) = rest.rfind("_v") {
+        if let Ok(v) = rest[pos + 2..].parse::<u32>() {
+            return (&rest[..pos], v, per_thread);
+        }
+    }
+    (rest, 1, per_thread)
+}
+
+/// Decides what `cuGetProcAddress(name, .., flags)` returns, given the driver's answer
+/// `driver_fn` and the originals behind the exports (`original(i)`).
+pub fn resolve(
+    name: &str,
+    driver_fn: *mut c_void,
+    flags: u64,
+    original: impl Fn(usize) -> *mut c_void,
+) -> Resolution {
+    if driver_fn.is_null() {
+        return Resolution::Driver;
+    }
+    if let Some(i) = (0..SYMBOLS.len()).find(|&i| original(i) == driver_fn) {
+        return Resolution::Wrapper(i);
+    }
+    // Unknown address: choose by name among the exports of the same base name.
+    let (base, _, _) = split_name(name);
+    let want_pt = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0;
+    let mut best: Option<(u32, usize)> = None;
+    let mut any_pt_variant = false;
+    for (i, s) in SYMBOLS.iter().enumerate() {
+        let (b, v, pt) = split_name(s.name());
+        if b != base {
+            continue;
+        }
+        any_pt_variant |= pt;
+        if pt != want_pt || original(i).is_null() {
+            continue;
+        }
+        if best.is_none_or(|(bv, _)| v > bv) {
+            best = Some((v, i));
+        }
+    }
+    match best {
+        Some((_, i)) => {
+            if SYMBOLS[i].class == Class::Submit {
+                crate::kdebug!(
+                    "cuGetProcAddress({name}): driver address unknown, using {}",
+                    SYMBOLS[i].name()
+                );
+            }
+            Resolution::Wrapper(i)
+        }
+        None if want_pt && any_pt_variant => {
+            // A per-thread variant the driver has but we could not match: hand out the
+            // driver's function rather than change stream semantics.
+            Resolution::Driver
+        }
+        None => Resolution::Driver,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exports::{lookup, Sym, COUNT};
+
+    fn fake_originals() -> Vec<usize> {
+        (0..COUNT).map(|i| 0x1000 + i * 16).collect()
+    }
+
+    #[test]
+    fn names_split() {
+        assert_eq!(
+            split_name("cuMemcpyHtoDAsync_v2_ptsz"),
+            ("cuMemcpyHtoDAsync", 2, true)
+        );
+        assert_eq!(split_name("cuLaunchKernel"), ("cuLaunchKernel", 1, false));
+        assert_eq!(split_name("cuMemcpy_ptds"), ("cuMemcpy", 1, true));
+        assert_eq!(
+            split_name("cuGetProcAddress_v2"),
+            ("cuGetProcAddress", 2, false)
+        );
+    }
+
+    #[test]
+    fn known_address_maps_to_its_own_wrapper_including_ptsz() {
+        let o = fake_originals();
+        let orig = |i: usize| o[i] as *mut c_void;
+        let ptsz = Sym::cuLaunchKernel_ptsz as usize;
+        // The driver answered the per-thread variant: we must hand out its wrapper.
+        assert_eq!(
+            resolve("cuLaunchKernel", orig(ptsz), 2, orig),
+            Resolution::Wrapper(ptsz)
+        );
+        let legacy = Sym::cuLaunchKernel as usize;
+        assert_eq!(
+            resolve("cuLaunchKernel", orig(legacy), 0, orig),
+            Resolution::Wrapper(legacy)
+        );
+        let v2 = Sym::cuMemAlloc_v2 as usize;
+        assert_eq!(
+            resolve("cuMemAlloc", orig(v2), 0, orig),
+            Resolution::Wrapper(v2)
+        );
+    }
+
+    #[test]
+    fn unknown_address_falls_back_by_name_and_flag() {
+        let o = fake_originals();
+        let orig = |i: usize| o[i] as *mut c_void;
+        let internal = 0xdead_0000usize as *mut c_void;
+        assert_eq!(
+            resolve("cuMemcpyHtoDAsync", internal, 2, orig),
+            Resolution::Wrapper(lookup(b"cuMemcpyHtoDAsync_v2_ptsz").unwrap())
+        );
+        assert_eq!(
+            resolve("cuMemcpyHtoDAsync", internal, 0, orig),
+            Resolution::Wrapper(lookup(b"cuMemcpyHtoDAsync_v2").unwrap())
+        );
+        assert_eq!(
+            resolve("cuStreamWaitValue32", internal, 0, orig),
+            Resolution::Wrapper(lookup(b"cuStreamWaitValue32_v2").unwrap())
+        );
+        // Not ours at all.
+        assert_eq!(
+            resolve("cuModuleLoadData", internal, 0, orig),
+            Resolution::Driver
+        );
+        // The driver said "no such symbol".
+        assert_eq!(
+            resolve("cuLaunchKernel", std::ptr::null_mut(), 0, orig),
+            Resolution::Driver
+        );
+    }
+
+    #[test]
+    fn per_thread_request_never_gets_a_legacy_wrapper() {
+        // Originals present only for the legacy variant: a per-thread request with an
+        // unknown address must not be served the legacy wrapper.
+        let o = fake_originals();
+        let only_legacy = |i: usize| {
+            if crate::exports::SYMBOLS[i].name().ends_with("_ptsz") {
+                std::ptr::null_mut()
+            } else {
+                o[i] as *mut c_void
+            }
+        };
+        assert_eq!(
+            resolve(
+                "cuLaunchKernel",
+                0xbeef_0000usize as *mut c_void,
+                2,
+                only_legacy
+            ),
+            Resolution::Driver
+        );
+    }
+}

@@ -1,0 +1,105 @@
+//! The real driver: glibc's own `dlsym`, the `libcuda.so.1` handle, and the original
+//! function pointers behind every export, resolved once. Owns nothing else.
+
+use std::ffi::{c_char, c_void, CStr};
+use std::ptr::null_mut;
+use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::Once;
+
+use crate::cuda::{CUresult, CUDA_ERROR_NOT_FOUND};
+use crate::exports::{REAL, SYMBOLS};
+
+type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+
+/// glibc's `dlsym`. Read by the `dlsym` trampoline in [`crate::dl`], so it must stay a
+/// plain pointer-sized static.
+pub static REAL_DLSYM: AtomicPtr<c_void> = AtomicPtr::new(null_mut());
+
+static LIBCUDA: AtomicPtr<c_void> = AtomicPtr::new(null_mut());
+static LOAD: Once = Once::new();
+
+unsafe extern "C" fn dlsym_unavailable(_: *mut c_void, _: *const c_char) -> *mut c_void {
+    null_mut()
+}
+
+/// glibc's `dlsym`, found with `dlvsym` (never interposed): the newest version first,
+/// then the architecture's base version.
+pub fn real_dlsym() -> DlsymFn {
+    let mut p = REAL_DLSYM.load(Ordering::Acquire);
+    if p.is_null() {
+        #[cfg(target_arch = "aarch64")]
+        const BASE: &CStr = c"GLIBC_2.17";
+        #[cfg(not(target_arch = "aarch64"))]
+        const BASE: &CStr = c"GLIBC_2.2.5";
+        for version in [c"GLIBC_2.34", BASE] {
+            // SAFETY: dlvsym with RTLD_NEXT and NUL-terminated strings; returns a pointer or null.
+            p = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) };
+            if !p.is_null() {
+                break;
+            }
+        }
+        if p.is_null() {
+            p = dlsym_unavailable as *mut c_void;
+        }
+        REAL_DLSYM.store(p, Ordering::Release);
+    }
+    // SAFETY: p is glibc's dlsym (or our null-returning stand-in), both with dlsym's signature.
+    unsafe { std::mem::transmute::<*mut c_void, DlsymFn>(p) }
+}
+
+/// Opens the real driver and resolves every original, once.
+pub fn load() {
+    LOAD.call_once(|| {
+        let env = crate::env::ShimEnv::from_env();
+        let path = env
+            .real_libcuda
+            .clone()
+            .unwrap_or_else(|| "libcuda.so.1".to_string());
+        let Ok(cpath) = std::ffi::CString::new(path.clone()) else {
+            crate::kerror!("KIWI_REAL_LIBCUDA={path:?} is not a valid path");
+            return;
+        };
+        // SAFETY: dlopen with a NUL-terminated path.
+        let h = unsafe { libc::dlopen(cpath.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+        if h.is_null() {
+            // SAFETY: dlerror returns a thread-local message or null.
+            let err = unsafe { libc::dlerror() };
+            let msg = if err.is_null() {
+                String::new()
+            } else {
+                // SAFETY: dlerror's result is a NUL-terminated string.
+                unsafe { CStr::from_ptr(err) }
+                    .to_string_lossy()
+                    .into_owned()
+            };
+            crate::kerror!("cannot load the real CUDA driver {path:?}: {msg}");
+            return;
+        }
+        LIBCUDA.store(h, Ordering::Release);
+        let dlsym = real_dlsym();
+        for (i, s) in SYMBOLS.iter().enumerate() {
+            // SAFETY: h is a live dlopen handle and the name is NUL-terminated.
+            let p = unsafe { dlsym(h, s.cname().as_ptr()) };
+            REAL[i].store(p, Ordering::Release);
+        }
+        crate::kdebug!("real driver {path} loaded");
+    });
+}
+
+/// The original behind export `index`, or null when the driver lacks it.
+#[inline(always)]
+pub fn original(index: usize) -> *mut c_void {
+    let p = REAL[index].load(Ordering::Relaxed);
+    if !p.is_null() {
+        return p;
+    }
+    load();
+    REAL[index].load(Ordering::Acquire)
+}
+
+/// What an export answers when the real driver lacks its symbol.
+#[cold]
+pub fn missing(name: &str) -> CUresult {
+    crate::kwarn!("{name}: the real driver does not provide it");
+    CUDA_ERROR_NOT_FOUND
+}

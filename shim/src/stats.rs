@@ -1,0 +1,60 @@
+//! Debug counters, written as `key value` lines to the file named by `KIWI_STATS` when
+//! the process exits. Tests use them to prove a path went through the shim.
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub static SLOW_SUBMITS: AtomicU64 = AtomicU64::new(0);
+pub static GRANTS: AtomicU64 = AtomicU64::new(0);
+pub static RELEASES: AtomicU64 = AtomicU64::new(0);
+pub static EARLY_RELEASES: AtomicU64 = AtomicU64::new(0);
+pub static SWAP_OUT_BYTES: AtomicU64 = AtomicU64::new(0);
+pub static SWAP_IN_BYTES: AtomicU64 = AtomicU64::new(0);
+pub static ALLOCS: AtomicU64 = AtomicU64::new(0);
+pub static DLSYM_WRAPPED: AtomicU64 = AtomicU64::new(0);
+pub static PROCADDR_WRAPPED: AtomicU64 = AtomicU64::new(0);
+pub static RECONNECTS: AtomicU64 = AtomicU64::new(0);
+
+/// The counters as text.
+pub fn render() -> String {
+    let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    format!(
+        "submissions {}\nslow_submits {}\ngrants {}\nreleases {}\nearly_releases {}\n\
+         swap_out_bytes {}\nswap_in_bytes {}\nallocs {}\ndlsym_wrapped {}\n\
+         procaddr_wrapped {}\nreconnects {}\nmode {}\n",
+        crate::gate::GATE.submissions(),
+        g(&SLOW_SUBMITS),
+        g(&GRANTS),
+        g(&RELEASES),
+        g(&EARLY_RELEASES),
+        g(&SWAP_OUT_BYTES),
+        g(&SWAP_IN_BYTES),
+        g(&ALLOCS),
+        g(&DLSYM_WRAPPED),
+        g(&PROCADDR_WRAPPED),
+        g(&RECONNECTS),
+        crate::client::mode_name(),
+    )
+}
+
+extern "C" fn write_at_exit() {
+    let Some(path) = std::env::var_os("KIWI_STATS") else {
+        return;
+    };
+    let _ = std::panic::catch_unwind(|| {
+        if let Ok(mut f) = std::fs::File::create(&path) {
+            let _ = f.write_all(render().as_bytes());
+        }
+    });
+}
+
+/// Registers the exit hook once (when `KIWI_STATS` is set).
+pub fn register_exit_hook() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("KIWI_STATS").is_some() {
+            // SAFETY: registering a plain extern "C" function with no arguments.
+            unsafe { libc::atexit(write_at_exit) };
+        }
+    });
+}
