@@ -41,6 +41,15 @@ pub fn rfc3339_now() -> String {
     )
 }
 
+/// Messages are one line: multi-line causes (TOML parser messages) are joined with "; ".
+pub fn one_line(msg: &str) -> String {
+    msg.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 impl Logger {
     pub fn new(component: &'static str, file: Option<PathBuf>) -> Self {
         Self { component, file }
@@ -71,12 +80,14 @@ impl Logger {
 
     /// Goes to the log file and stderr.
     pub fn warn(&self, msg: &str) {
+        let msg = &one_line(msg);
         self.append("warning", msg);
         eprintln!("{}: warning: {msg}", self.component);
     }
 
     /// Goes to the log file, stderr, and runc's `--log` file when one is given.
     pub fn error(&self, msg: &str, runc_log: Option<(&Path, Option<&str>)>) {
+        let msg = &one_line(msg);
         self.append("error", msg);
         eprintln!("{}: {msg}", self.component);
         if let Some((path, format)) = runc_log {

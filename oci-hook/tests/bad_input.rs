@@ -1,0 +1,349 @@
+//! Bad input to kiwi-runtime and kiwi-hook: one clear line, a non-zero exit, nothing
+//! half-injected. And the pass-through contract: same argv, stdio, exit status, pid.
+
+mod common;
+
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use common::*;
+
+fn assert_one_line_error(stderr: &str, needle: &str) {
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "expected one line, got:\n{stderr}");
+    assert!(
+        lines[0].contains(needle),
+        "expected {needle:?} in {stderr:?}"
+    );
+}
+
+/// `kiwi-runtime create` on `bundle`; returns (success, stderr).
+fn create(fx: &Fixture, bundle: &Path) -> (bool, String) {
+    let id = unique_id("kiwi-bad");
+    let _g = RuncDelete {
+        root: fx.runc_root.clone(),
+        id: id.clone(),
+    };
+    let out = fx
+        .kiwi_runtime()
+        .arg("--root")
+        .arg(&fx.runc_root)
+        .args(["create", "--bundle"])
+        .arg(bundle)
+        .arg(&id)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    (out.status.success(), text(&out).1)
+}
+
+/// A bundle dir with only a config.json (enough for the failures before runc runs).
+fn spec_only_bundle(fx: &Fixture, name: &str, spec: &str) -> std::path::PathBuf {
+    let b = fx.path().join(name);
+    std::fs::create_dir_all(b.join("rootfs")).unwrap();
+    std::fs::write(b.join("config.json"), spec).unwrap();
+    b
+}
+
+fn claimed_spec(claim: &str) -> String {
+    format!(
+        r#"{{"ociVersion":"1.0.2","process":{{"args":["/bin/true"],"env":["KIWI_VISIBLE_DEVICES={claim}"],"cwd":"/"}},"root":{{"path":"rootfs"}},"x-unknown":[1]}}"#
+    )
+}
+
+#[test]
+fn runtime_refuses_bad_specs_claims_and_hosts_without_touching_the_bundle() {
+    if !require(&["runc"]) {
+        return;
+    }
+    let fx = Fixture::new();
+    let cases: Vec<(&str, String, &str)> = vec![
+        (
+            "malformed",
+            "{\"process\": {".into(),
+            "is not a valid OCI spec",
+        ),
+        ("notobject", "[1,2]".into(), "is not a valid OCI spec"),
+        (
+            "envshape",
+            r#"{"process":{"env":"KIWI_VISIBLE_DEVICES=0"}}"#.into(),
+            "process.env must be an array",
+        ),
+        (
+            "badclaim",
+            claimed_spec("banana"),
+            "KIWI_VISIBLE_DEVICES=\"banana\"",
+        ),
+        ("unknowngpu", claimed_spec("7"), "unknown GPU 7"),
+        (
+            "unknownuuid",
+            claimed_spec("GPU-99999999-0000"),
+            "unknown GPU GPU-99999999-0000",
+        ),
+    ];
+    for (name, spec, needle) in cases {
+        let b = spec_only_bundle(&fx, name, &spec);
+        let (ok, stderr) = create(&fx, &b);
+        assert!(!ok, "{name}: create succeeded");
+        assert_one_line_error(&stderr, needle);
+        assert_eq!(
+            std::fs::read_to_string(b.join("config.json")).unwrap(),
+            spec,
+            "{name}: spec changed"
+        );
+        assert_eq!(
+            std::fs::read_dir(&b).unwrap().count(),
+            2,
+            "{name}: files left in the bundle"
+        );
+    }
+    assert!(fx.runc_list().is_empty());
+
+    // A missing bundle.
+    let (ok, stderr) = create(&fx, &fx.path().join("no-such-bundle"));
+    assert!(!ok);
+    assert_one_line_error(&stderr, "no-such-bundle/config.json");
+
+    // The shim missing on the host: a claimed container must not start without Kiwi.
+    fx.write_config_with("[\"runc\"]", &fx.path().join("missing/libkiwi.so"), "");
+    let spec = claimed_spec("0");
+    let b = spec_only_bundle(&fx, "noshim", &spec);
+    let (ok, stderr) = create(&fx, &b);
+    assert!(!ok);
+    assert_one_line_error(&stderr, "the Kiwi shim");
+    assert!(stderr.contains("missing/libkiwi.so"), "{stderr}");
+    assert_eq!(
+        std::fs::read_to_string(b.join("config.json")).unwrap(),
+        spec
+    );
+
+    // A malformed config file: create refuses, naming the file and line.
+    std::fs::write(&fx.config, "[runtime]\nruntimes = [\n").unwrap();
+    let (ok, stderr) = create(&fx, &b);
+    assert!(!ok);
+    assert_one_line_error(&stderr, "kiwi.toml, line");
+    // ... but other commands still reach runc, so containers can be cleaned up.
+    let out = fx.kiwi_runtime().arg("--version").output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("runc version"));
+    assert!(fx.runc_list().is_empty());
+}
+
+#[test]
+fn runtime_error_reaches_runc_json_log_for_containerd() {
+    let fx = Fixture::new();
+    let b = spec_only_bundle(&fx, "b", &claimed_spec("9"));
+    let log = fx.path().join("log.json");
+    let out = fx
+        .kiwi_runtime()
+        .args(["--root", "/nonexistent-root", "--log"])
+        .arg(&log)
+        .args(["--log-format", "json", "create", "--bundle"])
+        .arg(&b)
+        .arg("id")
+        .output()
+        .unwrap();
+    if !out.status.success() && text(&out).1.contains("none of the configured runtimes") {
+        // No runc here: still a clear error; the log check below needs runc found.
+        assert!(!is_ci(), "runc missing under CI");
+        return;
+    }
+    assert!(!out.status.success());
+    let entry: serde_json::Value = serde_json::from_str(
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .last()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(entry["level"], "error");
+    assert!(
+        entry["msg"].as_str().unwrap().contains("unknown GPU 9"),
+        "{entry}"
+    );
+}
+
+/// A fake runtime that records its argv and pid, echoes stdin, exits 42.
+fn fake_runtime(dir: &Path) -> std::path::PathBuf {
+    let p = dir.join("fake-runc");
+    std::fs::write(
+        &p,
+        format!(
+            "#!/bin/sh\necho \"$$\" > {d}/pid\nfor a in \"$@\"; do printf '%s\\n' \"$a\"; done > {d}/argv\ncat\nexit 42\n",
+            d = dir.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    p
+}
+
+#[test]
+fn everything_passes_through_unchanged() {
+    let fx = Fixture::new();
+    let fake = fake_runtime(fx.path());
+    fx.write_config_with(
+        &format!("[\"no-such-runtime\", {:?}]", fake.to_str().unwrap()),
+        &fx.shim,
+        "",
+    );
+    let b = spec_only_bundle(&fx, "b", r#"{"process":{"env":["A=1"]}}"#);
+    let before = std::fs::read(b.join("config.json")).unwrap();
+    let argv: Vec<String> = [
+        "--root",
+        "/r",
+        "--log",
+        "/l.json",
+        "--log-format",
+        "json",
+        "--systemd-cgroup",
+        "create",
+        "--bundle",
+        b.to_str().unwrap(),
+        "--pid-file",
+        "/p",
+        "an id with spaces",
+    ]
+    .map(String::from)
+    .to_vec();
+    for args in [
+        argv,
+        vec!["delete".into(), "--force".into(), "x".into()],
+        vec!["weird \u{e9}".into()],
+    ] {
+        let mut child = fx
+            .kiwi_runtime()
+            .args(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(b"from stdin\n")
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(42), "exit status passes through");
+        assert_eq!(out.stdout, b"from stdin\n", "stdin/stdout pass through");
+        let got: Vec<String> = std::fs::read_to_string(fx.path().join("argv"))
+            .unwrap()
+            .lines()
+            .map(String::from)
+            .collect();
+        assert_eq!(got, args, "argv passes through");
+        let runtime_pid: u32 = std::fs::read_to_string(fx.path().join("pid"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert_eq!(
+            runtime_pid, pid,
+            "exec, not fork: signals reach the real runtime"
+        );
+    }
+    assert_eq!(std::fs::read(b.join("config.json")).unwrap(), before);
+}
+
+#[test]
+fn nvidia_runtime_gets_nvidia_visible_devices_and_no_driver_mounts() {
+    let fx = Fixture::new();
+    let bin = fx.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let fake = bin.join("nvidia-container-runtime");
+    std::fs::write(&fake, "#!/bin/sh\nexit 0\n").unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    fx.write_config_with(&format!("[{:?}]", fake.to_str().unwrap()), &fx.shim, "");
+    let b = spec_only_bundle(&fx, "b", &claimed_spec(UUID1));
+    let out = fx
+        .kiwi_runtime()
+        .args(["create", "--bundle"])
+        .arg(&b)
+        .arg("x")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(b.join("config.json")).unwrap()).unwrap();
+    let env: Vec<&str> = spec["process"]["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert!(
+        env.contains(&format!("NVIDIA_VISIBLE_DEVICES={UUID1}").as_str()),
+        "{env:?}"
+    );
+    assert!(
+        spec.get("mounts").is_none(),
+        "NVIDIA's toolkit adds the driver files"
+    );
+    assert_eq!(spec["x-unknown"][0], 1, "unknown fields survive");
+    assert_eq!(spec["linux"]["devices"][0]["path"], "/dev/nvidia1");
+    assert_eq!(spec["hooks"]["prestart"].as_array().unwrap().len(), 1);
+}
+
+fn hook(fx: &Fixture, stdin: &[u8]) -> (Option<i32>, String) {
+    let mut child = Command::new(HOOK)
+        .arg("--config")
+        .arg(&fx.config)
+        .arg("prestart")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    let out = child.wait_with_output().unwrap();
+    (out.status.code(), text(&out).1)
+}
+
+fn state(bundle: &Path, pid: u32) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "ociVersion": "1.0.2", "id": "c", "status": "creating", "pid": pid, "bundle": bundle,
+    }))
+    .unwrap()
+}
+
+#[test]
+fn hook_refuses_garbage_and_missing_pieces() {
+    let fx = Fixture::new();
+    let (code, err) = hook(&fx, b"\x00garbage");
+    assert_eq!(code, Some(1));
+    assert_one_line_error(&err, "not valid OCI state JSON");
+    let (code, err) = hook(&fx, &state(&fx.path().join("nope"), 1));
+    assert_eq!(code, Some(1));
+    assert_one_line_error(&err, "nope/config.json");
+    let b = spec_only_bundle(&fx, "malformed", "{{{");
+    let (code, err) = hook(&fx, &state(&b, 1));
+    assert_eq!(code, Some(1));
+    assert_one_line_error(&err, "is not a valid OCI spec");
+
+    // Unclaimed: exit 0 at once, even with a broken config file (never read).
+    let b = spec_only_bundle(&fx, "unclaimed", r#"{"process":{"env":["A=1"]}}"#);
+    std::fs::write(&fx.config, "garbage = = =").unwrap();
+    let (code, err) = hook(&fx, &state(&b, 1));
+    assert_eq!((code, err.as_str()), (Some(0), ""));
+    // Claimed with that broken config: refused, naming the file.
+    let b = spec_only_bundle(&fx, "claimed", &claimed_spec("0"));
+    let (code, err) = hook(&fx, &state(&b, 1));
+    assert_eq!(code, Some(1));
+    assert_one_line_error(&err, "kiwi.toml, line 1");
+
+    // Shim missing: refused before entering any namespace.
+    fx.write_config_with("[\"runc\"]", &fx.path().join("missing.so"), "");
+    let (code, err) = hook(&fx, &state(&b, 1));
+    assert_eq!(code, Some(1));
+    assert_one_line_error(&err, "missing.so");
+    // A pid that is not there.
+    fx.write_config("");
+    let (code, err) = hook(&fx, &state(&b, 999_999_999));
+    assert_eq!(code, Some(1));
+    assert_one_line_error(&err, "cannot enter the mount namespace");
+}
