@@ -1,0 +1,234 @@
+//! The two other ways in: a CDI spec (`kiwictl cdi generate`) and an OCI `hooks.d`
+//! entry. Both leave the work to kiwi-hook alone, run here under plain runc.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use common::*;
+use kiwi_oci::cdi::{run_cdi_generate, CdiGenerateArgs, CdiSpec};
+use kiwi_oci::spec::Spec;
+
+fn generate(fx: &Fixture) -> CdiSpec {
+    let out = fx.path().join("cdi/kiwi.json");
+    std::fs::create_dir_all(out.parent().unwrap()).unwrap();
+    run_cdi_generate(&CdiGenerateArgs {
+        output: Some(out.clone()),
+        config: Some(fx.config.clone()),
+    })
+    .unwrap();
+    // Parses back with unknown fields refused, as CDI consumers do.
+    serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap()
+}
+
+#[test]
+fn cdi_spec_parses_back_and_matches_what_the_runtime_injects() {
+    let fx = Fixture::new();
+    let cdi = generate(&fx);
+    assert_eq!(cdi.kind, "kiwi.dev/gpu");
+    let names: Vec<&str> = cdi.devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(names, ["0", UUID0, "1", UUID1, "all"]);
+    let dev = |n: &str| cdi.devices.iter().find(|d| d.name == n).unwrap();
+    assert_eq!(
+        dev(UUID1).container_edits.env,
+        [format!("KIWI_VISIBLE_DEVICES={UUID1}")]
+    );
+    assert_eq!(
+        dev("0").container_edits.env,
+        [format!("KIWI_VISIBLE_DEVICES={UUID0}")]
+    );
+    assert_eq!(dev("all").container_edits.env, ["KIWI_VISIBLE_DEVICES=all"]);
+    assert_eq!(dev("all").container_edits.device_nodes.len(), 2);
+    let hook = &cdi.container_edits.hooks[0];
+    assert_eq!(hook.hook_name, "createRuntime");
+    assert_eq!(hook.path, Path::new(HOOK));
+    let cfg = std::fs::canonicalize(&fx.config).unwrap();
+    assert_eq!(
+        hook.args[1..3],
+        ["--config".to_string(), cfg.display().to_string()]
+    );
+
+    // The same claim through kiwi-runtime (real runtime: /bin/true) gives the same nodes.
+    fx.write_config_with("[\"/bin/true\"]", &fx.shim, "");
+    let b = fx.path().join("b");
+    std::fs::create_dir_all(&b).unwrap();
+    std::fs::write(
+        b.join("config.json"),
+        format!(r#"{{"process":{{"env":["KIWI_VISIBLE_DEVICES={UUID1}"]}}}}"#),
+    )
+    .unwrap();
+    let st = fx
+        .kiwi_runtime()
+        .args(["create", "-b"])
+        .arg(&b)
+        .arg("x")
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let spec = Spec::load(&b).unwrap();
+    let from_runtime: Vec<(String, u64, u64)> = spec
+        .nvidia_devices()
+        .iter()
+        .map(|n| (n.path.display().to_string(), n.major, n.minor))
+        .collect();
+    let from_cdi: Vec<(String, u64, u64)> = dev(UUID1)
+        .container_edits
+        .device_nodes
+        .iter()
+        .chain(&cdi.container_edits.device_nodes)
+        .map(|n| (n.path.display().to_string(), n.major, n.minor))
+        .collect();
+    assert_eq!(from_runtime, from_cdi);
+    let rt_hook = &spec.hooks("prestart")[0];
+    assert_eq!(rt_hook.path, hook.path);
+    assert_eq!(
+        rt_hook.args[..rt_hook.args.len() - 1],
+        hook.args[..hook.args.len() - 1]
+    );
+}
+
+/// Runs a bundle with plain runc (no kiwi-runtime).
+fn plain_runc(fx: &Fixture, bundle: &Path) -> (bool, String, String) {
+    let id = unique_id("kiwi-alone");
+    let _g = RuncDelete {
+        root: fx.runc_root.clone(),
+        id: id.clone(),
+    };
+    let out = Command::new(which("runc").unwrap())
+        .arg("--root")
+        .arg(&fx.runc_root)
+        .args(["run", "--bundle"])
+        .arg(bundle)
+        .arg(&id)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let (o, e) = text(&out);
+    (out.status.success(), o, e)
+}
+
+const SCRIPT: &str = "echo SHIM=$(cat /usr/lib/kiwi/libkiwi.so); echo PRELOAD=$(cat /etc/ld.so.preload | tr '\\n' ' '); \
+    stat -c 'NODE %n %t:%T' /dev/nvidia1 /dev/nvidiactl; echo OPEN=$(cat /dev/nvidia1 2>&1 | head -1); \
+    /bin/uconnect /run/kiwi/client/arbiter.sock alone; echo DONE";
+
+#[test]
+fn cdi_edits_applied_by_an_engine_work_under_plain_runc() {
+    if !require(&["runc", "busybox", "gcc"]) {
+        return;
+    }
+    let fx = Fixture::new();
+    let _arbiter = FakeArbiter::start(&fx.socket_dir);
+    let cdi = generate(&fx);
+    let b = fx.bundle("cdi", SCRIPT, &[]);
+    // Apply device "1" and the spec-wide edits the way a CDI-aware engine does.
+    let p = b.join("config.json");
+    let mut spec: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    let d = cdi.devices.iter().find(|d| d.name == "1").unwrap();
+    for e in d.container_edits.env.iter().chain(&cdi.container_edits.env) {
+        spec["process"]["env"]
+            .as_array_mut()
+            .unwrap()
+            .push(e.clone().into());
+    }
+    spec["linux"]["devices"] = serde_json::json!([]);
+    for n in d
+        .container_edits
+        .device_nodes
+        .iter()
+        .chain(&cdi.container_edits.device_nodes)
+    {
+        let node = serde_json::json!({"path": n.path, "type": "c", "major": n.major, "minor": n.minor, "fileMode": n.file_mode});
+        spec["linux"]["devices"].as_array_mut().unwrap().push(node);
+        spec["linux"]["resources"]["devices"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({"allow": true, "type": "c", "major": n.major, "minor": n.minor, "access": n.permissions}));
+    }
+    let hooks: Vec<serde_json::Value> = cdi
+        .container_edits
+        .hooks
+        .iter()
+        .map(|h| serde_json::json!({"path": h.path, "args": h.args}))
+        .collect();
+    spec["hooks"] = serde_json::json!({"createRuntime": hooks});
+    std::fs::write(&p, serde_json::to_vec(&spec).unwrap()).unwrap();
+
+    let (ok, out, err) = plain_runc(&fx, &b);
+    assert!(ok, "{err}\n{out}");
+    assert!(out.contains(&format!("SHIM={SHIM_CONTENT}")), "{out}");
+    assert!(
+        out.contains("PRELOAD=/lib/libimage-own.so /usr/lib/kiwi/libkiwi.so"),
+        "{out}"
+    );
+    assert!(out.contains("NODE /dev/nvidia1 c3:1"), "{out}");
+    assert!(out.contains("NODE /dev/nvidiactl c3:ff"), "{out}");
+    assert!(
+        out.contains("OPEN=cat: can't open '/dev/nvidia1': No such device or address"),
+        "{out}"
+    );
+    assert!(out.contains("UCONNECT-REPLY:ok"), "{out}");
+}
+
+#[test]
+fn hooks_d_entry_alone_creates_nodes_and_injects() {
+    if !require(&["runc", "busybox", "gcc"]) {
+        return;
+    }
+    let fx = Fixture::new();
+    let _arbiter = FakeArbiter::start(&fx.socket_dir);
+    let file = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/hooks.d/kiwi-hook.json");
+    let entry: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    assert_eq!(entry["version"], "1.0.0");
+    assert_eq!(
+        entry["when"]["always"], true,
+        "kiwi-hook checks the claim itself"
+    );
+    let stage = entry["stages"][0].as_str().unwrap().to_string();
+    let mut args: Vec<String> = entry["hook"]["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect();
+    // As installed, the hook reads /etc/kiwi/config.toml; here, the fixture's.
+    args.splice(
+        1..1,
+        ["--config".to_string(), fx.config.display().to_string()],
+    );
+
+    for (claimed, env) in [
+        (true, "KIWI_VISIBLE_DEVICES=1"),
+        (false, "KIWI_VISIBLE_DEVICES=void"),
+    ] {
+        let b = fx.bundle(
+            if claimed { "hd-claimed" } else { "hd-void" },
+            SCRIPT,
+            &[env],
+        );
+        let p = b.join("config.json");
+        let mut spec: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+        spec["hooks"] = serde_json::json!({ stage.clone(): [{"path": HOOK, "args": args}] });
+        std::fs::write(&p, serde_json::to_vec(&spec).unwrap()).unwrap();
+        let (ok, out, err) = plain_runc(&fx, &b);
+        assert!(ok, "{err}\n{out}");
+        if claimed {
+            assert!(out.contains(&format!("SHIM={SHIM_CONTENT}")), "{out}");
+            // Created by the hook, with the host's numbers; the spec's device cgroup
+            // (deny all, nothing added by a hooks.d engine) refuses them: EPERM.
+            assert!(out.contains("NODE /dev/nvidia1 c3:1"), "{out}");
+            assert!(out.contains("NODE /dev/nvidiactl c3:ff"), "{out}");
+            assert!(out.contains("Operation not permitted"), "{out}");
+            assert!(out.contains("UCONNECT-REPLY:ok"), "{out}");
+        } else {
+            assert!(!out.contains("SHIM=kiwi"), "{out}");
+            assert!(
+                out.contains("PRELOAD=/lib/libimage-own.so\n")
+                    || out.contains("PRELOAD=/lib/libimage-own.so \n"),
+                "{out}"
+            );
+            assert!(!out.contains("NODE /dev/nvidia1"), "{out}");
+        }
+    }
+}
