@@ -406,6 +406,7 @@ impl Client {
                         bytes: s.bytes,
                         duration_ns: s.duration.as_nanos() as u64,
                     });
+                    crate::kinfo!("reclaim: swapped out {} bytes in {:?}", s.bytes, s.duration);
                 }
                 Ok(_) => {}
                 Err(e) => crate::kerror!("swap-out for a reclaim failed with CUDA error {e}"),
@@ -482,6 +483,19 @@ impl Client {
             && st.want == 0
             && now.duration_since(st.idle_since) >= self.env.idle
         {
+            // Idle means nothing submitted *and* the queued work done: drain (the gate
+            // stays open, the app may go on) and look at how long it took. Work still
+            // running restarts the idle clock from its completion.
+            let t = Instant::now();
+            if let Err(e) = self.res.drain() {
+                crate::kwarn!("draining an idle holder failed with CUDA error {e}");
+            }
+            let after = self.gate.submissions();
+            if t.elapsed() > Duration::from_millis(2) || after != subs {
+                st.idle_mark = after;
+                st.idle_since = Instant::now();
+                return;
+            }
             crate::kinfo!(
                 "idle for {:?} while {} wait: releasing early",
                 now.duration_since(st.idle_since),
