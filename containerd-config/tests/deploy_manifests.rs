@@ -1,0 +1,254 @@
+//! The Kubernetes side of installing Kiwi (`deploy/`): the Helm chart is rendered by
+//! Helm's own engine, linted, and every object validated against the Kubernetes
+//! schemas (`deploy/tools/chart.py check`, Python packages in .ci/pip-packages);
+//! the committed plain manifests must equal the chart's output; and the objects
+//! carry what Kiwi needs (names, host paths, the installer's command, a config
+//! file every Kiwi component can read).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde_json::Value;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+/// Runs `deploy/tools/chart.py`; `None` (a loud skip) when Python or its packages
+/// are missing outside CI, a failure in CI.
+fn chart_py(args: &[&str]) -> Option<std::process::Output> {
+    let out = Command::new("python3")
+        .arg(repo().join("deploy/tools/chart.py"))
+        .args(args)
+        .output();
+    let missing = match &out {
+        Err(_) => true,
+        Ok(o) => o.status.code() == Some(3),
+    };
+    if missing {
+        let why = out
+            .as_ref()
+            .map(|o| String::from_utf8_lossy(&o.stderr).to_string())
+            .unwrap_or_else(|e| format!("python3: {e}"));
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("deploy checks need python3 with .ci/pip-packages installed: {why}");
+        }
+        eprintln!("SKIPPED: {why}");
+        return None;
+    }
+    out.ok()
+}
+
+fn render(args: &[&str]) -> Option<Vec<Value>> {
+    let mut argv = vec!["render"];
+    argv.extend_from_slice(args);
+    let out = chart_py(&argv)?;
+    assert!(
+        out.status.success(),
+        "render failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let docs: Vec<Value> = serde_json::from_slice(&out.stdout).expect("render prints JSON");
+    Some(docs.into_iter().map(|d| d["object"].clone()).collect())
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| d["kind"] == kind && d["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+fn config_of(docs: &[Value]) -> kiwi_config::Config {
+    let text = find(docs, "ConfigMap", "kiwi-config")["data"]["config.toml"]
+        .as_str()
+        .expect("config.toml in the ConfigMap")
+        .to_string();
+    kiwi_config::Config::from_str_at(&text, Path::new("kiwi-config/config.toml"))
+        .unwrap_or_else(|e| panic!("Kiwi cannot read the chart's config: {e}\n{text}"))
+}
+
+fn init_script(ds: &Value) -> String {
+    let init = &ds["spec"]["template"]["spec"]["initContainers"][0];
+    assert_eq!(init["name"], "install");
+    init["args"][0].as_str().expect("script").to_string()
+}
+
+#[test]
+fn chart_lints_validates_and_matches_the_plain_manifests() {
+    let Some(out) = chart_py(&["check"]) else {
+        return;
+    };
+    assert!(
+        out.status.success(),
+        "chart.py check failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{}", String::from_utf8_lossy(&out.stdout));
+}
+
+#[test]
+fn plain_manifests_have_what_kiwi_needs() {
+    let Some(docs) = render(&["--plain"]) else {
+        return;
+    };
+    let kinds: Vec<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "Namespace",
+            "ConfigMap",
+            "RuntimeClass",
+            "DaemonSet",
+            "DaemonSet"
+        ]
+    );
+    assert_eq!(find(&docs, "Namespace", "kiwi-system")["kind"], "Namespace");
+    assert_eq!(find(&docs, "RuntimeClass", "kiwi")["handler"], "kiwi");
+
+    let arbiter = find(&docs, "DaemonSet", "kiwi-scheduler");
+    assert_eq!(arbiter["metadata"]["namespace"], "kiwi-system");
+    let pod = &arbiter["spec"]["template"];
+    assert_eq!(pod["metadata"]["labels"]["name"], "kiwi-scheduler");
+    let spec = &pod["spec"];
+    assert_eq!(spec["hostPID"], true);
+    assert_eq!(spec["priorityClassName"], "system-node-critical");
+    assert!(spec["nodeSelector"]
+        .as_object()
+        .is_some_and(|m| !m.is_empty()));
+    assert!(spec["tolerations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t["key"] == "nvidia.com/gpu"));
+    let c = &spec["containers"][0];
+    assert_eq!(
+        c["command"],
+        serde_json::json!(["kiwi-arbiter", "--socket-dir", "/run/kiwi"])
+    );
+    let run_kiwi = spec["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["hostPath"]["path"] == "/run/kiwi")
+        .expect("hostPath /run/kiwi");
+    assert!(c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|m| m["name"] == run_kiwi["name"] && m["mountPath"] == "/run/kiwi"));
+    assert!(c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|m| m["mountPath"] == "/etc/kiwi"));
+    assert_eq!(c["ports"][0]["containerPort"], 9400);
+
+    let script = init_script(arbiter);
+    for needed in [
+        "kiwictl install containerd",
+        "--config \"/host/etc/containerd/config.toml\" --host-root /host",
+        "--runtime-path \"/usr/local/bin/kiwi-runtime\"",
+        "for b in kiwi-runtime kiwi-hook kiwictl; do",
+        "/host/usr/local/lib/kiwi/libkiwi.so",
+        "must be restarted",
+    ] {
+        assert!(
+            script.contains(needed),
+            "installer lacks {needed:?}:\n{script}"
+        );
+    }
+    assert!(
+        !script.contains("nsenter"),
+        "restarting containerd is opt-in"
+    );
+
+    let plugin = find(&docs, "DaemonSet", "kiwi-device-plugin");
+    let spec = &plugin["spec"]["template"]["spec"];
+    let vol = spec["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["hostPath"]["path"] == "/var/lib/kubelet/device-plugins")
+        .expect("kubelet device-plugin dir");
+    assert!(spec["containers"][0]["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|m| m["name"] == vol["name"] && m["mountPath"] == "/var/lib/kubelet/device-plugins"));
+
+    let cfg = config_of(&docs);
+    assert_eq!(cfg.arbiter.tq_seconds, 30.0);
+    assert!(cfg.arbiter.scheduler.is_on());
+    assert_eq!(cfg.device_plugin.vgpus_per_gpu, 10);
+    assert_eq!(cfg.device_plugin.resource_name, "kiwi.dev/gpu");
+    assert_eq!(cfg.socket_dir, Path::new("/run/kiwi"));
+    assert_eq!(cfg.runtime.hook_path, Path::new("/usr/local/bin/kiwi-hook"));
+    assert_eq!(
+        cfg.runtime.shim_path,
+        Path::new("/usr/local/lib/kiwi/libkiwi.so")
+    );
+    assert_eq!(cfg.arbiter.metrics_addr.as_deref(), Some("0.0.0.0:9400"));
+}
+
+#[test]
+fn chart_values_reach_the_config_and_the_installer() {
+    let Some(docs) = render(&[
+        "--set",
+        "tq=2.5,scheduler=off,vgpusPerGpu=4,resourceName=example.com/vgpu",
+        "--set",
+        "installer.restartContainerd=true,installer.dropIn=true,installer.setAsDefault=true",
+        "--set",
+        "image.repository=registry.local/kiwi,image.tag=dev,metrics.enabled=false",
+    ]) else {
+        return;
+    };
+    let cfg = config_of(&docs);
+    assert_eq!(cfg.arbiter.tq_seconds, 2.5);
+    assert!(!cfg.arbiter.scheduler.is_on());
+    assert_eq!(cfg.device_plugin.vgpus_per_gpu, 4);
+    assert_eq!(cfg.device_plugin.resource_name, "example.com/vgpu");
+    assert_eq!(cfg.arbiter.metrics_addr, None);
+    assert!(
+        docs.iter().all(|d| d["kind"] != "Namespace"),
+        "helm users pass --create-namespace"
+    );
+
+    let arbiter = find(&docs, "DaemonSet", "kiwi-scheduler");
+    let script = init_script(arbiter);
+    assert!(script.contains("nsenter -t 1 -m -u -i -n -p -- systemctl restart containerd"));
+    assert!(script.contains("--drop-in --set-as-default)"), "{script}");
+    let init = &arbiter["spec"]["template"]["spec"]["initContainers"][0];
+    assert_eq!(init["securityContext"]["privileged"], true);
+    assert_eq!(init["image"], "registry.local/kiwi:dev");
+}
+
+#[test]
+fn bad_values_are_refused_by_the_chart() {
+    for set in ["tq=0", "scheduler=maybe", "vgpusPerGpu=0"] {
+        let Some(out) = chart_py(&["render", "--set", set]) else {
+            return;
+        };
+        assert!(!out.status.success(), "{set} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        let key = set.split('=').next().unwrap();
+        assert!(err.contains(key), "{set}: {err}");
+    }
+}
+
+#[test]
+fn systemd_units_run_the_daemons_with_the_design_paths() {
+    let unit = std::fs::read_to_string(repo().join("deploy/systemd/kiwi-arbiter.service")).unwrap();
+    assert!(unit.contains("\nExecStart=/usr/local/bin/kiwi-arbiter --socket-dir /run/kiwi\n"));
+    assert!(
+        unit.contains("\nRuntimeDirectoryPreserve=yes\n"),
+        "containers bind /run/kiwi/client"
+    );
+    assert!(unit.contains("\n[Install]\nWantedBy=multi-user.target\n"));
+    let unit =
+        std::fs::read_to_string(repo().join("deploy/systemd/kiwi-device-plugin.service")).unwrap();
+    assert!(unit.contains("\nExecStart=/usr/local/bin/kiwi-device-plugin\n"));
+    assert!(unit.contains("After=kubelet.service"));
+}
