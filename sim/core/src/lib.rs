@@ -15,6 +15,7 @@
 //!
 //! It must not export any `cu*`/`nvml*` symbol: test binaries link it.
 
+pub mod harness;
 pub mod ident;
 pub mod install;
 pub mod knobs;

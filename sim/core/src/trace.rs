@@ -142,24 +142,31 @@ impl TraceWriter {
     }
 }
 
-/// The first pair of kernels, one of `pid_a` and one of `pid_b`, that ran at the same
-/// time on the same device (intervals overlapping by more than `slack_ns`).
+/// The first pair of kernels, one of `pid_a` and one of `pid_b`, whose intervals
+/// overlap by more than `slack_ns`; with `device`, only kernels on that device count.
 pub fn first_overlap(
     records: &[TraceRecord],
     pid_a: u32,
     pid_b: u32,
+    device: Option<u32>,
     slack_ns: u64,
 ) -> Option<(TraceRecord, TraceRecord)> {
-    let a: Vec<&TraceRecord> = records.iter().filter(|r| r.pid == pid_a).collect();
-    let mut b: Vec<&TraceRecord> = records.iter().filter(|r| r.pid == pid_b).collect();
+    let on = |r: &&TraceRecord| device.is_none_or(|d| r.device == d);
+    let a: Vec<&TraceRecord> = records
+        .iter()
+        .filter(|r| r.pid == pid_a)
+        .filter(on)
+        .collect();
+    let mut b: Vec<&TraceRecord> = records
+        .iter()
+        .filter(|r| r.pid == pid_b)
+        .filter(on)
+        .collect();
     b.sort_by_key(|r| r.start_ns);
     for x in a {
         // Only b's that start before x ends can overlap it.
         let upto = b.partition_point(|r| r.start_ns < x.end_ns);
         for y in &b[..upto] {
-            if y.device != x.device {
-                continue;
-            }
             let overlap = x
                 .end_ns
                 .min(y.end_ns)
@@ -172,9 +179,19 @@ pub fn first_overlap(
     None
 }
 
-/// Did processes `pid_a` and `pid_b` ever run kernels at the same time on one device?
+/// Did processes `pid_a` and `pid_b` ever run kernels at the same time (on any
+/// device)? On one simulated GPU this must never happen.
 pub fn ran_concurrently(records: &[TraceRecord], pid_a: u32, pid_b: u32) -> bool {
-    first_overlap(records, pid_a, pid_b, 0).is_some()
+    first_overlap(records, pid_a, pid_b, None, 0).is_some()
+}
+
+/// Did the wall-time spans of the two processes' kernels (first start to last end)
+/// intersect? True when they shared the GPU side by side, interleaving kernels.
+pub fn spans_overlap(records: &[TraceRecord], pid_a: u32, pid_b: u32) -> bool {
+    match (span(records, pid_a), span(records, pid_b)) {
+        (Some((a0, a1)), Some((b0, b1))) => a0 < b1 && b0 < a1,
+        _ => false,
+    }
 }
 
 /// Distinct pids in a trace, in order of first appearance.
@@ -232,11 +249,14 @@ mod tests {
         let overlapping = vec![r(1, 0, 0, 10), r(2, 0, 5, 20)];
         assert!(ran_concurrently(&overlapping, 1, 2));
         assert!(ran_concurrently(&overlapping, 2, 1));
-        // Different devices never conflict.
+        // Different devices: concurrent, but not on one device.
         let two_gpus = vec![r(1, 0, 0, 10), r(2, 1, 5, 20)];
-        assert!(!ran_concurrently(&two_gpus, 1, 2));
+        assert!(ran_concurrently(&two_gpus, 1, 2));
+        assert!(first_overlap(&two_gpus, 1, 2, Some(0), 0).is_none());
         // Slack tolerates touching intervals.
-        assert!(first_overlap(&overlapping, 1, 2, 5).is_none());
+        assert!(first_overlap(&overlapping, 1, 2, None, 5).is_none());
+        assert!(spans_overlap(&serial, 1, 2));
+        assert!(!spans_overlap(&[r(1, 0, 0, 10), r(2, 0, 10, 20)], 1, 2));
         assert_eq!(span(&serial, 1), Some((0, 30)));
         assert_eq!(pids(&serial), vec![1, 2]);
     }

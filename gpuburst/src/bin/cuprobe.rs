@@ -1,0 +1,534 @@
+//! `cuprobe`: scripted driver-API scenarios, run against whatever `libcuda.so.1` the
+//! loader finds (the simulator in tests). Each scenario checks its own expectations,
+//! prints one line per step and `PASS <scenario>` at the end; a broken expectation
+//! prints `FAIL ...` and exits 1, a failed CUDA call exits 2.
+//!
+//! ```text
+//! cuprobe vmm                        VMM map/unmap/access/illegal address
+//! cuprobe alloc --mib N [--hold-ms M] allocate N MiB, print "allocated", hold
+//! cuprobe copy --mib N               time an N MiB HtoD and DtoH copy
+//! cuprobe spin --ms N --count K      K kernels of N ms each
+//! cuprobe procaddr                   cuGetProcAddress resolution rules
+//! ```
+
+use std::ffi::c_void;
+use std::time::{Duration, Instant};
+
+use gpuburst::cu;
+use gpuburst::driver::{
+    resolve, CUdeviceptr, Cuda, CudaError, Handle, MemAccessDesc, MemAllocationProp,
+};
+use gpuburst::kernels::PTX;
+
+const ILLEGAL_ADDRESS: u32 = 700;
+const INVALID_VALUE: u32 = 1;
+const NOT_FOUND: u32 = 500;
+
+macro_rules! expect {
+    ($cond:expr, $($msg:tt)*) => {
+        if !$cond {
+            println!("FAIL {}", format!($($msg)*));
+            std::process::exit(1);
+        }
+    };
+}
+
+struct Probe {
+    cuda: Cuda,
+    fill: Handle,
+    checksum: Handle,
+    spin: Handle,
+}
+
+impl Probe {
+    fn new() -> Result<Probe, CudaError> {
+        let cuda = Cuda::load().unwrap_or_else(|e| {
+            println!("FAIL {e}");
+            std::process::exit(1);
+        });
+        cu!(cuda, init, "cuInit", 0)?;
+        let mut ctx: Handle = std::ptr::null_mut();
+        cu!(
+            cuda,
+            primary_ctx_retain,
+            "cuDevicePrimaryCtxRetain",
+            &mut ctx,
+            0
+        )?;
+        cu!(cuda, ctx_set_current, "cuCtxSetCurrent", ctx)?;
+        let mut m: Handle = std::ptr::null_mut();
+        cu!(
+            cuda,
+            module_load_data,
+            "cuModuleLoadData",
+            &mut m,
+            PTX.as_ptr().cast()
+        )?;
+        let get = |n: &std::ffi::CStr| -> Result<Handle, CudaError> {
+            let mut f: Handle = std::ptr::null_mut();
+            cu!(
+                cuda,
+                module_get_function,
+                "cuModuleGetFunction",
+                &mut f,
+                m,
+                n.as_ptr()
+            )?;
+            Ok(f)
+        };
+        Ok(Probe {
+            fill: get(c"kiwi_fill")?,
+            checksum: get(c"kiwi_checksum")?,
+            spin: get(c"kiwi_spin")?,
+            cuda,
+        })
+    }
+
+    /// Launches a kernel; returns the raw launch result.
+    fn launch(&self, f: Handle, args: &mut [*mut c_void]) -> u32 {
+        // SAFETY: a resolved cuLaunchKernel and argument pointers valid for the call.
+        unsafe {
+            (self.cuda.launch_kernel)(
+                f,
+                1,
+                1,
+                1,
+                1,
+                1,
+                1,
+                0,
+                std::ptr::null_mut(),
+                args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+    }
+
+    fn fill(&self, ptr: CUdeviceptr, value: u32, words: u64) -> u32 {
+        let (mut p, mut v, mut w) = (ptr, value, words);
+        self.launch(
+            self.fill,
+            &mut [
+                (&mut p as *mut u64).cast(),
+                (&mut v as *mut u32).cast(),
+                (&mut w as *mut u64).cast(),
+            ],
+        )
+    }
+
+    fn checksum(&self, ptr: CUdeviceptr, words: u64, out: CUdeviceptr) -> Result<u64, CudaError> {
+        cu!(self.cuda, memset_d32, "cuMemsetD32", out, 0, 2)?;
+        let (mut p, mut w, mut o) = (ptr, words, out);
+        let r = self.launch(
+            self.checksum,
+            &mut [
+                (&mut p as *mut u64).cast(),
+                (&mut w as *mut u64).cast(),
+                (&mut o as *mut u64).cast(),
+            ],
+        );
+        self.cuda.check("cuLaunchKernel", r)?;
+        let mut got = 0u64;
+        cu!(
+            self.cuda,
+            memcpy_dtoh,
+            "cuMemcpyDtoH",
+            (&mut got as *mut u64).cast(),
+            out,
+            8
+        )?;
+        Ok(got)
+    }
+
+    fn sync(&self) -> u32 {
+        // SAFETY: resolved entry point, no arguments.
+        unsafe { (self.cuda.ctx_synchronize)() }
+    }
+
+    fn free_mem(&self) -> Result<u64, CudaError> {
+        let (mut f, mut t) = (0usize, 0usize);
+        cu!(self.cuda, mem_get_info, "cuMemGetInfo", &mut f, &mut t)?;
+        Ok(f as u64)
+    }
+}
+
+fn step(s: &str) {
+    println!("ok {s}");
+}
+
+fn vmm(p: &Probe) -> Result<(), CudaError> {
+    let c = &p.cuda;
+    let prop = MemAllocationProp::device(0);
+    let mut g = 0usize;
+    cu!(
+        c,
+        mem_get_allocation_granularity,
+        "cuMemGetAllocationGranularity",
+        &mut g,
+        &prop,
+        0
+    )?;
+    expect!(g == 2 << 20, "granularity {g}");
+    let g = g as u64;
+    let words = g / 4;
+    let mut out = 0;
+    cu!(c, mem_alloc, "cuMemAlloc", &mut out, 8)?;
+    let free0 = p.free_mem()?;
+
+    let mut va = 0;
+    cu!(
+        c,
+        mem_address_reserve,
+        "cuMemAddressReserve",
+        &mut va,
+        (4 * g) as usize,
+        0,
+        0,
+        0
+    )?;
+    expect!(p.free_mem()? == free0, "reserving VA must not use memory");
+    let mut h1 = 0u64;
+    cu!(
+        c,
+        mem_create,
+        "cuMemCreate",
+        &mut h1,
+        (2 * g) as usize,
+        &prop,
+        0
+    )?;
+    expect!(
+        p.free_mem()? == free0 - 2 * g,
+        "cuMemCreate accounts physical memory"
+    );
+    // SAFETY (all raw calls below): resolved entry points, plain integer arguments.
+    let r = unsafe { (c.mem_map)(va, (2 * g) as usize, 4096, h1, 0) };
+    expect!(r == INVALID_VALUE, "map with offset != 0 -> {r}");
+    let r = unsafe { (c.mem_map)(va, g as usize + 4096, 0, h1, 0) };
+    expect!(r == INVALID_VALUE, "map of a non-granular size -> {r}");
+    cu!(c, mem_map, "cuMemMap", va, (2 * g) as usize, 0, h1, 0)?;
+    step("map");
+    let r = unsafe { (c.mem_map)(va + g, g as usize, 0, h1, 0) };
+    expect!(r != 0, "overlapping map must fail");
+    // Before cuMemSetAccess the range is not accessible.
+    let r = unsafe { (c.memset_d32)(va, 1, words as usize) };
+    expect!(r == INVALID_VALUE, "memset before cuMemSetAccess -> {r}");
+    let rw = MemAccessDesc {
+        location_type: 1,
+        location_id: 0,
+        flags: 3,
+    };
+    cu!(
+        c,
+        mem_set_access,
+        "cuMemSetAccess",
+        va,
+        (2 * g) as usize,
+        &rw,
+        1
+    )?;
+    expect!(p.fill(va, 3, 2 * words) == 0, "fill launch");
+    expect!(p.sync() == 0, "fill after set access");
+    expect!(
+        p.checksum(va, 2 * words, out)? == 3 * 2 * words,
+        "checksum after fill"
+    );
+    step("set-access fill checksum");
+
+    let r = unsafe { (c.mem_unmap)(va, g as usize) };
+    expect!(r == INVALID_VALUE, "unmap of half a mapping -> {r}");
+    // Release before unmap: the memory stays while mapped.
+    cu!(c, mem_release, "cuMemRelease", h1)?;
+    expect!(
+        p.free_mem()? == free0 - 2 * g,
+        "released but mapped memory stays allocated"
+    );
+    expect!(
+        p.checksum(va, 2 * words, out)? == 6 * words,
+        "data survives release while mapped"
+    );
+    step("release-before-unmap");
+
+    // A second handle mapped right after the first: one kernel spans both.
+    let mut h2 = 0u64;
+    cu!(
+        c,
+        mem_create,
+        "cuMemCreate",
+        &mut h2,
+        (2 * g) as usize,
+        &prop,
+        0
+    )?;
+    cu!(
+        c,
+        mem_map,
+        "cuMemMap",
+        va + 2 * g,
+        (2 * g) as usize,
+        0,
+        h2,
+        0
+    )?;
+    cu!(
+        c,
+        mem_set_access,
+        "cuMemSetAccess",
+        va + 2 * g,
+        (2 * g) as usize,
+        &rw,
+        1
+    )?;
+    expect!(p.fill(va, 5, 4 * words) == 0, "spanning fill launch");
+    expect!(p.sync() == 0, "spanning fill");
+    expect!(
+        p.checksum(va, 4 * words, out)? == 5 * 4 * words,
+        "spanning checksum"
+    );
+    step("kernel across two mappings");
+
+    // Unmap both mappings in one call: h1's memory is freed (no handle left), h2's
+    // is not (its handle is alive).
+    cu!(c, mem_unmap, "cuMemUnmap", va, (4 * g) as usize)?;
+    expect!(
+        p.free_mem()? == free0 - 2 * g,
+        "unmap frees the released handle only"
+    );
+    // Map h2 again at the start of the same VA: contents are kept.
+    cu!(c, mem_map, "cuMemMap", va, (2 * g) as usize, 0, h2, 0)?;
+    cu!(
+        c,
+        mem_set_access,
+        "cuMemSetAccess",
+        va,
+        (2 * g) as usize,
+        &rw,
+        1
+    )?;
+    expect!(
+        p.checksum(va, 2 * words, out)? == 5 * 2 * words,
+        "remapped data kept"
+    );
+    step("remap keeps contents");
+    cu!(c, mem_unmap, "cuMemUnmap", va, (2 * g) as usize)?;
+    cu!(c, mem_release, "cuMemRelease", h2)?;
+    expect!(p.free_mem()? == free0, "everything freed");
+
+    // A mapping without access in a second context: illegal address there only.
+    let mut h3 = 0u64;
+    cu!(c, mem_create, "cuMemCreate", &mut h3, g as usize, &prop, 0)?;
+    cu!(c, mem_map, "cuMemMap", va, g as usize, 0, h3, 0)?;
+    let mut ctx2: Handle = std::ptr::null_mut();
+    let mut primary: Handle = std::ptr::null_mut();
+    cu!(c, ctx_get_current, "cuCtxGetCurrent", &mut primary)?;
+    cu!(c, ctx_create, "cuCtxCreate", &mut ctx2, 0, 0)?;
+    expect!(p.fill(va, 1, words) == 0, "launch is accepted");
+    let r = p.sync();
+    expect!(
+        r == ILLEGAL_ADDRESS,
+        "kernel on a mapping without access -> {r}"
+    );
+    let mut x = 0;
+    let r = unsafe { (c.mem_alloc)(&mut x, 4096) };
+    expect!(
+        r == ILLEGAL_ADDRESS,
+        "the error is sticky in that context -> {r}"
+    );
+    cu!(c, ctx_destroy, "cuCtxDestroy", ctx2)?;
+    cu!(c, ctx_set_current, "cuCtxSetCurrent", primary)?;
+    expect!(p.sync() == 0, "other contexts are unaffected");
+    step("no access -> illegal address");
+
+    // Unmapped memory (a shim that forgot to swap back in): illegal address.
+    cu!(c, mem_unmap, "cuMemUnmap", va, g as usize)?;
+    cu!(c, mem_release, "cuMemRelease", h3)?;
+    expect!(p.fill(va, 1, words) == 0, "launch is accepted");
+    let r = p.sync();
+    expect!(r == ILLEGAL_ADDRESS, "kernel on unmapped memory -> {r}");
+    let r = p.sync();
+    expect!(r == ILLEGAL_ADDRESS, "sticky: still {r}");
+    step("unmapped -> illegal address (sticky)");
+    let r = unsafe { (c.mem_address_free)(va, (4 * g) as usize) };
+    expect!(r == 0, "address free -> {r}");
+    Ok(())
+}
+
+fn alloc(p: &Probe, mib: u64, hold_ms: u64) -> Result<(), CudaError> {
+    let mut d = 0;
+    cu!(
+        p.cuda,
+        mem_alloc,
+        "cuMemAlloc_v2",
+        &mut d,
+        (mib << 20) as usize
+    )?;
+    expect!(p.fill(d, 1, (mib << 20) / 4) == 0, "touching the memory");
+    expect!(p.sync() == 0, "fill");
+    println!("allocated {mib} MiB");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    std::thread::sleep(Duration::from_millis(hold_ms));
+    Ok(())
+}
+
+fn copy(p: &Probe, mib: u64) -> Result<(), CudaError> {
+    let n = (mib << 20) as usize;
+    let host = vec![7u8; n];
+    let mut back = vec![1u8; n]; // touched, so page faults are not timed
+    let mut d = 0;
+    cu!(p.cuda, mem_alloc, "cuMemAlloc_v2", &mut d, n)?;
+    let t = Instant::now();
+    cu!(
+        p.cuda,
+        memcpy_htod,
+        "cuMemcpyHtoD",
+        d,
+        host.as_ptr().cast(),
+        n
+    )?;
+    let htod = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    cu!(
+        p.cuda,
+        memcpy_dtoh,
+        "cuMemcpyDtoH",
+        back.as_mut_ptr().cast(),
+        d,
+        n
+    )?;
+    let dtoh = t.elapsed().as_secs_f64();
+    expect!(back == host, "copied bytes differ");
+    println!("copy bytes={n} htod_s={htod:.6} dtoh_s={dtoh:.6}");
+    Ok(())
+}
+
+fn spin(p: &Probe, ms: u64, count: u32) -> Result<(), CudaError> {
+    for _ in 0..count {
+        let mut ns = ms * 1_000_000;
+        let r = p.launch(p.spin, &mut [(&mut ns as *mut u64).cast()]);
+        p.cuda.check("cuLaunchKernel", r)?;
+    }
+    let r = p.sync();
+    p.cuda.check("cuCtxSynchronize", r)?;
+    println!("spun {count} x {ms} ms");
+    Ok(())
+}
+
+fn procaddr(p: &Probe) -> Result<(), CudaError> {
+    let c = &p.cuda;
+    let gpa = c.get_proc_address;
+    let sym = |n: &str| c.dlsym(n);
+    for (base, symbol) in [
+        ("cuMemAlloc", "cuMemAlloc_v2"),
+        ("cuCtxDestroy", "cuCtxDestroy_v2"),
+        ("cuMemcpyHtoD", "cuMemcpyHtoD_v2"),
+        ("cuLaunchKernel", "cuLaunchKernel"),
+        ("cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxRelease_v2"),
+        ("cuGetProcAddress", "cuGetProcAddress_v2"),
+    ] {
+        let got = resolve(gpa, base, 12000, 0);
+        expect!(got.is_some() && got == sym(symbol), "{base} -> {symbol}");
+    }
+    step("base names resolve to the newest version");
+    // An old CUDA version gets the old symbol (cuDevicePrimaryCtxRelease v1 in 10.x).
+    let got = resolve(gpa, "cuDevicePrimaryCtxRelease", 10020, 0);
+    expect!(
+        got == sym("cuDevicePrimaryCtxRelease"),
+        "version-limited lookup"
+    );
+    expect!(
+        resolve(gpa, "cuMemAlloc", 3000, 0).is_none(),
+        "too old a version"
+    );
+    step("versions honoured");
+    for (base, symbol) in [
+        ("cuLaunchKernel", "cuLaunchKernel_ptsz"),
+        ("cuLaunchKernelEx", "cuLaunchKernelEx_ptsz"),
+        ("cuMemcpyAsync", "cuMemcpyAsync_ptsz"),
+        ("cuMemcpyHtoDAsync", "cuMemcpyHtoDAsync_v2_ptsz"),
+        ("cuMemcpyDtoHAsync", "cuMemcpyDtoHAsync_v2_ptsz"),
+        ("cuMemsetD8Async", "cuMemsetD8Async_ptsz"),
+        ("cuMemsetD32Async", "cuMemsetD32Async_ptsz"),
+        ("cuStreamSynchronize", "cuStreamSynchronize_ptsz"),
+        ("cuEventRecord", "cuEventRecord_ptsz"),
+        ("cuLaunchHostFunc", "cuLaunchHostFunc_ptsz"),
+        ("cuMemcpy", "cuMemcpy_ptds"),
+        ("cuMemcpyHtoD", "cuMemcpyHtoD_v2_ptds"),
+        ("cuMemcpyDtoH", "cuMemcpyDtoH_v2_ptds"),
+        ("cuMemcpyDtoD", "cuMemcpyDtoD_v2_ptds"),
+        ("cuMemsetD8", "cuMemsetD8_v2_ptds"),
+        ("cuMemsetD32", "cuMemsetD32_v2_ptds"),
+    ] {
+        let got = resolve(gpa, base, 12000, 2);
+        expect!(
+            got.is_some() && got == sym(symbol),
+            "per-thread {base} -> {symbol}"
+        );
+        let legacy = resolve(gpa, base, 12000, 1);
+        expect!(
+            legacy != got,
+            "legacy {base} must not be the per-thread variant"
+        );
+    }
+    // Calls without a per-thread variant give the ordinary symbol.
+    expect!(
+        resolve(gpa, "cuMemAlloc", 12000, 2) == sym("cuMemAlloc_v2"),
+        "no ptds variant"
+    );
+    step("per-thread default stream variants");
+    let name = c"cuNoSuchFunction";
+    let mut pfn: *mut c_void = 1 as *mut c_void;
+    let mut status = -1;
+    // SAFETY: valid arguments for cuGetProcAddress_v2.
+    let r = unsafe { gpa(name.as_ptr(), &mut pfn, 12000, 0, &mut status) };
+    expect!(
+        r == NOT_FOUND && pfn.is_null() && status == 1,
+        "unknown name -> {r}, status {status}"
+    );
+    step("unknown names");
+    Ok(())
+}
+
+fn arg(args: &[String], name: &str) -> Option<u64> {
+    let i = args.iter().position(|a| a == name)?;
+    args.get(i + 1)?.parse().ok()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some(cmd) = args.first().cloned() else {
+        eprintln!("usage: cuprobe vmm|alloc --mib N [--hold-ms M]|copy --mib N|spin --ms N --count K|procaddr");
+        std::process::exit(1);
+    };
+    let need = |name: &str| {
+        arg(&args, name).unwrap_or_else(|| {
+            eprintln!("cuprobe {cmd}: {name} N is required");
+            std::process::exit(1);
+        })
+    };
+    let p = match Probe::new() {
+        Ok(p) => p,
+        Err(e) => {
+            println!("CUDA {e}");
+            std::process::exit(2);
+        }
+    };
+    let r = match cmd.as_str() {
+        "vmm" => vmm(&p),
+        "alloc" => alloc(&p, need("--mib"), arg(&args, "--hold-ms").unwrap_or(0)),
+        "copy" => copy(&p, need("--mib")),
+        "spin" => spin(&p, need("--ms"), need("--count") as u32),
+        "procaddr" => procaddr(&p),
+        other => {
+            eprintln!("cuprobe: unknown scenario {other:?}");
+            std::process::exit(1);
+        }
+    };
+    match r {
+        Ok(()) => println!("PASS {cmd}"),
+        Err(e) => {
+            println!("CUDA {e}");
+            std::process::exit(2);
+        }
+    }
+}

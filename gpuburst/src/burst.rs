@@ -1,0 +1,506 @@
+//! gpuburst's program: allocate and fill memory, alternate CPU phases with GPU
+//! bursts of real kernels, and verify every byte with `kiwi_checksum` against a
+//! host-side model.
+//!
+//! Memory is `--mem` bytes in allocations of at most 256 MiB plus three small ones
+//! (so allocators with size classes are exercised). Each allocation holds one u32
+//! value in every word: `kiwi_fill` sets it from the seed, each burst's `kiwi_add`
+//! adds a per-(burst, allocation) delta, and the host model tracks the value, so
+//! the expected checksum of an allocation is `words × value`.
+//!
+//! The wait before a burst: the burst starts with a 1 ms `kiwi_spin` that the
+//! program waits for; wait = (time from submitting it to its completion) − 1 ms.
+//! Under Kiwi this is the time spent waiting for the GPU.
+
+use std::ffi::c_void;
+use std::time::{Duration, Instant};
+
+use crate::cu;
+use crate::driver::{CUdeviceptr, Cuda, CudaError, Handle};
+use crate::kernels::{BLOCK, GRID, PTX};
+
+/// Command-line options.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Options {
+    pub mem: u64,
+    pub bursts: u32,
+    pub gpu_ms: u64,
+    pub cpu_ms: u64,
+    pub idle_ms: u64,
+    pub verify: bool,
+    pub json: bool,
+    pub device: i32,
+    pub name: String,
+    pub seed: u64,
+    /// Test aid: after the first burst, add to one allocation behind the host
+    /// model's back, so verification must fail (exit 3).
+    pub inject_fault: bool,
+}
+
+pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--verify] [--json] [--device 0] [--name LABEL] [--seed 1]";
+
+impl Options {
+    /// Parses arguments (without the program name).
+    pub fn parse(args: &[String]) -> Result<Options, String> {
+        let mut o = Options {
+            mem: 256 << 20,
+            bursts: 5,
+            gpu_ms: 400,
+            cpu_ms: 300,
+            idle_ms: 0,
+            verify: false,
+            json: false,
+            device: 0,
+            name: format!("gpuburst-{}", std::process::id()),
+            seed: 1,
+            inject_fault: false,
+        };
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            let (flag, inline) = match a.split_once('=') {
+                Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
+                _ => (a.as_str(), None),
+            };
+            let mut value = || -> Result<String, String> {
+                inline
+                    .clone()
+                    .or_else(|| it.next().cloned())
+                    .ok_or_else(|| format!("{flag} needs a value"))
+            };
+            let num = |v: String| -> Result<u64, String> {
+                v.parse::<u64>()
+                    .map_err(|_| format!("{flag}: not a whole number: {v:?}"))
+            };
+            match flag {
+                "--mem" => {
+                    let v = value()?;
+                    o.mem = kiwi_config::parse_size(&v).map_err(|e| format!("--mem: {e}"))?;
+                    if o.mem < 4096 {
+                        return Err("--mem must be at least 4KiB".into());
+                    }
+                }
+                "--bursts" => o.bursts = num(value()?)? as u32,
+                "--gpu-ms" => o.gpu_ms = num(value()?)?,
+                "--cpu-ms" => o.cpu_ms = num(value()?)?,
+                "--idle-ms" => o.idle_ms = num(value()?)?,
+                "--device" => o.device = num(value()?)? as i32,
+                "--seed" => o.seed = num(value()?)?,
+                "--name" => o.name = value()?,
+                "--verify" => o.verify = true,
+                "--json" => o.json = true,
+                "--inject-fault" => o.inject_fault = true,
+                "-h" | "--help" => return Err(USAGE.into()),
+                _ => return Err(format!("unknown argument {a:?}; {USAGE}")),
+            }
+        }
+        if o.gpu_ms < 1 {
+            return Err("--gpu-ms must be at least 1".into());
+        }
+        Ok(o)
+    }
+}
+
+/// How gpuburst ended badly.
+#[derive(Debug)]
+pub enum Failure {
+    /// A driver call failed (exit code 2).
+    Cuda(CudaError),
+    /// Device memory did not hold what the program wrote (exit code 3).
+    Mismatch(String),
+}
+
+impl From<CudaError> for Failure {
+    fn from(e: CudaError) -> Self {
+        Failure::Cuda(e)
+    }
+}
+
+/// splitmix64: the per-(burst, allocation) values derived from the seed.
+pub fn mix(seed: u64, a: u64, b: u64) -> u32 {
+    let mut z = seed
+        .wrapping_add(a.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        .wrapping_add(b.wrapping_mul(0xbf58_476d_1ce4_e5b9));
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)) as u32
+}
+
+/// Allocation sizes for `mem` bytes: three small ones, the rest in ≤ 256 MiB chunks
+/// (all multiples of 4).
+pub fn plan_allocations(mem: u64) -> Vec<u64> {
+    const CHUNK: u64 = 256 << 20;
+    const SMALL: u64 = 64 << 10;
+    let mem = mem / 4 * 4;
+    let mut out = Vec::new();
+    let mut left = mem;
+    if mem >= 4 * SMALL {
+        out.extend(std::iter::repeat_n(SMALL, 3));
+        left -= 3 * SMALL;
+    }
+    while left > 0 {
+        let n = left.min(CHUNK);
+        out.push(n);
+        left -= n;
+    }
+    out
+}
+
+struct Kernels {
+    fill: Handle,
+    add: Handle,
+    checksum: Handle,
+    spin: Handle,
+}
+
+struct Allocation {
+    ptr: CUdeviceptr,
+    words: u64,
+    value: u32,
+}
+
+/// Output sink: human lines or JSON lines.
+struct Report {
+    json: bool,
+    name: String,
+    t0: Instant,
+}
+
+impl Report {
+    fn ms(&self) -> f64 {
+        self.t0.elapsed().as_secs_f64() * 1e3
+    }
+
+    fn line(&self, human: String, json: String) {
+        if self.json {
+            println!("{json}");
+        } else {
+            println!("[{}] {human}", self.name);
+        }
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+    }
+}
+
+fn launch(
+    cuda: &Cuda,
+    f: Handle,
+    grid: u32,
+    block: u32,
+    args: &mut [*mut c_void],
+) -> Result<(), CudaError> {
+    cu!(
+        cuda,
+        launch_kernel,
+        "cuLaunchKernel",
+        f,
+        grid,
+        1,
+        1,
+        block,
+        1,
+        1,
+        0,
+        std::ptr::null_mut(),
+        args.as_mut_ptr(),
+        std::ptr::null_mut()
+    )
+}
+
+fn spin(cuda: &Cuda, k: &Kernels, ns: u64) -> Result<(), CudaError> {
+    let mut ns = ns;
+    launch(cuda, k.spin, 1, 1, &mut [(&mut ns as *mut u64).cast()])
+}
+
+fn mem_kernel(cuda: &Cuda, f: Handle, a: &Allocation, value: u32) -> Result<(), CudaError> {
+    let mut ptr = a.ptr;
+    let mut v = value;
+    let mut words = a.words;
+    launch(
+        cuda,
+        f,
+        GRID,
+        BLOCK,
+        &mut [
+            (&mut ptr as *mut u64).cast(),
+            (&mut v as *mut u32).cast(),
+            (&mut words as *mut u64).cast(),
+        ],
+    )
+}
+
+/// Checksums every allocation on the GPU and compares with the host model.
+fn verify(
+    cuda: &Cuda,
+    k: &Kernels,
+    allocs: &[Allocation],
+    sums: CUdeviceptr,
+) -> Result<(), Failure> {
+    for (i, a) in allocs.iter().enumerate() {
+        let out = sums + 8 * i as u64;
+        // kiwi_checksum adds into *out: start from zero.
+        cu!(
+            cuda,
+            memset_d32_async,
+            "cuMemsetD32Async",
+            out,
+            0,
+            2,
+            std::ptr::null_mut()
+        )?;
+        let (mut ptr, mut words, mut o) = (a.ptr, a.words, out);
+        launch(
+            cuda,
+            k.checksum,
+            GRID,
+            BLOCK,
+            &mut [
+                (&mut ptr as *mut u64).cast(),
+                (&mut words as *mut u64).cast(),
+                (&mut o as *mut u64).cast(),
+            ],
+        )?;
+    }
+    let mut got = vec![0u64; allocs.len()];
+    cu!(
+        cuda,
+        memcpy_dtoh,
+        "cuMemcpyDtoH",
+        got.as_mut_ptr().cast(),
+        sums,
+        8 * allocs.len()
+    )?;
+    for (i, (a, g)) in allocs.iter().zip(&got).enumerate() {
+        let want = a.words * u64::from(a.value);
+        if *g != want {
+            return Err(Failure::Mismatch(format!(
+                "allocation {i} ({} bytes at {:#x}): checksum {g}, expected {want}",
+                a.words * 4,
+                a.ptr
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Busy host work for `d` (a CPU phase that really uses the CPU).
+fn host_work(d: Duration) {
+    let end = Instant::now() + d;
+    let mut x = 0x1234_5678u64;
+    while Instant::now() < end {
+        for _ in 0..10_000 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+        }
+        std::hint::black_box(x);
+    }
+}
+
+/// Runs the whole program; prints as it goes.
+pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
+    let rep = Report {
+        json: o.json,
+        name: o.name.clone(),
+        t0: Instant::now(),
+    };
+    cu!(cuda, init, "cuInit", 0)?;
+    let mut dev = 0;
+    cu!(cuda, device_get, "cuDeviceGet", &mut dev, o.device)?;
+    let mut ctx: Handle = std::ptr::null_mut();
+    cu!(
+        cuda,
+        primary_ctx_retain,
+        "cuDevicePrimaryCtxRetain",
+        &mut ctx,
+        dev
+    )?;
+    cu!(cuda, ctx_set_current, "cuCtxSetCurrent", ctx)?;
+    let mut module: Handle = std::ptr::null_mut();
+    cu!(
+        cuda,
+        module_load_data,
+        "cuModuleLoadData",
+        &mut module,
+        PTX.as_ptr().cast()
+    )?;
+    let get = |name: &std::ffi::CStr| -> Result<Handle, CudaError> {
+        let mut f: Handle = std::ptr::null_mut();
+        cu!(
+            cuda,
+            module_get_function,
+            "cuModuleGetFunction",
+            &mut f,
+            module,
+            name.as_ptr()
+        )?;
+        Ok(f)
+    };
+    let k = Kernels {
+        fill: get(c"kiwi_fill")?,
+        add: get(c"kiwi_add")?,
+        checksum: get(c"kiwi_checksum")?,
+        spin: get(c"kiwi_spin")?,
+    };
+    let sizes = plan_allocations(o.mem);
+    let mut allocs = Vec::with_capacity(sizes.len());
+    for (i, &bytes) in sizes.iter().enumerate() {
+        let mut ptr = 0;
+        cu!(cuda, mem_alloc, "cuMemAlloc_v2", &mut ptr, bytes as usize)?;
+        allocs.push(Allocation {
+            ptr,
+            words: bytes / 4,
+            value: mix(o.seed, 0, i as u64),
+        });
+    }
+    let mut sums = 0;
+    cu!(
+        cuda,
+        mem_alloc,
+        "cuMemAlloc_v2",
+        &mut sums,
+        8 * allocs.len()
+    )?;
+    for a in &allocs {
+        mem_kernel(cuda, k.fill, a, a.value)?;
+    }
+    cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
+    let pid = std::process::id();
+    rep.line(
+        format!(
+            "ready: pid {pid}, {} bytes in {} allocations, at {:.1} ms",
+            o.mem,
+            allocs.len(),
+            rep.ms()
+        ),
+        format!(
+            "{{\"event\":\"ready\",\"name\":\"{}\",\"pid\":{pid},\"mem_bytes\":{},\"allocations\":{},\"t_ms\":{:.3}}}",
+            o.name,
+            o.mem,
+            allocs.len(),
+            rep.ms()
+        ),
+    );
+
+    const FIRST_NS: u64 = 1_000_000;
+    for b in 0..o.bursts {
+        let start_ms = rep.ms();
+        let submit = Instant::now();
+        // The first kernel measures how long the GPU kept us waiting.
+        spin(cuda, &k, FIRST_NS)?;
+        cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
+        let first = submit.elapsed();
+        let wait_ms = (first.as_secs_f64() * 1e3 - FIRST_NS as f64 / 1e6).max(0.0);
+        for (i, a) in allocs.iter_mut().enumerate() {
+            let delta = mix(o.seed, u64::from(b) + 1, i as u64) | 1;
+            mem_kernel(cuda, k.add, a, delta)?;
+            a.value = a.value.wrapping_add(delta);
+        }
+        // Make up the burst's GPU time with short kernels, queued asynchronously as
+        // a real application queues work.
+        let mut left_ns = (o.gpu_ms * 1_000_000).saturating_sub(FIRST_NS);
+        while left_ns > 0 {
+            let ns = left_ns.min(5_000_000);
+            spin(cuda, &k, ns)?;
+            left_ns -= ns;
+        }
+        if o.inject_fault && b == 0 {
+            if let Some(a) = allocs.last() {
+                mem_kernel(cuda, k.add, a, 1)?;
+            }
+        }
+        cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
+        if o.verify {
+            verify(cuda, &k, &allocs, sums)?;
+        }
+        let dur_ms = submit.elapsed().as_secs_f64() * 1e3;
+        rep.line(
+            format!("burst {b}: start {start_ms:.1} ms, duration {dur_ms:.1} ms, wait {wait_ms:.1} ms"),
+            format!(
+                "{{\"event\":\"burst\",\"name\":\"{}\",\"index\":{b},\"start_ms\":{start_ms:.3},\"duration_ms\":{dur_ms:.3},\"wait_ms\":{wait_ms:.3}}}",
+                o.name
+            ),
+        );
+        if b + 1 < o.bursts {
+            host_work(Duration::from_millis(o.cpu_ms));
+            std::thread::sleep(Duration::from_millis(o.idle_ms));
+        }
+    }
+    let verified = verify(cuda, &k, &allocs, sums);
+    let ok = verified.is_ok();
+    rep.line(
+        format!(
+            "verify: {} allocations, {}",
+            allocs.len(),
+            if ok {
+                "all bytes as expected"
+            } else {
+                "MISMATCH"
+            }
+        ),
+        format!(
+            "{{\"event\":\"verify\",\"name\":\"{}\",\"ok\":{ok},\"allocations\":{}}}",
+            o.name,
+            allocs.len()
+        ),
+    );
+    verified?;
+    for a in &allocs {
+        cu!(cuda, mem_free, "cuMemFree_v2", a.ptr)?;
+    }
+    cu!(cuda, mem_free, "cuMemFree_v2", sums)?;
+    cu!(cuda, primary_ctx_release, "cuDevicePrimaryCtxRelease", dev)?;
+    rep.line(
+        format!("done in {:.1} ms", rep.ms()),
+        format!(
+            "{{\"event\":\"end\",\"name\":\"{}\",\"total_ms\":{:.3}}}",
+            o.name,
+            rep.ms()
+        ),
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn options_parse() {
+        let o = Options::parse(&args(
+            "--mem 700MiB --bursts 3 --gpu-ms 50 --cpu-ms=20 --idle-ms 5 --verify --json --name a --seed 9",
+        ))
+        .unwrap();
+        assert_eq!(o.mem, 700 << 20);
+        assert_eq!((o.bursts, o.gpu_ms, o.cpu_ms, o.idle_ms), (3, 50, 20, 5));
+        assert!(o.verify && o.json);
+        assert_eq!((o.name.as_str(), o.seed), ("a", 9));
+    }
+
+    #[test]
+    fn bad_options_are_refused() {
+        for a in [
+            "--mem lots",
+            "--bursts",
+            "--gpu-ms x",
+            "--frobnicate",
+            "--gpu-ms 0",
+            "--mem 1",
+        ] {
+            assert!(Options::parse(&args(a)).is_err(), "{a}");
+        }
+    }
+
+    #[test]
+    fn allocations_cover_the_memory() {
+        for mem in [4096u64, 1 << 20, 700 << 20, (256 << 20) + 4] {
+            let p = plan_allocations(mem);
+            assert_eq!(p.iter().sum::<u64>(), mem / 4 * 4, "{mem}");
+            assert!(p.iter().all(|&s| s <= 256 << 20 && s % 4 == 0 && s > 0));
+        }
+        assert_eq!(plan_allocations(700 << 20).len(), 6);
+    }
+}
