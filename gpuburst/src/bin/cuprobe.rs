@@ -201,16 +201,19 @@ fn vmm(p: &Probe) -> Result<(), CudaError> {
         p.free_mem()? == free0 - 2 * g,
         "cuMemCreate accounts physical memory"
     );
-    // SAFETY (all raw calls below): resolved entry points, plain integer arguments.
+    // SAFETY: a resolved driver entry point; integer arguments.
     let r = unsafe { (c.mem_map)(va, (2 * g) as usize, 4096, h1, 0) };
     expect!(r == INVALID_VALUE, "map with offset != 0 -> {r}");
+    // SAFETY: a resolved driver entry point; integer and live-pointer arguments.
     let r = unsafe { (c.mem_map)(va, g as usize + 4096, 0, h1, 0) };
     expect!(r == INVALID_VALUE, "map of a non-granular size -> {r}");
     cu!(c, mem_map, "cuMemMap", va, (2 * g) as usize, 0, h1, 0)?;
     step("map");
+    // SAFETY: a resolved driver entry point; integer and live-pointer arguments.
     let r = unsafe { (c.mem_map)(va + g, g as usize, 0, h1, 0) };
     expect!(r != 0, "overlapping map must fail");
     // Before cuMemSetAccess the range is not accessible.
+    // SAFETY: a resolved driver entry point; integer and live-pointer arguments.
     let r = unsafe { (c.memset_d32)(va, 1, words as usize) };
     expect!(r == INVALID_VALUE, "memset before cuMemSetAccess -> {r}");
     let rw = MemAccessDesc {
@@ -235,6 +238,7 @@ fn vmm(p: &Probe) -> Result<(), CudaError> {
     );
     step("set-access fill checksum");
 
+    // SAFETY: a resolved driver entry point; integer and live-pointer arguments.
     let r = unsafe { (c.mem_unmap)(va, g as usize) };
     expect!(r == INVALID_VALUE, "unmap of half a mapping -> {r}");
     // Release before unmap: the memory stays while mapped.
@@ -329,6 +333,7 @@ fn vmm(p: &Probe) -> Result<(), CudaError> {
         "kernel on a mapping without access -> {r}"
     );
     let mut x = 0;
+    // SAFETY: a resolved driver entry point; integer and live-pointer arguments.
     let r = unsafe { (c.mem_alloc)(&mut x, 4096) };
     expect!(
         r == ILLEGAL_ADDRESS,
@@ -348,6 +353,7 @@ fn vmm(p: &Probe) -> Result<(), CudaError> {
     let r = p.sync();
     expect!(r == ILLEGAL_ADDRESS, "sticky: still {r}");
     step("unmapped -> illegal address (sticky)");
+    // SAFETY: a resolved driver entry point; integer and live-pointer arguments.
     let r = unsafe { (c.mem_address_free)(va, (4 * g) as usize) };
     expect!(r == 0, "address free -> {r}");
     Ok(())
@@ -477,7 +483,7 @@ fn procaddr(p: &Probe) -> Result<(), CudaError> {
     );
     step("per-thread default stream variants");
     let name = c"cuNoSuchFunction";
-    let mut pfn: *mut c_void = 1 as *mut c_void;
+    let mut pfn: *mut c_void = std::ptr::dangling_mut::<c_void>();
     let mut status = -1;
     // SAFETY: valid arguments for cuGetProcAddress_v2.
     let r = unsafe { gpa(name.as_ptr(), &mut pfn, 12000, 0, &mut status) };
