@@ -174,7 +174,13 @@ async fn first_list_then_unhealthy_and_healthy_again() {
     assert_eq!(health_of(&list, 2), vec![HEALTHY; 4]);
 
     // Shutdown ends the stream instead of hanging the server.
+    let t0 = std::time::Instant::now();
     h.stop().await.unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "shutdown took {:?}",
+        t0.elapsed()
+    );
     let end = tokio::time::timeout(WAIT, stream.message())
         .await
         .expect("stream hung");
