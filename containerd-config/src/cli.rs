@@ -486,7 +486,10 @@ fn print_diffs(changes: &[(PathBuf, Option<String>, String)], out: &mut dyn Writ
 fn apply(changes: &[(PathBuf, Option<String>, String)]) -> Result<Vec<PathBuf>> {
     let mut backups = Vec::new();
     for (path, old, new) in changes {
-        if let Some(old) = old {
+        // The drop-in is kiwictl's own file: no backup of it (which would also sit
+        // in conf.d/ among the files containerd imports).
+        let ours = path.file_name() == Some(std::ffi::OsStr::new(DROP_IN_NAME));
+        if let (Some(old), false) = (old, ours) {
             let mut b = path.as_os_str().to_owned();
             b.push(BACKUP_SUFFIX);
             let b = PathBuf::from(b);
@@ -525,6 +528,16 @@ fn read_optional(path: &Path) -> Result<Option<String>> {
 /// Writes through a temporary file in the same directory and a rename, so a
 /// daemon never reads half a config; an existing file's permissions are kept.
 fn write_atomic(path: &Path, text: &str) -> Result<()> {
+    // A config that is a symlink (e.g. into a configuration-management tree) is
+    // edited where it points; the link stays.
+    let resolved;
+    let path = if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) {
+        resolved = std::fs::canonicalize(path)
+            .with_context(|| format!("cannot resolve symlink {}", path.display()))?;
+        resolved.as_path()
+    } else {
+        path
+    };
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())

@@ -234,3 +234,41 @@ fn docker_missing_file_is_created() {
     uninstall(&["docker", "--config", cfg.to_str().unwrap()]).unwrap();
     assert_eq!(read(&cfg), "{}\n");
 }
+
+#[test]
+fn a_symlinked_config_is_edited_where_it_points() {
+    let dir = tempfile::tempdir().unwrap();
+    let real = dir.path().join("managed-config.toml");
+    std::fs::write(&real, sample("v2.toml")).unwrap();
+    let link = dir.path().join("config.toml");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    install(&["containerd", "--config", link.to_str().unwrap()]).unwrap();
+    assert!(std::fs::symlink_metadata(&link)
+        .unwrap()
+        .file_type()
+        .is_symlink());
+    assert!(read(&real).contains("runtimes.kiwi]"));
+    uninstall(&["containerd", "--config", link.to_str().unwrap()]).unwrap();
+    assert_eq!(read(&real), sample("v2.toml"));
+}
+
+#[test]
+fn the_drop_in_is_rewritten_without_a_backup_in_conf_d() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, sample("v2.toml")).unwrap();
+    let c = cfg.to_str().unwrap();
+    install(&["containerd", "--config", c, "--drop-in"]).unwrap();
+    // A change to the main CRI section is carried into the drop-in on the next run.
+    let edited = read(&cfg).replace("pause:3.9", "pause:3.10");
+    std::fs::write(&cfg, &edited).unwrap();
+    let out = install(&["containerd", "--config", c, "--drop-in"]).unwrap();
+    assert!(out.contains("99-kiwi.toml"), "{out}");
+    let drop_in = read(&dir.path().join("conf.d/99-kiwi.toml"));
+    assert!(drop_in.contains("pause:3.10"), "{drop_in}");
+    let names: Vec<String> = std::fs::read_dir(dir.path().join("conf.d"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .collect();
+    assert_eq!(names, ["99-kiwi.toml"]);
+}

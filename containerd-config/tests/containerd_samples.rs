@@ -350,3 +350,59 @@ fn drop_in_reuses_an_existing_glob_and_appends_to_imports() {
         v3
     );
 }
+
+fn kiwi_of(out: &str) -> toml_edit::Table {
+    let doc = parse(out).unwrap();
+    doc["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["kiwi"]
+        .as_table()
+        .unwrap_or_else(|| panic!("no kiwi table:\n{out}"))
+        .clone()
+}
+
+#[test]
+fn unusual_runc_layouts_are_copied_too() {
+    // Dotted keys and an inline options table.
+    for text in [
+        "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]\n  runtime_type = \"io.containerd.runc.v2\"\n  options.SystemdCgroup = true\n",
+        "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runc]\n  runtime_type = \"io.containerd.runc.v2\"\n  options = { SystemdCgroup = true, NoPivotRoot = false }\n",
+    ] {
+        let out = install_containerd(text, &ContainerdOptions::default()).unwrap();
+        let kiwi = kiwi_of(&out);
+        assert_eq!(kiwi["options"]["SystemdCgroup"].as_bool(), Some(true), "{out}");
+        assert_eq!(
+            kiwi["options"]["BinaryName"].as_str(),
+            Some("/usr/local/bin/kiwi-runtime")
+        );
+        assert_eq!(uninstall_containerd(&out, "kiwi", IMPORT).unwrap().text, text);
+    }
+}
+
+#[test]
+fn without_runc_the_default_runc_shim_runtime_is_the_base() {
+    let text = "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  default_runtime_name = \"nvidia\"\n[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.nvidia]\n  runtime_type = \"io.containerd.runc.v2\"\n[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.nvidia.options]\n  BinaryName = \"/usr/bin/nvidia-container-runtime\"\n  SystemdCgroup = true\n";
+    let out = install_containerd(text, &ContainerdOptions::default()).unwrap();
+    let kiwi = kiwi_of(&out);
+    assert_eq!(kiwi["options"]["SystemdCgroup"].as_bool(), Some(true));
+    assert_eq!(
+        kiwi["options"]["BinaryName"].as_str(),
+        Some("/usr/local/bin/kiwi-runtime"),
+        "BinaryName replaced, not copied"
+    );
+
+    // A runtime of another shim (e.g. gVisor) is not a base: fresh settings.
+    let text = "version = 2\n[plugins.\"io.containerd.grpc.v1.cri\".containerd]\n  default_runtime_name = \"runsc\"\n[plugins.\"io.containerd.grpc.v1.cri\".containerd.runtimes.runsc]\n  runtime_type = \"io.containerd.runsc.v1\"\n";
+    let out = install_containerd(text, &ContainerdOptions::default()).unwrap();
+    let kiwi = kiwi_of(&out);
+    assert_eq!(kiwi["runtime_type"].as_str(), Some(RUNC_V2));
+    assert_eq!(kiwi["options"].as_table().unwrap().len(), 1, "{out}");
+}
+
+#[test]
+fn an_old_runtime_type_is_replaced_by_the_runc_v2_shim() {
+    let text = "[plugins.cri.containerd.runtimes.runc]\n  runtime_type = \"io.containerd.runtime.v1.linux\"\n";
+    let out = install_containerd(text, &ContainerdOptions::default()).unwrap();
+    // runc is not a runc.v2 runtime, so it is not copied; kiwi gets the v2 shim.
+    let doc = parse(&out).unwrap();
+    let kiwi = &doc["plugins"]["cri"]["containerd"]["runtimes"]["kiwi"];
+    assert_eq!(kiwi["runtime_type"].as_str(), Some(RUNC_V2), "{out}");
+}
