@@ -19,6 +19,9 @@ pub const MAX_ID_LEN: usize = 63;
 /// Health strings of the API.
 pub const HEALTHY: &str = "Healthy";
 pub const UNHEALTHY: &str = "Unhealthy";
+/// The CDI kind of `kiwictl cdi generate`'s spec, whose devices are named by GPU UUID
+/// (and index); fixed, whatever the resource name.
+pub const CDI_KIND: &str = "kiwi.dev/gpu";
 /// The plugin name in CDI annotation keys (`cdi.k8s.io/<name>_<id>`).
 pub const CDI_ANNOTATION_PLUGIN: &str = "kiwi-device-plugin";
 

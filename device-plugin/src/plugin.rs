@@ -18,7 +18,7 @@ use crate::metrics::Metrics;
 pub struct PluginState {
     pub inventory: Inventory,
     pub strategy: DeviceListStrategy,
-    /// CDI kind for device names, `vendor/class` (the resource name).
+    /// CDI kind for device names, `vendor/class`.
     pub cdi_kind: String,
     pub health: watch::Receiver<HealthFlags>,
     pub metrics: Arc<Metrics>,

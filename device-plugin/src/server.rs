@@ -209,7 +209,7 @@ pub async fn run(
     let state = Arc::new(PluginState {
         inventory,
         strategy: settings.strategy,
-        cdi_kind: settings.resource_name.clone(),
+        cdi_kind: crate::devices::CDI_KIND.to_string(),
         health: monitor.subscribe(),
         metrics: metrics.clone(),
     });

@@ -185,7 +185,7 @@ async fn config_file_gives_defaults_and_flags_win() {
         .into_inner();
     assert_eq!(
         resp.container_responses[0].cdi_devices[0].name,
-        format!("example.com/vgpu={U1}")
+        format!("kiwi.dev/gpu={U1}")
     );
 
     let body = http_get(port, "/metrics").await;
