@@ -93,8 +93,15 @@ pub struct GpuScheduler {
     holders: BTreeMap<ClientId, Hold>,
     /// Whether holders were last told that someone waits.
     contended: bool,
+    /// After an arbiter restart, resumed waiters are not granted until the resumed
+    /// holder (still running on the GPU) had time to re-register.
+    quiet_until: Option<Nanos>,
+    resume_seen: bool,
     out: Vec<Output>,
 }
+
+/// Longest wait for a resumed holder to re-register after an arbiter restart.
+const RESUME_WINDOW_NS: u64 = 2_000_000_000;
 
 fn ms_to_ns(ms: u64) -> u64 {
     ms.saturating_mul(1_000_000)
@@ -112,6 +119,8 @@ impl GpuScheduler {
             queue: VecDeque::new(),
             holders: BTreeMap::new(),
             contended: false,
+            quiet_until: None,
+            resume_seen: false,
             out: Vec::new(),
         }
     }
@@ -243,7 +252,12 @@ impl GpuScheduler {
             },
         );
         if let Some(r) = resume {
+            if !self.resume_seen {
+                self.resume_seen = true;
+                self.quiet_until = Some(now + self.grace_ns.min(RESUME_WINDOW_NS));
+            }
             if r.holding {
+                self.quiet_until = None;
                 // It kept working while no arbiter ran; take it as holder again. If that
                 // makes two exclusive holders, the transition logic drops one.
                 let exclusive = !self.shared_mode() && self.holders.is_empty();
@@ -420,6 +434,11 @@ impl GpuScheduler {
     pub fn next_deadline(&self) -> Option<Nanos> {
         let mut d: Option<Nanos> = None;
         let mut at = |t: Nanos| d = Some(d.map_or(t, |x: Nanos| x.min(t)));
+        if let Some(q) = self.quiet_until {
+            if !self.queue.is_empty() {
+                at(q);
+            }
+        }
         if self.settings.scheduler_on && !self.fits() {
             for h in self.holders.values() {
                 match h.drop_sent {
@@ -497,6 +516,9 @@ impl GpuScheduler {
         if self.shared_mode() || !self.holders.is_empty() {
             return;
         }
+        if self.quiet_until.is_some_and(|q| now < q) {
+            return;
+        }
         let Some(next) = self.queue.pop_front() else {
             return;
         };
@@ -523,10 +545,17 @@ impl GpuScheduler {
     }
 
     fn schedule(&mut self, now: Nanos) {
+        if self.quiet_until.is_some_and(|q| now >= q) {
+            self.quiet_until = None;
+        }
         if self.shared_mode() {
-            // Everyone fits (or no arbitration): grant every waiter, shared.
-            while let Some(id) = self.queue.pop_front() {
-                self.grant(now, id, false);
+            // Everyone fits (or no arbitration): grant every waiter, shared — except
+            // just after a restart, while a holder the arbiter cannot see yet may
+            // still be coming back.
+            if self.quiet_until.is_none() {
+                while let Some(id) = self.queue.pop_front() {
+                    self.grant(now, id, false);
+                }
             }
             for h in self.holders.values_mut() {
                 h.drop_sent = None;

@@ -120,26 +120,28 @@ impl Peer {
         }
     }
 
-    /// Flushes queued bytes (owner task only).
-    async fn flush_pending(&self) -> std::io::Result<()> {
-        loop {
-            let buf = {
-                let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-                if p.is_empty() {
-                    return Ok(());
+    fn has_pending(&self) -> bool {
+        !self
+            .pending
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
+    }
+
+    /// Writes as much of the queue as the socket takes now, without waiting
+    /// (a client that never reads must not stall its own connection task).
+    fn try_flush(&self) -> std::io::Result<()> {
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        while !p.is_empty() {
+            match self.stream.try_write(&p) {
+                Ok(n) => {
+                    p.drain(..n);
                 }
-                std::mem::take(&mut *p)
-            };
-            let mut rest = &buf[..];
-            while !rest.is_empty() {
-                self.stream.writable().await?;
-                match self.stream.try_write(rest) {
-                    Ok(n) => rest = &rest[n..],
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                    Err(e) => return Err(e),
-                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(e),
             }
         }
+        Ok(())
     }
 }
 
@@ -394,6 +396,7 @@ async fn client_connection(
         if peer.closing.load(Ordering::Relaxed) {
             break;
         }
+        let want_write = peer.has_pending();
         tokio::select! {
             r = stream.readable() => {
                 if r.is_err() { break; }
@@ -437,15 +440,16 @@ async fn client_connection(
                     }
                 }
             }
-            _ = peer.flush.notified() => {
-                if peer.closing.load(Ordering::Relaxed) { break; }
-                if peer.flush_pending().await.is_err() { break; }
+            r = stream.writable(), if want_write => {
+                if r.is_err() || peer.try_flush().is_err() { break; }
             }
+            // Another task queued bytes for us: loop to re-check `want_write`.
+            _ = peer.flush.notified() => {}
             _ = stop.changed() => break,
         }
     }
     // Best effort: flush a final error message, then forget the client.
-    let _ = tokio::time::timeout(Duration::from_millis(50), peer.flush_pending()).await;
+    let _ = peer.try_flush();
     let mut st = shared.lock();
     if let Some(conn) = st.clients.remove(&id) {
         if let Some(gpu) = conn.gpu {

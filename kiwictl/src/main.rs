@@ -1,2 +1,136 @@
-//! (in progress)
-fn main() {}
+//! `kiwictl`: everything an operator types. Finds the arbiter through `--socket-dir`,
+//! `KIWI_SOCKET_DIR`, the config file, or `/run/kiwi`, in that order.
+
+mod control;
+mod run;
+mod status;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Result};
+use clap::{Parser, Subcommand};
+use kiwi_config::Config;
+use kiwi_protocol::{ControlReply, ControlRequest};
+
+use crate::control::Control;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kiwictl",
+    version,
+    about = "Control Kiwi: GPU sharing with swapping and a per-GPU scheduler.",
+    arg_required_else_help = true
+)]
+struct Cli {
+    /// Turn the Kiwi scheduler on or off (this arbiter instance only; not persisted).
+    #[arg(short = 'S', long = "scheduler", value_name = "on|off", value_parser = parse_on_off)]
+    scheduler: Option<bool>,
+    /// Set the time quantum in seconds (> 0; fractions allowed).
+    #[arg(short = 'T', long = "tq", value_name = "SECONDS", value_parser = kiwi_config::parse_tq_arg, allow_hyphen_values = true)]
+    tq: Option<f64>,
+    /// GPU to act on (UUID or index); default: every GPU.
+    #[arg(long, global = true)]
+    gpu: Option<String>,
+    /// Socket directory of the arbiter.
+    #[arg(long, global = true)]
+    socket_dir: Option<PathBuf>,
+    /// Config file (default: $KIWI_CONFIG, /etc/kiwi/config.toml).
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Show each GPU's scheduler, holder and queue, and each client.
+    Status {
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the arbiter's event log (one JSON object per line).
+    Events {
+        /// Only events with a sequence number at least this.
+        #[arg(long, default_value_t = 0)]
+        since_seq: u64,
+    },
+    /// Run a program under Kiwi on this machine (preloads the shim).
+    Run(run::RunArgs),
+}
+
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" => Ok(true),
+        "off" => Ok(false),
+        other => Err(format!("expected \"on\" or \"off\", not {other:?}")),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("[ERROR] {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<ExitCode> {
+    let cfg = Config::load(cli.config.as_deref())?;
+    let socket_dir = cfg.socket_dir(cli.socket_dir.as_deref());
+    if cli.scheduler.is_some() || cli.tq.is_some() {
+        if cli.command.is_some() {
+            bail!("-S/-T cannot be combined with a command");
+        }
+        let mut ctl = Control::connect(&socket_dir)?;
+        if let Some(on) = cli.scheduler {
+            done(ctl.call(&ControlRequest::SetScheduler {
+                on,
+                gpu: cli.gpu.clone(),
+            })?);
+        }
+        if let Some(tq) = cli.tq {
+            done(ctl.call(&ControlRequest::SetTq {
+                tq_ms: ((tq * 1000.0).round() as u64).max(1),
+                gpu: cli.gpu.clone(),
+            })?);
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
+    match cli.command {
+        None => bail!("nothing to do: give -S, -T or a command (see --help)"),
+        Some(Command::Status { json }) => {
+            let mut ctl = Control::connect(&socket_dir)?;
+            match ctl.call(&ControlRequest::Status { gpu: cli.gpu })? {
+                ControlReply::Status(report) => {
+                    if json {
+                        println!("{}", serde_json::to_string_pretty(&report)?);
+                    } else {
+                        print!("{}", status::render(&report));
+                    }
+                }
+                other => bail!("unexpected reply from the arbiter: {other:?}"),
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Command::Events { since_seq }) => {
+            let mut ctl = Control::connect(&socket_dir)?;
+            let (events, _) = ctl.events(cli.gpu, since_seq)?;
+            for e in events {
+                println!("{}", serde_json::to_string(&e)?);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Some(Command::Run(args)) => run::run(&cfg, &socket_dir, cli.gpu.as_deref(), args),
+    }
+}
+
+fn done(reply: ControlReply) {
+    if let ControlReply::Done { message, .. } = reply {
+        println!("[INFO] {message}");
+    }
+}

@@ -1,1 +1,290 @@
-//! (in progress)
+//! Helpers shared by Kiwi's end-to-end tests: finding the workspace's built
+//! binaries, starting a real `kiwi-arbiter` on a private socket directory, talking
+//! the protocol, and requiring tools that CI must have.
+//!
+//! The workspace's test command builds every binary first (`cargo build --workspace
+//! --all-targets`), so tests find them next to their own executable.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kiwi_protocol::blocking::Connection;
+use kiwi_protocol::{
+    ArbiterMsg, ClientMsg, ControlReply, ControlRequest, Event, Register, StatusReport,
+    PROTOCOL_VERSION,
+};
+
+/// `target/<profile>`: the directory holding the workspace's binaries.
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut dir = exe.parent().expect("exe dir").to_path_buf();
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.pop();
+    }
+    dir
+}
+
+/// A workspace binary, which must have been built.
+pub fn bin(name: &str) -> PathBuf {
+    let p = profile_dir().join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo build --workspace --all-targets` first (the README's test command does)",
+        p.display()
+    );
+    p
+}
+
+/// Under CI a missing tool fails the test; elsewhere it skips loudly.
+/// Returns whether the tool is there.
+pub fn require_tool(tool: &str) -> bool {
+    let found = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .stdout(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !found {
+        if std::env::var("CI").is_ok_and(|v| v == "true") {
+            panic!("{tool} is required by this test and missing (CI installs it via .ci/run)");
+        }
+        eprintln!("SKIPPED: {tool} is not installed (CI=true would fail this test)");
+    }
+    found
+}
+
+/// CLOCK_MONOTONIC in nanoseconds (the arbiter's clock).
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// A `kiwi-arbiter` process on a private socket directory; killed on drop.
+pub struct Arbiter {
+    pub child: Child,
+    pub dir: tempfile::TempDir,
+    pub args: Vec<String>,
+}
+
+impl Arbiter {
+    /// Starts `kiwi-arbiter --socket-dir <tmp> <args>` and waits for its sockets.
+    pub fn start(args: &[&str]) -> Arbiter {
+        let dir = tempfile::Builder::new()
+            .prefix("kiwi-arb")
+            .tempdir()
+            .expect("tempdir");
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        let child = Self::spawn(dir.path(), &args);
+        let a = Arbiter { child, dir, args };
+        a.wait_ready();
+        a
+    }
+
+    fn spawn(dir: &Path, args: &[String]) -> Child {
+        Command::new(bin("kiwi-arbiter"))
+            .arg("--socket-dir")
+            .arg(dir)
+            .args(args)
+            .env_remove("KIWI_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(if std::env::var_os("KIWI_TEST_VERBOSE").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .spawn()
+            .expect("spawn kiwi-arbiter")
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if UnixStream::connect(self.client_socket()).is_ok()
+                && UnixStream::connect(self.control_socket()).is_ok()
+            {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!(
+            "kiwi-arbiter did not come up in {}",
+            self.dir.path().display()
+        );
+    }
+
+    pub fn socket_dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn client_socket(&self) -> PathBuf {
+        kiwi_config::client_socket(self.dir.path())
+    }
+
+    pub fn control_socket(&self) -> PathBuf {
+        kiwi_config::control_socket(self.dir.path())
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Kills (SIGKILL) and starts a new instance on the same directory and flags.
+    pub fn restart_hard(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = Self::spawn(self.dir.path(), &self.args);
+        self.wait_ready();
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        // SAFETY: plain kill(2) on our own child's pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        self.child.wait().expect("wait arbiter")
+    }
+
+    /// Whether the process is still running.
+    pub fn alive(&mut self) -> bool {
+        self.child.try_wait().expect("try_wait").is_none()
+    }
+
+    pub fn control(&self) -> Connection<ControlRequest, ControlReply> {
+        let c = Connection::connect(&self.control_socket()).expect("control connect");
+        c.stream()
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        c
+    }
+
+    pub fn status(&self) -> StatusReport {
+        match self
+            .control()
+            .call(&ControlRequest::Status { gpu: None })
+            .expect("status")
+        {
+            ControlReply::Status(s) => s,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    pub fn events(&self) -> Vec<Event> {
+        let mut c = self.control();
+        let mut out = Vec::new();
+        let mut since = 0;
+        loop {
+            match c
+                .call(&ControlRequest::Events {
+                    gpu: None,
+                    since_seq: since,
+                    limit: 2000,
+                })
+                .expect("events")
+            {
+                ControlReply::Events {
+                    events,
+                    next_seq,
+                    more,
+                    ..
+                } => {
+                    out.extend(events);
+                    since = next_seq;
+                    if !more {
+                        return out;
+                    }
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+}
+
+impl Drop for Arbiter {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A protocol-level client in this process.
+pub struct Client {
+    pub conn: Connection<ClientMsg, ArbiterMsg>,
+    pub id: u64,
+}
+
+/// A registration for `gpu` with `ws` bytes of working set on a GPU of `total` bytes.
+pub fn register_msg(gpu: &str, total: u64, ws: u64) -> Register {
+    Register {
+        version: PROTOCOL_VERSION,
+        pid: std::process::id(),
+        gpu_uuid: gpu.to_string(),
+        gpu_total_memory: total,
+        working_set_bytes: ws,
+        resident_bytes: 0,
+        container_id: None,
+        pod_name: None,
+        pod_namespace: None,
+        name: Some("test".into()),
+        resume: None,
+    }
+}
+
+impl Client {
+    pub fn register(socket: &Path, reg: Register) -> Client {
+        let mut conn = Connection::connect(socket).expect("connect client socket");
+        conn.stream()
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        match conn.call(&ClientMsg::Register(reg)).expect("register") {
+            ArbiterMsg::Registered { client_id, .. } => Client {
+                conn,
+                id: client_id,
+            },
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    /// Waits for the next message matching `pred`, up to `timeout`.
+    pub fn wait_for(
+        &mut self,
+        timeout: Duration,
+        mut pred: impl FnMut(&ArbiterMsg) -> bool,
+    ) -> Option<ArbiterMsg> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.checked_duration_since(Instant::now())?;
+            match self.conn.recv_timeout(left) {
+                Ok(Some(m)) if pred(&m) => return Some(m),
+                Ok(Some(_)) => continue,
+                Ok(None) => return None,
+                Err(e) => panic!("connection error: {e}"),
+            }
+        }
+    }
+}
+
+/// Reads a child's stdout line by line until a line starts with `prefix`.
+pub fn read_line_starting(
+    reader: &mut BufReader<std::process::ChildStdout>,
+    prefix: &str,
+) -> Option<String> {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if reader.read_line(&mut line).ok()? == 0 {
+            return None;
+        }
+        if line.starts_with(prefix) {
+            return Some(line.trim_end().to_string());
+        }
+    }
+}

@@ -241,6 +241,39 @@ fn resumed_holders_rebuild_state() {
 }
 
 #[test]
+fn resumed_waiter_does_not_jump_a_resumed_holder() {
+    // After a restart the waiter may re-register before the holder: it must not be
+    // granted while the holder may still be running.
+    let mut s = sched(1000 * MIB, 30_000, 5_000);
+    let waiting = Some(Resume {
+        holding: false,
+        waiting: true,
+    });
+    let outs = s.register(0, 2, ClientInfo::default(), usage(700 * MIB, 0), waiting);
+    assert_eq!(granted(&outs, 2), None);
+    assert_eq!(s.next_deadline(), Some(2 * SEC));
+    let holding = Some(Resume {
+        holding: true,
+        waiting: false,
+    });
+    s.register(
+        SEC / 10,
+        1,
+        ClientInfo::default(),
+        usage(700 * MIB, 700 * MIB),
+        holding,
+    );
+    assert_eq!(s.holders(), vec![1]);
+    assert_eq!(s.queue(), vec![2]);
+    // Had no holder come back, the waiter is granted once the window closes.
+    let mut s = sched(1000 * MIB, 30_000, 5_000);
+    s.register(0, 2, ClientInfo::default(), usage(700 * MIB, 0), waiting);
+    reg(&mut s, 0, 3, 700 * MIB);
+    assert!(s.tick(SEC).is_empty());
+    assert_eq!(granted(&s.tick(2 * SEC), 2), Some(true));
+}
+
+#[test]
 fn release_without_holding_cancels_the_request() {
     let mut s = sched(1000 * MIB, 30_000, 5_000);
     reg(&mut s, 0, 1, 700 * MIB);
@@ -494,4 +527,34 @@ proptest! {
         prop_assert!(sim.violations.is_empty());
         prop_assert!(sim.s.holders().iter().all(|&h| !sim.s.holds_exclusive(h)));
     }
+}
+
+#[test]
+fn resumed_holder_first_then_waiter() {
+    let mut s = sched(896 * MIB, 30_000, 5_000);
+    let holding = Some(Resume {
+        holding: true,
+        waiting: false,
+    });
+    let waiting = Some(Resume {
+        holding: false,
+        waiting: true,
+    });
+    s.register(
+        0,
+        2,
+        ClientInfo::default(),
+        usage(700 * MIB, 700 * MIB),
+        holding,
+    );
+    let outs = s.register(
+        SEC / 10,
+        3,
+        ClientInfo::default(),
+        usage(700 * MIB, 0),
+        waiting,
+    );
+    assert_eq!(granted(&outs, 3), None, "{outs:?}");
+    assert_eq!(s.holders(), vec![2]);
+    assert_eq!(s.queue(), vec![3]);
 }

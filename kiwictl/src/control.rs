@@ -1,0 +1,70 @@
+//! Talking to the arbiter's control socket.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use kiwi_protocol::blocking::Connection;
+use kiwi_protocol::{ControlReply, ControlRequest, Event};
+
+/// A connection to `<socket-dir>/control.sock`.
+pub struct Control {
+    conn: Connection<ControlRequest, ControlReply>,
+}
+
+impl Control {
+    pub fn connect(socket_dir: &Path) -> Result<Self> {
+        let path: PathBuf = kiwi_config::control_socket(socket_dir);
+        let conn = Connection::connect(&path).map_err(|e| {
+            let hint = match &e {
+                kiwi_protocol::ProtocolError::Io(io)
+                    if io.kind() == std::io::ErrorKind::PermissionDenied =>
+                {
+                    " (the control socket is root-only)"
+                }
+                _ => " (is kiwi-arbiter running? see --socket-dir / KIWI_SOCKET_DIR)",
+            };
+            anyhow::anyhow!("cannot reach the arbiter at {}: {e}{hint}", path.display())
+        })?;
+        conn.stream()
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .context("socket setup")?;
+        Ok(Self { conn })
+    }
+
+    /// Sends a request; an error reply becomes an error.
+    pub fn call(&mut self, req: &ControlRequest) -> Result<ControlReply> {
+        let reply = self.conn.call(req).context("arbiter did not answer")?;
+        if let ControlReply::Error { message, .. } = &reply {
+            bail!("{message}");
+        }
+        Ok(reply)
+    }
+
+    /// Every event with `seq >= since` (all pages), and the arbiter's clock now.
+    pub fn events(&mut self, gpu: Option<String>, since: u64) -> Result<(Vec<Event>, u64)> {
+        let mut out = Vec::new();
+        let mut since = since;
+        loop {
+            match self.call(&ControlRequest::Events {
+                gpu: gpu.clone(),
+                since_seq: since,
+                limit: 2_000,
+            })? {
+                ControlReply::Events {
+                    events,
+                    next_seq,
+                    more,
+                    now_ns,
+                } => {
+                    out.extend(events);
+                    since = next_seq;
+                    if !more {
+                        return Ok((out, now_ns));
+                    }
+                }
+                other => bail!("unexpected reply from the arbiter: {other:?}"),
+            }
+        }
+    }
+}

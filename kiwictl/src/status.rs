@@ -1,0 +1,116 @@
+//! `kiwictl status`: the human table.
+
+use std::fmt::Write;
+
+use kiwi_protocol::{ClientState, StatusReport};
+
+fn mib(b: u64) -> String {
+    if b >= 10 << 30 {
+        format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{} MiB", b >> 20)
+    }
+}
+
+fn secs(ns: u64) -> String {
+    format!("{:.1}s", ns as f64 / 1e9)
+}
+
+/// Renders the status report as a table per GPU.
+pub fn render(r: &StatusReport) -> String {
+    let mut s = String::new();
+    if r.gpus.is_empty() {
+        let _ = writeln!(
+            s,
+            "No GPU has clients yet. Defaults: scheduler {}, TQ {} s.",
+            if r.default_settings.scheduler_on {
+                "on"
+            } else {
+                "off"
+            },
+            r.default_settings.tq_ms as f64 / 1000.0
+        );
+        return s;
+    }
+    for g in &r.gpus {
+        let _ = writeln!(
+            s,
+            "GPU {}  {}  scheduler {}  TQ {} s  memory {} ({} schedulable)  {}",
+            g.index,
+            g.uuid,
+            if g.settings.scheduler_on { "on" } else { "off" },
+            g.settings.tq_ms as f64 / 1000.0,
+            mib(g.total_memory_bytes),
+            mib(g.capacity_bytes),
+            if g.fits {
+                "working sets fit: all run"
+            } else {
+                "oversubscribed: one holder at a time"
+            }
+        );
+        let list = |v: &[u64]| {
+            if v.is_empty() {
+                "-".to_string()
+            } else {
+                v.iter()
+                    .map(|i| i.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            }
+        };
+        let _ = writeln!(
+            s,
+            "  holder: {}  queue: {}",
+            list(&g.holders),
+            list(&g.queue)
+        );
+        let _ = writeln!(
+            s,
+            "  {:>4} {:>7} {:>8} {:<16} {:<28} {:<8} {:>10} {:>10} {:>8} {:>8}",
+            "ID",
+            "PID",
+            "HOST PID",
+            "NAME",
+            "POD / CONTAINER",
+            "STATE",
+            "RESIDENT",
+            "SWAPPED",
+            "WAITED",
+            "HELD"
+        );
+        for c in &g.clients {
+            let where_ = match (&c.pod_namespace, &c.pod_name, &c.container_id) {
+                (Some(ns), Some(p), _) => format!("{ns}/{p}"),
+                (None, Some(p), _) => p.clone(),
+                (_, None, Some(cid)) => cid.chars().take(12).collect(),
+                _ => "-".to_string(),
+            };
+            let state = match c.state {
+                ClientState::Running => "running",
+                ClientState::Holding => "holding",
+                ClientState::Waiting => "waiting",
+                ClientState::Idle => "idle",
+            };
+            let _ = writeln!(
+                s,
+                "  {:>4} {:>7} {:>8} {:<16} {:<28} {:<8} {:>10} {:>10} {:>8} {:>8}",
+                c.id,
+                c.pid,
+                c.host_pid,
+                c.name
+                    .as_deref()
+                    .unwrap_or("-")
+                    .chars()
+                    .take(16)
+                    .collect::<String>(),
+                where_.chars().take(28).collect::<String>(),
+                state,
+                mib(c.resident_bytes),
+                mib(c.swapped_bytes),
+                secs(c.waited_ns),
+                secs(c.held_ns)
+            );
+        }
+    }
+    s
+}

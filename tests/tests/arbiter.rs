@@ -1,0 +1,310 @@
+//! The arbiter with real processes and real sockets: faults and hostile clients.
+
+use std::io::{BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kiwi_protocol::{
+    ArbiterMsg, ClientMsg, ClientState, ControlRequest, ErrorCode, EventKind, MAGIC,
+    PROTOCOL_VERSION,
+};
+use kiwi_tests::{bin, monotonic_ns, read_line_starting, register_msg, Arbiter, Client};
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+struct Fake {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Fake {
+    fn spawn(arb: &Arbiter, ws: u64, extra: &[&str]) -> Fake {
+        let mut child = Command::new(bin("kiwi-fake-client"))
+            .arg("--socket")
+            .arg(arb.client_socket())
+            .arg("--ws")
+            .arg(ws.to_string())
+            .args(extra)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn fake client");
+        let out = BufReader::new(child.stdout.take().unwrap());
+        Fake { child, out }
+    }
+
+    fn expect(&mut self, prefix: &str) -> String {
+        read_line_starting(&mut self.out, prefix)
+            .unwrap_or_else(|| panic!("fake client ended before printing {prefix}"))
+    }
+
+    fn time_of(line: &str) -> u64 {
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+}
+
+impl Drop for Fake {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[test]
+fn sigkilled_holder_hands_over_within_100ms() {
+    let arb = Arbiter::start(&["--tq", "30"]);
+    let mut a = Fake::spawn(&arb, 700 * MIB, &["--request"]);
+    a.expect("GRANTED");
+    let mut b = Fake::spawn(&arb, 700 * MIB, &["--request"]);
+    b.expect("REGISTERED");
+    wait_until("B queued", Duration::from_secs(5), || {
+        arb.status().gpus[0].queue.len() == 1
+    });
+    let killed_at = monotonic_ns();
+    a.child.kill().unwrap();
+    let granted = Fake::time_of(&b.expect("GRANTED"));
+    let ms = (granted - killed_at) as f64 / 1e6;
+    assert!(ms < 100.0, "next waiter granted {ms:.1} ms after SIGKILL");
+    let ev = arb.events();
+    assert!(ev.iter().any(|e| matches!(e.kind, EventKind::Exit)));
+}
+
+#[test]
+fn stubborn_holder_loses_the_gpu_after_grace() {
+    let arb = Arbiter::start(&["--tq", "0.2", "--grace-ms", "300"]);
+    let mut a = Fake::spawn(&arb, 700 * MIB, &["--request", "--stubborn"]);
+    let a_granted = Fake::time_of(&a.expect("GRANTED"));
+    let mut b = Fake::spawn(&arb, 700 * MIB, &["--request"]);
+    let dropped = Fake::time_of(&a.expect("DROP"));
+    let revoked = Fake::time_of(&a.expect("REVOKED"));
+    let b_granted = Fake::time_of(&b.expect("GRANTED"));
+    let grace_ms = (revoked - dropped) as f64 / 1e6;
+    assert!(
+        (290.0..600.0).contains(&grace_ms),
+        "revoked {grace_ms:.0} ms after the drop"
+    );
+    assert!(b_granted >= revoked - 5_000_000 && b_granted - a_granted < 2_000_000_000);
+    let ev = arb.events();
+    assert!(
+        ev.iter().any(|e| matches!(e.kind, EventKind::Revoke)),
+        "revocation is logged"
+    );
+}
+
+#[test]
+fn hostile_clients_do_not_hurt_others() {
+    let arb = Arbiter::start(&[]);
+    let mut good = Client::register(&arb.client_socket(), register_msg("GPU-x", GIB, 100 * MIB));
+
+    // Garbage: an error, then the connection is closed.
+    let mut s = UnixStream::connect(arb.client_socket()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: kiwi\r\n\r\n")
+        .unwrap();
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    assert!(
+        String::from_utf8_lossy(&buf).contains("malformed"),
+        "{buf:?}"
+    );
+
+    // Oversize frame: refused from the header alone.
+    let mut s = UnixStream::connect(arb.client_socket()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut h = MAGIC.to_vec();
+    h.extend_from_slice(&PROTOCOL_VERSION.to_be_bytes());
+    h.extend_from_slice(&(64u32 << 20).to_be_bytes());
+    s.write_all(&h).unwrap();
+    let mut buf = Vec::new();
+    let _ = s.read_to_end(&mut buf);
+    assert!(
+        String::from_utf8_lossy(&buf).contains("oversize"),
+        "{:?}",
+        String::from_utf8_lossy(&buf)
+    );
+
+    // Wrong protocol version in the registration.
+    let mut c =
+        kiwi_protocol::blocking::Connection::<ClientMsg, ArbiterMsg>::connect(&arb.client_socket())
+            .unwrap();
+    let mut reg = register_msg("GPU-x", GIB, 0);
+    reg.version = 99;
+    match c.call(&ClientMsg::Register(reg)).unwrap() {
+        ArbiterMsg::Error { code, .. } => assert_eq!(code, ErrorCode::Version),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        c.recv().is_err(),
+        "connection must be closed after a version mismatch"
+    );
+
+    // Flood: disconnected with a rate-limit error.
+    let mut flood = Client::register(&arb.client_socket(), register_msg("GPU-x", GIB, MIB));
+    let frame = kiwi_protocol::encode(&ClientMsg::Ping { token: 1 }).unwrap();
+    let mut burst = Vec::new();
+    for _ in 0..50_000 {
+        burst.extend_from_slice(&frame);
+    }
+    let _ = flood.conn.stream().write_all(&burst);
+    // It is cut off: an explicit rate-limit error, or the connection closes (the error
+    // may not fit behind the replies it never read).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let cut_off = loop {
+        match flood.conn.recv_timeout(Duration::from_millis(200)) {
+            Ok(Some(ArbiterMsg::Error {
+                code: ErrorCode::RateLimited,
+                ..
+            })) => break true,
+            Ok(_) if Instant::now() < deadline => continue,
+            Ok(_) => break false,
+            Err(_) => break true,
+        }
+    };
+    assert!(cut_off, "a flooding client is cut off");
+
+    // Control requests on the client socket are refused.
+    let mut c = kiwi_protocol::blocking::Connection::<ControlRequest, ArbiterMsg>::connect(
+        &arb.client_socket(),
+    )
+    .unwrap();
+    match c
+        .call(&ControlRequest::SetScheduler {
+            on: false,
+            gpu: None,
+        })
+        .unwrap()
+    {
+        ArbiterMsg::Error { code, .. } => assert_eq!(code, ErrorCode::WrongSocket),
+        other => panic!("{other:?}"),
+    }
+
+    // The well-behaved client and the arbiter carry on.
+    good.conn.send(&ClientMsg::Ping { token: 7 }).unwrap();
+    assert!(good
+        .wait_for(Duration::from_secs(5), |m| matches!(
+            m,
+            ArbiterMsg::Pong { token: 7 }
+        ))
+        .is_some());
+    good.conn.send(&ClientMsg::Request).unwrap();
+    assert!(good
+        .wait_for(Duration::from_secs(5), |m| matches!(
+            m,
+            ArbiterMsg::Grant { .. }
+        ))
+        .is_some());
+    let st = arb.status();
+    assert!(
+        st.gpus[0].settings.scheduler_on,
+        "the client socket could not turn the scheduler off"
+    );
+}
+
+#[test]
+fn identity_comes_from_the_socket_and_control_is_root_only() {
+    let arb = Arbiter::start(&[]);
+    let mode = std::fs::metadata(arb.control_socket())
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600, "control socket mode");
+    let mode = std::fs::metadata(arb.client_socket())
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o666, "client socket mode");
+
+    // A client that claims someone else's pid is still known by its real one.
+    let mut reg = register_msg("GPU-x", GIB, 700 * MIB);
+    reg.pid = 1;
+    let mut a = Client::register(&arb.client_socket(), reg);
+    a.conn.send(&ClientMsg::Request).unwrap();
+    a.wait_for(Duration::from_secs(5), |m| {
+        matches!(m, ArbiterMsg::Grant { .. })
+    })
+    .unwrap();
+    let mut b = Client::register(&arb.client_socket(), register_msg("GPU-x", GIB, 700 * MIB));
+    b.conn.send(&ClientMsg::Request).unwrap();
+    // B "releases": it cannot release A's hold, only cancel its own request.
+    b.conn
+        .send(&ClientMsg::Release(kiwi_protocol::Usage::default()))
+        .unwrap();
+    wait_until("B's request cancelled", Duration::from_secs(5), || {
+        arb.status().gpus[0].queue.is_empty()
+    });
+    let st = arb.status();
+    let g = &st.gpus[0];
+    assert_eq!(g.holders, vec![a.id], "A still holds");
+    let ca = g.clients.iter().find(|c| c.id == a.id).unwrap();
+    assert_eq!(ca.pid, 1);
+    assert_eq!(ca.host_pid, std::process::id(), "host pid from SO_PEERCRED");
+    assert_eq!(ca.state, ClientState::Holding);
+}
+
+#[test]
+fn clients_survive_an_arbiter_restart() {
+    let mut arb = Arbiter::start(&["--tq", "30"]);
+    let mut a = Fake::spawn(&arb, 700 * MIB, &["--request", "--reconnect"]);
+    a.expect("GRANTED");
+    let mut b = Fake::spawn(&arb, 700 * MIB, &["--request", "--reconnect"]);
+    b.expect("REGISTERED");
+    wait_until("B queued", Duration::from_secs(5), || {
+        arb.status().gpus[0].queue.len() == 1
+    });
+    arb.restart_hard();
+    a.expect("RESUMED");
+    b.expect("RESUMED");
+    wait_until("state rebuilt", Duration::from_secs(5), || {
+        let st = arb.status();
+        st.gpus.len() == 1 && st.gpus[0].holders.len() == 1 && st.gpus[0].queue.len() == 1
+    });
+    let st = arb.status();
+    let g = &st.gpus[0];
+    let holder = g.clients.iter().find(|c| c.id == g.holders[0]).unwrap();
+    assert_eq!(holder.host_pid, a.child.id(), "A is the holder again");
+    assert_eq!(holder.state, ClientState::Holding);
+    // And the rebuilt scheduler works: A leaves, B is granted.
+    a.child.kill().unwrap();
+    b.expect("GRANTED");
+}
+
+#[test]
+fn sigterm_removes_the_sockets() {
+    let mut arb = Arbiter::start(&[]);
+    let status = arb.terminate();
+    assert!(status.success(), "{status:?}");
+    assert!(!arb.client_socket().exists());
+    assert!(!arb.control_socket().exists());
+}
+
+#[test]
+fn a_second_arbiter_refuses_a_live_socket_dir() {
+    let arb = Arbiter::start(&[]);
+    let out = Command::new(bin("kiwi-arbiter"))
+        .arg("--socket-dir")
+        .arg(arb.socket_dir())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("already serving"), "{err}");
+    assert!(
+        arb.client_socket().exists(),
+        "the live arbiter keeps its socket"
+    );
+}

@@ -1,0 +1,123 @@
+//! kiwictl against a real arbiter: control commands, status, and refused input.
+
+use std::process::{Command, Output};
+
+use kiwi_protocol::ClientMsg;
+use kiwi_tests::{bin, register_msg, Arbiter, Client};
+
+const MIB: u64 = 1 << 20;
+
+fn kiwictl(arb: Option<&Arbiter>, args: &[&str]) -> Output {
+    let mut c = Command::new(bin("kiwictl"));
+    c.env_remove("KIWI_CONFIG").env_remove("KIWI_SOCKET_DIR");
+    if let Some(a) = arb {
+        c.env("KIWI_SOCKET_DIR", a.socket_dir());
+    }
+    c.args(args).output().expect("run kiwictl")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn bad_arguments_are_refused() {
+    for args in [
+        &["-T", "0"][..],
+        &["-T", "-3"],
+        &["-T", "abc"],
+        &["-S", "maybe"],
+        &["--tq=nan"],
+    ] {
+        let o = kiwictl(None, args);
+        assert!(!o.status.success(), "{args:?} accepted");
+        let t = text(&o);
+        assert!(
+            t.contains("TQ must be") || t.contains("expected \"on\" or \"off\""),
+            "{args:?}: {t}"
+        );
+    }
+}
+
+#[test]
+fn unreachable_arbiter_is_one_clear_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = Command::new(bin("kiwictl"))
+        .env_remove("KIWI_CONFIG")
+        .arg("--socket-dir")
+        .arg(dir.path())
+        .arg("status")
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("cannot reach the arbiter"), "{err}");
+}
+
+#[test]
+fn scheduler_and_tq_change_a_running_arbiter() {
+    let arb = Arbiter::start(&["--tq", "30"]);
+    let mut c = Client::register(
+        &arb.client_socket(),
+        register_msg("GPU-aaaa", 1 << 30, 700 * MIB),
+    );
+    c.conn.send(&ClientMsg::Request).unwrap();
+
+    let o = kiwictl(Some(&arb), &["-S", "off"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        "[INFO] Successfully turned off the Kiwi scheduler."
+    );
+    let o = kiwictl(Some(&arb), &["-T", "2.5", "--gpu", "0"]);
+    assert!(o.status.success(), "{}", text(&o));
+    let st = arb.status();
+    assert!(!st.gpus[0].settings.scheduler_on);
+    assert_eq!(st.gpus[0].settings.tq_ms, 2500);
+    assert!(
+        !st.default_settings.scheduler_on,
+        "-S without --gpu also sets the default"
+    );
+    assert_eq!(
+        st.default_settings.tq_ms, 30_000,
+        "-T with --gpu leaves the default"
+    );
+
+    let o = kiwictl(Some(&arb), &["-S", "on", "--gpu", "GPU-nope"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).contains("no GPU \"GPU-nope\""), "{}", text(&o));
+
+    let o = kiwictl(Some(&arb), &["--scheduler", "on"]);
+    assert!(o.status.success());
+    assert!(arb.status().gpus[0].settings.scheduler_on);
+
+    // Status: the human table and JSON.
+    let o = kiwictl(Some(&arb), &["status"]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("GPU 0  GPU-aaaa  scheduler on  TQ 2.5 s"), "{t}");
+    assert!(t.contains("running"), "{t}");
+    let o = kiwictl(Some(&arb), &["status", "--json"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("status --json is JSON");
+    assert_eq!(v["gpus"][0]["uuid"], "GPU-aaaa");
+    assert_eq!(v["gpus"][0]["clients"][0]["state"], "running");
+    assert_eq!(v["gpus"][0]["clients"][0]["host_pid"], std::process::id());
+
+    // The event log is readable: register, request, grant, scheduler changes.
+    let o = kiwictl(Some(&arb), &["events"]);
+    let kinds: Vec<String> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["kind"]["event"].as_str().unwrap().to_string()
+        })
+        .collect();
+    for k in ["register", "request", "grant", "scheduler", "tq"] {
+        assert!(kinds.iter().any(|x| x == k), "{k} missing from {kinds:?}");
+    }
+}
