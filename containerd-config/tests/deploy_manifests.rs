@@ -252,3 +252,204 @@ fn systemd_units_run_the_daemons_with_the_design_paths() {
     assert!(unit.contains("\nExecStart=/usr/local/bin/kiwi-device-plugin\n"));
     assert!(unit.contains("After=kubelet.service"));
 }
+
+/// The `kiwictl` stand-in built from `examples/kiwictl.rs` (by `cargo test`).
+fn kiwictl_example() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let path = exe.parent()?.parent()?.join("examples").join("kiwictl");
+    if path.is_file() {
+        return Some(path);
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("{} missing: cargo test builds it", path.display());
+    }
+    eprintln!(
+        "SKIPPED: {} missing; run `cargo test -p kiwi-containerd-config` (which builds examples)",
+        path.display()
+    );
+    None
+}
+
+/// A fake node: the image's files, the host's root, and stubs for `nsenter`.
+struct Node {
+    _dir: tempfile::TempDir,
+    img: PathBuf,
+    host: PathBuf,
+    nsenter_log: PathBuf,
+}
+
+impl Node {
+    fn new(kiwictl: &Path, containerd_config: Option<&str>) -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("img");
+        let host = dir.path().join("host");
+        std::fs::create_dir_all(img.join("bin")).unwrap();
+        for b in ["kiwi-runtime", "kiwi-hook"] {
+            std::fs::write(img.join("bin").join(b), format!("#!/bin/sh\necho {b}\n")).unwrap();
+        }
+        std::fs::copy(kiwictl, img.join("bin/kiwictl")).unwrap();
+        std::fs::write(img.join("libkiwi.so"), b"\x7fELF shim").unwrap();
+        std::fs::write(img.join("config.toml"), "[arbiter]\ntq_seconds = 5\n").unwrap();
+        let nsenter_log = dir.path().join("nsenter.log");
+        std::fs::write(
+            img.join("bin/nsenter"),
+            format!("#!/bin/sh\necho \"$*\" >> {}\n", nsenter_log.display()),
+        )
+        .unwrap();
+        for b in ["kiwi-runtime", "kiwi-hook", "nsenter"] {
+            use std::os::unix::fs::PermissionsExt;
+            let p = img.join("bin").join(b);
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        // What the DaemonSet's hostPath volumes (DirectoryOrCreate) provide.
+        for d in [
+            "usr/local/bin",
+            "usr/local/lib/kiwi",
+            "etc/kiwi",
+            "etc/containerd",
+        ] {
+            std::fs::create_dir_all(host.join(d)).unwrap();
+        }
+        if let Some(text) = containerd_config {
+            std::fs::write(host.join("etc/containerd/config.toml"), text).unwrap();
+        }
+        Node {
+            _dir: dir,
+            img,
+            host,
+            nsenter_log,
+        }
+    }
+
+    /// Runs the chart's init script with the image's and the host's paths moved
+    /// into this node's directories; returns (success, output).
+    fn run(&self, script: &str) -> (bool, String) {
+        let img = self.img.display().to_string();
+        let script = script
+            .replace(
+                "put 0755 \"/usr/local/bin/",
+                &format!("put 0755 \"{img}/bin/"),
+            )
+            .replace(
+                "put 0644 /usr/local/lib/kiwi/libkiwi.so",
+                &format!("put 0644 {img}/libkiwi.so"),
+            )
+            .replace(
+                "put 0644 /etc/kiwi/config.toml",
+                &format!("put 0644 {img}/config.toml"),
+            )
+            .replace("/host", &self.host.display().to_string());
+        let path = format!("{img}/bin:{}", std::env::var("PATH").unwrap_or_default());
+        let out = Command::new("sh")
+            .args(["-c", &script])
+            .env("PATH", path)
+            .output()
+            .expect("run sh");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status.success(), text)
+    }
+}
+
+#[test]
+fn the_installer_script_installs_kiwi_on_a_node_once() {
+    let Some(kiwictl) = kiwictl_example() else {
+        return;
+    };
+    let Some(docs) = render(&["--plain"]) else {
+        return;
+    };
+    let script = init_script(find(&docs, "DaemonSet", "kiwi-scheduler"));
+    let v2 =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/v2.toml"))
+            .unwrap();
+    let node = Node::new(&kiwictl, Some(&v2));
+
+    let (ok, out) = node.run(&script);
+    assert!(ok, "installer failed:\n{out}");
+    assert!(out.contains("Added runtime \"kiwi\""), "{out}");
+    assert!(out.contains("must be restarted"), "{out}");
+    for (file, mode) in [
+        ("usr/local/bin/kiwi-runtime", 0o755),
+        ("usr/local/bin/kiwi-hook", 0o755),
+        ("usr/local/bin/kiwictl", 0o755),
+        ("usr/local/lib/kiwi/libkiwi.so", 0o644),
+        ("etc/kiwi/config.toml", 0o644),
+    ] {
+        use std::os::unix::fs::PermissionsExt;
+        let meta = std::fs::metadata(node.host.join(file))
+            .unwrap_or_else(|e| panic!("{file} not installed: {e}\n{out}"));
+        assert_eq!(meta.permissions().mode() & 0o777, mode, "{file}");
+    }
+    let leftovers: Vec<_> = std::fs::read_dir(node.host.join("usr/local/bin"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains("kiwi-new"))
+        .collect();
+    assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
+    let cfg = std::fs::read_to_string(node.host.join("etc/containerd/config.toml")).unwrap();
+    assert!(
+        cfg.contains("BinaryName = \"/usr/local/bin/kiwi-runtime\""),
+        "host path, not the container's:\n{cfg}"
+    );
+    assert!(!cfg.contains(&node.host.display().to_string()));
+    assert!(
+        !node.nsenter_log.exists(),
+        "containerd restarted without being asked"
+    );
+
+    // A pod restart re-runs the installer: nothing changes, nothing is asked for.
+    let (ok, out) = node.run(&script);
+    assert!(ok, "{out}");
+    assert!(out.contains("nothing changed"), "{out}");
+    assert!(!out.contains("must be restarted"), "{out}");
+    assert_eq!(
+        std::fs::read_to_string(node.host.join("etc/containerd/config.toml")).unwrap(),
+        cfg
+    );
+}
+
+#[test]
+fn the_installer_restarts_containerd_only_when_asked_and_needed() {
+    let Some(kiwictl) = kiwictl_example() else {
+        return;
+    };
+    let Some(docs) = render(&[
+        "--set",
+        "installer.restartContainerd=true,installer.dropIn=true",
+    ]) else {
+        return;
+    };
+    let script = init_script(find(&docs, "DaemonSet", "kiwi-scheduler"));
+    // No containerd config on the node yet: the installer creates one.
+    let node = Node::new(&kiwictl, None);
+    let (ok, out) = node.run(&script);
+    assert!(ok, "installer failed:\n{out}");
+    assert_eq!(
+        std::fs::read_to_string(&node.nsenter_log).unwrap(),
+        "-t 1 -m -u -i -n -p -- systemctl restart containerd\n"
+    );
+    let main = std::fs::read_to_string(node.host.join("etc/containerd/config.toml")).unwrap();
+    assert!(
+        main.contains("imports = [\"/etc/containerd/conf.d/99-kiwi.toml\"]"),
+        "{main}"
+    );
+    assert!(node
+        .host
+        .join("etc/containerd/conf.d/99-kiwi.toml")
+        .exists());
+
+    let (ok, out) = node.run(&script);
+    assert!(ok, "{out}");
+    assert_eq!(
+        std::fs::read_to_string(&node.nsenter_log)
+            .unwrap()
+            .lines()
+            .count(),
+        1,
+        "restarted again although nothing changed"
+    );
+}

@@ -19,6 +19,8 @@ import argparse
 import difflib
 import json
 import os
+import shutil
+import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -116,6 +118,37 @@ VARIANTS = [
 ]
 
 
+def init_scripts(values):
+    for _, _, obj in render(values):
+        if obj["kind"] != "DaemonSet":
+            continue
+        for c in obj["spec"]["template"]["spec"].get("initContainers") or []:
+            if c.get("command") == ["/bin/sh", "-c"]:
+                yield f"{obj['metadata']['name']}/{c['name']}", c["args"][0]
+
+
+def check_scripts():
+    """`sh -n` and shellcheck on every shell script the chart renders."""
+    problems = []
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        msg = "shellcheck is not installed (apt-get install shellcheck; see .ci/apt-packages)"
+        if os.environ.get("CI") == "true":
+            problems.append(msg)
+        else:
+            print(f"chart.py: SKIPPED shellcheck: {msg}", file=sys.stderr)
+    for values in [{}] + VARIANTS:
+        for where, script in init_scripts(values):
+            tools = [["sh", "-n"]] + ([[shellcheck, "-s", "sh", "-"]] if shellcheck else [])
+            for tool in tools:
+                r = subprocess.run(tool, input=script, capture_output=True, text=True)
+                if r.returncode != 0:
+                    problems.append(
+                        f"{tool[0]} on {where} with {json.dumps(values)}:\n{r.stdout}{r.stderr}"
+                    )
+    return problems
+
+
 def check():
     problems = []
     expected = plain_manifest_text()
@@ -139,6 +172,8 @@ def check():
             problems.append(f"helm lint {json.dumps(values)}: {m}")
         for src, _, obj in render(values):
             problems += validate(obj, f"{src} with {json.dumps(values)}")
+
+    problems += check_scripts()
 
     with open(KUSTOMIZATION) as f:
         kust = yaml.safe_load(f)
