@@ -51,7 +51,10 @@ fn install(profile_dir: &Path, force: bool) -> io::Result<PathBuf> {
                     Err(_) => true,
                 };
             if stale {
-                let tmp = dir.join(format!(".{dest_name}.{}.tmp", std::process::id()));
+                // Unique per call: tests in one process may install concurrently.
+                static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+                let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let tmp = dir.join(format!(".{dest_name}.{}.{n}.tmp", std::process::id()));
                 std::fs::copy(&src, &tmp)?;
                 std::fs::rename(&tmp, &dest)?;
             }

@@ -1656,6 +1656,58 @@ extern "C" fn cuLaunchKernel_ptsz(
     guard(|| launch(f, [gx, gy, gz], [bx, by, bz], s, params, extra, true))
 }
 
+#[no_mangle]
+extern "C" fn cuLaunchCooperativeKernel(
+    f: CUfunction,
+    gx: u32,
+    gy: u32,
+    gz: u32,
+    bx: u32,
+    by: u32,
+    bz: u32,
+    _shmem: u32,
+    s: CUstream,
+    params: *mut *mut c_void,
+) -> CUresult {
+    guard(|| {
+        launch(
+            f,
+            [gx, gy, gz],
+            [bx, by, bz],
+            s,
+            params,
+            std::ptr::null_mut(),
+            false,
+        )
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuLaunchCooperativeKernel_ptsz(
+    f: CUfunction,
+    gx: u32,
+    gy: u32,
+    gz: u32,
+    bx: u32,
+    by: u32,
+    bz: u32,
+    _shmem: u32,
+    s: CUstream,
+    params: *mut *mut c_void,
+) -> CUresult {
+    guard(|| {
+        launch(
+            f,
+            [gx, gy, gz],
+            [bx, by, bz],
+            s,
+            params,
+            std::ptr::null_mut(),
+            true,
+        )
+    })
+}
+
 fn launch_ex(
     cfg: *const CUlaunchConfig,
     f: CUfunction,
@@ -1879,6 +1931,7 @@ pub fn exports() -> Vec<(&'static str, i32, usize)> {
         cuFuncGetAttribute = 2020,
         cuLaunchKernel = 4000,
         cuLaunchKernelEx = 11060,
+        cuLaunchCooperativeKernel = 9000,
         cuLaunchHostFunc = 10000,
         cuGetErrorName = 6000,
         cuGetErrorString = 6000,
@@ -1920,6 +1973,7 @@ pub fn per_thread_exports() -> Vec<(&'static str, &'static str, usize)> {
         "cuEventRecordWithFlags" => cuEventRecordWithFlags_ptsz,
         "cuLaunchKernel" => cuLaunchKernel_ptsz,
         "cuLaunchKernelEx" => cuLaunchKernelEx_ptsz,
+        "cuLaunchCooperativeKernel" => cuLaunchCooperativeKernel_ptsz,
         "cuLaunchHostFunc" => cuLaunchHostFunc_ptsz,
     ]
 }

@@ -7,7 +7,8 @@
 //!   memory there, and host code that dereferences a device pointer segfaults as it
 //!   would with a real GPU.
 //! - Contents of each physical allocation live in a private anonymous `mmap`
-//!   (`MAP_NORESERVE`) of this process. Capacity is accounted in the shared machine
+//!   (`MAP_NORESERVE`), populated when allocated (a real driver commits memory at
+//!   allocation too) so copies and kernels are not slowed by page faults. Capacity is accounted in the shared machine
 //!   segment: a physical allocation that does not fit fails with
 //!   `CUDA_ERROR_OUT_OF_MEMORY`, across processes.
 //! - `cuMemAlloc` allocations are accounted at their size rounded up to 512 bytes;
@@ -63,7 +64,7 @@ impl Phys {
                 std::ptr::null_mut(),
                 map_len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_POPULATE,
                 -1,
                 0,
             )
