@@ -247,10 +247,19 @@ fn install_containerd_cmd(a: &ContainerdInstallArgs, out: &mut dyn Write) -> Res
     if a.dry_run {
         return print_diffs(&changes, out);
     }
+    // A runtime kiwictl added before (in the config or the drop-in) is updated.
+    let verb = if changes.iter().any(|(_, old, _)| {
+        old.as_deref()
+            .is_some_and(|t| t.contains("[kiwictl] added runtime"))
+    }) {
+        "Updated"
+    } else {
+        "Added"
+    };
     let backups = apply(&changes)?;
     writeln!(
         out,
-        "[INFO] Added runtime \"{}\" to {}{}.",
+        "[INFO] {verb} runtime \"{}\" in {}{}.",
         a.runtime_name,
         changes
             .iter()

@@ -73,7 +73,7 @@ fn containerd_install_backs_up_reports_and_is_idempotent() {
     let out = install(&["containerd", "--config", c]).unwrap();
     assert!(
         out.contains(&format!(
-            "[INFO] Added runtime \"kiwi\" to {c} (backup: {c}.kiwi-backup)."
+            "[INFO] Added runtime \"kiwi\" in {c} (backup: {c}.kiwi-backup)."
         )),
         "{out}"
     );
@@ -86,6 +86,30 @@ fn containerd_install_backs_up_reports_and_is_idempotent() {
 
     let out = install(&["containerd", "--config", c]).unwrap();
     assert!(out.contains("already configured"), "{out}");
+    assert_eq!(read(&cfg), installed);
+    let out = install(&[
+        "containerd",
+        "--config",
+        c,
+        "--runtime-path",
+        "/opt/kiwi-runtime",
+        "--dry-run",
+    ])
+    .unwrap();
+    assert!(
+        out.contains("+        BinaryName = \"/opt/kiwi-runtime\""),
+        "{out}"
+    );
+    let out = install(&[
+        "containerd",
+        "--config",
+        c,
+        "--runtime-path",
+        "/opt/kiwi-runtime",
+    ])
+    .unwrap();
+    assert!(out.contains("[INFO] Updated runtime \"kiwi\""), "{out}");
+    install(&["containerd", "--config", c]).unwrap();
     assert_eq!(read(&cfg), installed);
 
     let out = uninstall(&["containerd", "--config", c]).unwrap();
