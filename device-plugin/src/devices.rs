@@ -505,4 +505,63 @@ mod tests {
         assert_eq!(pick.len(), 2);
         assert!(pick.iter().all(|p| offered.contains(p)));
     }
+
+    mod properties {
+        use super::*;
+        use proptest::collection::vec;
+        use proptest::prelude::*;
+
+        proptest! {
+            #[test]
+            fn preferred_allocation_invariants(
+                gpus in 1u32..6,
+                per in 1u32..6,
+                taken in vec(any::<bool>(), 36),
+                must_mask in vec(any::<bool>(), 36),
+                size in 1i32..12,
+            ) {
+                let inv = inv(gpus, per);
+                let all = all_ids(&inv);
+                let available: Vec<String> = all
+                    .iter()
+                    .zip(&taken)
+                    .filter(|(_, t)| !**t)
+                    .map(|(i, _)| i.clone())
+                    .collect();
+                let must: Vec<String> = available
+                    .iter()
+                    .zip(&must_mask)
+                    .filter(|(_, m)| **m)
+                    .map(|(i, _)| i.clone())
+                    .take(size as usize)
+                    .collect();
+                let pick = inv.preferred(&available, &must, size, &[]).unwrap();
+                // Must-include first, then only offered IDs, no repeats, as many as possible.
+                prop_assert_eq!(&pick[..must.len()], &must[..]);
+                prop_assert!(pick.iter().all(|p| available.contains(p)));
+                let mut unique = pick.clone();
+                unique.sort();
+                unique.dedup();
+                prop_assert_eq!(unique.len(), pick.len());
+                prop_assert_eq!(pick.len(), (size as usize).min(available.len()));
+                let mut free = vec![0usize; gpus as usize];
+                for a in &available {
+                    free[inv.gpu_of(a).unwrap()] += 1;
+                }
+                let gpus_with_free = free.iter().filter(|f| **f > 0).count();
+                if must.is_empty() && pick.len() <= gpus_with_free {
+                    // k vGPUs on k distinct GPUs.
+                    let mut g = gpu_positions(&inv, &pick);
+                    g.sort();
+                    g.dedup();
+                    prop_assert_eq!(g.len(), pick.len());
+                }
+                if must.is_empty() && !pick.is_empty() {
+                    // The first pick is on a least-loaded GPU.
+                    let most_free = *free.iter().max().unwrap();
+                    prop_assert_eq!(free[inv.gpu_of(&pick[0]).unwrap()], most_free);
+                }
+            }
+        }
+    }
 }

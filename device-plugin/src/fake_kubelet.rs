@@ -1,7 +1,10 @@
 //! An in-process stand-in for the kubelet's device manager, for tests and the
 //! benchmark: a `Registration` server on `<dir>/kubelet.sock` that reports every
-//! `RegisterRequest` on a channel, can refuse registrations, and restarts the way the
-//! real kubelet does (deleting every socket in the directory first).
+//! `RegisterRequest` on a channel, refuses a wrong API version (or anything, on
+//! request), and then does what the kubelet does with a new plugin: dials its
+//! endpoint, asks for its options and follows its `ListAndWatch` stream, reporting
+//! every device list on a second channel. It restarts the way the real kubelet does
+//! (deleting every socket in the directory first).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -13,11 +16,14 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Request, Response, Status};
 
 use crate::api;
+use crate::api::device_plugin_client::DevicePluginClient;
 use crate::api::registration_server::{Registration, RegistrationServer};
-use crate::kubelet::KUBELET_SOCKET;
+use crate::kubelet::{dial, KUBELET_SOCKET};
 
 struct Registrar {
+    dir: PathBuf,
     tx: mpsc::UnboundedSender<api::RegisterRequest>,
+    devices: mpsc::UnboundedSender<Vec<api::Device>>,
     refuse: Arc<Mutex<Option<String>>>,
 }
 
@@ -35,7 +41,36 @@ impl Registration for Registrar {
         {
             return Err(Status::invalid_argument(why));
         }
-        let _ = self.tx.send(request.into_inner());
+        let req = request.into_inner();
+        if req.version != crate::kubelet::API_VERSION {
+            return Err(Status::invalid_argument(format!(
+                "unsupported version {:?}",
+                req.version
+            )));
+        }
+        let endpoint = self.dir.join(&req.endpoint);
+        let devices = self.devices.clone();
+        let _ = self.tx.send(req);
+        // Like the kubelet, after answering: options, then follow the device stream.
+        tokio::spawn(async move {
+            let follow = async {
+                let mut client = DevicePluginClient::new(dial(&endpoint).await?);
+                client.get_device_plugin_options(api::Empty {}).await?;
+                let mut stream = client.list_and_watch(api::Empty {}).await?.into_inner();
+                while let Some(list) = stream.message().await? {
+                    if devices.send(list.devices).is_err() {
+                        break;
+                    }
+                }
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+            };
+            if let Err(e) = follow.await {
+                eprintln!(
+                    "fake kubelet: stream from {} ended: {e}",
+                    endpoint.display()
+                );
+            }
+        });
         Ok(Response::new(api::Empty {}))
     }
 }
@@ -45,6 +80,8 @@ pub struct FakeKubelet {
     dir: PathBuf,
     tx: mpsc::UnboundedSender<api::RegisterRequest>,
     rx: mpsc::UnboundedReceiver<api::RegisterRequest>,
+    devices_tx: mpsc::UnboundedSender<Vec<api::Device>>,
+    devices_rx: mpsc::UnboundedReceiver<Vec<api::Device>>,
     refuse: Arc<Mutex<Option<String>>>,
     server: Option<(oneshot::Sender<()>, tokio::task::JoinHandle<()>)>,
 }
@@ -53,10 +90,13 @@ impl FakeKubelet {
     /// Serves `<dir>/kubelet.sock`.
     pub async fn start(dir: &Path) -> std::io::Result<FakeKubelet> {
         let (tx, rx) = mpsc::unbounded_channel();
+        let (devices_tx, devices_rx) = mpsc::unbounded_channel();
         let mut k = FakeKubelet {
             dir: dir.to_path_buf(),
             tx,
             rx,
+            devices_tx,
+            devices_rx,
             refuse: Arc::new(Mutex::new(None)),
             server: None,
         };
@@ -70,7 +110,9 @@ impl FakeKubelet {
         let listener = UnixListener::bind(&path)?;
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let svc = RegistrationServer::new(Registrar {
+            dir: self.dir.clone(),
             tx: self.tx.clone(),
+            devices: self.devices_tx.clone(),
             refuse: self.refuse.clone(),
         });
         let task = tokio::spawn(async move {
@@ -93,6 +135,15 @@ impl FakeKubelet {
     /// The next registration, or `None` if none comes within `timeout`.
     pub async fn next_registration(&mut self, timeout: Duration) -> Option<api::RegisterRequest> {
         tokio::time::timeout(timeout, self.rx.recv())
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// The next device list the kubelet side received on a plugin's `ListAndWatch`
+    /// stream, or `None` if none comes within `timeout`.
+    pub async fn next_devices(&mut self, timeout: Duration) -> Option<Vec<api::Device>> {
+        tokio::time::timeout(timeout, self.devices_rx.recv())
             .await
             .ok()
             .flatten()

@@ -481,3 +481,48 @@ async fn discovery_failures_are_errors() {
     .unwrap_err();
     assert!(e.to_string().contains("missing"), "{e}");
 }
+
+#[tokio::test]
+async fn the_kubelet_side_follows_devices_and_health_across_a_restart() {
+    let mut h = Harness::start(2, 3, DeviceListStrategy::Envvar).await;
+    h.registered().await;
+    // What the kubelet itself received on the stream it opened after Register.
+    let list = h
+        .kubelet
+        .next_devices(WAIT)
+        .await
+        .expect("kubelet got a device list");
+    assert_eq!(list.len(), 6);
+    assert!(list.iter().all(|d| d.health == HEALTHY));
+    h.gpus.lose(&fake_uuid(0));
+    let list = h
+        .kubelet
+        .next_devices(WAIT)
+        .await
+        .expect("kubelet got an update");
+    assert_eq!(health_of(&list, 0), vec![UNHEALTHY; 3]);
+    assert_eq!(health_of(&list, 1), vec![HEALTHY; 3]);
+
+    // After a kubelet restart the new kubelet gets the current state, GPU 0 still out.
+    h.kubelet.restart().await.unwrap();
+    let t0 = std::time::Instant::now();
+    h.registered().await;
+    // No health change happened meanwhile, so the old stream sent nothing more: this
+    // is the new kubelet's first list.
+    let list = h
+        .kubelet
+        .next_devices(WAIT)
+        .await
+        .expect("list after restart");
+    assert_eq!(list.len(), 6);
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(health_of(&list, 0), vec![UNHEALTHY; 3]);
+    h.gpus.clear(&fake_uuid(0));
+    let list = h.kubelet.next_devices(WAIT).await.expect("recovery seen");
+    assert!(list.iter().all(|d| d.health == HEALTHY));
+    h.stop().await.unwrap();
+}
