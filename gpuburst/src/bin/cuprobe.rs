@@ -9,6 +9,7 @@
 //! cuprobe copy --mib N               time an N MiB HtoD and DtoH copy
 //! cuprobe spin --ms N --count K      K kernels of N ms each
 //! cuprobe procaddr                   cuGetProcAddress resolution rules
+//! cuprobe launch-rate --count N      host cost of an async launch and of cuCtxGetCurrent
 //! ```
 
 use std::ffi::c_void;
@@ -495,6 +496,33 @@ fn procaddr(p: &Probe) -> Result<(), CudaError> {
     Ok(())
 }
 
+/// Host-side cost of queuing a launch (the executor busy with a long kernel, so
+/// nothing but the submission is measured) and of `cuCtxGetCurrent`.
+fn launch_rate(p: &Probe, count: u32) -> Result<(), CudaError> {
+    let count = count.clamp(1, 1000); // below the 1024-deep queue: no back-pressure
+    let mut long = 2_000_000_000u64 / 1000; // 2 ms: keeps the executor busy
+    let r = p.launch(p.spin, &mut [(&mut long as *mut u64).cast()]);
+    p.cuda.check("cuLaunchKernel", r)?;
+    let t = Instant::now();
+    for _ in 0..count {
+        let mut ns = 0u64;
+        let r = p.launch(p.spin, &mut [(&mut ns as *mut u64).cast()]);
+        p.cuda.check("cuLaunchKernel", r)?;
+    }
+    let launch_ns = t.elapsed().as_nanos() as f64 / f64::from(count);
+    let r = p.sync();
+    p.cuda.check("cuCtxSynchronize", r)?;
+    let mut ctx: Handle = std::ptr::null_mut();
+    let n = 100_000;
+    let t = Instant::now();
+    for _ in 0..n {
+        cu!(p.cuda, ctx_get_current, "cuCtxGetCurrent", &mut ctx)?;
+    }
+    let current_ns = t.elapsed().as_nanos() as f64 / f64::from(n);
+    println!("launch_ns={launch_ns:.0} ctx_get_current_ns={current_ns:.1} launches={count}");
+    Ok(())
+}
+
 fn arg(args: &[String], name: &str) -> Option<u64> {
     let i = args.iter().position(|a| a == name)?;
     args.get(i + 1)?.parse().ok()
@@ -503,7 +531,7 @@ fn arg(args: &[String], name: &str) -> Option<u64> {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(cmd) = args.first().cloned() else {
-        eprintln!("usage: cuprobe vmm|alloc --mib N [--hold-ms M]|copy --mib N|spin --ms N --count K|procaddr");
+        eprintln!("usage: cuprobe vmm|alloc --mib N [--hold-ms M]|copy --mib N|spin --ms N --count K|procaddr|launch-rate [--count N]");
         std::process::exit(1);
     };
     let need = |name: &str| {
@@ -525,6 +553,7 @@ fn main() {
         "copy" => copy(&p, need("--mib")),
         "spin" => spin(&p, need("--ms"), need("--count") as u32),
         "procaddr" => procaddr(&p),
+        "launch-rate" => launch_rate(&p, arg(&args, "--count").unwrap_or(1000) as u32),
         other => {
             eprintln!("cuprobe: unknown scenario {other:?}");
             std::process::exit(1);

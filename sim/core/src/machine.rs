@@ -389,9 +389,19 @@ impl Machine {
     pub fn reserve(&self, gpu: u32, bytes: u64) -> Result<(), MachineError> {
         let slot = self.gpu(gpu)?;
         let _lock = FileLock::exclusive(&self.file);
-        let used = Self::collect_garbage(slot);
         let capacity = slot.capacity.load(Ordering::Relaxed);
-        if used.checked_add(bytes).is_none_or(|t| t > capacity) {
+        let fits = |used: u64| used.checked_add(bytes).is_some_and(|t| t <= capacity);
+        // Fast path without /proc lookups; dead processes are reclaimed only when
+        // the allocation would otherwise be refused.
+        let mut used: u64 = slot
+            .procs
+            .iter()
+            .map(|p| p.bytes.load(Ordering::Relaxed))
+            .sum();
+        if !fits(used) {
+            used = Self::collect_garbage(slot);
+        }
+        if !fits(used) {
             return Err(MachineError::OutOfMemory {
                 gpu,
                 requested: bytes,
