@@ -3,11 +3,14 @@
 //! - [`sched`]: one GPU's scheduler as a pure state machine (no I/O, injected clock).
 //! - [`events`]: the per-GPU event log read by `kiwictl timeline`.
 //! - [`server`]: the tokio daemon: client and control sockets, timers, dispatch.
+//! - [`daemon`]: binding the sockets on a directory, serving, cleaning up.
 //! - [`clock`]: CLOCK_MONOTONIC in nanoseconds, the clock of every timestamp.
 
 pub mod clock;
+pub mod daemon;
 pub mod events;
 pub mod sched;
 pub mod server;
 
+pub use daemon::run_daemon;
 pub use server::{serve, ServerConfig};

@@ -1,14 +1,12 @@
 //! `kiwi-arbiter`: binds the client and control sockets, serves, and removes them
 //! on SIGTERM/SIGINT. Flags win over `/etc/kiwi/config.toml` (or `KIWI_CONFIG`).
 
-use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
-use kiwi_arbiter::{serve, ServerConfig};
-use kiwi_config::{client_dir, client_socket, control_socket, Config, SchedulerMode};
-use tokio::net::UnixListener;
+use kiwi_arbiter::{run_daemon, ServerConfig};
+use kiwi_config::{Config, SchedulerMode};
 use tokio::signal::unix::{signal, SignalKind};
 
 #[derive(Parser, Debug)]
@@ -69,30 +67,11 @@ fn run() -> Result<()> {
         ..ServerConfig::default()
     };
 
-    std::fs::create_dir_all(client_dir(&dir))
-        .with_context(|| format!("cannot create socket directory {}", dir.display()))?;
-    let client_path = client_socket(&dir);
-    let control_path = control_socket(&dir);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("cannot start the runtime")?;
     rt.block_on(async move {
-        let client = bind(&client_path, 0o666)?;
-        let control = match bind(&control_path, 0o600) {
-            Ok(l) => l,
-            Err(e) => {
-                let _ = std::fs::remove_file(&client_path);
-                return Err(e);
-            }
-        };
-        eprintln!(
-            "[INFO] kiwi-arbiter listening on {} (control {}), scheduler {}, TQ {} s",
-            client_path.display(),
-            control_path.display(),
-            scheduler,
-            server_cfg.tq_ms as f64 / 1000.0
-        );
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
         let shutdown = async move {
@@ -101,31 +80,6 @@ fn run() -> Result<()> {
                 _ = int.recv() => {}
             }
         };
-        let res = serve(server_cfg, client, control, shutdown).await;
-        let _ = std::fs::remove_file(&client_path);
-        let _ = std::fs::remove_file(&control_path);
-        res
+        run_daemon(&dir, server_cfg, shutdown).await
     })
-}
-
-/// Binds a socket with `mode`, refusing to steal one a live arbiter still serves.
-fn bind(path: &Path, mode: u32) -> Result<UnixListener> {
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            bail!("another kiwi-arbiter is already serving {}", path.display());
-        }
-        std::fs::remove_file(path)
-            .with_context(|| format!("cannot remove stale socket {}", path.display()))?;
-    }
-    // Bind under a umask that leaves the socket no wider than `mode`, so the control
-    // socket is never reachable by others, not even briefly.
-    // SAFETY: umask only changes this process's file-creation mask; no memory involved.
-    let old = unsafe { libc::umask(0o777 & !mode as libc::mode_t) };
-    let res = UnixListener::bind(path);
-    // SAFETY: as above, restoring the previous mask.
-    unsafe { libc::umask(old) };
-    let listener = res.with_context(|| format!("cannot listen on {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-        .with_context(|| format!("cannot set mode of {}", path.display()))?;
-    Ok(listener)
 }

@@ -501,6 +501,7 @@ fn handle_client_msg(
 ) -> bool {
     let now = monotonic_ns();
     let mut st = shared.lock();
+    let deadline_before = st.next_deadline();
     let gpu = st.clients.get(&id).and_then(|c| c.gpu.clone());
     let (gpu, outs) = match (msg, gpu) {
         (ClientMsg::Ping { token }, _) => {
@@ -607,8 +608,13 @@ fn handle_client_msg(
         }
     };
     st.dispatch(&gpu, outs);
+    // Wake the timer task only when its deadline moved: on the hand-off path every
+    // avoided wake-up is CPU the next holder's process can have.
+    let moved = st.next_deadline() != deadline_before;
     drop(st);
-    shared.timer.notify_one();
+    if moved {
+        shared.timer.notify_one();
+    }
     true
 }
 

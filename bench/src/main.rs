@@ -1,2 +1,113 @@
-//! (in progress)
-fn main() {}
+//! `kiwi-bench <scenario>`: Kiwi's benchmarks. Every figure is printed next to a
+//! baseline measured in the same run, as a ratio (`--json`: one object per line).
+
+mod handoff;
+mod procs;
+mod report;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "kiwi-bench", version, about = "Kiwi benchmarks")]
+struct Cli {
+    /// One JSON object per figure and line.
+    #[arg(long, global = true)]
+    json: bool,
+    /// A short run (under 30 s), same output.
+    #[arg(long, global = true)]
+    quick: bool,
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[derive(Subcommand)]
+enum Scenario {
+    /// GPU hand-off latency between N client processes vs. a raw socket round trip.
+    Handoff {
+        #[arg(long, default_value_t = 8)]
+        clients: usize,
+        /// Grants per client.
+        #[arg(long)]
+        rounds: Option<u32>,
+    },
+    /// What idle connected clients cost the arbiter (RSS, CPU).
+    Idle {
+        #[arg(long, default_value_t = 256)]
+        clients: usize,
+    },
+    #[command(name = "__arbiter", hide = true)]
+    Arbiter {
+        #[arg(long)]
+        socket_dir: PathBuf,
+        #[arg(long)]
+        tq: f64,
+    },
+    #[command(name = "__handoff-client", hide = true)]
+    HandoffClient {
+        #[arg(long)]
+        socket: PathBuf,
+        #[arg(long)]
+        rounds: u32,
+    },
+    #[command(name = "__echo", hide = true)]
+    Echo {
+        #[arg(long)]
+        socket: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kiwi-bench: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let figures = match cli.scenario {
+        Scenario::Handoff { clients, rounds } => {
+            let rounds = rounds.unwrap_or(if cli.quick { 100 } else { 1000 });
+            handoff::run(clients, rounds)?
+        }
+        Scenario::Idle { clients } => {
+            let watch = Duration::from_secs(if cli.quick { 1 } else { 3 });
+            handoff::idle(clients, watch)?
+        }
+        Scenario::Arbiter { socket_dir, tq } => return arbiter_role(socket_dir, tq),
+        Scenario::HandoffClient { socket, rounds } => {
+            return handoff::client_role(&socket, rounds, true)
+        }
+        Scenario::Echo { socket } => return handoff::echo_role(&socket),
+    };
+    for f in &figures {
+        f.print(cli.json);
+    }
+    Ok(())
+}
+
+/// The arbiter, in this process (the same library code as `kiwi-arbiter`).
+fn arbiter_role(socket_dir: PathBuf, tq: f64) -> Result<()> {
+    let cfg = kiwi_arbiter::ServerConfig {
+        tq_ms: ((tq * 1000.0) as u64).max(1),
+        ..Default::default()
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        kiwi_arbiter::run_daemon(&socket_dir, cfg, async move {
+            term.recv().await;
+        })
+        .await
+    })
+}

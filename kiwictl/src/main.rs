@@ -35,8 +35,9 @@ struct Cli {
     /// Socket directory of the arbiter.
     #[arg(long, global = true)]
     socket_dir: Option<PathBuf>,
-    /// Config file (default: $KIWI_CONFIG, /etc/kiwi/config.toml).
-    #[arg(long, global = true)]
+    /// Kiwi's config file (default: $KIWI_CONFIG, /etc/kiwi/config.toml). Given
+    /// before the command; `install`'s own `--config` names containerd's or docker's.
+    #[arg(long)]
     config: Option<PathBuf>,
     #[command(subcommand)]
     command: Option<Command>,
@@ -58,6 +59,21 @@ enum Command {
     },
     /// Run a program under Kiwi on this machine (preloads the shim).
     Run(run::RunArgs),
+    /// Register runtime "kiwi" with containerd or docker.
+    Install(kiwi_containerd_config::InstallArgs),
+    /// Remove exactly what `install` added.
+    Uninstall(kiwi_containerd_config::UninstallArgs),
+    /// Container Device Interface (CDI) specs.
+    Cdi {
+        #[command(subcommand)]
+        command: CdiCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum CdiCommand {
+    /// Write a CDI spec (kind kiwi.dev/gpu) for this node's GPUs.
+    Generate(kiwi_oci::cdi::CdiGenerateArgs),
 }
 
 fn parse_on_off(s: &str) -> Result<bool, String> {
@@ -80,6 +96,28 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<ExitCode> {
+    // Commands that edit other programs' configuration need none of Kiwi's.
+    match &cli.command {
+        Some(Command::Install(a)) => {
+            kiwi_containerd_config::run_install(a)?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        Some(Command::Uninstall(a)) => {
+            kiwi_containerd_config::run_uninstall(a)?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        Some(Command::Cdi {
+            command: CdiCommand::Generate(a),
+        }) => {
+            let mut a = a.clone();
+            if a.config.is_none() {
+                a.config = cli.config.clone();
+            }
+            kiwi_oci::cdi::run_cdi_generate(&a)?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        _ => {}
+    }
     let cfg = Config::load(cli.config.as_deref())?;
     let socket_dir = cfg.socket_dir(cli.socket_dir.as_deref());
     if cli.scheduler.is_some() || cli.tq.is_some() {
@@ -126,6 +164,9 @@ fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Some(Command::Run(args)) => run::run(&cfg, &socket_dir, cli.gpu.as_deref(), args),
+        Some(Command::Install(_) | Command::Uninstall(_) | Command::Cdi { .. }) => {
+            unreachable!("handled above")
+        }
     }
 }
 

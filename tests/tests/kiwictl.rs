@@ -121,3 +121,42 @@ fn scheduler_and_tq_change_a_running_arbiter() {
         assert!(kinds.iter().any(|x| x == k), "{k} missing from {kinds:?}");
     }
 }
+
+#[test]
+fn install_and_uninstall_through_kiwictl() {
+    let dir = tempfile::tempdir().unwrap();
+    let daemon = dir.path().join("daemon.json");
+    let original = "{\n  \"log-level\": \"warn\",\n  \"runtimes\": {\"nvidia\": {\"path\": \"nvidia-container-runtime\"}}\n}\n";
+    std::fs::write(&daemon, original).unwrap();
+    let d = daemon.to_str().unwrap();
+    let o = kiwictl(None, &["install", "docker", "--config", d]);
+    assert!(o.status.success(), "{}", text(&o));
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&daemon).unwrap()).unwrap();
+    assert_eq!(v["runtimes"]["kiwi"]["path"], "/usr/local/bin/kiwi-runtime");
+    assert_eq!(v["runtimes"]["nvidia"]["path"], "nvidia-container-runtime");
+    assert_eq!(v["log-level"], "warn");
+    let o = kiwictl(None, &["uninstall", "docker", "--config", d]);
+    assert!(o.status.success(), "{}", text(&o));
+    // Same content (docker's JSON is re-indented, every key and value kept).
+    let back: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&daemon).unwrap()).unwrap();
+    assert_eq!(
+        back,
+        serde_json::from_str::<serde_json::Value>(original).unwrap()
+    );
+
+    // containerd, from an empty file; malformed input is refused with file and line.
+    let cfg = dir.path().join("config.toml");
+    std::fs::write(&cfg, "version = 2\n[plugins\n").unwrap();
+    let o = kiwictl(
+        None,
+        &["install", "containerd", "--config", cfg.to_str().unwrap()],
+    );
+    assert!(!o.status.success());
+    assert!(text(&o).contains("config.toml"), "{}", text(&o));
+    assert_eq!(
+        std::fs::read_to_string(&cfg).unwrap(),
+        "version = 2\n[plugins\n"
+    );
+}

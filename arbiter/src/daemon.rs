@@ -1,0 +1,67 @@
+//! Running the daemon on a socket directory: create it, bind both sockets with the
+//! right modes (refusing to steal a live arbiter's), serve, and remove the sockets
+//! on the way out. Used by the `kiwi-arbiter` binary and by benchmarks and demos
+//! that run an arbiter of their own.
+
+use std::future::Future;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use kiwi_config::{client_dir, client_socket, control_socket};
+use tokio::net::UnixListener;
+
+use crate::{serve, ServerConfig};
+
+/// Serves on `dir` until `shutdown` resolves, then removes the sockets.
+pub async fn run_daemon(
+    dir: &Path,
+    cfg: ServerConfig,
+    shutdown: impl Future<Output = ()>,
+) -> Result<()> {
+    std::fs::create_dir_all(client_dir(dir))
+        .with_context(|| format!("cannot create socket directory {}", dir.display()))?;
+    let client_path = client_socket(dir);
+    let control_path = control_socket(dir);
+    let client = bind(&client_path, 0o666)?;
+    let control = match bind(&control_path, 0o600) {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = std::fs::remove_file(&client_path);
+            return Err(e);
+        }
+    };
+    eprintln!(
+        "[INFO] kiwi-arbiter listening on {} (control {}), scheduler {}, TQ {} s",
+        client_path.display(),
+        control_path.display(),
+        cfg.scheduler,
+        cfg.tq_ms as f64 / 1000.0
+    );
+    let res = serve(cfg, client, control, shutdown).await;
+    let _ = std::fs::remove_file(&client_path);
+    let _ = std::fs::remove_file(&control_path);
+    res
+}
+
+/// Binds a socket with `mode`, refusing to steal one a live arbiter still serves.
+fn bind(path: &Path, mode: u32) -> Result<UnixListener> {
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            bail!("another kiwi-arbiter is already serving {}", path.display());
+        }
+        std::fs::remove_file(path)
+            .with_context(|| format!("cannot remove stale socket {}", path.display()))?;
+    }
+    // Bind under a umask that leaves the socket no wider than `mode`, so the control
+    // socket is never reachable by others, not even briefly.
+    // SAFETY: umask only changes this process's file-creation mask; no memory involved.
+    let old = unsafe { libc::umask(0o777 & !mode as libc::mode_t) };
+    let res = UnixListener::bind(path);
+    // SAFETY: as above, restoring the previous mask.
+    unsafe { libc::umask(old) };
+    let listener = res.with_context(|| format!("cannot listen on {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .with_context(|| format!("cannot set mode of {}", path.display()))?;
+    Ok(listener)
+}

@@ -1,0 +1,86 @@
+//! Helper processes the benchmarks start: an arbiter of their own (this binary
+//! re-executed in the `__arbiter` role), and /proc readings.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// CLOCK_MONOTONIC in ns: the arbiter's clock, shared by every process.
+pub fn monotonic_ns() -> u64 {
+    kiwi_arbiter::clock::monotonic_ns()
+}
+
+/// An arbiter process on a private socket directory, killed on drop.
+pub struct ArbiterProc {
+    pub child: Child,
+    pub dir: tempfile::TempDir,
+}
+
+impl ArbiterProc {
+    pub fn start(tq_s: f64, extra: &[&str]) -> Result<Self> {
+        let dir = tempfile::Builder::new().prefix("kiwi-bench").tempdir()?;
+        let child = Command::new(std::env::current_exe()?)
+            .arg("__arbiter")
+            .arg("--socket-dir")
+            .arg(dir.path())
+            .arg("--tq")
+            .arg(tq_s.to_string())
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("cannot start the arbiter")?;
+        let a = Self { child, dir };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::os::unix::net::UnixStream::connect(a.client_socket()).is_err() {
+            if Instant::now() > deadline {
+                bail!("arbiter did not come up");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(a)
+    }
+
+    pub fn client_socket(&self) -> PathBuf {
+        kiwi_config::client_socket(self.dir.path())
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for ArbiterProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Resident set size of `pid` in bytes.
+pub fn rss_bytes(pid: u32) -> Result<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb: u64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .context("no VmRSS")?;
+    Ok(kb * 1024)
+}
+
+/// User + system CPU time of `pid`, in seconds.
+pub fn cpu_seconds(pid: u32) -> Result<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name (which may contain spaces) start after ')'.
+    let rest = &s[s.rfind(')').context("bad stat")? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = f.get(11).context("utime")?.parse()?;
+    let stime: f64 = f.get(12).context("stime")?.parse()?;
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Ok((utime + stime) / hz)
+}

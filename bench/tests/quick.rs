@@ -1,0 +1,70 @@
+//! The benchmarks run in their short mode and print well-formed figures.
+
+use std::process::Command;
+
+fn run(args: &[&str]) -> Vec<serde_json::Value> {
+    let out = Command::new(env!("CARGO_BIN_EXE_kiwi-bench"))
+        .args(args)
+        .output()
+        .expect("run kiwi-bench");
+    assert!(
+        out.status.success(),
+        "kiwi-bench {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect()
+}
+
+fn figure<'a>(figs: &'a [serde_json::Value], metric: &str) -> &'a serde_json::Value {
+    figs.iter()
+        .find(|f| f["metric"] == metric)
+        .unwrap_or_else(|| panic!("{metric} missing from {figs:?}"))
+}
+
+#[test]
+fn handoff_quick_json() {
+    let figs = run(&[
+        "handoff",
+        "--clients",
+        "4",
+        "--rounds",
+        "50",
+        "--quick",
+        "--json",
+    ]);
+    for f in &figs {
+        for key in ["scenario", "metric", "value", "unit", "baseline", "ratio"] {
+            assert!(f.get(key).is_some(), "{key} missing in {f}");
+        }
+    }
+    let p99 = figure(&figs, "handoff_p99");
+    assert_eq!(p99["unit"], "us");
+    let (v, b) = (
+        p99["value"].as_f64().unwrap(),
+        p99["baseline"].as_f64().unwrap(),
+    );
+    assert!(v > 0.0 && b > 0.0);
+    assert!((p99["ratio"].as_f64().unwrap() - v / b).abs() < 1e-6);
+    // 4 clients × 50 grants: every grant but the first follows a release.
+    assert_eq!(figure(&figs, "handoffs_measured")["value"], 199.0);
+}
+
+#[test]
+fn idle_clients_cost_little() {
+    let figs = run(&["idle", "--clients", "64", "--quick", "--json"]);
+    let rss = figure(&figs, "arbiter_rss")["value"].as_f64().unwrap();
+    assert!(rss > 0.0 && rss < 100.0, "arbiter RSS {rss} MiB");
+}
+
+#[test]
+fn bad_arguments_are_refused() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kiwi-bench"))
+        .args(["handoff", "--clients", "1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at least 2"));
+}
