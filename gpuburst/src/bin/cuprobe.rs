@@ -465,6 +465,9 @@ fn procaddr(p: &Probe) -> Result<(), CudaError> {
         ("cuMemcpyDtoD", "cuMemcpyDtoD_v2_ptds"),
         ("cuMemsetD8", "cuMemsetD8_v2_ptds"),
         ("cuMemsetD32", "cuMemsetD32_v2_ptds"),
+        ("cuMemcpy2D", "cuMemcpy2D_v2_ptds"),
+        ("cuMemcpy2DAsync", "cuMemcpy2DAsync_v2_ptsz"),
+        ("cuMemsetD2D32Async", "cuMemsetD2D32Async_ptsz"),
     ] {
         let got = resolve(gpa, base, 12000, 2);
         expect!(

@@ -208,6 +208,35 @@ pub const CU_LAUNCH_PARAM_END: usize = 0;
 pub const CU_LAUNCH_PARAM_BUFFER_POINTER: usize = 1;
 pub const CU_LAUNCH_PARAM_BUFFER_SIZE: usize = 2;
 
+pub const CU_MEMORYTYPE_HOST: u32 = 1;
+pub const CU_MEMORYTYPE_DEVICE: u32 = 2;
+pub const CU_MEMORYTYPE_ARRAY: u32 = 3;
+pub const CU_MEMORYTYPE_UNIFIED: u32 = 4;
+
+/// `CUDA_MEMCPY2D` (`_v2`, size_t fields).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CudaMemcpy2D {
+    pub src_x_in_bytes: usize,
+    pub src_y: usize,
+    pub src_memory_type: u32,
+    pub src_host: *const c_void,
+    pub src_device: CUdeviceptr,
+    pub src_array: *mut c_void,
+    pub src_pitch: usize,
+    pub dst_x_in_bytes: usize,
+    pub dst_y: usize,
+    pub dst_memory_type: u32,
+    pub dst_host: *mut c_void,
+    pub dst_device: CUdeviceptr,
+    pub dst_array: *mut c_void,
+    pub dst_pitch: usize,
+    pub width_in_bytes: usize,
+    pub height: usize,
+}
+
+const _: () = assert!(std::mem::size_of::<CudaMemcpy2D>() == 128);
+
 /// `CUuuid`.
 #[repr(C)]
 pub struct CUuuid {

@@ -12,7 +12,7 @@ use kiwi_sim_core::{ident, GRANULARITY};
 
 use crate::abi::*;
 use crate::driver::{self, driver, Driver};
-use crate::exec::{Builtin, Context, Event, EventState, Op, Stream};
+use crate::exec::{Builtin, Context, Event, EventState, Op, Side, Stream};
 use crate::ffi::{c_str, guard, out, read, write_c_string};
 use crate::memory::Access;
 
@@ -944,6 +944,280 @@ extern "C" fn cuMemsetD32Async(dst: CUdeviceptr, v: u32, n: usize, s: CUstream) 
 #[no_mangle]
 extern "C" fn cuMemsetD32Async_ptsz(dst: CUdeviceptr, v: u32, n: usize, s: CUstream) -> CUresult {
     guard(|| memset(dst, v, 4, n, s, true, false))
+}
+
+// ---------------------------------------------------------------- 2D copies and memsets
+
+fn side(
+    d: &Driver,
+    kind: u32,
+    host: usize,
+    device: u64,
+    x: usize,
+    y: usize,
+    pitch: usize,
+) -> Result<Side, CUresult> {
+    let (is_dev, base) = match kind {
+        CU_MEMORYTYPE_HOST => (false, host as u64),
+        CU_MEMORYTYPE_DEVICE => (true, device),
+        // Unified addressing: the pointer is in the device field; the address
+        // window tells host from device.
+        CU_MEMORYTYPE_UNIFIED => (d.mem.is_device_address(device), device),
+        CU_MEMORYTYPE_ARRAY => return Err(CUDA_ERROR_NOT_SUPPORTED),
+        _ => return Err(CUDA_ERROR_INVALID_VALUE),
+    };
+    if base == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let off = (y as u64)
+        .checked_mul(pitch as u64)
+        .and_then(|o| o.checked_add(x as u64))
+        .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    Ok(Side {
+        device: is_dev,
+        addr: base + off,
+        pitch: pitch as u64,
+    })
+}
+
+/// The bytes a 2D region spans: (height - 1) * pitch + width.
+fn span_2d(pitch: u64, width: u64, height: u64) -> Result<u64, CUresult> {
+    if height > 1 && pitch < width {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    (height - 1)
+        .checked_mul(pitch)
+        .and_then(|v| v.checked_add(width))
+        .ok_or(CUDA_ERROR_INVALID_VALUE)
+}
+
+fn copy_2d(p: *const CudaMemcpy2D, stream: CUstream, pt: bool, sync: bool) -> Result<(), CUresult> {
+    let d = driver()?;
+    let c = read(p)?;
+    let (w, h) = (c.width_in_bytes as u64, c.height as u64);
+    let src = side(
+        d,
+        c.src_memory_type,
+        c.src_host as usize,
+        c.src_device,
+        c.src_x_in_bytes,
+        c.src_y,
+        c.src_pitch,
+    )?;
+    let dst = side(
+        d,
+        c.dst_memory_type,
+        c.dst_host as usize,
+        c.dst_device,
+        c.dst_x_in_bytes,
+        c.dst_y,
+        c.dst_pitch,
+    )?;
+    if w == 0 || h == 0 {
+        return Ok(());
+    }
+    for (sd, write) in [(&src, false), (&dst, true)] {
+        let span = span_2d(sd.pitch, w, h)?;
+        if sd.device {
+            check_range(d, sd.addr, span, write)?;
+        }
+    }
+    enqueue(
+        stream,
+        pt,
+        Op::Copy2D {
+            src,
+            dst,
+            width: w,
+            height: h,
+        },
+        sync,
+    )
+}
+
+#[no_mangle]
+extern "C" fn cuMemcpy2D_v2(p: *const CudaMemcpy2D) -> CUresult {
+    guard(|| copy_2d(p, NULL_STREAM, false, true))
+}
+#[no_mangle]
+extern "C" fn cuMemcpy2D_v2_ptds(p: *const CudaMemcpy2D) -> CUresult {
+    guard(|| copy_2d(p, NULL_STREAM, true, true))
+}
+#[no_mangle]
+extern "C" fn cuMemcpy2DUnaligned_v2(p: *const CudaMemcpy2D) -> CUresult {
+    guard(|| copy_2d(p, NULL_STREAM, false, true))
+}
+#[no_mangle]
+extern "C" fn cuMemcpy2DUnaligned_v2_ptds(p: *const CudaMemcpy2D) -> CUresult {
+    guard(|| copy_2d(p, NULL_STREAM, true, true))
+}
+#[no_mangle]
+extern "C" fn cuMemcpy2DAsync_v2(p: *const CudaMemcpy2D, s: CUstream) -> CUresult {
+    guard(|| copy_2d(p, s, false, false))
+}
+#[no_mangle]
+extern "C" fn cuMemcpy2DAsync_v2_ptsz(p: *const CudaMemcpy2D, s: CUstream) -> CUresult {
+    guard(|| copy_2d(p, s, true, false))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn memset_2d(
+    dst: u64,
+    pitch: usize,
+    value: u32,
+    elem: u8,
+    width: usize,
+    height: usize,
+    stream: CUstream,
+    pt: bool,
+    sync: bool,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if width == 0 || height == 0 {
+        return Ok(());
+    }
+    if !dst.is_multiple_of(u64::from(elem)) || !(pitch as u64).is_multiple_of(u64::from(elem)) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let row = width as u64 * u64::from(elem);
+    let span = span_2d(pitch as u64, row, height as u64)?;
+    check_range(d, dst, span, true)?;
+    let op = Op::Memset2D {
+        dst,
+        pitch: pitch as u64,
+        value,
+        elem,
+        width: width as u64,
+        height: height as u64,
+    };
+    enqueue(stream, pt, op, sync)
+}
+
+#[no_mangle]
+extern "C" fn cuMemsetD2D8_v2(
+    dst: CUdeviceptr,
+    pitch: usize,
+    v: u8,
+    w: usize,
+    h: usize,
+) -> CUresult {
+    guard(|| memset_2d(dst, pitch, u32::from(v), 1, w, h, NULL_STREAM, false, true))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD2D8_v2_ptds(
+    dst: CUdeviceptr,
+    pitch: usize,
+    v: u8,
+    w: usize,
+    h: usize,
+) -> CUresult {
+    guard(|| memset_2d(dst, pitch, u32::from(v), 1, w, h, NULL_STREAM, true, true))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD2D16_v2(
+    dst: CUdeviceptr,
+    pitch: usize,
+    v: u16,
+    w: usize,
+    h: usize,
+) -> CUresult {
+    guard(|| memset_2d(dst, pitch, u32::from(v), 2, w, h, NULL_STREAM, false, true))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD2D16_v2_ptds(
+    dst: CUdeviceptr,
+    pitch: usize,
+    v: u16,
+    w: usize,
+    h: usize,
+) -> CUresult {
+    guard(|| memset_2d(dst, pitch, u32::from(v), 2, w, h, NULL_STREAM, true, true))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD2D32_v2(
+    dst: CUdeviceptr,
+    pitch: usize,
+    v: u32,
+    w: usize,
+    h: usize,
+) -> CUresult {
+    guard(|| memset_2d(dst, pitch, v, 4, w, h, NULL_STREAM, false, true))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD2D32_v2_ptds(
+    dst: CUdeviceptr,
+    pitch: usize,
+    v: u32,
+    w: usize,
+    h: usize,
+) -> CUresult {
+    guard(|| memset_2d(dst, pitch, v, 4, w, h, NULL_STREAM, true, true))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD2D8Async(
+    dst: CUdeviceptr,
+    pitch: usize,
+    v: u8,
+    w: usize,
+    h: usize,
+    s: CUstream,
+) -> CUresult {
+    guard(|| memset_2d(dst, pitch, u32::from(v), 1, w, h, s, false, false))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD2D8Async_ptsz(
+    dst: CUdeviceptr,
+    pitch: usize,
+    v: u8,
+    w: usize,
+    h: usize,
+    s: CUstream,
+) -> CUresult {
+    guard(|| memset_2d(dst, pitch, u32::from(v), 1, w, h, s, true, false))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD2D16Async(
+    dst: CUdeviceptr,
+    pitch: usize,
+    v: u16,
+    w: usize,
+    h: usize,
+    s: CUstream,
+) -> CUresult {
+    guard(|| memset_2d(dst, pitch, u32::from(v), 2, w, h, s, false, false))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD2D16Async_ptsz(
+    dst: CUdeviceptr,
+    pitch: usize,
+    v: u16,
+    w: usize,
+    h: usize,
+    s: CUstream,
+) -> CUresult {
+    guard(|| memset_2d(dst, pitch, u32::from(v), 2, w, h, s, true, false))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD2D32Async(
+    dst: CUdeviceptr,
+    pitch: usize,
+    v: u32,
+    w: usize,
+    h: usize,
+    s: CUstream,
+) -> CUresult {
+    guard(|| memset_2d(dst, pitch, v, 4, w, h, s, false, false))
+}
+#[no_mangle]
+extern "C" fn cuMemsetD2D32Async_ptsz(
+    dst: CUdeviceptr,
+    pitch: usize,
+    v: u32,
+    w: usize,
+    h: usize,
+    s: CUstream,
+) -> CUresult {
+    guard(|| memset_2d(dst, pitch, v, 4, w, h, s, true, false))
 }
 
 // ---------------------------------------------------------------- VMM
@@ -1897,6 +2171,15 @@ pub fn exports() -> Vec<(&'static str, i32, usize)> {
         cuMemsetD8Async = 3020,
         cuMemsetD16Async = 3020,
         cuMemsetD32Async = 3020,
+        cuMemcpy2D_v2 = 3020,
+        cuMemcpy2DUnaligned_v2 = 3020,
+        cuMemcpy2DAsync_v2 = 3020,
+        cuMemsetD2D8_v2 = 3020,
+        cuMemsetD2D16_v2 = 3020,
+        cuMemsetD2D32_v2 = 3020,
+        cuMemsetD2D8Async = 3020,
+        cuMemsetD2D16Async = 3020,
+        cuMemsetD2D32Async = 3020,
         cuMemGetAllocationGranularity = 10020,
         cuMemAddressReserve = 10020,
         cuMemAddressFree = 10020,
@@ -1956,6 +2239,15 @@ pub fn per_thread_exports() -> Vec<(&'static str, &'static str, usize)> {
         "cuMemsetD8" => cuMemsetD8_v2_ptds,
         "cuMemsetD16" => cuMemsetD16_v2_ptds,
         "cuMemsetD32" => cuMemsetD32_v2_ptds,
+        "cuMemcpy2D" => cuMemcpy2D_v2_ptds,
+        "cuMemcpy2DUnaligned" => cuMemcpy2DUnaligned_v2_ptds,
+        "cuMemcpy2DAsync" => cuMemcpy2DAsync_v2_ptsz,
+        "cuMemsetD2D8" => cuMemsetD2D8_v2_ptds,
+        "cuMemsetD2D16" => cuMemsetD2D16_v2_ptds,
+        "cuMemsetD2D32" => cuMemsetD2D32_v2_ptds,
+        "cuMemsetD2D8Async" => cuMemsetD2D8Async_ptsz,
+        "cuMemsetD2D16Async" => cuMemsetD2D16Async_ptsz,
+        "cuMemsetD2D32Async" => cuMemsetD2D32Async_ptsz,
         "cuMemcpyAsync" => cuMemcpyAsync_ptsz,
         "cuMemcpyHtoDAsync" => cuMemcpyHtoDAsync_v2_ptsz,
         "cuMemcpyDtoHAsync" => cuMemcpyDtoHAsync_v2_ptsz,

@@ -155,6 +155,58 @@ int main(void) {
     EXPECT(cuMemHostRegister(h, 4096, 0), CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
     CHECK(cuMemHostUnregister(h));
 
+    /* 2D copies and memsets with the real CUDA_MEMCPY2D layout. */
+    {
+        CUdeviceptr d2;
+        size_t pitch = 0;
+        CHECK(cuMemAllocPitch(&d2, &pitch, 100, 8, 4));
+        ASSERT(pitch >= 100);
+        CHECK(cuMemsetD2D8(d2, pitch, 0x11, 100, 8));
+        static unsigned char hb[7][64];
+        for (int r = 0; r < 7; r++)
+            for (int c = 0; c < 64; c++) hb[r][c] = (unsigned char)(r * 64 + c + 1);
+        CUDA_MEMCPY2D c2;
+        memset(&c2, 0, sizeof c2);
+        c2.srcMemoryType = CU_MEMORYTYPE_HOST;
+        c2.srcHost = hb;
+        c2.srcPitch = 64;
+        c2.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+        c2.dstDevice = d2;
+        c2.dstPitch = pitch;
+        c2.dstXInBytes = 10;
+        c2.dstY = 1;
+        c2.WidthInBytes = 64;
+        c2.Height = 7;
+        CHECK(cuMemcpy2D(&c2));
+        unsigned char *back = malloc(pitch * 8);
+        CHECK(cuMemcpyDtoH(back, d2, pitch * 8));
+        ASSERT(back[5] == 0x11);                          /* row 0 untouched */
+        ASSERT(back[pitch + 9] == 0x11);                  /* left of the x offset */
+        ASSERT(back[pitch + 10] == 1);                    /* hb[0][0] */
+        ASSERT(back[3 * pitch + 15] == 2 * 64 + 5 + 1);   /* hb[2][5] */
+        ASSERT(back[pitch + 74] == 0x11);                 /* right of the width */
+        static unsigned char out2[7][64];
+        CUDA_MEMCPY2D c3;
+        memset(&c3, 0, sizeof c3);
+        c3.srcMemoryType = CU_MEMORYTYPE_DEVICE;
+        c3.srcDevice = d2;
+        c3.srcPitch = pitch;
+        c3.srcXInBytes = 10;
+        c3.srcY = 1;
+        c3.dstMemoryType = CU_MEMORYTYPE_HOST;
+        c3.dstHost = out2;
+        c3.dstPitch = 64;
+        c3.WidthInBytes = 64;
+        c3.Height = 7;
+        CHECK(cuMemcpy2DAsync(&c3, s));
+        CHECK(cuStreamSynchronize(s));
+        ASSERT(memcmp(out2, hb, sizeof out2) == 0);
+        c3.Height = 9; /* past the allocation */
+        EXPECT(cuMemcpy2D(&c3), CUDA_ERROR_INVALID_VALUE);
+        free(back);
+        CHECK(cuMemFree(d2));
+    }
+
     /* VMM with the real CUmemAllocationProp / CUmemAccessDesc layouts. */
     CUmemAllocationProp prop;
     memset(&prop, 0, sizeof prop);
