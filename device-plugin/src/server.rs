@@ -16,9 +16,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::net::UnixListener;
-use tokio::sync::watch;
-use tokio_stream::wrappers::UnixListenerStream;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
 
 use crate::api::device_plugin_server::DevicePluginServer;
 use crate::devices::{DeviceListStrategy, Inventory, InventoryError};
@@ -34,6 +34,10 @@ pub const POLL: Duration = Duration::from_millis(100);
 pub const REGISTER_RETRY: Duration = Duration::from_secs(1);
 /// How long a stopping server may take to drain.
 const DRAIN: Duration = Duration::from_secs(2);
+/// Consecutive accept errors after which a listener counts as broken, and the pause
+/// after each (so a transient EMFILE is waited out instead of spun on).
+const MAX_ACCEPT_ERRORS: u32 = 20;
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(25);
 
 /// Everything the plugin is told (flags over the config file).
 #[derive(Debug, Clone, PartialEq)]
@@ -241,12 +245,19 @@ pub async fn run(
         first = false;
         let own_id = file_id(&socket);
         let (stop_tx, stop_rx) = watch::channel(false);
+        let stop_tx = Arc::new(stop_tx);
         let service = PluginService::new(state.clone(), stop_rx.clone());
         let mut stop_server = stop_rx.clone();
+        let (conn_tx, conn_rx) = mpsc::channel(16);
+        let acceptor = AbortOnDrop(tokio::spawn(accept_loop(
+            listener,
+            conn_tx,
+            stop_tx.clone(),
+        )));
         let mut server = tokio::spawn(async move {
             tonic::transport::Server::builder()
                 .add_service(DevicePluginServer::new(service))
-                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
+                .serve_with_incoming_shutdown(ReceiverStream::new(conn_rx), async move {
                     let _ = stop_server.wait_for(|s| *s).await;
                 })
                 .await
@@ -320,6 +331,7 @@ pub async fn run(
         };
 
         let _ = stop_tx.send(true);
+        drop(acceptor);
         if !server.is_finished() && tokio::time::timeout(DRAIN, &mut server).await.is_err() {
             server.abort();
         }
@@ -330,6 +342,51 @@ pub async fn run(
             tracing::info!("stopped; removed {}", socket.display());
             drop(monitor);
             return Ok(());
+        }
+    }
+}
+
+/// Where connections come from: the generation's listener, or a fake in tests.
+trait Accept: Send + 'static {
+    fn accept(&mut self) -> impl Future<Output = std::io::Result<UnixStream>> + Send;
+}
+
+impl Accept for UnixListener {
+    async fn accept(&mut self) -> std::io::Result<UnixStream> {
+        UnixListener::accept(self).await.map(|(conn, _)| conn)
+    }
+}
+
+/// Accepts connections for one generation's server. A listener that keeps failing
+/// (closed or shut down under it) ends the generation: the server is told to stop, so
+/// its streams end, and the supervisor serves again on a fresh socket.
+async fn accept_loop(
+    mut listener: impl Accept,
+    conns: mpsc::Sender<std::io::Result<UnixStream>>,
+    stop: Arc<watch::Sender<bool>>,
+) {
+    let mut errors = 0u32;
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(conn) => {
+                    errors = 0;
+                    if conns.send(Ok(conn)).await.is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    errors += 1;
+                    tracing::warn!("accept failed ({errors} in a row): {e}");
+                    if errors >= MAX_ACCEPT_ERRORS {
+                        tracing::error!("the plugin socket is broken; stopping this server");
+                        let _ = stop.send(true);
+                        return;
+                    }
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                }
+            },
+            _ = conns.closed() => return,
         }
     }
 }
@@ -345,6 +402,53 @@ impl Drop for AbortOnDrop {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Fails `errors` times, then hands out one end of a socket pair, then waits.
+    struct FlakyAcceptor {
+        errors: u32,
+        spare: Option<UnixStream>,
+    }
+
+    impl Accept for FlakyAcceptor {
+        async fn accept(&mut self) -> std::io::Result<UnixStream> {
+            if self.errors > 0 {
+                self.errors -= 1;
+                return Err(std::io::Error::from_raw_os_error(libc::EMFILE));
+            }
+            match self.spare.take() {
+                Some(s) => Ok(s),
+                None => std::future::pending().await,
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn accept_errors_are_waited_out_then_end_the_generation() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let (tx, mut rx) = mpsc::channel(4);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let flaky = FlakyAcceptor {
+            errors: MAX_ACCEPT_ERRORS - 1,
+            spare: Some(a),
+        };
+        let task = tokio::spawn(accept_loop(flaky, tx, Arc::new(stop_tx)));
+        assert!(
+            rx.recv().await.unwrap().is_ok(),
+            "a connection after transient errors"
+        );
+        assert!(!*stop_rx.borrow());
+        task.abort();
+
+        let (tx, mut rx) = mpsc::channel(4);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let broken = FlakyAcceptor {
+            errors: u32::MAX,
+            spare: None,
+        };
+        accept_loop(broken, tx, Arc::new(stop_tx)).await;
+        assert!(rx.recv().await.is_none(), "connection stream ends");
+        assert!(*stop_rx.borrow(), "the generation is told to stop");
+    }
 
     #[test]
     fn endpoint_is_file_safe() {
