@@ -33,7 +33,7 @@ impl GpuHealth {
     }
 }
 
-/// A running monitor; dropping it stops the thread (within [`MAX_WAIT`] plus one
+/// A running monitor; dropping it stops the thread (within 250 ms plus one
 /// probe round).
 pub struct HealthMonitor {
     rx: watch::Receiver<HealthFlags>,

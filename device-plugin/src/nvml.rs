@@ -500,6 +500,8 @@ pub struct NvmlSource {
     nvml: &'static Nvml,
     sysfs: PathBuf,
     driver: String,
+    /// The last event-wait error logged, so a lasting one is logged once.
+    last_wait_error: Option<String>,
 }
 
 // SAFETY: the event set and handles are NVML tokens usable from any thread (NVML is
@@ -522,6 +524,7 @@ impl NvmlSource {
             nvml,
             sysfs: PathBuf::from(crate::topology::SYSFS_ROOT),
             driver,
+            last_wait_error: None,
         })
     }
 
@@ -582,7 +585,11 @@ impl GpuSource for NvmlSource {
             std::thread::sleep(timeout);
             return Vec::new();
         };
-        match events.wait(timeout) {
+        let result = events.wait(timeout);
+        if result.is_ok() {
+            self.last_wait_error = None;
+        }
+        match result {
             Ok(None) => Vec::new(),
             Ok(Some(ev)) => {
                 if ev.event_type & sys::EVENT_TYPE_XID_CRITICAL_ERROR == 0 {
@@ -597,12 +604,14 @@ impl GpuSource for NvmlSource {
                     reason: format!("XID {}", ev.data),
                 }]
             }
-            Err(e) if e.code == sys::ERROR_GPU_IS_LOST => vec![Fault {
-                uuid: None,
-                reason: e.to_string(),
-            }],
+            // The wait cannot say which GPU is lost; the probes can, within one
+            // interval, so only that GPU goes out (NVIDIA's plugin takes all out).
             Err(e) => {
-                tracing::warn!("{e}");
+                let text = e.to_string();
+                if self.last_wait_error.as_deref() != Some(text.as_str()) {
+                    tracing::warn!("{text}");
+                    self.last_wait_error = Some(text);
+                }
                 std::thread::sleep(timeout);
                 Vec::new()
             }

@@ -147,6 +147,11 @@ async fn nvml_discovery_and_fault_health_on_the_simulator() {
     sim.set_fault(0, 0, true).unwrap();
     let list = next(&mut stream).await;
     assert_eq!(health(&list, &u0), vec![UNHEALTHY; 3]);
+    assert_eq!(
+        health(&list, &u1),
+        vec![HEALTHY; 3],
+        "only the lost GPU goes out"
+    );
     let still = tokio::time::timeout(Duration::from_millis(500), stream.message()).await;
     assert!(still.is_err(), "a lost GPU must stay unhealthy: {still:?}");
     sim.set_fault(0, 0, false).unwrap();
