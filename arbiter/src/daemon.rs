@@ -38,7 +38,21 @@ pub async fn run_daemon(
         cfg.scheduler,
         cfg.tq_ms as f64 / 1000.0
     );
-    let res = serve(cfg, client, control, shutdown).await;
+    let metrics = match &cfg.metrics_addr {
+        None => None,
+        Some(addr) => match tokio::net::TcpListener::bind(addr.as_str()).await {
+            Ok(l) => {
+                eprintln!("[INFO] metrics on http://{addr}/metrics");
+                Some(l)
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&client_path);
+                let _ = std::fs::remove_file(&control_path);
+                bail!("cannot serve metrics on {addr}: {e}");
+            }
+        },
+    };
+    let res = serve(cfg, client, control, metrics, shutdown).await;
     let _ = std::fs::remove_file(&client_path);
     let _ = std::fs::remove_file(&control_path);
     res

@@ -2,6 +2,7 @@
 //!
 //! - [`sched`]: one GPU's scheduler as a pure state machine (no I/O, injected clock).
 //! - [`events`]: the per-GPU event log read by `kiwictl timeline`.
+//! - [`metrics`]: Prometheus metrics (`--metrics-addr`).
 //! - [`server`]: the tokio daemon: client and control sockets, timers, dispatch.
 //! - [`daemon`]: binding the sockets on a directory, serving, cleaning up.
 //! - [`clock`]: CLOCK_MONOTONIC in nanoseconds, the clock of every timestamp.
@@ -9,6 +10,7 @@
 pub mod clock;
 pub mod daemon;
 pub mod events;
+pub mod metrics;
 pub mod sched;
 pub mod server;
 

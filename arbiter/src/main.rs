@@ -37,6 +37,9 @@ struct Args {
     /// Events kept per GPU.
     #[arg(long)]
     event_log_capacity: Option<usize>,
+    /// Serve Prometheus metrics on this address, e.g. 127.0.0.1:9400.
+    #[arg(long)]
+    metrics_addr: Option<String>,
 }
 
 fn main() {
@@ -64,6 +67,7 @@ fn run() -> Result<()> {
             .event_log_capacity
             .unwrap_or(cfg.arbiter.event_log_capacity)
             .max(1),
+        metrics_addr: args.metrics_addr.or(cfg.arbiter.metrics_addr),
         ..ServerConfig::default()
     };
 

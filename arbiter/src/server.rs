@@ -26,6 +26,7 @@ use tokio::sync::{watch, Notify, Semaphore};
 
 use crate::clock::monotonic_ns;
 use crate::events::EventLog;
+use crate::metrics::ArbiterMetrics;
 use crate::sched::{ClientId, ClientInfo, GpuScheduler, Output};
 
 /// Runtime settings of the daemon.
@@ -41,6 +42,8 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// Messages per second a client may send (burst: one second's worth).
     pub max_msgs_per_sec: u32,
+    /// Where to serve Prometheus metrics (`None`: nowhere).
+    pub metrics_addr: Option<String>,
 }
 
 impl Default for ServerConfig {
@@ -53,6 +56,7 @@ impl Default for ServerConfig {
             event_log_capacity: 100_000,
             max_connections: 4096,
             max_msgs_per_sec: 20_000,
+            metrics_addr: None,
         }
     }
 }
@@ -162,6 +166,7 @@ struct State {
     gpus: BTreeMap<String, Gpu>,
     clients: HashMap<ClientId, ClientConn>,
     events: EventLog,
+    metrics: ArbiterMetrics,
     next_client: ClientId,
 }
 
@@ -176,7 +181,10 @@ impl State {
                         c.peer.send(&msg);
                     }
                 }
-                Output::Log(id, kind) => self.events.push(now, gpu, id, kind),
+                Output::Log(id, kind) => {
+                    self.metrics.observe(now, gpu, &kind);
+                    self.events.push(now, gpu, id, kind);
+                }
             }
         }
     }
@@ -190,6 +198,13 @@ impl State {
             .iter()
             .find(|(_, g)| g.index == idx)
             .map(|(u, _)| u.clone())
+    }
+
+    fn gpu_statuses(&self, now: u64) -> Vec<kiwi_protocol::GpuStatus> {
+        self.gpus
+            .iter()
+            .map(|(u, g)| g.sched.status(now, g.index, u))
+            .collect()
     }
 
     fn next_deadline(&self) -> Option<u64> {
@@ -218,6 +233,7 @@ pub async fn serve(
     cfg: ServerConfig,
     client_listener: UnixListener,
     control_listener: UnixListener,
+    metrics_listener: Option<tokio::net::TcpListener>,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
     let defaults = Settings {
@@ -227,6 +243,7 @@ pub async fn serve(
     let shared = Arc::new(Shared {
         state: Mutex::new(State {
             events: EventLog::new(cfg.event_log_capacity),
+            metrics: ArbiterMetrics::new(),
             cfg: cfg.clone(),
             defaults,
             gpus: BTreeMap::new(),
@@ -245,12 +262,30 @@ pub async fn serve(
         limit.clone(),
         stop_rx.clone(),
     ));
-    let control = tokio::spawn(accept_control(shared.clone(), control_listener, stop_rx));
+    let control = tokio::spawn(accept_control(
+        shared.clone(),
+        control_listener,
+        stop_rx.clone(),
+    ));
+    let metrics = metrics_listener.map(|l| {
+        let s = shared.clone();
+        let render: kiwi_metrics::Render = Arc::new(move || {
+            let st = s.lock();
+            st.metrics.render(&st.gpu_statuses(monotonic_ns()))
+        });
+        let mut stop = stop_rx.clone();
+        tokio::spawn(kiwi_metrics::serve(l, render, async move {
+            let _ = stop.changed().await;
+        }))
+    });
 
     shutdown.await;
     log_line!("INFO", "shutting down");
     let _ = stop_tx.send(true);
     let _ = tokio::join!(timer, clients, control);
+    if let Some(m) = metrics {
+        let _ = m.await;
+    }
     Ok(())
 }
 

@@ -1,0 +1,346 @@
+//! The arbiter's Prometheus metrics (`--metrics-addr`).
+//!
+//! Counters and histograms move as the schedulers log events (see
+//! [`ArbiterMetrics::observe`]); gauges — holder, queue, settings, per-client memory
+//! and times — are refreshed from a status snapshot at each scrape, so clients that
+//! left disappear from the output.
+
+use std::collections::HashMap;
+
+use kiwi_protocol::{ClientState, DropReason, EventKind, GpuStatus};
+use prometheus_client::encoding::{text::encode, EncodeLabelSet};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuLabels {
+    gpu: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SwapLabels {
+    gpu: String,
+    direction: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClientLabels {
+    gpu: String,
+    client: String,
+    pid: String,
+    name: String,
+    pod: String,
+    namespace: String,
+}
+
+type FGauge = Gauge<f64, AtomicU64>;
+type FCounter = Counter<f64, AtomicU64>;
+
+/// Everything the arbiter exports.
+pub struct ArbiterMetrics {
+    registry: Registry,
+    grants: Family<GpuLabels, Counter>,
+    drops_tq: Family<GpuLabels, Counter>,
+    drops_no_fit: Family<GpuLabels, Counter>,
+    early_releases: Family<GpuLabels, Counter>,
+    revocations: Family<GpuLabels, Counter>,
+    swap_bytes: Family<SwapLabels, Counter>,
+    swap_seconds: Family<SwapLabels, FCounter>,
+    handoff_seconds: Family<GpuLabels, Histogram>,
+    wait_seconds: Family<GpuLabels, Histogram>,
+    holder: Family<GpuLabels, Gauge>,
+    holders: Family<GpuLabels, Gauge>,
+    queue_length: Family<GpuLabels, Gauge>,
+    clients: Family<GpuLabels, Gauge>,
+    scheduler_on: Family<GpuLabels, Gauge>,
+    tq_seconds: Family<GpuLabels, FGauge>,
+    capacity_bytes: Family<GpuLabels, Gauge>,
+    client_resident: Family<ClientLabels, Gauge>,
+    client_swapped: Family<ClientLabels, Gauge>,
+    client_waited: Family<ClientLabels, FGauge>,
+    client_held: Family<ClientLabels, FGauge>,
+    client_holding: Family<ClientLabels, Gauge>,
+    /// Per GPU: when the GPU was last given back, to time the next hand-off.
+    last_release_ns: HashMap<String, u64>,
+}
+
+fn latency_histogram() -> Histogram {
+    // 10 µs … ~80 s.
+    Histogram::new(exponential_buckets(1e-5, 4.0, 12))
+}
+
+impl Default for ArbiterMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ArbiterMetrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("kiwi");
+        let handoff_seconds =
+            Family::<GpuLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> _);
+        let wait_seconds =
+            Family::<GpuLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> _);
+        let m = Self {
+            grants: Family::default(),
+            drops_tq: Family::default(),
+            drops_no_fit: Family::default(),
+            early_releases: Family::default(),
+            revocations: Family::default(),
+            swap_bytes: Family::default(),
+            swap_seconds: Family::default(),
+            handoff_seconds,
+            wait_seconds,
+            holder: Family::default(),
+            holders: Family::default(),
+            queue_length: Family::default(),
+            clients: Family::default(),
+            scheduler_on: Family::default(),
+            tq_seconds: Family::default(),
+            capacity_bytes: Family::default(),
+            client_resident: Family::default(),
+            client_swapped: Family::default(),
+            client_waited: Family::default(),
+            client_held: Family::default(),
+            client_holding: Family::default(),
+            last_release_ns: HashMap::new(),
+            registry: Registry::default(),
+        };
+        registry.register("grants", "GPU grants", m.grants.clone());
+        registry.register(
+            "drops_tq",
+            "Holders asked to give the GPU back because their TQ ended while others waited",
+            m.drops_tq.clone(),
+        );
+        registry.register(
+            "drops_no_fit",
+            "Holders asked to yield because the working sets stopped fitting",
+            m.drops_no_fit.clone(),
+        );
+        registry.register(
+            "early_releases",
+            "Holders that gave the GPU back before being asked",
+            m.early_releases.clone(),
+        );
+        registry.register(
+            "revocations",
+            "Holders that ignored a drop past the grace period",
+            m.revocations.clone(),
+        );
+        registry.register(
+            "swap_bytes",
+            "Bytes swapped between GPU and host",
+            m.swap_bytes.clone(),
+        );
+        registry.register(
+            "swap_seconds",
+            "Seconds spent swapping",
+            m.swap_seconds.clone(),
+        );
+        registry.register(
+            "handoff_seconds",
+            "From a holder giving the GPU back to the next exclusive grant",
+            m.handoff_seconds.clone(),
+        );
+        registry.register(
+            "wait_seconds",
+            "Time from a request to its grant",
+            m.wait_seconds.clone(),
+        );
+        registry.register(
+            "holder_client",
+            "Client id of the exclusive holder (0: none)",
+            m.holder.clone(),
+        );
+        registry.register("holders", "Clients holding the GPU", m.holders.clone());
+        registry.register(
+            "queue_length",
+            "Clients waiting for the GPU",
+            m.queue_length.clone(),
+        );
+        registry.register("clients", "Registered clients", m.clients.clone());
+        registry.register(
+            "scheduler_on",
+            "1 when the Kiwi scheduler is on",
+            m.scheduler_on.clone(),
+        );
+        registry.register("tq_seconds", "Time quantum", m.tq_seconds.clone());
+        registry.register(
+            "capacity_bytes",
+            "GPU memory scheduled against (total minus context reserve)",
+            m.capacity_bytes.clone(),
+        );
+        registry.register(
+            "client_resident_bytes",
+            "A client's bytes in GPU memory",
+            m.client_resident.clone(),
+        );
+        registry.register(
+            "client_swapped_bytes",
+            "A client's bytes swapped out to host memory",
+            m.client_swapped.clone(),
+        );
+        registry.register(
+            "client_waited_seconds",
+            "Total time a client waited for the GPU",
+            m.client_waited.clone(),
+        );
+        registry.register(
+            "client_held_seconds",
+            "Total time a client held the GPU",
+            m.client_held.clone(),
+        );
+        registry.register(
+            "client_holding",
+            "1 while a client holds the GPU",
+            m.client_holding.clone(),
+        );
+        Self { registry, ..m }
+    }
+
+    /// Counts one logged scheduler event.
+    pub fn observe(&mut self, t_ns: u64, gpu: &str, kind: &EventKind) {
+        let g = GpuLabels {
+            gpu: gpu.to_string(),
+        };
+        match kind {
+            EventKind::Grant {
+                exclusive,
+                waited_ns,
+            } => {
+                self.grants.get_or_create(&g).inc();
+                self.wait_seconds
+                    .get_or_create(&g)
+                    .observe(*waited_ns as f64 / 1e9);
+                if *exclusive {
+                    if let Some(r) = self.last_release_ns.remove(gpu) {
+                        self.handoff_seconds
+                            .get_or_create(&g)
+                            .observe(t_ns.saturating_sub(r) as f64 / 1e9);
+                    }
+                }
+            }
+            EventKind::Drop { reason, .. } => match reason {
+                DropReason::TqExpired => {
+                    self.drops_tq.get_or_create(&g).inc();
+                }
+                DropReason::NoLongerFits => {
+                    self.drops_no_fit.get_or_create(&g).inc();
+                }
+            },
+            EventKind::Release { early, .. } => {
+                if *early {
+                    self.early_releases.get_or_create(&g).inc();
+                }
+                self.last_release_ns.insert(gpu.to_string(), t_ns);
+            }
+            EventKind::Revoke => {
+                self.revocations.get_or_create(&g).inc();
+                self.last_release_ns.insert(gpu.to_string(), t_ns);
+            }
+            EventKind::Exit => {
+                self.last_release_ns.entry(gpu.to_string()).or_insert(t_ns);
+            }
+            EventKind::SwapOut { bytes, duration_ns }
+            | EventKind::SwapIn { bytes, duration_ns } => {
+                let s = SwapLabels {
+                    gpu: gpu.to_string(),
+                    direction: if matches!(kind, EventKind::SwapOut { .. }) {
+                        "out".into()
+                    } else {
+                        "in".into()
+                    },
+                };
+                self.swap_bytes.get_or_create(&s).inc_by(*bytes);
+                self.swap_seconds
+                    .get_or_create(&s)
+                    .inc_by(*duration_ns as f64 / 1e9);
+            }
+            _ => {}
+        }
+    }
+
+    /// Refreshes the gauges from live state and encodes everything.
+    pub fn render(&self, gpus: &[GpuStatus]) -> String {
+        for f in [
+            &self.holder,
+            &self.holders,
+            &self.queue_length,
+            &self.clients,
+            &self.scheduler_on,
+            &self.capacity_bytes,
+        ] {
+            f.clear();
+        }
+        self.tq_seconds.clear();
+        for f in [
+            &self.client_resident,
+            &self.client_swapped,
+            &self.client_holding,
+        ] {
+            f.clear();
+        }
+        self.client_waited.clear();
+        self.client_held.clear();
+        for g in gpus {
+            let l = GpuLabels {
+                gpu: g.uuid.clone(),
+            };
+            let exclusive = g
+                .clients
+                .iter()
+                .find(|c| c.state == ClientState::Holding)
+                .map_or(0, |c| c.id as i64);
+            self.holder.get_or_create(&l).set(exclusive);
+            self.holders.get_or_create(&l).set(g.holders.len() as i64);
+            self.queue_length
+                .get_or_create(&l)
+                .set(g.queue.len() as i64);
+            self.clients.get_or_create(&l).set(g.clients.len() as i64);
+            self.scheduler_on
+                .get_or_create(&l)
+                .set(g.settings.scheduler_on as i64);
+            self.tq_seconds
+                .get_or_create(&l)
+                .set(g.settings.tq_ms as f64 / 1000.0);
+            self.capacity_bytes
+                .get_or_create(&l)
+                .set(g.capacity_bytes as i64);
+            for c in &g.clients {
+                let cl = ClientLabels {
+                    gpu: g.uuid.clone(),
+                    client: c.id.to_string(),
+                    pid: c.host_pid.to_string(),
+                    name: c.name.clone().unwrap_or_default(),
+                    pod: c.pod_name.clone().unwrap_or_default(),
+                    namespace: c.pod_namespace.clone().unwrap_or_default(),
+                };
+                self.client_resident
+                    .get_or_create(&cl)
+                    .set(c.resident_bytes as i64);
+                self.client_swapped
+                    .get_or_create(&cl)
+                    .set(c.swapped_bytes as i64);
+                self.client_waited
+                    .get_or_create(&cl)
+                    .set(c.waited_ns as f64 / 1e9);
+                self.client_held
+                    .get_or_create(&cl)
+                    .set(c.held_ns as f64 / 1e9);
+                self.client_holding
+                    .get_or_create(&cl)
+                    .set(matches!(c.state, ClientState::Holding | ClientState::Running) as i64);
+            }
+        }
+        let mut out = String::new();
+        if encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
