@@ -480,6 +480,15 @@ fn procaddr(p: &Probe) -> Result<(), CudaError> {
             "legacy {base} must not be the per-thread variant"
         );
     }
+    // Per-thread variants follow the requested version too.
+    expect!(
+        resolve(gpa, "cuMemPrefetchAsync", 12000, 2) == sym("cuMemPrefetchAsync_ptsz"),
+        "cuMemPrefetchAsync per-thread at 12.0"
+    );
+    expect!(
+        resolve(gpa, "cuMemPrefetchAsync", 12040, 2) == sym("cuMemPrefetchAsync_v2_ptsz"),
+        "cuMemPrefetchAsync per-thread at 12.4"
+    );
     // Calls without a per-thread variant give the ordinary symbol.
     expect!(
         resolve(gpa, "cuMemAlloc", 12000, 2) == sym("cuMemAlloc_v2"),

@@ -208,6 +208,25 @@ pub const CU_LAUNCH_PARAM_END: usize = 0;
 pub const CU_LAUNCH_PARAM_BUFFER_POINTER: usize = 1;
 pub const CU_LAUNCH_PARAM_BUFFER_SIZE: usize = 2;
 
+pub const CU_MEM_ATTACH_GLOBAL: u32 = 1;
+pub const CU_MEM_ATTACH_HOST: u32 = 2;
+pub const CU_DEVICE_CPU: i32 = -1;
+pub const CU_MEM_LOCATION_TYPE_HOST: i32 = 2;
+
+/// `CU_POINTER_ATTRIBUTE_*` the simulator answers.
+pub mod ptr_attr {
+    pub const CONTEXT: i32 = 1;
+    pub const MEMORY_TYPE: i32 = 2;
+    pub const DEVICE_POINTER: i32 = 3;
+    pub const HOST_POINTER: i32 = 4;
+    pub const BUFFER_ID: i32 = 7;
+    pub const IS_MANAGED: i32 = 8;
+    pub const DEVICE_ORDINAL: i32 = 9;
+    pub const RANGE_START_ADDR: i32 = 11;
+    pub const RANGE_SIZE: i32 = 12;
+    pub const MAPPED: i32 = 13;
+}
+
 pub const CU_MEMORYTYPE_HOST: u32 = 1;
 pub const CU_MEMORYTYPE_DEVICE: u32 = 2;
 pub const CU_MEMORYTYPE_ARRAY: u32 = 3;

@@ -558,6 +558,146 @@ extern "C" fn cuMemFreeAsync_ptsz(ptr: CUdeviceptr, stream: CUstream) -> CUresul
     guard(|| free_async(ptr, stream, true))
 }
 
+// ---------------------------------------------------------------- managed memory, pointers
+
+#[no_mangle]
+extern "C" fn cuMemAllocManaged(dptr: *mut CUdeviceptr, size: usize, flags: u32) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        let ctx = driver::current()?;
+        if dptr.is_null() || !matches!(flags, CU_MEM_ATTACH_GLOBAL | CU_MEM_ATTACH_HOST) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let p = d.mem.alloc_managed(ctx.device, size as u64, ctx.handle())?;
+        out(dptr, p)
+    })
+}
+
+/// Managed memory is always resident in the simulator: a prefetch only checks its
+/// arguments and keeps its place in stream order.
+fn prefetch(ptr: u64, n: usize, device: i32, stream: CUstream, pt: bool) -> Result<(), CUresult> {
+    let d = driver()?;
+    if device != CU_DEVICE_CPU {
+        d.device(device)?;
+    }
+    match d.mem.pointer_info(ptr) {
+        Some(i) if i.managed && ptr + n as u64 <= i.start + i.size => {}
+        _ => return Err(CUDA_ERROR_INVALID_VALUE),
+    }
+    enqueue(stream, pt, Op::Nop, false)
+}
+
+#[no_mangle]
+extern "C" fn cuMemPrefetchAsync(
+    ptr: CUdeviceptr,
+    n: usize,
+    device: CUdevice,
+    s: CUstream,
+) -> CUresult {
+    guard(|| prefetch(ptr, n, device, s, false))
+}
+#[no_mangle]
+extern "C" fn cuMemPrefetchAsync_ptsz(
+    ptr: CUdeviceptr,
+    n: usize,
+    device: CUdevice,
+    s: CUstream,
+) -> CUresult {
+    guard(|| prefetch(ptr, n, device, s, true))
+}
+
+fn location_device(loc: CUmemLocation) -> Result<i32, CUresult> {
+    match loc.type_ {
+        CU_MEM_LOCATION_TYPE_DEVICE => Ok(loc.id),
+        CU_MEM_LOCATION_TYPE_HOST => Ok(CU_DEVICE_CPU),
+        _ => Err(CUDA_ERROR_INVALID_VALUE),
+    }
+}
+
+#[no_mangle]
+extern "C" fn cuMemPrefetchAsync_v2(
+    ptr: CUdeviceptr,
+    n: usize,
+    loc: CUmemLocation,
+    _flags: u32,
+    s: CUstream,
+) -> CUresult {
+    guard(|| prefetch(ptr, n, location_device(loc)?, s, false))
+}
+#[no_mangle]
+extern "C" fn cuMemPrefetchAsync_v2_ptsz(
+    ptr: CUdeviceptr,
+    n: usize,
+    loc: CUmemLocation,
+    _flags: u32,
+    s: CUstream,
+) -> CUresult {
+    guard(|| prefetch(ptr, n, location_device(loc)?, s, true))
+}
+
+#[no_mangle]
+extern "C" fn cuPointerGetAttribute(
+    data: *mut c_void,
+    attribute: i32,
+    ptr: CUdeviceptr,
+) -> CUresult {
+    use crate::abi::ptr_attr::*;
+    guard(|| {
+        let d = driver()?;
+        if data.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if let Some(i) = d.mem.pointer_info(ptr) {
+            return match attribute {
+                CONTEXT => {
+                    let ctx = if i.owner != 0 {
+                        i.owner
+                    } else {
+                        driver::current_handle()
+                    };
+                    out(data.cast::<CUcontext>(), ctx as CUcontext)
+                }
+                MEMORY_TYPE => out(
+                    data.cast::<u32>(),
+                    if i.managed {
+                        CU_MEMORYTYPE_UNIFIED
+                    } else {
+                        CU_MEMORYTYPE_DEVICE
+                    },
+                ),
+                DEVICE_POINTER => out(data.cast::<u64>(), ptr),
+                HOST_POINTER if i.managed => out(data.cast::<u64>(), ptr),
+                HOST_POINTER => Err(CUDA_ERROR_INVALID_VALUE),
+                BUFFER_ID => out(data.cast::<u64>(), i.start),
+                IS_MANAGED => out(data.cast::<i32>(), i32::from(i.managed)),
+                DEVICE_ORDINAL => out(data.cast::<i32>(), i.gpu as i32),
+                RANGE_START_ADDR => out(data.cast::<u64>(), i.start),
+                RANGE_SIZE => out(data.cast::<usize>(), i.size as usize),
+                MAPPED => out(data.cast::<i32>(), i32::from(i.mapped)),
+                _ => Err(CUDA_ERROR_INVALID_VALUE),
+            };
+        }
+        // Pinned or registered host memory is visible to the device at its address.
+        let (start, len) = d
+            .mem
+            .host_range(ptr as usize)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        match attribute {
+            CONTEXT => out(
+                data.cast::<CUcontext>(),
+                driver::current_handle() as CUcontext,
+            ),
+            MEMORY_TYPE => out(data.cast::<u32>(), CU_MEMORYTYPE_HOST),
+            DEVICE_POINTER | HOST_POINTER => out(data.cast::<u64>(), ptr),
+            IS_MANAGED => out(data.cast::<i32>(), 0),
+            RANGE_START_ADDR => out(data.cast::<u64>(), start as u64),
+            RANGE_SIZE => out(data.cast::<usize>(), len),
+            MAPPED => out(data.cast::<i32>(), 1),
+            _ => Err(CUDA_ERROR_INVALID_VALUE),
+        }
+    })
+}
+
 // ---------------------------------------------------------------- pinned host memory
 
 fn host_alloc(pp: *mut *mut c_void, size: usize) -> Result<(), CUresult> {
@@ -2152,6 +2292,10 @@ pub fn exports() -> Vec<(&'static str, i32, usize)> {
         cuMemGetAddressRange_v2 = 3020,
         cuMemAllocAsync = 11020,
         cuMemFreeAsync = 11020,
+        cuMemAllocManaged = 6000,
+        cuMemPrefetchAsync = 8000,
+        cuMemPrefetchAsync_v2 = 12020,
+        cuPointerGetAttribute = 4000,
         cuMemAllocHost_v2 = 3020,
         cuMemHostAlloc = 2020,
         cuMemFreeHost = 2000,
@@ -2224,48 +2368,51 @@ pub fn exports() -> Vec<(&'static str, i32, usize)> {
     ]
 }
 
-/// Per-thread-default-stream variants: (base name, symbol, address).
-pub fn per_thread_exports() -> Vec<(&'static str, &'static str, usize)> {
+/// Per-thread-default-stream variants: (base name, minimum CUDA version, symbol,
+/// address). A base name may have several (e.g. `cuMemPrefetchAsync` and its `_v2`).
+pub fn per_thread_exports() -> Vec<(&'static str, i32, &'static str, usize)> {
     macro_rules! table {
-        ($($base:literal => $name:ident),* $(,)?) => {
-            vec![$(($base, stringify!($name), $name as *const () as usize)),*]
+        ($($base:literal @ $ver:expr => $name:ident),* $(,)?) => {
+            vec![$(($base, $ver, stringify!($name), $name as *const () as usize)),*]
         };
     }
     table![
-        "cuMemcpy" => cuMemcpy_ptds,
-        "cuMemcpyHtoD" => cuMemcpyHtoD_v2_ptds,
-        "cuMemcpyDtoH" => cuMemcpyDtoH_v2_ptds,
-        "cuMemcpyDtoD" => cuMemcpyDtoD_v2_ptds,
-        "cuMemsetD8" => cuMemsetD8_v2_ptds,
-        "cuMemsetD16" => cuMemsetD16_v2_ptds,
-        "cuMemsetD32" => cuMemsetD32_v2_ptds,
-        "cuMemcpy2D" => cuMemcpy2D_v2_ptds,
-        "cuMemcpy2DUnaligned" => cuMemcpy2DUnaligned_v2_ptds,
-        "cuMemcpy2DAsync" => cuMemcpy2DAsync_v2_ptsz,
-        "cuMemsetD2D8" => cuMemsetD2D8_v2_ptds,
-        "cuMemsetD2D16" => cuMemsetD2D16_v2_ptds,
-        "cuMemsetD2D32" => cuMemsetD2D32_v2_ptds,
-        "cuMemsetD2D8Async" => cuMemsetD2D8Async_ptsz,
-        "cuMemsetD2D16Async" => cuMemsetD2D16Async_ptsz,
-        "cuMemsetD2D32Async" => cuMemsetD2D32Async_ptsz,
-        "cuMemcpyAsync" => cuMemcpyAsync_ptsz,
-        "cuMemcpyHtoDAsync" => cuMemcpyHtoDAsync_v2_ptsz,
-        "cuMemcpyDtoHAsync" => cuMemcpyDtoHAsync_v2_ptsz,
-        "cuMemcpyDtoDAsync" => cuMemcpyDtoDAsync_v2_ptsz,
-        "cuMemsetD8Async" => cuMemsetD8Async_ptsz,
-        "cuMemsetD16Async" => cuMemsetD16Async_ptsz,
-        "cuMemsetD32Async" => cuMemsetD32Async_ptsz,
-        "cuMemAllocAsync" => cuMemAllocAsync_ptsz,
-        "cuMemFreeAsync" => cuMemFreeAsync_ptsz,
-        "cuStreamSynchronize" => cuStreamSynchronize_ptsz,
-        "cuStreamQuery" => cuStreamQuery_ptsz,
-        "cuStreamWaitEvent" => cuStreamWaitEvent_ptsz,
-        "cuStreamAddCallback" => cuStreamAddCallback_ptsz,
-        "cuEventRecord" => cuEventRecord_ptsz,
-        "cuEventRecordWithFlags" => cuEventRecordWithFlags_ptsz,
-        "cuLaunchKernel" => cuLaunchKernel_ptsz,
-        "cuLaunchKernelEx" => cuLaunchKernelEx_ptsz,
-        "cuLaunchCooperativeKernel" => cuLaunchCooperativeKernel_ptsz,
-        "cuLaunchHostFunc" => cuLaunchHostFunc_ptsz,
+        "cuMemcpy" @ 4000 => cuMemcpy_ptds,
+        "cuMemcpyHtoD" @ 3020 => cuMemcpyHtoD_v2_ptds,
+        "cuMemcpyDtoH" @ 3020 => cuMemcpyDtoH_v2_ptds,
+        "cuMemcpyDtoD" @ 3020 => cuMemcpyDtoD_v2_ptds,
+        "cuMemsetD8" @ 3020 => cuMemsetD8_v2_ptds,
+        "cuMemsetD16" @ 3020 => cuMemsetD16_v2_ptds,
+        "cuMemsetD32" @ 3020 => cuMemsetD32_v2_ptds,
+        "cuMemcpy2D" @ 3020 => cuMemcpy2D_v2_ptds,
+        "cuMemcpy2DUnaligned" @ 3020 => cuMemcpy2DUnaligned_v2_ptds,
+        "cuMemcpy2DAsync" @ 3020 => cuMemcpy2DAsync_v2_ptsz,
+        "cuMemsetD2D8" @ 3020 => cuMemsetD2D8_v2_ptds,
+        "cuMemsetD2D16" @ 3020 => cuMemsetD2D16_v2_ptds,
+        "cuMemsetD2D32" @ 3020 => cuMemsetD2D32_v2_ptds,
+        "cuMemsetD2D8Async" @ 3020 => cuMemsetD2D8Async_ptsz,
+        "cuMemsetD2D16Async" @ 3020 => cuMemsetD2D16Async_ptsz,
+        "cuMemsetD2D32Async" @ 3020 => cuMemsetD2D32Async_ptsz,
+        "cuMemcpyAsync" @ 4000 => cuMemcpyAsync_ptsz,
+        "cuMemcpyHtoDAsync" @ 3020 => cuMemcpyHtoDAsync_v2_ptsz,
+        "cuMemcpyDtoHAsync" @ 3020 => cuMemcpyDtoHAsync_v2_ptsz,
+        "cuMemcpyDtoDAsync" @ 3020 => cuMemcpyDtoDAsync_v2_ptsz,
+        "cuMemsetD8Async" @ 3020 => cuMemsetD8Async_ptsz,
+        "cuMemsetD16Async" @ 3020 => cuMemsetD16Async_ptsz,
+        "cuMemsetD32Async" @ 3020 => cuMemsetD32Async_ptsz,
+        "cuMemAllocAsync" @ 11020 => cuMemAllocAsync_ptsz,
+        "cuMemFreeAsync" @ 11020 => cuMemFreeAsync_ptsz,
+        "cuMemPrefetchAsync" @ 12020 => cuMemPrefetchAsync_v2_ptsz,
+        "cuStreamSynchronize" @ 2000 => cuStreamSynchronize_ptsz,
+        "cuStreamQuery" @ 2000 => cuStreamQuery_ptsz,
+        "cuStreamWaitEvent" @ 3020 => cuStreamWaitEvent_ptsz,
+        "cuStreamAddCallback" @ 5000 => cuStreamAddCallback_ptsz,
+        "cuEventRecord" @ 2000 => cuEventRecord_ptsz,
+        "cuEventRecordWithFlags" @ 11010 => cuEventRecordWithFlags_ptsz,
+        "cuLaunchKernel" @ 4000 => cuLaunchKernel_ptsz,
+        "cuLaunchKernelEx" @ 11060 => cuLaunchKernelEx_ptsz,
+        "cuLaunchCooperativeKernel" @ 9000 => cuLaunchCooperativeKernel_ptsz,
+        "cuLaunchHostFunc" @ 10000 => cuLaunchHostFunc_ptsz,
+        "cuMemPrefetchAsync" @ 8000 => cuMemPrefetchAsync_ptsz,
     ]
 }

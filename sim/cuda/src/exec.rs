@@ -129,6 +129,8 @@ pub enum Op {
     Free {
         ptr: u64,
     },
+    /// Keeps stream order for work that has nothing to do here (prefetches).
+    Nop,
 }
 
 /// One side of a 2D copy: the address of its first byte (host or device) and pitch.
@@ -520,6 +522,7 @@ impl Context {
             Op::Free { ptr } => {
                 let _ = d.mem.free_linear(ptr);
             }
+            Op::Nop => {}
         }
     }
 

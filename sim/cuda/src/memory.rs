@@ -39,6 +39,9 @@ pub struct Phys {
     host: *mut u8,
     map_len: usize,
     machine: &'static Machine,
+    /// Managed memory: the host mapping sits at the device address, inside the
+    /// device window, and goes back to `PROT_NONE` when freed.
+    in_window: bool,
 }
 
 // SAFETY: `host` is a private mapping owned by this Phys; concurrent access to the
@@ -79,6 +82,46 @@ impl Phys {
             host: p.cast(),
             map_len,
             machine,
+            in_window: false,
+        }))
+    }
+
+    /// Managed memory: accounts `size` bytes on `gpu` and maps them read-write at
+    /// `addr`, a page-aligned range of the (PROT_NONE) device window reserved for it,
+    /// so host and device use the same pointer.
+    fn new_in_window(
+        machine: &'static Machine,
+        gpu: u32,
+        size: u64,
+        addr: u64,
+    ) -> Result<Arc<Phys>, CUresult> {
+        machine
+            .reserve(gpu, size)
+            .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        let map_len = size as usize;
+        // SAFETY: replaces part of our own PROT_NONE window reservation, at a range
+        // the VA allocator handed out exclusively for this allocation.
+        let p = unsafe {
+            libc::mmap(
+                addr as *mut libc::c_void,
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            machine.release(gpu, size);
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        Ok(Arc::new(Phys {
+            gpu,
+            size,
+            host: p.cast(),
+            map_len,
+            machine,
+            in_window: true,
         }))
     }
 
@@ -92,10 +135,36 @@ impl Phys {
 
 impl Drop for Phys {
     fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping; no references to it outlive self.
-        unsafe { libc::munmap(self.host.cast(), self.map_len) };
+        if self.in_window {
+            // SAFETY: turns our own part of the device window back into an
+            // inaccessible reservation (never unmapped: the window stays whole).
+            unsafe {
+                libc::mmap(
+                    self.host.cast(),
+                    self.map_len,
+                    libc::PROT_NONE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+        } else {
+            // SAFETY: unmapping our own mapping; no references to it outlive self.
+            unsafe { libc::munmap(self.host.cast(), self.map_len) };
+        }
         self.machine.release(self.gpu, self.size);
     }
+}
+
+/// A device address's allocation (or VMM mapping).
+pub struct PointerInfo {
+    pub start: u64,
+    pub size: u64,
+    pub gpu: u32,
+    /// Owning context handle (0 for VMM mappings, which belong to no context).
+    pub owner: usize,
+    pub managed: bool,
+    pub mapped: bool,
 }
 
 /// Device access to a mapping, as `cuMemSetAccess` set it.
@@ -114,7 +183,11 @@ struct Mapping {
 
 enum RegionKind {
     /// `cuMemAlloc*`: always mapped read-write.
-    Linear { phys: Arc<Phys>, owner: usize },
+    Linear {
+        phys: Arc<Phys>,
+        owner: usize,
+        managed: bool,
+    },
     /// `cuMemAddressReserve`: mappings keyed by start address.
     Reserved { mappings: BTreeMap<u64, Mapping> },
 }
@@ -269,7 +342,11 @@ impl Memory {
             at,
             Region {
                 size: accounted,
-                kind: RegionKind::Linear { phys, owner },
+                kind: RegionKind::Linear {
+                    phys,
+                    owner,
+                    managed: false,
+                },
             },
         );
         Ok(at)
@@ -290,6 +367,81 @@ impl Memory {
         drop(va);
         drop(r); // releases capacity outside the VA lock
         Ok(())
+    }
+
+    /// `cuMemAllocManaged`: memory reachable at one address from host and device.
+    pub fn alloc_managed(&self, gpu: u32, size: u64, owner: usize) -> Result<u64, CUresult> {
+        if size == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let accounted = round_up(size, 4096);
+        let align = if accounted >= GRANULARITY {
+            GRANULARITY
+        } else {
+            4096
+        };
+        let mut va = self.write();
+        let at = Self::va_alloc(&mut va, accounted, align, None).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        let phys = match Phys::new_in_window(self.machine, gpu, accounted, at) {
+            Ok(p) => p,
+            Err(e) => {
+                Self::va_free(&mut va, at, accounted);
+                return Err(e);
+            }
+        };
+        va.regions.insert(
+            at,
+            Region {
+                size: accounted,
+                kind: RegionKind::Linear {
+                    phys,
+                    owner,
+                    managed: true,
+                },
+            },
+        );
+        Ok(at)
+    }
+
+    /// What `cuPointerGetAttribute` needs to know about a device address.
+    pub fn pointer_info(&self, ptr: u64) -> Option<PointerInfo> {
+        let va = self.read();
+        let (&start, r) = va.regions.range(..=ptr).next_back()?;
+        if ptr >= start + r.size {
+            return None;
+        }
+        match &r.kind {
+            RegionKind::Linear {
+                phys,
+                owner,
+                managed,
+            } => Some(PointerInfo {
+                start,
+                size: r.size,
+                gpu: phys.gpu,
+                owner: *owner,
+                managed: *managed,
+                mapped: true,
+            }),
+            RegionKind::Reserved { mappings } => {
+                let (&ms, m) = mappings.range(..=ptr).next_back()?;
+                (ptr < ms + m.size).then_some(PointerInfo {
+                    start: ms,
+                    size: m.size,
+                    gpu: m.phys.gpu,
+                    owner: 0,
+                    managed: false,
+                    mapped: true,
+                })
+            }
+        }
+    }
+
+    /// The pinned or registered host range containing `ptr`: (start, len).
+    pub fn host_range(&self, ptr: usize) -> Option<(usize, usize)> {
+        let h = self.host.lock().unwrap_or_else(|e| e.into_inner());
+        let (&s, &(l, _)) = h.range(..=ptr).next_back()?;
+        (ptr < s + l).then_some((s, l))
     }
 
     /// Is `ptr` the start of a live `cuMemAlloc` allocation?

@@ -15,8 +15,8 @@ use crate::ffi::{c_str, out};
 struct Table {
     /// base name → [(min version, address)], sorted by version.
     by_base: HashMap<&'static str, Vec<(i32, usize)>>,
-    /// base name → per-thread variant address.
-    per_thread: HashMap<&'static str, usize>,
+    /// base name → [(min version, per-thread variant address)], sorted by version.
+    per_thread: HashMap<&'static str, Vec<(i32, usize)>>,
 }
 
 /// `cuMemAlloc_v2` → `cuMemAlloc`; names without a `_vN` suffix are their own base.
@@ -40,10 +40,13 @@ fn table() -> &'static Table {
         for v in by_base.values_mut() {
             v.sort();
         }
-        let per_thread = crate::api::per_thread_exports()
-            .into_iter()
-            .map(|(base, _, addr)| (base, addr))
-            .collect();
+        let mut per_thread: HashMap<&'static str, Vec<(i32, usize)>> = HashMap::new();
+        for (base, ver, _, addr) in crate::api::per_thread_exports() {
+            per_thread.entry(base).or_default().push((ver, addr));
+        }
+        for v in per_thread.values_mut() {
+            v.sort();
+        }
         Table {
             by_base,
             per_thread,
@@ -84,7 +87,11 @@ pub fn get_proc_address(
         return Err(CUDA_ERROR_NOT_FOUND);
     };
     let addr = if flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0 {
-        t.per_thread.get(base).copied().unwrap_or(addr)
+        t.per_thread
+            .get(base)
+            .and_then(|v| v.iter().rev().find(|(ver, _)| *ver <= version))
+            .map(|&(_, a)| a)
+            .unwrap_or(addr)
     } else {
         addr
     };

@@ -207,6 +207,39 @@ int main(void) {
         CHECK(cuMemFree(d2));
     }
 
+    /* Managed memory: one pointer for host and device; pointer attributes. */
+    {
+        CUdeviceptr m;
+        CHECK(cuMemAllocManaged(&m, 4096, CU_MEM_ATTACH_GLOBAL));
+        uint32_t *hm = (uint32_t *)(uintptr_t)m;
+        for (int i = 0; i < 1024; i++) hm[i] = 40;
+        unsigned long long mw = 1024;
+        unsigned int two = 2;
+        void *margs[] = {&m, &two, &mw};
+        CHECK(cuMemPrefetchAsync(m, 4096, dev, s));
+        CHECK(cuLaunchKernel(add, 4, 1, 1, 256, 1, 1, 0, s, margs, NULL));
+        CHECK(cuStreamSynchronize(s));
+        ASSERT(hm[0] == 42 && hm[1023] == 42);
+        unsigned int mt = 0;
+        int managed = 0;
+        CHECK(cuPointerGetAttribute(&mt, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, m));
+        ASSERT(mt == CU_MEMORYTYPE_UNIFIED);
+        CHECK(cuPointerGetAttribute(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, m));
+        ASSERT(managed == 1);
+        CHECK(cuPointerGetAttribute(&mt, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, d + 4));
+        ASSERT(mt == CU_MEMORYTYPE_DEVICE);
+        CUdeviceptr start = 0;
+        CHECK(cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, d + 4));
+        ASSERT(start == d);
+        int ordinal = -1;
+        CHECK(cuPointerGetAttribute(&ordinal, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, d));
+        ASSERT(ordinal == 0);
+        EXPECT(cuPointerGetAttribute(&mt, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, (CUdeviceptr)(uintptr_t)&mt),
+               CUDA_ERROR_INVALID_VALUE);
+        EXPECT(cuMemPrefetchAsync(d, 4096, dev, s), CUDA_ERROR_INVALID_VALUE); /* not managed */
+        CHECK(cuMemFree(m));
+    }
+
     /* VMM with the real CUmemAllocationProp / CUmemAccessDesc layouts. */
     CUmemAllocationProp prop;
     memset(&prop, 0, sizeof prop);
@@ -237,6 +270,54 @@ int main(void) {
     ASSERT(fn == (void *)&cuMemAlloc_v2 && st == CU_GET_PROC_ADDRESS_SUCCESS);
     EXPECT(cuGetProcAddress("cuNoSuchCall", &fn, 12000, 0, &st), CUDA_ERROR_NOT_FOUND);
     ASSERT(fn == NULL && st == CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND);
+
+    /* Every result code the simulator names has the real header's value. */
+    static const struct { CUresult code; const char *name; } codes[] = {
+        {CUDA_SUCCESS, "CUDA_SUCCESS"},
+        {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE"},
+        {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY"},
+        {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED"},
+        {CUDA_ERROR_DEINITIALIZED, "CUDA_ERROR_DEINITIALIZED"},
+        {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE"},
+        {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE"},
+        {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE"},
+        {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT"},
+        {CUDA_ERROR_CONTEXT_ALREADY_CURRENT, "CUDA_ERROR_CONTEXT_ALREADY_CURRENT"},
+        {CUDA_ERROR_ALREADY_MAPPED, "CUDA_ERROR_ALREADY_MAPPED"},
+        {CUDA_ERROR_NOT_MAPPED, "CUDA_ERROR_NOT_MAPPED"},
+        {CUDA_ERROR_INVALID_SOURCE, "CUDA_ERROR_INVALID_SOURCE"},
+        {CUDA_ERROR_FILE_NOT_FOUND, "CUDA_ERROR_FILE_NOT_FOUND"},
+        {CUDA_ERROR_OPERATING_SYSTEM, "CUDA_ERROR_OPERATING_SYSTEM"},
+        {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE"},
+        {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND"},
+        {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY"},
+        {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS"},
+        {CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"},
+        {CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE, "CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE"},
+        {CUDA_ERROR_CONTEXT_IS_DESTROYED, "CUDA_ERROR_CONTEXT_IS_DESTROYED"},
+        {CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"},
+        {CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"},
+        {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED"},
+        {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED"},
+        {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED"},
+        {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN"},
+    };
+    for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++) {
+        const char *got = NULL;
+        CHECK(cuGetErrorName(codes[i].code, &got));
+        if (strcmp(got, codes[i].name) != 0) {
+            fprintf(stderr, "FAIL error %d is %s in cuda.h but %s in the simulator\n",
+                    (int)codes[i].code, codes[i].name, got);
+            return 1;
+        }
+    }
+    CHECK(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK, dev));
+    ASSERT(v == 1024);
+    CHECK(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev));
+    ASSERT(v == 108);
+    CHECK(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED, dev));
+    ASSERT(v == 1);
+    EXPECT(cuDeviceGetAttribute(&v, CU_DEVICE_ATTRIBUTE_MAX, dev), CUDA_ERROR_INVALID_VALUE);
 
     const char *en = NULL;
     CHECK(cuGetErrorName(CUDA_ERROR_ILLEGAL_ADDRESS, &en));
