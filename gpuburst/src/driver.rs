@@ -141,6 +141,9 @@ driver_api! {
     stream_create = "cuStreamCreate": fn(*mut Handle, u32);
     stream_synchronize = "cuStreamSynchronize": fn(Handle);
     stream_query = "cuStreamQuery": fn(Handle);
+    stream_wait_event = "cuStreamWaitEvent": fn(Handle, Handle, u32);
+    memcpy_dtoh_async = "cuMemcpyDtoHAsync": fn(*mut c_void, CUdeviceptr, usize, Handle);
+    event_query = "cuEventQuery": fn(Handle);
     event_create = "cuEventCreate": fn(*mut Handle, u32);
     event_record = "cuEventRecord": fn(Handle, Handle);
     event_synchronize = "cuEventSynchronize": fn(Handle);

@@ -183,3 +183,19 @@ fn launch_overhead_is_small() {
     // ~70 ns in release; debug builds of the probe and contention stay far below.
     assert!(ns < 50_000.0, "a queued launch costs {ns} ns");
 }
+
+#[test]
+fn streams_events_and_cross_context_waits_keep_order() {
+    let m = machine("streams", 1, 64);
+    let o = probe(&m, &["streams"]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    for step in [
+        "ok query while pending",
+        "ok cross-context stream wait",
+        "ok event elapsed time",
+        "PASS streams",
+    ] {
+        assert!(t.contains(step), "missing {step:?} in:\n{t}");
+    }
+}

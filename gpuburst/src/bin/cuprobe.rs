@@ -10,6 +10,7 @@
 //! cuprobe spin --ms N --count K      K kernels of N ms each
 //! cuprobe procaddr                   cuGetProcAddress resolution rules
 //! cuprobe launch-rate --count N      host cost of an async launch and of cuCtxGetCurrent
+//! cuprobe streams                    stream order, events, cross-context waits
 //! ```
 
 use std::ffi::c_void;
@@ -535,6 +536,93 @@ fn launch_rate(p: &Probe, count: u32) -> Result<(), CudaError> {
     Ok(())
 }
 
+fn launch_on(p: &Probe, f: Handle, stream: Handle, args: &mut [*mut c_void]) -> u32 {
+    // SAFETY: a resolved cuLaunchKernel; argument pointers live for the call.
+    unsafe {
+        (p.cuda.launch_kernel)(
+            f,
+            1,
+            1,
+            1,
+            1,
+            1,
+            1,
+            0,
+            stream,
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+}
+
+fn streams(p: &Probe) -> Result<(), CudaError> {
+    let c = &p.cuda;
+    let mut primary: Handle = std::ptr::null_mut();
+    cu!(c, ctx_get_current, "cuCtxGetCurrent", &mut primary)?;
+    let mut buf = 0;
+    cu!(c, mem_alloc, "cuMemAlloc", &mut buf, 4096)?;
+    cu!(c, memset_d32, "cuMemsetD32", buf, 0, 1024)?;
+    let (mut s1, mut e0, mut e1): (Handle, Handle, Handle) = (
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+    );
+    cu!(c, stream_create, "cuStreamCreate", &mut s1, 1)?;
+    cu!(c, event_create, "cuEventCreate", &mut e0, 0)?;
+    cu!(c, event_create, "cuEventCreate", &mut e1, 0)?;
+
+    // Stream order and events on one stream.
+    cu!(c, event_record, "cuEventRecord", e0, s1)?;
+    let mut ns = 40_000_000u64;
+    let r = launch_on(p, p.spin, s1, &mut [(&mut ns as *mut u64).cast()]);
+    c.check("cuLaunchKernel", r)?;
+    cu!(c, memset_d32_async, "cuMemsetD32Async", buf, 7, 1024, s1)?;
+    cu!(c, event_record, "cuEventRecord", e1, s1)?;
+    // SAFETY: resolved entry points with live handles.
+    let (q, eq) = unsafe { ((c.stream_query)(s1), (c.event_query)(e1)) };
+    expect!(
+        q == 600 && eq == 600,
+        "pending work is NOT_READY ({q}, {eq})"
+    );
+    step("query while pending");
+
+    // Another context's stream waits for e1, then reads the buffer.
+    let mut ctx2: Handle = std::ptr::null_mut();
+    cu!(c, ctx_create, "cuCtxCreate", &mut ctx2, 0, 0)?;
+    let mut s2: Handle = std::ptr::null_mut();
+    cu!(c, stream_create, "cuStreamCreate", &mut s2, 1)?;
+    cu!(c, stream_wait_event, "cuStreamWaitEvent", s2, e1, 0)?;
+    let mut host = vec![0u32; 1024];
+    cu!(
+        c,
+        memcpy_dtoh_async,
+        "cuMemcpyDtoHAsync",
+        host.as_mut_ptr().cast(),
+        buf,
+        4096,
+        s2
+    )?;
+    cu!(c, stream_synchronize, "cuStreamSynchronize", s2)?;
+    expect!(
+        host.iter().all(|&w| w == 7),
+        "the copy ran before the event it waited for: {}",
+        host[0]
+    );
+    step("cross-context stream wait");
+    cu!(c, ctx_destroy, "cuCtxDestroy", ctx2)?;
+    cu!(c, ctx_set_current, "cuCtxSetCurrent", primary)?;
+
+    cu!(c, event_synchronize, "cuEventSynchronize", e1)?;
+    let mut ms = 0f32;
+    cu!(c, event_elapsed_time, "cuEventElapsedTime", &mut ms, e0, e1)?;
+    expect!(
+        (39.0..400.0).contains(&ms),
+        "elapsed {ms} ms for a 40 ms kernel"
+    );
+    step("event elapsed time");
+    Ok(())
+}
+
 fn arg(args: &[String], name: &str) -> Option<u64> {
     let i = args.iter().position(|a| a == name)?;
     args.get(i + 1)?.parse().ok()
@@ -543,7 +631,7 @@ fn arg(args: &[String], name: &str) -> Option<u64> {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(cmd) = args.first().cloned() else {
-        eprintln!("usage: cuprobe vmm|alloc --mib N [--hold-ms M]|copy --mib N|spin --ms N --count K|procaddr|launch-rate [--count N]");
+        eprintln!("usage: cuprobe vmm|alloc --mib N [--hold-ms M]|copy --mib N|spin --ms N --count K|procaddr|launch-rate [--count N]|streams");
         std::process::exit(1);
     };
     let need = |name: &str| {
@@ -565,6 +653,7 @@ fn main() {
         "copy" => copy(&p, need("--mib")),
         "spin" => spin(&p, need("--ms"), need("--count") as u32),
         "procaddr" => procaddr(&p),
+        "streams" => streams(&p),
         "launch-rate" => launch_rate(&p, arg(&args, "--count").unwrap_or(1000) as u32),
         other => {
             eprintln!("cuprobe: unknown scenario {other:?}");

@@ -2,10 +2,10 @@
 //! simulated GPUs whose capacity and kernel exclusivity are shared by every process
 //! naming the same machine (`KIWI_SIM_NAME`). See `docs/simulator.md`.
 //!
-//! Modules: [`abi`] (types and values of `cuda.h`), [`ffi`] (the panic guard and
-//! pointer helpers), [`driver`] (process state, context stacks), [`memory`] (device
-//! address space, VMM), [`exec`] (contexts' executors, streams, events, built-in
-//! kernels), [`api`] (the exports) and [`procaddr`] (`cuGetProcAddress`).
+//! Modules: `abi` (types and values of `cuda.h`), `ffi` (the panic guard and
+//! pointer helpers), `driver` (process state, context stacks), `memory` (device
+//! address space, VMM), `exec` (contexts' executors, streams, events, built-in
+//! kernels), `api` (the exports) and `procaddr` (`cuGetProcAddress`).
 //!
 //! This crate is only ever built as a cdylib, so no test binary contains `cu*`
 //! symbols; shared logic lives in `kiwi-sim-core`.
