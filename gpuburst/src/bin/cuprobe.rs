@@ -433,6 +433,8 @@ fn procaddr(p: &Probe) -> Result<(), CudaError> {
         ("cuLaunchKernel", "cuLaunchKernel"),
         ("cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxRelease_v2"),
         ("cuGetProcAddress", "cuGetProcAddress_v2"),
+        ("cuStreamBeginCapture", "cuStreamBeginCapture_v2"),
+        ("cuGraphLaunch", "cuGraphLaunch"),
     ] {
         let got = resolve(gpa, base, 12000, 0);
         expect!(got.is_some() && got == sym(symbol), "{base} -> {symbol}");
@@ -466,6 +468,8 @@ fn procaddr(p: &Probe) -> Result<(), CudaError> {
         ("cuMemcpyDtoD", "cuMemcpyDtoD_v2_ptds"),
         ("cuMemsetD8", "cuMemsetD8_v2_ptds"),
         ("cuMemsetD32", "cuMemsetD32_v2_ptds"),
+        ("cuGraphLaunch", "cuGraphLaunch_ptsz"),
+        ("cuStreamBeginCapture", "cuStreamBeginCapture_v2_ptsz"),
         ("cuMemcpy2D", "cuMemcpy2D_v2_ptds"),
         ("cuMemcpy2DAsync", "cuMemcpy2DAsync_v2_ptsz"),
         ("cuMemsetD2D32Async", "cuMemsetD2D32Async_ptsz"),

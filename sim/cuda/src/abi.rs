@@ -35,6 +35,7 @@ pub const CUDA_ERROR_INVALID_SOURCE: CUresult = 300;
 pub const CUDA_ERROR_FILE_NOT_FOUND: CUresult = 301;
 pub const CUDA_ERROR_OPERATING_SYSTEM: CUresult = 304;
 pub const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
+pub const CUDA_ERROR_ILLEGAL_STATE: CUresult = 401;
 pub const CUDA_ERROR_NOT_FOUND: CUresult = 500;
 pub const CUDA_ERROR_NOT_READY: CUresult = 600;
 pub const CUDA_ERROR_ILLEGAL_ADDRESS: CUresult = 700;
@@ -46,6 +47,7 @@ pub const CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED: CUresult = 713;
 pub const CUDA_ERROR_LAUNCH_FAILED: CUresult = 719;
 pub const CUDA_ERROR_NOT_PERMITTED: CUresult = 800;
 pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
+pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CUresult = 900;
 pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
 /// (code, name, description) for `cuGetErrorName` / `cuGetErrorString`.
@@ -127,6 +129,16 @@ pub const ERRORS: &[(CUresult, &std::ffi::CStr, &std::ffi::CStr)] = &[
         c"invalid resource handle",
     ),
     (
+        CUDA_ERROR_ILLEGAL_STATE,
+        c"CUDA_ERROR_ILLEGAL_STATE",
+        c"the operation cannot be performed in the present state",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+        c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+        c"operation not permitted when stream is capturing",
+    ),
+    (
         CUDA_ERROR_NOT_FOUND,
         c"CUDA_ERROR_NOT_FOUND",
         c"named symbol not found",
@@ -188,6 +200,8 @@ pub const ERRORS: &[(CUresult, &std::ffi::CStr, &std::ffi::CStr)] = &[
 pub const CU_STREAM_LEGACY: usize = 1;
 pub const CU_STREAM_PER_THREAD: usize = 2;
 pub const CU_STREAM_NON_BLOCKING: u32 = 1;
+pub const CU_STREAM_CAPTURE_STATUS_NONE: i32 = 0;
+pub const CU_STREAM_CAPTURE_STATUS_ACTIVE: i32 = 1;
 
 pub const CU_EVENT_DISABLE_TIMING: u32 = 2;
 

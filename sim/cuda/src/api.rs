@@ -5,7 +5,7 @@
 #![allow(non_snake_case, clippy::too_many_arguments)]
 
 use std::ffi::{c_char, c_void};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use kiwi_sim_core::{ident, GRANULARITY};
@@ -816,6 +816,9 @@ fn enqueue(stream: CUstream, pt: bool, op: Op, sync: bool) -> Result<(), CUresul
     let d = driver()?;
     let s = d.stream(stream, pt)?;
     s.ctx.check()?;
+    if sync && s.is_capturing() {
+        return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    }
     let seq = s.ctx.submit(&s, op)?;
     if sync {
         s.ctx.wait_for(seq);
@@ -1506,12 +1509,7 @@ fn stream_create(ph: *mut CUstream, flags: u32, priority: i32) -> Result<(), CUr
     if ph.is_null() || flags & !CU_STREAM_NON_BLOCKING != 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    let s = Arc::new(Stream {
-        ctx,
-        last_seq: AtomicU64::new(0),
-        flags,
-        priority: priority.clamp(-5, 0),
-    });
+    let s = Arc::new(Stream::new(ctx, flags, priority.clamp(-5, 0)));
     let h = register_stream(d, s);
     out(ph, h as CUstream)
 }
@@ -1544,6 +1542,9 @@ fn stream_sync(s: CUstream, pt: bool) -> Result<(), CUresult> {
     let d = driver()?;
     let legacy = s.is_null() && !pt || s as usize == CU_STREAM_LEGACY;
     let st = d.stream(s, pt)?;
+    if st.is_capturing() {
+        return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    }
     // The legacy stream waits for all blocking work of the context; one executor per
     // context makes that "everything submitted so far".
     let seq = if legacy {
@@ -1569,6 +1570,9 @@ fn stream_query(s: CUstream, pt: bool) -> Result<(), CUresult> {
     let d = driver()?;
     let st = d.stream(s, pt)?;
     st.ctx.check()?;
+    if st.is_capturing() {
+        return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    }
     if st.ctx.is_done(st.last_seq.load(Ordering::Acquire)) {
         Ok(())
     } else {
@@ -1846,6 +1850,186 @@ extern "C" fn cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent) -> 
 #[no_mangle]
 extern "C" fn cuEventElapsedTime_v2(ms: *mut f32, start: CUevent, end: CUevent) -> CUresult {
     guard(|| elapsed(ms, start, end))
+}
+
+// ---------------------------------------------------------------- graphs (stream capture)
+
+/// The stream a capture call names: the legacy stream cannot be captured; the
+/// per-thread stream can (NULL means it through a `_ptsz` entry point).
+fn capturable(s: CUstream, pt: bool) -> Result<Arc<Stream>, CUresult> {
+    if s as usize == CU_STREAM_LEGACY || s.is_null() && !pt {
+        return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    }
+    driver()?.stream(s, pt)
+}
+
+fn begin_capture(s: CUstream, mode: u32, pt: bool) -> Result<(), CUresult> {
+    if mode > 2 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let st = capturable(s, pt)?;
+    if st.begin_capture() {
+        Ok(())
+    } else {
+        Err(CUDA_ERROR_ILLEGAL_STATE)
+    }
+}
+
+#[no_mangle]
+extern "C" fn cuStreamBeginCapture_v2(s: CUstream, mode: u32) -> CUresult {
+    guard(|| begin_capture(s, mode, false))
+}
+#[no_mangle]
+extern "C" fn cuStreamBeginCapture_v2_ptsz(s: CUstream, mode: u32) -> CUresult {
+    guard(|| begin_capture(s, mode, true))
+}
+
+fn end_capture(s: CUstream, graph: *mut *mut c_void, pt: bool) -> Result<(), CUresult> {
+    let d = driver()?;
+    if graph.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let st = capturable(s, pt)?;
+    let ops = st.end_capture().ok_or(CUDA_ERROR_ILLEGAL_STATE)?;
+    let g = Arc::new(ops);
+    let h = Arc::as_ptr(&g) as usize;
+    d.graphs
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(h, g);
+    out(graph, h as *mut c_void)
+}
+
+#[no_mangle]
+extern "C" fn cuStreamEndCapture(s: CUstream, graph: *mut *mut c_void) -> CUresult {
+    guard(|| end_capture(s, graph, false))
+}
+#[no_mangle]
+extern "C" fn cuStreamEndCapture_ptsz(s: CUstream, graph: *mut *mut c_void) -> CUresult {
+    guard(|| end_capture(s, graph, true))
+}
+
+fn is_capturing(s: CUstream, status: *mut i32, pt: bool) -> Result<(), CUresult> {
+    let st = driver()?.stream(s, pt)?;
+    out(
+        status,
+        if st.is_capturing() {
+            CU_STREAM_CAPTURE_STATUS_ACTIVE
+        } else {
+            CU_STREAM_CAPTURE_STATUS_NONE
+        },
+    )
+}
+
+#[no_mangle]
+extern "C" fn cuStreamIsCapturing(s: CUstream, status: *mut i32) -> CUresult {
+    guard(|| is_capturing(s, status, false))
+}
+#[no_mangle]
+extern "C" fn cuStreamIsCapturing_ptsz(s: CUstream, status: *mut i32) -> CUresult {
+    guard(|| is_capturing(s, status, true))
+}
+
+#[no_mangle]
+extern "C" fn cuGraphInstantiateWithFlags(
+    exec: *mut *mut c_void,
+    graph: *mut c_void,
+    _flags: u64,
+) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        if exec.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let g = d
+            .graphs
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(graph as usize))
+            .cloned()
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        // An executable graph is a snapshot: later changes to the graph do not
+        // reach it (there are none here, graphs are immutable captures).
+        let e = Arc::new(g.as_ref().clone());
+        let h = Arc::as_ptr(&e) as usize;
+        d.graph_execs
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(h, e);
+        out(exec, h as *mut c_void)
+    })
+}
+
+fn graph_exec(exec: *mut c_void) -> Result<Arc<Vec<Op>>, CUresult> {
+    driver()?
+        .graph_execs
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(exec as usize))
+        .cloned()
+        .ok_or(CUDA_ERROR_INVALID_VALUE)
+}
+
+/// Replays a graph's operations on `stream`, in capture order.
+fn graph_launch(exec: *mut c_void, stream: CUstream, pt: bool) -> Result<(), CUresult> {
+    let ops = graph_exec(exec)?;
+    let d = driver()?;
+    let st = d.stream(stream, pt)?;
+    st.ctx.check()?;
+    for op in ops.iter() {
+        st.ctx.submit(&st, op.clone())?;
+    }
+    Ok(())
+}
+
+#[no_mangle]
+extern "C" fn cuGraphLaunch(exec: *mut c_void, s: CUstream) -> CUresult {
+    guard(|| graph_launch(exec, s, false))
+}
+#[no_mangle]
+extern "C" fn cuGraphLaunch_ptsz(exec: *mut c_void, s: CUstream) -> CUresult {
+    guard(|| graph_launch(exec, s, true))
+}
+
+fn graph_upload(exec: *mut c_void, stream: CUstream, pt: bool) -> Result<(), CUresult> {
+    graph_exec(exec)?;
+    // Nothing to upload: keeps its place in stream order only.
+    enqueue(stream, pt, Op::Nop, false)
+}
+
+#[no_mangle]
+extern "C" fn cuGraphUpload(exec: *mut c_void, s: CUstream) -> CUresult {
+    guard(|| graph_upload(exec, s, false))
+}
+#[no_mangle]
+extern "C" fn cuGraphUpload_ptsz(exec: *mut c_void, s: CUstream) -> CUresult {
+    guard(|| graph_upload(exec, s, true))
+}
+
+#[no_mangle]
+extern "C" fn cuGraphExecDestroy(exec: *mut c_void) -> CUresult {
+    guard(|| {
+        driver()?
+            .graph_execs
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(exec as usize))
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_INVALID_VALUE)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuGraphDestroy(graph: *mut c_void) -> CUresult {
+    guard(|| {
+        driver()?
+            .graphs
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(graph as usize))
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_INVALID_VALUE)
+    })
 }
 
 // ---------------------------------------------------------------- modules and launches
@@ -2342,6 +2526,14 @@ pub fn exports() -> Vec<(&'static str, i32, usize)> {
         cuStreamGetFlags = 5050,
         cuStreamGetPriority = 5050,
         cuStreamGetCtx = 9020,
+        cuStreamBeginCapture_v2 = 10010,
+        cuStreamEndCapture = 10000,
+        cuStreamIsCapturing = 10000,
+        cuGraphInstantiateWithFlags = 11040,
+        cuGraphLaunch = 10000,
+        cuGraphUpload = 11010,
+        cuGraphExecDestroy = 10000,
+        cuGraphDestroy = 10000,
         cuEventCreate = 2000,
         cuEventDestroy_v2 = 4000,
         cuEventRecord = 2000,
@@ -2413,6 +2605,11 @@ pub fn per_thread_exports() -> Vec<(&'static str, i32, &'static str, usize)> {
         "cuLaunchKernelEx" @ 11060 => cuLaunchKernelEx_ptsz,
         "cuLaunchCooperativeKernel" @ 9000 => cuLaunchCooperativeKernel_ptsz,
         "cuLaunchHostFunc" @ 10000 => cuLaunchHostFunc_ptsz,
+        "cuStreamBeginCapture" @ 10010 => cuStreamBeginCapture_v2_ptsz,
+        "cuStreamEndCapture" @ 10000 => cuStreamEndCapture_ptsz,
+        "cuStreamIsCapturing" @ 10000 => cuStreamIsCapturing_ptsz,
+        "cuGraphLaunch" @ 10000 => cuGraphLaunch_ptsz,
+        "cuGraphUpload" @ 11010 => cuGraphUpload_ptsz,
         "cuMemPrefetchAsync" @ 8000 => cuMemPrefetchAsync_ptsz,
     ]
 }

@@ -13,7 +13,7 @@ use kiwi_sim_core::trace::TraceWriter;
 use kiwi_sim_core::{Machine, SimConfig};
 
 use crate::abi::*;
-use crate::exec::{Context, Event, Stream};
+use crate::exec::{Context, Event, Op, Stream};
 use crate::memory::Memory;
 
 pub struct Primary {
@@ -38,6 +38,9 @@ pub struct Driver {
     pub streams: RwLock<HashMap<usize, Arc<Stream>>>,
     pub events: RwLock<HashMap<usize, Arc<Event>>>,
     pub modules: Mutex<HashMap<usize, u64>>,
+    /// Captured graphs and their instantiations: handle → operations.
+    pub graphs: RwLock<HashMap<usize, Arc<Vec<Op>>>>,
+    pub graph_execs: RwLock<HashMap<usize, Arc<Vec<Op>>>>,
     next_module: AtomicU64,
 }
 
@@ -84,6 +87,8 @@ fn init_driver() -> Result<Driver, CUresult> {
         streams: RwLock::new(HashMap::new()),
         events: RwLock::new(HashMap::new()),
         modules: Mutex::new(HashMap::new()),
+        graphs: RwLock::new(HashMap::new()),
+        graph_execs: RwLock::new(HashMap::new()),
         next_module: AtomicU64::new(1),
     })
 }
@@ -252,14 +257,7 @@ fn per_thread_stream() -> Result<Arc<Stream>, CUresult> {
     Ok(PT_STREAMS.with(|m| {
         m.borrow_mut()
             .entry(h)
-            .or_insert_with(|| {
-                Arc::new(Stream {
-                    ctx: ctx.clone(),
-                    last_seq: AtomicU64::new(0),
-                    flags: 0,
-                    priority: 0,
-                })
-            })
+            .or_insert_with(|| Arc::new(Stream::new(ctx.clone(), 0, 0)))
             .clone()
     }))
 }

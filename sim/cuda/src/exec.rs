@@ -59,7 +59,8 @@ impl Builtin {
     }
 }
 
-/// One queued operation.
+/// One queued operation (cloned when a captured graph is replayed).
+#[derive(Clone)]
 pub enum Op {
     Kernel {
         kind: Builtin,
@@ -176,6 +177,46 @@ pub struct Stream {
     pub last_seq: AtomicU64,
     pub flags: u32,
     pub priority: i32,
+    /// Set while the stream is being captured into a graph (checked without the
+    /// lock on every submission).
+    pub capturing: AtomicBool,
+    /// The operations captured so far.
+    pub captured: Mutex<Option<Vec<Op>>>,
+}
+
+impl Stream {
+    pub fn new(ctx: Arc<Context>, flags: u32, priority: i32) -> Stream {
+        Stream {
+            ctx,
+            last_seq: AtomicU64::new(0),
+            flags,
+            priority,
+            capturing: AtomicBool::new(false),
+            captured: Mutex::new(None),
+        }
+    }
+
+    /// Starts capturing; false if the stream already is.
+    pub fn begin_capture(&self) -> bool {
+        let mut c = self.captured.lock().unwrap_or_else(|e| e.into_inner());
+        if c.is_some() {
+            return false;
+        }
+        *c = Some(Vec::new());
+        self.capturing.store(true, Ordering::Release);
+        true
+    }
+
+    /// Ends capturing and returns what was captured (None if not capturing).
+    pub fn end_capture(&self) -> Option<Vec<Op>> {
+        let mut c = self.captured.lock().unwrap_or_else(|e| e.into_inner());
+        self.capturing.store(false, Ordering::Release);
+        c.take()
+    }
+
+    pub fn is_capturing(&self) -> bool {
+        self.capturing.load(Ordering::Acquire)
+    }
 }
 
 /// An event: where it was last recorded and when that point completed.
@@ -220,12 +261,8 @@ impl Context {
             worker: Mutex::new(None),
             null_stream: Mutex::new(None),
         });
-        *ctx.null_stream.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(Stream {
-            ctx: ctx.clone(),
-            last_seq: AtomicU64::new(0),
-            flags: 0,
-            priority: 0,
-        }));
+        *ctx.null_stream.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(Arc::new(Stream::new(ctx.clone(), 0, 0)));
         let worker_ctx = ctx.clone();
         let handle = std::thread::Builder::new()
             .name(format!("kiwi-sim-gpu{device}"))
@@ -261,6 +298,15 @@ impl Context {
 
     /// Queues `op` on `stream` (which belongs to this context); returns its sequence.
     pub fn submit(&self, stream: &Stream, op: Op) -> Result<u64, CUresult> {
+        if stream.is_capturing() {
+            // Captured into the stream's graph instead of run; sequence 0 is
+            // "already complete" for anyone who waits on it.
+            let mut c = stream.captured.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(ops) = c.as_mut() {
+                ops.push(op);
+                return Ok(0);
+            }
+        }
         let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         while q.ops.len() >= QUEUE_DEPTH && !q.shutdown {
             q.space_waiters += 1;

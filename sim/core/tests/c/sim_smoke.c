@@ -240,6 +240,46 @@ int main(void) {
         CHECK(cuMemFree(m));
     }
 
+    /* Graphs: kernels captured on a stream run only when the graph is launched. */
+    {
+        CUdeviceptr gbuf;
+        CHECK(cuMemAlloc(&gbuf, 4096));
+        CHECK(cuMemsetD32(gbuf, 0, 1024));
+        CUstream cs;
+        CHECK(cuStreamCreate(&cs, CU_STREAM_NON_BLOCKING));
+        EXPECT(cuStreamBeginCapture(CU_STREAM_LEGACY, CU_STREAM_CAPTURE_MODE_GLOBAL),
+               CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        CHECK(cuStreamBeginCapture(cs, CU_STREAM_CAPTURE_MODE_GLOBAL));
+        CUstreamCaptureStatus cst;
+        CHECK(cuStreamIsCapturing(cs, &cst));
+        ASSERT(cst == CU_STREAM_CAPTURE_STATUS_ACTIVE);
+        unsigned int three = 3;
+        unsigned long long gw = 1024;
+        void *gargs[] = {&gbuf, &three, &gw};
+        CHECK(cuLaunchKernel(add, 4, 1, 1, 256, 1, 1, 0, cs, gargs, NULL));
+        EXPECT(cuStreamSynchronize(cs), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        CUgraph graph;
+        CHECK(cuStreamEndCapture(cs, &graph));
+        CHECK(cuStreamIsCapturing(cs, &cst));
+        ASSERT(cst == CU_STREAM_CAPTURE_STATUS_NONE);
+        uint32_t w0 = 99;
+        CHECK(cuMemcpyDtoH(&w0, gbuf, 4));
+        ASSERT(w0 == 0); /* captured, not run */
+        CUgraphExec ge;
+        CHECK(cuGraphInstantiate(&ge, graph, 0));
+        CHECK(cuGraphUpload(ge, cs));
+        CHECK(cuGraphLaunch(ge, cs));
+        CHECK(cuGraphLaunch(ge, cs));
+        CHECK(cuStreamSynchronize(cs));
+        CHECK(cuMemcpyDtoH(&w0, gbuf + 4092, 4));
+        ASSERT(w0 == 6);
+        CHECK(cuGraphExecDestroy(ge));
+        CHECK(cuGraphDestroy(graph));
+        EXPECT(cuGraphLaunch(ge, cs), CUDA_ERROR_INVALID_VALUE);
+        CHECK(cuStreamDestroy(cs));
+        CHECK(cuMemFree(gbuf));
+    }
+
     /* VMM with the real CUmemAllocationProp / CUmemAccessDesc layouts. */
     CUmemAllocationProp prop;
     memset(&prop, 0, sizeof prop);
@@ -289,6 +329,8 @@ int main(void) {
         {CUDA_ERROR_FILE_NOT_FOUND, "CUDA_ERROR_FILE_NOT_FOUND"},
         {CUDA_ERROR_OPERATING_SYSTEM, "CUDA_ERROR_OPERATING_SYSTEM"},
         {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE"},
+        {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE"},
+        {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"},
         {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND"},
         {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY"},
         {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS"},
