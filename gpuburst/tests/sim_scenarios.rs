@@ -199,3 +199,27 @@ fn streams_events_and_cross_context_waits_keep_order() {
         assert!(t.contains(step), "missing {step:?} in:\n{t}");
     }
 }
+
+#[test]
+fn a_process_killed_inside_a_kernel_releases_the_gpu() {
+    let m = machine("killed-in-kernel", 1, 64);
+    // A holds the GPU with a 20 s kernel...
+    let mut a = m
+        .apply(&mut Command::new(PROBE))
+        .args(["spin", "--ms", "20000", "--count", "1"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    // ...and dies inside it.
+    a.kill().unwrap();
+    a.wait().unwrap();
+    let t = Instant::now();
+    let o = probe(&m, &["spin", "--ms", "10", "--count", "2"]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "the dead process's kernel lock was not released: {:?}",
+        t.elapsed()
+    );
+}
