@@ -16,7 +16,7 @@
 
 use std::ffi::CString;
 use std::io::{Read, Write};
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use kiwi_config::{Config, CONTAINER_CLIENT_DIR, CONTAINER_SHIM_PATH};
@@ -314,22 +314,57 @@ pub fn preload_contents(existing: &str) -> Option<String> {
     Some(out)
 }
 
-/// The injection proper, run inside the container's mount namespace.
+/// What a path in the image is, for the checks made before anything changes.
+fn kind_of(target: &Path) -> Option<std::fs::FileType> {
+    std::fs::symlink_metadata(target)
+        .ok()
+        .map(|m| m.file_type())
+}
+
+/// The injection proper, run inside the container's mount namespace. Every target is
+/// resolved and checked first, so an image the hook cannot serve fails before anything
+/// is created or mounted.
 fn inject_here(inj: &Injection) -> Result<(), String> {
     let root = &inj.rootfs;
-    let join = |p: &str| {
-        secure_join(root, Path::new(p))
-            .map_err(|e| format!("cannot resolve {p} in the rootfs: {e}"))
+    let join = |p: &Path| {
+        secure_join(root, p)
+            .map_err(|e| format!("cannot resolve {} in the rootfs: {e}", p.display()))
     };
 
-    // Device nodes first: they need a writable /dev, which binds never affect.
+    // Check.
+    let mut new_nodes = Vec::new();
     for node in &inj.nodes {
-        let shown = node.path.display().to_string();
-        let target =
-            secure_join(root, &node.path).map_err(|e| format!("cannot resolve {shown}: {e}"))?;
-        if std::fs::symlink_metadata(&target).is_ok() {
-            continue;
+        let target = join(&node.path)?;
+        if kind_of(&target).is_none() {
+            new_nodes.push((target, node));
         }
+    }
+    let shim_target = join(Path::new(CONTAINER_SHIM_PATH))?;
+    if kind_of(&shim_target).is_some_and(|k| !k.is_file()) {
+        return Err(format!(
+            "{CONTAINER_SHIM_PATH} exists in the image and is not a regular file"
+        ));
+    }
+    let client_target = join(Path::new(CONTAINER_CLIENT_DIR))?;
+    if kind_of(&client_target).is_some_and(|k| !k.is_dir()) {
+        return Err(format!(
+            "{CONTAINER_CLIENT_DIR} exists in the image and is not a directory"
+        ));
+    }
+    let preload_target = join(Path::new("/etc/ld.so.preload"))?;
+    let existing = match kind_of(&preload_target) {
+        None => String::new(),
+        Some(k) if k.is_file() => std::fs::read_to_string(&preload_target)
+            .map_err(|e| format!("cannot read /etc/ld.so.preload: {e}"))?,
+        Some(_) => {
+            return Err("/etc/ld.so.preload exists in the image and is not a regular file".into())
+        }
+    };
+    let preload = preload_contents(&existing);
+
+    // Act. Device nodes first: they need a writable /dev, which binds never affect.
+    for (target, node) in new_nodes {
+        let shown = node.path.display();
         if let Some(parent) = target.parent() {
             std::fs::create_dir_all(parent)
                 .map_err(|e| format!("cannot create the directory for {shown}: {e}"))?;
@@ -347,7 +382,6 @@ fn inject_here(inj: &Injection) -> Result<(), String> {
             .map_err(|e| format!("cannot set the mode of {shown}: {e}"))?;
     }
 
-    let shim_target = join(CONTAINER_SHIM_PATH)?;
     ensure_file(&shim_target, CONTAINER_SHIM_PATH)?;
     bind_ro(
         &inj.shim,
@@ -356,16 +390,9 @@ fn inject_here(inj: &Injection) -> Result<(), String> {
         MsFlags::empty(),
     )?;
 
-    let client_target = join(CONTAINER_CLIENT_DIR)?;
-    match std::fs::symlink_metadata(&client_target) {
-        Ok(md) if md.is_dir() => {}
-        Ok(_) => {
-            return Err(format!(
-                "{CONTAINER_CLIENT_DIR} exists in the image and is not a directory"
-            ))
-        }
-        Err(_) => std::fs::create_dir_all(&client_target)
-            .map_err(|e| format!("cannot create the mount point {CONTAINER_CLIENT_DIR}: {e}"))?,
+    if kind_of(&client_target).is_none() {
+        std::fs::create_dir_all(&client_target)
+            .map_err(|e| format!("cannot create the mount point {CONTAINER_CLIENT_DIR}: {e}"))?;
     }
     bind_ro(
         &inj.client_dir,
@@ -374,16 +401,7 @@ fn inject_here(inj: &Injection) -> Result<(), String> {
         MsFlags::MS_NOEXEC,
     )?;
 
-    let preload_target = join("/etc/ld.so.preload")?;
-    let existing = match std::fs::symlink_metadata(&preload_target) {
-        Ok(md) if md.is_file() => std::fs::read_to_string(&preload_target)
-            .map_err(|e| format!("cannot read /etc/ld.so.preload: {e}"))?,
-        Ok(md) if md.file_type().is_char_device() || md.is_dir() => {
-            return Err("/etc/ld.so.preload exists in the image and is not a regular file".into())
-        }
-        _ => String::new(),
-    };
-    if let Some(contents) = preload_contents(&existing) {
+    if let Some(contents) = preload {
         ensure_file(&preload_target, "/etc/ld.so.preload")?;
         // The bind source is a file in the bundle directory (the runtime's, always
         // writable), removed as soon as it is mounted: the mount keeps its contents and

@@ -182,3 +182,75 @@ fn unclaimed_container_is_untouched() {
         "no connection expected"
     );
 }
+
+#[test]
+fn image_kiwi_cannot_serve_fails_before_anything_is_injected() {
+    if !require(&["runc", "busybox", "gcc"]) {
+        return;
+    }
+    let fx = Fixture::new();
+    let b = fx.bundle("blocked", "echo STARTED", &["KIWI_VISIBLE_DEVICES=0"]);
+    // The image has a file where the socket directory must be mounted.
+    std::fs::create_dir_all(b.join("rootfs/run/kiwi")).unwrap();
+    std::fs::write(b.join("rootfs/run/kiwi/client"), "not a dir").unwrap();
+    let out = fx.run_container(&b);
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}");
+    assert!(
+        !stdout.contains("STARTED"),
+        "the container must not start without Kiwi"
+    );
+    assert!(
+        stderr.contains("kiwi-hook: inside the container: /run/kiwi/client exists in the image and is not a directory"),
+        "{stderr}"
+    );
+    assert!(
+        !b.join("rootfs/usr/lib/kiwi").exists(),
+        "nothing created before the check"
+    );
+    assert!(fx.runc_list().is_empty(), "no container left");
+    let leftovers: Vec<_> = std::fs::read_dir(&b)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".kiwi"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+#[test]
+fn image_symlinks_cannot_make_the_hook_write_on_the_host() {
+    if !require(&["runc", "busybox", "gcc"]) {
+        return;
+    }
+    let fx = Fixture::new();
+    let _arbiter = FakeArbiter::start(&fx.socket_dir);
+    let host_target = fx.path().join("host-etc");
+    std::fs::create_dir_all(&host_target).unwrap();
+    let b = fx.bundle(
+        "evil",
+        "cat /etc/ld.so.preload; cat /usr/lib/kiwi/libkiwi.so; echo; echo DONE",
+        &["KIWI_VISIBLE_DEVICES=0"],
+    );
+    let rootfs = b.join("rootfs");
+    // /etc and /usr point at absolute host paths; inside the container they resolve
+    // within the rootfs, and so must the hook.
+    std::fs::remove_dir_all(rootfs.join("etc")).unwrap();
+    std::os::unix::fs::symlink(&host_target, rootfs.join("etc")).unwrap();
+    std::os::unix::fs::symlink(&host_target, rootfs.join("usr")).unwrap();
+    let out = fx.run_container(&b);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("/usr/lib/kiwi/libkiwi.so") && stdout.contains(SHIM_CONTENT),
+        "{stdout}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&host_target).unwrap().count(),
+        0,
+        "the hook wrote through an image symlink onto the host"
+    );
+    assert!(rootfs
+        .join(host_target.strip_prefix("/").unwrap())
+        .join("ld.so.preload")
+        .exists());
+}
