@@ -6,7 +6,7 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use kiwi_sim_core::trace::TraceWriter;
@@ -46,6 +46,14 @@ pub struct Driver {
 
 static DRIVER: OnceLock<Result<Driver, CUresult>> = OnceLock::new();
 
+/// Set in a child forked after `cuInit`: the child has the parent's driver state but
+/// none of its executor threads, so (as with the real driver) it cannot use CUDA.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn after_fork_in_child() {
+    FORKED.store(true, Ordering::Relaxed);
+}
+
 fn init_driver() -> Result<Driver, CUresult> {
     let cfg = SimConfig::from_env().map_err(|e| {
         eprintln!("kiwi-sim libcuda: {e}");
@@ -66,6 +74,8 @@ fn init_driver() -> Result<Driver, CUresult> {
         None => None,
     };
     let mem = Memory::new(machine)?;
+    // SAFETY: registers a handler that only stores to an atomic (async-signal-safe).
+    unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
     Ok(Driver {
         machine,
         name: cfg.name.clone(),
@@ -95,6 +105,9 @@ fn init_driver() -> Result<Driver, CUresult> {
 
 /// `cuInit`: idempotent; the first call's outcome sticks.
 pub fn init() -> Result<&'static Driver, CUresult> {
+    if FORKED.load(Ordering::Relaxed) {
+        return Err(CUDA_ERROR_NOT_INITIALIZED);
+    }
     match DRIVER.get_or_init(init_driver) {
         Ok(d) => Ok(d),
         Err(e) => Err(*e),
@@ -104,6 +117,9 @@ pub fn init() -> Result<&'static Driver, CUresult> {
 /// The driver, or `CUDA_ERROR_NOT_INITIALIZED` before `cuInit`.
 #[inline]
 pub fn driver() -> Result<&'static Driver, CUresult> {
+    if FORKED.load(Ordering::Relaxed) {
+        return Err(CUDA_ERROR_NOT_INITIALIZED);
+    }
     match DRIVER.get() {
         Some(Ok(d)) => Ok(d),
         Some(Err(e)) => Err(*e),

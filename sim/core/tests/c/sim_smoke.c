@@ -7,6 +7,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #define CHECK(call)                                                            \
     do {                                                                       \
@@ -364,6 +366,19 @@ int main(void) {
     const char *en = NULL;
     CHECK(cuGetErrorName(CUDA_ERROR_ILLEGAL_ADDRESS, &en));
     ASSERT(strcmp(en, "CUDA_ERROR_ILLEGAL_ADDRESS") == 0);
+
+    /* A child forked after cuInit cannot use CUDA (as with the real driver). */
+    {
+        pid_t child = fork();
+        if (child == 0) {
+            CUdeviceptr x;
+            _exit(cuMemAlloc(&x, 4096) == CUDA_ERROR_NOT_INITIALIZED ? 0 : 1);
+        }
+        int st = 0;
+        ASSERT(child > 0 && waitpid(child, &st, 0) == child);
+        ASSERT(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        CHECK(cuCtxSynchronize()); /* the parent carries on */
+    }
 
     CHECK(cuMemFree(d));
     CHECK(cuMemFree(out));
