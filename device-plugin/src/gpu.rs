@@ -1,4 +1,4 @@
-//! GPU discovery and health probing behind one trait, [`GpuSource`].
+//! GPU discovery and health probing behind one trait, [`GpuDiscovery`].
 //!
 //! Three implementations: NVML loaded at run time ([`crate::nvml::NvmlSource`]), a GPU
 //! list file for nodes without NVML ([`GpuListSource`]), and an in-memory fake for
@@ -84,7 +84,7 @@ pub enum GpuError {
 ///
 /// The health monitor calls these from one dedicated thread, so implementations may
 /// block (NVML's event wait does).
-pub trait GpuSource: Send + 'static {
+pub trait GpuDiscovery: Send + 'static {
     /// Every GPU on the node, in index order.
     fn discover(&mut self) -> Result<Vec<Gpu>, GpuError>;
     /// Waits at most `timeout` for critical faults; returns those seen (maybe none).
@@ -266,7 +266,7 @@ impl GpuListSource {
     }
 }
 
-impl GpuSource for GpuListSource {
+impl GpuDiscovery for GpuListSource {
     fn discover(&mut self) -> Result<Vec<Gpu>, GpuError> {
         let mut gpus = self.read()?;
         for gpu in &mut gpus {
@@ -394,7 +394,7 @@ pub fn fake_uuid(i: u32) -> String {
     format!("GPU-00000000-0000-0000-0000-{i:012}")
 }
 
-impl GpuSource for FakeGpus {
+impl GpuDiscovery for FakeGpus {
     fn discover(&mut self) -> Result<Vec<Gpu>, GpuError> {
         let st = self.state();
         if let Some(message) = &st.discover_error {

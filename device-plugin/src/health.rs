@@ -1,4 +1,4 @@
-//! The health monitor: one thread that owns the [`GpuSource`], waits for its fault
+//! The health monitor: one thread that owns the [`GpuDiscovery`], waits for its fault
 //! events and probes every GPU at a fixed interval, and publishes one health flag per
 //! GPU on a `tokio::sync::watch` channel that every `ListAndWatch` stream follows.
 //!
@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use crate::gpu::{Fault, Gpu, GpuSource, Probe};
+use crate::gpu::{Fault, Gpu, GpuDiscovery, Probe};
 
 /// Health flags by position in the inventory's GPU list; `true` is healthy.
 pub type HealthFlags = Arc<Vec<bool>>;
@@ -44,7 +44,7 @@ pub struct HealthMonitor {
 impl HealthMonitor {
     /// Starts watching `gpus` (as discovered from `source`), all healthy at first.
     pub fn start(
-        mut source: Box<dyn GpuSource>,
+        mut source: Box<dyn GpuDiscovery>,
         gpus: Vec<Gpu>,
         interval: Duration,
     ) -> std::io::Result<HealthMonitor> {
@@ -78,7 +78,7 @@ impl Drop for HealthMonitor {
 }
 
 fn monitor_loop(
-    source: &mut dyn GpuSource,
+    source: &mut dyn GpuDiscovery,
     gpus: &[Gpu],
     interval: Duration,
     tx: &watch::Sender<HealthFlags>,

@@ -9,7 +9,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 use kiwi_device_plugin::devices::DeviceListStrategy;
-use kiwi_device_plugin::gpu::{GpuListSource, GpuSource};
+use kiwi_device_plugin::gpu::{GpuDiscovery, GpuListSource};
 use kiwi_device_plugin::nvml::{NvmlSource, NVML_LIBRARY};
 use kiwi_device_plugin::settings::{merge, Overrides};
 
@@ -100,7 +100,7 @@ async fn serve(cli: Cli) -> anyhow::Result<()> {
         },
     )
     .map_err(anyhow::Error::msg)?;
-    let source: Box<dyn GpuSource> = match &settings.gpu_list {
+    let source: Box<dyn GpuDiscovery> = match &settings.gpu_list {
         Some(path) => Box::new(GpuListSource::new(path)),
         None => Box::new(
             NvmlSource::load(NVML_LIBRARY)

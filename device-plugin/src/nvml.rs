@@ -2,7 +2,7 @@
 //! plugin builds and runs on machines without the NVIDIA driver.
 //!
 //! Three layers, as in cudarc: the raw C signatures ([`sys`]), [`Nvml`] whose methods
-//! return `Result`s, and [`NvmlSource`], the [`GpuSource`] the plugin uses. Only the
+//! return `Result`s, and [`NvmlSource`], the [`GpuDiscovery`] the plugin uses. Only the
 //! NVML functions listed in `docs/device-plugin.md` are called (the GPU simulator's
 //! `libnvidia-ml.so.1` implements exactly those).
 
@@ -10,7 +10,7 @@ use std::ffi::{c_char, c_uint, c_ulonglong, CStr, CString};
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::gpu::{normalize_bus_id, Fault, Gpu, GpuError, GpuSource, Probe};
+use crate::gpu::{normalize_bus_id, Fault, Gpu, GpuDiscovery, GpuError, Probe};
 
 /// The library loaded by default (found through the dynamic linker's search path).
 pub const NVML_LIBRARY: &str = "libnvidia-ml.so.1";
@@ -491,7 +491,7 @@ pub fn is_critical_xid(xid: u64) -> bool {
     !APPLICATION_XIDS.contains(&xid)
 }
 
-/// The [`GpuSource`] backed by NVML.
+/// The [`GpuDiscovery`] backed by NVML.
 pub struct NvmlSource {
     // Field order matters: the event set borrows `nvml` and must drop first.
     events: Option<EventSet<'static>>,
@@ -543,7 +543,7 @@ impl NvmlSource {
     }
 }
 
-impl GpuSource for NvmlSource {
+impl GpuDiscovery for NvmlSource {
     fn discover(&mut self) -> Result<Vec<Gpu>, GpuError> {
         let nvml = self.nvml;
         let count = nvml.device_count()?;

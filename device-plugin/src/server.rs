@@ -22,7 +22,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::api::device_plugin_server::DevicePluginServer;
 use crate::devices::{DeviceListStrategy, Inventory, InventoryError};
-use crate::gpu::{GpuError, GpuSource};
+use crate::gpu::{GpuDiscovery, GpuError};
 use crate::health::HealthMonitor;
 use crate::kubelet::{self, KUBELET_SOCKET};
 use crate::metrics::Metrics;
@@ -163,7 +163,7 @@ fn file_id(path: &Path) -> Option<FileId> {
 /// Runs the plugin until `shutdown` completes.
 pub async fn run(
     settings: Settings,
-    source: Box<dyn GpuSource>,
+    source: Box<dyn GpuDiscovery>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), PluginError> {
     validate_resource_name(&settings.resource_name).map_err(PluginError::Settings)?;
