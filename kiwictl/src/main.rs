@@ -4,6 +4,7 @@
 mod control;
 mod run;
 mod status;
+mod timeline;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -57,6 +58,8 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         since_seq: u64,
     },
+    /// Draw who had the GPU, who waited and when, from the arbiter's event log.
+    Timeline(timeline::TimelineArgs),
     /// Run a program under Kiwi on this machine (preloads the shim).
     Run(run::RunArgs),
     /// Register runtime "kiwi" with containerd or docker.
@@ -163,6 +166,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Some(Command::Timeline(args)) => timeline::run(&socket_dir, cli.gpu, &args),
         Some(Command::Run(args)) => run::run(&cfg, &socket_dir, cli.gpu.as_deref(), args),
         Some(Command::Install(_) | Command::Uninstall(_) | Command::Cdi { .. }) => {
             unreachable!("handled above")

@@ -1,0 +1,883 @@
+//! The timeline picture: who had the GPU, who waited, who worked on the CPU, over
+//! time — the seed's "Example Timeline of Kiwi Applications" (T0…T4), drawn from an
+//! arbiter's event log (`kiwictl timeline`) or from a run that also knows when each
+//! application computed (`kiwictl demo`, which refines lanes with [`refine_lane`]).
+//!
+//! This module owns the model ([`Timeline`], [`Lane`], [`Interval`], [`Mark`]), how
+//! it is built from events ([`from_events`], [`seed_marks`], [`summarize`]), and the
+//! `timeline` subcommand ([`run`]). Drawing lives in [`term`] (ANSI terminal) and
+//! [`svg`]. It talks to the arbiter only through [`Control`]; it never writes to it.
+
+// `kiwictl demo` (the lead's) is the caller of the refinement and summary API that
+// `timeline` itself does not need; until it lands, the binary does not use all of it.
+#![cfg_attr(not(test), allow(dead_code))]
+
+pub mod svg;
+pub mod term;
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use kiwi_protocol::{DropReason, Event, EventKind};
+
+use crate::control::Control;
+
+const NS_PER_S: u64 = 1_000_000_000;
+
+/// What an application is doing during an [`Interval`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum LaneState {
+    /// Running GPU work (known from the application itself, e.g. kernel intervals).
+    Gpu,
+    /// Holding the GPU grant (all an arbiter log can tell: it does not see kernels).
+    Held,
+    /// Asked for the GPU and not granted yet.
+    Waiting,
+    /// Working on the CPU (known from the application itself).
+    Cpu,
+    /// Doing nothing (known from the application itself).
+    Idle,
+    /// Not holding and not waiting: CPU work or idleness, the arbiter cannot tell.
+    OffGpu,
+}
+
+impl LaneState {
+    /// Every state, in legend order.
+    pub const ALL: [LaneState; 6] = [
+        LaneState::Gpu,
+        LaneState::Held,
+        LaneState::Waiting,
+        LaneState::Cpu,
+        LaneState::Idle,
+        LaneState::OffGpu,
+    ];
+
+    /// The legend's words.
+    pub fn label(self) -> &'static str {
+        match self {
+            LaneState::Gpu => "GPU",
+            LaneState::Held => "holds the GPU",
+            LaneState::Waiting => "waiting for the GPU",
+            LaneState::Cpu => "CPU",
+            LaneState::Idle => "idle",
+            LaneState::OffGpu => "off GPU (CPU or idle)",
+        }
+    }
+
+    /// The word written inside a block when it is wide enough.
+    pub fn short(self) -> &'static str {
+        match self {
+            LaneState::Gpu => "GPU",
+            LaneState::Held => "GPU",
+            LaneState::Waiting => "waiting",
+            LaneState::Cpu => "CPU",
+            LaneState::Idle => "idle",
+            LaneState::OffGpu => "off GPU",
+        }
+    }
+
+    fn on_gpu(self) -> bool {
+        matches!(self, LaneState::Gpu | LaneState::Held)
+    }
+}
+
+/// `[start_ns, end_ns)` in one state (CLOCK_MONOTONIC ns).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Interval {
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub state: LaneState,
+}
+
+/// One application (one client of the arbiter): intervals sorted, non-overlapping.
+/// Time outside every interval is time the application did not exist (or the log
+/// does not cover).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lane {
+    pub name: String,
+    /// The arbiter's client id, when the lane comes from an event log.
+    pub client: Option<u64>,
+    pub intervals: Vec<Interval>,
+}
+
+impl Lane {
+    /// Nanoseconds this lane spends in `state` within `[t0, t1)`.
+    pub fn time_in(&self, state: LaneState, t0: u64, t1: u64) -> u64 {
+        self.intervals
+            .iter()
+            .filter(|i| i.state == state)
+            .map(|i| i.end_ns.min(t1).saturating_sub(i.start_ns.max(t0)))
+            .sum()
+    }
+}
+
+/// A labelled instant, drawn as a dashed vertical line (the seed's T1…T4).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mark {
+    pub label: String,
+    pub t_ns: u64,
+    pub note: String,
+}
+
+/// Everything one picture shows, over `[t0_ns, t1_ns)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Timeline {
+    pub title: String,
+    pub t0_ns: u64,
+    pub t1_ns: u64,
+    pub lanes: Vec<Lane>,
+    pub marks: Vec<Mark>,
+    /// Lines printed under the picture.
+    pub notes: Vec<String>,
+}
+
+impl Timeline {
+    /// Length of the picture in ns (at least 1).
+    pub fn span_ns(&self) -> u64 {
+        self.t1_ns.saturating_sub(self.t0_ns).max(1)
+    }
+
+    /// The states that occur in the window, in legend order.
+    pub fn states_present(&self) -> Vec<LaneState> {
+        LaneState::ALL
+            .into_iter()
+            .filter(|s| {
+                self.lanes
+                    .iter()
+                    .any(|l| l.time_in(*s, self.t0_ns, self.t1_ns) > 0)
+            })
+            .collect()
+    }
+}
+
+/// One lane's figures in [`Summary`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaneSummary {
+    pub name: String,
+    pub client: Option<u64>,
+    /// Running on (or holding) the GPU.
+    pub gpu_ns: u64,
+    pub waited_ns: u64,
+    pub cpu_ns: u64,
+    /// Idle, or off the GPU when CPU work and idleness cannot be told apart.
+    pub idle_ns: u64,
+    pub swapped_out_bytes: u64,
+    pub swapped_in_bytes: u64,
+}
+
+/// The short summary printed under a timeline.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Summary {
+    pub span_ns: u64,
+    /// Time at least one lane was on (or held) the GPU.
+    pub gpu_busy_ns: u64,
+    pub lanes: Vec<LaneSummary>,
+}
+
+impl Summary {
+    /// GPU busy time as a percentage of the span.
+    pub fn gpu_busy_pct(&self) -> f64 {
+        100.0 * self.gpu_busy_ns as f64 / self.span_ns.max(1) as f64
+    }
+}
+
+// ---- building a timeline from the event log ----------------------------------------
+
+/// What the log says about a client, for its lane's name.
+struct ClientInfo {
+    host_pid: u32,
+    pod: Option<String>,
+}
+
+/// Short names for clients, unique within the log: the program name (or `client N`),
+/// with `#id` appended where two share a name.
+fn short_names(events: &[Event]) -> HashMap<u64, String> {
+    let mut base: BTreeMap<u64, String> = BTreeMap::new();
+    for e in events {
+        let Some(id) = e.client else { continue };
+        match &e.kind {
+            EventKind::Register { name, pid, .. } => {
+                let n = name
+                    .clone()
+                    .filter(|n| !n.trim().is_empty())
+                    .unwrap_or_else(|| format!("pid {pid}"));
+                base.insert(id, n);
+            }
+            _ => {
+                base.entry(id).or_insert_with(|| format!("client {id}"));
+            }
+        }
+    }
+    let mut count: HashMap<&str, usize> = HashMap::new();
+    for n in base.values() {
+        *count.entry(n.as_str()).or_default() += 1;
+    }
+    base.iter()
+        .map(|(id, n)| {
+            let s = if count[n.as_str()] > 1 {
+                format!("{n} #{id}")
+            } else {
+                n.clone()
+            };
+            (*id, s)
+        })
+        .collect()
+}
+
+/// Only the events of `gpu` when the log names it (a UUID); an index was already
+/// applied by the arbiter, so events that never name it are taken as they are.
+fn filter_gpu<'a>(events: &'a [Event], gpu: Option<&str>) -> Vec<&'a Event> {
+    match gpu {
+        Some(g) if events.iter().any(|e| e.gpu == g) => {
+            events.iter().filter(|e| e.gpu == g).collect()
+        }
+        _ => events.iter().collect(),
+    }
+}
+
+/// Appends `[start, end)` in `state`, merging with the previous interval when it
+/// continues it; empty intervals are dropped.
+fn push_interval(v: &mut Vec<Interval>, start_ns: u64, end_ns: u64, state: LaneState) {
+    if end_ns <= start_ns {
+        return;
+    }
+    if let Some(last) = v.last_mut() {
+        if last.state == state && last.end_ns >= start_ns {
+            last.end_ns = last.end_ns.max(end_ns);
+            return;
+        }
+    }
+    v.push(Interval {
+        start_ns,
+        end_ns,
+        state,
+    });
+}
+
+/// A timeline from an arbiter event log (CLOCK_MONOTONIC ns): one lane per client
+/// (named after its Register event: program name, pod or pid). Request→Grant is
+/// Waiting; Grant→Release/Revoke/Exit is Held; the rest is OffGpu (the arbiter
+/// cannot tell CPU work from idleness). The window is `[since, now)`, or from the
+/// first event when `since_ns` is `None` or older; states at the window's start come
+/// from the whole log. `gpu` keeps only that GPU's events (when the log names it).
+pub fn from_events(
+    events: &[Event],
+    gpu: Option<&str>,
+    since_ns: Option<u64>,
+    now_ns: u64,
+) -> Timeline {
+    let mut evs = filter_gpu(events, gpu);
+    evs.sort_by_key(|e| (e.t_ns, e.seq));
+    let first_t = evs.first().map_or(now_ns, |e| e.t_ns);
+    let t0 = since_ns.map_or(first_t, |s| s.max(first_t)).min(now_ns);
+    let t1 = now_ns.max(t0 + 1);
+
+    let owned: Vec<Event> = evs.iter().map(|e| (*e).clone()).collect();
+    let names = short_names(&owned);
+
+    struct Open {
+        state: LaneState,
+        since: u64,
+        intervals: Vec<Interval>,
+        info: ClientInfo,
+        order: usize,
+    }
+    let mut open: BTreeMap<u64, Open> = BTreeMap::new();
+    let mut closed: Vec<(usize, u64, Vec<Interval>, ClientInfo)> = Vec::new();
+    let mut next_order = 0;
+    let mut gpus: Vec<&str> = Vec::new();
+    let mut tq_ms: Option<u64> = None;
+
+    for e in &evs {
+        if !gpus.contains(&e.gpu.as_str()) {
+            gpus.push(&e.gpu);
+        }
+        if let EventKind::Tq { tq_ms: tq } = e.kind {
+            tq_ms = Some(tq);
+        }
+        let Some(id) = e.client else { continue };
+        let t = e.t_ns;
+        let o = open.entry(id).or_insert_with(|| {
+            // A client first seen without its Register (the log was truncated): it
+            // was holding before when the first event shows it giving the GPU back.
+            let (since, state) = match e.kind {
+                EventKind::Register { .. } => (t, LaneState::OffGpu),
+                EventKind::Release { .. } | EventKind::Drop { .. } | EventKind::Revoke => {
+                    (first_t, LaneState::Held)
+                }
+                _ => (first_t, LaneState::OffGpu),
+            };
+            next_order += 1;
+            Open {
+                state,
+                since,
+                intervals: Vec::new(),
+                info: ClientInfo {
+                    host_pid: 0,
+                    pod: None,
+                },
+                order: next_order,
+            }
+        });
+        let new_state = match &e.kind {
+            EventKind::Register {
+                host_pid,
+                pod_name,
+                pod_namespace,
+                ..
+            } => {
+                o.info = ClientInfo {
+                    host_pid: *host_pid,
+                    pod: pod_name.as_ref().map(|p| match pod_namespace {
+                        Some(ns) => format!("{ns}/{p}"),
+                        None => p.clone(),
+                    }),
+                };
+                None
+            }
+            EventKind::Request if o.state != LaneState::Held => Some(LaneState::Waiting),
+            EventKind::Grant { .. } => Some(LaneState::Held),
+            EventKind::Release { .. } | EventKind::Revoke if o.state == LaneState::Held => {
+                Some(LaneState::OffGpu)
+            }
+            EventKind::Exit => {
+                let mut o = open.remove(&id).expect("present");
+                push_interval(&mut o.intervals, o.since, t, o.state);
+                closed.push((o.order, id, o.intervals, o.info));
+                continue;
+            }
+            _ => None,
+        };
+        if let Some(s) = new_state {
+            if s != o.state {
+                push_interval(&mut o.intervals, o.since, t, o.state);
+                o.state = s;
+                o.since = t;
+            }
+        }
+    }
+    for (id, mut o) in open {
+        push_interval(&mut o.intervals, o.since, t1, o.state);
+        closed.push((o.order, id, o.intervals, o.info));
+    }
+    closed.sort_by_key(|c| c.0);
+
+    let lanes: Vec<Lane> = closed
+        .into_iter()
+        .filter_map(|(_, id, intervals, info)| {
+            let clipped: Vec<Interval> = intervals
+                .into_iter()
+                .filter(|i| i.end_ns > t0 && i.start_ns < t1)
+                .map(|i| Interval {
+                    start_ns: i.start_ns.max(t0),
+                    end_ns: i.end_ns.min(t1),
+                    state: i.state,
+                })
+                .collect();
+            if clipped.is_empty() {
+                return None;
+            }
+            let short = names
+                .get(&id)
+                .cloned()
+                .unwrap_or_else(|| format!("client {id}"));
+            let name = match (&info.pod, info.host_pid) {
+                (Some(pod), _) => format!("{short} ({pod})"),
+                (None, 0) => short,
+                (None, pid) => format!("{short} (pid {pid})"),
+            };
+            Some(Lane {
+                name,
+                client: Some(id),
+                intervals: clipped,
+            })
+        })
+        .collect();
+
+    let mut marks: Vec<Mark> = seed_marks(&owned)
+        .into_iter()
+        .filter(|m| m.t_ns >= t0 && m.t_ns <= t1)
+        .collect();
+    if marks
+        .first()
+        .is_some_and(|m| m.label == "T1" && m.t_ns > t0)
+    {
+        marks.insert(
+            0,
+            Mark {
+                label: "T0".into(),
+                t_ns: t0,
+                note: "start of the picture".into(),
+            },
+        );
+    }
+
+    let title = match gpus.as_slice() {
+        [one] => format!("Kiwi timeline: {one}"),
+        [] => "Kiwi timeline".to_string(),
+        many => format!("Kiwi timeline: {} GPUs", many.len()),
+    };
+    let mut notes = vec![
+        "From the arbiter's event log: it sees grants and requests, not kernels, so time \
+         off the GPU may be CPU work or idleness."
+            .to_string(),
+    ];
+    if let Some(tq) = tq_ms {
+        notes.push(format!(
+            "Time quantum set to {} s.",
+            fmt_secs(tq * 1_000_000)
+        ));
+    }
+    Timeline {
+        title,
+        t0_ns: t0,
+        t1_ns: t1,
+        lanes,
+        marks,
+        notes,
+    }
+}
+
+/// Sorts and merges `[start, end)` pairs, joining those closer than `gap_ns`: e.g.
+/// kernel intervals from the simulator's trace become GPU bursts.
+pub fn merge_intervals(spans: &[(u64, u64)], gap_ns: u64) -> Vec<(u64, u64)> {
+    let mut v: Vec<(u64, u64)> = spans.iter().copied().filter(|(s, e)| e > s).collect();
+    v.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(v.len());
+    for (s, e) in v {
+        match out.last_mut() {
+            Some(last) if s <= last.1.saturating_add(gap_ns) => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
+}
+
+/// Refines a lane with what the application itself reports: `gpu_busy` intervals
+/// become Gpu and `cpu` intervals Cpu; Waiting stays Waiting (a waiting application
+/// runs nothing, whatever it reports); everything else becomes Idle. The lane keeps
+/// its extent (extended to cover the reported intervals).
+pub fn refine_lane(lane: &mut Lane, gpu_busy: &[(u64, u64)], cpu: &[(u64, u64)]) {
+    let gpu = merge_intervals(gpu_busy, 0);
+    let cpu = merge_intervals(cpu, 0);
+    let waiting: Vec<(u64, u64)> = lane
+        .intervals
+        .iter()
+        .filter(|i| i.state == LaneState::Waiting)
+        .map(|i| (i.start_ns, i.end_ns))
+        .collect();
+    let starts = lane
+        .intervals
+        .first()
+        .map(|i| i.start_ns)
+        .into_iter()
+        .chain(gpu.first().map(|g| g.0))
+        .chain(cpu.first().map(|c| c.0));
+    let ends = lane
+        .intervals
+        .last()
+        .map(|i| i.end_ns)
+        .into_iter()
+        .chain(gpu.last().map(|g| g.1))
+        .chain(cpu.last().map(|c| c.1));
+    let (Some(lo), Some(hi)) = (starts.min(), ends.max()) else {
+        return;
+    };
+    // Cut the extent at every boundary; each piece has one state.
+    let mut cuts: Vec<u64> = vec![lo, hi];
+    for (s, e) in gpu.iter().chain(&cpu).chain(&waiting) {
+        cuts.push(*s);
+        cuts.push(*e);
+    }
+    cuts.retain(|t| (lo..=hi).contains(t));
+    cuts.sort_unstable();
+    cuts.dedup();
+    let inside = |v: &[(u64, u64)], a: u64, b: u64| v.iter().any(|(s, e)| *s <= a && b <= *e);
+    let mut out = Vec::new();
+    for w in cuts.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        let state = if inside(&waiting, a, b) {
+            LaneState::Waiting
+        } else if inside(&gpu, a, b) {
+            LaneState::Gpu
+        } else if inside(&cpu, a, b) {
+            LaneState::Cpu
+        } else {
+            LaneState::Idle
+        };
+        push_interval(&mut out, a, b, state);
+    }
+    lane.intervals = out;
+}
+
+/// The seed's marks, where the log shows its pattern. T1: the grant in effect for
+/// the first holder A when another client B asks for the GPU; T2: B's request; T3:
+/// B's grant, once A's quantum is over (or A released); T4: B's early release (and
+/// A's next grant). Returns the marks found, in order (none without a B waiting
+/// behind an A). Each GPU is looked at on its own; the first with the pattern wins.
+pub fn seed_marks(events: &[Event]) -> Vec<Mark> {
+    let mut gpus: Vec<&str> = Vec::new();
+    for e in events {
+        if !gpus.contains(&e.gpu.as_str()) {
+            gpus.push(&e.gpu);
+        }
+    }
+    let names = short_names(events);
+    let name = |id: u64| names.get(&id).cloned().unwrap_or(format!("client {id}"));
+    for g in gpus {
+        let mut evs: Vec<&Event> = events.iter().filter(|e| e.gpu == g).collect();
+        evs.sort_by_key(|e| (e.t_ns, e.seq));
+        let marks = seed_marks_one_gpu(&evs, &name);
+        if !marks.is_empty() {
+            return marks;
+        }
+    }
+    Vec::new()
+}
+
+fn seed_marks_one_gpu(evs: &[&Event], name: &dyn Fn(u64) -> String) -> Vec<Mark> {
+    // T1/T2: B requests while A holds.
+    let mut holders: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut found: Option<(usize, u64, u64, u64)> = None; // (index of T2, A, B, T1)
+    for (i, e) in evs.iter().enumerate() {
+        let Some(id) = e.client else { continue };
+        match e.kind {
+            EventKind::Grant { .. } => {
+                holders.insert(id, e.t_ns);
+            }
+            EventKind::Release { .. } | EventKind::Revoke | EventKind::Exit => {
+                holders.remove(&id);
+            }
+            EventKind::Request => {
+                if let Some((&a, &t1)) = holders.iter().find(|(h, _)| **h != id) {
+                    found = Some((i, a, id, t1));
+                    break;
+                }
+            }
+            _ => {}
+        }
+    }
+    let Some((i2, a, b, t1)) = found else {
+        return Vec::new();
+    };
+    let (na, nb) = (name(a), name(b));
+    let mut marks = vec![
+        Mark {
+            label: "T1".into(),
+            t_ns: t1,
+            note: format!("{na} gets the GPU"),
+        },
+        Mark {
+            label: "T2".into(),
+            t_ns: evs[i2].t_ns,
+            note: format!("{nb} asks for the GPU and waits"),
+        },
+    ];
+    // T3: B's grant; how A let go decides the words.
+    let mut a_dropped_for_tq = false;
+    let mut a_released_early = false;
+    let mut i3 = None;
+    for (i, e) in evs.iter().enumerate().skip(i2 + 1) {
+        match (e.client, &e.kind) {
+            (
+                Some(c),
+                EventKind::Drop {
+                    reason: DropReason::TqExpired,
+                    ..
+                },
+            ) if c == a => a_dropped_for_tq = true,
+            (Some(c), EventKind::Release { early, .. }) if c == a => a_released_early = *early,
+            (Some(c), EventKind::Grant { .. }) if c == b => {
+                i3 = Some(i);
+                break;
+            }
+            (Some(c), EventKind::Exit) if c == b => break,
+            _ => {}
+        }
+    }
+    let Some(i3) = i3 else { return marks };
+    let t3 = evs[i3].t_ns;
+    // Did A ask again right away (it still had GPU work, like the seed's A)?
+    let a_waits = evs
+        .iter()
+        .skip(i2 + 1)
+        .filter(|e| e.client == Some(a))
+        .take_while(|e| e.t_ns <= t3 + NS_PER_S / 10)
+        .any(|e| matches!(e.kind, EventKind::Request));
+    let why = if a_dropped_for_tq && !a_released_early {
+        format!("{na}'s time quantum is over")
+    } else {
+        format!("{na} releases the GPU")
+    };
+    marks.push(Mark {
+        label: "T3".into(),
+        t_ns: t3,
+        note: if a_waits {
+            format!("{why}: {nb} gets the GPU, {na} waits")
+        } else {
+            format!("{why}: {nb} gets the GPU")
+        },
+    });
+    // T4: B gives the GPU back before its quantum is over.
+    for (i, e) in evs.iter().enumerate().skip(i3 + 1) {
+        if e.client != Some(b) {
+            continue;
+        }
+        match e.kind {
+            EventKind::Release { early: true, .. } => {
+                let a_next = evs[i + 1..]
+                    .iter()
+                    .find(|x| matches!(x.kind, EventKind::Grant { .. }))
+                    .is_some_and(|x| x.client == Some(a));
+                marks.push(Mark {
+                    label: "T4".into(),
+                    t_ns: e.t_ns,
+                    note: if a_next {
+                        format!("{nb} releases early: {na} gets the GPU again")
+                    } else {
+                        format!("{nb} releases early")
+                    },
+                });
+                break;
+            }
+            EventKind::Release { .. } | EventKind::Revoke | EventKind::Exit => break,
+            _ => {}
+        }
+    }
+    marks
+}
+
+/// Per-lane time in each state within the picture, bytes swapped (from the log's
+/// swap events in the window, by client), and how busy the GPU was: the union of
+/// every lane's GPU (or held) intervals over the span.
+pub fn summarize(t: &Timeline, events: &[Event]) -> Summary {
+    let (t0, t1) = (t.t0_ns, t.t1_ns);
+    let mut lanes = Vec::new();
+    let mut busy: Vec<(u64, u64)> = Vec::new();
+    for l in &t.lanes {
+        let mut s = LaneSummary {
+            name: l.name.clone(),
+            client: l.client,
+            gpu_ns: l.time_in(LaneState::Gpu, t0, t1) + l.time_in(LaneState::Held, t0, t1),
+            waited_ns: l.time_in(LaneState::Waiting, t0, t1),
+            cpu_ns: l.time_in(LaneState::Cpu, t0, t1),
+            idle_ns: l.time_in(LaneState::Idle, t0, t1) + l.time_in(LaneState::OffGpu, t0, t1),
+            swapped_out_bytes: 0,
+            swapped_in_bytes: 0,
+        };
+        if let Some(id) = l.client {
+            for e in events
+                .iter()
+                .filter(|e| e.client == Some(id) && e.t_ns >= t0 && e.t_ns <= t1)
+            {
+                match e.kind {
+                    EventKind::SwapOut { bytes, .. } => s.swapped_out_bytes += bytes,
+                    EventKind::SwapIn { bytes, .. } => s.swapped_in_bytes += bytes,
+                    _ => {}
+                }
+            }
+        }
+        busy.extend(
+            l.intervals
+                .iter()
+                .filter(|i| i.state.on_gpu())
+                .map(|i| (i.start_ns.max(t0), i.end_ns.min(t1))),
+        );
+        lanes.push(s);
+    }
+    let gpu_busy_ns = merge_intervals(&busy, 0).iter().map(|(s, e)| e - s).sum();
+    Summary {
+        span_ns: t.span_ns(),
+        gpu_busy_ns,
+        lanes,
+    }
+}
+
+/// The summary as text: GPU busy %, then a row per lane.
+pub fn render_summary(s: &Summary) -> String {
+    let w = s
+        .lanes
+        .iter()
+        .map(|l| l.name.chars().count())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    let mut out = format!(
+        "GPU busy {:.1}% of {} s\n",
+        s.gpu_busy_pct(),
+        fmt_secs(s.span_ns)
+    );
+    out.push_str(&format!(
+        "{:<w$}  {:>9}  {:>9}  {:>9}  {:>9}  {:>11}  {:>11}\n",
+        "app", "on GPU", "waited", "CPU", "idle/off", "swapped out", "swapped in"
+    ));
+    for l in &s.lanes {
+        out.push_str(&format!(
+            "{:<w$}  {:>9}  {:>9}  {:>9}  {:>9}  {:>11}  {:>11}\n",
+            l.name,
+            format!("{} s", fmt_secs(l.gpu_ns)),
+            format!("{} s", fmt_secs(l.waited_ns)),
+            format!("{} s", fmt_secs(l.cpu_ns)),
+            format!("{} s", fmt_secs(l.idle_ns)),
+            fmt_bytes(l.swapped_out_bytes),
+            fmt_bytes(l.swapped_in_bytes),
+        ));
+    }
+    out
+}
+
+/// Seconds with a precision that suits the size: `0.305`, `12.3`, `4000`.
+pub fn fmt_secs(ns: u64) -> String {
+    let s = ns as f64 / NS_PER_S as f64;
+    if s == 0.0 {
+        "0".into()
+    } else if s < 10.0 {
+        format!("{s:.3}")
+    } else if s < 1000.0 {
+        format!("{s:.1}")
+    } else {
+        format!("{s:.0}")
+    }
+}
+
+/// Bytes for people: `0 B`, `700 MiB`, `1.5 GiB`.
+pub fn fmt_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 || v.fract() == 0.0 {
+        format!("{v:.0} {}", UNITS[u])
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// `90s`, `10m`, `2h` (also `500ms`, fractions like `1.5h`) as nanoseconds (> 0).
+pub fn parse_since(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let mult = match unit {
+        "ms" => 1e6,
+        "s" => 1e9,
+        "m" => 60e9,
+        "h" => 3600e9,
+        _ => {
+            return Err(format!(
+                "--since {s:?}: expected a duration like 90s, 10m or 2h"
+            ))
+        }
+    };
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("--since {s:?}: expected a duration like 90s, 10m or 2h"))?;
+    let ns = v * mult;
+    if !(ns >= 1.0 && ns < u64::MAX as f64) {
+        return Err(format!("--since {s:?}: the duration must be more than 0"));
+    }
+    Ok(ns as u64)
+}
+
+// ---- `kiwictl timeline` ----------------------------------------------------------------
+
+/// `kiwictl timeline`'s own flags (`--gpu` and `--socket-dir` are kiwictl's).
+#[derive(clap::Args, Debug, Clone)]
+pub struct TimelineArgs {
+    /// Only the last part of the log: 90s, 10m, 2h (default: all of it).
+    #[arg(long, value_name = "DURATION")]
+    pub since: Option<String>,
+    /// Also write the picture as SVG to PATH.
+    #[arg(long, value_name = "PATH")]
+    pub svg: Option<PathBuf>,
+    /// Width of the terminal picture in columns (default: the terminal's, or 100).
+    #[arg(long, value_name = "COLUMNS")]
+    pub width: Option<usize>,
+}
+
+/// Draws the picture from a live arbiter's event log.
+pub fn run(socket_dir: &Path, gpu: Option<String>, args: &TimelineArgs) -> Result<ExitCode> {
+    let since = match &args.since {
+        Some(s) => Some(parse_since(s).map_err(anyhow::Error::msg)?),
+        None => None,
+    };
+    if args.width.is_some_and(|w| w < 40) {
+        bail!("--width must be at least 40 columns");
+    }
+    let mut ctl = Control::connect(socket_dir)?;
+    let (events, now_ns) = ctl.events(gpu.clone(), 0)?;
+    let since_ns = since.map(|d| now_ns.saturating_sub(d));
+    let mut gpus: Vec<String> = Vec::new();
+    for e in &events {
+        if !gpus.contains(&e.gpu) {
+            gpus.push(e.gpu.clone());
+        }
+    }
+    let timelines: Vec<Timeline> = gpus
+        .iter()
+        .map(|g| from_events(&events, Some(g), since_ns, now_ns))
+        .filter(|t| !t.lanes.is_empty())
+        .collect();
+    if timelines.is_empty() {
+        let scope = gpu.map(|g| format!(" for GPU {g}")).unwrap_or_default();
+        let when = args
+            .since
+            .as_ref()
+            .map(|s| format!(" in the last {s}"))
+            .unwrap_or_default();
+        println!("No client events in the arbiter's log{scope}{when}: nothing to draw.");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let width = args.width.unwrap_or_else(term::terminal_width);
+    let color = std::io::stdout().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+        && std::env::var("TERM").map_or(true, |t| t != "dumb");
+    for (i, t) in timelines.iter().enumerate() {
+        if i > 0 {
+            println!();
+        }
+        print!("{}", term::render_terminal(t, width, color));
+        println!();
+        print!("{}", render_summary(&summarize(t, &events)));
+    }
+    if let Some(path) = &args.svg {
+        for (i, t) in timelines.iter().enumerate() {
+            let p = if timelines.len() == 1 {
+                path.clone()
+            } else {
+                numbered(path, i)
+            };
+            std::fs::write(&p, svg::render_svg(t))
+                .with_context(|| format!("cannot write {}", p.display()))?;
+            println!("[INFO] wrote {}", p.display());
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `x.svg` → `x-1.svg` for the second GPU's picture, and so on.
+fn numbered(path: &Path, i: usize) -> PathBuf {
+    if i == 0 {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().map_or_else(
+        || "kiwi-timeline".into(),
+        |s| s.to_string_lossy().into_owned(),
+    );
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}-{i}.{}", ext.to_string_lossy()),
+        None => format!("{stem}-{i}"),
+    };
+    path.with_file_name(name)
+}
+
+#[cfg(test)]
+pub(crate) mod tests;
