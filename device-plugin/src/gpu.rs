@@ -512,6 +512,27 @@ mod tests {
     }
 
     #[test]
+    fn list_source_reads_numa_from_sysfs_unless_given() {
+        let dir = tempfile::tempdir().unwrap();
+        let sysfs = dir.path().join("sys");
+        let dev = sysfs.join("bus/pci/devices/0000:3b:00.0");
+        std::fs::create_dir_all(&dev).unwrap();
+        std::fs::write(dev.join("numa_node"), "1\n").unwrap();
+        let path = dir.path().join("gpus");
+        std::fs::write(
+            &path,
+            format!("0 {U0} pci=00000000:3B:00.0\n1 {U1} pci=0000:3b:00.0 numa=0\n"),
+        )
+        .unwrap();
+        let gpus = GpuListSource::new(&path)
+            .with_sysfs(&sysfs)
+            .discover()
+            .unwrap();
+        assert_eq!(gpus[0].numa_node, Some(1), "from sysfs");
+        assert_eq!(gpus[1].numa_node, Some(0), "as written");
+    }
+
+    #[test]
     fn missing_list_file_is_a_clear_error() {
         let e = GpuListSource::new("/nonexistent/gpus")
             .discover()
