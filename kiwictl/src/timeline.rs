@@ -420,11 +420,7 @@ pub fn from_events(
         [] => "Kiwi timeline".to_string(),
         many => format!("Kiwi timeline: {} GPUs", many.len()),
     };
-    let mut notes = vec![
-        "From the arbiter's event log: it sees grants and requests, not kernels, so time \
-         off the GPU may be CPU work or idleness."
-            .to_string(),
-    ];
+    let mut notes = vec![LIVE_LOG_NOTE.to_string()];
     if let Some(tq) = tq_ms {
         notes.push(format!(
             "Time quantum set to {} s.",
@@ -439,6 +435,29 @@ pub fn from_events(
         marks,
         notes,
     }
+}
+
+/// The note under a picture drawn from the event log alone; [`refine`] removes it
+/// once every lane is refined.
+pub const LIVE_LOG_NOTE: &str = "From the arbiter's event log: it sees grants and requests, \
+     not kernels, so time off the GPU may be CPU work or idleness.";
+
+/// [`refine_lane`] on the lane of arbiter client `client`; returns whether there was
+/// one. Once no lane shows log-only states (held, off GPU), the log-only note goes.
+pub fn refine(t: &mut Timeline, client: u64, gpu_busy: &[(u64, u64)], cpu: &[(u64, u64)]) -> bool {
+    let Some(lane) = t.lanes.iter_mut().find(|l| l.client == Some(client)) else {
+        return false;
+    };
+    refine_lane(lane, gpu_busy, cpu);
+    let log_only = t.lanes.iter().any(|l| {
+        l.intervals
+            .iter()
+            .any(|i| matches!(i.state, LaneState::Held | LaneState::OffGpu))
+    });
+    if !log_only {
+        t.notes.retain(|n| n != LIVE_LOG_NOTE);
+    }
+    true
 }
 
 /// Sorts and merges `[start, end)` pairs, joining those closer than `gap_ns`: e.g.

@@ -509,3 +509,51 @@ fn formatting_helpers() {
         PathBuf::from("/x/t-2.svg")
     );
 }
+
+#[test]
+fn refined_timeline_reads_like_the_seed_figure() {
+    let (evs, now) = seed_log();
+    let b = 100 * S;
+    let mut t = from_events(&evs, None, None, now);
+    assert!(t.notes.iter().any(|n| n == LIVE_LOG_NOTE));
+    // A: CPU 100–101, GPU 101–104.05 and 105–106, CPU after. B: idle, CPU
+    // 101.5–102, GPU 104.05–105, CPU 105–106.
+    assert!(refine(
+        &mut t,
+        1,
+        &[(b + S, b + 4050 * MS), (b + 5 * S, b + 6 * S)],
+        &[(b, b + S), (b + 6 * S, now)],
+    ));
+    assert!(
+        t.notes.iter().any(|n| n == LIVE_LOG_NOTE),
+        "B not refined yet"
+    );
+    assert!(refine(
+        &mut t,
+        2,
+        &[(b + 4050 * MS, b + 5 * S)],
+        &[(b + 1500 * MS, b + 2 * S), (b + 5 * S, b + 6 * S)],
+    ));
+    assert!(!refine(&mut t, 7, &[], &[]), "no such client");
+    assert!(t.notes.is_empty(), "{:?}", t.notes);
+    assert_eq!(
+        t.states_present(),
+        [
+            LaneState::Gpu,
+            LaneState::Waiting,
+            LaneState::Cpu,
+            LaneState::Idle
+        ]
+    );
+    let text = term::render_terminal(&t, 90, false);
+    let a_row = text.lines().find(|l| l.starts_with("A ")).unwrap();
+    assert!(a_row.contains("+#") && a_row.contains("#~") && a_row.contains("~#"));
+    let svg = svg::render_svg(&t);
+    for class in ["gpu", "waiting", "cpu", "idle"] {
+        assert!(svg.contains(&format!("class=\"block {class}\"")), "{class}");
+    }
+    assert!(!svg.contains("off GPU"));
+    if let Some(path) = std::env::var_os("KIWI_TIMELINE_KEEP") {
+        std::fs::write(Path::new(&path).with_extension("refined.svg"), &svg).unwrap();
+    }
+}
