@@ -174,17 +174,18 @@ impl State {
     /// Applies scheduler outputs: messages to peers, events to the log.
     fn dispatch(&mut self, gpu: &str, outs: Vec<Output>) {
         let now = monotonic_ns();
+        // Messages first: a waiting client's grant must not wait for bookkeeping.
+        for o in &outs {
+            if let Output::Send(id, msg) = o {
+                if let Some(c) = self.clients.get(id) {
+                    c.peer.send(msg);
+                }
+            }
+        }
         for o in outs {
-            match o {
-                Output::Send(id, msg) => {
-                    if let Some(c) = self.clients.get(&id) {
-                        c.peer.send(&msg);
-                    }
-                }
-                Output::Log(id, kind) => {
-                    self.metrics.observe(now, gpu, &kind);
-                    self.events.push(now, gpu, id, kind);
-                }
+            if let Output::Log(id, kind) = o {
+                self.metrics.observe(now, gpu, &kind);
+                self.events.push(now, gpu, id, kind);
             }
         }
     }

@@ -41,7 +41,8 @@ fn register(socket: &Path, ws: u64) -> Result<Connection<ClientMsg, ArbiterMsg>>
     }
 }
 
-/// Client role: `rounds` times request, on grant note the time, release at once.
+/// Client role: `rounds` times request, on grant note the time, release at once,
+/// idle a moment.
 /// Prints `G <t_ns>` and `R <t_ns>` lines.
 pub fn client_role(socket: &Path, rounds: u32, start_fd_wait: bool) -> Result<()> {
     let ws = GPU_TOTAL * 6 / 10;
@@ -56,8 +57,9 @@ pub fn client_role(socket: &Path, rounds: u32, start_fd_wait: bool) -> Result<()
         working_set_bytes: ws,
         resident_bytes: 0,
     };
-    let mut times = Vec::with_capacity(rounds as usize * 2);
+    let mut times = Vec::with_capacity(rounds as usize * 3);
     for _ in 0..rounds {
+        let requested = monotonic_ns();
         c.send(&ClientMsg::Request)?;
         loop {
             match c.recv()? {
@@ -69,9 +71,13 @@ pub fn client_role(socket: &Path, rounds: u32, start_fd_wait: bool) -> Result<()
         let granted = monotonic_ns();
         let released = monotonic_ns();
         c.send(&ClientMsg::Release(usage))?;
-        times.push((granted, released));
+        times.push((requested, granted, released));
+        // An application that gives the GPU back early is idle: it sleeps a little
+        // before it wants the GPU again (and leaves the CPU to the next holder).
+        std::thread::sleep(Duration::from_micros(300));
     }
-    for (g, r) in times {
+    for (q, g, r) in times {
+        writeln!(out, "Q {q}")?;
         writeln!(out, "G {g}")?;
         writeln!(out, "R {r}")?;
     }
@@ -145,8 +151,9 @@ pub fn run(clients: usize, rounds: u32) -> Result<Vec<Figure>> {
     for c in &mut children {
         c.stdin.take().context("stdin")?.write_all(b"go\n")?;
     }
-    let mut events: Vec<(u64, bool)> = Vec::new(); // (t, is_grant)
-    for c in children {
+    // (t, client, kind): kind 0 = request, 1 = grant, 2 = release.
+    let mut events: Vec<(u64, usize, u8)> = Vec::new();
+    for (i, c) in children.into_iter().enumerate() {
         let out = c.wait_with_output()?;
         if !out.status.success() {
             bail!(
@@ -156,25 +163,49 @@ pub fn run(clients: usize, rounds: u32) -> Result<Vec<Figure>> {
         }
         for line in String::from_utf8_lossy(&out.stdout).lines() {
             let mut it = line.split_whitespace();
-            let kind = it.next();
+            let kind = match it.next() {
+                Some("Q") => 0,
+                Some("G") => 1,
+                _ => 2,
+            };
             let t: u64 = it.next().context("bad line")?.parse()?;
-            events.push((t, kind == Some("G")));
+            events.push((t, i, kind));
         }
     }
     events.sort();
-    // Exclusive mode: grants and releases alternate; each grant after the first
-    // follows the previous holder's release.
+    // A hand-off: a grant to a client that was already waiting when the previous
+    // holder released. (A grant to a client that asked after the release is no
+    // hand-off: nobody was waiting.)
     let mut handoffs = Vec::new();
     let mut last_release = None;
-    for (t, is_grant) in events {
-        if is_grant {
-            if let Some(r) = last_release.take() {
-                handoffs.push((t - r) as f64 / 1e3);
+    let mut requested_at = vec![0u64; clients];
+    for (t, client, kind) in events {
+        match kind {
+            0 => requested_at[client] = t,
+            1 => {
+                if let Some(r) = last_release.take() {
+                    if requested_at[client] < r {
+                        handoffs.push((t - r) as f64 / 1e3);
+                    }
+                }
             }
-        } else {
-            last_release = Some(t);
+            _ => last_release = Some(t),
         }
     }
+    // The arbiter's own request/answer path, for reference: ping → pong.
+    let mut pings = {
+        let mut c = register(&arb.client_socket(), 1 << 20)?;
+        let mut v = Vec::with_capacity(2000);
+        for token in 0..2200u64 {
+            let t0 = monotonic_ns();
+            c.send(&ClientMsg::Ping { token })?;
+            while !matches!(c.recv()?, ArbiterMsg::Pong { .. }) {}
+            if token >= 200 {
+                v.push((monotonic_ns() - t0) as f64 / 1e3);
+            }
+        }
+        v
+    };
     drop(arb);
     let mut rtt = raw_round_trips(handoffs.len().max(2000))?;
     let (h50, h99) = (
@@ -189,6 +220,13 @@ pub fn run(clients: usize, rounds: u32) -> Result<Vec<Figure>> {
         Figure::new(&scen, "handoff_p99", h99, "us")
             .against(r99, base)
             .goal("<= 3x raw round trip and < 100 us (8 clients)"),
+        Figure::new(
+            &scen,
+            "arbiter_ping_p50",
+            percentile(&mut pings, 50.0),
+            "us",
+        )
+        .against(r50, base),
         Figure::new(&scen, "handoffs_measured", handoffs.len() as f64, "n"),
     ])
 }
