@@ -48,8 +48,13 @@ fn handoff_quick_json() {
     );
     assert!(v > 0.0 && b > 0.0);
     assert!((p99["ratio"].as_f64().unwrap() - v / b).abs() < 1e-6);
-    // 4 clients × 50 grants: every grant but the first follows a release.
-    assert_eq!(figure(&figs, "handoffs_measured")["value"], 199.0);
+    // 4 clients × 50 grants: hand-offs are the grants to a client already waiting
+    // when the previous holder released; most are.
+    let n = figure(&figs, "handoffs_measured")["value"]
+        .as_f64()
+        .unwrap();
+    assert!((50.0..=199.0).contains(&n), "{n} hand-offs");
+    assert!(figure(&figs, "arbiter_ping_p50")["value"].as_f64().unwrap() > 0.0);
 }
 
 #[test]
