@@ -172,6 +172,9 @@ pub struct LaneSummary {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Summary {
     pub span_ns: u64,
+    /// Whether CPU work is told apart from idleness (refined lanes); from the event
+    /// log alone it is not, and `idle_ns` is all the time off the GPU.
+    pub cpu_known: bool,
     /// Time at least one lane was on (or held) the GPU.
     pub gpu_busy_ns: u64,
     pub lanes: Vec<LaneSummary>,
@@ -397,7 +400,7 @@ pub fn from_events(
         })
         .collect();
 
-    let mut marks: Vec<Mark> = seed_marks(&owned)
+    let mut marks: Vec<Mark> = seed_marks_from(&owned, t0)
         .into_iter()
         .filter(|m| m.t_ns >= t0 && m.t_ns <= t1)
         .collect();
@@ -538,6 +541,12 @@ pub fn refine_lane(lane: &mut Lane, gpu_busy: &[(u64, u64)], cpu: &[(u64, u64)])
 /// A's next grant). Returns the marks found, in order (none without a B waiting
 /// behind an A). Each GPU is looked at on its own; the first with the pattern wins.
 pub fn seed_marks(events: &[Event]) -> Vec<Mark> {
+    seed_marks_from(events, 0)
+}
+
+/// [`seed_marks`] for the first B request at or after `from_ns` (A's grant, T1, may
+/// be earlier): a window into a long log shows its own occurrence of the pattern.
+pub fn seed_marks_from(events: &[Event], from_ns: u64) -> Vec<Mark> {
     let mut gpus: Vec<&str> = Vec::new();
     for e in events {
         if !gpus.contains(&e.gpu.as_str()) {
@@ -549,7 +558,7 @@ pub fn seed_marks(events: &[Event]) -> Vec<Mark> {
     for g in gpus {
         let mut evs: Vec<&Event> = events.iter().filter(|e| e.gpu == g).collect();
         evs.sort_by_key(|e| (e.t_ns, e.seq));
-        let marks = seed_marks_one_gpu(&evs, &name);
+        let marks = seed_marks_one_gpu(&evs, from_ns, &name);
         if !marks.is_empty() {
             return marks;
         }
@@ -557,7 +566,7 @@ pub fn seed_marks(events: &[Event]) -> Vec<Mark> {
     Vec::new()
 }
 
-fn seed_marks_one_gpu(evs: &[&Event], name: &dyn Fn(u64) -> String) -> Vec<Mark> {
+fn seed_marks_one_gpu(evs: &[&Event], from_ns: u64, name: &dyn Fn(u64) -> String) -> Vec<Mark> {
     // T1/T2: B requests while A holds.
     let mut holders: BTreeMap<u64, u64> = BTreeMap::new();
     let mut found: Option<(usize, u64, u64, u64)> = None; // (index of T2, A, B, T1)
@@ -570,7 +579,7 @@ fn seed_marks_one_gpu(evs: &[&Event], name: &dyn Fn(u64) -> String) -> Vec<Mark>
             EventKind::Release { .. } | EventKind::Revoke | EventKind::Exit => {
                 holders.remove(&id);
             }
-            EventKind::Request => {
+            EventKind::Request if e.t_ns >= from_ns => {
                 if let Some((&a, &t1)) = holders.iter().find(|(h, _)| **h != id) {
                     found = Some((i, a, id, t1));
                     break;
@@ -708,8 +717,14 @@ pub fn summarize(t: &Timeline, events: &[Event]) -> Summary {
         lanes.push(s);
     }
     let gpu_busy_ns = merge_intervals(&busy, 0).iter().map(|(s, e)| e - s).sum();
+    let cpu_known = t.lanes.iter().any(|l| {
+        l.intervals
+            .iter()
+            .any(|i| matches!(i.state, LaneState::Cpu | LaneState::Idle))
+    });
     Summary {
         span_ns: t.span_ns(),
+        cpu_known,
         gpu_busy_ns,
         lanes,
     }
@@ -731,7 +746,13 @@ pub fn render_summary(s: &Summary) -> String {
     );
     out.push_str(&format!(
         "{:<w$}  {:>9}  {:>9}  {:>9}  {:>9}  {:>11}  {:>11}\n",
-        "app", "on GPU", "waited", "CPU", "idle/off", "swapped out", "swapped in"
+        "app",
+        "on GPU",
+        "waited",
+        "CPU",
+        if s.cpu_known { "idle" } else { "off GPU" },
+        "swapped out",
+        "swapped in"
     ));
     for l in &s.lanes {
         out.push_str(&format!(
@@ -739,7 +760,11 @@ pub fn render_summary(s: &Summary) -> String {
             l.name,
             format!("{} s", fmt_secs(l.gpu_ns)),
             format!("{} s", fmt_secs(l.waited_ns)),
-            format!("{} s", fmt_secs(l.cpu_ns)),
+            if s.cpu_known {
+                format!("{} s", fmt_secs(l.cpu_ns))
+            } else {
+                "-".to_string()
+            },
             format!("{} s", fmt_secs(l.idle_ns)),
             fmt_bytes(l.swapped_out_bytes),
             fmt_bytes(l.swapped_in_bytes),

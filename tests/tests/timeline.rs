@@ -291,3 +291,39 @@ fn timeline_with_no_events_says_so_and_bad_since_is_refused() {
         );
     }
 }
+
+#[test]
+fn timeline_draws_one_picture_per_gpu_and_gpu_picks_one() {
+    let arb = Arbiter::start(&[]);
+    let mut regs = Vec::new();
+    for (gpu, name) in [("GPU-tl-x", "onx"), ("GPU-tl-y", "ony")] {
+        let mut reg = register_msg(gpu, GIB, 100 * MIB);
+        reg.name = Some(name.into());
+        let mut c = Client::register(&arb.client_socket(), reg);
+        c.conn.send(&ClientMsg::Request).unwrap();
+        granted(&mut c);
+        regs.push(c);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("t.svg");
+    let o = kiwictl(&arb, &["timeline", "--svg", svg.to_str().unwrap()]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("Kiwi timeline: GPU-tl-x") && out.contains("Kiwi timeline: GPU-tl-y"));
+    let x = std::fs::read_to_string(&svg).unwrap();
+    let y = std::fs::read_to_string(dir.path().join("t-1.svg")).unwrap();
+    for (text, mine, other) in [(&x, "onx", "ony"), (&y, "ony", "onx")] {
+        let doc = roxmltree::Document::parse(text).expect("well-formed");
+        let names: Vec<&str> = doc
+            .descendants()
+            .filter_map(|n| n.attribute("data-name"))
+            .collect();
+        assert_eq!(names.len(), 1, "{names:?}");
+        assert!(names[0].starts_with(mine) && !names[0].contains(other));
+    }
+
+    let o = kiwictl(&arb, &["--gpu", "GPU-tl-y", "timeline"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}");
+    assert!(out.contains("ony (pid ") && !out.contains("onx"), "{out}");
+}

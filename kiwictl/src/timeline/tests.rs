@@ -210,9 +210,14 @@ fn since_clips_the_window_but_keeps_the_state_at_its_start() {
         t.lanes[1].intervals[0],
         iv(b + 4500 * MS, b + 5 * S, LaneState::Held)
     );
-    // Only T4 is inside; without T1 there is no T0.
+    // B's request (T2) is before the window: no occurrence of the pattern starts in
+    // it, so no marks.
+    assert!(t.marks.is_empty(), "{:?}", t.marks);
+    // A window starting between T1 and T2 shows T2…T4 (T1 is before it, and
+    // without T1 there is no T0).
+    let t = from_events(&evs, None, Some(b + 1500 * MS), now);
     let labels: Vec<&str> = t.marks.iter().map(|m| m.label.as_str()).collect();
-    assert_eq!(labels, ["T4"]);
+    assert_eq!(labels, ["T2", "T3", "T4"]);
     // A window older than the log starts at the first event.
     let t = from_events(&evs, None, Some(1), now);
     assert_eq!(t.t0_ns, b);
@@ -345,6 +350,11 @@ fn summary_counts_states_swaps_and_gpu_busy_time() {
     assert_eq!((b.swapped_out_bytes, b.swapped_in_bytes), (0, 300 << 20));
     let text = render_summary(&s);
     assert!(text.starts_with("GPU busy 71.4% of 7.000 s\n"), "{text}");
+    assert!(!s.cpu_known);
+    assert!(
+        text.contains("off GPU") && text.contains("        -  "),
+        "{text}"
+    );
     assert!(
         text.contains("512 MiB") && text.contains("300 MiB"),
         "{text}"
@@ -556,4 +566,40 @@ fn refined_timeline_reads_like_the_seed_figure() {
     if let Some(path) = std::env::var_os("KIWI_TIMELINE_KEEP") {
         std::fs::write(Path::new(&path).with_extension("refined.svg"), &svg).unwrap();
     }
+}
+
+#[test]
+fn a_window_shows_its_own_occurrence_of_the_pattern() {
+    let (mut evs, _) = seed_log();
+    let b = 100 * S;
+    // The story again at 110 s with the roles swapped: B holds, A asks.
+    let later = vec![
+        ev(30, b + 10 * S, Some(2), EventKind::Request),
+        ev(31, b + 10 * S, Some(2), grant()),
+        ev(32, b + 11 * S, Some(1), EventKind::Request),
+        ev(33, b + 13 * S, Some(2), release(true)),
+        ev(34, b + 13 * S, Some(1), grant()),
+    ];
+    evs.extend(later);
+    let now = b + 14 * S;
+    assert_eq!(
+        seed_marks(&evs)[0].t_ns,
+        b + S,
+        "the whole log: the first one"
+    );
+    let t = from_events(&evs, None, Some(b + 9 * S), now);
+    let got: Vec<(&str, u64, &str)> = t
+        .marks
+        .iter()
+        .map(|m| (m.label.as_str(), m.t_ns, m.note.as_str()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![
+            ("T0", b + 9 * S, "start of the picture"),
+            ("T1", b + 10 * S, "B gets the GPU"),
+            ("T2", b + 11 * S, "A asks for the GPU and waits"),
+            ("T3", b + 13 * S, "B releases the GPU: A gets the GPU"),
+        ]
+    );
 }
