@@ -5,8 +5,8 @@
 
 use std::fmt::Write as _;
 
-use super::term::{tick_label, tick_step};
-use super::{fmt_secs, LaneState, Timeline};
+use super::term::{lane_cells, tick_label, tick_step};
+use super::{fmt_secs, Interval, Lane, LaneState, Timeline};
 
 const WIDTH: f64 = 1000.0;
 const LANE_H: f64 = 38.0;
@@ -23,6 +23,35 @@ fn colors(state: LaneState) -> (&'static str, &'static str) {
         LaneState::Idle => ("#e6e6e6", "#555555"),
         LaneState::OffGpu => ("#d6d6d6", "#555555"),
     }
+}
+
+/// More intervals than this in a lane are drawn at half-pixel resolution instead.
+const MAX_EXACT_INTERVALS: usize = 2_000;
+
+/// The blocks to draw for a lane: its intervals as they are, or, for a lane with
+/// very many (a long log with a short quantum), runs of half-pixel columns each in
+/// its dominant state, so the file stays small and every short wait stays visible.
+fn drawn_intervals(t: &Timeline, lane: &Lane, plot_w: f64) -> Vec<Interval> {
+    if lane.intervals.len() <= MAX_EXACT_INTERVALS {
+        return lane.intervals.clone();
+    }
+    let cols = (plot_w * 2.0) as usize;
+    let bound = |c: usize| t.t0_ns + (c as f64 * t.span_ns() as f64 / cols as f64) as u64;
+    let mut out: Vec<Interval> = Vec::new();
+    for (c, cell) in lane_cells(t, lane, cols).into_iter().enumerate() {
+        let Some(state) = cell else { continue };
+        match out.last_mut() {
+            Some(last) if last.state == state && last.end_ns == bound(c) => {
+                last.end_ns = bound(c + 1)
+            }
+            _ => out.push(Interval {
+                start_ns: bound(c),
+                end_ns: bound(c + 1),
+                state,
+            }),
+        }
+    }
+    out
 }
 
 /// Escapes text for XML content and attribute values.
@@ -99,7 +128,7 @@ pub fn render_svg(t: &Timeline) -> String {
             y + LANE_H / 2.0 + 4.5,
             name = escape(&lane.name)
         );
-        for iv in &lane.intervals {
+        for iv in &drawn_intervals(t, lane, plot_w) {
             let (a, b) = (iv.start_ns.max(t.t0_ns), iv.end_ns.min(t.t1_ns));
             if b <= a {
                 continue;

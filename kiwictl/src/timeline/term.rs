@@ -51,7 +51,7 @@ const RESET: &str = "\x1b[0m";
 /// Which state each of `cols` columns shows for a lane: the state covering most of
 /// the column; a Waiting or GPU interval too short to win a column still gets the
 /// column of its middle, so a brief wait is never invisible.
-fn lane_cells(t: &Timeline, lane: &super::Lane, cols: usize) -> Vec<Option<LaneState>> {
+pub(crate) fn lane_cells(t: &Timeline, lane: &super::Lane, cols: usize) -> Vec<Option<LaneState>> {
     let span = t.span_ns() as f64;
     let col_of = |ns: u64| -> usize {
         let x = (ns.saturating_sub(t.t0_ns)) as f64 / span * cols as f64;

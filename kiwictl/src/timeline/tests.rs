@@ -603,3 +603,38 @@ fn a_window_shows_its_own_occurrence_of_the_pattern() {
         ]
     );
 }
+
+#[test]
+fn a_long_busy_log_stays_fast_and_small() {
+    // 30,000 hand-overs between two clients, 10 ms each: 120,000 events.
+    let b = 100 * S;
+    let mut evs = vec![
+        ev(0, b, Some(1), reg("A", 1)),
+        ev(1, b, Some(2), reg("B", 2)),
+    ];
+    let mut seq = 2;
+    for i in 0..30_000u64 {
+        let t = b + i * 10 * MS;
+        let (h, w) = if i % 2 == 0 { (1, 2) } else { (2, 1) };
+        for (c, k) in [(h, grant()), (w, EventKind::Request), (h, release(true))] {
+            let dt = if matches!(k, EventKind::Release { .. }) {
+                10 * MS - 1
+            } else {
+                0
+            };
+            evs.push(ev(seq, t + dt, Some(c), k));
+            seq += 1;
+        }
+    }
+    let now = b + 300 * S;
+    let started = std::time::Instant::now();
+    let t = from_events(&evs, None, None, now);
+    assert!(t.lanes[0].intervals.len() > 20_000);
+    let text = term::render_terminal(&t, 120, false);
+    let svg = svg::render_svg(&t);
+    let secs = started.elapsed().as_secs_f64();
+    assert!(secs < 5.0, "{secs} s");
+    assert!(svg.len() < 2_000_000, "{} bytes", svg.len());
+    assert!(svg.contains("class=\"block waiting\""));
+    assert!(text.contains('~') && text.contains('='));
+}
