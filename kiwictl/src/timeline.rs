@@ -27,6 +27,11 @@ use crate::control::Control;
 
 const NS_PER_S: u64 = 1_000_000_000;
 
+/// A wait or GPU burst at least this long is always drawn, however short next to the
+/// picture; shorter ones (an instant grant logs a request and a grant microseconds
+/// apart) only at their true size.
+pub const ALWAYS_VISIBLE_NS: u64 = 1_000_000;
+
 /// What an application is doing during an [`Interval`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum LaneState {

@@ -6,7 +6,7 @@
 use std::fmt::Write as _;
 
 use super::term::{lane_cells, tick_label, tick_step};
-use super::{fmt_secs, Interval, Lane, LaneState, Timeline};
+use super::{fmt_secs, Interval, Lane, LaneState, Timeline, ALWAYS_VISIBLE_NS};
 
 const WIDTH: f64 = 1000.0;
 const LANE_H: f64 = 38.0;
@@ -135,7 +135,11 @@ pub fn render_svg(t: &Timeline) -> String {
             }
             let (bx0, bx1) = (x_of(a), x_of(b));
             // At least a hairline, so a brief wait stays visible.
-            let w = (bx1 - bx0).max(1.0);
+            let w = if b - a >= ALWAYS_VISIBLE_NS {
+                (bx1 - bx0).max(1.0)
+            } else {
+                bx1 - bx0
+            };
             let (fill, ink) = colors(iv.state);
             let _ = writeln!(
                 s,

@@ -5,7 +5,7 @@
 
 use std::fmt::Write as _;
 
-use super::{fmt_secs, LaneState, Timeline, NS_PER_S};
+use super::{fmt_secs, LaneState, Timeline, ALWAYS_VISIBLE_NS, NS_PER_S};
 
 /// Columns of the terminal on stdout; `$COLUMNS`; else 100.
 pub fn terminal_width() -> usize {
@@ -50,7 +50,8 @@ const RESET: &str = "\x1b[0m";
 
 /// Which state each of `cols` columns shows for a lane: the state covering most of
 /// the column; a Waiting or GPU interval too short to win a column still gets the
-/// column of its middle, so a brief wait is never invisible.
+/// column of its middle (when at least [`ALWAYS_VISIBLE_NS`] long), so a brief wait
+/// is never invisible.
 pub(crate) fn lane_cells(t: &Timeline, lane: &super::Lane, cols: usize) -> Vec<Option<LaneState>> {
     let span = t.span_ns() as f64;
     let col_of = |ns: u64| -> usize {
@@ -94,7 +95,7 @@ pub(crate) fn lane_cells(t: &Timeline, lane: &super::Lane, cols: usize) -> Vec<O
             continue;
         }
         let (s, e) = (i.start_ns.max(t.t0_ns), i.end_ns.min(t.t1_ns));
-        if e <= s {
+        if e < s + ALWAYS_VISIBLE_NS {
             continue;
         }
         let (a, b) = (col_of(s), col_of(e - 1));

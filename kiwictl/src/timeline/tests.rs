@@ -429,8 +429,15 @@ fn terminal_colour_only_when_asked_and_brief_waits_stay_visible() {
         ev(5, b + 50 * S + 5 * MS, Some(1), release(true)),
         ev(6, b + 50 * S + 5 * MS, Some(2), grant()),
     ];
-    let t = from_events(&evs, None, None, b + 100 * S);
+    let mut t = from_events(&evs, None, None, b + 100 * S);
+    // An instant grant (request and grant 2 µs apart) is not drawn as a wait.
+    t.lanes[0]
+        .intervals
+        .insert(0, iv(b - 2_000, b, LaneState::Waiting));
+    t.t0_ns = b - 2_000;
     let plain = term::render_terminal(&t, 60, false);
+    let a_row = plain.lines().find(|l| l.starts_with("A ")).unwrap();
+    assert!(!a_row.contains('~'), "{plain}");
     // A 5 ms wait in a 100 s picture is far less than a column, and still drawn.
     let b_row = plain.lines().find(|l| l.starts_with("B ")).unwrap();
     assert_eq!(b_row.matches('~').count(), 1, "{plain}");
