@@ -35,9 +35,72 @@ pub struct Options {
     /// Test aid: after the first burst, add to one allocation behind the host
     /// model's back, so verification must fail (exit 3).
     pub inject_fault: bool,
+    /// `--script cpu:1500,gpu:6000,idle:500`: the phases to run instead of
+    /// `--bursts` × (GPU burst, CPU, idle). Used to replay a notebook's day.
+    pub script: Option<Vec<Phase>>,
+    /// `--start-at-ns N`: once ready, wait until CLOCK_MONOTONIC reaches N, so
+    /// several programs can start their phases together.
+    pub start_at_ns: Option<u64>,
 }
 
-pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--verify] [--json] [--device 0] [--name LABEL] [--seed 1]";
+/// One step of a `--script`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Cpu(u64),
+    Gpu(u64),
+    Idle(u64),
+}
+
+impl Phase {
+    fn kind(self) -> &'static str {
+        match self {
+            Phase::Cpu(_) => "cpu",
+            Phase::Gpu(_) => "gpu",
+            Phase::Idle(_) => "idle",
+        }
+    }
+}
+
+/// Parses `cpu:1500,gpu:6000,idle:500` (milliseconds).
+pub fn parse_script(s: &str) -> Result<Vec<Phase>, String> {
+    let mut out = Vec::new();
+    for step in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
+        let (kind, ms) = step
+            .split_once(':')
+            .ok_or_else(|| format!("--script: {step:?} is not kind:ms"))?;
+        let ms: u64 = ms
+            .parse()
+            .map_err(|_| format!("--script: {ms:?} is not a whole number of ms"))?;
+        out.push(match kind {
+            "cpu" => Phase::Cpu(ms),
+            "gpu" if ms >= 1 => Phase::Gpu(ms),
+            "gpu" => return Err("--script: a gpu phase needs at least 1 ms".into()),
+            "idle" => Phase::Idle(ms),
+            other => {
+                return Err(format!(
+                    "--script: unknown phase {other:?} (cpu, gpu, idle)"
+                ))
+            }
+        });
+    }
+    if out.is_empty() {
+        return Err("--script: no phases".into());
+    }
+    Ok(out)
+}
+
+/// CLOCK_MONOTONIC in ns (the arbiter's and the simulator's clock).
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid out-pointer; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N] [--verify] [--json] [--device 0] [--name LABEL] [--seed 1]";
 
 impl Options {
     /// Parses arguments (without the program name).
@@ -54,6 +117,8 @@ impl Options {
             name: format!("gpuburst-{}", std::process::id()),
             seed: 1,
             inject_fault: false,
+            script: None,
+            start_at_ns: None,
         };
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -89,6 +154,8 @@ impl Options {
                 "--verify" => o.verify = true,
                 "--json" => o.json = true,
                 "--inject-fault" => o.inject_fault = true,
+                "--script" => o.script = Some(parse_script(&value()?)?),
+                "--start-at-ns" => o.start_at_ns = Some(num(value()?)?),
                 "-h" | "--help" => return Err(USAGE.into()),
                 _ => return Err(format!("unknown argument {a:?}; {USAGE}")),
             }
@@ -297,6 +364,58 @@ fn host_work(d: Duration) {
 }
 
 /// Runs the whole program; prints as it goes.
+/// One GPU burst of `gpu_ms`: a 1 ms probe kernel (its wait is the time the GPU
+/// kept us waiting), `kiwi_add` over every allocation, then short spin kernels
+/// queued asynchronously until the burst's GPU time is made up.
+#[allow(clippy::too_many_arguments)]
+fn burst(
+    cuda: &Cuda,
+    o: &Options,
+    rep: &Report,
+    k: &Kernels,
+    allocs: &mut [Allocation],
+    sums: CUdeviceptr,
+    b: u32,
+    gpu_ms: u64,
+) -> Result<(), Failure> {
+    const FIRST_NS: u64 = 1_000_000;
+    let start_ms = rep.ms();
+    let submit = Instant::now();
+    spin(cuda, k, FIRST_NS)?;
+    cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
+    let first = submit.elapsed();
+    let wait_ms = (first.as_secs_f64() * 1e3 - FIRST_NS as f64 / 1e6).max(0.0);
+    for (i, a) in allocs.iter_mut().enumerate() {
+        let delta = mix(o.seed, u64::from(b) + 1, i as u64) | 1;
+        mem_kernel(cuda, k.add, a, delta)?;
+        a.value = a.value.wrapping_add(delta);
+    }
+    let mut left_ns = (gpu_ms * 1_000_000).saturating_sub(FIRST_NS);
+    while left_ns > 0 {
+        let ns = left_ns.min(5_000_000);
+        spin(cuda, k, ns)?;
+        left_ns -= ns;
+    }
+    if o.inject_fault && b == 0 {
+        if let Some(a) = allocs.last() {
+            mem_kernel(cuda, k.add, a, 1)?;
+        }
+    }
+    cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
+    if o.verify {
+        verify(cuda, k, allocs, sums)?;
+    }
+    let dur_ms = submit.elapsed().as_secs_f64() * 1e3;
+    rep.line(
+        format!("burst {b}: start {start_ms:.1} ms, duration {dur_ms:.1} ms, wait {wait_ms:.1} ms"),
+        format!(
+            "{{\"event\":\"burst\",\"name\":\"{}\",\"index\":{b},\"start_ms\":{start_ms:.3},\"duration_ms\":{dur_ms:.3},\"wait_ms\":{wait_ms:.3}}}",
+            o.name
+        ),
+    );
+    Ok(())
+}
+
 pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
     let rep = Report {
         json: o.json,
@@ -381,48 +500,49 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
         ),
     );
 
-    const FIRST_NS: u64 = 1_000_000;
-    for b in 0..o.bursts {
-        let start_ms = rep.ms();
-        let submit = Instant::now();
-        // The first kernel measures how long the GPU kept us waiting.
-        spin(cuda, &k, FIRST_NS)?;
-        cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
-        let first = submit.elapsed();
-        let wait_ms = (first.as_secs_f64() * 1e3 - FIRST_NS as f64 / 1e6).max(0.0);
-        for (i, a) in allocs.iter_mut().enumerate() {
-            let delta = mix(o.seed, u64::from(b) + 1, i as u64) | 1;
-            mem_kernel(cuda, k.add, a, delta)?;
-            a.value = a.value.wrapping_add(delta);
+    if let Some(at) = o.start_at_ns {
+        let now = monotonic_ns();
+        if at > now {
+            std::thread::sleep(Duration::from_nanos(at - now));
         }
-        // Make up the burst's GPU time with short kernels, queued asynchronously as
-        // a real application queues work.
-        let mut left_ns = (o.gpu_ms * 1_000_000).saturating_sub(FIRST_NS);
-        while left_ns > 0 {
-            let ns = left_ns.min(5_000_000);
-            spin(cuda, &k, ns)?;
-            left_ns -= ns;
+    }
+    let phases: Vec<Phase> = match &o.script {
+        Some(p) => p.clone(),
+        None => {
+            let mut p = Vec::new();
+            for b in 0..o.bursts {
+                p.push(Phase::Gpu(o.gpu_ms));
+                if b + 1 < o.bursts {
+                    p.push(Phase::Cpu(o.cpu_ms));
+                    if o.idle_ms > 0 {
+                        p.push(Phase::Idle(o.idle_ms));
+                    }
+                }
+            }
+            p
         }
-        if o.inject_fault && b == 0 {
-            if let Some(a) = allocs.last() {
-                mem_kernel(cuda, k.add, a, 1)?;
+    };
+    let mut b: u32 = 0;
+    for phase in phases {
+        let start_ns = monotonic_ns();
+        match phase {
+            Phase::Cpu(ms) => host_work(Duration::from_millis(ms)),
+            Phase::Idle(ms) => std::thread::sleep(Duration::from_millis(ms)),
+            Phase::Gpu(ms) => {
+                burst(cuda, o, &rep, &k, &mut allocs, sums, b, ms)?;
+                b += 1;
             }
         }
-        cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
-        if o.verify {
-            verify(cuda, &k, &allocs, sums)?;
-        }
-        let dur_ms = submit.elapsed().as_secs_f64() * 1e3;
-        rep.line(
-            format!("burst {b}: start {start_ms:.1} ms, duration {dur_ms:.1} ms, wait {wait_ms:.1} ms"),
-            format!(
-                "{{\"event\":\"burst\",\"name\":\"{}\",\"index\":{b},\"start_ms\":{start_ms:.3},\"duration_ms\":{dur_ms:.3},\"wait_ms\":{wait_ms:.3}}}",
-                o.name
-            ),
-        );
-        if b + 1 < o.bursts {
-            host_work(Duration::from_millis(o.cpu_ms));
-            std::thread::sleep(Duration::from_millis(o.idle_ms));
+        if o.json {
+            rep.line(
+                String::new(),
+                format!(
+                    "{{\"event\":\"phase\",\"name\":\"{}\",\"kind\":\"{}\",\"start_ns\":{start_ns},\"end_ns\":{}}}",
+                    o.name,
+                    phase.kind(),
+                    monotonic_ns()
+                ),
+            );
         }
     }
     let verified = verify(cuda, &k, &allocs, sums);
@@ -478,6 +598,26 @@ mod tests {
         assert_eq!((o.bursts, o.gpu_ms, o.cpu_ms, o.idle_ms), (3, 50, 20, 5));
         assert!(o.verify && o.json);
         assert_eq!((o.name.as_str(), o.seed), ("a", 9));
+    }
+
+    #[test]
+    fn scripts_parse() {
+        let o =
+            Options::parse(&args("--script cpu:1500,gpu:6000,idle:5 --start-at-ns 42")).unwrap();
+        assert_eq!(
+            o.script,
+            Some(vec![Phase::Cpu(1500), Phase::Gpu(6000), Phase::Idle(5)])
+        );
+        assert_eq!(o.start_at_ns, Some(42));
+        for bad in [
+            "--script gpu",
+            "--script gpu:0",
+            "--script nap:5",
+            "--script ,",
+            "--script cpu:x",
+        ] {
+            assert!(Options::parse(&args(bad)).is_err(), "{bad}");
+        }
     }
 
     #[test]
