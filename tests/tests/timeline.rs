@@ -102,6 +102,12 @@ fn timeline_draws_the_seed_story_from_a_live_arbiter() {
         matches!(k, EventKind::Release { early: true, .. })
     });
     assert!(t1 < t2 && t2 < t3 && t3 < t4);
+    // The seed's T3 = T1 + TQ: B gets the GPU when A's 0.3 s quantum is over.
+    let quantum_ms = (t3 - t1) as f64 / 1e6;
+    assert!(
+        (300.0..1_000.0).contains(&quantum_ms),
+        "T3 - T1 = {quantum_ms:.0} ms"
+    );
 
     let dir = tempfile::tempdir().unwrap();
     let svg_path = dir.path().join("tl.svg");
