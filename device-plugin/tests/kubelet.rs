@@ -526,3 +526,53 @@ async fn the_kubelet_side_follows_devices_and_health_across_a_restart() {
     assert!(list.iter().all(|d| d.health == HEALTHY));
     h.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_calls_while_health_flaps() {
+    let mut h = Harness::start(4, 8, DeviceListStrategy::CdiCri).await;
+    h.registered().await;
+    let mut tasks = Vec::new();
+    for t in 0..8u32 {
+        let mut c = h.client().await;
+        tasks.push(tokio::spawn(async move {
+            for i in 0..100u32 {
+                let gpu = (t + i) % 4;
+                let resp = c
+                    .allocate(api::AllocateRequest {
+                        container_requests: vec![api::ContainerAllocateRequest {
+                            devices_ids: vec![vgpu_id(&fake_uuid(gpu), i % 8)],
+                        }],
+                    })
+                    .await
+                    .unwrap()
+                    .into_inner();
+                assert_eq!(
+                    resp.container_responses[0].envs["KIWI_VISIBLE_DEVICES"],
+                    fake_uuid(gpu)
+                );
+                if i % 10 == 0 {
+                    let mut s = c.list_and_watch(api::Empty {}).await.unwrap().into_inner();
+                    assert_eq!(next_list(&mut s).await.len(), 32);
+                }
+            }
+        }));
+    }
+    for i in 0..20 {
+        h.gpus.lose(&fake_uuid(i % 4));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        h.gpus.clear(&fake_uuid(i % 4));
+    }
+    for t in tasks {
+        tokio::time::timeout(WAIT, t)
+            .await
+            .expect("calls hung")
+            .unwrap();
+    }
+    let t0 = std::time::Instant::now();
+    h.stop().await.unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "stop took {:?}",
+        t0.elapsed()
+    );
+}
