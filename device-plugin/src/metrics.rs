@@ -1,100 +1,88 @@
-//! Prometheus metrics for the plugin (`--metrics-addr`), in the text exposition
-//! format, served by a deliberately tiny HTTP/1.0 responder: the plugin answers
-//! `GET /metrics` and nothing else, so a web framework would be dead weight.
+//! Prometheus metrics for the plugin (`--metrics-addr`): the data model and text
+//! encoding of the maintained `prometheus-client` crate, served on `GET /metrics`
+//! by the endpoint Kiwi's daemons share (`kiwi-metrics`).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::health::HealthFlags;
 
-/// A counter or gauge.
-#[derive(Debug, Default)]
-pub struct Value(AtomicI64);
-
-impl Value {
-    pub fn inc(&self) {
-        self.0.fetch_add(1, Ordering::Relaxed);
-    }
-    pub fn dec(&self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-    pub fn set(&self, v: i64) {
-        self.0.store(v, Ordering::Relaxed);
-    }
-    pub fn get(&self) -> i64 {
-        self.0.load(Ordering::Relaxed)
-    }
+/// Everything the plugin counts.
+#[derive(Debug)]
+pub struct Metrics {
+    pub vgpus_advertised: Gauge,
+    pub gpus: Gauge,
+    pub allocate_calls: Counter,
+    pub allocate_errors: Counter,
+    pub registrations: Counter,
+    pub list_and_watch_streams: Gauge,
+    healthy_gpus: Gauge,
+    registry: Registry,
 }
 
-/// Everything the plugin counts.
-#[derive(Debug, Default)]
-pub struct Metrics {
-    pub vgpus_advertised: Value,
-    pub gpus: Value,
-    pub allocate_calls: Value,
-    pub allocate_errors: Value,
-    pub registrations: Value,
-    pub list_and_watch_streams: Value,
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("kiwi_device_plugin");
+        let m = Metrics {
+            vgpus_advertised: Gauge::default(),
+            gpus: Gauge::default(),
+            allocate_calls: Counter::default(),
+            allocate_errors: Counter::default(),
+            registrations: Counter::default(),
+            list_and_watch_streams: Gauge::default(),
+            healthy_gpus: Gauge::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "vgpus_advertised",
+            "vGPUs advertised to the kubelet",
+            m.vgpus_advertised.clone(),
+        );
+        registry.register("gpus", "Physical GPUs found", m.gpus.clone());
+        registry.register(
+            "healthy_gpus",
+            "Physical GPUs currently healthy",
+            m.healthy_gpus.clone(),
+        );
+        registry.register(
+            "allocate_calls",
+            "Allocate calls received",
+            m.allocate_calls.clone(),
+        );
+        registry.register(
+            "allocate_errors",
+            "Allocate calls refused",
+            m.allocate_errors.clone(),
+        );
+        registry.register(
+            "registrations",
+            "Successful registrations with the kubelet",
+            m.registrations.clone(),
+        );
+        registry.register(
+            "list_and_watch_streams",
+            "Open ListAndWatch streams",
+            m.list_and_watch_streams.clone(),
+        );
+        Metrics { registry, ..m }
+    }
 }
 
 impl Metrics {
     /// The exposition text; `health` gives the healthy GPU count.
     pub fn render(&self, health: &[bool]) -> String {
-        let healthy = health.iter().filter(|h| **h).count();
-        let rows: [(&str, &str, &str, i64); 7] = [
-            (
-                "kiwi_device_plugin_vgpus_advertised",
-                "gauge",
-                "vGPUs advertised to the kubelet",
-                self.vgpus_advertised.get(),
-            ),
-            (
-                "kiwi_device_plugin_gpus",
-                "gauge",
-                "Physical GPUs found",
-                self.gpus.get(),
-            ),
-            (
-                "kiwi_device_plugin_healthy_gpus",
-                "gauge",
-                "Physical GPUs currently healthy",
-                healthy as i64,
-            ),
-            (
-                "kiwi_device_plugin_allocate_calls_total",
-                "counter",
-                "Allocate calls received",
-                self.allocate_calls.get(),
-            ),
-            (
-                "kiwi_device_plugin_allocate_errors_total",
-                "counter",
-                "Allocate calls refused",
-                self.allocate_errors.get(),
-            ),
-            (
-                "kiwi_device_plugin_registrations_total",
-                "counter",
-                "Successful registrations with the kubelet",
-                self.registrations.get(),
-            ),
-            (
-                "kiwi_device_plugin_list_and_watch_streams",
-                "gauge",
-                "Open ListAndWatch streams",
-                self.list_and_watch_streams.get(),
-            ),
-        ];
+        self.healthy_gpus
+            .set(health.iter().filter(|h| **h).count() as i64);
         let mut out = String::new();
-        for (name, kind, help, v) in rows {
-            out.push_str(&format!(
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
-            ));
+        if encode(&mut out, &self.registry).is_err() {
+            out.clear();
         }
         out
     }
@@ -108,45 +96,22 @@ pub async fn serve(
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
-    let task = tokio::spawn(async move {
-        loop {
-            let Ok((mut conn, _)) = listener.accept().await else {
-                // Out of file descriptors or similar: back off instead of spinning.
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                continue;
-            };
-            let metrics = metrics.clone();
-            let health = health.clone();
-            tokio::spawn(async move {
-                let mut buf = [0u8; 2048];
-                let read =
-                    tokio::time::timeout(std::time::Duration::from_secs(5), conn.read(&mut buf))
-                        .await;
-                let Ok(Ok(n)) = read else { return };
-                let head = String::from_utf8_lossy(&buf[..n]);
-                let path = head.split_whitespace().nth(1).unwrap_or("");
-                let (status, body) =
-                    if head.starts_with("GET ") && (path == "/metrics" || path == "/") {
-                        let flags = health.borrow().clone();
-                        ("200 OK", metrics.render(&flags))
-                    } else {
-                        ("404 Not Found", "only GET /metrics is served\n".to_string())
-                    };
-                let reply = format!(
-                    "HTTP/1.0 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = conn.write_all(reply.as_bytes()).await;
-                let _ = conn.shutdown().await;
-            });
-        }
+    let render: kiwi_metrics::Render = Arc::new(move || {
+        let flags = health.borrow().clone();
+        metrics.render(&flags)
     });
+    let task = tokio::spawn(kiwi_metrics::serve(
+        listener,
+        render,
+        std::future::pending::<()>(),
+    ));
     Ok((local, task))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
 
     async fn get(addr: SocketAddr, path: &str) -> String {
@@ -168,7 +133,7 @@ mod tests {
         let (_tx, rx) = watch::channel(Arc::new(vec![true, false]));
         let (addr, task) = serve("127.0.0.1:0".parse().unwrap(), m, rx).await.unwrap();
         let body = get(addr, "/metrics").await;
-        assert!(body.starts_with("HTTP/1.0 200"), "{body}");
+        assert!(body.starts_with("HTTP/1.1 200"), "{body}");
         assert!(
             body.contains("\nkiwi_device_plugin_vgpus_advertised 20\n"),
             "{body}"
@@ -181,7 +146,7 @@ mod tests {
             body.contains("\nkiwi_device_plugin_healthy_gpus 1\n"),
             "{body}"
         );
-        assert!(get(addr, "/other").await.starts_with("HTTP/1.0 404"));
+        assert!(get(addr, "/other").await.starts_with("HTTP/1.1 404"));
         task.abort();
     }
 }
