@@ -2,6 +2,7 @@
 //! `KIWI_SOCKET_DIR`, the config file, or `/run/kiwi`, in that order.
 
 mod control;
+mod demo;
 mod run;
 mod status;
 mod timeline;
@@ -31,7 +32,7 @@ struct Cli {
     #[arg(short = 'T', long = "tq", value_name = "SECONDS", value_parser = kiwi_config::parse_tq_arg, allow_hyphen_values = true)]
     tq: Option<f64>,
     /// GPU to act on (UUID or index); default: every GPU.
-    #[arg(long, global = true)]
+    #[arg(long)]
     gpu: Option<String>,
     /// Socket directory of the arbiter.
     #[arg(long, global = true)]
@@ -51,17 +52,37 @@ enum Command {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
+        /// Only this GPU (UUID or index).
+        #[arg(long)]
+        gpu: Option<String>,
     },
     /// Print the arbiter's event log (one JSON object per line).
     Events {
         /// Only events with a sequence number at least this.
         #[arg(long, default_value_t = 0)]
         since_seq: u64,
+        /// Only this GPU (UUID or index).
+        #[arg(long)]
+        gpu: Option<String>,
     },
     /// Draw who had the GPU, who waited and when, from the arbiter's event log.
-    Timeline(timeline::TimelineArgs),
+    Timeline {
+        /// Only this GPU (UUID or index).
+        #[arg(long)]
+        gpu: Option<String>,
+        #[command(flatten)]
+        args: timeline::TimelineArgs,
+    },
+    /// Replay the seed's two-notebook story for real and draw its timeline.
+    Demo(demo::DemoArgs),
     /// Run a program under Kiwi on this machine (preloads the shim).
-    Run(run::RunArgs),
+    Run {
+        /// The GPU (index or UUID) the program may use (sets CUDA_VISIBLE_DEVICES).
+        #[arg(long)]
+        gpu: Option<String>,
+        #[command(flatten)]
+        args: run::RunArgs,
+    },
     /// Register runtime "kiwi" with containerd or docker.
     Install(kiwi_containerd_config::InstallArgs),
     /// Remove exactly what `install` added.
@@ -144,9 +165,11 @@ fn run(cli: Cli) -> Result<ExitCode> {
     }
     match cli.command {
         None => bail!("nothing to do: give -S, -T or a command (see --help)"),
-        Some(Command::Status { json }) => {
+        Some(Command::Status { json, gpu }) => {
             let mut ctl = Control::connect(&socket_dir)?;
-            match ctl.call(&ControlRequest::Status { gpu: cli.gpu })? {
+            match ctl.call(&ControlRequest::Status {
+                gpu: gpu.or(cli.gpu),
+            })? {
                 ControlReply::Status(report) => {
                     if json {
                         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -158,16 +181,19 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Some(Command::Events { since_seq }) => {
+        Some(Command::Events { since_seq, gpu }) => {
             let mut ctl = Control::connect(&socket_dir)?;
-            let (events, _) = ctl.events(cli.gpu, since_seq)?;
+            let (events, _) = ctl.events(gpu.or(cli.gpu), since_seq)?;
             for e in events {
                 println!("{}", serde_json::to_string(&e)?);
             }
             Ok(ExitCode::SUCCESS)
         }
-        Some(Command::Timeline(args)) => timeline::run(&socket_dir, cli.gpu, &args),
-        Some(Command::Run(args)) => run::run(&cfg, &socket_dir, cli.gpu.as_deref(), args),
+        Some(Command::Timeline { gpu, args }) => timeline::run(&socket_dir, gpu.or(cli.gpu), &args),
+        Some(Command::Run { gpu, args }) => {
+            run::run(&cfg, &socket_dir, gpu.or(cli.gpu).as_deref(), args)
+        }
+        Some(Command::Demo(args)) => demo::run(&args),
         Some(Command::Install(_) | Command::Uninstall(_) | Command::Cdi { .. }) => {
             unreachable!("handled above")
         }

@@ -10,7 +10,6 @@
 
 // `kiwictl demo` (the lead's) is the caller of the refinement and summary API that
 // `timeline` itself does not need; until it lands, the binary does not use all of it.
-#![cfg_attr(not(test), allow(dead_code))]
 
 pub mod svg;
 pub mod term;
@@ -545,6 +544,7 @@ pub fn refine_lane(lane: &mut Lane, gpu_busy: &[(u64, u64)], cpu: &[(u64, u64)])
 /// B's grant, once A's quantum is over (or A released); T4: B's early release (and
 /// A's next grant). Returns the marks found, in order (none without a B waiting
 /// behind an A). Each GPU is looked at on its own; the first with the pattern wins.
+#[cfg(test)]
 pub fn seed_marks(events: &[Event]) -> Vec<Mark> {
     seed_marks_from(events, 0)
 }
