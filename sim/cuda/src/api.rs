@@ -929,7 +929,10 @@ fn memset(
     if !dst.is_multiple_of(u64::from(elem)) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    check_range(d, dst, count as u64 * u64::from(elem), true)?;
+    let n = (count as u64)
+        .checked_mul(u64::from(elem))
+        .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    check_range(d, dst, n, true)?;
     let op = Op::Memset {
         dst,
         value,
@@ -1222,7 +1225,9 @@ fn memset_2d(
     if !dst.is_multiple_of(u64::from(elem)) || !(pitch as u64).is_multiple_of(u64::from(elem)) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    let row = width as u64 * u64::from(elem);
+    let row = (width as u64)
+        .checked_mul(u64::from(elem))
+        .ok_or(CUDA_ERROR_INVALID_VALUE)?;
     let span = span_2d(pitch as u64, row, height as u64)?;
     check_range(d, dst, span, true)?;
     let op = Op::Memset2D {

@@ -582,27 +582,27 @@ impl Context {
             Builtin::Spin => args[0] as f64 / 1e9,
             Builtin::Fill => {
                 let (ptr, value, words) = (args[0], args[1] as u32, args[2]);
-                for p in d.mem.resolve(ptr, words * 4, true)? {
+                for p in d.mem.resolve(ptr, bytes_of(words)?, true)? {
                     for_words(&p, |w| *w = value);
                 }
-                (words * 4) as f64 / d.hbm_bps
+                words as f64 * 4.0 / d.hbm_bps
             }
             Builtin::Add => {
                 let (ptr, delta, words) = (args[0], args[1] as u32, args[2]);
-                for p in d.mem.resolve(ptr, words * 4, true)? {
+                for p in d.mem.resolve(ptr, bytes_of(words)?, true)? {
                     for_words(&p, |w| *w = w.wrapping_add(delta));
                 }
-                (words * 8) as f64 / d.hbm_bps
+                words as f64 * 8.0 / d.hbm_bps
             }
             Builtin::Checksum => {
                 let (ptr, words, out) = (args[0], args[1], args[2]);
                 let mut sum = 0u64;
-                for p in d.mem.resolve(ptr, words * 4, false)? {
+                for p in d.mem.resolve(ptr, bytes_of(words)?, false)? {
                     for_words(&p, |w| sum = sum.wrapping_add(u64::from(*w)));
                 }
                 let dst = d.mem.resolve(out, 8, true)?;
                 copy_from_host(&dst, &sum.to_le_bytes());
-                (words * 4) as f64 / d.hbm_bps
+                words as f64 * 4.0 / d.hbm_bps
             }
         };
         pace(start, modelled_s);
@@ -619,6 +619,11 @@ impl Context {
         }
         Ok(())
     }
+}
+
+/// Bytes of `words` u32 words; a count no device could hold is an illegal address.
+fn bytes_of(words: u64) -> Result<u64, Fault> {
+    words.checked_mul(4).ok_or(Fault::Unmapped)
 }
 
 /// Sleeps until `seconds` of wall time have passed since `start_ns`.

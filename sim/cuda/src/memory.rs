@@ -279,7 +279,10 @@ impl Memory {
         let found = va.free.iter().find_map(|(&start, &len)| {
             let at = match fixed {
                 Some(f) => {
-                    if f >= start && f + size <= start + len && f % align == 0 {
+                    if f >= start
+                        && f.checked_add(size).is_some_and(|e| e <= start + len)
+                        && f.is_multiple_of(align)
+                    {
                         f
                     } else {
                         return None;
@@ -329,6 +332,9 @@ impl Memory {
         if size == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        if size > self.len {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
         let accounted = round_up(size, SMALL_ALIGN);
         let phys = Phys::new(self.machine, gpu, accounted)?;
         let align = if accounted >= GRANULARITY {
@@ -373,6 +379,9 @@ impl Memory {
     pub fn alloc_managed(&self, gpu: u32, size: u64, owner: usize) -> Result<u64, CUresult> {
         if size == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if size > self.len {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         let accounted = round_up(size, 4096);
         let align = if accounted >= GRANULARITY {
@@ -496,6 +505,9 @@ impl Memory {
         if size == 0 || !size.is_multiple_of(GRANULARITY) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        if size > self.len {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
         let align = if align == 0 { GRANULARITY } else { align };
         if !align.is_power_of_two() {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -543,6 +555,9 @@ impl Memory {
     pub fn create(&self, gpu: u32, size: u64) -> Result<u64, CUresult> {
         if size == 0 || !size.is_multiple_of(GRANULARITY) {
             return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if size > self.len {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         let phys = Phys::new(self.machine, gpu, size)?;
         let h = self.next_handle.fetch_add(1, Ordering::Relaxed);

@@ -97,6 +97,13 @@ int main(void) {
     CHECK(cuMemcpyDtoH(h, d, WORDS * 4));
     ASSERT(h[0] == 0xabcdef01u && h[WORDS - 1] == 0xabcdef01u);
     EXPECT(cuMemcpyHtoD(d + WORDS * 4 - 4, h, 8), CUDA_ERROR_INVALID_VALUE);
+    /* Absurd sizes are refused with the driver's errors, not a crash. */
+    CUdeviceptr huge;
+    EXPECT(cuMemAlloc(&huge, (size_t)1 << 62), CUDA_ERROR_OUT_OF_MEMORY);
+    EXPECT(cuMemAlloc(&huge, (size_t)512 << 20), CUDA_ERROR_OUT_OF_MEMORY); /* > 256 MiB GPU */
+    EXPECT(cuMemAddressReserve(&huge, (size_t)1 << 62, 0, 0, 0), CUDA_ERROR_OUT_OF_MEMORY);
+    EXPECT(cuMemsetD32(d, 0, (size_t)-1), CUDA_ERROR_INVALID_VALUE);
+
 
     /* Kernels by entry name, launched through kernelParams and extra. */
     CUmodule mod;
