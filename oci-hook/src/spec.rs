@@ -337,7 +337,10 @@ impl Spec {
     }
 
     /// Writes the spec back to where it was read from: a temporary file in the same
-    /// directory, renamed over the original, so a crash never leaves half a spec.
+    /// directory, renamed over the original, so no reader (and no failed write) ever
+    /// sees half a spec. No fsync: the bundle only matters to a container created right
+    /// now, which a machine crash ends anyway, and fsync costs milliseconds on a busy
+    /// disk for every create.
     pub fn write_back(&self) -> Result<(), SpecError> {
         let werr = |source| SpecError::Write {
             path: self.path.clone(),
@@ -356,7 +359,6 @@ impl Spec {
                 .open(&tmp)?;
             f.write_all(&serde_json::to_vec(&self.value).expect("a JSON value serializes"))?;
             f.set_permissions(std::fs::Permissions::from_mode(mode))?;
-            f.sync_all()?;
             std::fs::rename(&tmp, &self.path)
         })();
         if result.is_err() {

@@ -27,7 +27,7 @@ struct Args {
     stage: Option<String>,
 }
 
-fn run(args: &Args, log: &mut Logger) -> Result<(), HookError> {
+fn run(args: &Args, log: &mut Logger, t0: std::time::Instant) -> Result<(), HookError> {
     let state = hook::read_state(std::io::stdin().lock())?;
     let Some((spec, claim)) = hook::claimed_spec(&state)? else {
         return Ok(());
@@ -38,18 +38,20 @@ fn run(args: &Args, log: &mut Logger) -> Result<(), HookError> {
     let inj = hook::plan(&state, &spec, &claim, &cfg, &socket_dir)?;
     hook::inject(&inj)?;
     log.info(&format!(
-        "container {}: injected shim, {} device node(s), socket dir {}",
+        "container {}: injected shim, {} device node(s), socket dir {} in {:.2} ms",
         state.id,
         inj.nodes.len(),
-        inj.client_dir.display()
+        inj.client_dir.display(),
+        t0.elapsed().as_secs_f64() * 1e3
     ));
     Ok(())
 }
 
 fn main() {
+    let t0 = std::time::Instant::now();
     let args = Args::parse();
     let mut log = Logger::new("kiwi-hook", None);
-    if let Err(e) = run(&args, &mut log) {
+    if let Err(e) = run(&args, &mut log, t0) {
         log.error(&e.to_string(), None);
         std::process::exit(1);
     }
