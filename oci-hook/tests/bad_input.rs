@@ -347,3 +347,62 @@ fn hook_refuses_garbage_and_missing_pieces() {
     assert_eq!(code, Some(1));
     assert_one_line_error(&err, "cannot enter the mount namespace");
 }
+
+#[test]
+fn bundle_defaults_to_the_current_directory_and_missing_hook_is_refused() {
+    let fx = Fixture::new();
+    fx.write_config_with("[\"/bin/true\"]", &fx.shim, "");
+    let b = spec_only_bundle(&fx, "cwd", &claimed_spec("1"));
+    let out = fx
+        .kiwi_runtime()
+        .current_dir(&b)
+        .args(["--debug", "create", "x"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let spec = kiwi_oci::spec::Spec::load(&b).unwrap();
+    assert_eq!(spec.nvidia_devices()[0].path, Path::new("/dev/nvidia1"));
+
+    // The hook binary missing on the host: refused, spec untouched.
+    let text = std::fs::read_to_string(&fx.config).unwrap();
+    std::fs::write(&fx.config, text.replace(HOOK, "/nonexistent/kiwi-hook")).unwrap();
+    let spec = claimed_spec("0");
+    let b = spec_only_bundle(&fx, "nohook", &spec);
+    let out = fx
+        .kiwi_runtime()
+        .args(["create", "--bundle"])
+        .arg(&b)
+        .arg("y")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert_one_line_error(
+        &text_of(&out),
+        "kiwi-hook /nonexistent/kiwi-hook is missing",
+    );
+    assert_eq!(
+        std::fs::read_to_string(b.join("config.json")).unwrap(),
+        spec
+    );
+
+    // nvidia-uvm missing on the host: a CUDA container cannot work; refused.
+    fx.write_config_with("[\"/bin/true\"]", &fx.shim, "");
+    std::fs::remove_file(fx.dev.join("nvidia-uvm")).unwrap();
+    let out = fx
+        .kiwi_runtime()
+        .args(["create", "--bundle"])
+        .arg(&b)
+        .arg("z")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert_one_line_error(&text_of(&out), "nvidia-uvm is missing on the host");
+    assert_eq!(
+        std::fs::read_to_string(b.join("config.json")).unwrap(),
+        spec
+    );
+}
+
+fn text_of(out: &std::process::Output) -> String {
+    text(out).1
+}
