@@ -87,9 +87,8 @@ pub fn find_in_ld_cache(ldconfig_p: &str, names: &[&str]) -> Vec<(String, PathBu
     out
 }
 
-fn find_on_path(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
-    std::env::split_paths(&path)
+fn find_on_path(name: &str, path: &std::ffi::OsStr) -> Option<PathBuf> {
+    std::env::split_paths(path)
         .map(|d| d.join(name))
         .find(|p| p.is_file())
 }
@@ -107,7 +106,16 @@ pub fn discover() -> (Vec<DriverFile>, Vec<&'static str>) {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_default();
-    let found = find_in_ld_cache(&cache, &DRIVER_LIBRARIES);
+    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
+    discover_in(&cache, &path)
+}
+
+/// [`discover`] over given `ldconfig -p` output and `PATH`.
+pub fn discover_in(
+    ldconfig_p: &str,
+    path: &std::ffi::OsStr,
+) -> (Vec<DriverFile>, Vec<&'static str>) {
+    let found = find_in_ld_cache(ldconfig_p, &DRIVER_LIBRARIES);
     let mut files = Vec::new();
     let mut missing = Vec::new();
     for name in DRIVER_LIBRARIES {
@@ -123,7 +131,7 @@ pub fn discover() -> (Vec<DriverFile>, Vec<&'static str>) {
         }
     }
     for name in DRIVER_PROGRAMS {
-        match find_on_path(name).and_then(|p| Some((std::fs::canonicalize(&p).ok()?, p))) {
+        match find_on_path(name, path).and_then(|p| Some((std::fs::canonicalize(&p).ok()?, p))) {
             Some((source, p)) => files.push(DriverFile {
                 source,
                 destination: Path::new("/usr/bin").join(p.file_name().unwrap_or_default()),
@@ -153,6 +161,34 @@ mod tests {
                 PathBuf::from("/usr/lib/x86_64-linux-gnu/libcuda.so.1")
             );
         }
+    }
+
+    #[test]
+    fn discovered_files_bind_the_real_file_at_the_cached_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("libcuda.so.550.54");
+        std::fs::write(&real, b"elf").unwrap();
+        let link = dir.path().join("libcuda.so.1");
+        std::os::unix::fs::symlink("libcuda.so.550.54", &link).unwrap();
+        let bin = dir.path().join("bin");
+        std::fs::create_dir_all(&bin).unwrap();
+        std::fs::write(bin.join("nvidia-smi"), b"#!").unwrap();
+        let tag = if cfg!(target_arch = "aarch64") {
+            "AArch64"
+        } else {
+            "x86-64"
+        };
+        let cache = format!("\tlibcuda.so.1 (libc6,{tag}) => {}\n", link.display());
+        let (files, missing) = discover_in(&cache, bin.as_os_str());
+        assert_eq!(
+            files[0],
+            DriverFile {
+                source: std::fs::canonicalize(&real).unwrap(),
+                destination: link,
+            }
+        );
+        assert_eq!(files[1].destination, PathBuf::from("/usr/bin/nvidia-smi"));
+        assert!(missing.contains(&"libnvidia-ml.so.1") && !missing.contains(&"libcuda.so.1"));
     }
 
     #[test]

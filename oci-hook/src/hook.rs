@@ -460,7 +460,7 @@ mod tests {
     }
 
     #[test]
-    fn child_results_and_panics_come_back() {
+    fn child_results_and_errors_come_back() {
         assert_eq!(in_child(|| Ok::<u32, String>(7)).unwrap(), 7);
         assert_eq!(
             in_child(|| Err::<u32, String>("nope".into())).unwrap_err(),
