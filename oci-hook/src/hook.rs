@@ -5,7 +5,7 @@
 //! - bind the host's `<socket-dir>/client` read-only at `/run/kiwi/client` (a directory,
 //!   so a socket the arbiter recreates after a restart is seen inside; read-only, so a
 //!   container cannot replace the arbiter's socket for everyone),
-//! - bind a copy of `/etc/ld.so.preload` that lists the shim after the image's own
+//! - bind a copy of `/etc/ld.so.preload` that lists the shim before the image's own
 //!   entries (a bind, so the image is never modified and a read-only root works; only
 //!   an image without the file gets an empty mount point),
 //! - create the device nodes that are missing.
@@ -297,7 +297,9 @@ fn bind_ro(source: &Path, target: &Path, shown: &str, extra: MsFlags) -> Result<
     .map_err(|e| format!("cannot make {shown} read-only: {e}"))
 }
 
-/// The new `/etc/ld.so.preload`: the image's entries, then the shim unless listed.
+/// The new `/etc/ld.so.preload`: the shim first, so its symbols (the CUDA driver API,
+/// `dlsym`) win symbol lookup over any other preloaded library, then the image's own
+/// entries, unchanged. `None` when the image already lists the shim.
 pub fn preload_contents(existing: &str) -> Option<String> {
     let listed = existing
         .split(|c: char| c.is_whitespace() || c == ':')
@@ -305,12 +307,11 @@ pub fn preload_contents(existing: &str) -> Option<String> {
     if listed {
         return None;
     }
-    let mut out = existing.to_string();
-    if !out.is_empty() && !out.ends_with('\n') {
+    let mut out = format!("{CONTAINER_SHIM_PATH}\n");
+    out.push_str(existing);
+    if !out.ends_with('\n') {
         out.push('\n');
     }
-    out.push_str(CONTAINER_SHIM_PATH);
-    out.push('\n');
     Some(out)
 }
 
@@ -433,7 +434,7 @@ mod tests {
         assert_eq!(preload_contents("").unwrap(), "/usr/lib/kiwi/libkiwi.so\n");
         assert_eq!(
             preload_contents("/lib/libjemalloc.so").unwrap(),
-            "/lib/libjemalloc.so\n/usr/lib/kiwi/libkiwi.so\n"
+            "/usr/lib/kiwi/libkiwi.so\n/lib/libjemalloc.so\n"
         );
         assert_eq!(preload_contents("/a.so /usr/lib/kiwi/libkiwi.so\n"), None);
     }

@@ -158,7 +158,7 @@ fn cdi_edits_applied_by_an_engine_work_under_plain_runc() {
     assert!(ok, "{err}\n{out}");
     assert!(out.contains(&format!("SHIM={SHIM_CONTENT}")), "{out}");
     assert!(
-        out.contains("PRELOAD=/lib/libimage-own.so /usr/lib/kiwi/libkiwi.so"),
+        out.contains("PRELOAD=/usr/lib/kiwi/libkiwi.so /lib/libimage-own.so"),
         "{out}"
     );
     assert!(out.contains("NODE /dev/nvidia1 c3:1"), "{out}");

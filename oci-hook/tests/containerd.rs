@@ -258,7 +258,7 @@ fn claimed_container_through_containerd() {
         if claimed {
             assert!(stdout.contains(&format!("SHIM={SHIM_CONTENT}")), "{stdout}");
             assert!(
-                stdout.contains("PRELOAD=/lib/libimage-own.so /usr/lib/kiwi/libkiwi.so"),
+                stdout.contains("PRELOAD=/usr/lib/kiwi/libkiwi.so /lib/libimage-own.so"),
                 "{stdout}"
             );
             assert!(stdout.contains("NODE /dev/nvidia0 c3:0"), "{stdout}");

@@ -51,8 +51,8 @@ fn claimed_container_gets_shim_preload_socket_and_devices() {
     assert_eq!(line(&stdout, "SHIM_RW="), "readonly");
     assert_eq!(
         line(&stdout, "PRELOAD="),
-        "/lib/libimage-own.so /usr/lib/kiwi/libkiwi.so ",
-        "the image's entry is kept, the shim added"
+        "/usr/lib/kiwi/libkiwi.so /lib/libimage-own.so ",
+        "the shim first, the image's entry kept"
     );
     assert!(stdout.contains("NODE /dev/nvidia0 absent"), "{stdout}");
     // busybox stat prints majors and minors in hex: 195 = c3, 255 = ff, 250 = fa.
