@@ -406,3 +406,16 @@ fn bundle_defaults_to_the_current_directory_and_missing_hook_is_refused() {
 fn text_of(out: &std::process::Output) -> String {
     text(out).1
 }
+
+#[test]
+fn hook_unknown_flag_is_one_line() {
+    let out = Command::new(HOOK)
+        .arg("--bogus")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert_one_line_error(&text(&out).1, "unexpected argument '--bogus'");
+    let out = Command::new(HOOK).arg("--version").output().unwrap();
+    assert!(out.status.success());
+}

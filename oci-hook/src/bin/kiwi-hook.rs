@@ -49,7 +49,18 @@ fn run(args: &Args, log: &mut Logger, t0: std::time::Instant) -> Result<(), Hook
 
 fn main() {
     let t0 = std::time::Instant::now();
-    let args = Args::parse();
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) if !e.use_stderr() => e.exit(), // --help, --version
+        Err(e) => {
+            // One line, as for every other bad input; the usage text would be noise in
+            // a runtime's error message.
+            let first = e.to_string();
+            let first = first.lines().next().unwrap_or("bad arguments");
+            eprintln!("kiwi-hook: {}", first.trim_start_matches("error: "));
+            std::process::exit(2);
+        }
+    };
     let mut log = Logger::new("kiwi-hook", None);
     if let Err(e) = run(&args, &mut log, t0) {
         log.error(&e.to_string(), None);
