@@ -91,8 +91,9 @@ pub struct GpuScheduler {
     clients: BTreeMap<ClientId, Client>,
     queue: VecDeque<ClientId>,
     holders: BTreeMap<ClientId, Hold>,
-    /// Whether holders were last told that someone waits.
+    /// What holders were last told: someone waits, and the bytes the next one needs.
     contended: bool,
+    contended_need: u64,
     /// After an arbiter restart, resumed waiters are not granted until the resumed
     /// holder (still running on the GPU) had time to re-register.
     quiet_until: Option<Nanos>,
@@ -119,6 +120,7 @@ impl GpuScheduler {
             queue: VecDeque::new(),
             holders: BTreeMap::new(),
             contended: false,
+            contended_need: 0,
             quiet_until: None,
             resume_seen: false,
             out: Vec::new(),
@@ -508,6 +510,11 @@ impl GpuScheduler {
             },
         );
         self.contended = exclusive && waiting > 0;
+        self.contended_need = if self.contended {
+            self.queue.front().map_or(0, |&n| self.need_for(n))
+        } else {
+            0
+        };
     }
 
     /// Grants the first in line and reclaims whatever memory it still lacks from idle
@@ -694,11 +701,18 @@ impl GpuScheduler {
             self.queue.len() as u32
         };
         let contended = waiting > 0;
-        if contended == self.contended {
+        let need = if contended {
+            self.queue.front().map_or(0, |&n| self.need_for(n))
+        } else {
+            0
+        };
+        // Tell again when the next one's needs change (it allocated since asking), so
+        // an early release evicts enough in one go.
+        if contended == self.contended && need == self.contended_need {
             return;
         }
         self.contended = contended;
-        let need = self.queue.front().map_or(0, |&n| self.need_for(n));
+        self.contended_need = need;
         let holders: Vec<ClientId> = self.holders.keys().copied().collect();
         for id in holders {
             self.send(

@@ -2,6 +2,7 @@
 //! baseline measured in the same run, as a ratio (`--json`: one object per line).
 
 mod handoff;
+mod jobs;
 mod procs;
 mod report;
 
@@ -40,12 +41,18 @@ enum Scenario {
         #[arg(long, default_value_t = 256)]
         clients: usize,
     },
+    /// Two jobs of 70% of GPU memory each: Kiwi vs. serial vs. no Kiwi, and a TQ sweep.
+    Oversub,
+    /// Two jobs that fit: Kiwi vs. the scheduler off.
+    Fit,
     #[command(name = "__arbiter", hide = true)]
     Arbiter {
         #[arg(long)]
         socket_dir: PathBuf,
         #[arg(long)]
         tq: f64,
+        #[arg(long, default_value = "on")]
+        scheduler: String,
     },
     #[command(name = "__handoff-client", hide = true)]
     HandoffClient {
@@ -82,7 +89,13 @@ fn run(cli: Cli) -> Result<()> {
             let watch = Duration::from_secs(if cli.quick { 1 } else { 3 });
             handoff::idle(clients, watch)?
         }
-        Scenario::Arbiter { socket_dir, tq } => return arbiter_role(socket_dir, tq),
+        Scenario::Oversub => jobs::oversub(cli.quick)?,
+        Scenario::Fit => jobs::fit(cli.quick)?,
+        Scenario::Arbiter {
+            socket_dir,
+            tq,
+            scheduler,
+        } => return arbiter_role(socket_dir, tq, &scheduler),
         Scenario::HandoffClient { socket, rounds } => {
             return handoff::client_role(&socket, rounds, true)
         }
@@ -95,9 +108,10 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 /// The arbiter, in this process (the same library code as `kiwi-arbiter`).
-fn arbiter_role(socket_dir: PathBuf, tq: f64) -> Result<()> {
+fn arbiter_role(socket_dir: PathBuf, tq: f64, scheduler: &str) -> Result<()> {
     let cfg = kiwi_arbiter::ServerConfig {
         tq_ms: ((tq * 1000.0) as u64).max(1),
+        scheduler: scheduler.parse().map_err(anyhow::Error::msg)?,
         ..Default::default()
     };
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -44,6 +44,10 @@ impl ArbiterProc {
         Ok(a)
     }
 
+    pub fn socket_dir(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
     pub fn client_socket(&self) -> PathBuf {
         kiwi_config::client_socket(self.dir.path())
     }

@@ -104,6 +104,33 @@ fn seed_timeline_tq_then_early_release() {
 }
 
 #[test]
+fn holder_hears_when_the_next_ones_needs_grow() {
+    let mut s = sched(1000 * MIB, 30_000, 5_000);
+    reg(&mut s, 0, 1, 700 * MIB);
+    reg(&mut s, 0, 2, 400 * MIB);
+    s.request(0, 1);
+    s.usage(0, 1, usage(700 * MIB, 700 * MIB));
+    // B asks with 400 MiB allocated: 100 MiB must go.
+    let outs = s.request(1, 2);
+    assert!(
+        sent(&outs, 1).iter().any(
+            |m| matches!(m, ArbiterMsg::Contended { waiting: 1, need_bytes } if *need_bytes == 100 * MIB)
+        ),
+        "{outs:?}"
+    );
+    // B allocates more while waiting: A hears it must free 400 MiB.
+    let outs = s.usage(2, 2, usage(700 * MIB, 0));
+    assert!(
+        sent(&outs, 1).iter().any(
+            |m| matches!(m, ArbiterMsg::Contended { waiting: 1, need_bytes } if *need_bytes == 400 * MIB)
+        ),
+        "{outs:?}"
+    );
+    // Nothing changed: nothing resent.
+    assert!(sent(&s.usage(3, 2, usage(700 * MIB, 0)), 1).is_empty());
+}
+
+#[test]
 fn lone_holder_keeps_the_gpu_past_tq() {
     let mut s = sched(1000 * MIB, 1_000, 500);
     reg(&mut s, 0, 1, 700 * MIB);

@@ -8,7 +8,8 @@
 //!   would with a real GPU.
 //! - Contents of each physical allocation live in a private anonymous `mmap`
 //!   (`MAP_NORESERVE`), populated when allocated (a real driver commits memory at
-//!   allocation too) so copies and kernels are not slowed by page faults. Capacity is accounted in the shared machine
+//!   allocation too) so copies and kernels are not slowed by page faults; freed
+//!   backing is pooled by size and reused (up to 4 GiB per process). Capacity is accounted in the shared machine
 //!   segment: a physical allocation that does not fit fails with
 //!   `CUDA_ERROR_OUT_OF_MEMORY`, across processes.
 //! - `cuMemAlloc` allocations are accounted at their size rounded up to 512 bytes;
@@ -31,6 +32,43 @@ pub const VA_HINT: u64 = 0x7000_0000_0000;
 pub const VA_LEN: u64 = 2 << 40;
 /// Alignment (and accounting unit) of `cuMemAlloc` allocations.
 pub const SMALL_ALIGN: u64 = 512;
+
+/// Backing stores of freed physical allocations, kept for reuse by size. Fresh
+/// anonymous memory must be faulted in and zeroed by the kernel, which costs host
+/// time a GPU never spends (a swap-in of 500 MiB would pay ~100 ms of page faults);
+/// GPU memory from `cuMemCreate` is uninitialized anyway, so stale bytes are fine.
+struct BackingPool {
+    by_len: BTreeMap<usize, Vec<usize>>,
+    bytes: usize,
+}
+
+/// Most bytes the pool keeps; beyond it freed backing goes back to the kernel.
+const POOL_MAX_BYTES: usize = 4 << 30;
+
+static POOL: Mutex<BackingPool> = Mutex::new(BackingPool {
+    by_len: BTreeMap::new(),
+    bytes: 0,
+});
+
+fn pool_take(len: usize) -> Option<*mut libc::c_void> {
+    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    let v = p.by_len.get_mut(&len)?;
+    let addr = v.pop()?;
+    p.bytes -= len;
+    Some(addr as *mut libc::c_void)
+}
+
+/// Keeps `ptr` (a private anonymous mapping of `len` bytes) for reuse; `false` if
+/// the pool is full and the caller must unmap it.
+fn pool_put(ptr: *mut libc::c_void, len: usize) -> bool {
+    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    if p.bytes + len > POOL_MAX_BYTES {
+        return false;
+    }
+    p.bytes += len;
+    p.by_len.entry(len).or_default().push(ptr as usize);
+    true
+}
 
 /// Physical device memory: one `cuMemAlloc` or one `cuMemCreate`.
 pub struct Phys {
@@ -61,16 +99,22 @@ impl Phys {
             _ => CUDA_ERROR_OPERATING_SYSTEM,
         })?;
         let map_len = (size.max(1) as usize).next_multiple_of(4096);
-        // SAFETY: anonymous private mapping; no existing memory is affected.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_POPULATE,
-                -1,
-                0,
-            )
+        let p = match pool_take(map_len) {
+            Some(p) => p,
+            // SAFETY: anonymous private mapping; no existing memory is affected.
+            None => unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    map_len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE
+                        | libc::MAP_ANONYMOUS
+                        | libc::MAP_NORESERVE
+                        | libc::MAP_POPULATE,
+                    -1,
+                    0,
+                )
+            },
         };
         if p == libc::MAP_FAILED {
             machine.release(gpu, size);
@@ -148,7 +192,7 @@ impl Drop for Phys {
                     0,
                 )
             };
-        } else {
+        } else if !pool_put(self.host.cast(), self.map_len) {
             // SAFETY: unmapping our own mapping; no references to it outlive self.
             unsafe { libc::munmap(self.host.cast(), self.map_len) };
         }
