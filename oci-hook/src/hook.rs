@@ -404,14 +404,33 @@ fn inject_here(inj: &Injection) -> Result<(), String> {
 
     if let Some(contents) = preload {
         ensure_file(&preload_target, "/etc/ld.so.preload")?;
-        // The bind source is a file in the bundle directory (the runtime's, always
-        // writable), removed as soon as it is mounted: the mount keeps its contents and
-        // nothing is left behind. (A memfd cannot be a bind source: EINVAL.)
-        let source = inj
-            .bundle
-            .join(format!(".kiwi-ld.so.preload.{}", std::process::id()));
-        std::fs::write(&source, contents)
-            .map_err(|e| format!("cannot write {}: {e}", source.display()))?;
+        // The bind source is a file in the bundle directory (the runtime's, normally
+        // writable; else /run, else the temp dir), removed as soon as it is mounted: the
+        // mount keeps its contents and nothing is left behind. (A memfd cannot be a bind
+        // source: EINVAL.)
+        let name = format!(".kiwi-ld.so.preload.{}", std::process::id());
+        let mut tried = Vec::new();
+        let mut source = None;
+        for dir in [
+            inj.bundle.clone(),
+            PathBuf::from("/run"),
+            std::env::temp_dir(),
+        ] {
+            let candidate = dir.join(&name);
+            match std::fs::write(&candidate, &contents) {
+                Ok(()) => {
+                    source = Some(candidate);
+                    break;
+                }
+                Err(e) => tried.push(format!("{}: {e}", dir.display())),
+            }
+        }
+        let source = source.ok_or_else(|| {
+            format!(
+                "cannot write the new /etc/ld.so.preload anywhere ({})",
+                tried.join("; ")
+            )
+        })?;
         let _ = std::fs::set_permissions(&source, std::fs::Permissions::from_mode(0o644));
         let bound = bind_ro(
             &source,

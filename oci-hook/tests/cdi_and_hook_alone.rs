@@ -232,3 +232,80 @@ fn hooks_d_entry_alone_creates_nodes_and_injects() {
         }
     }
 }
+
+/// Unmounts a test's bind mount on drop.
+struct Unmount(std::path::PathBuf);
+
+impl Drop for Unmount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn read_only_bundle_directory_still_gets_the_preload() {
+    if !require(&["runc", "busybox", "gcc", "mount", "umount"]) {
+        return;
+    }
+    let fx = Fixture::new();
+    let b = fx.bundle(
+        "robundle",
+        "cat /etc/ld.so.preload; echo DONE",
+        &["KIWI_VISIBLE_DEVICES=0"],
+    );
+    let p = b.join("config.json");
+    let mut spec: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    spec["hooks"] = serde_json::json!({"prestart": [{"path": HOOK, "args": ["kiwi-hook", "--config", fx.config, "prestart"]}]});
+    std::fs::write(&p, serde_json::to_vec(&spec).unwrap()).unwrap();
+    // The bundle directory read-only (the rootfs below it is a separate bind, writable).
+    let rootfs = b.join("rootfs");
+    let st = Command::new("mount")
+        .args(["--bind"])
+        .arg(&b)
+        .arg(&b)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let _u = Unmount(b.clone());
+    let st = Command::new("mount")
+        .args(["-o", "remount,bind,ro"])
+        .arg(&b)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let st = Command::new("mount")
+        .args(["--bind"])
+        .arg(&rootfs)
+        .arg(&rootfs)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let _ur = Unmount(rootfs.clone());
+    let st = Command::new("mount")
+        .args(["-o", "remount,bind,rw"])
+        .arg(&rootfs)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    assert!(
+        std::fs::write(b.join("probe"), "x").is_err(),
+        "bundle must be read-only"
+    );
+
+    let (ok, out, err) = plain_runc(&fx, &b);
+    assert!(ok, "{err}\n{out}");
+    assert!(
+        out.contains("/usr/lib/kiwi/libkiwi.so\n/lib/libimage-own.so\nDONE"),
+        "{out}"
+    );
+    let left: Vec<_> = std::fs::read_dir("/run")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(".kiwi-ld.so.preload")
+        })
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
