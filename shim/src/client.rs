@@ -31,6 +31,10 @@ use crate::stats;
 
 type Conn = Connection<ClientMsg, ArbiterMsg>;
 
+/// How long a swap-in waits for others' evictions to make room before giving the turn
+/// back.
+const MAKE_ROOM_WAIT: Duration = Duration::from_secs(15);
+
 /// What the client needs from the allocator: residency, eviction, draining.
 pub trait Residency: Send + Sync {
     fn figures(&self) -> Figures;
@@ -315,12 +319,28 @@ impl Client {
         result
     }
 
-    /// Swaps everything back in (reporting the swap) unless it is all resident.
+    /// Swaps everything back in (reporting the swap) unless it is all resident. Out of
+    /// memory is retried for a while: right after a grant the previous holder may still
+    /// be evicting what the arbiter asked of it.
     fn make_resident(&self) -> Result<(), CUresult> {
         if self.res.all_resident() {
             return Ok(());
         }
-        let s = self.res.swap_in_all()?;
+        let deadline = Instant::now() + MAKE_ROOM_WAIT;
+        let mut total = Swap::default();
+        let s = loop {
+            match self.res.swap_in_all() {
+                Ok(s) => {
+                    total.bytes += s.bytes;
+                    total.duration += s.duration;
+                    break total;
+                }
+                Err(CUDA_ERROR_OUT_OF_MEMORY) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(e),
+            }
+        };
         if s.bytes > 0 {
             stats::SWAP_IN_BYTES.fetch_add(s.bytes, Ordering::Relaxed);
             self.send(&ClientMsg::Swapped {

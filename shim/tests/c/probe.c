@@ -53,7 +53,7 @@ static Api api;
 static void die_cuda(const char *what, CUresult r) {
     const char *name = "?";
     if (api.GetErrorName) api.GetErrorName(r, &name);
-    printf("CUDA error %s in %s\n", name, what);
+    printf("CUDA error %s (%d) in %s\n", name ? name : "?", (int)r, what);
     fflush(stdout);
     exit(2);
 }

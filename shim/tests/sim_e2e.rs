@@ -1,0 +1,647 @@
+//! libkiwi.so end to end: real processes (a C program built against NVIDIA's cuda.h)
+//! on the GPU simulator, preloaded with the shim, under a real `kiwi-arbiter`.
+//!
+//! Needs the workspace built first (`cargo build --workspace --all-targets`: the
+//! simulator, the arbiter and the shim), `gcc`, and `cuda.h` (fetched once by
+//! `scripts/fetch-cuda-h.sh`).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use kiwi_protocol::EventKind;
+use kiwi_tests::{profile_dir, require_tool, Arbiter};
+
+struct Env {
+    shim: PathBuf,
+    sim_dir: PathBuf,
+    probe_link: PathBuf,
+    probe_dlopen: PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// Builds the probes; `None` (skip) when gcc is missing outside CI.
+fn setup() -> Option<Env> {
+    if !require_tool("gcc") {
+        return None;
+    }
+    let profile = profile_dir();
+    let shim = profile.join("libkiwi.so");
+    assert!(
+        shim.exists(),
+        "{} is missing: run `cargo build --workspace --all-targets` first",
+        shim.display()
+    );
+    let sim_dir = kiwi_sim_core::ensure_sim_dir(&profile).expect("simulator built");
+    let out = Command::new("sh")
+        .arg(workspace_root().join("scripts/fetch-cuda-h.sh"))
+        .output()
+        .expect("run fetch-cuda-h.sh");
+    assert!(
+        out.status.success(),
+        "fetch-cuda-h.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let include = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim().to_string());
+    let tmp = tempfile::tempdir().unwrap();
+    let src = workspace_root().join("shim/tests/c/probe.c");
+    let probe_link = tmp.path().join("probe_link");
+    let probe_dlopen = tmp.path().join("probe_dlopen");
+    for (dst, extra) in [
+        (
+            &probe_link,
+            vec![
+                "-L".to_string(),
+                sim_dir.display().to_string(),
+                "-lcuda".into(),
+            ],
+        ),
+        (&probe_dlopen, vec!["-DKIWI_DLOPEN".to_string()]),
+    ] {
+        let st = Command::new("gcc")
+            .args(["-O1", "-Wall", "-Werror", "-I"])
+            .arg(&include)
+            .arg(&src)
+            .arg("-o")
+            .arg(dst)
+            .args(&extra)
+            .arg("-ldl")
+            .status()
+            .expect("gcc");
+        assert!(st.success(), "compiling {}", dst.display());
+    }
+    Some(Env {
+        shim,
+        sim_dir,
+        probe_link,
+        probe_dlopen,
+        _tmp: tmp,
+    })
+}
+
+/// One probe run's configuration.
+struct Run<'a> {
+    env: &'a Env,
+    sim_name: String,
+    sim_memory: &'a str,
+    socket_dir: Option<&'a Path>,
+    preload: bool,
+    dlopen: bool,
+    args: Vec<String>,
+    extra_env: Vec<(String, String)>,
+    stats: PathBuf,
+    trace: Option<PathBuf>,
+}
+
+impl<'a> Run<'a> {
+    fn new(env: &'a Env, sim_name: &str, stats_dir: &Path, tag: &str, args: &[&str]) -> Self {
+        Run {
+            env,
+            sim_name: format!("{sim_name}-{}", std::process::id()),
+            sim_memory: "1GiB",
+            socket_dir: None,
+            preload: true,
+            dlopen: false,
+            args: args.iter().map(|s| s.to_string()).collect(),
+            extra_env: Vec::new(),
+            stats: stats_dir.join(format!("{tag}.stats")),
+            trace: None,
+        }
+    }
+
+    fn command(&self) -> Command {
+        let exe = if self.dlopen {
+            &self.env.probe_dlopen
+        } else {
+            &self.env.probe_link
+        };
+        let mut c = Command::new(exe);
+        c.args(&self.args)
+            .env("LD_LIBRARY_PATH", &self.env.sim_dir)
+            .env("KIWI_SIM_NAME", &self.sim_name)
+            .env("KIWI_SIM_MEMORY", self.sim_memory)
+            .env("KIWI_STATS", &self.stats)
+            .env("KIWI_LOG", "info")
+            .env_remove("LD_PRELOAD")
+            .env_remove("KIWI_REQUIRE_ARBITER")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if self.preload {
+            c.env("LD_PRELOAD", &self.env.shim);
+        }
+        match self.socket_dir {
+            Some(d) => c.env("KIWI_SOCKET_DIR", d),
+            None => c.env("KIWI_SOCKET_DIR", "/nonexistent-kiwi"),
+        };
+        if let Some(t) = &self.trace {
+            c.env("KIWI_SIM_TRACE", t);
+        }
+        for (k, v) in &self.extra_env {
+            c.env(k, v);
+        }
+        c
+    }
+
+    fn spawn(&self) -> std::process::Child {
+        self.command().spawn().expect("spawn probe")
+    }
+
+    fn run(&self) -> Output {
+        self.command().output().expect("run probe")
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}--- stderr\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn stats(path: &Path) -> HashMap<String, String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| {
+            panic!(
+                "no shim stats at {} ({e}): the shim did not run",
+                path.display()
+            )
+        })
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn num(s: &HashMap<String, String>, k: &str) -> u64 {
+    s.get(k)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("stat {k} missing"))
+}
+
+/// Kernel intervals per pid from a simulator trace: (pid, start, end).
+fn trace(path: &Path) -> Vec<(u32, u64, u64)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            Some((
+                f.first()?.parse().ok()?,
+                f.get(2)?.parse().ok()?,
+                f.get(3)?.parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+fn overlaps_between_pids(t: &[(u32, u64, u64)]) -> usize {
+    let mut n = 0;
+    for (i, a) in t.iter().enumerate() {
+        for b in &t[i + 1..] {
+            if a.0 != b.0 && a.1 < b.2 && b.1 < a.2 {
+                n += 1;
+            }
+        }
+    }
+    n
+}
+
+/// How often consecutive kernels (in start order) belong to different processes.
+fn switches(t: &[(u32, u64, u64)]) -> usize {
+    let mut v = t.to_vec();
+    v.sort_by_key(|r| r.1);
+    v.windows(2).filter(|w| w[0].0 != w[1].0).count()
+}
+
+/// Whether the two pids' kernel activity (first start to last end) interleaved.
+fn spans_interleave(t: &[(u32, u64, u64)], a: u32, b: u32) -> bool {
+    let span = |p: u32| {
+        let s = t.iter().filter(|r| r.0 == p).map(|r| r.1).min();
+        let e = t.iter().filter(|r| r.0 == p).map(|r| r.2).max();
+        s.zip(e)
+    };
+    match (span(a), span(b)) {
+        (Some((sa, ea)), Some((sb, eb))) => sa < eb && sb < ea,
+        _ => false,
+    }
+}
+
+fn pid_of(o: &Output) -> u32 {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("pid ").and_then(|p| p.trim().parse().ok()))
+        .expect("probe printed its pid")
+}
+
+fn resolve_line(o: &Output, name: &str) -> String {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .find(|l| l.starts_with(&format!("resolve {name} ")))
+        .unwrap_or_else(|| panic!("no resolve line for {name}:\n{}", text(o)))
+        .to_string()
+}
+
+/// The arbiter client id registered by `pid`.
+fn client_of(arb: &Arbiter, pid: u32) -> Option<u64> {
+    arb.events().iter().find_map(|e| match &e.kind {
+        EventKind::Register { pid: p, .. } if *p == pid => e.client,
+        _ => None,
+    })
+}
+
+#[test]
+fn every_path_into_the_driver_is_gated() {
+    let Some(env) = setup() else { return };
+    let arb = Arbiter::start(&["--tq", "1"]);
+    let dir = tempfile::tempdir().unwrap();
+    // (mode, dlopen build, [(resolve line name, wrapper symbol)])
+    type Case<'a> = (&'a str, bool, &'a [(&'a str, &'a str)]);
+    let cases: [Case; 3] = [
+        (
+            "link",
+            false,
+            &[
+                ("cuLaunchKernel", "cuLaunchKernel"),
+                ("cuMemAlloc", "cuMemAlloc_v2"),
+            ],
+        ),
+        (
+            "dlopen",
+            true,
+            &[
+                ("dlsym:cuLaunchKernel", "cuLaunchKernel"),
+                ("dlsym_old:cuMemAlloc_v2", "cuMemAlloc_v2"),
+            ],
+        ),
+        (
+            // Per-thread default stream requested: the _ptsz/_ptds wrappers come back.
+            "procaddr",
+            false,
+            &[
+                ("cuLaunchKernel", "cuLaunchKernel_ptsz"),
+                ("cuMemcpyDtoH", "cuMemcpyDtoH_v2_ptds"),
+                ("cuMemAlloc", "cuMemAlloc_v2"),
+            ],
+        ),
+    ];
+    for (mode, dlopen, expect) in cases {
+        let mut run = Run::new(
+            &env,
+            "paths",
+            dir.path(),
+            mode,
+            &[mode, "16", "3", "5", "5", "4"],
+        );
+        run.socket_dir = Some(arb.socket_dir());
+        run.dlopen = dlopen;
+        let o = run.run();
+        assert_eq!(o.status.code(), Some(0), "{mode}: {}", text(&o));
+        for (name, sym) in expect {
+            assert_eq!(
+                resolve_line(&o, name),
+                format!("resolve {name} libkiwi.so {sym}"),
+                "{mode}: {}",
+                text(&o)
+            );
+        }
+        let s = stats(&run.stats);
+        assert_eq!(s["mode"], "managed", "{mode}");
+        assert!(num(&s, "grants") >= 1, "{mode}: work waited for a grant");
+        assert!(num(&s, "slow_submits") >= 1, "{mode}");
+        // 1 fill + 4 small fills + 3 × (add, spin, checksum, copy) + final copies.
+        assert!(num(&s, "submissions") >= 5 + 3 * 4, "{mode}: {s:?}");
+        let pid = pid_of(&o);
+        let id =
+            client_of(&arb, pid).unwrap_or_else(|| panic!("{mode}: pid {pid} never registered"));
+        let kinds: Vec<EventKind> = arb
+            .events()
+            .into_iter()
+            .filter(|e| e.client == Some(id))
+            .map(|e| e.kind)
+            .collect();
+        assert!(
+            kinds.iter().any(|k| matches!(k, EventKind::Request)),
+            "{mode}: {kinds:?}"
+        );
+        assert!(
+            kinds.iter().any(|k| matches!(k, EventKind::Grant { .. })),
+            "{mode}"
+        );
+    }
+
+    // Control: without the shim the same program resolves the driver's own functions.
+    let mut run = Run::new(
+        &env,
+        "paths",
+        dir.path(),
+        "control",
+        &["link", "16", "1", "0", "0", "0"],
+    );
+    run.preload = false;
+    let o = run.run();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(
+        resolve_line(&o, "cuLaunchKernel"),
+        "resolve cuLaunchKernel libcuda.so.1 cuLaunchKernel"
+    );
+    assert!(!run.stats.exists());
+}
+
+#[test]
+fn two_apps_over_capacity_take_turns_and_keep_every_byte() {
+    let Some(env) = setup() else { return };
+    let arb = Arbiter::start(&["--tq", "0.5"]);
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["link", "700", "3", "200", "100", "0"];
+    let trace_file = dir.path().join("trace");
+    let mk = |tag: &str| {
+        let mut r = Run::new(&env, "over", dir.path(), tag, &args);
+        r.socket_dir = Some(arb.socket_dir());
+        r.trace = Some(trace_file.clone());
+        r
+    };
+    let (ra, rb) = (mk("a"), mk("b"));
+    let a = ra.spawn();
+    std::thread::sleep(Duration::from_millis(300));
+    let b = rb.spawn();
+    let (oa, ob) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
+    assert_eq!(ob.status.code(), Some(0), "B: {}", text(&ob));
+    assert!(String::from_utf8_lossy(&oa.stdout).contains("\nOK\n"));
+    assert!(String::from_utf8_lossy(&ob.stdout).contains("\nOK\n"));
+    let t = trace(&trace_file);
+    assert!(
+        t.len() >= 2 * (1 + 3 * 3),
+        "trace has every kernel: {}",
+        t.len()
+    );
+    assert_eq!(
+        overlaps_between_pids(&t),
+        0,
+        "kernels of the two apps overlapped"
+    );
+    let (sa, sb) = (stats(&ra.stats), stats(&rb.stats));
+    // Exclusive turns: the GPU changes hands only at a grant, never kernel by kernel.
+    let grants = num(&sa, "grants") + num(&sb, "grants");
+    let sw = switches(&t);
+    assert!(
+        sw >= 1 && sw as u64 <= grants,
+        "{sw} switches for {grants} grants"
+    );
+    assert!(
+        num(&sa, "swap_out_bytes") + num(&sb, "swap_out_bytes") >= 500 << 20,
+        "someone swapped out: {sa:?} {sb:?}"
+    );
+    let swaps = arb
+        .events()
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::SwapOut { .. }))
+        .count();
+    assert!(swaps >= 1, "the arbiter's log records the swaps");
+
+    // Control: the same pair without Kiwi runs out of memory.
+    let trace_ctl = dir.path().join("trace-ctl");
+    let mk = |tag: &str| {
+        let mut r = Run::new(&env, "over-ctl", dir.path(), tag, &args);
+        r.preload = false;
+        r.trace = Some(trace_ctl.clone());
+        r
+    };
+    let (ca, cb) = (mk("ca"), mk("cb"));
+    let a = ca.spawn();
+    std::thread::sleep(Duration::from_millis(300));
+    let ob = cb.run();
+    let oa = a.wait_with_output().unwrap();
+    let outs = format!("{}{}", text(&oa), text(&ob));
+    assert!(
+        outs.contains("CUDA_ERROR_OUT_OF_MEMORY"),
+        "without Kiwi one of them must run out of memory: {outs}"
+    );
+}
+
+#[test]
+fn two_apps_that_fit_run_concurrently_without_swapping() {
+    let Some(env) = setup() else { return };
+    let arb = Arbiter::start(&["--tq", "0.5"]);
+    let dir = tempfile::tempdir().unwrap();
+    let trace_file = dir.path().join("trace");
+    let args = ["link", "400", "4", "200", "0", "0"];
+    let mk = |tag: &str| {
+        let mut r = Run::new(&env, "fit", dir.path(), tag, &args);
+        r.socket_dir = Some(arb.socket_dir());
+        r.trace = Some(trace_file.clone());
+        r
+    };
+    let (ra, rb) = (mk("a"), mk("b"));
+    let (a, b) = (ra.spawn(), rb.spawn());
+    let (oa, ob) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
+    assert_eq!(ob.status.code(), Some(0), "B: {}", text(&ob));
+    // The simulator time-slices kernels of different processes (as a GPU does), so
+    // "concurrently" means their activity interleaved, under shared grants.
+    let t = trace(&trace_file);
+    assert!(
+        spans_interleave(&t, pid_of(&oa), pid_of(&ob)),
+        "they ran side by side: {t:?}\n{:#?}",
+        arb.events()
+    );
+    for r in [&ra, &rb] {
+        let s = stats(&r.stats);
+        assert_eq!(num(&s, "swap_out_bytes"), 0, "{s:?}");
+        assert_eq!(num(&s, "swap_in_bytes"), 0, "{s:?}");
+    }
+    let events = arb.events();
+    let shared = events
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.kind,
+                EventKind::Grant {
+                    exclusive: false,
+                    ..
+                }
+            )
+        })
+        .count();
+    assert!(shared >= 2, "both got shared grants: {events:#?}");
+    assert!(!events.iter().any(|e| matches!(
+        e.kind,
+        EventKind::Grant {
+            exclusive: true,
+            ..
+        }
+    )));
+}
+
+#[test]
+fn without_an_arbiter_the_app_runs_unmanaged_or_fails_when_required() {
+    let Some(env) = setup() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let mut run = Run::new(
+        &env,
+        "noarb",
+        dir.path(),
+        "a",
+        &["link", "8", "2", "1", "0", "2"],
+    );
+    run.extra_env = vec![("KIWI_ARBITER_TIMEOUT".into(), "0.3".into())];
+    let t = Instant::now();
+    let o = run.run();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(
+        t.elapsed() >= Duration::from_millis(300),
+        "it waited for the arbiter"
+    );
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("UNMANAGED"),
+        "{}",
+        text(&o)
+    );
+    assert_eq!(stats(&run.stats)["mode"], "unmanaged");
+
+    let mut run = Run::new(
+        &env,
+        "noarb",
+        dir.path(),
+        "b",
+        &["link", "8", "2", "1", "0", "0"],
+    );
+    run.extra_env = vec![
+        ("KIWI_ARBITER_TIMEOUT".into(), "0.2".into()),
+        ("KIWI_REQUIRE_ARBITER".into(), "1".into()),
+    ];
+    let o = run.run();
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("(802) in api.Init"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn arbiter_restart_mid_run_the_app_reconnects_and_finishes() {
+    let Some(env) = setup() else { return };
+    let mut arb = Arbiter::start(&["--tq", "1"]);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = arb.socket_dir().to_path_buf();
+    let mut run = Run::new(
+        &env,
+        "restart",
+        dir.path(),
+        "a",
+        &["link", "64", "12", "50", "100", "0"],
+    );
+    run.socket_dir = Some(&sock);
+    let child = run.spawn();
+    std::thread::sleep(Duration::from_millis(800));
+    arb.restart_hard();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let s = stats(&run.stats);
+    assert!(num(&s, "reconnects") >= 1, "{s:?}");
+    let resumed = arb.events().iter().any(
+        |e| matches!(e.kind, EventKind::Register { resumed: true, pid, .. } if pid == pid_of(&o)),
+    );
+    assert!(resumed, "the new arbiter saw a resumed registration");
+}
+
+#[test]
+fn killed_holder_frees_the_gpu_for_the_other() {
+    let Some(env) = setup() else { return };
+    let arb = Arbiter::start(&["--tq", "5"]);
+    let dir = tempfile::tempdir().unwrap();
+    let mut ra = Run::new(
+        &env,
+        "kill",
+        dir.path(),
+        "a",
+        &["link", "600", "50", "200", "0", "0"],
+    );
+    ra.socket_dir = Some(arb.socket_dir());
+    let mut rb = Run::new(
+        &env,
+        "kill",
+        dir.path(),
+        "b",
+        &["link", "600", "2", "20", "0", "0"],
+    );
+    rb.socket_dir = Some(arb.socket_dir());
+    let mut a = ra.spawn();
+    std::thread::sleep(Duration::from_millis(1500));
+    let b = rb.spawn();
+    std::thread::sleep(Duration::from_millis(300));
+    a.kill().unwrap();
+    let _ = a.wait();
+    let t = Instant::now();
+    let ob = b.wait_with_output().unwrap();
+    assert_eq!(ob.status.code(), Some(0), "B: {}", text(&ob));
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "B was not stuck behind a dead holder"
+    );
+}
+
+#[test]
+fn forked_worker_holds_nothing() {
+    let Some(env) = setup() else { return };
+    let arb = Arbiter::start(&["--tq", "1"]);
+    let dir = tempfile::tempdir().unwrap();
+    // The child sleeps 300 ms after the fork and exits; the parent is done sooner.
+    let mut run = Run::new(
+        &env,
+        "fork",
+        dir.path(),
+        "a",
+        &["link", "8", "1", "0", "0", "0", "fork"],
+    );
+    run.socket_dir = Some(arb.socket_dir());
+    let o = run.run();
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let regs = arb
+        .events()
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::Register { .. }))
+        .count();
+    assert_eq!(regs, 1, "only the parent registered");
+}
+
+#[test]
+fn many_swap_cycles_never_lose_a_byte() {
+    let Some(env) = setup() else { return };
+    // A small GPU and a tiny TQ: the two apps swap each other out over and over. A
+    // kernel touching swapped-out memory would be an illegal address (exit 2); a lost
+    // byte a checksum mismatch (exit 3).
+    let arb = Arbiter::start(&["--tq", "0.005"]);
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["link", "6", "400", "1", "0", "3"];
+    let mk = |tag: &str| {
+        let mut r = Run::new(&env, "cycles", dir.path(), tag, &args);
+        r.sim_memory = "16MiB";
+        r.socket_dir = Some(arb.socket_dir());
+        r
+    };
+    let (ra, rb) = (mk("a"), mk("b"));
+    let (a, b) = (ra.spawn(), rb.spawn());
+    let (oa, ob) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
+    assert_eq!(ob.status.code(), Some(0), "B: {}", text(&ob));
+    let outs = arb
+        .events()
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::SwapOut { .. }))
+        .count();
+    eprintln!("swap-outs recorded: {outs}");
+    assert!(outs >= 20, "only {outs} swap cycles happened");
+}
