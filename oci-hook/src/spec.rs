@@ -99,12 +99,12 @@ impl Spec {
     }
 
     /// The fields Kiwi reads or edits must have the spec's types, so that an edit never
-    /// silently drops or mangles them.
+    /// silently drops or mangles them. `null` counts as absent, as it does for runc.
     fn check_shape(&self) -> Result<(), String> {
         let v = &self.value;
         let obj = |p: &str| -> Result<(), String> {
             match v.pointer(p) {
-                None | Some(Value::Object(_)) => Ok(()),
+                None | Some(Value::Null) | Some(Value::Object(_)) => Ok(()),
                 Some(_) => Err(format!(
                     "{} must be an object",
                     p.trim_start_matches('/').replace('/', ".")
@@ -113,7 +113,7 @@ impl Spec {
         };
         let arr = |p: &str| -> Result<(), String> {
             match v.pointer(p) {
-                None | Some(Value::Array(_)) => Ok(()),
+                None | Some(Value::Null) | Some(Value::Array(_)) => Ok(()),
                 Some(_) => Err(format!(
                     "{} must be an array",
                     p.trim_start_matches('/').replace('/', ".")
@@ -139,7 +139,7 @@ impl Spec {
             }
         }
         match v.pointer("/root/path") {
-            None | Some(Value::String(_)) => Ok(()),
+            None | Some(Value::Null) | Some(Value::String(_)) => Ok(()),
             Some(_) => Err("root.path must be a string".into()),
         }
     }
@@ -225,18 +225,24 @@ impl Spec {
         let mut cur = &mut self.value;
         for k in keys {
             let obj = cur.as_object_mut().expect("shape checked at parse");
-            cur = obj.entry(k.to_string()).or_insert_with(|| json!({}));
+            cur = obj.entry(k.to_string()).or_insert(Value::Null);
+            if cur.is_null() {
+                *cur = json!({});
+            }
         }
         cur.as_object_mut().expect("shape checked at parse")
     }
 
     fn array_at(&mut self, keys: &[&str]) -> &mut Vec<Value> {
         let (last, parents) = keys.split_last().expect("non-empty key path");
-        self.object_at(parents)
+        let slot = self
+            .object_at(parents)
             .entry(last.to_string())
-            .or_insert_with(|| json!([]))
-            .as_array_mut()
-            .expect("shape checked at parse")
+            .or_insert(Value::Null);
+        if slot.is_null() {
+            *slot = json!([]);
+        }
+        slot.as_array_mut().expect("shape checked at parse")
     }
 
     /// Adds (or corrects) the device node in `linux.devices` and a matching allow rule
@@ -410,6 +416,36 @@ mod tests {
         assert_eq!(s.hooks("prestart").len(), 1);
         assert_eq!(s.nvidia_devices(), vec![node]);
         assert!(s.env().any(|e| e == "NVIDIA_VISIBLE_DEVICES=0"));
+    }
+
+    #[test]
+    fn nulls_count_as_absent() {
+        let mut s = spec(
+            r#"{"process":{"env":null},"root":{"path":null},"linux":{"devices":null,"resources":null},"hooks":null,"mounts":null}"#,
+        );
+        assert_eq!(s.claim().unwrap(), Claim::None);
+        s.add_device(&DeviceNode {
+            path: "/dev/nvidia0".into(),
+            major: 195,
+            minor: 0,
+            mode: 0o666,
+        });
+        s.add_ro_bind(Path::new("/a"), Path::new("/b"));
+        s.set_env("A", "1");
+        s.add_hook(
+            "prestart",
+            &Hook {
+                path: "/h".into(),
+                args: vec![],
+                env: vec![],
+                timeout: None,
+            },
+        );
+        assert_eq!(s.nvidia_devices().len(), 1);
+        assert_eq!(s.value()["linux"]["resources"]["devices"][0]["minor"], 0);
+        assert_eq!(s.mount_destinations(), ["/b"]);
+        assert_eq!(s.hooks("prestart").len(), 1);
+        assert!(s.env().any(|e| e == "A=1"));
     }
 
     #[test]
