@@ -126,7 +126,8 @@ pub fn validate_uuid(uuid: &str) -> Result<(), String> {
 /// <index> <uuid> [pci=<bus-id>] [numa=<node>] [memory=<size>] [<name ...>]
 /// ```
 ///
-/// e.g. `0 GPU-8f6a0c5e-7b1d-4c2e-9a3f-1d2e3f4a5b6c pci=0000:3b:00.0 memory=80GiB NVIDIA H100`.
+/// e.g. `0 GPU-8f6a0c5e-7b1d-4c2e-9a3f-1d2e3f4a5b6c minor=0 pci=0000:3b:00.0 memory=80GiB NVIDIA H100`
+/// (`minor=` is for kiwi-runtime, which reads the same file).
 /// The output of `nvidia-smi -L` is accepted too:
 /// `GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-8f6a…)`.
 pub fn parse_gpu_list(text: &str, path: &Path) -> Result<Vec<Gpu>, GpuError> {
@@ -183,6 +184,10 @@ fn parse_plain_line(line: &str) -> Result<Gpu, String> {
             gpu.numa_node = (node >= 0).then_some(node);
         } else if let Some(v) = word.strip_prefix("memory=") {
             gpu.memory_bytes = Some(kiwi_config::parse_size(v)?);
+        } else if let Some(v) = word.strip_prefix("minor=") {
+            // The device node's minor number, for kiwi-runtime; the plugin needs none.
+            v.parse::<u32>()
+                .map_err(|_| format!("bad minor number {v:?}"))?;
         } else {
             name.push(word);
         }

@@ -117,22 +117,50 @@ impl StaticGpus {
                 line: n + 1,
                 reason,
             };
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            if !(2..=3).contains(&fields.len()) {
-                return Err(bad("expected `<index> <uuid> [minor]`".into()));
+            // The one GPU list format Kiwi reads (shared with kiwi-device-plugin):
+            // `<index> <uuid> [minor=N] [pci=..] [numa=..] [memory=..] [name...]`,
+            // a bare third number as the minor, or `nvidia-smi -L` lines.
+            let (index, uuid, rest): (u32, String, Vec<&str>) =
+                if line.starts_with("GPU ") && line.contains("(UUID:") {
+                    let idx = line["GPU ".len()..].split(':').next().unwrap_or("").trim();
+                    let uuid = line
+                        .split("(UUID:")
+                        .nth(1)
+                        .and_then(|r| r.split(')').next())
+                        .map(str::trim)
+                        .unwrap_or("");
+                    let index: u32 = idx
+                        .parse()
+                        .map_err(|_| bad(format!("{idx:?} is not a GPU index")))?;
+                    if uuid.is_empty() {
+                        return Err(bad("no UUID in the nvidia-smi line".into()));
+                    }
+                    (index, uuid.to_string(), Vec::new())
+                } else {
+                    let fields: Vec<&str> = line.split_whitespace().collect();
+                    if fields.len() < 2 {
+                        return Err(bad("expected `<index> <uuid> [minor=N] ...`".into()));
+                    }
+                    let index: u32 = fields[0]
+                        .parse()
+                        .map_err(|_| bad(format!("{:?} is not a GPU index", fields[0])))?;
+                    (index, fields[1].to_string(), fields[2..].to_vec())
+                };
+            let mut minor = index;
+            for (i, word) in rest.iter().enumerate() {
+                if let Some(m) = word.strip_prefix("minor=") {
+                    minor = m
+                        .parse()
+                        .map_err(|_| bad(format!("{m:?} is not a minor number")))?;
+                } else if i == 0 && word.bytes().all(|b| b.is_ascii_digit()) {
+                    minor = word
+                        .parse()
+                        .map_err(|_| bad(format!("{word:?} is not a minor number")))?;
+                }
             }
-            let index: u32 = fields[0]
-                .parse()
-                .map_err(|_| bad(format!("{:?} is not a GPU index", fields[0])))?;
-            let minor: u32 = match fields.get(2) {
-                Some(m) => m
-                    .parse()
-                    .map_err(|_| bad(format!("{m:?} is not a minor number")))?,
-                None => index,
-            };
             gpus.push(GpuInfo {
                 index,
-                uuid: Some(fields[1].to_string()),
+                uuid: Some(uuid),
                 minor,
             });
         }
@@ -502,6 +530,19 @@ mod tests {
         ));
         let e = StaticGpus::parse("0 GPU-a\nx GPU-b\n", Path::new("/l")).unwrap_err();
         assert!(e.to_string().contains("/l, line 2"), "{e}");
+    }
+
+    #[test]
+    fn gpu_list_reads_the_device_plugins_format_too() {
+        let g = StaticGpus::parse(
+            "0 GPU-aaa minor=4 pci=0000:3b:00.0 memory=80GiB NVIDIA H100\n\
+             GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bbb)\n",
+            Path::new("l"),
+        )
+        .unwrap();
+        assert_eq!(g.minor_for_uuid("GPU-aaa").unwrap(), 4);
+        assert_eq!(g.minor_for_uuid("GPU-bbb").unwrap(), 1);
+        assert!(StaticGpus::parse("0 GPU-a minor=x\n", Path::new("l")).is_err());
     }
 
     #[test]
