@@ -3,6 +3,7 @@
 
 mod handoff;
 mod jobs;
+mod markdown;
 mod procs;
 mod report;
 
@@ -10,7 +11,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -40,6 +41,15 @@ enum Scenario {
     Idle {
         #[arg(long, default_value_t = 256)]
         clients: usize,
+    },
+    /// Every scenario, one after the other.
+    All {
+        /// Also write the figures as Markdown.
+        #[arg(long)]
+        markdown: bool,
+        /// Where the Markdown goes.
+        #[arg(long, default_value = "docs/benchmarks.md")]
+        output: PathBuf,
     },
     /// Two jobs of 70% of GPU memory each: Kiwi vs. serial vs. no Kiwi, and a TQ sweep.
     Oversub,
@@ -89,6 +99,9 @@ fn run(cli: Cli) -> Result<()> {
             let watch = Duration::from_secs(if cli.quick { 1 } else { 3 });
             handoff::idle(clients, watch)?
         }
+        Scenario::All { markdown, output } => {
+            return run_all(cli.quick, cli.json, markdown.then_some(output))
+        }
         Scenario::Oversub => jobs::oversub(cli.quick)?,
         Scenario::Fit => jobs::fit(cli.quick)?,
         Scenario::Arbiter {
@@ -105,6 +118,58 @@ fn run(cli: Cli) -> Result<()> {
         f.print(cli.json);
     }
     Ok(())
+}
+
+type ScenarioFn = Box<dyn Fn(bool) -> Result<Vec<report::Figure>>>;
+
+/// Every scenario; a failing one is reported and the others still run.
+fn run_all(quick: bool, json: bool, markdown: Option<PathBuf>) -> Result<()> {
+    let scenarios: Vec<(&str, ScenarioFn)> = vec![
+        (
+            "handoff",
+            Box::new(|q| handoff::run(8, if q { 100 } else { 1000 })),
+        ),
+        (
+            "idle",
+            Box::new(|q| handoff::idle(256, Duration::from_secs(if q { 1 } else { 3 }))),
+        ),
+        ("oversub", Box::new(jobs::oversub)),
+        ("fit", Box::new(jobs::fit)),
+    ];
+    let mut figures = Vec::new();
+    let mut errors = Vec::new();
+    for (name, f) in scenarios {
+        eprintln!(
+            "kiwi-bench: running {name}{}",
+            if quick { " (quick)" } else { "" }
+        );
+        match f(quick) {
+            Ok(figs) => {
+                for fig in &figs {
+                    fig.print(json);
+                }
+                figures.extend(figs);
+            }
+            Err(e) => {
+                eprintln!("kiwi-bench: {name} failed: {e:#}");
+                errors.push((name.to_string(), format!("{e:#}")));
+            }
+        }
+    }
+    if let Some(path) = markdown {
+        let cmd = format!(
+            "kiwi-bench all --markdown{}",
+            if quick { " --quick" } else { "" }
+        );
+        std::fs::write(&path, markdown::render(&figures, &errors, &cmd))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        eprintln!("kiwi-bench: wrote {}", path.display());
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        anyhow::bail!("{} scenario(s) failed", errors.len())
+    }
 }
 
 /// The arbiter, in this process (the same library code as `kiwi-arbiter`).

@@ -1,0 +1,149 @@
+//! `kiwi-bench all --markdown`: every scenario's figures in one document
+//! (`docs/benchmarks.md`), each beside its same-run baseline, with the machine.
+
+use std::fmt::Write as _;
+
+use crate::report::Figure;
+
+/// What the figures were measured on.
+pub fn machine() -> Vec<(String, String)> {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let cpu = read("/proc/cpuinfo")
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mem_kb: u64 = read("/proc/meminfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    let kernel = read("/proc/sys/kernel/osrelease").trim().to_string();
+    let commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into());
+    let now = std::process::Command::new("date")
+        .args(["-u", "+%Y-%m-%d %H:%M UTC"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    vec![
+        ("date".into(), now),
+        ("CPU".into(), format!("{cpu}, {cores} cores")),
+        (
+            "memory".into(),
+            format!("{:.1} GiB", mem_kb as f64 / (1 << 20) as f64),
+        ),
+        ("kernel".into(), kernel),
+        (
+            "GPU".into(),
+            "none: the Kiwi GPU simulator (sim/) stands in".into(),
+        ),
+        ("commit".into(), commit),
+        (
+            "build".into(),
+            if cfg!(debug_assertions) {
+                "debug"
+            } else {
+                "release"
+            }
+            .into(),
+        ),
+    ]
+}
+
+fn num(v: f64) -> String {
+    if v.abs() >= 100.0 {
+        format!("{v:.1}")
+    } else if v.abs() >= 1.0 {
+        format!("{v:.3}")
+    } else {
+        format!("{v:.4}")
+    }
+}
+
+/// The document.
+pub fn render(figures: &[Figure], errors: &[(String, String)], command: &str) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "# Kiwi benchmarks\n");
+    let _ = writeln!(
+        s,
+        "Written by `{command}`. Every figure is printed next to a baseline measured in \
+         the same run on the same machine, and their ratio; these machines are noisy, so \
+         the ratio means more than the absolute time.\n"
+    );
+    let _ = writeln!(s, "## Machine\n");
+    for (k, v) in machine() {
+        let _ = writeln!(s, "- {k}: {v}");
+    }
+    let _ = writeln!(s, "\n## Figures\n");
+    let _ = writeln!(s, "| scenario | metric | value | baseline | ratio | goal |");
+    let _ = writeln!(s, "| --- | --- | --- | --- | --- | --- |");
+    for f in figures {
+        let base = match f.baseline {
+            Some(b) => format!("{} {} ({})", num(b), f.unit, f.baseline_is),
+            None => "–".into(),
+        };
+        let ratio = f.ratio.map_or("–".into(), |r| format!("{r:.2}×"));
+        let goal = if f.goal.is_empty() {
+            "–"
+        } else {
+            f.goal.as_str()
+        };
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} {} | {} | {} | {} |",
+            f.scenario,
+            f.metric,
+            num(f.value),
+            f.unit,
+            base,
+            ratio,
+            goal
+        );
+    }
+    if !errors.is_empty() {
+        let _ = writeln!(s, "\n## Scenarios that failed in this run\n");
+        for (scen, e) in errors {
+            let _ = writeln!(s, "- {scen}: {e}");
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn document_has_machine_and_every_figure() {
+        let figs = vec![
+            Figure::new("handoff/8", "handoff_p99", 80.0, "us").against(27.0, "raw round trip"),
+            Figure::new("oversub", "speedup_vs_serial", 1.6, "x").goal(">= 1.5x"),
+        ];
+        let md = render(
+            &figs,
+            &[("swap".into(), "shim missing".into())],
+            "kiwi-bench all --markdown",
+        );
+        assert!(md.contains("## Machine"));
+        assert!(
+            md.contains(
+                "| handoff/8 | handoff_p99 | 80.000 us | 27.000 us (raw round trip) | 2.96× |"
+            ),
+            "{md}"
+        );
+        assert!(
+            md.contains("| oversub | speedup_vs_serial | 1.600 x | – | – | >= 1.5x |"),
+            "{md}"
+        );
+        assert!(md.contains("- swap: shim missing"));
+    }
+}
