@@ -237,6 +237,71 @@ fn spans_interleave(t: &[(u32, u64, u64)], a: u32, b: u32) -> bool {
     }
 }
 
+/// Prints the `swap` and `drop-latency` figures of a run (JSON lines, as kiwi-bench
+/// reports them): swap throughput against the copy bandwidth the probes measured in
+/// the same run, and the time from a drop to the release minus that release's swap.
+fn report_swap_figures(arb: &Arbiter, outs: &[&Output]) {
+    let copy: Vec<f64> = outs
+        .iter()
+        .filter_map(|o| {
+            String::from_utf8_lossy(&o.stdout).lines().find_map(|l| {
+                l.strip_prefix("copy_dtoh_bytes_per_s ")?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+        })
+        .collect();
+    let copy_gbps = copy.iter().sum::<f64>() / copy.len().max(1) as f64 / 1e9;
+    let events = arb.events();
+    for (dir, pick) in [("out", true), ("in", false)] {
+        let (bytes, ns) = events
+            .iter()
+            .filter_map(|e| match e.kind {
+                EventKind::SwapOut { bytes, duration_ns } if pick => Some((bytes, duration_ns)),
+                EventKind::SwapIn { bytes, duration_ns } if !pick => Some((bytes, duration_ns)),
+                _ => None,
+            })
+            .fold((0u64, 0u64), |a, b| (a.0 + b.0, a.1 + b.1));
+        if ns > 0 {
+            let gbps = bytes as f64 / ns as f64;
+            println!(
+                "{{\"scenario\":\"swap\",\"metric\":\"swap_{dir}_gbps\",\"value\":{gbps:.3},\"unit\":\"GB/s\",\"baseline\":{copy_gbps:.3},\"ratio\":{:.3}}}",
+                gbps / copy_gbps
+            );
+        }
+    }
+    // Drop → release per client, less the swap-out reported in between.
+    let mut lat = Vec::new();
+    for (i, e) in events.iter().enumerate() {
+        if !matches!(e.kind, EventKind::Drop { .. }) {
+            continue;
+        }
+        let mut swap = 0;
+        for f in &events[i + 1..] {
+            if f.client != e.client {
+                continue;
+            }
+            match f.kind {
+                EventKind::SwapOut { duration_ns, .. } => swap += duration_ns,
+                EventKind::Release { .. } => {
+                    lat.push((f.t_ns - e.t_ns).saturating_sub(swap) as f64 / 1e6);
+                    break;
+                }
+                _ => {}
+            }
+        }
+    }
+    if !lat.is_empty() {
+        lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        println!(
+            "{{\"scenario\":\"drop-latency\",\"metric\":\"drop_to_release_minus_swap_ms_median\",\"value\":{:.1},\"unit\":\"ms\",\"baseline\":250,\"ratio\":{:.3}}}",
+            lat[lat.len() / 2],
+            lat[lat.len() / 2] / 250.0
+        );
+    }
+}
+
 fn pid_of(o: &Output) -> u32 {
     String::from_utf8_lossy(&o.stdout)
         .lines()
@@ -409,6 +474,7 @@ fn two_apps_over_capacity_take_turns_and_keep_every_byte() {
         .filter(|e| matches!(e.kind, EventKind::SwapOut { .. }))
         .count();
     assert!(swaps >= 1, "the arbiter's log records the swaps");
+    report_swap_figures(&arb, &[&oa, &ob]);
 
     // Control: the same pair without Kiwi runs out of memory.
     let trace_ctl = dir.path().join("trace-ctl");

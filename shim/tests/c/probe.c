@@ -46,6 +46,7 @@ typedef struct {
     CUresult (*CtxSynchronize)(void);
     CUresult (*MemGetInfo)(size_t *, size_t *);
     CUresult (*GetErrorName)(CUresult, const char **);
+    CUresult (*MemAllocHost)(void **, size_t);
 } Api;
 
 static Api api;
@@ -82,6 +83,7 @@ static void resolve(const char *mode) {
         R(ModuleGetFunction, "cuModuleGetFunction"); R(LaunchKernel, "cuLaunchKernel");
         R(MemcpyDtoH, "cuMemcpyDtoH_v2"); R(CtxSynchronize, "cuCtxSynchronize");
         R(MemGetInfo, "cuMemGetInfo_v2"); R(GetErrorName, "cuGetErrorName");
+        R(MemAllocHost, "cuMemAllocHost_v2");
 #undef R
         api.MemAlloc = (void *)dlsym_old(h, "cuMemAlloc_v2");
         report("dlsym:cuLaunchKernel", (void *)api.LaunchKernel);
@@ -97,6 +99,7 @@ static void resolve(const char *mode) {
     api.ModuleGetFunction = cuModuleGetFunction; api.LaunchKernel = cuLaunchKernel;
     api.MemcpyDtoH = cuMemcpyDtoH; api.CtxSynchronize = cuCtxSynchronize;
     api.MemGetInfo = cuMemGetInfo; api.GetErrorName = cuGetErrorName;
+    api.MemAllocHost = cuMemAllocHost;
     if (strcmp(mode, "procaddr") == 0) {
         CUdriverProcAddressQueryResult st;
         cuuint64_t f = CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
@@ -193,8 +196,15 @@ int main(int argc, char **argv) {
         if (cpu_ms) usleep(cpu_ms * 1000);
     }
     /* Every byte. */
-    unsigned int *host = malloc(bytes);
+    /* Pinned, like the shim's swap buffers: the copy is the bandwidth baseline. */
+    unsigned int *host = NULL;
+    CK(api.MemAllocHost((void **)&host, bytes));
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     CK(api.MemcpyDtoH(host, d, bytes));
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double secs = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
+    printf("copy_dtoh_bytes_per_s %.0f\n", secs > 0 ? bytes / secs : 0.0);
     unsigned int expect = value + bursts;
     for (unsigned long long i = 0; i < words; i++) {
         if (host[i] != expect) {
