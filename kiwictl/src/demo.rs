@@ -521,19 +521,70 @@ fn build_timeline(
         }
     }
     tl.lanes.sort_by(|a, b| a.name.cmp(&b.name));
-    tl.marks = timeline::seed_marks_from(events, start_ns)
-        .into_iter()
-        .filter(|m| m.t_ns >= start_ns && m.t_ns <= tl.t1_ns)
-        .collect();
-    if !tl.marks.iter().any(|m| m.label == "T0") {
-        tl.marks.insert(
-            0,
-            timeline::Mark {
-                label: "T0".into(),
-                t_ns: start_ns,
-                note: "both notebooks are ready".into(),
-            },
-        );
-    }
+    tl.marks = story_marks(events, apps, &client_of, start_ns, tl.t1_ns);
     Ok(tl)
+}
+
+/// The seed's T0…T4, found in what really happened: T1 A starts GPU work and has the
+/// GPU, T2 B asks for it and waits, T3 B gets it (A's quantum is over), T4 B is done
+/// early and gives it back. Only the marks the run shows are returned.
+fn story_marks(
+    events: &[Event],
+    apps: &[Running],
+    client_of: &HashMap<u32, u64>,
+    start_ns: u64,
+    end_ns: u64,
+) -> Vec<timeline::Mark> {
+    let mark = |label: &str, t_ns: u64, note: &str| timeline::Mark {
+        label: label.into(),
+        t_ns,
+        note: note.into(),
+    };
+    let mut marks = vec![mark("T0", start_ns, "both notebooks are ready")];
+    let id = |label: &str| {
+        apps.iter()
+            .find(|a| a.label == label)
+            .and_then(|a| client_of.get(&a.child.id()).copied())
+    };
+    let (Some(a), Some(b)) = (id("A"), id("B")) else {
+        return marks;
+    };
+    let first = |client: u64, after: u64, pred: &dyn Fn(&EventKind) -> bool| {
+        events
+            .iter()
+            .filter(|e| e.client == Some(client) && e.t_ns >= after && pred(&e.kind))
+            .map(|e| e.t_ns)
+            .min()
+    };
+    let a_gpu_phase = apps
+        .iter()
+        .find(|x| x.label == "A")
+        .and_then(|x| phases(&x.lines).into_iter().find(|(k, _, _)| k == "gpu"))
+        .map(|(_, s, _)| s);
+    // A may already hold the GPU when its burst starts (a lone holder keeps it).
+    let t1 = first(a, start_ns, &|k| matches!(k, EventKind::Grant { .. }))
+        .into_iter()
+        .chain(a_gpu_phase)
+        .min();
+    let Some(t1) = t1 else { return marks };
+    marks.push(mark("T1", t1, "A starts a GPU burst and has the GPU"));
+    let Some(t2) = first(b, t1, &|k| matches!(k, EventKind::Request)) else {
+        return marks;
+    };
+    marks.push(mark("T2", t2, "B asks for the GPU and waits"));
+    let Some(t3) = first(b, t2, &|k| matches!(k, EventKind::Grant { .. })) else {
+        return marks;
+    };
+    marks.push(mark("T3", t3, "A's time quantum is over: B gets the GPU"));
+    if let Some(t4) = first(b, t3, &|k| {
+        matches!(k, EventKind::Release { early: true, .. })
+    }) {
+        marks.push(mark(
+            "T4",
+            t4,
+            "B is done early and gives the GPU back: A resumes",
+        ));
+    }
+    marks.retain(|m| m.t_ns <= end_ns);
+    marks
 }
