@@ -240,7 +240,8 @@ fn spans_interleave(t: &[(u32, u64, u64)], a: u32, b: u32) -> bool {
 /// Prints the `swap` and `drop-latency` figures of a run (JSON lines, as kiwi-bench
 /// reports them): swap throughput against the copy bandwidth the probes measured in
 /// the same run, and the time from a drop to the release minus that release's swap.
-fn report_swap_figures(arb: &Arbiter, outs: &[&Output]) {
+/// Returns the median drop latency in ms.
+fn report_swap_figures(arb: &Arbiter, outs: &[&Output]) -> Option<f64> {
     let copy: Vec<f64> = outs
         .iter()
         .filter_map(|o| {
@@ -292,7 +293,10 @@ fn report_swap_figures(arb: &Arbiter, outs: &[&Output]) {
             }
         }
     }
-    if !lat.is_empty() {
+    if lat.is_empty() {
+        return None;
+    }
+    {
         lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
         println!(
             "{{\"scenario\":\"drop-latency\",\"metric\":\"drop_to_release_minus_swap_ms_median\",\"value\":{:.1},\"unit\":\"ms\",\"baseline\":250,\"ratio\":{:.3}}}",
@@ -300,6 +304,7 @@ fn report_swap_figures(arb: &Arbiter, outs: &[&Output]) {
             lat[lat.len() / 2] / 250.0
         );
     }
+    Some(lat[lat.len() / 2])
 }
 
 fn pid_of(o: &Output) -> u32 {
@@ -474,7 +479,7 @@ fn two_apps_over_capacity_take_turns_and_keep_every_byte() {
         .filter(|e| matches!(e.kind, EventKind::SwapOut { .. }))
         .count();
     assert!(swaps >= 1, "the arbiter's log records the swaps");
-    report_swap_figures(&arb, &[&oa, &ob]);
+    let _ = report_swap_figures(&arb, &[&oa, &ob]);
 
     // Control: the same pair without Kiwi runs out of memory.
     let trace_ctl = dir.path().join("trace-ctl");
@@ -922,5 +927,39 @@ fn seed_timeline_turns_follow_the_quantum_and_idle_releases_early() {
     assert!(
         b_release + 1_000_000_000 < b_exit,
         "B released while still alive and idle"
+    );
+}
+
+#[test]
+fn drop_after_ten_thousand_queued_kernels_is_short() {
+    let Some(env) = setup() else { return };
+    // Each burst queues 10,000 kernels of 20 µs (200 ms of GPU work) at once; the two
+    // apps do not fit together, so turns end with drops in the middle of such queues.
+    let arb = Arbiter::start(&["--tq", "0.3"]);
+    let dir = tempfile::tempdir().unwrap();
+    let mk = |tag: &str| {
+        let mut r = Run::new(
+            &env,
+            "queued",
+            dir.path(),
+            tag,
+            &["link", "500", "3", "0", "0", "0"],
+        );
+        r.socket_dir = Some(arb.socket_dir());
+        r.extra_env = vec![
+            ("PROBE_KERNELS".into(), "10000".into()),
+            ("PROBE_SPIN_US".into(), "20".into()),
+        ];
+        r
+    };
+    let (ra, rb) = (mk("a"), mk("b"));
+    let (a, b) = (ra.spawn(), rb.spawn());
+    let (oa, ob) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
+    assert_eq!(ob.status.code(), Some(0), "B: {}", text(&ob));
+    let median = report_swap_figures(&arb, &[&oa, &ob]).expect("at least one drop");
+    assert!(
+        median < 250.0,
+        "drop → release took {median} ms beyond the swap"
     );
 }

@@ -7,8 +7,8 @@
  *   - linked, resolving everything through cuGetProcAddress_v2 with the
  *     per-thread-default-stream flag                              (mode "procaddr")
  * Work: allocate MIB MiB (one large allocation plus SMALL 4 KiB ones), fill it, then
- * BURSTS times: add 1 everywhere, spin GPU_MS on the GPU, checksum on the GPU and
- * verify, sleep CPU_MS. At the end every byte is copied back and checked.
+ * BURSTS times: add 1 everywhere, spin GPU_MS on the GPU (or queue PROBE_KERNELS
+ * kernels of PROBE_SPIN_US each), checksum on the GPU and verify, sleep CPU_MS. At the end every byte is copied back and checked.
  * Prints "resolve <name> <library> <symbol>" for the launch and allocation entry
  * points, "pid <pid>", then "OK". Exit 2 on a CUDA error (its name printed), 3 on a
  * mismatch. */
@@ -132,6 +132,11 @@ int main(int argc, char **argv) {
     int cpu_ms = atoi(argv[5]);
     int small = atoi(argv[6]);
     int do_fork = argc > 7 && strcmp(argv[7], "fork") == 0;
+    /* PROBE_KERNELS=K, PROBE_SPIN_US=U: each burst queues K kernels of U µs instead
+     * of one GPU_MS kernel. */
+    long queued = getenv("PROBE_KERNELS") ? atol(getenv("PROBE_KERNELS")) : 0;
+    unsigned long long queued_ns =
+        (getenv("PROBE_SPIN_US") ? strtoull(getenv("PROBE_SPIN_US"), NULL, 10) : 10) * 1000ULL;
     printf("pid %d\n", (int)getpid());
     resolve(mode);
     fflush(stdout);
@@ -180,7 +185,12 @@ int main(int argc, char **argv) {
         unsigned int one = 1;
         void *add_args[] = {&d, &one, &words};
         CK(api.LaunchKernel(add, 64, 1, 1, 256, 1, 1, 0, NULL, add_args, NULL));
-        if (gpu_ns) {
+        if (queued) {
+            /* Many short kernels queued at once (drop-latency measurement). */
+            void *spin_args[] = {&queued_ns};
+            for (long k = 0; k < queued; k++)
+                CK(api.LaunchKernel(spin, 1, 1, 1, 1, 1, 1, 0, NULL, spin_args, NULL));
+        } else if (gpu_ns) {
             void *spin_args[] = {&gpu_ns};
             CK(api.LaunchKernel(spin, 1, 1, 1, 1, 1, 1, 0, NULL, spin_args, NULL));
         }
