@@ -20,14 +20,26 @@ fn demo_replays_the_seed_story() {
     let out = Command::new(bin("kiwictl"))
         .env_remove("KIWI_CONFIG")
         .env("NO_COLOR", "1")
-        .args(["demo", "--tq", "1.5", "--gpu-mem", "256MiB", "--width", "100", "--svg"])
+        .args([
+            "demo",
+            "--tq",
+            "1.5",
+            "--gpu-mem",
+            "256MiB",
+            "--width",
+            "100",
+            "--svg",
+        ])
         .arg(&svg)
         .output()
         .expect("run kiwictl demo");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
-    assert!(stdout.contains("Both notebooks verified every byte"), "{stdout}");
+    assert!(
+        stdout.contains("Both notebooks verified every byte"),
+        "{stdout}"
+    );
     assert!(stdout.contains("GPU busy"), "the summary: {stdout}");
     for m in ["T1", "T2", "T3", "T4"] {
         assert!(stdout.contains(m), "{m} missing:\n{stdout}");
@@ -58,8 +70,14 @@ fn demo_replays_the_seed_story() {
             .descendants()
             .find(|n| n.attribute("data-label") == Some(label))
             .unwrap_or_else(|| panic!("mark {label} missing"));
-        let line = g.children().find(|n| n.tag_name().name() == "line").unwrap();
-        (g.attribute("data-t-ns").unwrap().parse().unwrap(), f(line, "x1"))
+        let line = g
+            .children()
+            .find(|n| n.tag_name().name() == "line")
+            .unwrap();
+        (
+            g.attribute("data-t-ns").unwrap().parse().unwrap(),
+            f(line, "x1"),
+        )
     };
     let (t1, _) = mark("T1");
     let (t2, x2) = mark("T2");
@@ -71,11 +89,16 @@ fn demo_replays_the_seed_story() {
     assert!((1.5..3.5).contains(&q), "T3 - T1 = {q} s");
     // B's early release comes before a whole quantum of its own.
     let b_turn = (t4 - t3) as f64 / 1e9;
-    assert!(b_turn < 1.5, "B held the GPU {b_turn} s: an early release, not a TQ");
+    assert!(
+        b_turn < 1.5,
+        "B held the GPU {b_turn} s: an early release, not a TQ"
+    );
     // B waits from T2 to T3, and A runs GPU work and CPU work.
     let b_waits = blocks(lane("B"), "block waiting");
     assert!(
-        b_waits.iter().any(|(x0, x1)| (x0 - x2).abs() < 3.0 && (x1 - x3).abs() < 3.0),
+        b_waits
+            .iter()
+            .any(|(x0, x1)| (x0 - x2).abs() < 3.0 && (x1 - x3).abs() < 3.0),
         "B's wait spans T2..T3 ({x2}..{x3}): {b_waits:?}"
     );
     assert!(!blocks(lane("A"), "block gpu").is_empty());
@@ -91,20 +114,34 @@ fn demo_where_the_notebooks_fit_never_waits() {
         .env_remove("KIWI_CONFIG")
         .env("NO_COLOR", "1")
         .args([
-            "demo", "--scenario", "fit", "--tq", "1.5", "--gpu-mem", "256MiB", "--svg",
+            "demo",
+            "--scenario",
+            "fit",
+            "--tq",
+            "1.5",
+            "--gpu-mem",
+            "256MiB",
+            "--svg",
         ])
         .arg(&svg)
         .output()
         .expect("run kiwictl demo");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = std::fs::read_to_string(&svg).unwrap();
     let doc = roxmltree::Document::parse(&text).unwrap();
     let waits = doc
         .descendants()
         .filter(|n| n.attribute("class") == Some("block waiting"))
         .count();
-    assert_eq!(waits, 0, "nobody waits when the working sets fit:\n{stdout}");
+    assert_eq!(
+        waits, 0,
+        "nobody waits when the working sets fit:\n{stdout}"
+    );
 }
 
 #[test]
