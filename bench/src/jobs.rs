@@ -78,6 +78,8 @@ pub struct Job {
     pub bursts: u32,
     pub gpu_ms: u64,
     pub cpu_ms: u64,
+    /// Length of the burst's spin kernels.
+    pub kernel_us: u64,
 }
 
 /// Starts one job; `kiwi`: preloaded shim talking to the arbiter on `socket_dir`.
@@ -94,6 +96,8 @@ pub fn spawn_job(b: &Build, sim: &Sim, job: Job, seed: u64, kiwi: Option<&Path>)
         &job.cpu_ms.to_string(),
         "--seed",
         &seed.to_string(),
+        "--kernel-us",
+        &job.kernel_us.to_string(),
     ])
     .env("LD_LIBRARY_PATH", &b.sim_dir)
     .env("KIWI_SIM_NAME", &sim.name)
@@ -188,6 +192,7 @@ pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
         bursts: if quick { 3 } else { 5 },
         gpu_ms: if quick { 1000 } else { 2000 },
         cpu_ms: if quick { 1000 } else { 2000 },
+        kernel_us: 5000,
     };
     let tq = 5.0;
     let serial_t = serial(&b, job, GPU)?.as_secs_f64();
@@ -240,6 +245,7 @@ pub fn fit(quick: bool) -> Result<Vec<Figure>> {
         bursts: if quick { 3 } else { 5 },
         gpu_ms: if quick { 1000 } else { 2000 },
         cpu_ms: if quick { 1000 } else { 2000 },
+        kernel_us: 5000,
     };
     let off = together_under_kiwi(&b, job, GPU, 30.0, false)?.as_secs_f64();
     let on = together_under_kiwi(&b, job, GPU, 30.0, true)?.as_secs_f64();

@@ -6,6 +6,7 @@ mod jobs;
 mod markdown;
 mod procs;
 mod report;
+mod shimbench;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -42,6 +43,12 @@ enum Scenario {
         #[arg(long, default_value_t = 256)]
         clients: usize,
     },
+    /// cuLaunchKernel through the shim vs. the driver directly.
+    LaunchOverhead,
+    /// Swap throughput vs. the pinned copy bandwidth.
+    Swap,
+    /// Time from a drop to the release for apps queueing 10,000 short kernels.
+    DropLatency,
     /// Every scenario, one after the other.
     All {
         /// Also write the figures as Markdown.
@@ -64,6 +71,10 @@ enum Scenario {
         #[arg(long, default_value = "on")]
         scheduler: String,
     },
+    #[command(name = "__launch-overhead", hide = true)]
+    LaunchOverheadRole { shim: PathBuf },
+    #[command(name = "__copy-bandwidth", hide = true)]
+    CopyBandwidthRole { bytes: usize },
     #[command(name = "__handoff-client", hide = true)]
     HandoffClient {
         #[arg(long)]
@@ -103,6 +114,11 @@ fn run(cli: Cli) -> Result<()> {
             return run_all(cli.quick, cli.json, markdown.then_some(output))
         }
         Scenario::Oversub => jobs::oversub(cli.quick)?,
+        Scenario::LaunchOverhead => shimbench::launch_overhead(cli.quick)?,
+        Scenario::Swap => shimbench::swap(cli.quick)?,
+        Scenario::DropLatency => shimbench::drop_latency(cli.quick)?,
+        Scenario::LaunchOverheadRole { shim } => return shimbench::launch_overhead_role(&shim),
+        Scenario::CopyBandwidthRole { bytes } => return shimbench::copy_bandwidth_role(bytes),
         Scenario::Fit => jobs::fit(cli.quick)?,
         Scenario::Arbiter {
             socket_dir,
@@ -133,6 +149,9 @@ fn run_all(quick: bool, json: bool, markdown: Option<PathBuf>) -> Result<()> {
             "idle",
             Box::new(|q| handoff::idle(256, Duration::from_secs(if q { 1 } else { 3 }))),
         ),
+        ("launch-overhead", Box::new(shimbench::launch_overhead)),
+        ("swap", Box::new(shimbench::swap)),
+        ("drop-latency", Box::new(shimbench::drop_latency)),
         ("oversub", Box::new(jobs::oversub)),
         ("fit", Box::new(jobs::fit)),
     ];

@@ -73,3 +73,14 @@ fn bad_arguments_are_refused() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("at least 2"));
 }
+
+#[test]
+fn launch_overhead_quick_json() {
+    let figs = run(&["launch-overhead", "--quick", "--json"]);
+    let f = figure(&figs, "launch_through_shim");
+    assert_eq!(f["unit"], "ns");
+    assert!(f["baseline"].as_f64().unwrap() > 0.0);
+    assert!(figure(&figs, "added_per_launch")["value"]
+        .as_f64()
+        .is_some());
+}

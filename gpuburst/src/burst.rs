@@ -41,6 +41,9 @@ pub struct Options {
     /// `--start-at-ns N`: once ready, wait until CLOCK_MONOTONIC reaches N, so
     /// several programs can start their phases together.
     pub start_at_ns: Option<u64>,
+    /// `--kernel-us N`: length of the spin kernels a burst is made of (default 5000):
+    /// short ones make an app that queues thousands of kernels.
+    pub kernel_us: u64,
 }
 
 /// One step of a `--script`.
@@ -100,7 +103,7 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N] [--verify] [--json] [--device 0] [--name LABEL] [--seed 1]";
+pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N] [--kernel-us 5000] [--verify] [--json] [--device 0] [--name LABEL] [--seed 1]";
 
 impl Options {
     /// Parses arguments (without the program name).
@@ -119,6 +122,7 @@ impl Options {
             inject_fault: false,
             script: None,
             start_at_ns: None,
+            kernel_us: 5000,
         };
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -156,6 +160,12 @@ impl Options {
                 "--inject-fault" => o.inject_fault = true,
                 "--script" => o.script = Some(parse_script(&value()?)?),
                 "--start-at-ns" => o.start_at_ns = Some(num(value()?)?),
+                "--kernel-us" => {
+                    o.kernel_us = num(value()?)?;
+                    if o.kernel_us == 0 {
+                        return Err("--kernel-us must be at least 1".into());
+                    }
+                }
                 "-h" | "--help" => return Err(USAGE.into()),
                 _ => return Err(format!("unknown argument {a:?}; {USAGE}")),
             }
@@ -392,7 +402,7 @@ fn burst(
     }
     let mut left_ns = (gpu_ms * 1_000_000).saturating_sub(FIRST_NS);
     while left_ns > 0 {
-        let ns = left_ns.min(5_000_000);
+        let ns = left_ns.min(o.kernel_us * 1000);
         spin(cuda, k, ns)?;
         left_ns -= ns;
     }

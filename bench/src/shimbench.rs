@@ -1,0 +1,444 @@
+//! The shim's figures: `launch-overhead` (what `cuLaunchKernel` costs through
+//! `libkiwi.so` while the GPU is ours, against the driver called directly), `swap`
+//! (swap throughput against the pinned copy bandwidth measured in the same run) and
+//! `drop-latency` (a drop to the release, for apps that queue thousands of kernels).
+//! All on the GPU simulator; the driver-facing parts run in child processes so the
+//! simulator's `libcuda.so.1` is found through `LD_LIBRARY_PATH`.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use kiwi_protocol::blocking::Connection;
+use kiwi_protocol::{ControlReply, ControlRequest, Event, EventKind};
+
+use crate::jobs::{spawn_job, Build, Job, Sim};
+use crate::procs::ArbiterProc;
+use crate::report::{percentile, Figure};
+
+type Launch = unsafe extern "C" fn(
+    *mut c_void,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    c_uint,
+    *mut c_void,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> c_int;
+
+fn open(path: &CStr, flags: c_int) -> Result<*mut c_void> {
+    // SAFETY: dlopen with a NUL-terminated path.
+    let h = unsafe { libc::dlopen(path.as_ptr(), flags) };
+    if h.is_null() {
+        // SAFETY: dlerror returns a NUL-terminated message after a failure.
+        let e = unsafe { CStr::from_ptr(libc::dlerror()) };
+        bail!("dlopen {path:?}: {e:?}");
+    }
+    Ok(h)
+}
+
+/// # Safety
+/// `T` must be the function-pointer type of `name` in the loaded library.
+unsafe fn sym<T: Copy>(h: *mut c_void, name: &CStr) -> Result<T> {
+    // SAFETY: dlsym on a live handle with a NUL-terminated name.
+    let p = unsafe { libc::dlsym(h, name.as_ptr()) };
+    if p.is_null() {
+        bail!("{name:?} not found");
+    }
+    // SAFETY: the caller promises T is this symbol's function-pointer type, which has
+    // the size of a pointer.
+    Ok(unsafe { std::mem::transmute_copy(&p) })
+}
+
+fn check(r: c_int, what: &str) -> Result<()> {
+    if r != 0 {
+        bail!("{what} failed with CUDA error {r}");
+    }
+    Ok(())
+}
+
+/// Child role: launches through the driver and through the shim (loaded
+/// `RTLD_LOCAL`, so it does not interpose here; its exported wrapper is called
+/// directly, running unmanaged: the same open-gate path a holder takes). Prints
+/// `direct_ns through_ns` medians.
+pub fn launch_overhead_role(shim: &Path) -> Result<()> {
+    std::env::set_var("KIWI_ARBITER_TIMEOUT", "0");
+    std::env::set_var("KIWI_SOCKET_DIR", "/nonexistent-kiwi-bench");
+    std::env::set_var("KIWI_LOG", "error");
+    let cuda = open(c"libcuda.so.1", libc::RTLD_NOW | libc::RTLD_GLOBAL)?;
+    let cshim = CString::new(shim.as_os_str().as_encoded_bytes())?;
+    let kiwi = open(&cshim, libc::RTLD_NOW | libc::RTLD_LOCAL)?;
+    // SAFETY: the types below are those of cuda.h for these entry points.
+    let (init, dev_get, ctx_create, load, get_fn, sync, direct, through) = unsafe {
+        (
+            sym::<unsafe extern "C" fn(c_uint) -> c_int>(kiwi, c"cuInit")?,
+            sym::<unsafe extern "C" fn(*mut c_int, c_int) -> c_int>(cuda, c"cuDeviceGet")?,
+            sym::<unsafe extern "C" fn(*mut *mut c_void, c_uint, c_int) -> c_int>(
+                cuda,
+                c"cuCtxCreate_v2",
+            )?,
+            sym::<unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> c_int>(
+                cuda,
+                c"cuModuleLoadData",
+            )?,
+            sym::<unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const c_char) -> c_int>(
+                cuda,
+                c"cuModuleGetFunction",
+            )?,
+            sym::<unsafe extern "C" fn() -> c_int>(cuda, c"cuCtxSynchronize")?,
+            sym::<Launch>(cuda, c"cuLaunchKernel")?,
+            sym::<Launch>(kiwi, c"cuLaunchKernel")?,
+        )
+    };
+    let ptx =
+        c".version 7.0\n.target sm_52\n.address_size 64\n.visible .entry kiwi_spin() { ret; }\n";
+    let (mut dev, mut ctx, mut module, mut f) = (
+        0,
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+        std::ptr::null_mut(),
+    );
+    // SAFETY: driver calls with valid out-pointers, in cuInit → context → module order.
+    unsafe {
+        check(init(0), "cuInit")?;
+        check(dev_get(&mut dev, 0), "cuDeviceGet")?;
+        check(ctx_create(&mut ctx, 0, dev), "cuCtxCreate")?;
+        check(load(&mut module, ptx.as_ptr().cast()), "cuModuleLoadData")?;
+        check(
+            get_fn(&mut f, module, c"kiwi_spin".as_ptr()),
+            "cuModuleGetFunction",
+        )?;
+    }
+    let mut ns: u64 = 0;
+    let mut params = [&mut ns as *mut u64 as *mut c_void];
+    const BATCH: usize = 200;
+    let rounds: usize = std::env::var("KIWI_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    let mut per = |launch: Launch| -> Result<f64> {
+        let t = Instant::now();
+        for _ in 0..BATCH {
+            // SAFETY: a valid function and parameter array; null stream and extra.
+            let r = unsafe {
+                launch(
+                    f,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    0,
+                    std::ptr::null_mut(),
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            };
+            check(r, "cuLaunchKernel")?;
+        }
+        let e = t.elapsed().as_nanos() as f64 / BATCH as f64;
+        // SAFETY: plain synchronize, outside the timed part: keeps the queue short.
+        check(unsafe { sync() }, "cuCtxSynchronize")?;
+        Ok(e)
+    };
+    let (mut d, mut s) = (Vec::new(), Vec::new());
+    for _ in 0..10 {
+        per(direct)?;
+        per(through)?;
+    }
+    for _ in 0..rounds {
+        d.push(per(direct)?);
+        s.push(per(through)?);
+    }
+    println!("{} {}", percentile(&mut d, 50.0), percentile(&mut s, 50.0));
+    Ok(())
+}
+
+/// Child role: pinned device↔host copy bandwidth (GB/s) on the simulator, with the
+/// host buffer touched once first (as the shim's reused swap buffers are).
+pub fn copy_bandwidth_role(bytes: usize) -> Result<()> {
+    let cuda = open(c"libcuda.so.1", libc::RTLD_NOW | libc::RTLD_GLOBAL)?;
+    // SAFETY: cuda.h's types for these entry points.
+    let (init, dev_get, ctx_create, alloc, host_alloc, dtoh, htod) = unsafe {
+        (
+            sym::<unsafe extern "C" fn(c_uint) -> c_int>(cuda, c"cuInit")?,
+            sym::<unsafe extern "C" fn(*mut c_int, c_int) -> c_int>(cuda, c"cuDeviceGet")?,
+            sym::<unsafe extern "C" fn(*mut *mut c_void, c_uint, c_int) -> c_int>(
+                cuda,
+                c"cuCtxCreate_v2",
+            )?,
+            sym::<unsafe extern "C" fn(*mut u64, usize) -> c_int>(cuda, c"cuMemAlloc_v2")?,
+            sym::<unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int>(
+                cuda,
+                c"cuMemAllocHost_v2",
+            )?,
+            sym::<unsafe extern "C" fn(*mut c_void, u64, usize) -> c_int>(
+                cuda,
+                c"cuMemcpyDtoH_v2",
+            )?,
+            sym::<unsafe extern "C" fn(u64, *const c_void, usize) -> c_int>(
+                cuda,
+                c"cuMemcpyHtoD_v2",
+            )?,
+        )
+    };
+    let (mut dev, mut ctx, mut d, mut h) = (0, std::ptr::null_mut(), 0u64, std::ptr::null_mut());
+    // SAFETY: driver calls with valid out-pointers and a buffer of `bytes` both sides.
+    let (t_dtoh, t_htod) = unsafe {
+        check(init(0), "cuInit")?;
+        check(dev_get(&mut dev, 0), "cuDeviceGet")?;
+        check(ctx_create(&mut ctx, 0, dev), "cuCtxCreate")?;
+        check(alloc(&mut d, bytes), "cuMemAlloc")?;
+        check(host_alloc(&mut h, bytes), "cuMemAllocHost")?;
+        check(dtoh(h, d, bytes), "cuMemcpyDtoH")?;
+        let t = Instant::now();
+        check(dtoh(h, d, bytes), "cuMemcpyDtoH")?;
+        let a = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        check(htod(d, h, bytes), "cuMemcpyHtoD")?;
+        (a, t.elapsed().as_secs_f64())
+    };
+    println!(
+        "{} {}",
+        bytes as f64 / t_dtoh / 1e9,
+        bytes as f64 / t_htod / 1e9
+    );
+    Ok(())
+}
+
+fn child(role: &[&str], b: &Build, sim: &Sim) -> Result<String> {
+    let out = Command::new(std::env::current_exe()?)
+        .args(role)
+        .env("LD_LIBRARY_PATH", &b.sim_dir)
+        .env("KIWI_SIM_NAME", &sim.name)
+        .env("KIWI_SIM_MEMORY", sim.memory.to_string())
+        .env_remove("LD_PRELOAD")
+        .stderr(Stdio::inherit())
+        .output()?;
+    if !out.status.success() {
+        bail!("kiwi-bench {} failed", role.join(" "));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+fn two_numbers(s: &str) -> Result<(f64, f64)> {
+    let mut it = s.split_whitespace().map(str::parse::<f64>);
+    match (it.next(), it.next()) {
+        (Some(Ok(a)), Some(Ok(b))) => Ok((a, b)),
+        _ => bail!("unexpected output {s:?}"),
+    }
+}
+
+pub fn launch_overhead(quick: bool) -> Result<Vec<Figure>> {
+    let b = Build::find()?;
+    let sim = Sim::new("launch", 1 << 30);
+    let out = Command::new(std::env::current_exe()?)
+        .arg("__launch-overhead")
+        .arg(&b.shim)
+        .env("LD_LIBRARY_PATH", &b.sim_dir)
+        .env("KIWI_SIM_NAME", &sim.name)
+        .env("KIWI_BENCH_ROUNDS", if quick { "60" } else { "300" })
+        .env_remove("LD_PRELOAD")
+        .output()?;
+    if !out.status.success() {
+        bail!(
+            "launch-overhead child failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let (direct, through) = two_numbers(&String::from_utf8_lossy(&out.stdout))?;
+    Ok(vec![
+        Figure::new("launch-overhead", "launch_through_shim", through, "ns")
+            .against(direct, "cuLaunchKernel on the driver directly"),
+        Figure::new(
+            "launch-overhead",
+            "added_per_launch",
+            through - direct,
+            "ns",
+        )
+        .goal("<= 50 ns, no lock, no allocation"),
+    ])
+}
+
+/// Every event of a live arbiter.
+fn arbiter_events(arb: &ArbiterProc) -> Result<Vec<Event>> {
+    let mut c: Connection<ControlRequest, ControlReply> =
+        Connection::connect(&kiwi_config::control_socket(arb.socket_dir()))?;
+    let mut out = Vec::new();
+    let mut since = 0;
+    loop {
+        match c.call(&ControlRequest::Events {
+            gpu: None,
+            since_seq: since,
+            limit: 2000,
+        })? {
+            ControlReply::Events {
+                events,
+                next_seq,
+                more,
+                ..
+            } => {
+                out.extend(events);
+                since = next_seq;
+                if !more {
+                    return Ok(out);
+                }
+            }
+            other => bail!("unexpected reply {other:?}"),
+        }
+    }
+}
+
+/// Two 700 MiB apps on a 1 GiB GPU under Kiwi, taking turns; the arbiter's log.
+fn contend(b: &Build, job: Job, tq: f64) -> Result<Vec<Event>> {
+    let sim = Sim::new("swap", 1 << 30);
+    let arb = ArbiterProc::start(tq, &[])?;
+    let kids = vec![
+        spawn_job(b, &sim, job, 1, Some(arb.socket_dir()))?,
+        spawn_job(b, &sim, job, 2, Some(arb.socket_dir()))?,
+    ];
+    for k in kids {
+        let out = k.wait_with_output()?;
+        if !out.status.success() {
+            bail!(
+                "a job failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("")
+            );
+        }
+    }
+    arbiter_events(&arb)
+}
+
+pub fn swap(quick: bool) -> Result<Vec<Figure>> {
+    let b = Build::find()?;
+    let sim = Sim::new("copy", 1 << 30);
+    let (d2h, h2d) = two_numbers(&child(&["__copy-bandwidth", "268435456"], &b, &sim)?)?;
+    let job = Job {
+        mem: (1u64 << 30) / 10 * 7,
+        bursts: if quick { 3 } else { 6 },
+        gpu_ms: 300,
+        cpu_ms: 300,
+        kernel_us: 5000,
+    };
+    let events = contend(&b, job, 5.0)?;
+    // A client's first swap-out also pins its host buffers (allocated once, then
+    // reused): steady state is every swap-out after the first.
+    let (mut ob, mut od, mut ib, mut id, mut sb, mut sd) = (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
+    let mut seen = std::collections::HashSet::new();
+    for e in &events {
+        match e.kind {
+            EventKind::SwapOut { bytes, duration_ns } => {
+                ob += bytes;
+                od += duration_ns;
+                if !seen.insert(e.client) {
+                    sb += bytes;
+                    sd += duration_ns;
+                }
+            }
+            EventKind::SwapIn { bytes, duration_ns } => {
+                ib += bytes;
+                id += duration_ns;
+            }
+            _ => {}
+        }
+    }
+    if od == 0 || id == 0 {
+        bail!("no swaps happened");
+    }
+    let gbps = |b: u64, ns: u64| b as f64 / ns.max(1) as f64;
+    let mut figs = vec![Figure::new("swap", "swap_out_all", gbps(ob, od), "GB/s")
+        .against(d2h, "pinned device-to-host copy")
+        .goal(">= 90% of the copy bandwidth")];
+    if sd > 0 {
+        figs.push(
+            Figure::new("swap", "swap_out_steady", gbps(sb, sd), "GB/s")
+                .against(d2h, "pinned device-to-host copy")
+                .goal(">= 90% of the copy bandwidth"),
+        );
+    }
+    figs.push(
+        Figure::new("swap", "swap_in", gbps(ib, id), "GB/s")
+            .against(h2d, "pinned host-to-device copy")
+            .goal(">= 90% of the copy bandwidth"),
+    );
+    figs.push(Figure::new(
+        "swap",
+        "bytes_swapped_out",
+        ob as f64 / (1u64 << 20) as f64,
+        "MiB",
+    ));
+    Ok(figs)
+}
+
+pub fn drop_latency(quick: bool) -> Result<Vec<Figure>> {
+    let b = Build::find()?;
+    // Always wanting the GPU, bursts of 10,000 kernels of 20 µs: every hand-off is
+    // a drop at TQ with a deep queue to drain.
+    let job = Job {
+        mem: (1u64 << 30) / 10 * 7,
+        bursts: if quick { 2 } else { 4 },
+        gpu_ms: 200,
+        cpu_ms: 0,
+        kernel_us: 20,
+    };
+    let events = contend(&b, job, 0.3)?;
+    // Drop → the same client's release, less the swap-out it reported in between.
+    let mut lat = Vec::new();
+    let mut swaps = Vec::new();
+    for (i, e) in events.iter().enumerate() {
+        if !matches!(e.kind, EventKind::Drop { .. }) {
+            continue;
+        }
+        let mut swap = 0;
+        for f in &events[i + 1..] {
+            if f.client != e.client {
+                continue;
+            }
+            match f.kind {
+                EventKind::SwapOut { duration_ns, .. } => swap += duration_ns,
+                EventKind::Release { .. } => {
+                    let total = f.t_ns - e.t_ns;
+                    lat.push(total.saturating_sub(swap) as f64 / 1e6);
+                    swaps.push(swap as f64 / 1e6);
+                    break;
+                }
+                EventKind::Exit | EventKind::Revoke => break,
+                _ => {}
+            }
+        }
+    }
+    if lat.is_empty() {
+        bail!("no drop was answered by a release");
+    }
+    let n = lat.len();
+    Ok(vec![
+        Figure::new(
+            "drop-latency",
+            "drop_to_release_minus_swap_p50",
+            percentile(&mut lat, 50.0),
+            "ms",
+        )
+        .against(
+            percentile(&mut swaps, 50.0),
+            "the swap-out in the same hand-off",
+        )
+        .goal("< 250 ms plus swap time"),
+        Figure::new(
+            "drop-latency",
+            "drop_to_release_minus_swap_max",
+            percentile(&mut lat, 100.0),
+            "ms",
+        ),
+        Figure::new("drop-latency", "drops_measured", n as f64, "n"),
+    ])
+}
