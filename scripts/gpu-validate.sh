@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Validates the shim on a real NVIDIA GPU and appends the results to
+# docs/gpu-validation.md. Needs: an NVIDIA driver (libcuda.so.1, nvidia-smi), the
+# workspace built in release (cargo build --release), and for the PyTorch part a
+# python3 with torch. Run from the repository root: scripts/gpu-validate.sh
+#
+# 1. two gpuburst notebooks at 60% of the GPU's memory each under kiwi-arbiter
+#    (they do not fit together: they must take turns and both verify every byte);
+# 2. two PyTorch training loops under `kiwictl run`, same constraint;
+# 3. swap throughput (from the arbiter's event log) against a pinned cuMemcpy.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+R=target/release
+for f in kiwi-arbiter kiwictl gpuburst kiwi-bench libkiwi.so; do
+  [ -e "$R/$f" ] || { echo "missing $R/$f: run cargo build --release first" >&2; exit 1; }
+done
+command -v nvidia-smi >/dev/null || { echo "nvidia-smi not found: no NVIDIA driver here" >&2; exit 1; }
+
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
+TOTAL_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+MEM_MIB=$((TOTAL_MIB * 60 / 100))
+WORK=$(mktemp -d)
+SOCK="$WORK/sock"
+cleanup() { pkill -TERM -f "kiwi-arbiter --socket-dir $SOCK" 2>/dev/null || true; }
+trap cleanup EXIT
+
+"$R/kiwi-arbiter" --socket-dir "$SOCK" --tq "${KIWI_TQ:-5}" 2>"$WORK/arbiter.log" &
+for _ in $(seq 100); do [ -S "$SOCK/client/arbiter.sock" ] && break; sleep 0.1; done
+
+echo "== gpuburst pair, ${MEM_MIB} MiB each on ${GPU_NAME} (${TOTAL_MIB} MiB)"
+t0=$(date +%s.%N)
+"$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --mem "${MEM_MIB}MiB" --bursts 6 --gpu-ms 2000 --cpu-ms 1000 --name A --seed 1 >"$WORK/a.out" 2>&1 &
+A=$!
+"$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --mem "${MEM_MIB}MiB" --bursts 6 --gpu-ms 2000 --cpu-ms 1000 --name B --seed 2 >"$WORK/b.out" 2>&1 &
+B=$!
+ra=0; rb=0; wait $A || ra=$?; wait $B || rb=$?
+t1=$(date +%s.%N)
+burst_result="A exit $ra ($(grep -c 'all bytes as expected' "$WORK/a.out" || true) verified), B exit $rb ($(grep -c 'all bytes as expected' "$WORK/b.out" || true) verified), makespan $(echo "$t1 - $t0" | bc) s"
+echo "$burst_result"
+
+torch_result="skipped: no python3 with torch"
+if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+  echo "== two PyTorch training loops under kiwictl run"
+  cat >"$WORK/train.py" <<'PY'
+import sys, time, torch
+torch.manual_seed(int(sys.argv[1]))
+gib = float(sys.argv[2])
+dev = "cuda"
+# Hold ~gib GiB of parameters and activations, train a few hundred steps.
+width = 8192
+layers = max(1, int(gib * (1 << 30) / (width * width * 4 * 3)))
+model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(dev)
+opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+x = torch.randn(256, width, device=dev)
+t = time.time()
+for step in range(200):
+    loss = model(x).square().mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    if step % 50 == 0:
+        time.sleep(1.0)  # a notebook's pause: the other one gets the GPU
+torch.cuda.synchronize()
+print(f"ok loss={loss.item():.4f} {time.time()-t:.1f}s")
+PY
+  GIB=$(echo "$MEM_MIB / 1024 / 2" | bc -l)
+  "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/train.py" 1 "$GIB" >"$WORK/t1.out" 2>&1 & P1=$!
+  "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/train.py" 2 "$GIB" >"$WORK/t2.out" 2>&1 & P2=$!
+  r1=0; r2=0; wait $P1 || r1=$?; wait $P2 || r2=$?
+  torch_result="loop 1 exit $r1: $(tail -1 "$WORK/t1.out"); loop 2 exit $r2: $(tail -1 "$WORK/t2.out")"
+  echo "$torch_result"
+fi
+
+swaps=$("$R/kiwictl" --socket-dir "$SOCK" events | python3 -c '
+import sys, json
+ob = od = ib = idd = 0
+for l in sys.stdin:
+    k = json.loads(l)["kind"]
+    if k["event"] == "swap_out": ob += k["bytes"]; od += k["duration_ns"]
+    if k["event"] == "swap_in": ib += k["bytes"]; idd += k["duration_ns"]
+print(f"swap-out {ob/max(od,1):.2f} GB/s over {ob>>20} MiB, swap-in {ib/max(idd,1):.2f} GB/s over {ib>>20} MiB")
+')
+echo "$swaps"
+
+{
+  echo
+  echo "## $(date -u '+%Y-%m-%d %H:%M UTC') — ${GPU_NAME}, driver ${DRIVER}"
+  echo
+  echo "- gpuburst pair at 60% of ${TOTAL_MIB} MiB each: ${burst_result}"
+  echo "- PyTorch pair under kiwictl run: ${torch_result}"
+  echo "- ${swaps}"
+} >>docs/gpu-validation.md
+echo "results appended to docs/gpu-validation.md"
+[ "$ra" = 0 ] && [ "$rb" = 0 ]
