@@ -963,3 +963,92 @@ fn drop_after_ten_thousand_queued_kernels_is_short() {
         "drop → release took {median} ms beyond the swap"
     );
 }
+
+/// `gpuburst` (which resolves every entry point through `cuGetProcAddress_v2`) on the
+/// simulator, with or without the shim.
+fn gpuburst(
+    env: &Env,
+    sim_name: &str,
+    socket: Option<&Path>,
+    stats: Option<&Path>,
+    trace: &Path,
+) -> Command {
+    let mut c = Command::new(kiwi_tests::bin("gpuburst"));
+    c.args([
+        "--mem", "700MiB", "--bursts", "3", "--gpu-ms", "200", "--cpu-ms", "100", "--verify",
+    ])
+    .env("LD_LIBRARY_PATH", &env.sim_dir)
+    .env("KIWI_SIM_NAME", sim_name)
+    .env("KIWI_SIM_MEMORY", "1GiB")
+    .env("KIWI_SIM_TRACE", trace)
+    .env_remove("LD_PRELOAD")
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    if let (Some(sock), Some(stats)) = (socket, stats) {
+        c.env("LD_PRELOAD", &env.shim)
+            .env("KIWI_SOCKET_DIR", sock)
+            .env("KIWI_STATS", stats);
+    }
+    c
+}
+
+#[test]
+fn gpuburst_pair_over_capacity_takes_turns_under_kiwi_and_fails_without() {
+    let Some(env) = setup() else { return };
+    let arb = Arbiter::start(&["--tq", "0.5"]);
+    let dir = tempfile::tempdir().unwrap();
+    let name = format!("gpuburst-{}", std::process::id());
+    let trace_file = dir.path().join("trace");
+    let (sa, sb) = (dir.path().join("a.stats"), dir.path().join("b.stats"));
+    let a = gpuburst(&env, &name, Some(arb.socket_dir()), Some(&sa), &trace_file)
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let ob = gpuburst(&env, &name, Some(arb.socket_dir()), Some(&sb), &trace_file)
+        .output()
+        .unwrap();
+    let oa = a.wait_with_output().unwrap();
+    assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
+    assert_eq!(ob.status.code(), Some(0), "B: {}", text(&ob));
+    for (o, s) in [(&oa, &sa), (&ob, &sb)] {
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains("all bytes as expected")
+                || String::from_utf8_lossy(&o.stdout).contains("all bytes as expected"),
+            "{}",
+            text(o)
+        );
+        let s = stats(s);
+        assert!(
+            num(&s, "procaddr_wrapped") > 0,
+            "resolved through cuGetProcAddress_v2: {s:?}"
+        );
+        assert!(num(&s, "grants") >= 1, "{s:?}");
+    }
+    let t = trace(&trace_file);
+    let grants = num(&stats(&sa), "grants") + num(&stats(&sb), "grants");
+    let sw = switches(&t);
+    assert!(
+        sw >= 1 && sw as u64 <= grants,
+        "{sw} switches for {grants} grants"
+    );
+    assert_eq!(overlaps_between_pids(&t), 0);
+
+    // Control: the same pair without Kiwi runs out of memory.
+    let name = format!("gpuburst-ctl-{}", std::process::id());
+    let ctl_trace = dir.path().join("trace-ctl");
+    let a = gpuburst(&env, &name, None, None, &ctl_trace)
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let ob = gpuburst(&env, &name, None, None, &ctl_trace)
+        .output()
+        .unwrap();
+    let oa = a.wait_with_output().unwrap();
+    let all = format!("{}{}", text(&oa), text(&ob));
+    assert!(
+        oa.status.code() == Some(2) || ob.status.code() == Some(2),
+        "one of them must fail without Kiwi: {all}"
+    );
+    assert!(all.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{all}");
+}
