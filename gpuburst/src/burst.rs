@@ -44,6 +44,10 @@ pub struct Options {
     /// `--kernel-us N`: length of the spin kernels a burst is made of (default 5000):
     /// short ones make an app that queues thousands of kernels.
     pub kernel_us: u64,
+    /// `--queue-ms N`: at most this much GPU work queued ahead before waiting for it,
+    /// as a training loop that reads its loss every step (default 100; 0: queue the
+    /// whole burst).
+    pub queue_ms: u64,
 }
 
 /// One step of a `--script`.
@@ -103,7 +107,7 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N] [--kernel-us 5000] [--verify] [--json] [--device 0] [--name LABEL] [--seed 1]";
+pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N] [--kernel-us 5000] [--queue-ms 100] [--verify] [--json] [--device 0] [--name LABEL] [--seed 1]";
 
 impl Options {
     /// Parses arguments (without the program name).
@@ -123,6 +127,7 @@ impl Options {
             script: None,
             start_at_ns: None,
             kernel_us: 5000,
+            queue_ms: 100,
         };
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -160,6 +165,7 @@ impl Options {
                 "--inject-fault" => o.inject_fault = true,
                 "--script" => o.script = Some(parse_script(&value()?)?),
                 "--start-at-ns" => o.start_at_ns = Some(num(value()?)?),
+                "--queue-ms" => o.queue_ms = num(value()?)?,
                 "--kernel-us" => {
                     o.kernel_us = num(value()?)?;
                     if o.kernel_us == 0 {
@@ -401,10 +407,16 @@ fn burst(
         a.value = a.value.wrapping_add(delta);
     }
     let mut left_ns = (gpu_ms * 1_000_000).saturating_sub(FIRST_NS);
+    let mut queued_ns = 0;
     while left_ns > 0 {
         let ns = left_ns.min(o.kernel_us * 1000);
         spin(cuda, k, ns)?;
         left_ns -= ns;
+        queued_ns += ns;
+        if o.queue_ms > 0 && queued_ns >= o.queue_ms * 1_000_000 {
+            cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
+            queued_ns = 0;
+        }
     }
     if o.inject_fault && b == 0 {
         if let Some(a) = allocs.last() {

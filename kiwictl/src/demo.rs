@@ -53,6 +53,9 @@ pub struct DemoArgs {
     /// Width of the terminal picture (default: the terminal's).
     #[arg(long)]
     width: Option<usize>,
+    /// Keep the run's files (arbiter log, event log, kernel trace) and say where.
+    #[arg(long)]
+    keep: bool,
 }
 
 /// The built workspace: where the demo's programs are.
@@ -123,7 +126,7 @@ fn scripts(tq_ms: u64) -> [Notebook; 2] {
         "idle:{},gpu:{},cpu:{},gpu:{},idle:{}",
         t(5.0 / 6.0),
         t(0.5),
-        t(4.0 / 3.0),
+        t(1.0),
         t(0.2),
         t(0.1)
     );
@@ -293,12 +296,24 @@ pub fn run(args: &DemoArgs) -> Result<ExitCode> {
                 }
             }
         });
-        apps.push(Running {
+        let mut app = Running {
             label: nb.label,
             child,
             out: rx,
             lines: Vec::new(),
-        });
+        };
+        // One notebook after the other: A fills its memory first, then B, so at T0 B
+        // holds the (idle) GPU and A's burst at T1 starts a fresh turn, as in the seed.
+        let ready_by = Instant::now() + Duration::from_secs(30);
+        while !app.lines.iter().any(|l| l.contains("\"event\":\"ready\"")) {
+            match app.out.recv_timeout(Duration::from_millis(50)) {
+                Ok(l) => app.lines.push(l),
+                Err(_) if app.child.try_wait()?.is_some() => break,
+                Err(_) if Instant::now() > ready_by => break,
+                Err(_) => {}
+            }
+        }
+        apps.push(app);
     }
 
     // Progress while the story runs.
@@ -398,6 +413,23 @@ pub fn run(args: &DemoArgs) -> Result<ExitCode> {
         "{}",
         timeline::render_summary(&timeline::summarize(&tl, &events))
     );
+    if args.keep {
+        let events_path = tmp.path().join("events.jsonl");
+        let text: String = events
+            .iter()
+            .filter_map(|e| serde_json::to_string(e).ok())
+            .map(|l| l + "\n")
+            .collect();
+        std::fs::write(&events_path, text)?;
+        for a in &apps {
+            std::fs::write(
+                tmp.path().join(format!("{}.out", a.label)),
+                a.lines.join("\n"),
+            )?;
+        }
+        let kept = tmp.keep();
+        println!("Run files kept in {}", kept.display());
+    }
     std::fs::write(&args.svg, svg::render_svg(&tl))
         .with_context(|| format!("cannot write {}", args.svg.display()))?;
     println!("Timeline written to {}", args.svg.display());
