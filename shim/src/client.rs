@@ -460,12 +460,14 @@ impl Client {
                 let mut st = lock(&self.state);
                 if st.phase == Phase::Holding {
                     self.give_back_locked(&mut st, need_bytes, false);
-                } else {
-                    // Not holding (already released early): answer anyway so the
-                    // arbiter never waits on us.
+                } else if st.phase == Phase::Idle {
+                    // Not holding and not asking: a drop that crossed our (early)
+                    // release, or an arbiter that thinks we hold. Answering is harmless.
                     let u = usage_of(self.res.figures());
                     self.send(&ClientMsg::Release(u));
                 }
+                // Not holding but asking again: our earlier release answered the drop; a
+                // second release would cancel the pending request.
             }
             ArbiterMsg::Contended {
                 waiting,
