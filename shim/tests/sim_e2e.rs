@@ -156,7 +156,25 @@ impl<'a> Run<'a> {
     }
 
     fn run(&self) -> Output {
-        self.command().output().expect("run probe")
+        finish(self.spawn())
+    }
+}
+
+/// Waits for a child's output, killing it (and failing the test) after 300 s: a hung
+/// application must fail the suite, not stall it.
+fn finish(child: std::process::Child) -> Output {
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(Duration::from_secs(300)) {
+        Ok(o) => o.expect("wait for child"),
+        Err(_) => {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("pid {pid} hung for 300 s");
+        }
     }
 }
 
@@ -445,7 +463,7 @@ fn two_apps_over_capacity_take_turns_and_keep_every_byte() {
     let a = ra.spawn();
     std::thread::sleep(Duration::from_millis(300));
     let b = rb.spawn();
-    let (oa, ob) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let (oa, ob) = (finish(a), finish(b));
     assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
     assert_eq!(ob.status.code(), Some(0), "B: {}", text(&ob));
     assert!(String::from_utf8_lossy(&oa.stdout).contains("\nOK\n"));
@@ -493,7 +511,7 @@ fn two_apps_over_capacity_take_turns_and_keep_every_byte() {
     let a = ca.spawn();
     std::thread::sleep(Duration::from_millis(300));
     let ob = cb.run();
-    let oa = a.wait_with_output().unwrap();
+    let oa = finish(a);
     let outs = format!("{}{}", text(&oa), text(&ob));
     assert!(
         outs.contains("CUDA_ERROR_OUT_OF_MEMORY"),
@@ -516,7 +534,7 @@ fn two_apps_that_fit_run_concurrently_without_swapping() {
     };
     let (ra, rb) = (mk("a"), mk("b"));
     let (a, b) = (ra.spawn(), rb.spawn());
-    let (oa, ob) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let (oa, ob) = (finish(a), finish(b));
     assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
     assert_eq!(ob.status.code(), Some(0), "B: {}", text(&ob));
     // The simulator time-slices kernels of different processes (as a GPU does), so
@@ -618,7 +636,7 @@ fn arbiter_restart_mid_run_the_app_reconnects_and_finishes() {
     let child = run.spawn();
     std::thread::sleep(Duration::from_millis(800));
     arb.restart_hard();
-    let o = child.wait_with_output().unwrap();
+    let o = finish(child);
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     let s = stats(&run.stats);
     assert!(num(&s, "reconnects") >= 1, "{s:?}");
@@ -656,7 +674,7 @@ fn killed_holder_frees_the_gpu_for_the_other() {
     a.kill().unwrap();
     let _ = a.wait();
     let t = Instant::now();
-    let ob = b.wait_with_output().unwrap();
+    let ob = finish(b);
     assert_eq!(ob.status.code(), Some(0), "B: {}", text(&ob));
     assert!(
         t.elapsed() < Duration::from_secs(30),
@@ -715,7 +733,7 @@ fn two_apps_on_a_tiny_quantum_swap_back_and_forth() {
         std::thread::sleep(Duration::from_millis(10));
     }
     let b = rb.spawn();
-    let (oa, ob) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let (oa, ob) = (finish(a), finish(b));
     assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
     assert_eq!(ob.status.code(), Some(0), "B: {}", text(&ob));
     let outs = arb
@@ -863,7 +881,7 @@ fn seed_timeline_turns_follow_the_quantum_and_idle_releases_early() {
     }
     std::thread::sleep(Duration::from_millis(200));
     let b = rb.spawn();
-    let (oa, ob) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let (oa, ob) = (finish(a), finish(b));
     assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
     assert_eq!(ob.status.code(), Some(0), "B: {}", text(&ob));
     let ev = arb.events();
@@ -954,7 +972,7 @@ fn drop_after_ten_thousand_queued_kernels_is_short() {
     };
     let (ra, rb) = (mk("a"), mk("b"));
     let (a, b) = (ra.spawn(), rb.spawn());
-    let (oa, ob) = (a.wait_with_output().unwrap(), b.wait_with_output().unwrap());
+    let (oa, ob) = (finish(a), finish(b));
     assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
     assert_eq!(ob.status.code(), Some(0), "B: {}", text(&ob));
     let median = report_swap_figures(&arb, &[&oa, &ob]).expect("at least one drop");
@@ -1006,9 +1024,10 @@ fn gpuburst_pair_over_capacity_takes_turns_under_kiwi_and_fails_without() {
         .unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let ob = gpuburst(&env, &name, Some(arb.socket_dir()), Some(&sb), &trace_file)
-        .output()
+        .spawn()
+        .map(finish)
         .unwrap();
-    let oa = a.wait_with_output().unwrap();
+    let oa = finish(a);
     assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
     assert_eq!(ob.status.code(), Some(0), "B: {}", text(&ob));
     for (o, s) in [(&oa, &sa), (&ob, &sb)] {
@@ -1042,9 +1061,10 @@ fn gpuburst_pair_over_capacity_takes_turns_under_kiwi_and_fails_without() {
         .unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let ob = gpuburst(&env, &name, None, None, &ctl_trace)
-        .output()
+        .spawn()
+        .map(finish)
         .unwrap();
-    let oa = a.wait_with_output().unwrap();
+    let oa = finish(a);
     let all = format!("{}{}", text(&oa), text(&ob));
     assert!(
         oa.status.code() == Some(2) || ob.status.code() == Some(2),
