@@ -473,6 +473,9 @@ fn progress_line(socket_dir: &Path, apps: &[Running], start_ns: u64) -> String {
         }
     }
     parts.sort();
+    if parts.is_empty() {
+        parts.push("the notebooks start and fill their memory".into());
+    }
     format!("[{t}] {}", parts.join(" | "))
 }
 
