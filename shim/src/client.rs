@@ -397,6 +397,8 @@ impl Client {
         st.exclusive = exclusive;
         st.contended = waiting;
         st.idle_since = Instant::now();
+        // Bound the queue before the gate opens: waiting threads queue at once.
+        crate::gate::THROTTLE.store(exclusive || waiting > 0, Ordering::Relaxed);
         self.res.set_backing_allowed(true);
         match self.make_resident() {
             Ok(()) => {
@@ -496,7 +498,8 @@ impl Client {
         let mut st = lock(&self.state);
         let now = Instant::now();
         let subs = self.gate.submissions();
-        if subs != st.idle_mark {
+        if subs != st.idle_mark || crate::gate::QUEUE_BOUND.syncing() {
+            // A thread waiting in the queue bound is working, not idle.
             st.idle_mark = subs;
             st.idle_since = now;
         }
@@ -552,7 +555,17 @@ impl Client {
                 }
             }
             self.tick();
+            self.refresh_throttle();
         }
+    }
+
+    /// Keeps the submission queue short while we hold the GPU exclusively: a drop can
+    /// come at any time then, and work queued before anyone waited must drain too.
+    /// (Sharing, when everything fits, is never dropped: no bound.)
+    fn refresh_throttle(&self) {
+        let st = lock(&self.state);
+        let on = st.phase == Phase::Holding && (st.exclusive || st.contended > 0);
+        crate::gate::THROTTLE.store(on, Ordering::Relaxed);
     }
 
     /// Reconnects with backoff (50 ms … 1 s) and re-registers with what we held.

@@ -92,16 +92,98 @@ impl Gate {
 /// The process's gate.
 pub static GATE: Gate = Gate::new();
 
+/// Set by the client while this process holds the GPU exclusively: then the queue
+/// of submitted work is kept short, so a drop drains in tens of milliseconds however
+/// long the application's kernels are.
+pub static THROTTLE: AtomicBool = AtomicBool::new(false);
+
 /// Runs the driver call `f` once this process may submit work.
 #[inline(always)]
 pub fn submit(name: &'static str, f: impl FnOnce() -> CUresult) -> CUresult {
     if GATE.try_enter() {
         let r = f();
         GATE.exit();
+        if THROTTLE.load(Ordering::Relaxed) {
+            QUEUE_BOUND.after_submit();
+        }
         return r;
     }
     submit_slow(name, f)
 }
+
+/// The adaptive bound on queued work while others wait: after every `limit`
+/// submissions the submitting thread waits for the queue to empty. The wait is
+/// timed: longer than [`QueueBound::TARGET`] halves the limit, much shorter doubles
+/// it, so the queue holds about TARGET of GPU time whatever the kernels' length.
+pub struct QueueBound {
+    since_sync: AtomicU64,
+    limit: AtomicU64,
+    /// Threads waiting in the bound right now: the application is busy, not idle.
+    syncing: AtomicU64,
+}
+
+impl QueueBound {
+    /// GPU time a drop may have to drain.
+    pub const TARGET: std::time::Duration = std::time::Duration::from_millis(25);
+    const MAX: u64 = 1024;
+
+    pub const fn new() -> Self {
+        Self {
+            since_sync: AtomicU64::new(0),
+            limit: AtomicU64::new(8),
+            syncing: AtomicU64::new(0),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn after_submit(&self) {
+        let n = self.since_sync.fetch_add(1, Ordering::Relaxed) + 1;
+        let limit = self.limit.load(Ordering::Relaxed);
+        if n < limit {
+            return;
+        }
+        self.since_sync.store(0, Ordering::Relaxed);
+        let t = std::time::Instant::now();
+        self.syncing.fetch_add(1, Ordering::SeqCst);
+        // An error here (a broken context) reaches the application on its own next
+        // synchronizing call; the bound only waits.
+        let _ = crate::hooks::synchronize_current();
+        self.syncing.fetch_sub(1, Ordering::SeqCst);
+        self.adapt(t.elapsed());
+    }
+
+    /// Whether a submitting thread is waiting in the bound (the app is busy).
+    pub fn syncing(&self) -> bool {
+        self.syncing.load(Ordering::SeqCst) > 0
+    }
+
+    /// Adjusts the limit after a wait of `waited` for `limit` submissions.
+    pub fn adapt(&self, waited: std::time::Duration) {
+        let limit = self.limit.load(Ordering::Relaxed);
+        let next = if waited > Self::TARGET {
+            (limit / 2).max(1)
+        } else if waited < Self::TARGET / 4 {
+            (limit * 2).min(Self::MAX)
+        } else {
+            limit
+        };
+        self.limit.store(next, Ordering::Relaxed);
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.limit.load(Ordering::Relaxed)
+    }
+}
+
+impl Default for QueueBound {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The process's queue bound.
+pub static QUEUE_BOUND: QueueBound = QueueBound::new();
 
 #[cold]
 #[inline(never)]
@@ -123,6 +205,24 @@ fn submit_slow(name: &'static str, f: impl FnOnce() -> CUresult) -> CUresult {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn queue_bound_adapts_to_kernel_length() {
+        let b = QueueBound::new();
+        // Long kernels: every wait is long, the limit falls to a handful.
+        for _ in 0..10 {
+            b.adapt(std::time::Duration::from_millis(200));
+        }
+        assert_eq!(b.limit(), 1);
+        // Short kernels: waits are tiny, the limit climbs to the driver's depth.
+        for _ in 0..20 {
+            b.adapt(std::time::Duration::from_micros(100));
+        }
+        assert_eq!(b.limit(), QueueBound::MAX);
+        // In the target band it stays.
+        b.adapt(QueueBound::TARGET / 2);
+        assert_eq!(b.limit(), QueueBound::MAX);
+    }
     use std::sync::Arc;
 
     #[test]

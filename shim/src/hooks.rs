@@ -120,6 +120,13 @@ fn current_device() -> Option<CUdevice> {
 }
 
 /// Makes the application's context current on this thread (the shim's own thread).
+/// Waits for the work queued on the calling thread's current context: the queue
+/// bound ([`crate::gate::QueueBound`]) calls it from the submitting thread, without
+/// switching that thread's context.
+pub fn synchronize_current() -> Result<(), CUresult> {
+    crate::ffi::inside(|| call!(cuCtxSynchronize: fn()()))
+}
+
 fn enter_app_context() {
     let ctx = APP_CTX.load(Ordering::Acquire);
     if !ctx.is_null() && current_context() != ctx {
