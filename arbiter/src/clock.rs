@@ -1,13 +1,4 @@
-//! CLOCK_MONOTONIC nanoseconds: the clock of the event log, the scheduler and the
-//! GPU simulator's trace, so their timestamps can be compared directly.
+//! The clock of the scheduler and the event log: CLOCK_MONOTONIC nanoseconds, as
+//! the protocol defines it.
 
-/// Now, in CLOCK_MONOTONIC nanoseconds.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC is always supported.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+pub use kiwi_protocol::monotonic_ns;

@@ -56,11 +56,6 @@ impl EventLog {
         out.truncate(limit);
         (out, more)
     }
-
-    /// The sequence number the next event will get.
-    pub fn next_seq(&self) -> u64 {
-        self.next_seq
-    }
 }
 
 #[cfg(test)]

@@ -127,26 +127,6 @@ impl GpuScheduler {
         }
     }
 
-    pub fn settings(&self) -> Settings {
-        self.settings
-    }
-
-    pub fn capacity(&self) -> u64 {
-        self.capacity
-    }
-
-    pub fn total(&self) -> u64 {
-        self.total
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.clients.is_empty()
-    }
-
-    pub fn has_client(&self, id: ClientId) -> bool {
-        self.clients.contains_key(&id)
-    }
-
     /// Whether every registered working set fits at once.
     pub fn fits(&self) -> bool {
         self.working_sets() <= self.capacity
@@ -567,7 +547,7 @@ impl GpuScheduler {
             for h in self.holders.values_mut() {
                 h.drop_sent = None;
             }
-            self.notify_contention(now);
+            self.notify_contention();
             return;
         }
 
@@ -681,7 +661,7 @@ impl GpuScheduler {
                 );
             }
         }
-        self.notify_contention(now);
+        self.notify_contention();
     }
 
     fn need_bytes_to_complete(&self, id: ClientId) -> u64 {
@@ -694,7 +674,7 @@ impl GpuScheduler {
 
     /// Tells holders when someone starts (or stops) waiting, with what the next
     /// holder needs, so an idle holder can release early and evict just that.
-    fn notify_contention(&mut self, _now: Nanos) {
+    fn notify_contention(&mut self) {
         let waiting = if self.shared_mode() {
             0
         } else {

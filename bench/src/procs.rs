@@ -8,9 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 /// CLOCK_MONOTONIC in ns: the arbiter's clock, shared by every process.
-pub fn monotonic_ns() -> u64 {
-    kiwi_arbiter::clock::monotonic_ns()
-}
+pub use kiwi_protocol::monotonic_ns;
 
 /// An arbiter process on a private socket directory, killed on drop.
 pub struct ArbiterProc {

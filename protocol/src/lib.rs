@@ -9,9 +9,11 @@
 //! CUDA. Decoding never panics on any input: malformed bytes are a [`ProtocolError`].
 
 pub mod blocking;
+pub mod clock;
 pub mod frame;
 pub mod msg;
 
+pub use clock::monotonic_ns;
 pub use frame::{encode, FrameDecoder, HEADER_LEN, MAGIC, MAX_PAYLOAD};
 pub use msg::*;
 

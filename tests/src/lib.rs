@@ -58,15 +58,7 @@ pub fn require_tool(tool: &str) -> bool {
 }
 
 /// CLOCK_MONOTONIC in nanoseconds (the arbiter's clock).
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid out-pointer; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+pub use kiwi_protocol::monotonic_ns;
 
 /// A `kiwi-arbiter` process on a private socket directory; killed on drop.
 pub struct Arbiter {
