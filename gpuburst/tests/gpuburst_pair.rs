@@ -74,7 +74,9 @@ fn two_700mib_programs_do_not_fit_and_the_second_gets_out_of_memory() {
     let mut a = gpuburst(
         &m,
         &[
-            "--mem", "700MiB", "--bursts", "2", "--gpu-ms", "50", "--cpu-ms", "300", "--json",
+            // A long CPU phase keeps it (and its memory) alive while the second starts,
+            // however slowly processes start on a loaded machine.
+            "--mem", "700MiB", "--bursts", "2", "--gpu-ms", "50", "--cpu-ms", "4000", "--json",
             "--name", "a",
         ],
     );
