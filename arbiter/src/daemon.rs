@@ -32,11 +32,15 @@ pub async fn run_daemon(
         }
     };
     eprintln!(
-        "[INFO] kiwi-arbiter listening on {} (control {}), scheduler {}, TQ {} s",
+        "[INFO] kiwi-arbiter listening on {} (control {}), scheduler {}, TQ {} s, swap budget {}",
         client_path.display(),
         control_path.display(),
         cfg.scheduler,
-        cfg.tq_ms as f64 / 1000.0
+        cfg.tq_ms as f64 / 1000.0,
+        match cfg.swap_budget_bytes {
+            None => "unlimited".to_string(),
+            Some(b) => format!("{} MiB", b >> 20),
+        }
     );
     let metrics = match &cfg.metrics_addr {
         None => None,

@@ -1,6 +1,7 @@
 //! kiwi-arbiter: the Kiwi Scheduler daemon.
 //!
 //! - [`sched`]: one GPU's scheduler as a pure state machine (no I/O, injected clock).
+//! - [`swap`]: the node's host-RAM swap budget: swap need and the admission rule.
 //! - [`events`]: the per-GPU event log read by `kiwictl timeline`.
 //! - [`metrics`]: Prometheus metrics (`--metrics-addr`).
 //! - [`server`]: the tokio daemon: client and control sockets, timers, dispatch.
@@ -13,6 +14,7 @@ pub mod events;
 pub mod metrics;
 pub mod sched;
 pub mod server;
+pub mod swap;
 
 pub use daemon::run_daemon;
 pub use server::{serve, ServerConfig};

@@ -40,6 +40,12 @@ struct Args {
     /// Serve Prometheus metrics on this address, e.g. 127.0.0.1:9400.
     #[arg(long)]
     metrics_addr: Option<String>,
+    /// Host RAM this node lends as GPU swap, over all GPUs and clients, e.g. 64GiB or
+    /// 512MiB (config: [arbiter] swap_budget_mib). A client whose working set would
+    /// push the node's swap need (the GPU memory that does not fit, summed over GPUs)
+    /// past it is refused the allocation. 0 or absent: unlimited.
+    #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
+    swap_budget: Option<String>,
 }
 
 fn main() {
@@ -58,6 +64,16 @@ fn run() -> Result<()> {
         None => cfg.arbiter.scheduler,
     };
     let tq_s = args.tq.unwrap_or(cfg.arbiter.tq_seconds);
+    // Parsed here rather than by clap, so a bad value is one line, like other errors.
+    let swap_budget_bytes = match args.swap_budget.as_deref() {
+        Some(s) => kiwi_config::parse_size(s).map_err(|e| anyhow::anyhow!("--swap-budget: {e}"))?,
+        None => match cfg.arbiter.swap_budget_mib {
+            None => 0,
+            Some(mib) => mib.checked_mul(1 << 20).with_context(|| {
+                format!("[arbiter] swap_budget_mib = {mib} is too large (bytes overflow 64 bits)")
+            })?,
+        },
+    };
     let server_cfg = ServerConfig {
         scheduler,
         tq_ms: ((tq_s * 1000.0).round() as u64).max(1),
@@ -68,6 +84,7 @@ fn run() -> Result<()> {
             .unwrap_or(cfg.arbiter.event_log_capacity)
             .max(1),
         metrics_addr: args.metrics_addr.or(cfg.arbiter.metrics_addr),
+        swap_budget_bytes: (swap_budget_bytes > 0).then_some(swap_budget_bytes),
         ..ServerConfig::default()
     };
 

@@ -38,6 +38,17 @@ struct ClientLabels {
 }
 
 type FGauge = Gauge<f64, AtomicU64>;
+
+/// The node's swap figures (see [`crate::swap`]), exported at each scrape.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NodeSwap {
+    /// `None`: unlimited (exported as 0).
+    pub budget_bytes: Option<u64>,
+    /// Σ over GPUs of the working sets that do not fit.
+    pub need_bytes: u64,
+    /// Σ over clients of working set − resident.
+    pub in_use_bytes: u64,
+}
 type FCounter = Counter<f64, AtomicU64>;
 
 /// Everything the arbiter exports.
@@ -64,6 +75,10 @@ pub struct ArbiterMetrics {
     client_waited: Family<ClientLabels, FGauge>,
     client_held: Family<ClientLabels, FGauge>,
     client_holding: Family<ClientLabels, Gauge>,
+    swap_budget: Gauge,
+    swap_need: Gauge,
+    swap_in_use: Gauge,
+    admissions_refused: Counter,
     /// Per GPU: when the GPU was last given back, to time the next hand-off.
     last_release_ns: HashMap<String, u64>,
 }
@@ -108,6 +123,10 @@ impl ArbiterMetrics {
             client_waited: Family::default(),
             client_held: Family::default(),
             client_holding: Family::default(),
+            swap_budget: Gauge::default(),
+            swap_need: Gauge::default(),
+            swap_in_use: Gauge::default(),
+            admissions_refused: Counter::default(),
             last_release_ns: HashMap::new(),
             registry: Registry::default(),
         };
@@ -200,7 +219,32 @@ impl ArbiterMetrics {
             "1 while a client holds the GPU",
             m.client_holding.clone(),
         );
+        registry.register(
+            "swap_budget_bytes",
+            "Host RAM the node lends as GPU swap, over all GPUs (0: unlimited)",
+            m.swap_budget.clone(),
+        );
+        registry.register(
+            "swap_need_bytes",
+            "Node swap need: working sets that do not fit in their GPU, summed over GPUs",
+            m.swap_need.clone(),
+        );
+        registry.register(
+            "swap_in_use_bytes",
+            "Bytes of GPU memory swapped out to host memory now, over all clients",
+            m.swap_in_use.clone(),
+        );
+        registry.register(
+            "swap_admissions_refused",
+            "Working-set growths refused because they would exceed the swap budget",
+            m.admissions_refused.clone(),
+        );
         Self { registry, ..m }
+    }
+
+    /// Counts an `admit` refused for the swap budget.
+    pub fn admission_refused(&self) {
+        self.admissions_refused.inc();
     }
 
     /// Counts one logged scheduler event.
@@ -266,7 +310,11 @@ impl ArbiterMetrics {
     }
 
     /// Refreshes the gauges from live state and encodes everything.
-    pub fn render(&self, gpus: &[GpuStatus]) -> String {
+    pub fn render(&self, gpus: &[GpuStatus], swap: &NodeSwap) -> String {
+        let clamp = |b: u64| b.min(i64::MAX as u64) as i64;
+        self.swap_budget.set(clamp(swap.budget_bytes.unwrap_or(0)));
+        self.swap_need.set(clamp(swap.need_bytes));
+        self.swap_in_use.set(clamp(swap.in_use_bytes));
         for f in [
             &self.holder,
             &self.holders,
@@ -342,5 +390,33 @@ impl ArbiterMetrics {
             out.clear();
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn swap_gauges_and_refusals_are_exported() {
+        let m = ArbiterMetrics::new();
+        m.admission_refused();
+        let out = m.render(
+            &[],
+            &NodeSwap {
+                budget_bytes: Some(100 << 20),
+                need_bytes: 54 << 20,
+                in_use_bytes: 950 << 20,
+            },
+        );
+        assert!(out.contains("kiwi_swap_budget_bytes 104857600"), "{out}");
+        assert!(out.contains("kiwi_swap_need_bytes 56623104"), "{out}");
+        assert!(out.contains("kiwi_swap_in_use_bytes 996147200"), "{out}");
+        assert!(
+            out.contains("kiwi_swap_admissions_refused_total 1"),
+            "{out}"
+        );
+        let out = m.render(&[], &NodeSwap::default());
+        assert!(out.contains("kiwi_swap_budget_bytes 0"), "{out}");
     }
 }

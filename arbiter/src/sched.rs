@@ -98,6 +98,9 @@ pub struct GpuScheduler {
     /// holder (still running on the GPU) had time to re-register.
     quiet_until: Option<Nanos>,
     resume_seen: bool,
+    /// The node's swap budget, told to clients at registration (enforced node-wide by
+    /// the server, see [`crate::swap`]).
+    swap_budget: Option<u64>,
     out: Vec<Output>,
 }
 
@@ -123,8 +126,51 @@ impl GpuScheduler {
             contended_need: 0,
             quiet_until: None,
             resume_seen: false,
+            swap_budget: None,
             out: Vec::new(),
         }
+    }
+
+    /// Sets the node's swap budget that [`ArbiterMsg::Registered`] tells clients
+    /// (`None`: unlimited, the field is left out).
+    pub fn with_swap_budget(mut self, budget: Option<u64>) -> Self {
+        self.swap_budget = budget;
+        self
+    }
+
+    /// GPU memory scheduled against (total − context reserve).
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Bytes of this GPU's working sets that do not fit in its capacity: the least
+    /// host RAM that must hold its swapped-out memory.
+    pub fn swap_need(&self) -> u64 {
+        self.working_sets().saturating_sub(self.capacity)
+    }
+
+    /// [`Self::swap_need`] if client `id`'s working set were `working_set` bytes.
+    pub fn swap_need_with(&self, id: ClientId, working_set: u64) -> u64 {
+        let current = self
+            .clients
+            .get(&id)
+            .map_or(0, |c| c.usage.working_set_bytes);
+        self.working_sets()
+            .saturating_sub(current)
+            .saturating_add(working_set)
+            .saturating_sub(self.capacity)
+    }
+
+    /// Bytes swapped out to host memory now, over all clients (working set − resident).
+    pub fn swapped_bytes(&self) -> u64 {
+        self.clients
+            .values()
+            .map(|c| {
+                c.usage
+                    .working_set_bytes
+                    .saturating_sub(c.usage.resident_bytes)
+            })
+            .fold(0u64, u64::saturating_add)
     }
 
     /// Whether every registered working set fits at once.
@@ -231,6 +277,7 @@ impl GpuScheduler {
                 client_id: id,
                 settings: self.settings,
                 capacity_bytes: self.capacity,
+                swap_budget_bytes: self.swap_budget,
             },
         );
         if let Some(r) = resume {
@@ -339,6 +386,21 @@ impl GpuScheduler {
             },
         );
         self.finish(now)
+    }
+
+    /// An admitted [`kiwi_protocol::ClientMsg::Admit`]: the client's working set is
+    /// `working_set` from now on (resident unchanged), before its next usage report,
+    /// so a second client cannot be admitted into the same room. The server decides
+    /// admission ([`crate::swap::decide`]) and answers the client itself.
+    pub fn admit(&mut self, now: Nanos, id: ClientId, working_set: u64) -> Vec<Output> {
+        let Some(c) = self.clients.get_mut(&id) else {
+            return Vec::new();
+        };
+        let usage = Usage {
+            working_set_bytes: working_set,
+            resident_bytes: c.usage.resident_bytes,
+        };
+        self.usage(now, id, usage)
     }
 
     /// Answer to a reclaim.

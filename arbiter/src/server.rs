@@ -26,8 +26,9 @@ use tokio::sync::{watch, Notify, Semaphore};
 
 use crate::clock::monotonic_ns;
 use crate::events::EventLog;
-use crate::metrics::ArbiterMetrics;
+use crate::metrics::{ArbiterMetrics, NodeSwap};
 use crate::sched::{ClientId, ClientInfo, GpuScheduler, Output};
+use crate::swap;
 
 /// Runtime settings of the daemon.
 #[derive(Debug, Clone)]
@@ -44,6 +45,10 @@ pub struct ServerConfig {
     pub max_msgs_per_sec: u32,
     /// Where to serve Prometheus metrics (`None`: nowhere).
     pub metrics_addr: Option<String>,
+    /// The node's host-RAM swap budget in bytes, over every GPU (`None`: unlimited).
+    /// Clients are told it at registration and ask before growing their working set
+    /// (see [`crate::swap`]).
+    pub swap_budget_bytes: Option<u64>,
 }
 
 impl Default for ServerConfig {
@@ -57,6 +62,7 @@ impl Default for ServerConfig {
             max_connections: 4096,
             max_msgs_per_sec: 20_000,
             metrics_addr: None,
+            swap_budget_bytes: None,
         }
     }
 }
@@ -208,6 +214,16 @@ impl State {
             .collect()
     }
 
+    /// The node's swap figures for status and metrics.
+    fn node_swap(&self) -> NodeSwap {
+        let scheds = || self.gpus.values().map(|g| &g.sched);
+        NodeSwap {
+            budget_bytes: self.cfg.swap_budget_bytes,
+            need_bytes: swap::node_swap_need(scheds()),
+            in_use_bytes: swap::node_swapped_bytes(scheds()),
+        }
+    }
+
     fn next_deadline(&self) -> Option<u64> {
         self.gpus
             .values()
@@ -272,7 +288,8 @@ pub async fn serve(
         let s = shared.clone();
         let render: kiwi_metrics::Render = Arc::new(move || {
             let st = s.lock();
-            st.metrics.render(&st.gpu_statuses(monotonic_ns()))
+            st.metrics
+                .render(&st.gpu_statuses(monotonic_ns()), &st.node_swap())
         });
         let mut stop = stop_rx.clone();
         tokio::spawn(kiwi_metrics::serve(l, render, async move {
@@ -578,7 +595,8 @@ fn handle_client_msg(
                     r.gpu_total_memory - reserve,
                     st.defaults,
                     st.cfg.grace_ms,
-                );
+                )
+                .with_swap_budget(st.cfg.swap_budget_bytes);
                 log_line!(
                     "INFO",
                     "new GPU {uuid} (index {index}): {} MiB, {} MiB schedulable",
@@ -623,6 +641,43 @@ fn handle_client_msg(
             });
             return true;
         }
+        (ClientMsg::Admit { working_set_bytes }, Some(uuid)) => {
+            let Some(g) = st.gpus.get(&uuid) else {
+                return false;
+            };
+            let a = swap::decide(
+                st.cfg.swap_budget_bytes,
+                st.gpus.values().map(|g| &g.sched),
+                &g.sched,
+                id,
+                working_set_bytes,
+            );
+            // The answer first: the client is blocked in its allocator waiting for it.
+            peer.send(&ArbiterMsg::Admitted {
+                ok: a.ok,
+                swap_needed_bytes: a.need_after,
+                swap_budget_bytes: a.budget,
+            });
+            if !a.ok {
+                st.metrics.admission_refused();
+                log_line!(
+                    "INFO",
+                    "swap budget: refused client {id} (pid {host_pid}) on GPU {uuid} a working set of {} MiB ({working_set_bytes} bytes): node swap need would be {} MiB ({} bytes), budget {} MiB ({} bytes)",
+                    working_set_bytes >> 20,
+                    a.need_after >> 20,
+                    a.need_after,
+                    a.budget >> 20,
+                    a.budget
+                );
+                return true;
+            }
+            let outs = st
+                .gpus
+                .get_mut(&uuid)
+                .map(|g| g.sched.admit(now, id, working_set_bytes))
+                .unwrap_or_default();
+            (uuid, outs)
+        }
         (msg, Some(uuid)) => {
             let Some(g) = st.gpus.get_mut(&uuid) else {
                 return false;
@@ -638,7 +693,9 @@ fn handle_client_msg(
                     bytes,
                     duration_ns,
                 } => s.swapped(now, id, direction, bytes, duration_ns),
-                ClientMsg::Register(_) | ClientMsg::Ping { .. } => Vec::new(),
+                ClientMsg::Register(_) | ClientMsg::Ping { .. } | ClientMsg::Admit { .. } => {
+                    Vec::new()
+                }
             };
             (uuid, outs)
         }
@@ -828,14 +885,20 @@ fn handle_control(shared: &Shared, req: ControlRequest, who: &str) -> ControlRep
         }
         ControlRequest::Status { gpu } => match select(&st, &gpu) {
             Err(e) => e,
-            Ok(uuids) => ControlReply::Status(StatusReport {
-                default_settings: st.defaults,
-                gpus: uuids
-                    .iter()
-                    .filter_map(|u| st.gpus.get(u).map(|g| g.sched.status(now, g.index, u)))
-                    .collect(),
-                now_ns: now,
-            }),
+            Ok(uuids) => {
+                let swap = st.node_swap();
+                ControlReply::Status(StatusReport {
+                    default_settings: st.defaults,
+                    gpus: uuids
+                        .iter()
+                        .filter_map(|u| st.gpus.get(u).map(|g| g.sched.status(now, g.index, u)))
+                        .collect(),
+                    now_ns: now,
+                    swap_budget_bytes: swap.budget_bytes,
+                    swap_need_bytes: swap.need_bytes,
+                    swap_in_use_bytes: swap.in_use_bytes,
+                })
+            }
         },
         ControlRequest::Events {
             gpu,

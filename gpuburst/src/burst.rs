@@ -11,12 +11,16 @@
 //! The wait before a burst: the burst starts with a 1 ms `kiwi_spin` that the
 //! program waits for; wait = (time from submitting it to its completion) − 1 ms.
 //! Under Kiwi this is the time spent waiting for the GPU.
+//!
+//! `--device 1,0` uses several GPUs: `--mem` is allocated on each, and every burst
+//! does its part on each device in the listed order (its context made current),
+//! then synchronizes them all; verification covers every device.
 
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use crate::cu;
-use crate::driver::{CUdeviceptr, Cuda, CudaError, Handle};
+use crate::driver::{CUdevice, CUdeviceptr, Cuda, CudaError, Handle};
 use crate::kernels::{BLOCK, GRID, PTX};
 
 /// Command-line options.
@@ -29,7 +33,9 @@ pub struct Options {
     pub idle_ms: u64,
     pub verify: bool,
     pub json: bool,
-    pub device: i32,
+    /// `--device 0` or `--device 1,0`: the GPUs to use, in order (distinct
+    /// ordinals). `--mem` is allocated on each; every burst runs on each in turn.
+    pub devices: Vec<i32>,
     pub name: String,
     pub seed: u64,
     /// Test aid: after the first burst, add to one allocation behind the host
@@ -96,6 +102,30 @@ pub fn parse_script(s: &str) -> Result<Vec<Phase>, String> {
     Ok(out)
 }
 
+/// Parses `--device`: one ordinal or a comma-separated list of distinct ordinals
+/// (`0`, `1,0`). Empty items, non-numbers and duplicates are refused.
+pub fn parse_devices(s: &str) -> Result<Vec<i32>, String> {
+    let mut out: Vec<i32> = Vec::new();
+    for item in s.split(',') {
+        let item = item.trim();
+        if item.is_empty() {
+            return Err(format!(
+                "--device: empty item in {s:?} (a device ordinal or a list like 0,1)"
+            ));
+        }
+        let d = item
+            .parse::<u32>()
+            .ok()
+            .and_then(|d| i32::try_from(d).ok())
+            .ok_or_else(|| format!("--device: not a device ordinal: {item:?}"))?;
+        if out.contains(&d) {
+            return Err(format!("--device: device {d} is listed twice in {s:?}"));
+        }
+        out.push(d);
+    }
+    Ok(out)
+}
+
 /// CLOCK_MONOTONIC in ns (the arbiter's and the simulator's clock).
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
@@ -107,7 +137,7 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N] [--kernel-us 5000] [--queue-ms 100] [--verify] [--json] [--device 0] [--name LABEL] [--seed 1]";
+pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N] [--kernel-us 5000] [--queue-ms 100] [--verify] [--json] [--device 0[,1,...]] [--name LABEL] [--seed 1]";
 
 impl Options {
     /// Parses arguments (without the program name).
@@ -120,7 +150,7 @@ impl Options {
             idle_ms: 0,
             verify: false,
             json: false,
-            device: 0,
+            devices: vec![0],
             name: format!("gpuburst-{}", std::process::id()),
             seed: 1,
             inject_fault: false,
@@ -157,7 +187,7 @@ impl Options {
                 "--gpu-ms" => o.gpu_ms = num(value()?)?,
                 "--cpu-ms" => o.cpu_ms = num(value()?)?,
                 "--idle-ms" => o.idle_ms = num(value()?)?,
-                "--device" => o.device = num(value()?)? as i32,
+                "--device" => o.devices = parse_devices(&value()?)?,
                 "--seed" => o.seed = num(value()?)?,
                 "--name" => o.name = value()?,
                 "--verify" => o.verify = true,
@@ -311,15 +341,11 @@ fn mem_kernel(cuda: &Cuda, f: Handle, a: &Allocation, value: u32) -> Result<(), 
     )
 }
 
-/// Checksums every allocation on the GPU and compares with the host model.
-fn verify(
-    cuda: &Cuda,
-    k: &Kernels,
-    allocs: &[Allocation],
-    sums: CUdeviceptr,
-) -> Result<(), Failure> {
-    for (i, a) in allocs.iter().enumerate() {
-        let out = sums + 8 * i as u64;
+/// Checksums every allocation of one device on the GPU and compares with the host
+/// model. The device's context must be current.
+fn verify(cuda: &Cuda, d: &Device) -> Result<(), Failure> {
+    for (i, a) in d.allocs.iter().enumerate() {
+        let out = d.sums + 8 * i as u64;
         // kiwi_checksum adds into *out: start from zero.
         cu!(
             cuda,
@@ -333,7 +359,7 @@ fn verify(
         let (mut ptr, mut words, mut o) = (a.ptr, a.words, out);
         launch(
             cuda,
-            k.checksum,
+            d.k.checksum,
             GRID,
             BLOCK,
             &mut [
@@ -343,24 +369,34 @@ fn verify(
             ],
         )?;
     }
-    let mut got = vec![0u64; allocs.len()];
+    let mut got = vec![0u64; d.allocs.len()];
     cu!(
         cuda,
         memcpy_dtoh,
         "cuMemcpyDtoH",
         got.as_mut_ptr().cast(),
-        sums,
-        8 * allocs.len()
+        d.sums,
+        8 * d.allocs.len()
     )?;
-    for (i, (a, g)) in allocs.iter().zip(&got).enumerate() {
+    for (i, (a, g)) in d.allocs.iter().zip(&got).enumerate() {
         let want = a.words * u64::from(a.value);
         if *g != want {
             return Err(Failure::Mismatch(format!(
-                "allocation {i} ({} bytes at {:#x}): checksum {g}, expected {want}",
+                "device {}, allocation {i} ({} bytes at {:#x}): checksum {g}, expected {want}",
+                d.ordinal,
                 a.words * 4,
                 a.ptr
             )));
         }
+    }
+    Ok(())
+}
+
+/// Verifies every device, in the listed order (the first mismatch is the error).
+fn verify_all(cuda: &Cuda, devs: &[Device]) -> Result<(), Failure> {
+    for d in devs {
+        make_current(cuda, devs, d)?;
+        verify(cuda, d)?;
     }
     Ok(())
 }
@@ -379,74 +415,38 @@ fn host_work(d: Duration) {
     }
 }
 
-/// Runs the whole program; prints as it goes.
-/// One GPU burst of `gpu_ms`: a 1 ms probe kernel (its wait is the time the GPU
-/// kept us waiting), `kiwi_add` over every allocation, then short spin kernels
-/// queued asynchronously until the burst's GPU time is made up.
-#[allow(clippy::too_many_arguments)]
-fn burst(
-    cuda: &Cuda,
-    o: &Options,
-    rep: &Report,
-    k: &Kernels,
-    allocs: &mut [Allocation],
+/// One GPU in use: its primary context, its copy of the module, its memory and
+/// the host model of that memory.
+struct Device {
+    ordinal: i32,
+    dev: CUdevice,
+    ctx: Handle,
+    k: Kernels,
+    allocs: Vec<Allocation>,
     sums: CUdeviceptr,
-    b: u32,
-    gpu_ms: u64,
-) -> Result<(), Failure> {
-    const FIRST_NS: u64 = 1_000_000;
-    let start_ms = rep.ms();
-    let submit = Instant::now();
-    spin(cuda, k, FIRST_NS)?;
-    cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
-    let first = submit.elapsed();
-    let wait_ms = (first.as_secs_f64() * 1e3 - FIRST_NS as f64 / 1e6).max(0.0);
-    for (i, a) in allocs.iter_mut().enumerate() {
-        let delta = mix(o.seed, u64::from(b) + 1, i as u64) | 1;
-        mem_kernel(cuda, k.add, a, delta)?;
-        a.value = a.value.wrapping_add(delta);
+}
+
+/// Makes `d`'s context current. With one device it is current from the start
+/// and stays so: no call is made (the single-device program is unchanged).
+fn make_current(cuda: &Cuda, devs: &[Device], d: &Device) -> Result<(), CudaError> {
+    if devs.len() > 1 {
+        cu!(cuda, ctx_set_current, "cuCtxSetCurrent", d.ctx)?;
     }
-    let mut left_ns = (gpu_ms * 1_000_000).saturating_sub(FIRST_NS);
-    let mut queued_ns = 0;
-    while left_ns > 0 {
-        let ns = left_ns.min(o.kernel_us * 1000);
-        spin(cuda, k, ns)?;
-        left_ns -= ns;
-        queued_ns += ns;
-        if o.queue_ms > 0 && queued_ns >= o.queue_ms * 1_000_000 {
-            cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
-            queued_ns = 0;
-        }
-    }
-    if o.inject_fault && b == 0 {
-        if let Some(a) = allocs.last() {
-            mem_kernel(cuda, k.add, a, 1)?;
-        }
-    }
-    cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
-    if o.verify {
-        verify(cuda, k, allocs, sums)?;
-    }
-    let dur_ms = submit.elapsed().as_secs_f64() * 1e3;
-    rep.line(
-        format!("burst {b}: start {start_ms:.1} ms, duration {dur_ms:.1} ms, wait {wait_ms:.1} ms"),
-        format!(
-            "{{\"event\":\"burst\",\"name\":\"{}\",\"index\":{b},\"start_ms\":{start_ms:.3},\"duration_ms\":{dur_ms:.3},\"wait_ms\":{wait_ms:.3}}}",
-            o.name
-        ),
-    );
     Ok(())
 }
 
-pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
-    let rep = Report {
-        json: o.json,
-        name: o.name.clone(),
-        t0: Instant::now(),
-    };
-    cu!(cuda, init, "cuInit", 0)?;
+/// Retains `ordinal`'s primary context, makes it current, loads the module and
+/// allocates and fills `--mem` bytes there. The allocations' values are numbered
+/// from `first_index` (the allocations of earlier devices), so no two allocations
+/// of the program hold the same value sequence.
+fn open_device(
+    cuda: &Cuda,
+    o: &Options,
+    ordinal: i32,
+    first_index: usize,
+) -> Result<Device, CudaError> {
     let mut dev = 0;
-    cu!(cuda, device_get, "cuDeviceGet", &mut dev, o.device)?;
+    cu!(cuda, device_get, "cuDeviceGet", &mut dev, ordinal)?;
     let mut ctx: Handle = std::ptr::null_mut();
     cu!(
         cuda,
@@ -490,7 +490,7 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
         allocs.push(Allocation {
             ptr,
             words: bytes / 4,
-            value: mix(o.seed, 0, i as u64),
+            value: mix(o.seed, 0, (first_index + i) as u64),
         });
     }
     let mut sums = 0;
@@ -504,21 +504,147 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
     for a in &allocs {
         mem_kernel(cuda, k.fill, a, a.value)?;
     }
-    cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
+    Ok(Device {
+        ordinal,
+        dev,
+        ctx,
+        k,
+        allocs,
+        sums,
+    })
+}
+
+/// One GPU burst of `gpu_ms` per device. On each device in turn (its context made
+/// current): a 1 ms probe kernel (its wait is the time the GPU kept us waiting),
+/// `kiwi_add` over every allocation, then short spin kernels queued asynchronously
+/// until the burst's GPU time on that device is made up. Then every device's
+/// context is synchronized (and verified with `--verify`).
+fn burst(
+    cuda: &Cuda,
+    o: &Options,
+    rep: &Report,
+    devs: &mut [Device],
+    b: u32,
+    gpu_ms: u64,
+) -> Result<(), Failure> {
+    const FIRST_NS: u64 = 1_000_000;
+    let start_ms = rep.ms();
+    let submit = Instant::now();
+    let mut waits = Vec::with_capacity(devs.len());
+    // Allocation indices run on across devices (the values' numbering).
+    let mut index = 0usize;
+    for di in 0..devs.len() {
+        make_current(cuda, devs, &devs[di])?;
+        let d = &mut devs[di];
+        let probe = Instant::now();
+        spin(cuda, &d.k, FIRST_NS)?;
+        cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
+        let first = probe.elapsed();
+        waits.push((first.as_secs_f64() * 1e3 - FIRST_NS as f64 / 1e6).max(0.0));
+        for a in d.allocs.iter_mut() {
+            let delta = mix(o.seed, u64::from(b) + 1, index as u64) | 1;
+            mem_kernel(cuda, d.k.add, a, delta)?;
+            a.value = a.value.wrapping_add(delta);
+            index += 1;
+        }
+        let mut left_ns = (gpu_ms * 1_000_000).saturating_sub(FIRST_NS);
+        let mut queued_ns = 0;
+        while left_ns > 0 {
+            let ns = left_ns.min(o.kernel_us * 1000);
+            spin(cuda, &d.k, ns)?;
+            left_ns -= ns;
+            queued_ns += ns;
+            if o.queue_ms > 0 && queued_ns >= o.queue_ms * 1_000_000 {
+                cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
+                queued_ns = 0;
+            }
+        }
+        // --inject-fault: on the first device only.
+        if o.inject_fault && b == 0 && di == 0 {
+            if let Some(a) = d.allocs.last() {
+                mem_kernel(cuda, d.k.add, a, 1)?;
+            }
+        }
+    }
+    for d in devs.iter() {
+        make_current(cuda, devs, d)?;
+        cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
+    }
+    if o.verify {
+        verify_all(cuda, devs)?;
+    }
+    let wait_ms: f64 = waits.iter().sum();
+    let dur_ms = submit.elapsed().as_secs_f64() * 1e3;
+    let per_device = devs
+        .iter()
+        .zip(&waits)
+        .map(|(d, w)| format!("device {}: {w:.1} ms", d.ordinal))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let human_waits = if devs.len() > 1 {
+        format!(" ({per_device})")
+    } else {
+        String::new()
+    };
+    let json_waits = waits
+        .iter()
+        .map(|w| format!("{w:.3}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    rep.line(
+        format!("burst {b}: start {start_ms:.1} ms, duration {dur_ms:.1} ms, wait {wait_ms:.1} ms{human_waits}"),
+        format!(
+            "{{\"event\":\"burst\",\"name\":\"{}\",\"index\":{b},\"start_ms\":{start_ms:.3},\"duration_ms\":{dur_ms:.3},\"wait_ms\":{wait_ms:.3},\"device_wait_ms\":[{json_waits}]}}",
+            o.name
+        ),
+    );
+    Ok(())
+}
+
+/// Runs the whole program; prints as it goes.
+pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
+    let rep = Report {
+        json: o.json,
+        name: o.name.clone(),
+        t0: Instant::now(),
+    };
+    cu!(cuda, init, "cuInit", 0)?;
+    let mut devs: Vec<Device> = Vec::with_capacity(o.devices.len());
+    let mut index = 0;
+    for &ordinal in &o.devices {
+        let d = open_device(cuda, o, ordinal, index)?;
+        index += d.allocs.len();
+        devs.push(d);
+    }
+    for d in &devs {
+        make_current(cuda, &devs, d)?;
+        cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
+    }
+    let allocations: usize = devs.iter().map(|d| d.allocs.len()).sum();
+    let ordinals = o
+        .devices
+        .iter()
+        .map(i32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
     let pid = std::process::id();
+    let human_devices = if devs.len() > 1 {
+        format!(" on each of devices {ordinals}")
+    } else {
+        String::new()
+    };
     rep.line(
         format!(
-            "ready: pid {pid}, {} bytes in {} allocations, at {:.1} ms",
+            "ready: pid {pid}, {} bytes{human_devices} in {allocations} allocations, at {:.1} ms",
             o.mem,
-            allocs.len(),
             rep.ms()
         ),
         format!(
-            "{{\"event\":\"ready\",\"name\":\"{}\",\"pid\":{pid},\"mem_bytes\":{},\"allocations\":{},\"t_ms\":{:.3}}}",
+            "{{\"event\":\"ready\",\"name\":\"{}\",\"pid\":{pid},\"mem_bytes\":{},\"allocations\":{allocations},\"t_ms\":{:.3},\"devices\":{},\"device_ordinals\":[{ordinals}]}}",
             o.name,
             o.mem,
-            allocs.len(),
-            rep.ms()
+            rep.ms(),
+            devs.len()
         ),
     );
 
@@ -551,7 +677,7 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
             Phase::Cpu(ms) => host_work(Duration::from_millis(ms)),
             Phase::Idle(ms) => std::thread::sleep(Duration::from_millis(ms)),
             Phase::Gpu(ms) => {
-                burst(cuda, o, &rep, &k, &mut allocs, sums, b, ms)?;
+                burst(cuda, o, &rep, &mut devs, b, ms)?;
                 b += 1;
             }
         }
@@ -567,12 +693,16 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
             );
         }
     }
-    let verified = verify(cuda, &k, &allocs, sums);
+    let verified = verify_all(cuda, &devs);
     let ok = verified.is_ok();
     rep.line(
         format!(
-            "verify: {} allocations, {}",
-            allocs.len(),
+            "verify: {allocations} allocations{}, {}",
+            if devs.len() > 1 {
+                format!(" on devices {ordinals}")
+            } else {
+                String::new()
+            },
             if ok {
                 "all bytes as expected"
             } else {
@@ -580,17 +710,27 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
             }
         ),
         format!(
-            "{{\"event\":\"verify\",\"name\":\"{}\",\"ok\":{ok},\"allocations\":{}}}",
+            "{{\"event\":\"verify\",\"name\":\"{}\",\"ok\":{ok},\"allocations\":{allocations},\"devices\":{}}}",
             o.name,
-            allocs.len()
+            devs.len()
         ),
     );
     verified?;
-    for a in &allocs {
-        cu!(cuda, mem_free, "cuMemFree_v2", a.ptr)?;
+    for d in &devs {
+        make_current(cuda, &devs, d)?;
+        for a in &d.allocs {
+            cu!(cuda, mem_free, "cuMemFree_v2", a.ptr)?;
+        }
+        cu!(cuda, mem_free, "cuMemFree_v2", d.sums)?;
     }
-    cu!(cuda, mem_free, "cuMemFree_v2", sums)?;
-    cu!(cuda, primary_ctx_release, "cuDevicePrimaryCtxRelease", dev)?;
+    for d in &devs {
+        cu!(
+            cuda,
+            primary_ctx_release,
+            "cuDevicePrimaryCtxRelease",
+            d.dev
+        )?;
+    }
     rep.line(
         format!("done in {:.1} ms", rep.ms()),
         format!(
@@ -653,6 +793,40 @@ mod tests {
             "--mem 1",
         ] {
             assert!(Options::parse(&args(a)).is_err(), "{a}");
+        }
+    }
+
+    #[test]
+    fn device_lists_parse() {
+        assert_eq!(Options::parse(&[]).unwrap().devices, vec![0]);
+        assert_eq!(
+            Options::parse(&args("--device 3")).unwrap().devices,
+            vec![3]
+        );
+        assert_eq!(
+            Options::parse(&args("--device 1,0")).unwrap().devices,
+            vec![1, 0]
+        );
+        assert_eq!(
+            Options::parse(&args("--device=0,2,1")).unwrap().devices,
+            vec![0, 2, 1]
+        );
+        for bad in [
+            "--device 0,0",
+            "--device 1,0,1",
+            "--device 0,",
+            "--device ,0",
+            "--device 0,,1",
+            "--device=",
+            "--device x",
+            "--device 0,x",
+            "--device -1",
+            "--device 99999999999",
+            "--device",
+        ] {
+            let e = Options::parse(&args(bad)).unwrap_err();
+            assert!(e.starts_with("--device"), "{bad}: {e}");
+            assert!(!e.contains('\n'), "{bad}: {e}");
         }
     }
 

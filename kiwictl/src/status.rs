@@ -16,9 +16,27 @@ fn secs(ns: u64) -> String {
     format!("{:.1}s", ns as f64 / 1e9)
 }
 
-/// Renders the status report as a table per GPU.
+/// The node-wide swap line: budget, need, in use.
+fn swap_line(r: &StatusReport) -> String {
+    let budget = match r.swap_budget_bytes {
+        None => "unlimited".to_string(),
+        Some(b) => mib(b),
+    };
+    let over = match r.swap_budget_bytes {
+        Some(b) if r.swap_need_bytes > b => "  (over budget: growth is refused)",
+        _ => "",
+    };
+    format!(
+        "Node swap: budget {budget}  need {}  in use {}{over}",
+        mib(r.swap_need_bytes),
+        mib(r.swap_in_use_bytes)
+    )
+}
+
+/// Renders the status report as a table per GPU, after the node's swap line.
 pub fn render(r: &StatusReport) -> String {
     let mut s = String::new();
+    let _ = writeln!(s, "{}", swap_line(r));
     if r.gpus.is_empty() {
         let _ = writeln!(
             s,
@@ -113,4 +131,40 @@ pub fn render(r: &StatusReport) -> String {
         }
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiwi_protocol::Settings;
+
+    fn report(budget: Option<u64>, need: u64, in_use: u64) -> StatusReport {
+        StatusReport {
+            default_settings: Settings {
+                scheduler_on: true,
+                tq_ms: 30_000,
+            },
+            gpus: Vec::new(),
+            now_ns: 0,
+            swap_budget_bytes: budget,
+            swap_need_bytes: need,
+            swap_in_use_bytes: in_use,
+        }
+    }
+
+    #[test]
+    fn swap_line_shows_budget_need_and_use() {
+        let t = render(&report(None, 0, 0));
+        assert!(
+            t.starts_with("Node swap: budget unlimited  need 0 MiB  in use 0 MiB\n"),
+            "{t}"
+        );
+        let t = render(&report(Some(100 << 20), 24 << 20, 300 << 20));
+        assert!(
+            t.starts_with("Node swap: budget 100 MiB  need 24 MiB  in use 300 MiB\n"),
+            "{t}"
+        );
+        let t = render(&report(Some(100 << 20), 200 << 20, 0));
+        assert!(t.lines().next().unwrap().contains("over budget"), "{t}");
+    }
 }

@@ -95,6 +95,13 @@ pub enum ClientMsg {
     Ping {
         token: u64,
     },
+    /// Swap admission: "my working set is about to grow to `working_set_bytes`" (the
+    /// allocations the shim's allocator is about to make). Sent only when
+    /// [`ArbiterMsg::Registered`] carried a `swap_budget_bytes`, before the allocation,
+    /// and answered, in order on this connection, by [`ArbiterMsg::Admitted`].
+    Admit {
+        working_set_bytes: u64,
+    },
 }
 
 /// Why the arbiter asks a holder to give the GPU back.
@@ -118,6 +125,11 @@ pub enum ArbiterMsg {
         settings: Settings,
         /// GPU memory the arbiter schedules against (total − context reserve).
         capacity_bytes: u64,
+        /// The node's host-RAM swap budget, over every client of every GPU. Present
+        /// only when the operator set one (`kiwi-arbiter --swap-budget`): the client
+        /// must then send [`ClientMsg::Admit`] before growing its working set.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        swap_budget_bytes: Option<u64>,
     },
     /// The GPU is this client's. `exclusive: false` means every working set fits (or
     /// the scheduler is off): run alongside the others, no swapping needed.
@@ -155,6 +167,17 @@ pub enum ArbiterMsg {
     Settings(Settings),
     Pong {
         token: u64,
+    },
+    /// Answer to [`ClientMsg::Admit`]. `ok`: the working set may grow to the requested
+    /// size; the arbiter already counts it (resident unchanged). `!ok`: the growth would
+    /// push the node's swap need past the budget; nothing changed, the allocation
+    /// should fail as out of memory. `swap_needed_bytes`: the node-wide swap need with
+    /// the requested working set (Σ over GPUs of the working sets that do not fit in
+    /// its capacity). `swap_budget_bytes`: `u64::MAX` when no budget is configured.
+    Admitted {
+        ok: bool,
+        swap_needed_bytes: u64,
+        swap_budget_bytes: u64,
     },
     /// A refused request. Fatal errors are followed by closing the connection.
     Error {
@@ -248,6 +271,19 @@ pub struct StatusReport {
     pub default_settings: Settings,
     pub gpus: Vec<GpuStatus>,
     pub now_ns: u64,
+    /// The node's host-RAM swap budget in bytes; `None`: unlimited. Node-wide, whatever
+    /// GPU the request selected.
+    #[serde(default)]
+    pub swap_budget_bytes: Option<u64>,
+    /// The node's swap need: Σ over GPUs of max(0, Σ working sets − capacity), the
+    /// least host RAM the node must hold for GPU memory that does not fit. This is what
+    /// the budget bounds.
+    #[serde(default)]
+    pub swap_need_bytes: u64,
+    /// Host RAM holding swapped-out GPU memory now: Σ over clients of working set −
+    /// resident.
+    #[serde(default)]
+    pub swap_in_use_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -410,5 +446,98 @@ mod tests {
             r#"{"type":"set_scheduler","on":false,"gpu":null}"#
         )
         .is_ok());
+    }
+
+    fn round_trip<T>(msg: &T) -> T
+    where
+        T: Serialize + serde::de::DeserializeOwned,
+    {
+        let bytes = crate::encode(msg).unwrap();
+        let mut d = crate::FrameDecoder::new();
+        d.push(&bytes);
+        d.next_msg::<T>().unwrap().unwrap()
+    }
+
+    #[test]
+    fn swap_admission_messages_round_trip() {
+        let admit = ClientMsg::Admit {
+            working_set_bytes: 800 << 20,
+        };
+        assert_eq!(
+            serde_json::to_string(&admit).unwrap(),
+            r#"{"type":"admit","working_set_bytes":838860800}"#
+        );
+        assert_eq!(round_trip(&admit), admit);
+
+        let admitted = ArbiterMsg::Admitted {
+            ok: false,
+            swap_needed_bytes: 123,
+            swap_budget_bytes: u64::MAX,
+        };
+        assert_eq!(
+            serde_json::to_string(&admitted).unwrap(),
+            r#"{"type":"admitted","ok":false,"swap_needed_bytes":123,"swap_budget_bytes":18446744073709551615}"#
+        );
+        assert_eq!(round_trip(&admitted), admitted);
+        // Every field is required; unknown ones are refused.
+        assert!(serde_json::from_str::<ArbiterMsg>(r#"{"type":"admitted","ok":true}"#).is_err());
+        assert!(serde_json::from_str::<ClientMsg>(r#"{"type":"admit"}"#).is_err());
+        assert!(serde_json::from_str::<ClientMsg>(
+            r#"{"type":"admit","working_set_bytes":1,"resident_bytes":0}"#
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn registered_carries_the_budget_only_when_set() {
+        let settings = Settings {
+            scheduler_on: true,
+            tq_ms: 30_000,
+        };
+        let none = ArbiterMsg::Registered {
+            client_id: 3,
+            settings,
+            capacity_bytes: 896 << 20,
+            swap_budget_bytes: None,
+        };
+        let j = serde_json::to_string(&none).unwrap();
+        assert!(!j.contains("swap_budget_bytes"), "{j}");
+        assert_eq!(round_trip(&none), none);
+
+        let some = ArbiterMsg::Registered {
+            client_id: 3,
+            settings,
+            capacity_bytes: 896 << 20,
+            swap_budget_bytes: Some(100 << 20),
+        };
+        let j = serde_json::to_string(&some).unwrap();
+        assert!(j.contains(r#""swap_budget_bytes":104857600"#), "{j}");
+        assert_eq!(round_trip(&some), some);
+
+        // What an arbiter without the field sends still decodes.
+        let old: ArbiterMsg = serde_json::from_str(
+            r#"{"type":"registered","client_id":3,"settings":{"scheduler_on":true,"tq_ms":30000},"capacity_bytes":939524096}"#,
+        )
+        .unwrap();
+        assert_eq!(old, none);
+    }
+
+    #[test]
+    fn status_report_swap_fields_default() {
+        let old: StatusReport = serde_json::from_str(
+            r#"{"default_settings":{"scheduler_on":true,"tq_ms":30000},"gpus":[],"now_ns":5}"#,
+        )
+        .unwrap();
+        assert_eq!(old.swap_budget_bytes, None);
+        assert_eq!(old.swap_need_bytes, 0);
+        assert_eq!(old.swap_in_use_bytes, 0);
+        let r = StatusReport {
+            swap_budget_bytes: Some(1 << 30),
+            swap_need_bytes: 7,
+            swap_in_use_bytes: 9,
+            ..old
+        };
+        let back: StatusReport = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back, r);
     }
 }

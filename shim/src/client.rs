@@ -1,17 +1,24 @@
-//! The arbiter client: one connection per process to `<socket dir>/client/arbiter.sock`,
-//! the process's turn on the GPU, and what happens on grant, drop, contention,
-//! reclaim and revoke. A background thread reads the arbiter's messages, does the
-//! swaps, releases early when the process idles while others wait, batches usage
-//! reports, and reconnects when the arbiter restarts.
+//! The arbiter client: the process's turns on the GPUs it uses. Each GPU the process
+//! gets a context on has a [`Turn`]: its own connection to
+//! `<socket dir>/client/arbiter.sock` (the protocol registers one GPU per connection),
+//! its own background thread that reads the arbiter's messages, does that GPU's swaps,
+//! releases early when the process idles while others wait, batches usage reports and
+//! reconnects when the arbiter restarts.
 //!
-//! Lock order: `state` → residency (the allocator's own lock) → `writer`.
+//! The process runs work only while it holds **every** one of its turns (the gate is
+//! process-wide, so the launch path stays two atomic operations). Turns are acquired in
+//! one fixed order, by GPU UUID, the same in every process: a process never holds or
+//! keeps a GPU later in that order while it waits for an earlier one, so two processes
+//! sharing the same GPUs cannot wait for each other.
+//!
+//! Lock order: `state` → residency (an allocator's own lock) → a turn's `writer`.
 //!
 //! This module owns the protocol conversation and the turn state; it does not know how
 //! memory is swapped ([`Residency`]) or how submissions are admitted ([`Gate`]).
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicI32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -31,11 +38,16 @@ use crate::stats;
 
 type Conn = Connection<ClientMsg, ArbiterMsg>;
 
+/// Most GPUs one process can hold turns on (device ordinals below this are managed).
+pub const MAX_TURNS: usize = 64;
+
 /// How long a swap-in waits for others' evictions to make room before giving the turn
 /// back.
 const MAKE_ROOM_WAIT: Duration = Duration::from_secs(15);
+/// How long an allocation waits for the arbiter's swap admission before going ahead.
+const ADMIT_WAIT: Duration = Duration::from_secs(10);
 
-/// What the client needs from the allocator: residency, eviction, draining.
+/// What a turn needs from its GPU's allocator: residency, eviction, draining.
 pub trait Residency: Send + Sync {
     fn figures(&self) -> Figures;
     fn set_limit(&self, limit: u64);
@@ -43,13 +55,15 @@ pub trait Residency: Send + Sync {
     fn all_resident(&self) -> bool;
     fn swap_in_all(&self) -> Result<Swap, CUresult>;
     fn evict(&self, need: u64) -> Result<Swap, CUresult>;
-    /// Waits until this process's queued GPU work is done.
+    /// Waits until this process's queued GPU work on this GPU is done.
     fn drain(&self) -> Result<(), CUresult>;
 }
 
-/// The GPU this process registers with.
+/// A GPU this process uses.
 #[derive(Debug, Clone)]
 pub struct DeviceInfo {
+    /// The device ordinal as this process sees it (after `CUDA_VISIBLE_DEVICES`).
+    pub ordinal: usize,
     pub uuid: String,
     pub total_memory: u64,
 }
@@ -64,35 +78,222 @@ enum Phase {
     Holding,
 }
 
-struct State {
+/// What the arbiter last said about one turn.
+struct TurnState {
     phase: Phase,
     exclusive: bool,
     /// Clients waiting behind us, as the arbiter last said.
     contended: u32,
     /// Bytes to evict when releasing early (from the contention notice).
     contended_need: u64,
-    /// Threads of this process blocked waiting for the GPU.
-    want: u32,
     oom_retries: u32,
     last_usage: Option<Usage>,
-    idle_mark: u32,
-    idle_since: Instant,
 }
 
-/// The process's connection to its arbiter.
-pub struct Client {
-    env: ShimEnv,
+/// One GPU's turn: its connection, its allocator and what the arbiter lets it use.
+pub struct Turn {
     info: DeviceInfo,
-    gate: &'static Gate,
+    /// Index into the process's slots (and into [`CONN_FDS`]).
+    slot: usize,
     res: Box<dyn Residency>,
-    state: Mutex<State>,
-    cv: Condvar,
     writer: Mutex<Option<Conn>>,
     /// GPU memory the arbiter schedules against (total − context reserve).
-    capacity: std::sync::atomic::AtomicU64,
+    capacity: AtomicU64,
+    /// The arbiter enforces a node swap budget: growth must be admitted first.
+    budgeted: AtomicBool,
+    /// Serializes admissions: one question in flight per turn.
+    admitting: Mutex<()>,
+    /// The arbiter's answer to the admission in flight, put there by the turn's thread.
+    admitted: Mutex<Option<bool>>,
+    admitted_cv: Condvar,
 }
 
-/// Why the client could not start.
+/// A growth the arbiter admitted (or that needs no admission); hold it until the
+/// allocation is made, so admissions of one process do not overtake each other.
+pub struct Admission(#[allow(dead_code)] Option<MutexGuard<'static, ()>>);
+
+impl Turn {
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity.load(Ordering::Relaxed)
+    }
+
+    pub fn figures(&self) -> Figures {
+        self.res.figures()
+    }
+
+    /// Asks the arbiter whether this GPU's working set may grow to `working_set`
+    /// bytes without the node's swap need passing its budget. `None`: refused, the
+    /// allocation fails with out-of-memory. Without a budget, or when the arbiter does
+    /// not answer (it is restarting), the growth goes ahead.
+    pub fn admit(&'static self, working_set: u64) -> Option<Admission> {
+        if !self.budgeted.load(Ordering::Acquire) {
+            return Some(Admission(None));
+        }
+        let guard = lock(&self.admitting);
+        *lock(&self.admitted) = None;
+        self.send(&ClientMsg::Admit {
+            working_set_bytes: working_set,
+        });
+        let deadline = Instant::now() + ADMIT_WAIT;
+        let mut answer = lock(&self.admitted);
+        while answer.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                crate::kwarn!(
+                    "GPU {}: the arbiter did not answer a swap admission in {ADMIT_WAIT:?}; allocating anyway",
+                    self.info.ordinal
+                );
+                return Some(Admission(Some(guard)));
+            }
+            answer = self
+                .admitted_cv
+                .wait_timeout(answer, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        if answer.take() == Some(true) {
+            Some(Admission(Some(guard)))
+        } else {
+            crate::kwarn!(
+                "GPU {}: growing to {working_set} bytes would pass the node's swap budget in host RAM: out of memory",
+                self.info.ordinal
+            );
+            None
+        }
+    }
+
+    fn on_admitted(&self, ok: bool) {
+        *lock(&self.admitted) = Some(ok);
+        self.admitted_cv.notify_all();
+    }
+
+    fn send(&self, msg: &ClientMsg) {
+        let mut w = lock(&self.writer);
+        if let Some(conn) = w.as_mut() {
+            if let Err(e) = conn.send(msg) {
+                crate::kdebug!("send to the arbiter (GPU {}) failed: {e}", self.info.uuid);
+                // The reader notices the broken connection and reconnects.
+                let _ = conn.stream().shutdown(std::net::Shutdown::Both);
+                *w = None;
+            }
+        }
+    }
+
+    fn usage(&self) -> Usage {
+        usage_of(self.res.figures())
+    }
+
+    /// Reports a finished swap to the arbiter (and the counters).
+    fn report_swap(&self, direction: SwapDirection, s: Swap) {
+        if s.bytes == 0 {
+            return;
+        }
+        let counter = match direction {
+            SwapDirection::Out => &stats::SWAP_OUT_BYTES,
+            SwapDirection::In => &stats::SWAP_IN_BYTES,
+        };
+        counter.fetch_add(s.bytes, Ordering::Relaxed);
+        self.send(&ClientMsg::Swapped {
+            direction,
+            bytes: s.bytes,
+            duration_ns: s.duration.as_nanos() as u64,
+        });
+        crate::kinfo!(
+            "GPU {}: swapped {} {} bytes in {:?}",
+            self.info.ordinal,
+            if direction == SwapDirection::Out {
+                "out"
+            } else {
+                "in"
+            },
+            s.bytes,
+            s.duration
+        );
+    }
+
+    /// Evicts `need` bytes (least recently used first) and reports it.
+    fn evict(&self, need: u64) {
+        if need == 0 {
+            return;
+        }
+        match self.res.evict(need) {
+            Ok(s) => self.report_swap(SwapDirection::Out, s),
+            Err(e) => crate::kerror!(
+                "GPU {}: swap-out failed with CUDA error {e}",
+                self.info.ordinal
+            ),
+        }
+    }
+
+    /// Swaps everything back in (reporting the swap) unless it is all resident. Out of
+    /// memory is retried for a while: right after a grant the previous holder may still
+    /// be evicting what the arbiter asked of it.
+    fn make_resident(&self) -> Result<(), CUresult> {
+        if self.res.all_resident() {
+            return Ok(());
+        }
+        let deadline = Instant::now() + MAKE_ROOM_WAIT;
+        let mut total = Swap::default();
+        loop {
+            match self.res.swap_in_all() {
+                Ok(s) => {
+                    total.bytes += s.bytes;
+                    total.duration += s.duration;
+                    break;
+                }
+                Err(CUDA_ERROR_OUT_OF_MEMORY) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.report_swap(SwapDirection::In, total);
+        Ok(())
+    }
+}
+
+struct Slot {
+    turn: Arc<Turn>,
+    ts: TurnState,
+}
+
+struct State {
+    /// Threads of this process blocked waiting for the GPU(s).
+    want: u32,
+    /// The process's idle clock: submissions seen at the last change, and when.
+    idle_mark: u32,
+    idle_since: Instant,
+    slots: Vec<Slot>,
+    /// Slots in acquisition order: by GPU UUID, the same order in every process.
+    order: Vec<usize>,
+}
+
+impl State {
+    fn holding(&self, k: usize) -> bool {
+        self.slots[k].ts.phase == Phase::Holding
+    }
+
+    /// Position of slot `k` in the acquisition order.
+    fn position(&self, k: usize) -> usize {
+        self.order.iter().position(|&i| i == k).unwrap_or(0)
+    }
+}
+
+/// The process's connection to its arbiter: one turn per GPU it uses.
+pub struct Client {
+    env: ShimEnv,
+    gate: &'static Gate,
+    state: Mutex<State>,
+    cv: Condvar,
+    /// Turns by device ordinal, readable without waiting behind a swap.
+    by_device: [OnceLock<Arc<Turn>>; MAX_TURNS],
+}
+
+/// Why a turn could not be registered.
 #[derive(Debug)]
 pub enum StartError {
     Protocol(ProtocolError),
@@ -120,8 +321,9 @@ impl From<std::io::Error> for StartError {
     }
 }
 
-/// Raw fds of the connection, closed in a forked child so the child holds nothing.
-static CONN_FDS: [AtomicI32; 2] = [AtomicI32::new(-1), AtomicI32::new(-1)];
+/// Raw fds of every turn's connection (two per slot), closed in a forked child so the
+/// child holds nothing.
+static CONN_FDS: [AtomicI32; 2 * MAX_TURNS] = [const { AtomicI32::new(-1) }; 2 * MAX_TURNS];
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic elsewhere must not take every later CUDA call down with it.
@@ -135,13 +337,22 @@ fn usage_of(f: Figures) -> Usage {
     }
 }
 
-/// Connects and registers; returns (reader, writer, capacity).
+/// A registered connection for one GPU.
+struct Registration {
+    reader: Conn,
+    writer: Conn,
+    capacity: u64,
+    swap_budget: Option<u64>,
+}
+
+/// Connects and registers one GPU.
 fn register(
     env: &ShimEnv,
     info: &DeviceInfo,
+    slot: usize,
     figures: Figures,
     resume: Option<Resume>,
-) -> Result<(Conn, Conn, u64), StartError> {
+) -> Result<Registration, StartError> {
     let stream = UnixStream::connect(env.client_socket())?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     let writer_stream = stream.try_clone()?;
@@ -165,18 +376,21 @@ fn register(
         name,
         resume,
     }))?;
-    let capacity = match conn.recv()? {
+    let (capacity, swap_budget) = match conn.recv()? {
         ArbiterMsg::Registered {
             client_id,
             settings,
             capacity_bytes,
+            swap_budget_bytes,
         } => {
             crate::kinfo!(
-                "registered with the arbiter as client {client_id} (scheduler {}, TQ {} ms, capacity {capacity_bytes} bytes)",
+                "GPU {} ({}): registered with the arbiter as client {client_id} (scheduler {}, TQ {} ms, capacity {capacity_bytes} bytes)",
+                info.ordinal,
+                info.uuid,
                 if settings.scheduler_on { "on" } else { "off" },
                 settings.tq_ms
             );
-            capacity_bytes
+            (capacity_bytes, swap_budget_bytes)
         }
         ArbiterMsg::Error { code, message } => {
             return Err(StartError::Refused(format!("{code:?}: {message}")))
@@ -184,29 +398,48 @@ fn register(
         other => return Err(StartError::Refused(format!("unexpected reply {other:?}"))),
     };
     conn.stream().set_read_timeout(None)?;
-    CONN_FDS[0].store(conn.stream().as_raw_fd(), Ordering::Relaxed);
-    CONN_FDS[1].store(writer_stream.as_raw_fd(), Ordering::Relaxed);
-    Ok((conn, Conn::new(writer_stream), capacity))
+    CONN_FDS[2 * slot].store(conn.stream().as_raw_fd(), Ordering::Relaxed);
+    CONN_FDS[2 * slot + 1].store(writer_stream.as_raw_fd(), Ordering::Relaxed);
+    Ok(Registration {
+        reader: conn,
+        writer: Conn::new(writer_stream),
+        capacity,
+        swap_budget,
+    })
+}
+
+/// What [`Client::add_device`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Added {
+    /// The GPU has a turn (now or from before).
+    Managed,
+    /// The GPU cannot be managed (the arbiter refused it, or too many GPUs): its
+    /// allocator, if any, was created with backing always allowed.
+    Unmanaged,
+}
+
+/// The outcome of one pass over the turns in acquisition order.
+enum Step {
+    Ready,
+    Wait,
+    Fail(CUresult),
 }
 
 impl Client {
-    /// Connects to the arbiter, waiting up to `KIWI_ARBITER_TIMEOUT` (a log line every
-    /// 10 s), registers, and starts the background thread.
-    pub fn start(
-        env: ShimEnv,
-        info: DeviceInfo,
-        gate: &'static Gate,
-        res: Box<dyn Residency>,
-    ) -> Result<Arc<Client>, StartError> {
+    /// Waits until the arbiter's socket accepts connections, up to
+    /// `KIWI_ARBITER_TIMEOUT` (a log line every 10 s). GPUs register later, as the
+    /// process gets a context on each ([`Client::add_device`]).
+    pub fn start(env: ShimEnv, gate: &'static Gate) -> Result<Arc<Client>, StartError> {
         let started = Instant::now();
         let mut next_log = started;
-        let (reader, writer, capacity) = loop {
-            match register(&env, &info, res.figures(), None) {
-                Ok(r) => break r,
+        loop {
+            match UnixStream::connect(env.client_socket()) {
+                // A connection that closes before registering costs the arbiter nothing.
+                Ok(_) => break,
                 Err(e) => {
                     let now = Instant::now();
                     if now.duration_since(started) >= env.arbiter_timeout {
-                        return Err(e);
+                        return Err(e.into());
                     }
                     if now >= next_log {
                         crate::kwarn!(
@@ -219,59 +452,121 @@ impl Client {
                     std::thread::sleep(Duration::from_millis(50));
                 }
             }
+        }
+        // Nothing may run until the GPUs it touches are held.
+        gate.close();
+        Ok(Arc::new(Client {
+            env,
+            gate,
+            state: Mutex::new(State {
+                want: 0,
+                idle_mark: 0,
+                idle_since: Instant::now(),
+                slots: Vec::new(),
+                order: Vec::new(),
+            }),
+            cv: Condvar::new(),
+            by_device: [const { OnceLock::new() }; MAX_TURNS],
+        }))
+    }
+
+    /// The turn of device `ordinal`, if the process has one.
+    pub fn turn_for(&self, ordinal: usize) -> Option<&Arc<Turn>> {
+        self.by_device.get(ordinal)?.get()
+    }
+
+    /// Gives the process a turn on `info`'s GPU (once per GPU): builds its allocator
+    /// with `make_res`, registers with the arbiter and starts the turn's thread. Until
+    /// the new turn is held, no work of the process runs.
+    pub fn add_device(
+        self: &Arc<Self>,
+        info: DeviceInfo,
+        make_res: impl FnOnce() -> Option<Box<dyn Residency>>,
+    ) -> Added {
+        let mut st = lock(&self.state);
+        if self.turn_for(info.ordinal).is_some() {
+            return Added::Managed;
+        }
+        let slot = st.slots.len();
+        if info.ordinal >= MAX_TURNS || slot >= MAX_TURNS {
+            crate::kwarn!(
+                "GPU {} ({}): more GPUs than the shim manages ({MAX_TURNS}); running it unmanaged",
+                info.ordinal,
+                info.uuid
+            );
+            return Added::Unmanaged;
+        }
+        let Some(res) = make_res() else {
+            return Added::Unmanaged;
+        };
+        res.set_backing_allowed(false);
+        let (reader, writer, capacity, budget) = match register(
+            &self.env,
+            &info,
+            slot,
+            res.figures(),
+            None,
+        ) {
+            Ok(r) => (Some(r.reader), Some(r.writer), r.capacity, r.swap_budget),
+            Err(StartError::Refused(m)) => {
+                crate::kerror!(
+                    "GPU {} ({}): the arbiter refused it ({m}); running it UNMANAGED: no sharing, no swapping",
+                    info.ordinal,
+                    info.uuid
+                );
+                res.set_backing_allowed(true);
+                return Added::Unmanaged;
+            }
+            Err(e) => {
+                // The arbiter answered at start: it is restarting. The turn's thread
+                // connects as soon as it is back.
+                crate::kwarn!(
+                    "GPU {}: cannot reach the arbiter ({e}); will retry",
+                    info.ordinal
+                );
+                (None, None, info.total_memory, None)
+            }
         };
         res.set_limit(capacity);
-        res.set_backing_allowed(false);
-        gate.close();
-        let client = Arc::new(Client {
-            env,
+        let ordinal = info.ordinal;
+        let turn = Arc::new(Turn {
             info,
-            gate,
+            slot,
             res,
-            state: Mutex::new(State {
+            writer: Mutex::new(writer),
+            capacity: AtomicU64::new(capacity),
+            budgeted: AtomicBool::new(budget.is_some()),
+            admitting: Mutex::new(()),
+            admitted: Mutex::new(None),
+            admitted_cv: Condvar::new(),
+        });
+        // The gate is open only while every turn is held: this one is not yet.
+        self.gate.close_and_wait();
+        st.slots.push(Slot {
+            turn: turn.clone(),
+            ts: TurnState {
                 phase: Phase::Idle,
                 exclusive: false,
                 contended: 0,
                 contended_need: 0,
-                want: 0,
                 oom_retries: 0,
                 last_usage: None,
-                idle_mark: 0,
-                idle_since: Instant::now(),
-            }),
-            cv: Condvar::new(),
-            writer: Mutex::new(Some(writer)),
-            capacity: std::sync::atomic::AtomicU64::new(capacity),
+            },
         });
-        let c = client.clone();
-        std::thread::Builder::new()
-            .name("kiwi-arbiter".into())
-            .spawn(move || c.run(reader))?;
-        Ok(client)
-    }
-
-    pub fn info(&self) -> &DeviceInfo {
-        &self.info
-    }
-
-    pub fn capacity(&self) -> u64 {
-        self.capacity.load(Ordering::Relaxed)
-    }
-
-    pub fn figures(&self) -> Figures {
-        self.res.figures()
-    }
-
-    fn send(&self, msg: &ClientMsg) {
-        let mut w = lock(&self.writer);
-        if let Some(conn) = w.as_mut() {
-            if let Err(e) = conn.send(msg) {
-                crate::kdebug!("send to the arbiter failed: {e}");
-                // The reader notices the broken connection and reconnects.
-                let _ = conn.stream().shutdown(std::net::Shutdown::Both);
-                *w = None;
-            }
+        let mut order: Vec<usize> = (0..st.slots.len()).collect();
+        order.sort_by(|&a, &b| st.slots[a].turn.info.uuid.cmp(&st.slots[b].turn.info.uuid));
+        st.order = order;
+        let _ = self.by_device[ordinal].set(turn.clone());
+        stats::GPUS.fetch_add(1, Ordering::Relaxed);
+        drop(st);
+        let c = self.clone();
+        if let Err(e) = std::thread::Builder::new()
+            .name(format!("kiwi-gpu{ordinal}"))
+            .spawn(move || c.run(turn, reader))
+        {
+            crate::kerror!("cannot start the shim's thread for GPU {ordinal}: {e}");
         }
+        Added::Managed
     }
 
     /// Blocks until this process may submit work (the gate is open) or fails.
@@ -282,31 +577,13 @@ impl Client {
             if self.gate.is_open() {
                 break Ok(());
             }
-            match st.phase {
-                Phase::Holding => match self.make_resident() {
-                    Ok(()) => {
-                        self.gate.open();
-                        break Ok(());
-                    }
-                    Err(CUDA_ERROR_OUT_OF_MEMORY) if st.oom_retries < 3 => {
-                        // Others' memory is in the way: give the turn back so the arbiter
-                        // (which now knows our working set) makes room, and ask again.
-                        st.oom_retries += 1;
-                        crate::kwarn!("GPU memory is full while holding; releasing to make room");
-                        self.give_back_locked(&mut st, 0, false);
-                    }
-                    Err(e) => break Err(e),
-                },
-                Phase::Idle => {
-                    st.phase = Phase::Requested;
-                    let u = usage_of(self.res.figures());
-                    if st.last_usage != Some(u) {
-                        self.send(&ClientMsg::Usage(u));
-                        st.last_usage = Some(u);
-                    }
-                    self.send(&ClientMsg::Request);
+            match self.step(&mut st) {
+                Step::Ready => {
+                    self.gate.open();
+                    break Ok(());
                 }
-                Phase::Requested => {
+                Step::Fail(e) => break Err(e),
+                Step::Wait => {
                     st = self
                         .cv
                         .wait_timeout(st, Duration::from_secs(1))
@@ -319,168 +596,184 @@ impl Client {
         result
     }
 
-    /// Swaps everything back in (reporting the swap) unless it is all resident. Out of
-    /// memory is retried for a while: right after a grant the previous holder may still
-    /// be evicting what the arbiter asked of it.
-    fn make_resident(&self) -> Result<(), CUresult> {
-        if self.res.all_resident() {
-            return Ok(());
-        }
-        let deadline = Instant::now() + MAKE_ROOM_WAIT;
-        let mut total = Swap::default();
-        let s = loop {
-            match self.res.swap_in_all() {
-                Ok(s) => {
-                    total.bytes += s.bytes;
-                    total.duration += s.duration;
-                    break total;
+    /// One pass over the turns in acquisition order: held turns are made resident; at
+    /// the first turn not held, every later turn still held is given back (nothing is
+    /// held past a turn we wait for) and the turn is requested.
+    fn step(&self, st: &mut State) -> Step {
+        for pos in 0..st.order.len() {
+            let k = st.order[pos];
+            match st.slots[k].ts.phase {
+                Phase::Holding => match st.slots[k].turn.make_resident() {
+                    Ok(()) => {}
+                    Err(CUDA_ERROR_OUT_OF_MEMORY) if st.slots[k].ts.oom_retries < 3 => {
+                        // Others' memory is in the way: give the turn back so the arbiter
+                        // (which now knows our working set) makes room; the next pass
+                        // asks again.
+                        st.slots[k].ts.oom_retries += 1;
+                        crate::kwarn!("GPU memory is full while holding; releasing to make room");
+                        self.give_back(st, k, 0, false);
+                        return Step::Wait;
+                    }
+                    Err(e) => return Step::Fail(e),
+                },
+                Phase::Idle | Phase::Requested => {
+                    let later: Vec<usize> = st.order[pos + 1..].to_vec();
+                    for j in later {
+                        if st.holding(j) {
+                            self.give_back(st, j, 0, false);
+                        }
+                    }
+                    if st.slots[k].ts.phase == Phase::Idle {
+                        self.request(st, k);
+                    }
+                    return Step::Wait;
                 }
-                Err(CUDA_ERROR_OUT_OF_MEMORY) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                Err(e) => return Err(e),
             }
-        };
-        if s.bytes > 0 {
-            stats::SWAP_IN_BYTES.fetch_add(s.bytes, Ordering::Relaxed);
-            self.send(&ClientMsg::Swapped {
-                direction: SwapDirection::In,
-                bytes: s.bytes,
-                duration_ns: s.duration.as_nanos() as u64,
-            });
-            crate::kinfo!("swapped in {} bytes in {:?}", s.bytes, s.duration);
         }
-        Ok(())
+        Step::Ready
     }
 
-    /// Stops admitting, drains, evicts `need` bytes, releases; asks again if threads
-    /// still want the GPU.
-    fn give_back_locked(&self, st: &mut State, need: u64, early: bool) {
+    fn request(&self, st: &mut State, k: usize) {
+        let turn = st.slots[k].turn.clone();
+        let ts = &mut st.slots[k].ts;
+        ts.phase = Phase::Requested;
+        let u = turn.usage();
+        if ts.last_usage != Some(u) {
+            turn.send(&ClientMsg::Usage(u));
+            ts.last_usage = Some(u);
+        }
+        turn.send(&ClientMsg::Request);
+    }
+
+    /// Whether every turn is held and resident: the gate may open.
+    fn all_ready(&self, st: &State) -> bool {
+        st.slots
+            .iter()
+            .all(|s| s.ts.phase == Phase::Holding && s.turn.res.all_resident())
+    }
+
+    /// Stops admitting, drains the GPU, evicts `need` bytes and releases the turn.
+    /// Threads that still want the GPU ask again from [`Client::acquire`], in order.
+    fn give_back(&self, st: &mut State, k: usize, need: u64, early: bool) {
         self.gate.close_and_wait();
-        if let Err(e) = self.res.drain() {
+        let turn = st.slots[k].turn.clone();
+        if let Err(e) = turn.res.drain() {
             crate::kwarn!("draining before release failed with CUDA error {e}");
         }
-        self.res.set_backing_allowed(false);
-        if need > 0 {
-            match self.res.evict(need) {
-                Ok(s) if s.bytes > 0 => {
-                    stats::SWAP_OUT_BYTES.fetch_add(s.bytes, Ordering::Relaxed);
-                    self.send(&ClientMsg::Swapped {
-                        direction: SwapDirection::Out,
-                        bytes: s.bytes,
-                        duration_ns: s.duration.as_nanos() as u64,
-                    });
-                    crate::kinfo!("swapped out {} bytes in {:?}", s.bytes, s.duration);
-                }
-                Ok(_) => {}
-                Err(e) => crate::kerror!("swap-out failed with CUDA error {e}"),
-            }
-        }
-        st.phase = Phase::Idle;
+        turn.res.set_backing_allowed(false);
+        turn.evict(need);
         stats::RELEASES.fetch_add(1, Ordering::Relaxed);
         if early {
             stats::EARLY_RELEASES.fetch_add(1, Ordering::Relaxed);
         }
-        let u = usage_of(self.res.figures());
-        self.send(&ClientMsg::Release(u));
-        st.last_usage = Some(u);
-        if st.want > 0 {
-            st.phase = Phase::Requested;
-            self.send(&ClientMsg::Request);
-        }
+        let u = turn.usage();
+        turn.send(&ClientMsg::Release(u));
+        let ts = &mut st.slots[k].ts;
+        ts.phase = Phase::Idle;
+        ts.last_usage = Some(u);
     }
 
-    fn on_grant(&self, exclusive: bool, waiting: u32) {
+    fn on_grant(&self, k: usize, exclusive: bool, waiting: u32) {
         let mut st = lock(&self.state);
         stats::GRANTS.fetch_add(1, Ordering::Relaxed);
-        st.phase = Phase::Holding;
-        st.exclusive = exclusive;
-        st.contended = waiting;
+        {
+            let ts = &mut st.slots[k].ts;
+            ts.phase = Phase::Holding;
+            ts.exclusive = exclusive;
+            ts.contended = waiting;
+        }
         st.idle_since = Instant::now();
         // Bound the queue before the gate opens: waiting threads queue at once.
-        crate::gate::THROTTLE.store(exclusive || waiting > 0, Ordering::Relaxed);
-        self.res.set_backing_allowed(true);
-        match self.make_resident() {
-            Ok(()) => {
-                st.oom_retries = 0;
-                self.gate.open();
+        self.refresh_throttle(&st);
+        let pos = st.position(k);
+        let earlier_missing = st.order[..pos].iter().any(|&i| !st.holding(i));
+        if earlier_missing {
+            // Asked for before an earlier turn was lost: holding this one while waiting
+            // for that one could deadlock with another process. Give it back; it is
+            // asked for again once the earlier ones are held.
+            self.give_back(&mut st, k, 0, false);
+        } else {
+            let turn = st.slots[k].turn.clone();
+            turn.res.set_backing_allowed(true);
+            match turn.make_resident() {
+                Ok(()) => {
+                    st.slots[k].ts.oom_retries = 0;
+                    if self.all_ready(&st) {
+                        self.gate.open();
+                    }
+                }
+                Err(CUDA_ERROR_OUT_OF_MEMORY) if st.slots[k].ts.oom_retries < 3 => {
+                    st.slots[k].ts.oom_retries += 1;
+                    crate::kwarn!("no room to swap in after a grant; releasing and asking again");
+                    self.give_back(&mut st, k, 0, false);
+                }
+                Err(e) => crate::kerror!("swap-in after a grant failed with CUDA error {e}"),
             }
-            Err(CUDA_ERROR_OUT_OF_MEMORY) if st.oom_retries < 3 => {
-                st.oom_retries += 1;
-                crate::kwarn!("no room to swap in after a grant; releasing and asking again");
-                self.give_back_locked(&mut st, 0, false);
-            }
-            Err(e) => crate::kerror!("swap-in after a grant failed with CUDA error {e}"),
         }
         drop(st);
         self.cv.notify_all();
     }
 
-    fn on_reclaim(&self, need: u64) {
+    fn on_drop(&self, k: usize, need: u64) {
         let mut st = lock(&self.state);
-        if st.phase != Phase::Holding {
-            let _ = self.res.drain();
-            match self.res.evict(need) {
-                Ok(s) if s.bytes > 0 => {
-                    stats::SWAP_OUT_BYTES.fetch_add(s.bytes, Ordering::Relaxed);
-                    self.send(&ClientMsg::Swapped {
-                        direction: SwapDirection::Out,
-                        bytes: s.bytes,
-                        duration_ns: s.duration.as_nanos() as u64,
-                    });
-                    crate::kinfo!("reclaim: swapped out {} bytes in {:?}", s.bytes, s.duration);
-                }
-                Ok(_) => {}
-                Err(e) => crate::kerror!("swap-out for a reclaim failed with CUDA error {e}"),
+        match st.slots[k].ts.phase {
+            Phase::Holding => self.give_back(&mut st, k, need, false),
+            // Not holding and not asking: a drop that crossed our (early) release, or an
+            // arbiter that thinks we hold. Answering is harmless.
+            Phase::Idle => {
+                let turn = st.slots[k].turn.clone();
+                turn.send(&ClientMsg::Release(turn.usage()));
             }
+            // Not holding but asking again: our earlier release answered the drop; a
+            // second release would cancel the pending request.
+            Phase::Requested => {}
         }
-        let u = usage_of(self.res.figures());
-        self.send(&ClientMsg::Reclaimed(u));
-        st.last_usage = Some(u);
+        drop(st);
+        self.cv.notify_all();
     }
 
-    fn on_revoked(&self, reason: &str) {
+    fn on_reclaim(&self, k: usize, need: u64) {
+        let mut st = lock(&self.state);
+        let turn = st.slots[k].turn.clone();
+        if !st.holding(k) {
+            let _ = turn.res.drain();
+            turn.evict(need);
+        }
+        let u = turn.usage();
+        turn.send(&ClientMsg::Reclaimed(u));
+        st.slots[k].ts.last_usage = Some(u);
+    }
+
+    fn on_revoked(&self, k: usize, reason: &str) {
         crate::kwarn!("the arbiter revoked this process's turn: {reason}");
         let mut st = lock(&self.state);
         self.gate.close_and_wait();
-        let _ = self.res.drain();
-        self.res.set_backing_allowed(false);
-        st.phase = Phase::Idle;
-        if st.want > 0 {
-            st.phase = Phase::Requested;
-            self.send(&ClientMsg::Request);
-        }
+        let turn = st.slots[k].turn.clone();
+        let _ = turn.res.drain();
+        turn.res.set_backing_allowed(false);
+        st.slots[k].ts.phase = Phase::Idle;
+        drop(st);
+        self.cv.notify_all();
     }
 
-    fn handle(&self, msg: ArbiterMsg) {
-        crate::kdebug!("arbiter: {msg:?}");
+    fn handle(&self, turn: &Turn, msg: ArbiterMsg) {
+        let k = turn.slot;
+        crate::kdebug!("arbiter (slot {k}): {msg:?}");
         match msg {
             ArbiterMsg::Grant {
                 exclusive, waiting, ..
-            } => self.on_grant(exclusive, waiting),
-            ArbiterMsg::Drop { need_bytes, .. } => {
-                let mut st = lock(&self.state);
-                if st.phase == Phase::Holding {
-                    self.give_back_locked(&mut st, need_bytes, false);
-                } else if st.phase == Phase::Idle {
-                    // Not holding and not asking: a drop that crossed our (early)
-                    // release, or an arbiter that thinks we hold. Answering is harmless.
-                    let u = usage_of(self.res.figures());
-                    self.send(&ClientMsg::Release(u));
-                }
-                // Not holding but asking again: our earlier release answered the drop; a
-                // second release would cancel the pending request.
-            }
+            } => self.on_grant(k, exclusive, waiting),
+            ArbiterMsg::Drop { need_bytes, .. } => self.on_drop(k, need_bytes),
             ArbiterMsg::Contended {
                 waiting,
                 need_bytes,
             } => {
                 let mut st = lock(&self.state);
-                st.contended = waiting;
-                st.contended_need = need_bytes;
+                st.slots[k].ts.contended = waiting;
+                st.slots[k].ts.contended_need = need_bytes;
             }
-            ArbiterMsg::Reclaim { need_bytes } => self.on_reclaim(need_bytes),
-            ArbiterMsg::Revoked { reason } => self.on_revoked(&reason),
+            ArbiterMsg::Reclaim { need_bytes } => self.on_reclaim(k, need_bytes),
+            ArbiterMsg::Revoked { reason } => self.on_revoked(k, &reason),
             ArbiterMsg::Settings(s) => crate::kinfo!(
                 "scheduler {} TQ {} ms",
                 if s.scheduler_on { "on" } else { "off" },
@@ -489,12 +782,14 @@ impl Client {
             ArbiterMsg::Error { code, message } => {
                 crate::kwarn!("arbiter error {code:?}: {message}")
             }
+            ArbiterMsg::Admitted { ok, .. } => turn.on_admitted(ok),
             ArbiterMsg::Registered { .. } | ArbiterMsg::Pong { .. } => {}
         }
     }
 
-    /// Periodic duties: usage reports (batched) and the early release of an idle holder.
-    fn tick(&self) {
+    /// Periodic duties of turn `k`: usage reports (batched) and the early release of an
+    /// idle holder.
+    fn tick(&self, k: usize) {
         let mut st = lock(&self.state);
         let now = Instant::now();
         let subs = self.gate.submissions();
@@ -503,8 +798,10 @@ impl Client {
             st.idle_mark = subs;
             st.idle_since = now;
         }
-        if st.phase == Phase::Holding
-            && st.contended > 0
+        let turn = st.slots[k].turn.clone();
+        let ts = &st.slots[k].ts;
+        if ts.phase == Phase::Holding
+            && ts.contended > 0
             && st.want == 0
             && now.duration_since(st.idle_since) >= self.env.idle
         {
@@ -512,7 +809,7 @@ impl Client {
             // stays open, the app may go on) and look at how long it took. Work still
             // running restarts the idle clock from its completion.
             let t = Instant::now();
-            if let Err(e) = self.res.drain() {
+            if let Err(e) = turn.res.drain() {
                 crate::kwarn!("draining an idle holder failed with CUDA error {e}");
             }
             let after = self.gate.submissions();
@@ -522,55 +819,66 @@ impl Client {
                 return;
             }
             crate::kinfo!(
-                "idle for {:?} while {} wait: releasing early",
+                "GPU {}: idle for {:?} while {} wait: releasing early",
+                turn.info.ordinal,
                 now.duration_since(st.idle_since),
-                st.contended
+                ts.contended
             );
-            let need = st.contended_need;
-            self.give_back_locked(&mut st, need, true);
+            let need = ts.contended_need;
+            self.give_back(&mut st, k, need, true);
+            drop(st);
+            self.cv.notify_all();
             return;
         }
-        let u = usage_of(self.res.figures());
-        if st.last_usage != Some(u) {
-            st.last_usage = Some(u);
-            self.send(&ClientMsg::Usage(u));
+        let u = turn.usage();
+        if st.slots[k].ts.last_usage != Some(u) {
+            st.slots[k].ts.last_usage = Some(u);
+            turn.send(&ClientMsg::Usage(u));
         }
     }
 
-    fn run(self: Arc<Self>, mut conn: Conn) {
+    fn run(self: Arc<Self>, turn: Arc<Turn>, reader: Option<Conn>) {
+        let k = turn.slot;
+        let mut conn = match reader {
+            Some(c) => c,
+            None => self.reconnect(&turn),
+        };
         let tick = (self.env.idle / 4).clamp(Duration::from_millis(1), Duration::from_millis(20));
         loop {
             match conn.recv_timeout(tick) {
                 Ok(Some(msg)) => {
-                    self.handle(msg);
+                    self.handle(&turn, msg);
                     // Drain whatever else arrived before ticking.
                     while let Ok(Some(m)) = conn.try_decode() {
-                        self.handle(m);
+                        self.handle(&turn, m);
                     }
                 }
                 Ok(None) => {}
                 Err(e) => {
                     crate::kwarn!("lost the arbiter ({e}); reconnecting");
-                    conn = self.reconnect();
+                    conn = self.reconnect(&turn);
                 }
             }
-            self.tick();
-            self.refresh_throttle();
+            self.tick(k);
+            self.refresh_throttle(&lock(&self.state));
         }
     }
 
-    /// Keeps the submission queue short while we hold the GPU exclusively: a drop can
-    /// come at any time then, and work queued before anyone waited must drain too.
-    /// (Sharing, when everything fits, is never dropped: no bound.)
-    fn refresh_throttle(&self) {
-        let st = lock(&self.state);
-        let on = st.phase == Phase::Holding && (st.exclusive || st.contended > 0);
+    /// Keeps the submission queue short while we hold a GPU exclusively or others
+    /// wait for it: a drop can come at any time then, and work queued before anyone
+    /// waited must drain too. (Sharing, when everything fits, is never dropped: no bound.)
+    fn refresh_throttle(&self, st: &State) {
+        let on = st
+            .slots
+            .iter()
+            .any(|s| s.ts.phase == Phase::Holding && (s.ts.exclusive || s.ts.contended > 0));
         crate::gate::THROTTLE.store(on, Ordering::Relaxed);
     }
 
-    /// Reconnects with backoff (50 ms … 1 s) and re-registers with what we held.
-    fn reconnect(&self) -> Conn {
-        *lock(&self.writer) = None;
+    /// Reconnects with backoff (50 ms … 1 s) and re-registers with what the turn held.
+    fn reconnect(&self, turn: &Turn) -> Conn {
+        let k = turn.slot;
+        *lock(&turn.writer) = None;
         let mut backoff = Duration::from_millis(50);
         loop {
             std::thread::sleep(backoff);
@@ -578,22 +886,28 @@ impl Client {
             let resume = {
                 let st = lock(&self.state);
                 Resume {
-                    holding: st.phase == Phase::Holding,
-                    waiting: st.phase == Phase::Requested,
+                    holding: st.slots[k].ts.phase == Phase::Holding,
+                    waiting: st.slots[k].ts.phase == Phase::Requested,
                 }
             };
-            match register(&self.env, &self.info, self.res.figures(), Some(resume)) {
-                Ok((reader, writer, capacity)) => {
+            match register(&self.env, &turn.info, k, turn.res.figures(), Some(resume)) {
+                Ok(r) => {
                     stats::RECONNECTS.fetch_add(1, Ordering::Relaxed);
-                    self.capacity.store(capacity, Ordering::Relaxed);
-                    self.res.set_limit(capacity);
+                    turn.capacity.store(r.capacity, Ordering::Relaxed);
+                    turn.budgeted
+                        .store(r.swap_budget.is_some(), Ordering::Release);
+                    turn.res.set_limit(r.capacity);
                     let st = lock(&self.state);
-                    *lock(&self.writer) = Some(writer);
-                    if st.phase == Phase::Requested {
-                        self.send(&ClientMsg::Request);
+                    *lock(&turn.writer) = Some(r.writer);
+                    if st.slots[k].ts.phase == Phase::Requested {
+                        turn.send(&ClientMsg::Request);
                     }
-                    crate::kwarn!("reconnected to the arbiter (holding: {})", resume.holding);
-                    return reader;
+                    crate::kwarn!(
+                        "GPU {}: reconnected to the arbiter (holding: {})",
+                        turn.info.ordinal,
+                        resume.holding
+                    );
+                    return r.reader;
                 }
                 Err(e) => crate::kdebug!("reconnect failed: {e}"),
             }
@@ -641,9 +955,9 @@ pub fn allocator_enabled() -> bool {
 }
 
 extern "C" fn after_fork_in_child() {
-    // The child inherited the parent's connection and turn: it holds nothing and talks
-    // to nobody (a data-loader worker that never touches CUDA must cost the arbiter
-    // nothing). Only async-signal-safe work here.
+    // The child inherited the parent's connections and turns: it holds nothing and
+    // talks to nobody (a data-loader worker that never touches CUDA must cost the
+    // arbiter nothing). Only async-signal-safe work here.
     MODE.store(FORKED, Ordering::Release);
     for fd in &CONN_FDS {
         let fd = fd.swap(-1, Ordering::Relaxed);
@@ -663,11 +977,9 @@ extern "C" {
     ) -> libc::c_int;
 }
 
-/// Starts the client once (at `cuInit`). `setup` finds the device and builds the
-/// allocator's residency. Returns the CUDA result `cuInit` should give.
-pub fn on_init(
-    setup: impl FnOnce() -> Result<(DeviceInfo, Box<dyn Residency>), CUresult>,
-) -> CUresult {
+/// Starts the client once (at `cuInit`). `has_gpu` says whether the driver sees a GPU
+/// at all. Returns the CUDA result `cuInit` should give.
+pub fn on_init(has_gpu: impl FnOnce() -> Result<(), CUresult>) -> CUresult {
     loop {
         match MODE.compare_exchange(UNSTARTED, STARTING, Ordering::AcqRel, Ordering::Acquire) {
             Ok(_) => break,
@@ -680,18 +992,15 @@ pub fn on_init(
     unsafe { pthread_atfork(None, None, Some(after_fork_in_child)) };
     crate::stats::register_exit_hook();
     let env = ShimEnv::from_env();
-    let (info, res) = match setup() {
-        Ok(x) => x,
-        Err(e) => {
-            crate::kwarn!("no GPU to manage (CUDA error {e}); running unmanaged");
-            MODE.store(UNMANAGED, Ordering::Release);
-            crate::gate::GATE.open();
-            return CUDA_SUCCESS;
-        }
-    };
+    if let Err(e) = has_gpu() {
+        crate::kwarn!("no GPU to manage (CUDA error {e}); running unmanaged");
+        MODE.store(UNMANAGED, Ordering::Release);
+        crate::gate::GATE.open();
+        return CUDA_SUCCESS;
+    }
     let require = env.require_arbiter;
     let path = env.client_socket();
-    match Client::start(env, info, &crate::gate::GATE, res) {
+    match Client::start(env, &crate::gate::GATE) {
         Ok(c) => {
             let _ = CLIENT.set(c);
             MODE.store(MANAGED, Ordering::Release);
@@ -718,7 +1027,7 @@ pub fn on_init(
     }
 }
 
-/// The submission slow path: waits for this process's turn.
+/// The submission slow path: waits for this process's turn(s).
 pub fn acquire(gate: &Gate) -> Result<(), CUresult> {
     loop {
         match MODE.load(Ordering::Acquire) {

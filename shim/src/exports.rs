@@ -147,6 +147,12 @@ exports! {
     hook cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, cuda_version: c_int, flags: u64) => hooks::get_proc_address;
     hook cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, cuda_version: c_int, flags: u64, status: *mut c_int) => hooks::get_proc_address_v2;
 
+    // --- contexts: a context on a device gives the process a turn on that GPU
+    hook cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) => hooks::primary_ctx_retain;
+    hook cuCtxCreate_v2(pctx: *mut CUcontext, flags: Uint, dev: CUdevice) => hooks::ctx_create_v2;
+    hook cuCtxCreate_v3(pctx: *mut CUcontext, params: Opaque, num_params: c_int, flags: Uint, dev: CUdevice) => hooks::ctx_create_v3;
+    hook cuCtxCreate_v4(pctx: *mut CUcontext, params: Opaque, flags: Uint, dev: CUdevice) => hooks::ctx_create_v4;
+
     // --- allocation: VMM-backed, swappable, never waits for the GPU
     hook cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => hooks::mem_alloc;
     hook cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, elem: Uint) => hooks::mem_alloc_pitch;
@@ -170,6 +176,7 @@ exports! {
     pass cuCtxSetCurrent(ctx: CUcontext);
     pass cuCtxGetDevice(dev: *mut CUdevice);
     pass cuDeviceGet(dev: *mut CUdevice, ordinal: c_int);
+    pass cuDeviceGetCount(count: *mut c_int);
     pass cuDeviceGetUuid(uuid: *mut CUuuid, dev: CUdevice);
     pass cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice);
     pass cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice);

@@ -1,11 +1,12 @@
-//! The bodies of the `hook` exports: `cuInit` (start the client), the lookups
-//! (`cuGetProcAddress`), allocation (served by [`crate::mem`]), memory info, and the
-//! application's own VMM handles. Also the real [`Driver`] and the process's allocator.
+//! The bodies of the `hook` exports: `cuInit` (start the client), context creation
+//! (a device's allocator and turn), the lookups (`cuGetProcAddress`), allocation
+//! (served by [`crate::mem`]), memory info, and the application's own VMM handles.
+//! Also the real [`Driver`] and the process's allocators, one per device.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ptr::null_mut;
-use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 use crate::client::{self, DeviceInfo, Residency};
 use crate::cuda::*;
@@ -101,11 +102,31 @@ impl Driver for RealDriver {
     }
 }
 
-/// The process's allocator (created at the first allocation, on the device of the
-/// current context).
-static MEM: Mutex<Option<Memory<RealDriver>>> = Mutex::new(None);
-/// The application's context, made current on the shim's own thread before it swaps.
-static APP_CTX: AtomicPtr<c_void> = AtomicPtr::new(null_mut());
+/// Most device ordinals the shim manages (one allocator and one turn each).
+pub const MAX_DEVICES: usize = client::MAX_TURNS;
+
+/// Each device's allocator (created when the process first gets a context or
+/// allocates on it).
+static MEMS: [Mutex<Option<Memory<RealDriver>>>; MAX_DEVICES] =
+    [const { Mutex::new(None) }; MAX_DEVICES];
+/// The application's context on each device, made current on the shim's own threads
+/// before they swap or drain.
+static APP_CTX: [AtomicPtr<c_void>; MAX_DEVICES] =
+    [const { AtomicPtr::new(null_mut()) }; MAX_DEVICES];
+/// Devices with an allocator (bit per ordinal), so lookups by pointer visit only those.
+static DEVICES_SEEN: AtomicU64 = AtomicU64::new(0);
+/// Devices whose VMM is unavailable (bit per ordinal): their allocations pass through.
+static VMM_UNAVAILABLE: AtomicU64 = AtomicU64::new(0);
+
+fn mem_lock(d: usize) -> MutexGuard<'static, Option<Memory<RealDriver>>> {
+    MEMS[d].lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Ordinals of the devices that have an allocator.
+fn seen_devices() -> impl Iterator<Item = usize> {
+    let bits = DEVICES_SEEN.load(Ordering::Acquire);
+    (0..MAX_DEVICES).filter(move |d| bits & (1 << d) != 0)
+}
 
 fn current_context() -> CUcontext {
     let mut ctx: CUcontext = null_mut();
@@ -113,13 +134,12 @@ fn current_context() -> CUcontext {
     ctx
 }
 
-fn current_device() -> Option<CUdevice> {
+fn current_device() -> Option<usize> {
     let mut d: CUdevice = 0;
     call!(cuCtxGetDevice: fn(*mut CUdevice)(&mut d)).ok()?;
-    Some(d)
+    usize::try_from(d).ok().filter(|&d| d < MAX_DEVICES)
 }
 
-/// Makes the application's context current on this thread (the shim's own thread).
 /// Waits for the work queued on the calling thread's current context: the queue
 /// bound ([`crate::gate::QueueBound`]) calls it from the submitting thread, without
 /// switching that thread's context.
@@ -127,16 +147,103 @@ pub fn synchronize_current() -> Result<(), CUresult> {
     crate::ffi::inside(|| call!(cuCtxSynchronize: fn()()))
 }
 
-fn enter_app_context() {
-    let ctx = APP_CTX.load(Ordering::Acquire);
-    if !ctx.is_null() && current_context() != ctx {
+/// Makes the application's context on device `d` current on this (the shim's own)
+/// thread. Returns false when the device has no context yet.
+fn enter_app_context(d: usize) -> bool {
+    let ctx = APP_CTX[d].load(Ordering::Acquire);
+    if ctx.is_null() {
+        return false;
+    }
+    if current_context() != ctx {
         let _ = call!(cuCtxSetCurrent: fn(CUcontext)(ctx));
+    }
+    true
+}
+
+/// The identity the arbiter knows device `d` by.
+fn device_info(d: usize) -> Result<DeviceInfo, CUresult> {
+    let dev = d as CUdevice;
+    let mut uuid = CUuuid::default();
+    call!(cuDeviceGetUuid_v2: fn(*mut CUuuid, CUdevice)(&mut uuid, dev))
+        .or_else(|_| call!(cuDeviceGetUuid: fn(*mut CUuuid, CUdevice)(&mut uuid, dev)))?;
+    let mut total: usize = 0;
+    call!(cuDeviceTotalMem_v2: fn(*mut usize, CUdevice)(&mut total, dev))?;
+    Ok(DeviceInfo {
+        ordinal: d,
+        uuid: format_uuid(&uuid),
+        total_memory: total as u64,
+    })
+}
+
+/// Creates device `d`'s allocator. Managed processes create it with backing not
+/// allowed: nothing is backed before the device's turn is held.
+fn create_mem(d: usize, ctx: CUcontext, backing_allowed: bool) -> bool {
+    let mut guard = mem_lock(d);
+    if guard.is_some() {
+        return true;
+    }
+    match Memory::new(RealDriver {
+        device: d as CUdevice,
+    }) {
+        Ok(mut m) => {
+            m.set_backing_allowed(backing_allowed);
+            *guard = Some(m);
+            if !ctx.is_null() {
+                let _ = APP_CTX[d].compare_exchange(
+                    null_mut(),
+                    ctx,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+            }
+            DEVICES_SEEN.fetch_or(1 << d, Ordering::AcqRel);
+            true
+        }
+        Err(e) => {
+            if VMM_UNAVAILABLE.fetch_or(1 << d, Ordering::AcqRel) & (1 << d) == 0 {
+                crate::kwarn!(
+                    "GPU {d}: VMM unavailable (CUDA error {e}); its allocations pass through unswappable"
+                );
+            }
+            false
+        }
     }
 }
 
-/// Runs `f` on the allocator, creating it on first use. `None` when the shim does not
-/// manage this allocation (no context, another device, allocator disabled).
-fn with_mem<T>(f: impl FnOnce(&mut Memory<RealDriver>) -> T) -> Option<T> {
+/// Makes sure device `d` (where the process has context `ctx`) has its allocator and,
+/// when managed, its turn. False when the shim does not manage the device's memory.
+fn ensure_device(d: usize, ctx: CUcontext) -> bool {
+    if !client::allocator_enabled() || VMM_UNAVAILABLE.load(Ordering::Acquire) & (1 << d) != 0 {
+        return false;
+    }
+    if mem_lock(d).is_some() {
+        return true;
+    }
+    let Some(c) = client::global() else {
+        return create_mem(d, ctx, true);
+    };
+    let info = match device_info(d) {
+        Ok(i) => i,
+        Err(e) => {
+            crate::kwarn!("GPU {d}: cannot identify it (CUDA error {e}); not managed");
+            return false;
+        }
+    };
+    let added = c.add_device(info, || {
+        create_mem(d, ctx, false).then(|| Box::new(DeviceResidency(d)) as Box<dyn Residency>)
+    });
+    if added == client::Added::Unmanaged {
+        if let Some(m) = mem_lock(d).as_mut() {
+            m.set_backing_allowed(true);
+        }
+    }
+    mem_lock(d).is_some()
+}
+
+/// Runs `f` on the allocator of the current context's device, creating it (and the
+/// device's turn) on first use. `None` when the shim does not manage this allocation
+/// (no context, allocator disabled, VMM unavailable).
+fn with_mem<T>(f: impl FnOnce(usize, &mut Memory<RealDriver>) -> T) -> Option<T> {
     if !client::allocator_enabled() {
         return None;
     }
@@ -144,45 +251,34 @@ fn with_mem<T>(f: impl FnOnce(&mut Memory<RealDriver>) -> T) -> Option<T> {
     if ctx.is_null() {
         return None;
     }
-    let device = current_device()?;
-    let mut guard = MEM.lock().unwrap_or_else(|p| p.into_inner());
-    if guard.is_none() {
-        let m = match Memory::new(RealDriver { device }) {
-            Ok(m) => m,
-            Err(e) => {
-                crate::kwarn!(
-                    "VMM unavailable (CUDA error {e}); allocations pass through unswappable"
-                );
-                return None;
-            }
-        };
-        *guard = Some(m);
-        if let Some(c) = client::global() {
-            let mut m = guard.take().expect("just set");
-            m.set_limit(c.capacity());
-            // Until the first grant, memory is reserved but not backed.
-            m.set_backing_allowed(crate::gate::GATE.is_open());
-            *guard = Some(m);
-        }
-        let _ = APP_CTX.compare_exchange(null_mut(), ctx, Ordering::AcqRel, Ordering::Acquire);
-    }
-    let m = guard.as_mut().expect("allocator exists");
-    if m.driver().device != device {
-        crate::kdebug!("allocation on device {device}: not managed (the shim manages one GPU)");
+    let d = current_device()?;
+    if !ensure_device(d, ctx) {
         return None;
     }
-    Some(f(m))
+    let mut guard = mem_lock(d);
+    guard.as_mut().map(|m| f(d, m))
 }
 
-/// [`Residency`] over the process's allocator; drives the driver from the shim's thread.
-struct GlobalResidency;
+/// Runs `f` on the allocator that owns `ptr` (an allocation base).
+fn with_owner<T>(ptr: CUdeviceptr, f: impl FnOnce(&mut Memory<RealDriver>) -> T) -> Option<T> {
+    for d in seen_devices() {
+        let mut guard = mem_lock(d);
+        if let Some(m) = guard.as_mut().filter(|m| m.owns(ptr)) {
+            return Some(f(m));
+        }
+    }
+    None
+}
 
-impl GlobalResidency {
+/// [`Residency`] over device `.0`'s allocator; drives the driver from the shim's thread.
+struct DeviceResidency(usize);
+
+impl DeviceResidency {
     fn with<T>(&self, default: T, f: impl FnOnce(&mut Memory<RealDriver>) -> T) -> T {
-        let mut guard = MEM.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = mem_lock(self.0);
         match guard.as_mut() {
             Some(m) => {
-                enter_app_context();
+                enter_app_context(self.0);
                 crate::ffi::inside(|| f(m))
             }
             None => default,
@@ -190,26 +286,25 @@ impl GlobalResidency {
     }
 }
 
-impl Residency for GlobalResidency {
+impl Residency for DeviceResidency {
     fn figures(&self) -> Figures {
-        let guard = MEM.lock().unwrap_or_else(|p| p.into_inner());
-        guard.as_ref().map(|m| m.figures()).unwrap_or_default()
+        mem_lock(self.0)
+            .as_ref()
+            .map(|m| m.figures())
+            .unwrap_or_default()
     }
     fn set_limit(&self, limit: u64) {
-        let mut guard = MEM.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(m) = guard.as_mut() {
+        if let Some(m) = mem_lock(self.0).as_mut() {
             m.set_limit(limit);
         }
     }
     fn set_backing_allowed(&self, allowed: bool) {
-        let mut guard = MEM.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(m) = guard.as_mut() {
+        if let Some(m) = mem_lock(self.0).as_mut() {
             m.set_backing_allowed(allowed);
         }
     }
     fn all_resident(&self) -> bool {
-        let guard = MEM.lock().unwrap_or_else(|p| p.into_inner());
-        guard.as_ref().is_none_or(|m| m.all_resident())
+        mem_lock(self.0).as_ref().is_none_or(|m| m.all_resident())
     }
     fn swap_in_all(&self) -> Result<Swap, CUresult> {
         self.with(Ok(Swap::default()), |m| m.swap_in_all())
@@ -218,10 +313,9 @@ impl Residency for GlobalResidency {
         self.with(Ok(Swap::default()), |m| m.evict(need))
     }
     fn drain(&self) -> Result<(), CUresult> {
-        if APP_CTX.load(Ordering::Acquire).is_null() {
+        if !enter_app_context(self.0) {
             return Ok(());
         }
-        enter_app_context();
         crate::ffi::inside(|| call!(cuCtxSynchronize: fn()()))
     }
 }
@@ -242,21 +336,89 @@ pub unsafe fn init(real: Real<unsafe extern "C" fn(Uint) -> CUresult>, flags: Ui
         return r;
     }
     client::on_init(|| {
-        let mut dev: CUdevice = 0;
-        call!(cuDeviceGet: fn(*mut CUdevice, c_int)(&mut dev, 0))?;
-        let mut uuid = CUuuid::default();
-        call!(cuDeviceGetUuid_v2: fn(*mut CUuuid, CUdevice)(&mut uuid, dev))
-            .or_else(|_| call!(cuDeviceGetUuid: fn(*mut CUuuid, CUdevice)(&mut uuid, dev)))?;
-        let mut total: usize = 0;
-        call!(cuDeviceTotalMem_v2: fn(*mut usize, CUdevice)(&mut total, dev))?;
-        Ok((
-            DeviceInfo {
-                uuid: format_uuid(&uuid),
-                total_memory: total as u64,
-            },
-            Box::new(GlobalResidency) as Box<dyn Residency>,
-        ))
+        let mut n: c_int = 0;
+        call!(cuDeviceGetCount: fn(*mut c_int)(&mut n))?;
+        if n > 0 {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_NO_DEVICE)
+        }
     })
+}
+
+/// After the driver made a context on `dev`: the device gets its allocator and turn,
+/// so no work on it runs before the process holds it.
+fn context_created(r: CUresult, pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
+    if r == CUDA_SUCCESS {
+        if let Some(d) = usize::try_from(dev).ok().filter(|&d| d < MAX_DEVICES) {
+            let ctx = if pctx.is_null() {
+                null_mut()
+            } else {
+                // SAFETY: the driver just wrote the context through the caller's pointer.
+                unsafe { *pctx }
+            };
+            ensure_device(d, ctx);
+        }
+    }
+    r
+}
+
+/// # Safety
+/// `real` is the driver's original of this entry point; the other arguments are the
+/// application's, valid as `cuda.h` documents them.
+pub unsafe fn primary_ctx_retain(
+    real: Real<unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult>,
+    pctx: *mut CUcontext,
+    dev: CUdevice,
+) -> CUresult {
+    // SAFETY: forwarding the caller's arguments.
+    context_created(unsafe { real(pctx, dev) }, pctx, dev)
+}
+
+/// # Safety
+/// `real` is the driver's original of this entry point; the other arguments are the
+/// application's, valid as `cuda.h` documents them.
+pub unsafe fn ctx_create_v2(
+    real: Real<unsafe extern "C" fn(*mut CUcontext, Uint, CUdevice) -> CUresult>,
+    pctx: *mut CUcontext,
+    flags: Uint,
+    dev: CUdevice,
+) -> CUresult {
+    // SAFETY: forwarding the caller's arguments.
+    context_created(unsafe { real(pctx, flags, dev) }, pctx, dev)
+}
+
+/// # Safety
+/// `real` is the driver's original of this entry point; the other arguments are the
+/// application's, valid as `cuda.h` documents them.
+pub unsafe fn ctx_create_v3(
+    real: Real<unsafe extern "C" fn(*mut CUcontext, Opaque, c_int, Uint, CUdevice) -> CUresult>,
+    pctx: *mut CUcontext,
+    params: Opaque,
+    num_params: c_int,
+    flags: Uint,
+    dev: CUdevice,
+) -> CUresult {
+    // SAFETY: forwarding the caller's arguments.
+    context_created(
+        unsafe { real(pctx, params, num_params, flags, dev) },
+        pctx,
+        dev,
+    )
+}
+
+/// # Safety
+/// `real` is the driver's original of this entry point; the other arguments are the
+/// application's, valid as `cuda.h` documents them.
+pub unsafe fn ctx_create_v4(
+    real: Real<unsafe extern "C" fn(*mut CUcontext, Opaque, Uint, CUdevice) -> CUresult>,
+    pctx: *mut CUcontext,
+    params: Opaque,
+    flags: Uint,
+    dev: CUdevice,
+) -> CUresult {
+    // SAFETY: forwarding the caller's arguments.
+    context_created(unsafe { real(pctx, params, flags, dev) }, pctx, dev)
 }
 
 fn map_proc(symbol: *const c_char, pfn: *mut *mut c_void, flags: u64) {
@@ -314,34 +476,64 @@ pub unsafe fn get_proc_address_v2(
     r
 }
 
+/// What this process may hold on device `d` (the arbiter's capacity), or no limit
+/// when unmanaged.
+fn limit_of(d: usize) -> u64 {
+    client::global()
+        .and_then(|c| c.turn_for(d))
+        .map_or(u64::MAX, |t| t.capacity())
+}
+
+/// Under a node swap budget, growth of the working set is admitted by the arbiter
+/// first. Asked without the allocator's lock held: the answer comes through the turn's
+/// thread, which may need that lock for a swap meanwhile. `Err`: refused.
+fn admit(size: u64) -> Result<Option<client::Admission>, CUresult> {
+    let Some(c) = client::global() else {
+        return Ok(None);
+    };
+    let Some((d, ws, growth)) = with_mem(|d, m| (d, m.figures().working_set, m.growth(size)))
+    else {
+        return Ok(None);
+    };
+    let Some(turn) = c.turn_for(d) else {
+        return Ok(None);
+    };
+    if growth == 0 || ws + growth > turn.capacity() {
+        // Nothing to admit, or the allocator refuses it on its own (past the GPU).
+        return Ok(None);
+    }
+    turn.admit(ws + growth)
+        .map(Some)
+        .ok_or(CUDA_ERROR_OUT_OF_MEMORY)
+}
+
 /// Allocates through the shim's allocator; `None` = not ours to serve.
 fn alloc(size: u64) -> Option<Result<u64, CUresult>> {
-    let r = with_mem(|m| match m.alloc(size) {
-        Err(CUDA_ERROR_OUT_OF_MEMORY) if m.figures().working_set + size <= limit_of(m) => {
+    let _admission = match admit(size) {
+        Ok(a) => a,
+        Err(e) => return Some(Err(e)),
+    };
+    let r = with_mem(|d, m| match m.alloc(size) {
+        Err(CUDA_ERROR_OUT_OF_MEMORY) if m.figures().working_set + size <= limit_of(d) => {
             // Within what this application may use, but the GPU is physically full of
             // others' memory: reserve now, back it at the next turn (the arbiter makes
             // room then).
             m.set_backing_allowed(false);
             let r = m.alloc(size);
             m.set_backing_allowed(true);
-            r
+            (r, m.all_resident())
         }
-        r => r,
+        r => (r, m.all_resident()),
     })?;
+    let (r, resident) = r;
     if r.is_ok() {
         crate::stats::ALLOCS.fetch_add(1, Ordering::Relaxed);
         // Memory left unbacked while the gate is open must be backed before work runs.
-        let resident = with_mem(|m| m.all_resident()).unwrap_or(true);
         if !resident {
             crate::gate::GATE.close();
         }
     }
     Some(r)
-}
-
-fn limit_of(m: &Memory<RealDriver>) -> u64 {
-    let _ = m;
-    client::global().map_or(u64::MAX, |c| c.capacity())
 }
 
 /// # Safety
@@ -454,12 +646,7 @@ fn free_ours(ptr: CUdeviceptr) -> Option<CUresult> {
     if !client::allocator_enabled() {
         return None;
     }
-    let mut guard = MEM.lock().unwrap_or_else(|p| p.into_inner());
-    let m = guard.as_mut()?;
-    if !m.owns(ptr) {
-        return None;
-    }
-    Some(match m.free(ptr) {
+    with_owner(ptr, |m| match m.free(ptr) {
         Ok(()) => CUDA_SUCCESS,
         Err(e) => e,
     })
@@ -487,11 +674,8 @@ pub unsafe fn mem_free_async(
     dptr: CUdeviceptr,
     stream: CUstream,
 ) -> CUresult {
-    let ours = {
-        let guard = MEM.lock().unwrap_or_else(|p| p.into_inner());
-        guard.as_ref().is_some_and(|m| m.owns(dptr))
-    };
-    if !ours || !client::allocator_enabled() {
+    let ours = client::allocator_enabled() && with_owner(dptr, |_| ()).is_some();
+    if !ours {
         // SAFETY: forwarding the caller's arguments.
         return unsafe { real(dptr, stream) };
     }
@@ -510,16 +694,19 @@ pub unsafe fn mem_get_info(
     free: *mut usize,
     total: *mut usize,
 ) -> CUresult {
-    let Some(c) = client::global() else {
+    let turn = client::global()
+        .zip(current_device())
+        .and_then(|(c, d)| c.turn_for(d));
+    let Some(turn) = turn else {
         // SAFETY: forwarding the caller's arguments.
         return unsafe { real(free, total) };
     };
     if free.is_null() || total.is_null() {
         return CUDA_ERROR_INVALID_VALUE;
     }
-    let t = c.info().total_memory;
-    let reserve = t.saturating_sub(c.capacity());
-    let used = c.figures().working_set;
+    let t = turn.info().total_memory;
+    let reserve = t.saturating_sub(turn.capacity());
+    let used = turn.figures().working_set;
     // SAFETY: both out-pointers checked non-null.
     unsafe {
         *total = t as usize;
@@ -537,10 +724,7 @@ pub unsafe fn mem_get_address_range(
     psize: *mut usize,
     dptr: CUdeviceptr,
 ) -> CUresult {
-    let found = {
-        let guard = MEM.lock().unwrap_or_else(|p| p.into_inner());
-        guard.as_ref().and_then(|m| m.range_of(dptr))
-    };
+    let found = seen_devices().find_map(|d| mem_lock(d).as_ref().and_then(|m| m.range_of(dptr)));
     match found {
         Some((base, size)) => {
             if !pbase.is_null() {
@@ -577,10 +761,22 @@ pub unsafe fn app_mem_create(
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
     let r = unsafe { real(handle, size, prop, flags) };
-    if r == CUDA_SUCCESS && !handle.is_null() {
-        // SAFETY: the driver just wrote the handle.
-        let h = unsafe { *handle };
-        let _ = with_mem(|m| m.external_created(h, size as u64));
+    if r == CUDA_SUCCESS && !handle.is_null() && !prop.is_null() {
+        // SAFETY: the driver just wrote the handle; prop is the caller's, just read by
+        // the driver.
+        let (h, loc) = unsafe { (*handle, (*prop).location) };
+        let device = (loc.type_ == CU_MEM_LOCATION_TYPE_DEVICE)
+            .then(|| usize::try_from(loc.id).ok())
+            .flatten()
+            .filter(|&d| d < MAX_DEVICES);
+        if let Some(d) = device {
+            // Counted on the device the memory lives on (its turn must be held to use it).
+            if ensure_device(d, current_context()) {
+                if let Some(m) = mem_lock(d).as_mut() {
+                    m.external_created(h, size as u64);
+                }
+            }
+        }
     }
     r
 }
@@ -595,9 +791,10 @@ pub unsafe fn app_mem_release(
     // SAFETY: forwarding the caller's argument.
     let r = unsafe { real(handle) };
     if r == CUDA_SUCCESS {
-        let mut guard = MEM.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(m) = guard.as_mut() {
-            m.external_released(handle);
+        for d in seen_devices() {
+            if let Some(m) = mem_lock(d).as_mut() {
+                m.external_released(handle);
+            }
         }
     }
     r

@@ -250,6 +250,30 @@ impl<D: Driver> Memory<D> {
         Ok(0)
     }
 
+    /// Bytes the working set would grow by if `size` bytes were allocated now: a new
+    /// chunk for a small allocation no chunk has room for, the granule-rounded size for
+    /// a large one.
+    pub fn growth(&self, size: u64) -> u64 {
+        if size == 0 {
+            0
+        } else if size <= self.gran / 2 {
+            let need = round_up(size, SMALL_ALIGN);
+            let fits = self.chunks.iter().any(|&c| {
+                self.segs[c]
+                    .as_ref()
+                    .and_then(|s| s.chunk.as_ref())
+                    .is_some_and(|ch| ch.free.iter().any(|&(_, len)| len >= need))
+            });
+            if fits {
+                0
+            } else {
+                self.gran
+            }
+        } else {
+            round_up(size, self.gran)
+        }
+    }
+
     /// Allocates `size` bytes; the address never changes until it is freed.
     pub fn alloc(&mut self, size: u64) -> Result<u64, CUresult> {
         if size == 0 {
@@ -755,6 +779,19 @@ mod tests {
         assert_eq!(out.bytes, 64 << 20, "one segment is enough");
         assert_eq!(m.driver().peek(old, 1), Err(700), "the older one went");
         assert!(m.driver().peek(newer, 1).is_ok());
+    }
+
+    #[test]
+    fn growth_is_what_the_working_set_gains() {
+        let mut m = Memory::new(FakeDriver::new(1 << 30)).unwrap();
+        assert_eq!(m.growth(4096), GRAN, "no chunk yet");
+        m.alloc(4096).unwrap();
+        assert_eq!(m.growth(4096), 0, "room in the chunk");
+        assert_eq!(m.growth(GRAN + 1), 2 * GRAN);
+        let before = m.figures().working_set;
+        m.alloc(GRAN + 1).unwrap();
+        assert_eq!(m.figures().working_set - before, 2 * GRAN);
+        assert_eq!(m.growth(0), 0);
     }
 
     #[test]

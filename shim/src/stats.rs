@@ -14,6 +14,8 @@ pub static ALLOCS: AtomicU64 = AtomicU64::new(0);
 pub static DLSYM_WRAPPED: AtomicU64 = AtomicU64::new(0);
 pub static PROCADDR_WRAPPED: AtomicU64 = AtomicU64::new(0);
 pub static RECONNECTS: AtomicU64 = AtomicU64::new(0);
+/// GPUs this process holds turns on (registered with the arbiter).
+pub static GPUS: AtomicU64 = AtomicU64::new(0);
 
 /// The counters as text.
 pub fn render() -> String {
@@ -21,7 +23,7 @@ pub fn render() -> String {
     format!(
         "submissions {}\nslow_submits {}\ngrants {}\nreleases {}\nearly_releases {}\n\
          swap_out_bytes {}\nswap_in_bytes {}\nallocs {}\ndlsym_wrapped {}\n\
-         procaddr_wrapped {}\nreconnects {}\nmode {}\n",
+         procaddr_wrapped {}\nreconnects {}\ngpus {}\nmode {}\n",
         crate::gate::GATE.submissions(),
         g(&SLOW_SUBMITS),
         g(&GRANTS),
@@ -33,6 +35,7 @@ pub fn render() -> String {
         g(&DLSYM_WRAPPED),
         g(&PROCADDR_WRAPPED),
         g(&RECONNECTS),
+        g(&GPUS),
         crate::client::mode_name(),
     )
 }

@@ -763,49 +763,59 @@ fn drop_every_grant(dir: &Path) -> std::thread::JoinHandle<FakeCounts> {
     std::fs::create_dir_all(dir.join("client")).unwrap();
     let listener = std::os::unix::net::UnixListener::bind(dir.join("client/arbiter.sock")).unwrap();
     std::thread::spawn(move || {
-        let (stream, _) = listener.accept().unwrap();
-        let mut conn: Connection<ArbiterMsg, ClientMsg> = Connection::new(stream);
         let mut c = FakeCounts::default();
-        while let Ok(msg) = conn.recv() {
-            let reply = match msg {
-                ClientMsg::Register(_) => vec![ArbiterMsg::Registered {
-                    client_id: 1,
-                    settings: Settings {
-                        scheduler_on: true,
-                        tq_ms: 3,
-                    },
-                    capacity_bytes: 1 << 30,
-                }],
-                ClientMsg::Request => {
-                    c.grants += 1;
-                    conn.send(&ArbiterMsg::Grant {
-                        exclusive: true,
-                        tq_ms: 3,
-                        waiting: 1,
-                    })
-                    .unwrap();
-                    std::thread::sleep(Duration::from_millis(1));
-                    vec![ArbiterMsg::Drop {
-                        need_bytes: u64::MAX,
-                        reason: DropReason::TqExpired,
-                    }]
-                }
-                ClientMsg::Swapped { direction, .. } => {
-                    match direction {
-                        SwapDirection::Out => c.swap_outs += 1,
-                        SwapDirection::In => c.swap_ins += 1,
+        // The shim probes the socket at cuInit (a connection that sends nothing), then
+        // registers its GPU on a connection of its own: serve until a registered
+        // connection ends.
+        let mut registered = false;
+        while !registered {
+            let (stream, _) = listener.accept().unwrap();
+            let mut conn: Connection<ArbiterMsg, ClientMsg> = Connection::new(stream);
+            while let Ok(msg) = conn.recv() {
+                let reply = match msg {
+                    ClientMsg::Register(_) => {
+                        registered = true;
+                        vec![ArbiterMsg::Registered {
+                            client_id: 1,
+                            settings: Settings {
+                                scheduler_on: true,
+                                tq_ms: 3,
+                            },
+                            capacity_bytes: 1 << 30,
+                            swap_budget_bytes: None,
+                        }]
                     }
-                    vec![]
-                }
-                ClientMsg::Release(_) => {
-                    c.releases += 1;
-                    vec![]
-                }
-                _ => vec![],
-            };
-            for r in reply {
-                if conn.send(&r).is_err() {
-                    return c;
+                    ClientMsg::Request => {
+                        c.grants += 1;
+                        conn.send(&ArbiterMsg::Grant {
+                            exclusive: true,
+                            tq_ms: 3,
+                            waiting: 1,
+                        })
+                        .unwrap();
+                        std::thread::sleep(Duration::from_millis(1));
+                        vec![ArbiterMsg::Drop {
+                            need_bytes: u64::MAX,
+                            reason: DropReason::TqExpired,
+                        }]
+                    }
+                    ClientMsg::Swapped { direction, .. } => {
+                        match direction {
+                            SwapDirection::Out => c.swap_outs += 1,
+                            SwapDirection::In => c.swap_ins += 1,
+                        }
+                        vec![]
+                    }
+                    ClientMsg::Release(_) => {
+                        c.releases += 1;
+                        vec![]
+                    }
+                    _ => vec![],
+                };
+                for r in reply {
+                    if conn.send(&r).is_err() {
+                        return c;
+                    }
                 }
             }
         }

@@ -308,3 +308,226 @@ fn a_second_arbiter_refuses_a_live_socket_dir() {
         "the live arbiter keeps its socket"
     );
 }
+
+/// Registers on the client socket and returns the client with what `registered` said:
+/// (capacity, swap budget).
+fn register_full(arb: &Arbiter, gpu: &str, total: u64) -> (Client, u64, Option<u64>) {
+    let mut conn =
+        kiwi_protocol::blocking::Connection::<ClientMsg, ArbiterMsg>::connect(&arb.client_socket())
+            .unwrap();
+    conn.stream()
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    match conn
+        .call(&ClientMsg::Register(register_msg(gpu, total, 0)))
+        .unwrap()
+    {
+        ArbiterMsg::Registered {
+            client_id,
+            capacity_bytes,
+            swap_budget_bytes,
+            ..
+        } => (
+            Client {
+                conn,
+                id: client_id,
+            },
+            capacity_bytes,
+            swap_budget_bytes,
+        ),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Sends `admit` and returns `(ok, swap_needed_bytes, swap_budget_bytes)`.
+fn admit(c: &mut Client, working_set_bytes: u64) -> (bool, u64, u64) {
+    c.conn
+        .send(&ClientMsg::Admit { working_set_bytes })
+        .unwrap();
+    match c.wait_for(Duration::from_secs(10), |m| {
+        matches!(m, ArbiterMsg::Admitted { .. } | ArbiterMsg::Error { .. })
+    }) {
+        Some(ArbiterMsg::Admitted {
+            ok,
+            swap_needed_bytes,
+            swap_budget_bytes,
+        }) => (ok, swap_needed_bytes, swap_budget_bytes),
+        other => panic!("no admitted: {other:?}"),
+    }
+}
+
+/// `kiwictl status --json`, without the one field that moves by itself.
+fn status_json(arb: &Arbiter) -> serde_json::Value {
+    let o = Command::new(bin("kiwictl"))
+        .env_remove("KIWI_CONFIG")
+        .env("KIWI_SOCKET_DIR", arb.socket_dir())
+        .args(["status", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("JSON");
+    v.as_object_mut().unwrap().remove("now_ns");
+    v
+}
+
+#[test]
+fn swap_budget_admits_within_and_refuses_past_it() {
+    let arb = Arbiter::start(&["--swap-budget", "100MiB"]);
+    let budget = 100 * MIB;
+    let (mut a, capacity, told) = register_full(&arb, "GPU-swap", GIB);
+    let (mut b, _, _) = register_full(&arb, "GPU-swap", GIB);
+    // The default reserve on a 1 GiB GPU is min(1536 MiB, 1 GiB / 8) = 128 MiB.
+    assert_eq!(capacity, GIB - 128 * MIB);
+    assert_eq!(told, Some(budget), "registered tells the budget");
+
+    // A grows to 800 MiB: fits in the GPU, no swap needed.
+    assert_eq!(admit(&mut a, 800 * MIB), (true, 0, budget));
+    // B grows to 150 MiB: 950 MiB on an 896 MiB GPU, 54 MiB of swap, within budget.
+    let fits_in_budget = 800 * MIB + 150 * MIB - capacity;
+    assert!(fits_in_budget <= budget);
+    assert_eq!(admit(&mut b, 150 * MIB), (true, fits_in_budget, budget));
+    let before = status_json(&arb);
+    assert_eq!(before["swap_budget_bytes"], budget);
+    assert_eq!(before["swap_need_bytes"], fits_in_budget);
+    // Nothing is resident: every admitted byte counts as swapped out.
+    assert_eq!(before["swap_in_use_bytes"], 950 * MIB);
+    let ws: Vec<u64> = before["gpus"][0]["clients"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["working_set_bytes"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        ws,
+        vec![800 * MIB, 150 * MIB],
+        "admitted working sets count at once"
+    );
+
+    // B to 250 MiB: 154 MiB of swap, past the budget. Refused, and nothing changes.
+    let past = 800 * MIB + 250 * MIB - capacity;
+    assert!(past > budget);
+    assert_eq!(admit(&mut b, 250 * MIB), (false, past, budget));
+    assert_eq!(status_json(&arb), before, "a refused admit changes nothing");
+
+    // A shrink is always admitted, and frees room for B.
+    assert_eq!(admit(&mut a, 700 * MIB), (true, 0, budget));
+    assert_eq!(admit(&mut b, 250 * MIB), (true, 54 * MIB, budget));
+
+    // A usage report past what was admitted is taken as reported...
+    b.conn
+        .send(&ClientMsg::Usage(kiwi_protocol::Usage {
+            working_set_bytes: 300 * MIB,
+            resident_bytes: 0,
+        }))
+        .unwrap();
+    wait_until("B's usage counted", Duration::from_secs(5), || {
+        arb.status().swap_need_bytes == 104 * MIB
+    });
+    let t = Command::new(bin("kiwictl"))
+        .env_remove("KIWI_CONFIG")
+        .env("KIWI_SOCKET_DIR", arb.socket_dir())
+        .arg("status")
+        .output()
+        .unwrap();
+    let t = String::from_utf8_lossy(&t.stdout).to_string();
+    assert!(
+        t.contains("Node swap: budget 100 MiB  need 104 MiB  in use 1000 MiB  (over budget"),
+        "{t}"
+    );
+    // ...and over budget, growth is refused while staying put or shrinking is not.
+    assert!(!admit(&mut b, 300 * MIB + 1).0);
+    assert!(admit(&mut b, 300 * MIB).0);
+    assert_eq!(admit(&mut b, 200 * MIB), (true, 4 * MIB, budget));
+
+    // Both clients still work.
+    a.conn.send(&ClientMsg::Ping { token: 1 }).unwrap();
+    assert!(a
+        .wait_for(Duration::from_secs(5), |m| matches!(
+            m,
+            ArbiterMsg::Pong { token: 1 }
+        ))
+        .is_some());
+}
+
+#[test]
+fn racing_admits_cannot_both_take_the_last_of_the_budget() {
+    let arb = Arbiter::start(&["--swap-budget", "100MiB"]);
+    let (mut a, capacity, _) = register_full(&arb, "GPU-race", GIB);
+    let (mut b, _, _) = register_full(&arb, "GPU-race", GIB);
+    let half = capacity / 2;
+    assert!(admit(&mut a, half).0);
+    assert!(admit(&mut b, half).0);
+    // Each alone would spill 80 MiB (within budget); both, 160 MiB (past it).
+    for _ in 0..20 {
+        let ta = std::thread::spawn(move || {
+            let r = admit(&mut a, half + 80 * MIB);
+            (a, r)
+        });
+        let tb = std::thread::spawn(move || {
+            let r = admit(&mut b, half + 80 * MIB);
+            (b, r)
+        });
+        let (a2, ra) = ta.join().unwrap();
+        let (b2, rb) = tb.join().unwrap();
+        (a, b) = (a2, b2);
+        assert!(ra.0 ^ rb.0, "exactly one is admitted: {ra:?} {rb:?}");
+        assert_eq!(arb.status().swap_need_bytes, 80 * MIB);
+        // Back to the start for the next round.
+        assert!(admit(&mut a, half).0);
+        assert!(admit(&mut b, half).0);
+    }
+}
+
+#[test]
+fn without_a_budget_admit_is_always_ok() {
+    let arb = Arbiter::start(&[]);
+    let (mut a, capacity, told) = register_full(&arb, "GPU-free", GIB);
+    assert_eq!(told, None, "no budget, no field");
+    assert_eq!(
+        admit(&mut a, capacity + 10 * GIB),
+        (true, 10 * GIB, u64::MAX)
+    );
+    let st = arb.status();
+    assert_eq!(st.swap_budget_bytes, None);
+    assert_eq!(st.swap_need_bytes, 10 * GIB);
+}
+
+#[test]
+fn swap_budget_from_config_and_flag() {
+    let cfg = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(cfg.path(), "[arbiter]\nswap_budget_mib = 64\n").unwrap();
+    let path = cfg.path().to_str().unwrap();
+    for (args, want) in [
+        (vec!["--config", path], Some(64 * MIB)),
+        (vec!["--config", path, "--swap-budget", "1GiB"], Some(GIB)),
+        (vec!["--config", path, "--swap-budget", "0"], None),
+        (vec!["--swap-budget", "512MiB"], Some(512 * MIB)),
+    ] {
+        let arb = Arbiter::start(&args);
+        let (_, _, told) = register_full(&arb, "GPU-cfg", GIB);
+        assert_eq!(told, want, "{args:?}");
+        assert_eq!(arb.status().swap_budget_bytes, want, "{args:?}");
+    }
+}
+
+#[test]
+fn bad_swap_budget_values_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    for bad in ["abc", "-1", "12parsecs", ""] {
+        let out = Command::new(bin("kiwi-arbiter"))
+            .env_remove("KIWI_CONFIG")
+            .arg("--socket-dir")
+            .arg(dir.path())
+            .args(["--swap-budget", bad])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "--swap-budget {bad:?} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.contains("--swap-budget"), "{err}");
+        assert!(
+            !kiwi_config::client_socket(dir.path()).exists(),
+            "nothing was served"
+        );
+    }
+}
