@@ -147,17 +147,34 @@ pub fn synchronize_current() -> Result<(), CUresult> {
     crate::ffi::inside(|| call!(cuCtxSynchronize: fn()()))
 }
 
-/// Makes the application's context on device `d` current on this (the shim's own)
-/// thread. Returns false when the device has no context yet.
-fn enter_app_context(d: usize) -> bool {
-    let ctx = APP_CTX[d].load(Ordering::Acquire);
-    if ctx.is_null() {
-        return false;
+/// The application's context on a device, current on this thread until dropped; then
+/// the thread's own context is current again. Swaps and drains run on the shim's
+/// threads and on application threads waiting for their turn: an application thread
+/// must find the context it had (its next launch goes to that context's device).
+struct AppContext {
+    previous: CUcontext,
+    switched: bool,
+}
+
+impl AppContext {
+    /// `None` when the device has no context yet.
+    fn enter(d: usize) -> Option<AppContext> {
+        let ctx = APP_CTX[d].load(Ordering::Acquire);
+        if ctx.is_null() {
+            return None;
+        }
+        let previous = current_context();
+        let switched = previous != ctx && call!(cuCtxSetCurrent: fn(CUcontext)(ctx)).is_ok();
+        Some(AppContext { previous, switched })
     }
-    if current_context() != ctx {
-        let _ = call!(cuCtxSetCurrent: fn(CUcontext)(ctx));
+}
+
+impl Drop for AppContext {
+    fn drop(&mut self) {
+        if self.switched {
+            let _ = call!(cuCtxSetCurrent: fn(CUcontext)(self.previous));
+        }
     }
-    true
 }
 
 /// The identity the arbiter knows device `d` by.
@@ -277,10 +294,10 @@ impl DeviceResidency {
     fn with<T>(&self, default: T, f: impl FnOnce(&mut Memory<RealDriver>) -> T) -> T {
         let mut guard = mem_lock(self.0);
         match guard.as_mut() {
-            Some(m) => {
-                enter_app_context(self.0);
-                crate::ffi::inside(|| f(m))
-            }
+            Some(m) => crate::ffi::inside(|| {
+                let _ctx = AppContext::enter(self.0);
+                f(m)
+            }),
             None => default,
         }
     }
@@ -313,10 +330,10 @@ impl Residency for DeviceResidency {
         self.with(Ok(Swap::default()), |m| m.evict(need))
     }
     fn drain(&self) -> Result<(), CUresult> {
-        if !enter_app_context(self.0) {
-            return Ok(());
-        }
-        crate::ffi::inside(|| call!(cuCtxSynchronize: fn()()))
+        crate::ffi::inside(|| match AppContext::enter(self.0) {
+            Some(_ctx) => call!(cuCtxSynchronize: fn()()),
+            None => Ok(()),
+        })
     }
 }
 

@@ -1082,3 +1082,247 @@ fn gpuburst_pair_over_capacity_takes_turns_under_kiwi_and_fails_without() {
     );
     assert!(all.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{all}");
 }
+
+/// Kernel intervals per (pid, device) from a simulator trace: (pid, device, start, end).
+fn trace_by_device(path: &Path) -> Vec<(u32, u32, u64, u64)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            Some((
+                f.first()?.parse().ok()?,
+                f.get(1)?.parse().ok()?,
+                f.get(2)?.parse().ok()?,
+                f.get(3)?.parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+/// gpuburst under the shim on a simulated machine of `gpus` GPUs of 1 GiB.
+fn gpuburst_on(
+    env: &Env,
+    sim_name: &str,
+    gpus: u32,
+    socket: &Path,
+    stats: &Path,
+    trace: &Path,
+    args: &[&str],
+) -> Command {
+    let mut c = Command::new(kiwi_tests::bin("gpuburst"));
+    c.args(args)
+        .env("LD_LIBRARY_PATH", &env.sim_dir)
+        .env("KIWI_SIM_NAME", sim_name)
+        .env("KIWI_SIM_GPUS", gpus.to_string())
+        .env("KIWI_SIM_MEMORY", "1GiB")
+        .env("KIWI_SIM_TRACE", trace)
+        .env("LD_PRELOAD", &env.shim)
+        .env("KIWI_SOCKET_DIR", socket)
+        .env("KIWI_STATS", stats)
+        .env("KIWI_REQUIRE_ARBITER", "1")
+        .env("KIWI_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+#[test]
+fn two_processes_on_two_gpus_in_opposite_orders_take_turns_without_deadlock() {
+    let Some(env) = setup() else { return };
+    let arb = Arbiter::start(&["--tq", "0.3"]);
+    let dir = tempfile::tempdir().unwrap();
+    let name = format!("multi-gpu-{}", std::process::id());
+    let trace_file = dir.path().join("trace");
+    let (sa, sb) = (dir.path().join("a.stats"), dir.path().join("b.stats"));
+    // 600 MiB on each of two 1 GiB GPUs each: neither GPU fits both, so every kernel
+    // needs both turns. A takes device 0 first, B device 1 first: turns taken in the
+    // order of first use would deadlock (each holding one GPU, waiting for the other).
+    let args = |devices: &'static str| {
+        [
+            "--device", devices, "--mem", "600MiB", "--bursts", "3", "--gpu-ms", "100", "--cpu-ms",
+            "50", "--verify",
+        ]
+    };
+    let started = Instant::now();
+    let a = gpuburst_on(
+        &env,
+        &name,
+        2,
+        arb.socket_dir(),
+        &sa,
+        &trace_file,
+        &args("0,1"),
+    )
+    .spawn()
+    .unwrap();
+    let b = gpuburst_on(
+        &env,
+        &name,
+        2,
+        arb.socket_dir(),
+        &sb,
+        &trace_file,
+        &args("1,0"),
+    )
+    .spawn()
+    .unwrap();
+    let (oa, ob) = (finish(a), finish(b));
+    let took = started.elapsed();
+    let _ = kiwi_sim_core::machine::reset(&name);
+    for (o, s) in [(&oa, &sa), (&ob, &sb)] {
+        assert_eq!(o.status.code(), Some(0), "{}", text(o));
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains("all bytes as expected"),
+            "{}",
+            text(o)
+        );
+        let s = stats(s);
+        assert_eq!(num(&s, "gpus"), 2, "a turn on each GPU: {s:?}");
+        assert!(num(&s, "grants") >= 2, "{s:?}");
+    }
+    assert!(took < Duration::from_secs(120), "took {took:?}");
+
+    // On each GPU the two processes' kernels never overlapped.
+    let t = trace_by_device(&trace_file);
+    for dev in [0, 1] {
+        let on: Vec<(u32, u64, u64)> = t
+            .iter()
+            .filter(|r| r.1 == dev)
+            .map(|r| (r.0, r.2, r.3))
+            .collect();
+        assert!(on.len() > 10, "device {dev}: {on:?}");
+        assert_eq!(overlaps_between_pids(&on), 0, "device {dev}");
+    }
+
+    // From the arbiter's log: a process never keeps the later GPU (by UUID) while it
+    // waits for the earlier one, beyond the moment it takes to give it back.
+    let ev = arb.events();
+    let mut gpus: Vec<String> = ev.iter().map(|e| e.gpu.clone()).collect();
+    gpus.sort();
+    gpus.dedup();
+    gpus.retain(|g| !g.is_empty());
+    assert_eq!(gpus.len(), 2, "{gpus:?}");
+    let mut pid_of = HashMap::new();
+    for e in &ev {
+        if let (Some(c), EventKind::Register { host_pid, .. }) = (e.client, &e.kind) {
+            pid_of.insert(c, *host_pid);
+        }
+    }
+    // Per process: is it holding the later GPU, and since when is it waiting for the
+    // earlier one.
+    let mut holding_late: HashMap<u32, bool> = HashMap::new();
+    let mut waiting_early_since: HashMap<u32, Option<u64>> = HashMap::new();
+    let mut worst = 0u64;
+    for e in &ev {
+        let Some(pid) = e.client.and_then(|c| pid_of.get(&c)).copied() else {
+            continue;
+        };
+        let early = e.gpu == gpus[0];
+        match (&e.kind, early) {
+            (EventKind::Request, true) => {
+                waiting_early_since.insert(pid, Some(e.t_ns));
+            }
+            (EventKind::Grant { .. }, true) => {
+                waiting_early_since.insert(pid, None);
+            }
+            (EventKind::Grant { .. }, false) => {
+                holding_late.insert(pid, true);
+            }
+            (EventKind::Release { .. } | EventKind::Revoke | EventKind::Exit, false) => {
+                holding_late.insert(pid, false);
+            }
+            _ => {}
+        }
+        if holding_late.get(&pid) == Some(&true) {
+            if let Some(Some(since)) = waiting_early_since.get(&pid) {
+                worst = worst.max(e.t_ns - since);
+            }
+        }
+    }
+    eprintln!(
+        "longest time a process held the later GPU while waiting for the earlier: {} µs",
+        worst / 1000
+    );
+    // A drop at TQ would break a deadlock after 300 ms; giving back at once takes a
+    // drain without swapping.
+    assert!(
+        worst < 150_000_000,
+        "held the later GPU {worst} ns while waiting"
+    );
+}
+
+#[test]
+fn swap_budget_refuses_growth_past_it_with_out_of_memory() {
+    let Some(env) = setup() else { return };
+    // Capacity of a 1 GiB GPU is 896 MiB (a 128 MiB reserve): 700 + 250 MiB needs
+    // 54 MiB of host RAM, 700 + 400 MiB needs 204 MiB.
+    let arb = Arbiter::start(&["--tq", "0.3", "--swap-budget", "100MiB"]);
+    let dir = tempfile::tempdir().unwrap();
+    let name = format!("budget-{}", std::process::id());
+    let trace_file = dir.path().join("trace");
+    let sa = dir.path().join("a.stats");
+    let a = gpuburst_on(
+        &env,
+        &name,
+        1,
+        arb.socket_dir(),
+        &sa,
+        &trace_file,
+        &[
+            "--mem", "700MiB", "--bursts", "2", "--gpu-ms", "100", "--cpu-ms", "2500", "--verify",
+        ],
+    )
+    .spawn()
+    .unwrap();
+    // Wait until A's 700 MiB are registered with the arbiter.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let st = arb.status();
+        let ws: u64 = st
+            .gpus
+            .iter()
+            .flat_map(|g| g.clients.iter())
+            .map(|c| c.working_set_bytes)
+            .sum();
+        if ws >= 700 << 20 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "A never allocated: {st:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let small = [
+        "--mem", "250MiB", "--bursts", "1", "--gpu-ms", "50", "--verify",
+    ];
+    let big = [
+        "--mem", "400MiB", "--bursts", "1", "--gpu-ms", "50", "--verify",
+    ];
+    let sb = dir.path().join("b.stats");
+    let ob = finish(
+        gpuburst_on(&env, &name, 1, arb.socket_dir(), &sb, &trace_file, &big)
+            .spawn()
+            .unwrap(),
+    );
+    assert_eq!(ob.status.code(), Some(2), "past the budget: {}", text(&ob));
+    let tb = text(&ob);
+    assert!(tb.contains("CUDA_ERROR_OUT_OF_MEMORY"), "{tb}");
+    assert!(tb.contains("swap budget"), "{tb}");
+    let sc = dir.path().join("c.stats");
+    let oc = finish(
+        gpuburst_on(&env, &name, 1, arb.socket_dir(), &sc, &trace_file, &small)
+            .spawn()
+            .unwrap(),
+    );
+    assert_eq!(
+        oc.status.code(),
+        Some(0),
+        "within the budget: {}",
+        text(&oc)
+    );
+    let oa = finish(a);
+    assert_eq!(oa.status.code(), Some(0), "{}", text(&oa));
+    let _ = kiwi_sim_core::machine::reset(&name);
+    let st = arb.status();
+    assert_eq!(st.swap_budget_bytes, Some(100 << 20));
+}
