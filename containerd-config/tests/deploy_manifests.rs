@@ -197,7 +197,7 @@ fn plain_manifests_have_what_kiwi_needs() {
 fn chart_values_reach_the_config_and_the_installer() {
     let Some(docs) = render(&[
         "--set",
-        "tq=2.5,scheduler=off,vgpusPerGpu=4,resourceName=example.com/vgpu",
+        "tq=2.5,scheduler=off,vgpusPerGpu=4,resourceName=example.com/vgpu,swapBudgetMiB=65536",
         "--set",
         "installer.restartContainerd=true,installer.dropIn=true,installer.setAsDefault=true",
         "--set",
@@ -207,6 +207,7 @@ fn chart_values_reach_the_config_and_the_installer() {
     };
     let cfg = config_of(&docs);
     assert_eq!(cfg.arbiter.tq_seconds, 2.5);
+    assert_eq!(cfg.arbiter.swap_budget_mib, Some(65536));
     assert!(!cfg.arbiter.scheduler.is_on());
     assert_eq!(cfg.device_plugin.vgpus_per_gpu, 4);
     assert_eq!(cfg.device_plugin.resource_name, "example.com/vgpu");
@@ -227,7 +228,12 @@ fn chart_values_reach_the_config_and_the_installer() {
 
 #[test]
 fn bad_values_are_refused_by_the_chart() {
-    for set in ["tq=0", "scheduler=maybe", "vgpusPerGpu=0"] {
+    for set in [
+        "tq=0",
+        "scheduler=maybe",
+        "vgpusPerGpu=0",
+        "swapBudgetMiB=-1",
+    ] {
         let Some(out) = chart_py(&["render", "--set", set]) else {
             return;
         };
