@@ -3,32 +3,13 @@
 //! do not fit, and without Kiwi the second fails with out-of-memory.
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
+use common::{finish, gpuburst};
 use kiwi_sim_core::harness::SimMachine;
 use kiwi_sim_core::trace;
-
-const GPUBURST: &str = env!("CARGO_BIN_EXE_gpuburst");
-
-fn gpuburst(m: &SimMachine, args: &[&str]) -> Child {
-    m.apply(&mut Command::new(GPUBURST))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
-
-fn finish(c: Child) -> (bool, Option<i32>, String) {
-    let o = c.wait_with_output().unwrap();
-    let t = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    (o.status.success(), o.status.code(), t)
-}
 
 fn bursts(out: &str) -> usize {
     out.lines()

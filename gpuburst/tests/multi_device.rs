@@ -2,34 +2,14 @@
 //! (`--mem` per device) and its bursts are on every listed device, in the listed
 //! order, and verification covers every device.
 
-use std::process::{Child, Command, Stdio};
+mod common;
 
+use common::{finish, gpuburst};
 use kiwi_sim_core::harness::SimMachine;
 use kiwi_sim_core::trace::{self, TraceRecord};
 
-const GPUBURST: &str = env!("CARGO_BIN_EXE_gpuburst");
-
 fn machine(tag: &str, gpus: u32, mib: u64) -> SimMachine {
     SimMachine::new(tag, gpus, mib << 20).unwrap_or_else(|e| panic!("{e}"))
-}
-
-fn gpuburst(m: &SimMachine, args: &[&str]) -> Child {
-    m.apply(&mut Command::new(GPUBURST))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
-}
-
-fn finish(c: Child) -> (bool, Option<i32>, String) {
-    let o = c.wait_with_output().unwrap();
-    let t = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    (o.status.success(), o.status.code(), t)
 }
 
 /// The JSON line of `event` (the first one).

@@ -209,17 +209,9 @@ fn num(s: &HashMap<String, String>, k: &str) -> u64 {
 
 /// Kernel intervals per pid from a simulator trace: (pid, start, end).
 fn trace(path: &Path) -> Vec<(u32, u64, u64)> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            Some((
-                f.first()?.parse().ok()?,
-                f.get(2)?.parse().ok()?,
-                f.get(3)?.parse().ok()?,
-            ))
-        })
+    trace_by_device(path)
+        .into_iter()
+        .map(|(pid, _, start, end)| (pid, start, end))
         .collect()
 }
 
