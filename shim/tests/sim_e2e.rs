@@ -1054,6 +1054,19 @@ fn gpuburst_pair_over_capacity_takes_turns_under_kiwi_and_fails_without() {
         "{sw} switches for {grants} grants"
     );
     assert_eq!(overlaps_between_pids(&t), 0);
+    // The simulator's physical use never passed the GPU, and both really used it.
+    let usage = kiwi_sim_core::machine::Machine::open_existing(&name)
+        .unwrap()
+        .expect("the simulated machine")
+        .usage(0)
+        .unwrap();
+    assert!(
+        usage.peak <= usage.capacity && usage.peak >= 700 << 20,
+        "peak {} of {}",
+        usage.peak,
+        usage.capacity
+    );
+    let _ = kiwi_sim_core::machine::reset(&name);
 
     // Control: the same pair without Kiwi runs out of memory.
     let name = format!("gpuburst-ctl-{}", std::process::id());
@@ -1162,6 +1175,19 @@ fn two_processes_on_two_gpus_in_opposite_orders_take_turns_without_deadlock() {
     .unwrap();
     let (oa, ob) = (finish(a), finish(b));
     let took = started.elapsed();
+    let machine = kiwi_sim_core::machine::Machine::open_existing(&name)
+        .unwrap()
+        .expect("the simulated machine");
+    for dev in [0, 1] {
+        let u = machine.usage(dev).unwrap();
+        assert!(
+            u.peak <= u.capacity && u.peak >= 600 << 20,
+            "GPU {dev}: peak {} of {}",
+            u.peak,
+            u.capacity
+        );
+    }
+    drop(machine);
     let _ = kiwi_sim_core::machine::reset(&name);
     for (o, s) in [(&oa, &sa), (&ob, &sb)] {
         assert_eq!(o.status.code(), Some(0), "{}", text(o));

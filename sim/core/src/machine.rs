@@ -26,7 +26,7 @@ use crate::knobs::{validate_name, SimConfig, MAX_GPUS};
 /// Most processes one simulated GPU tracks at once.
 pub const MAX_PROCS: usize = 256;
 const MAGIC: u64 = 0x4b49_5749_5349_4d31; // "KIWISIM1"
-const LAYOUT_VERSION: u64 = 2;
+const LAYOUT_VERSION: u64 = 3;
 
 /// Errors of the machine segment.
 #[derive(Debug, thiserror::Error)]
@@ -66,6 +66,9 @@ struct GpuSlot {
     fault_xid: AtomicU64,
     fault_lost: AtomicU64,
     fault_generation: AtomicU64,
+    /// The most physical memory ever in use at once (all processes), so tests can
+    /// check a GPU was never oversubscribed.
+    peak: AtomicU64,
     procs: [ProcSlot; MAX_PROCS],
 }
 
@@ -99,6 +102,8 @@ pub struct ProcessUsage {
 pub struct GpuUsage {
     pub capacity: u64,
     pub used: u64,
+    /// The most ever in use at once since the machine was created.
+    pub peak: u64,
     pub processes: Vec<ProcessUsage>,
 }
 
@@ -428,6 +433,7 @@ impl Machine {
             })
             .ok_or(MachineError::TooManyProcesses(gpu))?;
         mine.bytes.fetch_add(bytes, Ordering::Relaxed);
+        slot.peak.fetch_max(used + bytes, Ordering::Relaxed);
         Ok(())
     }
 
@@ -465,6 +471,7 @@ impl Machine {
         Ok(GpuUsage {
             capacity: slot.capacity.load(Ordering::Relaxed),
             used,
+            peak: slot.peak.load(Ordering::Relaxed),
             processes,
         })
     }
@@ -572,6 +579,13 @@ mod tests {
         m.reserve(0, 100 << 20).unwrap();
         let u = m.usage(0).unwrap();
         assert_eq!(u.used, 100 << 20);
+        assert_eq!(u.peak, 100 << 20, "the refused 50 MiB never counted");
+        m.release(0, 100 << 20);
+        m.reserve(0, 10 << 20).unwrap();
+        assert_eq!(m.usage(0).unwrap().peak, 100 << 20, "the peak stays");
+        m.release(0, 10 << 20);
+        m.reserve(0, 100 << 20).unwrap();
+        let u = m.usage(0).unwrap();
         assert_eq!(
             u.processes,
             vec![ProcessUsage {

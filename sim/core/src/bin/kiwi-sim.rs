@@ -166,9 +166,10 @@ fn status(name: &str, json: bool) -> Result<()> {
                 .map(|p| format!("{{\"pid\":{},\"bytes\":{}}}", p.pid, p.bytes))
                 .collect();
             gpus.push(format!(
-                "{{\"index\":{g},\"uuid\":\"{uuid}\",\"capacity\":{},\"used\":{},\"xid\":{},\"lost\":{},\"processes\":[{}]}}",
+                "{{\"index\":{g},\"uuid\":\"{uuid}\",\"capacity\":{},\"used\":{},\"peak\":{},\"xid\":{},\"lost\":{},\"processes\":[{}]}}",
                 u.capacity,
                 u.used,
+                u.peak,
                 f.xid,
                 f.lost,
                 procs.join(",")
@@ -176,9 +177,10 @@ fn status(name: &str, json: bool) -> Result<()> {
         } else {
             let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
             println!(
-                "GPU {g} {uuid}: {:.1} MiB used of {:.1} MiB{}",
+                "GPU {g} {uuid}: {:.1} MiB used of {:.1} MiB (peak {:.1} MiB){}",
                 mib(u.used),
                 mib(u.capacity),
+                mib(u.peak),
                 match (f.xid, f.lost) {
                     (0, _) => String::new(),
                     (x, true) => format!(", LOST (Xid {x})"),
