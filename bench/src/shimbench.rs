@@ -161,8 +161,15 @@ pub fn launch_overhead_role(shim: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Copies of `bytes` each way the copy-bandwidth baseline times (after one warm-up).
+const BASELINE_ROUNDS: usize = 4;
+
 /// Child role: pinned device↔host copy bandwidth (GB/s) on the simulator, with the
-/// host buffer touched once first (as the shim's reused swap buffers are).
+/// host buffer touched once first (as the shim's reused swap buffers are). Prints the
+/// bytes over the time of [`BASELINE_ROUNDS`] copies each way (alternating): one
+/// 256 MiB copy takes ~20 ms, a single sample on a machine whose copy rate wanders by
+/// ±30% from one to the next, while the swap figures it is compared with add up
+/// twenty swaps of ~600 MiB each.
 pub fn copy_bandwidth_role(bytes: usize) -> Result<()> {
     let cuda = open(c"libcuda.so.1", libc::RTLD_NOW | libc::RTLD_GLOBAL)?;
     // SAFETY: cuda.h's types for these entry points.
@@ -198,18 +205,19 @@ pub fn copy_bandwidth_role(bytes: usize) -> Result<()> {
         check(alloc(&mut d, bytes), "cuMemAlloc")?;
         check(host_alloc(&mut h, bytes), "cuMemAllocHost")?;
         check(dtoh(h, d, bytes), "cuMemcpyDtoH")?;
-        let t = Instant::now();
-        check(dtoh(h, d, bytes), "cuMemcpyDtoH")?;
-        let a = t.elapsed().as_secs_f64();
-        let t = Instant::now();
-        check(htod(d, h, bytes), "cuMemcpyHtoD")?;
-        (a, t.elapsed().as_secs_f64())
+        let (mut a, mut b) = (0.0, 0.0);
+        for _ in 0..BASELINE_ROUNDS {
+            let t = Instant::now();
+            check(dtoh(h, d, bytes), "cuMemcpyDtoH")?;
+            a += t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            check(htod(d, h, bytes), "cuMemcpyHtoD")?;
+            b += t.elapsed().as_secs_f64();
+        }
+        (a, b)
     };
-    println!(
-        "{} {}",
-        bytes as f64 / t_dtoh / 1e9,
-        bytes as f64 / t_htod / 1e9
-    );
+    let total = (bytes * BASELINE_ROUNDS) as f64;
+    println!("{} {}", total / t_dtoh / 1e9, total / t_htod / 1e9);
     Ok(())
 }
 
@@ -322,7 +330,11 @@ fn contend(b: &Build, job: Job, tq: f64) -> Result<Vec<Event>> {
 pub fn swap(quick: bool) -> Result<Vec<Figure>> {
     let b = Build::find()?;
     let sim = Sim::new("copy", 1 << 30);
-    let (d2h, h2d) = two_numbers(&child(&["__copy-bandwidth", "268435456"], &b, &sim)?)?;
+    // The baseline is measured before and after the swaps and pooled (equal bytes each
+    // time: the harmonic mean of the rates), so it samples the machine over the same
+    // stretch of time as the swaps do.
+    let copy_bw = || two_numbers(&child(&["__copy-bandwidth", "268435456"], &b, &sim)?);
+    let before = copy_bw()?;
     let job = Job {
         mem: (1u64 << 30) / 10 * 7,
         bursts: if quick { 3 } else { 6 },
@@ -331,6 +343,9 @@ pub fn swap(quick: bool) -> Result<Vec<Figure>> {
         kernel_us: 5000,
     };
     let events = contend(&b, job, 5.0)?;
+    let after = copy_bw()?;
+    let pooled = |x: f64, y: f64| 2.0 / (1.0 / x + 1.0 / y);
+    let (d2h, h2d) = (pooled(before.0, after.0), pooled(before.1, after.1));
     // A client's first swap-out also pins its host buffers (allocated once, then
     // reused): steady state is every swap-out after the first.
     let (mut ob, mut od, mut ib, mut id, mut sb, mut sd) = (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);

@@ -8,8 +8,18 @@
 //!   (`need_bytes`) need not move the whole allocation.
 //! - Small allocations are carved out of shared one-granule chunks (256-byte aligned),
 //!   so ten thousand 4 KiB allocations cost twenty 2 MiB handles, not ten thousand.
-//! - A segment's pinned host buffer is allocated at its first swap-out and reused for
-//!   every later one; it is freed with the allocation.
+//! - Pinned host buffers are allocated when a swap-out needs more than the spare ones
+//!   and reused for every later swap: a segment holds one only while it is swapped
+//!   out; swapped back in, the buffer becomes a spare that any later swap-out may use
+//!   (best fit). So the pinned memory is the most ever swapped out at once (at most
+//!   the working set: spares past it are freed), not every segment ever swapped out,
+//!   and a steady workload allocates no pinned memory (and on the simulator, touches
+//!   no fresh page) while it swaps.
+//! - Swaps are pipelined through [`Driver::to_host_async`] /
+//!   [`Driver::to_device_async`] and [`Driver::wait_copies`]: while one segment's
+//!   copy runs, the next segment's pinned buffer is allocated (swap-out) or its
+//!   physical memory created and mapped (swap-in). A segment is unmapped only after its
+//!   copy completed.
 //! - Allocation never waits: when backing is not allowed (another process holds the
 //!   GPU) the range is reserved and left unbacked until the next grant.
 //!
@@ -50,14 +60,46 @@ pub trait Driver: Send {
     /// # Safety
     /// `src` points to at least `n` readable bytes.
     unsafe fn to_device(&self, dst: u64, src: *const u8, n: u64) -> Result<(), CUresult>;
+    /// Starts copying `n` bytes of device memory at `src` to the pinned host buffer
+    /// `dst`; the copy is complete when [`Driver::wait_copies`] returns. The swapper
+    /// starts one copy, does other driver work (allocating the next pinned buffer),
+    /// then waits: a driver with a copy engine (a dedicated stream) overlaps the two.
+    /// The default copies synchronously.
+    ///
+    /// # Safety
+    /// `dst` points to at least `n` writable bytes that stay valid and untouched until
+    /// [`Driver::wait_copies`] returns.
+    unsafe fn to_host_async(&self, dst: *mut u8, src: u64, n: u64) -> Result<(), CUresult> {
+        // SAFETY: the caller's contract is to_host's.
+        unsafe { self.to_host(dst, src, n) }
+    }
+    /// Starts copying `n` pinned host bytes to device memory at `dst`; complete when
+    /// [`Driver::wait_copies`] returns. The default copies synchronously.
+    ///
+    /// # Safety
+    /// `src` points to at least `n` readable bytes that stay valid and unchanged until
+    /// [`Driver::wait_copies`] returns.
+    unsafe fn to_device_async(&self, dst: u64, src: *const u8, n: u64) -> Result<(), CUresult> {
+        // SAFETY: the caller's contract is to_device's.
+        unsafe { self.to_device(dst, src, n) }
+    }
+    /// Waits until every copy started with `to_host_async` / `to_device_async` is
+    /// complete; the error of a failed one. The default has nothing to wait for.
+    fn wait_copies(&self) -> Result<(), CUresult> {
+        Ok(())
+    }
     /// Waits until every piece of work of this process's context is done.
     fn sync(&self) -> Result<(), CUresult>;
 }
 
-/// A pinned host buffer owned by one segment.
-struct HostBuf(*mut u8);
-// SAFETY: the buffer is plain memory owned by its segment; only the thread holding the
-// allocator's lock touches it.
+/// A pinned host buffer: held by a swapped-out segment (its contents) or spare.
+struct HostBuf {
+    ptr: *mut u8,
+    /// Bytes allocated (at least the size of the segment it holds).
+    cap: u64,
+}
+// SAFETY: the buffer is plain memory owned by the allocator (a segment or the spares);
+// only the thread holding the allocator's lock touches it.
 unsafe impl Send for HostBuf {}
 
 struct Chunk {
@@ -70,9 +112,9 @@ struct Segment {
     va: u64,
     size: u64,
     handle: Option<u64>,
+    /// The segment's contents while it is swapped out (`None` while resident, and for
+    /// a segment never backed yet: it has no contents).
     host: Option<HostBuf>,
-    /// The host buffer holds the segment's contents (it was swapped out with data).
-    has_data: bool,
     /// LRU epoch: when the segment was last made resident or allocated.
     touch: u64,
     /// Sub-allocation state when this is a small-allocation chunk.
@@ -128,6 +170,10 @@ pub struct Memory<D: Driver> {
     /// The application's own VMM handles: handle → bytes (counted, never swapped).
     external: HashMap<u64, u64>,
     external_bytes: u64,
+    /// Pinned host buffers no segment holds, for the next swap-out.
+    spare: Vec<HostBuf>,
+    /// Bytes of every pinned host buffer (held and spare).
+    host_bytes: u64,
 }
 
 fn round_up(v: u64, to: u64) -> u64 {
@@ -151,6 +197,8 @@ impl<D: Driver> Memory<D> {
             resident: 0,
             external: HashMap::new(),
             external_bytes: 0,
+            spare: Vec::new(),
+            host_bytes: 0,
         })
     }
 
@@ -182,6 +230,12 @@ impl<D: Driver> Memory<D> {
         self.resident == self.working_set
     }
 
+    /// Bytes of pinned host buffers the allocator holds now (swapped-out contents and
+    /// spares).
+    pub fn host_buffer_bytes(&self) -> u64 {
+        self.host_bytes
+    }
+
     /// Number of physical handles the allocator holds now (for tests and stats).
     pub fn handles(&self) -> usize {
         self.segs
@@ -205,6 +259,10 @@ impl<D: Driver> Memory<D> {
         self.segs[i].as_mut().expect("live segment")
     }
 
+    fn size_of(&self, i: usize) -> u64 {
+        self.segs[i].as_ref().expect("live segment").size
+    }
+
     fn check_limit(&self, more: u64) -> Result<(), CUresult> {
         let after = self.working_set + self.external_bytes + more;
         if after > self.limit {
@@ -217,12 +275,13 @@ impl<D: Driver> Memory<D> {
         Ok(())
     }
 
-    /// Backs segment `i` with a fresh physical handle (contents restored if it has any).
-    fn back(&mut self, i: usize) -> Result<u64, CUresult> {
+    /// Backs segment `i` with a fresh physical handle, mapped read-write (its contents,
+    /// if it has any, are still in its host buffer).
+    fn map_fresh(&mut self, i: usize) -> Result<(), CUresult> {
         let (va, size) = {
             let s = self.seg(i);
             if s.handle.is_some() {
-                return Ok(0);
+                return Ok(());
             }
             (s.va, s.size)
         };
@@ -232,22 +291,55 @@ impl<D: Driver> Memory<D> {
             return Err(e);
         }
         let epoch = self.epoch;
-        let (has_data, host) = {
-            let s = self.seg(i);
-            s.handle = Some(h);
-            s.touch = epoch;
-            (s.has_data, s.host.as_ref().map(|b| b.0))
-        };
+        let s = self.seg(i);
+        s.handle = Some(h);
+        s.touch = epoch;
         self.resident += size;
-        if has_data {
-            if let Some(host) = host {
-                // SAFETY: the segment's host buffer was allocated with the segment's size.
-                unsafe { self.drv.to_device(va, host, size)? };
-            }
-            self.seg(i).has_data = false;
-            return Ok(size);
+        Ok(())
+    }
+
+    /// Undoes [`Self::map_fresh`] (after a failed copy-in: the contents stay in the
+    /// host buffer).
+    fn unmap_fresh(&mut self, i: usize) {
+        let s = self.seg(i);
+        let (va, size) = (s.va, s.size);
+        if let Some(h) = s.handle.take() {
+            let _ = self.drv.unmap(va, size);
+            let _ = self.drv.release(h);
+            self.resident -= size;
         }
-        Ok(0)
+    }
+
+    /// A spare pinned buffer for `size` bytes: the exact size if there is one, else the
+    /// smallest larger one.
+    fn take_spare(&mut self, size: u64) -> Option<HostBuf> {
+        let k = self
+            .spare
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.cap >= size)
+            .min_by_key(|(_, b)| b.cap)
+            .map(|(k, _)| k)?;
+        Some(self.spare.swap_remove(k))
+    }
+
+    fn new_host_buf(&mut self, size: u64) -> Result<HostBuf, CUresult> {
+        let ptr = self.drv.host_alloc(size)?;
+        self.host_bytes += size;
+        Ok(HostBuf { ptr, cap: size })
+    }
+
+    /// Frees spare pinned buffers (largest first) while all pinned buffers together
+    /// exceed the working set: more is never needed at once.
+    fn trim_spare(&mut self) {
+        while self.host_bytes > self.working_set {
+            let Some(k) = (0..self.spare.len()).max_by_key(|&k| self.spare[k].cap) else {
+                break;
+            };
+            let b = self.spare.swap_remove(k);
+            self.drv.host_free(b.ptr);
+            self.host_bytes -= b.cap;
+        }
     }
 
     /// Bytes the working set would grow by if `size` bytes were allocated now: a new
@@ -300,7 +392,6 @@ impl<D: Driver> Memory<D> {
                 size: len,
                 handle: None,
                 host: None,
-                has_data: false,
                 touch: self.epoch,
                 chunk: None,
             });
@@ -310,7 +401,7 @@ impl<D: Driver> Memory<D> {
         self.working_set += reserved;
         if self.backing_allowed {
             for k in 0..segs.len() {
-                if let Err(e) = self.back(segs[k]) {
+                if let Err(e) = self.map_fresh(segs[k]) {
                     // Undo everything: the caller gets an error and no address.
                     self.allocs.insert(
                         base,
@@ -363,7 +454,6 @@ impl<D: Driver> Memory<D> {
             size: self.gran,
             handle: None,
             host: None,
-            has_data: false,
             touch: self.epoch,
             chunk: Some(Chunk {
                 free: vec![(need, self.gran - need)],
@@ -372,7 +462,7 @@ impl<D: Driver> Memory<D> {
         });
         self.working_set += self.gran;
         if self.backing_allowed {
-            if let Err(e) = self.back(seg) {
+            if let Err(e) = self.map_fresh(seg) {
                 self.destroy_seg(seg);
                 let _ = self.drv.free_va(va, self.gran);
                 return Err(e);
@@ -394,10 +484,11 @@ impl<D: Driver> Memory<D> {
             self.resident -= s.size;
         }
         if let Some(b) = s.host {
-            self.drv.host_free(b.0);
+            self.spare.push(b);
         }
         self.working_set -= s.size;
         self.free_slots.push(i);
+        self.trim_spare();
     }
 
     /// Whether `ptr` is the base of an allocation this allocator made.
@@ -463,15 +554,50 @@ impl<D: Driver> Memory<D> {
         (ptr < base + size).then_some((base, size))
     }
 
-    /// Brings every segment back into GPU memory at its own address. On error the
-    /// segments done so far stay resident and the rest stay out, consistent.
+    /// Brings every segment back into GPU memory at its own address. While one
+    /// segment's contents are copied in, the next one's physical memory is created and
+    /// mapped. On error the segments done so far stay resident and the rest stay out,
+    /// consistent (a later call goes on with the rest).
     pub fn swap_in_all(&mut self) -> Result<Swap, CUresult> {
         let start = Instant::now();
         self.epoch += 1;
+        let todo: Vec<usize> = (0..self.segs.len())
+            .filter(|&i| self.segs[i].as_ref().is_some_and(|s| s.handle.is_none()))
+            .collect();
         let mut bytes = 0;
-        for i in 0..self.segs.len() {
-            if self.segs[i].as_ref().is_some_and(|s| s.handle.is_none()) {
-                bytes += self.back(i)?;
+        if let Some(&first) = todo.first() {
+            self.map_fresh(first)?;
+        }
+        for (k, &i) in todo.iter().enumerate() {
+            let next = todo.get(k + 1).copied();
+            let (va, size, host) = {
+                let s = self.seg(i);
+                (s.va, s.size, s.host.as_ref().map(|b| b.ptr))
+            };
+            if let Some(host) = host {
+                // SAFETY: the segment's host buffer holds at least its size; it stays
+                // in the segment, untouched, until the copy is waited for below.
+                if let Err(e) = unsafe { self.drv.to_device_async(va, host, size) } {
+                    self.unmap_fresh(i);
+                    return Err(e);
+                }
+            }
+            // While the copy runs: the next segment's memory.
+            let mapped_next = next.map(|n| self.map_fresh(n));
+            if host.is_some() {
+                if let Err(e) = self.drv.wait_copies() {
+                    self.unmap_fresh(i);
+                    if let (Some(n), Some(Ok(()))) = (next, &mapped_next) {
+                        self.unmap_fresh(n);
+                    }
+                    return Err(e);
+                }
+                let b = self.seg(i).host.take().expect("checked above");
+                self.spare.push(b);
+                bytes += size;
+            }
+            if let Some(Err(e)) = mapped_next {
+                return Err(e);
             }
         }
         Ok(Swap {
@@ -481,9 +607,65 @@ impl<D: Driver> Memory<D> {
     }
 
     /// Evicts at least `need` bytes (all of them for `u64::MAX`), least recently used
-    /// first. The caller has drained the GPU work of this process.
+    /// first. The caller has drained the GPU work of this process. While one segment
+    /// is copied out, the next one's pinned buffer is allocated (when no spare fits).
+    /// On error the segments done so far stay out and the rest stay resident.
     pub fn evict(&mut self, need: u64) -> Result<Swap, CUresult> {
         let start = Instant::now();
+        let victims = self.victims(need);
+        // Spare buffers first, largest segments first (so a large spare is not taken by
+        // a small segment while a large one goes without); new ones while copying.
+        let mut bufs: Vec<Option<HostBuf>> = victims.iter().map(|_| None).collect();
+        for k in self.largest_first(&victims) {
+            bufs[k] = self.take_spare(self.size_of(victims[k]));
+        }
+        let r = self.evict_planned(&victims, &mut bufs);
+        // Buffers prepared for segments that were not reached.
+        self.spare.extend(bufs.into_iter().flatten());
+        self.trim_spare();
+        Ok(Swap {
+            bytes: r?,
+            duration: start.elapsed(),
+        })
+    }
+
+    /// Allocates, ahead of time, the pinned buffers that `evict(need)` would have to
+    /// allocate now (what no spare covers), at most `budget` bytes of them in this
+    /// call; returns the bytes allocated (0: nothing left to prepare). A client that
+    /// calls it while it still holds the GPU (a little at a time, once others wait)
+    /// moves the pinned allocation off the critical path of its next release.
+    pub fn prepare_swap_out(&mut self, need: u64, budget: u64) -> Result<u64, CUresult> {
+        let victims = self.victims(need);
+        let mut caps: Vec<u64> = self.spare.iter().map(|b| b.cap).collect();
+        let mut missing = Vec::new();
+        for k in self.largest_first(&victims) {
+            let size = self.size_of(victims[k]);
+            // The spare evict would take (see take_spare), if any.
+            let fit = (0..caps.len())
+                .filter(|&c| caps[c] >= size)
+                .min_by_key(|&c| caps[c]);
+            match fit {
+                Some(c) => {
+                    caps.swap_remove(c);
+                }
+                None => missing.push(size),
+            }
+        }
+        let mut done = 0;
+        for size in missing {
+            if done + size > budget {
+                break;
+            }
+            let b = self.new_host_buf(size)?;
+            self.spare.push(b);
+            done += size;
+        }
+        Ok(done)
+    }
+
+    /// The resident segments `evict(need)` takes: least recently used first, until
+    /// `need` bytes.
+    fn victims(&self, need: u64) -> Vec<usize> {
         let mut order: Vec<(u64, usize)> = self
             .segs
             .iter()
@@ -495,42 +677,75 @@ impl<D: Driver> Memory<D> {
             })
             .collect();
         order.sort_unstable();
-        let mut bytes = 0;
+        let mut victims = Vec::new();
+        let mut planned = 0;
         for (_, i) in order {
-            if bytes >= need {
+            if planned >= need {
                 break;
             }
-            bytes += self.swap_out(i)?;
+            planned += self.size_of(i);
+            victims.push(i);
         }
-        Ok(Swap {
-            bytes,
-            duration: start.elapsed(),
-        })
+        victims
     }
 
-    fn swap_out(&mut self, i: usize) -> Result<u64, CUresult> {
-        let (va, size, handle, host) = {
-            let s = self.segs[i].as_ref().expect("live segment");
-            let Some(h) = s.handle else { return Ok(0) };
-            (s.va, s.size, h, s.host.as_ref().map(|b| b.0))
-        };
-        let host = match host {
-            Some(p) => p,
-            None => {
-                let p = self.drv.host_alloc(size)?;
-                self.seg(i).host = Some(HostBuf(p));
-                p
+    /// Indices into `victims`, largest segment first.
+    fn largest_first(&self, victims: &[usize]) -> Vec<usize> {
+        let mut by_size: Vec<usize> = (0..victims.len()).collect();
+        by_size.sort_by_key(|&k| std::cmp::Reverse(self.size_of(victims[k])));
+        by_size
+    }
+
+    fn evict_planned(
+        &mut self,
+        victims: &[usize],
+        bufs: &mut [Option<HostBuf>],
+    ) -> Result<u64, CUresult> {
+        let mut bytes = 0;
+        if let (Some(&first), Some(slot @ None)) = (victims.first(), bufs.first_mut()) {
+            *slot = Some(self.new_host_buf(self.size_of(first))?);
+        }
+        for (k, &i) in victims.iter().enumerate() {
+            let (va, size, handle) = {
+                let s = self.seg(i);
+                (s.va, s.size, s.handle.expect("victims are resident"))
+            };
+            let buf = bufs[k].take().expect("prepared in the previous step");
+            // SAFETY: the buffer holds at least `size` bytes; it is kept aside, untouched,
+            // until the copy is waited for below.
+            if let Err(e) = unsafe { self.drv.to_host_async(buf.ptr, va, size) } {
+                let _ = self.drv.wait_copies();
+                self.spare.push(buf);
+                return Err(e);
             }
-        };
-        // SAFETY: the segment's host buffer was allocated with the segment's size.
-        unsafe { self.drv.to_host(host, va, size)? };
-        self.drv.unmap(va, size)?;
-        let _ = self.drv.release(handle);
-        let s = self.seg(i);
-        s.handle = None;
-        s.has_data = true;
-        self.resident -= size;
-        Ok(size)
+            // While the copy runs: the next segment's buffer, if no spare fit.
+            let mut next_err = None;
+            if let Some(slot @ None) = bufs.get_mut(k + 1) {
+                match self.new_host_buf(self.size_of(victims[k + 1])) {
+                    Ok(b) => *slot = Some(b),
+                    Err(e) => next_err = Some(e),
+                }
+            }
+            if let Err(e) = self.drv.wait_copies() {
+                self.spare.push(buf);
+                return Err(e);
+            }
+            // Unmapped only now: the copy has read every byte.
+            if let Err(e) = self.drv.unmap(va, size) {
+                self.spare.push(buf);
+                return Err(e);
+            }
+            let _ = self.drv.release(handle);
+            let s = self.seg(i);
+            s.handle = None;
+            s.host = Some(buf);
+            self.resident -= size;
+            bytes += size;
+            if let Some(e) = next_err {
+                return Err(e);
+            }
+        }
+        Ok(bytes)
     }
 
     /// The application created a physical handle of its own.
@@ -552,10 +767,19 @@ impl<D: Driver> Memory<D> {
 pub mod fake {
     //! A fake driver keeping "device memory" in host vectors: physical handles hold
     //! bytes, mappings place them at virtual addresses, and every access to an
-    //! unmapped address is an error, as on a real GPU.
+    //! unmapped address is an error, as on a real GPU. Pinned host buffers are tracked:
+    //! a copy to or from anything but a live buffer, or a double free, panics. With
+    //! `asynchronous`, `to_host_async` / `to_device_async` only queue the copy and
+    //! `wait_copies` runs the queue, as a copy engine would: a swapper that unmapped a
+    //! segment before waiting for its copy would read an unmapped address.
 
     use super::*;
     use std::cell::RefCell;
+
+    enum Pending {
+        ToHost { dst: usize, src: u64, n: u64 },
+        ToDevice { dst: u64, src: usize, n: u64 },
+    }
 
     #[derive(Default)]
     pub struct State {
@@ -569,6 +793,19 @@ pub mod fake {
         pub physical_limit: u64,
         pub syncs: u64,
         pub host_allocs: u64,
+        /// Live pinned host buffers: address → length.
+        pub host: BTreeMap<usize, usize>,
+        pub host_used: u64,
+        pub host_limit: u64,
+        /// Queue copies until `wait_copies` (a copy engine) instead of copying at once.
+        pub asynchronous: bool,
+        pending: Vec<Pending>,
+        /// Driver calls (allocations, maps) made while a copy was in flight.
+        pub overlapped: u64,
+        /// Copies started (both directions).
+        pub copies: u64,
+        /// Fail the copy with this number (counting from 1) at its execution.
+        pub fail_copy: Option<u64>,
     }
 
     pub struct FakeDriver {
@@ -587,9 +824,17 @@ pub mod fake {
                     next_va: 0x7000_0000_0000,
                     next_handle: 1,
                     physical_limit,
+                    host_limit: u64::MAX,
                     ..Default::default()
                 }),
             }
+        }
+
+        /// The same with copies queued until `wait_copies`.
+        pub fn asynchronous(physical_limit: u64) -> Self {
+            let d = Self::new(physical_limit);
+            d.st.borrow_mut().asynchronous = true;
+            d
         }
 
         /// Writes bytes as a kernel would (across mappings); fails on unmapped memory.
@@ -628,6 +873,37 @@ pub mod fake {
             }
             Ok((h, va - base, base + size - va))
         }
+
+        /// Panics unless `[p, p+n)` lies in one live pinned buffer.
+        fn check_host(&self, p: usize, n: u64) {
+            let st = self.st.borrow();
+            let ok = st
+                .host
+                .range(..=p)
+                .next_back()
+                .is_some_and(|(&s, &l)| p + n as usize <= s + l);
+            assert!(
+                ok,
+                "copy with a host range outside every live pinned buffer"
+            );
+        }
+
+        /// Counts a driver call made while a copy is queued.
+        fn note_overlap(&self) {
+            let mut st = self.st.borrow_mut();
+            if !st.pending.is_empty() {
+                st.overlapped += 1;
+            }
+        }
+
+        fn start_copy(&self) -> Result<(), CUresult> {
+            let mut st = self.st.borrow_mut();
+            st.copies += 1;
+            if st.fail_copy == Some(st.copies) {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            Ok(())
+        }
     }
 
     impl Driver for FakeDriver {
@@ -649,6 +925,7 @@ pub mod fake {
             }
         }
         fn create(&self, size: u64) -> Result<u64, CUresult> {
+            self.note_overlap();
             let mut st = self.st.borrow_mut();
             if st.physical_used + size > st.physical_limit {
                 return Err(CUDA_ERROR_OUT_OF_MEMORY);
@@ -686,23 +963,86 @@ pub mod fake {
             }
         }
         fn host_alloc(&self, size: u64) -> Result<*mut u8, CUresult> {
-            self.st.borrow_mut().host_allocs += 1;
+            self.note_overlap();
+            let mut st = self.st.borrow_mut();
+            if st.host_used + size > st.host_limit {
+                return Err(CUDA_ERROR_OUT_OF_MEMORY);
+            }
+            st.host_allocs += 1;
+            st.host_used += size;
             let v = vec![0u8; size as usize].into_boxed_slice();
-            Ok(Box::into_raw(v) as *mut u8)
+            let p = Box::into_raw(v) as *mut u8;
+            st.host.insert(p as usize, size as usize);
+            Ok(p)
         }
-        fn host_free(&self, _p: *mut u8) {
-            // Leaked on purpose: the fake does not track the sizes.
+        fn host_free(&self, p: *mut u8) {
+            let mut st = self.st.borrow_mut();
+            assert!(st.pending.is_empty(), "pinned buffer freed under a copy");
+            let len = st.host.remove(&(p as usize)).expect("double or bad free");
+            st.host_used -= len as u64;
+            // SAFETY: `p` came from host_alloc's Box<[u8]> of `len` bytes, freed once.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, len)) });
         }
         unsafe fn to_host(&self, dst: *mut u8, src: u64, n: u64) -> Result<(), CUresult> {
+            self.check_host(dst as usize, n);
             let data = self.peek(src, n as usize)?;
-            // SAFETY: dst is a host buffer of at least n bytes from host_alloc.
+            // SAFETY: dst lies in a live host buffer of at least n bytes (checked).
             unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, n as usize) };
             Ok(())
         }
         unsafe fn to_device(&self, dst: u64, src: *const u8, n: u64) -> Result<(), CUresult> {
-            // SAFETY: src is a host buffer of at least n bytes from host_alloc.
+            self.check_host(src as usize, n);
+            // SAFETY: src lies in a live host buffer of at least n bytes (checked).
             let data = unsafe { std::slice::from_raw_parts(src, n as usize) };
             self.poke(dst, data)
+        }
+        unsafe fn to_host_async(&self, dst: *mut u8, src: u64, n: u64) -> Result<(), CUresult> {
+            self.start_copy()?;
+            if !self.st.borrow().asynchronous {
+                // SAFETY: the caller's contract.
+                return unsafe { self.to_host(dst, src, n) };
+            }
+            self.check_host(dst as usize, n);
+            // A bad device range is refused at submission, as the driver does.
+            self.locate(src)?;
+            self.st.borrow_mut().pending.push(Pending::ToHost {
+                dst: dst as usize,
+                src,
+                n,
+            });
+            Ok(())
+        }
+        unsafe fn to_device_async(&self, dst: u64, src: *const u8, n: u64) -> Result<(), CUresult> {
+            self.start_copy()?;
+            if !self.st.borrow().asynchronous {
+                // SAFETY: the caller's contract.
+                return unsafe { self.to_device(dst, src, n) };
+            }
+            self.check_host(src as usize, n);
+            self.locate(dst)?;
+            self.st.borrow_mut().pending.push(Pending::ToDevice {
+                dst,
+                src: src as usize,
+                n,
+            });
+            Ok(())
+        }
+        fn wait_copies(&self) -> Result<(), CUresult> {
+            let pending = std::mem::take(&mut self.st.borrow_mut().pending);
+            let mut r = Ok(());
+            for p in pending {
+                // The buffers were checked at submission and must still be live.
+                let done = match p {
+                    // SAFETY: a live pinned buffer of at least n bytes (checked again).
+                    Pending::ToHost { dst, src, n } => unsafe { self.to_host(dst as _, src, n) },
+                    // SAFETY: as above.
+                    Pending::ToDevice { dst, src, n } => unsafe {
+                        self.to_device(dst, src as _, n)
+                    },
+                };
+                r = r.and(done);
+            }
+            r
         }
         fn sync(&self) -> Result<(), CUresult> {
             self.st.borrow_mut().syncs += 1;
@@ -722,63 +1062,228 @@ mod tests {
             .collect()
     }
 
+    /// Both kinds of driver: copies at once, and copies queued until waited for.
+    fn drivers(physical_limit: u64) -> [FakeDriver; 2] {
+        [
+            FakeDriver::new(physical_limit),
+            FakeDriver::asynchronous(physical_limit),
+        ]
+    }
+
     #[test]
     fn swap_keeps_addresses_and_bytes() {
-        let mut m = Memory::new(FakeDriver::new(1 << 30)).unwrap();
-        let big = m.alloc(150 << 20).unwrap();
-        let small = m.alloc(4096).unwrap();
-        let data = pattern(7, 150 << 20);
-        m.driver().poke(big, &data).unwrap();
-        m.driver().poke(small, &pattern(9, 4096)).unwrap();
-        assert!(m.all_resident());
-        assert_eq!(m.figures().working_set, (150 << 20) + GRAN);
+        for d in drivers(1 << 30) {
+            let mut m = Memory::new(d).unwrap();
+            let big = m.alloc(150 << 20).unwrap();
+            let small = m.alloc(4096).unwrap();
+            let data = pattern(7, 150 << 20);
+            m.driver().poke(big, &data).unwrap();
+            m.driver().poke(small, &pattern(9, 4096)).unwrap();
+            assert!(m.all_resident());
+            assert_eq!(m.figures().working_set, (150 << 20) + GRAN);
 
-        let out = m.evict(u64::MAX).unwrap();
-        assert_eq!(out.bytes, (150 << 20) + GRAN);
-        assert_eq!(m.figures().resident, 0);
-        assert_eq!(m.driver().st.borrow().physical_used, 0);
-        // Touching swapped-out memory is an illegal address, as on the GPU.
-        assert_eq!(m.driver().peek(big, 1), Err(700));
+            let out = m.evict(u64::MAX).unwrap();
+            assert_eq!(out.bytes, (150 << 20) + GRAN);
+            assert_eq!(m.figures().resident, 0);
+            assert_eq!(m.driver().st.borrow().physical_used, 0);
+            // Touching swapped-out memory is an illegal address, as on the GPU.
+            assert_eq!(m.driver().peek(big, 1), Err(700));
 
-        let back = m.swap_in_all().unwrap();
-        assert_eq!(back.bytes, (150 << 20) + GRAN);
-        assert!(m.all_resident());
-        assert_eq!(m.driver().peek(big, data.len()).unwrap(), data);
-        assert_eq!(m.driver().peek(small, 4096).unwrap(), pattern(9, 4096));
+            let back = m.swap_in_all().unwrap();
+            assert_eq!(back.bytes, (150 << 20) + GRAN);
+            assert!(m.all_resident());
+            assert_eq!(m.driver().peek(big, data.len()).unwrap(), data);
+            assert_eq!(m.driver().peek(small, 4096).unwrap(), pattern(9, 4096));
+        }
     }
 
     #[test]
     fn host_buffers_are_allocated_once_and_reused() {
-        let mut m = Memory::new(FakeDriver::new(1 << 30)).unwrap();
-        let p = m.alloc(100 << 20).unwrap();
-        for round in 0..50u64 {
-            m.driver()
-                .poke(p + round * 4096, &[round as u8; 16])
-                .unwrap();
-            m.evict(u64::MAX).unwrap();
-            m.swap_in_all().unwrap();
-            assert_eq!(
-                m.driver().peek(p + round * 4096, 16).unwrap(),
-                vec![round as u8; 16]
-            );
+        for d in drivers(1 << 30) {
+            let mut m = Memory::new(d).unwrap();
+            let p = m.alloc(100 << 20).unwrap();
+            for round in 0..50u64 {
+                m.driver()
+                    .poke(p + round * 4096, &[round as u8; 16])
+                    .unwrap();
+                m.evict(u64::MAX).unwrap();
+                m.swap_in_all().unwrap();
+                assert_eq!(
+                    m.driver().peek(p + round * 4096, 16).unwrap(),
+                    vec![round as u8; 16]
+                );
+            }
+            // 100 MiB = two segments (64 + 36 MiB): two pinned buffers, ever.
+            assert_eq!(m.driver().st.borrow().host_allocs, 2);
+            assert_eq!(m.host_buffer_bytes(), 100 << 20);
         }
-        // 100 MiB = two segments (64 + 36 MiB): two pinned buffers, ever.
-        assert_eq!(m.driver().st.borrow().host_allocs, 2);
     }
 
     #[test]
     fn partial_eviction_is_lru_first() {
-        let mut m = Memory::new(FakeDriver::new(1 << 30)).unwrap();
-        let old = m.alloc(64 << 20).unwrap();
+        for d in drivers(1 << 30) {
+            let mut m = Memory::new(d).unwrap();
+            let old = m.alloc(64 << 20).unwrap();
+            m.evict(u64::MAX).unwrap();
+            m.swap_in_all().unwrap(); // `old` touched at epoch 2
+            let _ = old;
+            m.epoch += 5;
+            let newer = m.alloc(64 << 20).unwrap(); // touched later
+            let out = m.evict(10 << 20).unwrap();
+            assert_eq!(out.bytes, 64 << 20, "one segment is enough");
+            assert_eq!(m.driver().peek(old, 1), Err(700), "the older one went");
+            assert!(m.driver().peek(newer, 1).is_ok());
+        }
+    }
+
+    /// Partial evictions that take turns over the segments (LRU) reuse the buffers the
+    /// others left: pinned memory is the most ever out at once, and no byte is lost.
+    #[test]
+    fn spare_host_buffers_serve_other_segments() {
+        for d in drivers(1 << 30) {
+            let mut m = Memory::new(d).unwrap();
+            // Four segments: 3 × 64 MiB and a 14 MiB tail, then a small chunk.
+            let big = m.alloc(206 << 20).unwrap();
+            let small = m.alloc(4096).unwrap();
+            let mut data = pattern(3, 206 << 20);
+            m.driver().poke(big, &data).unwrap();
+            m.driver().poke(small, &pattern(4, 4096)).unwrap();
+            let mut most_out = 0;
+            for round in 0..12u64 {
+                // Half of it, least recently used first: a different half each time.
+                let out = m.evict(100 << 20).unwrap();
+                assert!(out.bytes >= 100 << 20);
+                most_out = most_out.max(out.bytes);
+                m.swap_in_all().unwrap();
+                assert!(m.all_resident());
+                let at = ((round * 17) << 20) as usize % data.len();
+                data[at] = data[at].wrapping_add(1);
+                m.driver().poke(big + at as u64, &data[at..at + 1]).unwrap();
+                assert!(m.host_buffer_bytes() <= m.figures().working_set);
+            }
+            assert_eq!(m.driver().peek(big, data.len()).unwrap(), data);
+            assert_eq!(m.driver().peek(small, 4096).unwrap(), pattern(4, 4096));
+            // Segments that were never out before took the spares: what is pinned is
+            // the most that was out at once, not every segment.
+            let st = m.driver().st.borrow();
+            assert_eq!(st.host_used, most_out);
+            assert!(st.host_used < m.figures().working_set);
+            // 64 + 64 + 14 + 2 MiB: one buffer per segment of the largest eviction.
+            assert_eq!(st.host_allocs, 4);
+            assert_eq!(st.host_used, m.host_buffer_bytes());
+        }
+    }
+
+    #[test]
+    fn freeing_allocations_trims_spare_host_buffers() {
+        for d in drivers(1 << 30) {
+            let mut m = Memory::new(d).unwrap();
+            let a = m.alloc(128 << 20).unwrap();
+            let b = m.alloc(64 << 20).unwrap();
+            m.evict(u64::MAX).unwrap();
+            assert_eq!(m.host_buffer_bytes(), 192 << 20);
+            m.swap_in_all().unwrap();
+            m.free(a).unwrap();
+            // 64 MiB of working set left: no more than that stays pinned.
+            assert_eq!(m.host_buffer_bytes(), 64 << 20);
+            // Freeing a swapped-out allocation returns its buffer too.
+            m.evict(u64::MAX).unwrap();
+            m.free(b).unwrap();
+            assert_eq!(m.host_buffer_bytes(), 0);
+            assert_eq!(m.driver().st.borrow().host_used, 0);
+            assert!(m.driver().st.borrow().host.is_empty());
+        }
+    }
+
+    /// With a copy engine, the next buffer is allocated (swap-out) and the next
+    /// segment mapped (swap-in) while a copy is in flight.
+    #[test]
+    fn swaps_overlap_allocation_with_copies() {
+        let mut m = Memory::new(FakeDriver::asynchronous(1 << 30)).unwrap();
+        let p = m.alloc(256 << 20).unwrap(); // four segments
+        let data = pattern(5, 256 << 20);
+        m.driver().poke(p, &data).unwrap();
         m.evict(u64::MAX).unwrap();
-        m.swap_in_all().unwrap(); // `old` touched at epoch 2
-        let _ = old;
-        m.epoch += 5;
-        let newer = m.alloc(64 << 20).unwrap(); // touched later
-        let out = m.evict(10 << 20).unwrap();
-        assert_eq!(out.bytes, 64 << 20, "one segment is enough");
-        assert_eq!(m.driver().peek(old, 1), Err(700), "the older one went");
-        assert!(m.driver().peek(newer, 1).is_ok());
+        // Buffers 2..4 were allocated during the copies of 1..3.
+        assert_eq!(m.driver().st.borrow().overlapped, 3);
+        m.swap_in_all().unwrap();
+        // Segments 2..4 were created during the copies of 1..3.
+        assert_eq!(m.driver().st.borrow().overlapped, 6);
+        assert_eq!(m.driver().peek(p, data.len()).unwrap(), data);
+    }
+
+    /// Failures in the middle of a pipelined swap leave every segment either resident
+    /// or out with its contents; the next call goes on and no byte is lost.
+    #[test]
+    fn swap_failures_midway_lose_nothing() {
+        for d in drivers(1 << 30) {
+            let mut m = Memory::new(d).unwrap();
+            let p = m.alloc(256 << 20).unwrap();
+            let data = pattern(11, 256 << 20);
+            m.driver().poke(p, &data).unwrap();
+
+            // No pinned memory for the third buffer.
+            m.driver().st.borrow_mut().host_limit = 128 << 20;
+            assert_eq!(m.evict(u64::MAX), Err(CUDA_ERROR_OUT_OF_MEMORY));
+            assert_eq!(m.figures().resident, 128 << 20);
+            m.driver().st.borrow_mut().host_limit = u64::MAX;
+            assert_eq!(m.evict(u64::MAX).unwrap().bytes, 128 << 20);
+            assert_eq!(m.figures().resident, 0);
+
+            // The second copy-in fails.
+            let copies = m.driver().st.borrow().copies;
+            m.driver().st.borrow_mut().fail_copy = Some(copies + 2);
+            assert!(m.swap_in_all().is_err());
+            assert_eq!(m.figures().resident, 64 << 20);
+            m.driver().st.borrow_mut().fail_copy = None;
+            // No room for the last segment.
+            m.driver().st.borrow_mut().physical_limit = 192 << 20;
+            assert_eq!(m.swap_in_all(), Err(CUDA_ERROR_OUT_OF_MEMORY));
+            assert_eq!(m.figures().resident, 192 << 20);
+            m.driver().st.borrow_mut().physical_limit = 1 << 30;
+            assert_eq!(m.swap_in_all().unwrap().bytes, 64 << 20);
+            assert!(m.all_resident());
+            assert_eq!(m.driver().peek(p, data.len()).unwrap(), data);
+
+            // A copy-out that fails leaves its segment resident.
+            let copies = m.driver().st.borrow().copies;
+            m.driver().st.borrow_mut().fail_copy = Some(copies + 3);
+            assert!(m.evict(u64::MAX).is_err());
+            assert_eq!(m.figures().resident, 128 << 20);
+            m.driver().st.borrow_mut().fail_copy = None;
+            m.evict(u64::MAX).unwrap();
+            m.swap_in_all().unwrap();
+            assert_eq!(m.driver().peek(p, data.len()).unwrap(), data);
+            assert!(m.host_buffer_bytes() <= 256 << 20);
+        }
+    }
+
+    #[test]
+    fn prepared_buffers_make_the_swap_out_allocate_nothing() {
+        for d in drivers(1 << 30) {
+            let mut m = Memory::new(d).unwrap();
+            let p = m.alloc(206 << 20).unwrap(); // 64 + 64 + 64 + 14 MiB
+            let data = pattern(13, 206 << 20);
+            m.driver().poke(p, &data).unwrap();
+            // A little at a time: one 64 MiB buffer fits a 100 MiB budget, then the
+            // second, then nothing is left (two segments cover 100 MiB).
+            assert_eq!(m.prepare_swap_out(100 << 20, 100 << 20).unwrap(), 64 << 20);
+            assert_eq!(m.prepare_swap_out(100 << 20, 100 << 20).unwrap(), 64 << 20);
+            assert_eq!(m.prepare_swap_out(100 << 20, 100 << 20).unwrap(), 0);
+            assert_eq!(m.prepare_swap_out(150 << 20, 10 << 20).unwrap(), 0);
+            assert_eq!(m.prepare_swap_out(150 << 20, 64 << 20).unwrap(), 64 << 20);
+            let allocs = m.driver().st.borrow().host_allocs;
+            assert_eq!(m.evict(150 << 20).unwrap().bytes, 192 << 20);
+            assert_eq!(m.driver().st.borrow().host_allocs, allocs, "all prepared");
+            // Everything: only the 14 MiB tail is missing.
+            m.swap_in_all().unwrap();
+            assert_eq!(m.prepare_swap_out(u64::MAX, u64::MAX).unwrap(), 14 << 20);
+            m.evict(u64::MAX).unwrap();
+            assert_eq!(m.driver().st.borrow().host_allocs, allocs + 1);
+            m.swap_in_all().unwrap();
+            assert_eq!(m.driver().peek(p, data.len()).unwrap(), data);
+            assert_eq!(m.host_buffer_bytes(), 206 << 20);
+        }
     }
 
     #[test]

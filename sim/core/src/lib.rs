@@ -11,10 +11,12 @@
 //! - [`trace`]: the kernel trace format, its writer, and the analysis helper that
 //!   answers "did A and B ever run kernels at the same time?";
 //! - [`install`]: putting the two cdylibs together in `target/<profile>/sim/`;
-//! - [`ident`]: GPU UUIDs and PCI identities, identical for both stand-ins.
+//! - [`ident`]: GPU UUIDs and PCI identities, identical for both stand-ins;
+//! - [`dma`]: how host↔device copies move their bytes (the copy engine).
 //!
 //! It must not export any `cu*`/`nvml*` symbol: test binaries link it.
 
+pub mod dma;
 pub mod harness;
 pub mod ident;
 pub mod install;

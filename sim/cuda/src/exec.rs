@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use kiwi_sim_core::{monotonic_ns, TraceRecord};
+use kiwi_sim_core::{dma, monotonic_ns, TraceRecord};
 
 use crate::abi::*;
 use crate::driver::Driver;
@@ -444,9 +444,9 @@ impl Context {
                             // SAFETY: host range validated by the caller's contract;
                             // device piece resolved and kept alive by `p.phys`.
                             unsafe {
-                                std::ptr::copy_nonoverlapping(
-                                    at as *const u8,
+                                dma::copy(
                                     p.phys.host_ptr(p.offset),
+                                    at as *const u8,
                                     p.len as usize,
                                 )
                             };
@@ -465,11 +465,7 @@ impl Context {
                         for p in pieces {
                             // SAFETY: as for HtoD, in the other direction.
                             unsafe {
-                                std::ptr::copy_nonoverlapping(
-                                    p.phys.host_ptr(p.offset),
-                                    at as *mut u8,
-                                    p.len as usize,
-                                )
+                                dma::copy(at as *mut u8, p.phys.host_ptr(p.offset), p.len as usize)
                             };
                             at += p.len as usize;
                         }
@@ -751,13 +747,7 @@ fn copy_row(
             for p in d.mem.resolve(dst, n, true)? {
                 // SAFETY: host source readable per the caller's contract; device
                 // piece resolved and alive.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        at as *const u8,
-                        p.phys.host_ptr(p.offset),
-                        p.len as usize,
-                    )
-                };
+                unsafe { dma::copy(p.phys.host_ptr(p.offset), at as *const u8, p.len as usize) };
                 at += p.len as usize;
             }
         }
@@ -765,13 +755,7 @@ fn copy_row(
             let mut at = dst as usize;
             for p in d.mem.resolve(src, n, false)? {
                 // SAFETY: as above, in the other direction.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        p.phys.host_ptr(p.offset),
-                        at as *mut u8,
-                        p.len as usize,
-                    )
-                };
+                unsafe { dma::copy(at as *mut u8, p.phys.host_ptr(p.offset), p.len as usize) };
                 at += p.len as usize;
             }
         }
