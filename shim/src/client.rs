@@ -46,6 +46,9 @@ pub const MAX_TURNS: usize = 64;
 const MAKE_ROOM_WAIT: Duration = Duration::from_secs(15);
 /// How long an allocation waits for the arbiter's swap admission before going ahead.
 const ADMIT_WAIT: Duration = Duration::from_secs(10);
+/// Pinned buffers a contended holder prepares per tick for its coming swap-out: small
+/// enough that a drop arriving meanwhile waits little (the same thread answers it).
+const PREPARE_PER_TICK: u64 = 64 << 20;
 
 /// What a turn needs from its GPU's allocator: residency, eviction, draining.
 pub trait Residency: Send + Sync {
@@ -55,6 +58,12 @@ pub trait Residency: Send + Sync {
     fn all_resident(&self) -> bool;
     fn swap_in_all(&self) -> Result<Swap, CUresult>;
     fn evict(&self, need: u64) -> Result<Swap, CUresult>;
+    /// Allocates up to about `budget` bytes of the pinned buffers `evict(need)` will
+    /// need; returns the bytes allocated (0: ready).
+    fn prepare_swap_out(&self, need: u64, budget: u64) -> Result<u64, CUresult> {
+        let _ = (need, budget);
+        Ok(0)
+    }
     /// Waits until this process's queued GPU work on this GPU is done.
     fn drain(&self) -> Result<(), CUresult>;
 }
@@ -88,6 +97,8 @@ struct TurnState {
     contended_need: u64,
     oom_retries: u32,
     last_usage: Option<Usage>,
+    /// The contention need whose swap-out buffers are ready (pinned ahead of the drop).
+    prepared_for: Option<u64>,
 }
 
 /// One GPU's turn: its connection, its allocator and what the arbiter lets it use.
@@ -551,6 +562,7 @@ impl Client {
                 contended_need: 0,
                 oom_retries: 0,
                 last_usage: None,
+                prepared_for: None,
             },
         });
         let mut order: Vec<usize> = (0..st.slots.len()).collect();
@@ -769,8 +781,12 @@ impl Client {
                 need_bytes,
             } => {
                 let mut st = lock(&self.state);
-                st.slots[k].ts.contended = waiting;
-                st.slots[k].ts.contended_need = need_bytes;
+                let ts = &mut st.slots[k].ts;
+                ts.contended = waiting;
+                if ts.contended_need != need_bytes {
+                    ts.prepared_for = None;
+                }
+                ts.contended_need = need_bytes;
             }
             ArbiterMsg::Reclaim { need_bytes } => self.on_reclaim(k, need_bytes),
             ArbiterMsg::Revoked { reason } => self.on_revoked(k, &reason),
@@ -834,6 +850,28 @@ impl Client {
         if st.slots[k].ts.last_usage != Some(u) {
             st.slots[k].ts.last_usage = Some(u);
             turn.send(&ClientMsg::Usage(u));
+        }
+        // Others wait: pin the buffers the coming swap-out needs now, a little per
+        // tick, so the drop does not wait for pinning (slow: page-locking host RAM).
+        let ts = &st.slots[k].ts;
+        let need = ts.contended_need;
+        if ts.phase == Phase::Holding
+            && ts.contended > 0
+            && need > 0
+            && ts.prepared_for != Some(need)
+        {
+            drop(st);
+            let ready = match turn.res.prepare_swap_out(need, PREPARE_PER_TICK) {
+                Ok(0) => true,
+                Ok(_) => false,
+                Err(e) => {
+                    crate::kdebug!("pinning swap buffers ahead failed with CUDA error {e}");
+                    true
+                }
+            };
+            if ready {
+                lock(&self.state).slots[k].ts.prepared_for = Some(need);
+            }
         }
     }
 

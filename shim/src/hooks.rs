@@ -97,6 +97,20 @@ impl Driver for RealDriver {
     unsafe fn to_device(&self, dst: u64, src: *const u8, n: u64) -> Result<(), CUresult> {
         call!(cuMemcpyHtoD_v2: fn(CUdeviceptr, *const c_void, usize)(dst, src as *const c_void, n as usize))
     }
+    // Swap copies run on the context's legacy default stream: the application's work is
+    // drained and the gate closed while the shim swaps, so nothing else is queued there,
+    // and the copy engine moves one segment while the shim maps or pins the next.
+    unsafe fn to_host_async(&self, dst: *mut u8, src: u64, n: u64) -> Result<(), CUresult> {
+        call!(cuMemcpyDtoHAsync_v2: fn(*mut c_void, CUdeviceptr, usize, CUstream)
+            (dst as *mut c_void, src, n as usize, null_mut()))
+    }
+    unsafe fn to_device_async(&self, dst: u64, src: *const u8, n: u64) -> Result<(), CUresult> {
+        call!(cuMemcpyHtoDAsync_v2: fn(CUdeviceptr, *const c_void, usize, CUstream)
+            (dst, src as *const c_void, n as usize, null_mut()))
+    }
+    fn wait_copies(&self) -> Result<(), CUresult> {
+        call!(cuStreamSynchronize: fn(CUstream)(null_mut()))
+    }
     fn sync(&self) -> Result<(), CUresult> {
         call!(cuCtxSynchronize: fn()())
     }
@@ -328,6 +342,9 @@ impl Residency for DeviceResidency {
     }
     fn evict(&self, need: u64) -> Result<Swap, CUresult> {
         self.with(Ok(Swap::default()), |m| m.evict(need))
+    }
+    fn prepare_swap_out(&self, need: u64, budget: u64) -> Result<u64, CUresult> {
+        self.with(Ok(0), |m| m.prepare_swap_out(need, budget))
     }
     fn drain(&self) -> Result<(), CUresult> {
         crate::ffi::inside(|| match AppContext::enter(self.0) {

@@ -653,7 +653,8 @@ impl<D: Driver> Memory<D> {
         }
         let mut done = 0;
         for size in missing {
-            if done + size > budget {
+            // At least one buffer per call, however small the budget.
+            if done > 0 && done + size > budget {
                 break;
             }
             let b = self.new_host_buf(size)?;
@@ -1270,8 +1271,9 @@ mod tests {
             assert_eq!(m.prepare_swap_out(100 << 20, 100 << 20).unwrap(), 64 << 20);
             assert_eq!(m.prepare_swap_out(100 << 20, 100 << 20).unwrap(), 64 << 20);
             assert_eq!(m.prepare_swap_out(100 << 20, 100 << 20).unwrap(), 0);
-            assert_eq!(m.prepare_swap_out(150 << 20, 10 << 20).unwrap(), 0);
-            assert_eq!(m.prepare_swap_out(150 << 20, 64 << 20).unwrap(), 64 << 20);
+            // A budget below one buffer still makes progress: one buffer per call.
+            assert_eq!(m.prepare_swap_out(150 << 20, 10 << 20).unwrap(), 64 << 20);
+            assert_eq!(m.prepare_swap_out(150 << 20, 64 << 20).unwrap(), 0);
             let allocs = m.driver().st.borrow().host_allocs;
             assert_eq!(m.evict(150 << 20).unwrap().bytes, 192 << 20);
             assert_eq!(m.driver().st.borrow().host_allocs, allocs, "all prepared");
