@@ -78,6 +78,8 @@ pub struct Job {
     pub bursts: u32,
     pub gpu_ms: u64,
     pub cpu_ms: u64,
+    /// Idle time (sleeping, not computing) after each CPU phase.
+    pub idle_ms: u64,
     /// Length of the burst's spin kernels.
     pub kernel_us: u64,
 }
@@ -94,6 +96,8 @@ pub fn spawn_job(b: &Build, sim: &Sim, job: Job, seed: u64, kiwi: Option<&Path>)
         &job.gpu_ms.to_string(),
         "--cpu-ms",
         &job.cpu_ms.to_string(),
+        "--idle-ms",
+        &job.idle_ms.to_string(),
         "--seed",
         &seed.to_string(),
         "--kernel-us",
@@ -192,6 +196,7 @@ pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
         bursts: if quick { 3 } else { 5 },
         gpu_ms: if quick { 1000 } else { 2000 },
         cpu_ms: if quick { 1000 } else { 2000 },
+        idle_ms: 0,
         kernel_us: 5000,
     };
     let tq = 5.0;
@@ -245,6 +250,7 @@ pub fn fit(quick: bool) -> Result<Vec<Figure>> {
         bursts: if quick { 3 } else { 5 },
         gpu_ms: if quick { 1000 } else { 2000 },
         cpu_ms: if quick { 1000 } else { 2000 },
+        idle_ms: 0,
         kernel_us: 5000,
     };
     let off = together_under_kiwi(&b, job, GPU, 30.0, false)?.as_secs_f64();
