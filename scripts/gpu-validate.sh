@@ -7,7 +7,9 @@
 # 1. two gpuburst notebooks at 60% of the GPU's memory each under kiwi-arbiter
 #    (they do not fit together: they must take turns and both verify every byte);
 # 2. two PyTorch training loops under `kiwictl run`, same constraint;
-# 3. swap throughput (from the arbiter's event log) against a pinned cuMemcpy.
+# 3. with two GPUs or more: two gpuburst processes using GPUs 0 and 1 in opposite
+#    orders (one turn per GPU, acquired in one order: no deadlock);
+# 4. swap throughput (from the arbiter's event log) against a pinned cuMemcpy.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=target/release
@@ -70,6 +72,17 @@ PY
   echo "$torch_result"
 fi
 
+GPUS=$(nvidia-smi -L | grep -c '^GPU ' || true)
+multi_result="skipped: one GPU"
+if [ "$GPUS" -ge 2 ]; then
+  echo "== two processes on GPUs 0 and 1 in opposite orders, ${MEM_MIB} MiB on each"
+  "$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --device 0,1 --mem "${MEM_MIB}MiB" --bursts 4 --gpu-ms 1000 --cpu-ms 500 --name M1 --seed 3 >"$WORK/m1.out" 2>&1 & M1=$!
+  "$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --device 1,0 --mem "${MEM_MIB}MiB" --bursts 4 --gpu-ms 1000 --cpu-ms 500 --name M2 --seed 4 >"$WORK/m2.out" 2>&1 & M2=$!
+  rm1=0; rm2=0; wait $M1 || rm1=$?; wait $M2 || rm2=$?
+  multi_result="M1 (0,1) exit $rm1, M2 (1,0) exit $rm2, verified: $(grep -c 'all bytes as expected' "$WORK/m1.out" "$WORK/m2.out" | tr '\n' ' ')"
+  echo "$multi_result"
+fi
+
 swaps=$("$R/kiwictl" --socket-dir "$SOCK" events | python3 -c '
 import sys, json
 ob = od = ib = idd = 0
@@ -87,6 +100,7 @@ echo "$swaps"
   echo
   echo "- gpuburst pair at 60% of ${TOTAL_MIB} MiB each: ${burst_result}"
   echo "- PyTorch pair under kiwictl run: ${torch_result}"
+  echo "- two-GPU pair in opposite orders: ${multi_result}"
   echo "- ${swaps}"
 } >>docs/gpu-validation.md
 echo "results appended to docs/gpu-validation.md"
