@@ -863,7 +863,10 @@ impl Client {
             drop(st);
             let ready = match turn.res.prepare_swap_out(need, PREPARE_PER_TICK) {
                 Ok(0) => true,
-                Ok(_) => false,
+                Ok(n) => {
+                    stats::PINNED_AHEAD_BYTES.fetch_add(n, Ordering::Relaxed);
+                    false
+                }
                 Err(e) => {
                     crate::kdebug!("pinning swap buffers ahead failed with CUDA error {e}");
                     true

@@ -16,6 +16,8 @@ pub static PROCADDR_WRAPPED: AtomicU64 = AtomicU64::new(0);
 pub static RECONNECTS: AtomicU64 = AtomicU64::new(0);
 /// GPUs this process holds turns on (registered with the arbiter).
 pub static GPUS: AtomicU64 = AtomicU64::new(0);
+/// Pinned swap buffers allocated ahead of a drop (off the release's critical path).
+pub static PINNED_AHEAD_BYTES: AtomicU64 = AtomicU64::new(0);
 
 /// The counters as text.
 pub fn render() -> String {
@@ -23,7 +25,7 @@ pub fn render() -> String {
     format!(
         "submissions {}\nslow_submits {}\ngrants {}\nreleases {}\nearly_releases {}\n\
          swap_out_bytes {}\nswap_in_bytes {}\nallocs {}\ndlsym_wrapped {}\n\
-         procaddr_wrapped {}\nreconnects {}\ngpus {}\nmode {}\n",
+         procaddr_wrapped {}\nreconnects {}\ngpus {}\npinned_ahead_bytes {}\nmode {}\n",
         crate::gate::GATE.submissions(),
         g(&SLOW_SUBMITS),
         g(&GRANTS),
@@ -36,6 +38,7 @@ pub fn render() -> String {
         g(&PROCADDR_WRAPPED),
         g(&RECONNECTS),
         g(&GPUS),
+        g(&PINNED_AHEAD_BYTES),
         crate::client::mode_name(),
     )
 }
