@@ -136,12 +136,17 @@ impl Turn {
         self.res.figures()
     }
 
+    /// Whether the arbiter enforces a node swap budget (growth must be admitted).
+    pub fn budgeted(&self) -> bool {
+        self.budgeted.load(Ordering::Acquire)
+    }
+
     /// Asks the arbiter whether this GPU's working set may grow to `working_set`
     /// bytes without the node's swap need passing its budget. `None`: refused, the
     /// allocation fails with out-of-memory. Without a budget, or when the arbiter does
     /// not answer (it is restarting), the growth goes ahead.
     pub fn admit(&'static self, working_set: u64) -> Option<Admission> {
-        if !self.budgeted.load(Ordering::Acquire) {
+        if !self.budgeted() {
             return Some(Admission(None));
         }
         let guard = lock(&self.admitting);

@@ -271,10 +271,10 @@ fn ensure_device(d: usize, ctx: CUcontext) -> bool {
     mem_lock(d).is_some()
 }
 
-/// Runs `f` on the allocator of the current context's device, creating it (and the
-/// device's turn) on first use. `None` when the shim does not manage this allocation
-/// (no context, allocator disabled, VMM unavailable).
-fn with_mem<T>(f: impl FnOnce(usize, &mut Memory<RealDriver>) -> T) -> Option<T> {
+/// The current context's device, when the shim manages its memory: its allocator
+/// (and, managed, its turn) is created on first use. `None`: no context, allocator
+/// disabled, VMM unavailable.
+fn current_mem_device() -> Option<usize> {
     if !client::allocator_enabled() {
         return None;
     }
@@ -283,11 +283,7 @@ fn with_mem<T>(f: impl FnOnce(usize, &mut Memory<RealDriver>) -> T) -> Option<T>
         return None;
     }
     let d = current_device()?;
-    if !ensure_device(d, ctx) {
-        return None;
-    }
-    let mut guard = mem_lock(d);
-    guard.as_mut().map(|m| f(d, m))
+    ensure_device(d, ctx).then_some(d)
 }
 
 /// Runs `f` on the allocator that owns `ptr` (an allocation base).
@@ -521,15 +517,17 @@ fn limit_of(d: usize) -> u64 {
 /// Under a node swap budget, growth of the working set is admitted by the arbiter
 /// first. Asked without the allocator's lock held: the answer comes through the turn's
 /// thread, which may need that lock for a swap meanwhile. `Err`: refused.
-fn admit(size: u64) -> Result<Option<client::Admission>, CUresult> {
-    let Some(c) = client::global() else {
-        return Ok(None);
-    };
-    let Some((d, ws, growth)) = with_mem(|d, m| (d, m.figures().working_set, m.growth(size)))
+fn admit(d: usize, size: u64) -> Result<Option<client::Admission>, CUresult> {
+    let Some(turn) = client::global()
+        .and_then(|c| c.turn_for(d))
+        .filter(|t| t.budgeted())
     else {
         return Ok(None);
     };
-    let Some(turn) = c.turn_for(d) else {
+    let Some((ws, growth)) = mem_lock(d)
+        .as_ref()
+        .map(|m| (m.figures().working_set, m.growth(size)))
+    else {
         return Ok(None);
     };
     if growth == 0 || ws + growth > turn.capacity() {
@@ -543,11 +541,12 @@ fn admit(size: u64) -> Result<Option<client::Admission>, CUresult> {
 
 /// Allocates through the shim's allocator; `None` = not ours to serve.
 fn alloc(size: u64) -> Option<Result<u64, CUresult>> {
-    let _admission = match admit(size) {
+    let d = current_mem_device()?;
+    let _admission = match admit(d, size) {
         Ok(a) => a,
         Err(e) => return Some(Err(e)),
     };
-    let r = with_mem(|d, m| match m.alloc(size) {
+    let r = mem_lock(d).as_mut().map(|m| match m.alloc(size) {
         Err(CUDA_ERROR_OUT_OF_MEMORY) if m.figures().working_set + size <= limit_of(d) => {
             // Within what this application may use, but the GPU is physically full of
             // others' memory: reserve now, back it at the next turn (the arbiter makes
