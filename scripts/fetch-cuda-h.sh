@@ -36,6 +36,7 @@ with zipfile.ZipFile(sys.argv[1]) as z:
     print(names[0], file=sys.stderr)
 PY
 mkdir -p "$dest"
-cp "$(find "$tmp/x" -name cuda.h | head -n 1)" "$dest/cuda.h.tmp"
-mv "$dest/cuda.h.tmp" "$dest/cuda.h"
+# Tests run this concurrently: each copies to its own name, and the rename is atomic.
+cp "$(find "$tmp/x" -name cuda.h | head -n 1)" "$dest/.cuda.h.$$"
+mv -f "$dest/.cuda.h.$$" "$dest/cuda.h"
 echo "$dest"
