@@ -866,9 +866,11 @@ impl Client {
             && ts.prepared_for != Some(need)
         {
             drop(st);
+            let t = Instant::now();
             let ready = match turn.res.prepare_swap_out(need, PREPARE_PER_TICK) {
                 Ok(0) => true,
                 Ok(n) => {
+                    crate::kdebug!("pinned {n} bytes ahead in {:?}", t.elapsed());
                     stats::PINNED_AHEAD_BYTES.fetch_add(n, Ordering::Relaxed);
                     false
                 }
@@ -910,15 +912,33 @@ impl Client {
         }
     }
 
-    /// Keeps the submission queue short while we hold a GPU exclusively or others
-    /// wait for it: a drop can come at any time then, and work queued before anyone
-    /// waited must drain too. (Sharing, when everything fits, is never dropped: no bound.)
+    /// Bounds the submission queue while we hold a GPU. Exclusive or with others
+    /// waiting, a drop can come at any time: the queue holds ~25 ms. Sharing, a drop
+    /// comes only when a newcomer no longer fits (for all holders but one at once),
+    /// so work queued then must drain too: the queue holds ~100 ms.
     fn refresh_throttle(&self, st: &State) {
-        let on = st
-            .slots
-            .iter()
-            .any(|s| s.ts.phase == Phase::Holding && (s.ts.exclusive || s.ts.contended > 0));
-        crate::gate::THROTTLE.store(on, Ordering::Relaxed);
+        let holding = st.slots.iter().filter(|s| s.ts.phase == Phase::Holding);
+        let on = holding.clone().next().is_some();
+        let dropping = holding
+            .clone()
+            .any(|s| s.ts.exclusive || s.ts.contended > 0);
+        let bound = &crate::gate::QUEUE_BOUND;
+        let target = if dropping {
+            crate::gate::QueueBound::EXCLUSIVE
+        } else {
+            crate::gate::QueueBound::SHARED
+        };
+        let changed = bound.set_target(target);
+        if crate::gate::THROTTLE.swap(on, Ordering::Relaxed) != on || changed {
+            crate::kdebug!(
+                "queue bound {}",
+                if on {
+                    format!("{target:?}")
+                } else {
+                    "off".into()
+                }
+            );
+        }
     }
 
     /// Reconnects with backoff (50 ms … 1 s) and re-registers with what the turn held.

@@ -92,9 +92,9 @@ impl Gate {
 /// The process's gate.
 pub static GATE: Gate = Gate::new();
 
-/// Set by the client while this process holds the GPU exclusively: then the queue
-/// of submitted work is kept short, so a drop drains in tens of milliseconds however
-/// long the application's kernels are.
+/// Set by the client while this process holds a GPU (exclusively or shared): then the
+/// queue of submitted work is bounded ([`QUEUE_BOUND`]), so a drop drains quickly
+/// however long the application's kernels are and however much it queued at once.
 pub static THROTTLE: AtomicBool = AtomicBool::new(false);
 
 /// Runs the driver call `f` once this process may submit work.
@@ -111,20 +111,28 @@ pub fn submit(name: &'static str, f: impl FnOnce() -> CUresult) -> CUresult {
     submit_slow(name, f)
 }
 
-/// The adaptive bound on queued work while others wait: after every `limit`
+/// The adaptive bound on queued work while holding a GPU: after every `limit`
 /// submissions the submitting thread waits for the queue to empty. The wait is
-/// timed: longer than [`QueueBound::TARGET`] halves the limit, much shorter doubles
-/// it, so the queue holds about TARGET of GPU time whatever the kernels' length.
+/// timed: longer than the target halves the limit, much shorter doubles it, so the
+/// queue holds about the target of GPU time whatever the kernels' length.
 pub struct QueueBound {
     since_sync: AtomicU64,
     limit: AtomicU64,
     /// Threads waiting in the bound right now: the application is busy, not idle.
     syncing: AtomicU64,
+    /// The target, in microseconds ([`QueueBound::EXCLUSIVE`] or [`QueueBound::SHARED`]).
+    target_us: AtomicU64,
 }
 
 impl QueueBound {
-    /// GPU time a drop may have to drain.
-    pub const TARGET: std::time::Duration = std::time::Duration::from_millis(25);
+    /// GPU time a drop may have to drain while a drop is coming (others wait, or we
+    /// hold exclusively): tens of milliseconds.
+    pub const EXCLUSIVE: std::time::Duration = std::time::Duration::from_millis(25);
+    /// While sharing (everything fits) no drop is due, but a newcomer that does not fit
+    /// makes one come (at once for all but one holder): the queue stays well under the
+    /// 250 ms drop-latency goal even with other sharers' kernels interleaved, and a
+    /// sync bubble every 100 ms costs nothing measurable.
+    pub const SHARED: std::time::Duration = std::time::Duration::from_millis(100);
     const MAX: u64 = 1024;
 
     pub const fn new() -> Self {
@@ -132,7 +140,19 @@ impl QueueBound {
             since_sync: AtomicU64::new(0),
             limit: AtomicU64::new(8),
             syncing: AtomicU64::new(0),
+            target_us: AtomicU64::new(Self::EXCLUSIVE.as_micros() as u64),
         }
+    }
+
+    /// The GPU time the queue should hold at most.
+    pub fn target(&self) -> std::time::Duration {
+        std::time::Duration::from_micros(self.target_us.load(Ordering::Relaxed))
+    }
+
+    /// Sets the target; returns whether it changed.
+    pub fn set_target(&self, t: std::time::Duration) -> bool {
+        let us = t.as_micros() as u64;
+        self.target_us.swap(us, Ordering::Relaxed) != us
     }
 
     #[cold]
@@ -161,9 +181,10 @@ impl QueueBound {
     /// Adjusts the limit after a wait of `waited` for `limit` submissions.
     pub fn adapt(&self, waited: std::time::Duration) {
         let limit = self.limit.load(Ordering::Relaxed);
-        let next = if waited > Self::TARGET {
+        let target = self.target();
+        let next = if waited > target {
             (limit / 2).max(1)
-        } else if waited < Self::TARGET / 4 {
+        } else if waited < target / 4 {
             (limit * 2).min(Self::MAX)
         } else {
             limit
@@ -220,8 +241,23 @@ mod tests {
         }
         assert_eq!(b.limit(), QueueBound::MAX);
         // In the target band it stays.
-        b.adapt(QueueBound::TARGET / 2);
+        b.adapt(QueueBound::EXCLUSIVE / 2);
         assert_eq!(b.limit(), QueueBound::MAX);
+    }
+
+    #[test]
+    fn queue_bound_target_follows_sharing() {
+        let b = QueueBound::new();
+        assert_eq!(b.target(), QueueBound::EXCLUSIVE);
+        assert!(b.set_target(QueueBound::SHARED));
+        assert!(!b.set_target(QueueBound::SHARED));
+        // 100 ms of work per wait: within the shared target it keeps the limit...
+        b.adapt(std::time::Duration::from_millis(100));
+        assert_eq!(b.limit(), 8);
+        // ...and once a drop may come, the same wait halves it.
+        assert!(b.set_target(QueueBound::EXCLUSIVE));
+        b.adapt(std::time::Duration::from_millis(100));
+        assert_eq!(b.limit(), 4);
     }
     use std::sync::Arc;
 

@@ -48,7 +48,18 @@ pub fn write(level: Level, args: std::fmt::Arguments<'_>) {
         Level::Info => "info",
         Level::Debug => "debug",
     };
-    let line = format!("[kiwi] {tag}: pid {}: {args}\n", std::process::id());
+    let pid = std::process::id();
+    let line = if level == Level::Debug {
+        // Debug lines carry CLOCK_MONOTONIC (ms), the clock of the arbiter's event log.
+        let t = kiwi_protocol::monotonic_ns();
+        format!(
+            "[kiwi] {tag}: pid {pid}: {}.{:03} ms: {args}\n",
+            t / 1_000_000,
+            t / 1_000 % 1_000
+        )
+    } else {
+        format!("[kiwi] {tag}: pid {pid}: {args}\n")
+    };
     // One write call per line so lines from several threads do not interleave.
     let _ = std::io::stderr().write_all(line.as_bytes());
 }
