@@ -197,16 +197,21 @@ impl GpuScheduler {
         !self.settings.scheduler_on || self.fits()
     }
 
-    /// Bytes that must leave GPU memory before `next` can bring all of its own in.
+    /// Bytes that must leave GPU memory before `next` can bring all of its own in:
+    /// what residency would exceed capacity by. Residency can already be over capacity
+    /// (a client swaps in on a grant given while its answer to a reclaim was still on
+    /// the way): that overflow must go too, or it stays for good.
     fn need_for(&self, next: ClientId) -> u64 {
         let Some(c) = self.clients.get(&next) else {
             return 0;
         };
-        let free = self.capacity.saturating_sub(self.resident());
-        c.usage
+        let missing = c
+            .usage
             .working_set_bytes
-            .saturating_sub(c.usage.resident_bytes)
-            .saturating_sub(free)
+            .saturating_sub(c.usage.resident_bytes);
+        self.resident()
+            .saturating_add(missing)
+            .saturating_sub(self.capacity)
     }
 
     /// Current holders (one when exclusive), for tests and status.

@@ -104,6 +104,28 @@ fn seed_timeline_tq_then_early_release() {
 }
 
 #[test]
+fn residency_over_capacity_is_evicted_at_the_next_drop() {
+    // Two 8 MiB clients on 14 MiB. B was asked to reclaim while it waited, but was
+    // granted before its answer came, and swapped back in: both are resident (16 MiB).
+    // Each hand-off must now shed the 2 MiB overflow, not alternate with it forever.
+    let mut s = sched(14 * MIB, 5, 500);
+    reg(&mut s, 0, 1, 8 * MIB);
+    reg(&mut s, 0, 2, 8 * MIB);
+    assert_eq!(granted(&s.request(0, 1), 1), Some(true));
+    s.usage(0, 1, usage(8 * MIB, 8 * MIB));
+    s.request(1, 2);
+    s.usage(1, 2, usage(8 * MIB, 8 * MIB));
+    let outs = s.tick(5 * MS);
+    assert_eq!(dropped(&outs, 1), Some(2 * MIB), "{outs:?}");
+    let outs = s.release(6 * MS, 1, usage(8 * MIB, 6 * MIB));
+    assert_eq!(granted(&outs, 2), Some(true));
+    // Back within capacity: the next drop asks for nothing more than A's swap-in needs.
+    s.request(7 * MS, 1);
+    let outs = s.tick(11 * MS);
+    assert_eq!(dropped(&outs, 2), Some(2 * MIB), "{outs:?}");
+}
+
+#[test]
 fn holder_hears_when_the_next_ones_needs_grow() {
     let mut s = sched(1000 * MIB, 30_000, 5_000);
     reg(&mut s, 0, 1, 700 * MIB);
