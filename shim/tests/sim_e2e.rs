@@ -1048,11 +1048,6 @@ fn gpuburst_pair_over_capacity_takes_turns_under_kiwi_and_fails_without() {
         );
         assert!(num(&s, "grants") >= 1, "{s:?}");
     }
-    // A holder that others wait for pins its coming swap-out's buffers ahead of the
-    // drop (each of them was contended for a whole 0.5 s quantum at least once). How
-    // much depends on how many ticks a slow machine fits before the drop: any is proof.
-    let ahead = num(&stats(&sa), "pinned_ahead_bytes") + num(&stats(&sb), "pinned_ahead_bytes");
-    assert!(ahead > 0, "pinned ahead: {ahead} bytes");
     let t = trace(&trace_file);
     let grants = num(&stats(&sa), "grants") + num(&stats(&sb), "grants");
     let sw = switches(&t);

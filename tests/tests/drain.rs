@@ -12,21 +12,35 @@ use kiwi_tests::{bin, profile_dir, Arbiter};
 /// gpuburst with 5 ms kernels, each whole 1.5 s burst queued at once and no CPU
 /// phase: whenever it is dropped, its queue is as deep as the shim lets it be.
 fn deep_queuer(arb: &Arbiter, sim: &str, sim_dir: &Path, mem: &str, seed: &str) -> Child {
-    Command::new(bin("gpuburst"))
-        .args([
-            "--mem", mem, "--bursts", "3", "--gpu-ms", "1500", "--cpu-ms", "0",
-        ])
-        .args(["--kernel-us", "5000", "--queue-ms", "0", "--seed", seed])
-        .env("LD_LIBRARY_PATH", sim_dir)
-        .env("KIWI_SIM_NAME", sim)
-        .env("KIWI_SIM_MEMORY", "256MiB")
-        .env("LD_PRELOAD", bin("libkiwi.so"))
-        .env("KIWI_SOCKET_DIR", arb.socket_dir())
-        .env("KIWI_REQUIRE_ARBITER", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
+    deep_queuer_cmd(arb, sim, sim_dir, mem, seed)
         .spawn()
         .expect("spawn gpuburst")
+}
+
+fn deep_queuer_cmd(arb: &Arbiter, sim: &str, sim_dir: &Path, mem: &str, seed: &str) -> Command {
+    let mut c = Command::new(bin("gpuburst"));
+    c.args([
+        "--mem", mem, "--bursts", "3", "--gpu-ms", "1500", "--cpu-ms", "0",
+    ])
+    .args(["--kernel-us", "5000", "--queue-ms", "0", "--seed", seed])
+    .env("LD_LIBRARY_PATH", sim_dir)
+    .env("KIWI_SIM_NAME", sim)
+    .env("KIWI_SIM_MEMORY", "256MiB")
+    .env("LD_PRELOAD", bin("libkiwi.so"))
+    .env("KIWI_SOCKET_DIR", arb.socket_dir())
+    .env("KIWI_REQUIRE_ARBITER", "1")
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped());
+    c
+}
+
+/// `pinned_ahead_bytes` from a shim stats file.
+fn pinned_ahead(stats: &Path) -> u64 {
+    let s = std::fs::read_to_string(stats).expect("shim stats written at exit");
+    s.lines()
+        .find_map(|l| l.strip_prefix("pinned_ahead_bytes "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("pinned_ahead_bytes in the stats")
 }
 
 /// Waits for every program; each must succeed (it verified its bytes). Returns their
@@ -90,10 +104,20 @@ fn drop_drains_quickly_with_long_kernels_queued() {
     let sim_dir = kiwi_sim_core::ensure_sim_dir(&profile_dir()).expect("simulator libraries");
     let sim = format!("kiwi-drain-{}", std::process::id());
     let arb = Arbiter::start(&["--tq", "0.5", "--grace-ms", "3000"]);
-    let stderr = finish_all(vec![
-        deep_queuer(&arb, &sim, &sim_dir, "170MiB", "1"),
-        deep_queuer(&arb, &sim, &sim_dir, "170MiB", "2"),
-    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let stats = [dir.path().join("a.stats"), dir.path().join("b.stats")];
+    let stderr = finish_all(
+        stats
+            .iter()
+            .zip(["1", "2"])
+            .map(|(st, seed)| {
+                deep_queuer_cmd(&arb, &sim, &sim_dir, "170MiB", seed)
+                    .env("KIWI_STATS", st)
+                    .spawn()
+                    .expect("spawn gpuburst")
+            })
+            .collect(),
+    );
     let _ = kiwi_sim_core::machine::reset(&sim);
     let ev = arb.events();
     let drains = drains(&ev, |_| true);
@@ -111,6 +135,11 @@ fn drop_drains_quickly_with_long_kernels_queued() {
         "a drain took too long: {drains:?}\n{}",
         log(&ev, &stderr)
     );
+    // Never idle, each is dropped only at TQ, after half a second of others waiting:
+    // time to pin its coming swap-out's buffers ahead of the drop (its first one at
+    // least, before it has spare buffers from an earlier swap).
+    let ahead: Vec<u64> = stats.iter().map(|s| pinned_ahead(s)).collect();
+    assert!(ahead.iter().sum::<u64>() > 0, "pinned ahead: {ahead:?}");
 }
 
 /// Two programs that fit share the GPU and queue 1.5 s bursts at once; a third that

@@ -26,7 +26,7 @@ use crate::knobs::{validate_name, SimConfig, MAX_GPUS};
 /// Most processes one simulated GPU tracks at once.
 pub const MAX_PROCS: usize = 256;
 const MAGIC: u64 = 0x4b49_5749_5349_4d31; // "KIWISIM1"
-const LAYOUT_VERSION: u64 = 3;
+const LAYOUT_VERSION: u64 = 4;
 
 /// Errors of the machine segment.
 #[derive(Debug, thiserror::Error)]
@@ -69,6 +69,10 @@ struct GpuSlot {
     /// The most physical memory ever in use at once (all processes), so tests can
     /// check a GPU was never oversubscribed.
     peak: AtomicU64,
+    /// Processes blocked on the kernel lock right now, and kernels started so far:
+    /// the kernel lock's fairness (see [`Machine::kernel_lock`]).
+    kernel_waiters: AtomicU64,
+    kernel_turns: AtomicU64,
     procs: [ProcSlot; MAX_PROCS],
 }
 
@@ -143,20 +147,29 @@ unsafe impl Sync for Machine {}
 struct KernelLock {
     in_process: Mutex<()>,
     file: File,
+    /// The turn (`GpuSlot::kernel_turns`) of this process's last kernel.
+    last_turn: AtomicU64,
 }
 
 /// Held while a kernel runs; releases the GPU's cross-process lock on drop.
 pub struct KernelGuard<'a> {
     _in_process: MutexGuard<'a, ()>,
     fd: i32,
+    turn: u64,
+    last_turn: &'a AtomicU64,
 }
 
 impl Drop for KernelGuard<'_> {
     fn drop(&mut self) {
+        self.last_turn.store(self.turn, Ordering::SeqCst);
         // SAFETY: fd belongs to the Machine that outlives this guard.
         unsafe { libc::flock(self.fd, libc::LOCK_UN) };
     }
 }
+
+/// How long a process that just ran a kernel lets a waiting process go first at most
+/// (a waiter that died blocked leaves its count behind: this bounds what it costs).
+const KERNEL_HANDOFF_WAIT: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// Where segments live (tmpfs, like POSIX shm_open).
 pub const SHM_DIR: &str = "/dev/shm";
@@ -309,6 +322,7 @@ impl Machine {
             kernel_locks.push(KernelLock {
                 in_process: Mutex::new(()),
                 file: f,
+                last_turn: AtomicU64::new(u64::MAX),
             });
         }
         let pid = std::process::id();
@@ -500,13 +514,30 @@ impl Machine {
     /// Takes `gpu` exclusively for one kernel: no other thread of this process and no
     /// other process runs a kernel on it until the guard drops. Released by the kernel
     /// if the holder dies.
+    ///
+    /// Fair between processes, as a GPU time-slices between contexts: `flock` is not
+    /// (the process that just unlocked re-locks before a woken waiter runs), so a
+    /// process whose kernel was the last one run lets a waiting process go first.
     pub fn kernel_lock(&self, gpu: u32) -> Result<KernelGuard<'_>, MachineError> {
         let count = self.gpu_count();
         let l = self
             .kernel_locks
             .get(gpu as usize)
             .ok_or(MachineError::NoSuchGpu { gpu, count })?;
+        let slot = self.gpu(gpu)?;
         let g = l.in_process.lock().unwrap_or_else(|e| e.into_inner());
+        let mine = l.last_turn.load(Ordering::SeqCst);
+        let others_first = || {
+            slot.kernel_waiters.load(Ordering::SeqCst) > 0
+                && slot.kernel_turns.load(Ordering::SeqCst) == mine
+        };
+        if others_first() {
+            let deadline = std::time::Instant::now() + KERNEL_HANDOFF_WAIT;
+            while others_first() && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            }
+        }
+        slot.kernel_waiters.fetch_add(1, Ordering::SeqCst);
         let fd = l.file.as_raw_fd();
         loop {
             // SAFETY: a valid open fd.
@@ -516,13 +547,21 @@ impl Machine {
             }
             let e = std::io::Error::last_os_error();
             if e.kind() != std::io::ErrorKind::Interrupted {
+                slot.kernel_waiters.fetch_sub(1, Ordering::SeqCst);
                 return Err(MachineError::Io {
                     path: kernel_lock_path(&self.name, gpu),
                     source: e,
                 });
             }
         }
-        Ok(KernelGuard { _in_process: g, fd })
+        slot.kernel_waiters.fetch_sub(1, Ordering::SeqCst);
+        let turn = slot.kernel_turns.fetch_add(1, Ordering::SeqCst) + 1;
+        Ok(KernelGuard {
+            _in_process: g,
+            fd,
+            turn,
+            last_turn: &l.last_turn,
+        })
     }
 }
 
@@ -645,6 +684,44 @@ mod tests {
         assert_eq!((f.xid, f.lost, f.generation), (79, true, 1));
         m.set_fault(0, 0, false).unwrap();
         assert_eq!(m.fault(0).unwrap().generation, 2);
+        reset(&c.name).unwrap();
+    }
+
+    #[test]
+    fn the_kernel_lock_is_fair_between_processes() {
+        // Two handles are two open files, so their flocks exclude each other as two
+        // processes' would. A runs 5 ms kernels back to back; B, arriving later, must
+        // get its 10 kernels in between A's, not after all of them.
+        let c = cfg("fair", 1, 64 << 20);
+        let (a, b) = (Machine::open(&c).unwrap(), Machine::open(&c).unwrap());
+        let a_done = std::sync::atomic::AtomicBool::new(false);
+        let b_before_a = std::thread::scope(|s| {
+            s.spawn(|| {
+                for _ in 0..100 {
+                    let _g = a.kernel_lock(0).unwrap();
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                a_done.store(true, Ordering::SeqCst);
+            });
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let mut longest = std::time::Duration::ZERO;
+            for _ in 0..10 {
+                let t = std::time::Instant::now();
+                let _g = b.kernel_lock(0).unwrap();
+                longest = longest.max(t.elapsed());
+            }
+            (!a_done.load(Ordering::SeqCst), longest)
+        });
+        let (b_before_a, longest) = b_before_a;
+        assert!(b_before_a, "B waited for every one of A's kernels");
+        // Fair: B waits for at most the kernel running when it asks (and one more if
+        // it missed its window on a loaded machine). flock alone lets A re-lock before
+        // B wakes, kernel after kernel.
+        assert!(
+            longest < std::time::Duration::from_millis(12),
+            "B waited {longest:?} for one kernel"
+        );
+        assert_eq!(a.seg().gpu[0].kernel_waiters.load(Ordering::SeqCst), 0);
         reset(&c.name).unwrap();
     }
 
