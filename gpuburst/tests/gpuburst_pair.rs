@@ -20,8 +20,21 @@ fn bursts(out: &str) -> usize {
 #[test]
 fn two_400mib_programs_fit_on_a_1gib_gpu_and_share_it() {
     let m = SimMachine::new("pair-fit", 1, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
+    // Both start their bursts at the same moment, however unevenly the two processes
+    // start up and fill their memory (a cold first run in CI skews them by a second).
+    let start = (kiwi_sim_core::trace::monotonic_ns() + 3_000_000_000).to_string();
     let args = [
-        "--mem", "400MiB", "--bursts", "3", "--gpu-ms", "60", "--cpu-ms", "40", "--json",
+        "--mem",
+        "400MiB",
+        "--bursts",
+        "3",
+        "--gpu-ms",
+        "60",
+        "--cpu-ms",
+        "40",
+        "--json",
+        "--start-at-ns",
+        &start,
     ];
     let a = gpuburst(&m, &[&args[..], &["--name", "a", "--seed", "1"]].concat());
     let b = gpuburst(&m, &[&args[..], &["--name", "b", "--seed", "2"]].concat());
