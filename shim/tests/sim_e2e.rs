@@ -517,7 +517,10 @@ fn two_apps_that_fit_run_concurrently_without_swapping() {
     let arb = Arbiter::start(&["--tq", "0.5"]);
     let dir = tempfile::tempdir().unwrap();
     let trace_file = dir.path().join("trace");
-    let args = ["link", "400", "4", "200", "0", "0"];
+    // Each runs ~4 s of bursts: on a cold fresh clone one of the two was once seen to
+    // start its first kernel 2-3 s after its grant (cause not found; see docs/shim.md),
+    // and side by side must not depend on that.
+    let args = ["link", "400", "10", "400", "0", "0"];
     let mk = |tag: &str| {
         let mut r = Run::new(&env, "fit", dir.path(), tag, &args);
         r.socket_dir = Some(arb.socket_dir());
@@ -534,8 +537,10 @@ fn two_apps_that_fit_run_concurrently_without_swapping() {
     let t = trace(&trace_file);
     assert!(
         spans_interleave(&t, pid_of(&oa), pid_of(&ob)),
-        "they ran side by side: {t:?}\n{:#?}",
-        arb.events()
+        "they ran side by side: {t:?}\n{:#?}\nA: {}\nB: {}",
+        arb.events(),
+        text(&oa),
+        text(&ob)
     );
     for r in [&ra, &rb] {
         let s = stats(&r.stats);
