@@ -609,12 +609,35 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
         t0: Instant::now(),
     };
     cu!(cuda, init, "cuInit", 0)?;
+    // Several GPUs: a context on each before any work, as a program that sets up all
+    // its devices first does. Under Kiwi every GPU is then registered before the first
+    // turn is taken, so turns are taken in one order from the start (a GPU first used
+    // later makes the process give back the turns after it, draining their work).
+    let mut claimed = Vec::new();
+    if o.devices.len() > 1 {
+        for &ordinal in &o.devices {
+            let mut dev = 0;
+            cu!(cuda, device_get, "cuDeviceGet", &mut dev, ordinal)?;
+            let mut ctx: Handle = std::ptr::null_mut();
+            cu!(
+                cuda,
+                primary_ctx_retain,
+                "cuDevicePrimaryCtxRetain",
+                &mut ctx,
+                dev
+            )?;
+            claimed.push(dev);
+        }
+    }
     let mut devs: Vec<Device> = Vec::with_capacity(o.devices.len());
     let mut index = 0;
     for &ordinal in &o.devices {
         let d = open_device(cuda, o, ordinal, index)?;
         index += d.allocs.len();
         devs.push(d);
+    }
+    for dev in claimed {
+        cu!(cuda, primary_ctx_release, "cuDevicePrimaryCtxRelease", dev)?;
     }
     for d in &devs {
         make_current(cuda, &devs, d)?;
