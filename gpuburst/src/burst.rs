@@ -435,16 +435,8 @@ fn make_current(cuda: &Cuda, devs: &[Device], d: &Device) -> Result<(), CudaErro
     Ok(())
 }
 
-/// Retains `ordinal`'s primary context, makes it current, loads the module and
-/// allocates and fills `--mem` bytes there. The allocations' values are numbered
-/// from `first_index` (the allocations of earlier devices), so no two allocations
-/// of the program hold the same value sequence.
-fn open_device(
-    cuda: &Cuda,
-    o: &Options,
-    ordinal: i32,
-    first_index: usize,
-) -> Result<Device, CudaError> {
+/// `ordinal`'s device and a reference on its primary context.
+fn retain_primary(cuda: &Cuda, ordinal: i32) -> Result<(CUdevice, Handle), CudaError> {
     let mut dev = 0;
     cu!(cuda, device_get, "cuDeviceGet", &mut dev, ordinal)?;
     let mut ctx: Handle = std::ptr::null_mut();
@@ -455,6 +447,20 @@ fn open_device(
         &mut ctx,
         dev
     )?;
+    Ok((dev, ctx))
+}
+
+/// Retains `ordinal`'s primary context, makes it current, loads the module and
+/// allocates and fills `--mem` bytes there. The allocations' values are numbered
+/// from `first_index` (the allocations of earlier devices), so no two allocations
+/// of the program hold the same value sequence.
+fn open_device(
+    cuda: &Cuda,
+    o: &Options,
+    ordinal: i32,
+    first_index: usize,
+) -> Result<Device, CudaError> {
+    let (dev, ctx) = retain_primary(cuda, ordinal)?;
     cu!(cuda, ctx_set_current, "cuCtxSetCurrent", ctx)?;
     let mut module: Handle = std::ptr::null_mut();
     cu!(
@@ -616,17 +622,7 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
     let mut claimed = Vec::new();
     if o.devices.len() > 1 {
         for &ordinal in &o.devices {
-            let mut dev = 0;
-            cu!(cuda, device_get, "cuDeviceGet", &mut dev, ordinal)?;
-            let mut ctx: Handle = std::ptr::null_mut();
-            cu!(
-                cuda,
-                primary_ctx_retain,
-                "cuDevicePrimaryCtxRetain",
-                &mut ctx,
-                dev
-            )?;
-            claimed.push(dev);
+            claimed.push(retain_primary(cuda, ordinal)?.0);
         }
     }
     let mut devs: Vec<Device> = Vec::with_capacity(o.devices.len());

@@ -917,11 +917,13 @@ impl Client {
     /// comes only when a newcomer no longer fits (for all holders but one at once),
     /// so work queued then must drain too: the queue holds ~100 ms.
     fn refresh_throttle(&self, st: &State) {
-        let holding = st.slots.iter().filter(|s| s.ts.phase == Phase::Holding);
-        let on = holding.clone().next().is_some();
-        let dropping = holding
-            .clone()
-            .any(|s| s.ts.exclusive || s.ts.contended > 0);
+        let (mut on, mut dropping) = (false, false);
+        for ts in st.slots.iter().map(|s| &s.ts) {
+            if ts.phase == Phase::Holding {
+                on = true;
+                dropping |= ts.exclusive || ts.contended > 0;
+            }
+        }
         let bound = &crate::gate::QUEUE_BOUND;
         let target = if dropping {
             crate::gate::QueueBound::EXCLUSIVE

@@ -155,14 +155,19 @@ impl QueueBound {
         self.target_us.swap(us, Ordering::Relaxed) != us
     }
 
-    #[cold]
-    #[inline(never)]
+    /// Counts a submission; every `limit`-th waits (out of line: the launch path while
+    /// holding a GPU pays one atomic add and a compare).
+    #[inline(always)]
     fn after_submit(&self) {
         let n = self.since_sync.fetch_add(1, Ordering::Relaxed) + 1;
-        let limit = self.limit.load(Ordering::Relaxed);
-        if n < limit {
-            return;
+        if n >= self.limit.load(Ordering::Relaxed) {
+            self.wait_for_queue();
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn wait_for_queue(&self) {
         self.since_sync.store(0, Ordering::Relaxed);
         let t = std::time::Instant::now();
         self.syncing.fetch_add(1, Ordering::SeqCst);

@@ -11,7 +11,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use kiwi_protocol::EventKind;
-use kiwi_tests::{profile_dir, require_tool, Arbiter};
+use kiwi_tests::{profile_dir, require_tool, shared_grants, Arbiter};
 
 struct Env {
     shim: PathBuf,
@@ -548,18 +548,7 @@ fn two_apps_that_fit_run_concurrently_without_swapping() {
         assert_eq!(num(&s, "swap_in_bytes"), 0, "{s:?}");
     }
     let events = arb.events();
-    let shared = events
-        .iter()
-        .filter(|e| {
-            matches!(
-                e.kind,
-                EventKind::Grant {
-                    exclusive: false,
-                    ..
-                }
-            )
-        })
-        .count();
+    let shared = shared_grants(&events);
     assert!(shared >= 2, "both got shared grants: {events:#?}");
     assert!(!events.iter().any(|e| matches!(
         e.kind,

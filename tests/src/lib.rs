@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use kiwi_protocol::blocking::Connection;
 use kiwi_protocol::{
-    ArbiterMsg, ClientMsg, ControlReply, ControlRequest, Event, Register, StatusReport,
+    ArbiterMsg, ClientMsg, ControlReply, ControlRequest, Event, EventKind, Register, StatusReport,
     PROTOCOL_VERSION,
 };
 
@@ -214,6 +214,22 @@ pub struct Client {
 }
 
 /// A registration for `gpu` with `ws` bytes of working set on a GPU of `total` bytes.
+/// How many grants in `events` were shared (everything fit).
+pub fn shared_grants(events: &[Event]) -> usize {
+    events
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.kind,
+                EventKind::Grant {
+                    exclusive: false,
+                    ..
+                }
+            )
+        })
+        .count()
+}
+
 pub fn register_msg(gpu: &str, total: u64, ws: u64) -> Register {
     Register {
         version: PROTOCOL_VERSION,

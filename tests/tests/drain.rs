@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use kiwi_protocol::{DropReason, Event, EventKind};
-use kiwi_tests::{bin, profile_dir, Arbiter};
+use kiwi_tests::{bin, profile_dir, shared_grants, Arbiter};
 
 /// gpuburst with 5 ms kernels, each whole 1.5 s burst queued at once and no CPU
 /// phase: whenever it is dropped, its queue is as deep as the shim lets it be.
@@ -155,21 +155,7 @@ fn a_sharer_dropped_when_a_newcomer_no_longer_fits_drains_quickly() {
     let b = deep_queuer(&arb, &sim, &sim_dir, "100MiB", "2");
     // Both registered, granted shared and queueing their first burst.
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while arb
-        .events()
-        .iter()
-        .filter(|e| {
-            matches!(
-                e.kind,
-                EventKind::Grant {
-                    exclusive: false,
-                    ..
-                }
-            )
-        })
-        .count()
-        < 2
-    {
+    while shared_grants(&arb.events()) < 2 {
         assert!(std::time::Instant::now() < deadline, "no shared grants");
         std::thread::sleep(Duration::from_millis(10));
     }

@@ -713,6 +713,7 @@ mod tests {
             (!a_done.load(Ordering::SeqCst), longest)
         });
         let (b_before_a, longest) = b_before_a;
+        eprintln!("B's longest wait for the kernel lock: {longest:?}");
         assert!(b_before_a, "B waited for every one of A's kernels");
         // Fair: B waits for at most the kernel running when it asks (and one more if
         // it missed its window on a loaded machine). flock alone lets A re-lock before
