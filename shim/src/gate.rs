@@ -1,7 +1,8 @@
 //! The gate every work submission passes. While this process may run work (it holds
 //! the GPU, or the arbiter said everyone fits, or it runs unmanaged) and its memory is
-//! resident, the gate is open and a submission costs two atomic operations: no lock,
-//! no allocation, no system call. Otherwise the submitting thread goes to the client
+//! resident, the gate is open and a submission costs two atomic operations (and, while
+//! a GPU is held, the queue bound's count: one more add): no lock, no allocation, no
+//! system call. Otherwise the submitting thread goes to the client
 //! ([`crate::client`]) and waits for its turn.
 //!
 //! Closing is a two-sided handshake: the closer clears `open`, then waits until no
