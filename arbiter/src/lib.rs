@@ -1,6 +1,8 @@
 //! kiwi-arbiter: the Kiwi Scheduler daemon.
 //!
 //! - [`sched`]: one GPU's scheduler as a pure state machine (no I/O, injected clock).
+//! - [`gpus`]: the node's GPUs (from NVML when it loads) and the rule a registration's
+//!   GPU UUID and size must pass.
 //! - [`swap`]: the node's host-RAM swap budget: swap need and the admission rule.
 //! - [`events`]: the per-GPU event log read by `kiwictl timeline`.
 //! - [`metrics`]: Prometheus metrics (`--metrics-addr`).
@@ -11,6 +13,7 @@
 pub mod clock;
 pub mod daemon;
 pub mod events;
+pub mod gpus;
 pub mod metrics;
 pub mod sched;
 pub mod server;

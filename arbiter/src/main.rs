@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use kiwi_arbiter::gpus::NvmlSetting;
 use kiwi_arbiter::{run_daemon, ServerConfig};
 use kiwi_config::{Config, SchedulerMode};
 use tokio::signal::unix::{signal, SignalKind};
@@ -46,11 +47,48 @@ struct Args {
     /// past it is refused the allocation. 0 or absent: unlimited.
     #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     swap_budget: Option<String>,
+    /// Where to learn each GPU's UUID and memory (config: [arbiter] nvml): auto
+    /// (libnvidia-ml.so.1 if it loads), off (a GPU's first registration sets its size),
+    /// or the path of an NVML library, which must load. With NVML, registrations for
+    /// other GPUs or other sizes are refused.
+    #[arg(long, value_name = "auto|off|PATH")]
+    nvml: Option<String>,
+    /// Most client connections (default 4096; never above RLIMIT_NOFILE − 64, which
+    /// stay for the control socket). See docs/protocol.md, "Limits".
+    #[arg(long, value_name = "N", help_heading = "Limits")]
+    max_connections: Option<usize>,
+    /// Most client connections from one container (pid namespace, or cgroup on the
+    /// host's own), default 64.
+    #[arg(long, value_name = "N", help_heading = "Limits")]
+    max_conns_per_group: Option<usize>,
+    /// Close a connection that has not registered within this many ms (default 5000).
+    #[arg(long, value_name = "MS", help_heading = "Limits")]
+    register_timeout_ms: Option<u64>,
+    /// Close a connection whose frame is not complete this many ms after its first
+    /// byte (default 5000).
+    #[arg(long, value_name = "MS", help_heading = "Limits")]
+    frame_timeout_ms: Option<u64>,
+    /// Bytes of partly received frames buffered over all connections (default 64MiB).
+    #[arg(long, value_name = "SIZE", help_heading = "Limits")]
+    partial_frame_budget: Option<String>,
+    /// Memory the event log may hold over all GPUs (default 64MiB).
+    #[arg(long, value_name = "SIZE", help_heading = "Limits")]
+    event_log_bytes: Option<String>,
+    /// Raise RLIMIT_NOFILE (hard and soft) to this at start, for containers that
+    /// cannot set it from outside (needs CAP_SYS_RESOURCE). The soft limit is always
+    /// raised to the hard one.
+    #[arg(
+        long,
+        value_name = "N",
+        env = "KIWI_LIMIT_NOFILE",
+        help_heading = "Limits"
+    )]
+    limit_nofile: Option<u64>,
 }
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("kiwi-arbiter: {e:#}");
+        eprintln!("kiwi-arbiter: {}", kiwi_config::one_line(e.as_ref()));
         std::process::exit(1);
     }
 }
@@ -74,6 +112,14 @@ fn run() -> Result<()> {
             })?,
         },
     };
+    let nvml_setting = args.nvml.as_deref().unwrap_or(&cfg.arbiter.nvml);
+    let nvml: NvmlSetting = nvml_setting
+        .parse()
+        .map_err(|e| anyhow::anyhow!("--nvml {nvml_setting:?}: {e}"))?;
+    let (gpus, gpus_line) = kiwi_arbiter::gpus::load(&nvml).with_context(|| {
+        format!("--nvml {nvml_setting}: NVML is unusable; use --nvml off to run without it")
+    })?;
+    eprintln!("[INFO] {gpus_line}");
     let server_cfg = ServerConfig {
         scheduler,
         tq_ms: ((tq_s * 1000.0).round() as u64).max(1),
@@ -83,9 +129,66 @@ fn run() -> Result<()> {
             .event_log_capacity
             .unwrap_or(cfg.arbiter.event_log_capacity)
             .max(1),
-        metrics_addr: args.metrics_addr.or(cfg.arbiter.metrics_addr),
+        metrics_addr: args.metrics_addr.or(cfg.arbiter.metrics_addr.clone()),
         swap_budget_bytes: (swap_budget_bytes > 0).then_some(swap_budget_bytes),
+        gpus,
         ..ServerConfig::default()
+    };
+    // Each limit: the flag, then the config key, then the arbiter's default; 0 is
+    // refused (it would lock every client out or disable a bound).
+    let a = &cfg.arbiter;
+    let mib = |key: &str, v: Option<u64>| -> Result<Option<usize>> {
+        v.map(|m| {
+            m.checked_mul(1 << 20)
+                .and_then(|b| usize::try_from(b).ok())
+                .with_context(|| format!("[arbiter] {key} = {m} is too large"))
+        })
+        .transpose()
+    };
+    let size = |flag: &str, v: &Option<String>| -> Result<Option<usize>> {
+        v.as_deref()
+            .map(|s| {
+                kiwi_config::parse_size(s)
+                    .map(|b| usize::try_from(b).unwrap_or(usize::MAX))
+                    .map_err(|e| anyhow::anyhow!("{flag}: {e}"))
+            })
+            .transpose()
+    };
+    let server_cfg = ServerConfig {
+        max_connections: positive(
+            "--max-connections",
+            args.max_connections.or(a.max_connections),
+        )?
+        .unwrap_or(server_cfg.max_connections),
+        max_conns_per_group: positive(
+            "--max-conns-per-group",
+            args.max_conns_per_group.or(a.max_conns_per_group),
+        )?
+        .unwrap_or(server_cfg.max_conns_per_group),
+        register_timeout_ms: positive(
+            "--register-timeout-ms",
+            args.register_timeout_ms.or(a.register_timeout_ms),
+        )?
+        .unwrap_or(server_cfg.register_timeout_ms),
+        frame_timeout_ms: positive(
+            "--frame-timeout-ms",
+            args.frame_timeout_ms.or(a.frame_timeout_ms),
+        )?
+        .unwrap_or(server_cfg.frame_timeout_ms),
+        partial_frame_budget_bytes: positive(
+            "--partial-frame-budget",
+            size("--partial-frame-budget", &args.partial_frame_budget)?
+                .or(mib("partial_frame_budget_mib", a.partial_frame_budget_mib)?),
+        )?
+        .unwrap_or(server_cfg.partial_frame_budget_bytes),
+        event_log_max_bytes: positive(
+            "--event-log-bytes",
+            size("--event-log-bytes", &args.event_log_bytes)?
+                .or(mib("event_log_mib", a.event_log_mib)?),
+        )?
+        .unwrap_or(server_cfg.event_log_max_bytes),
+        limit_nofile: positive("--limit-nofile", args.limit_nofile.or(a.limit_nofile))?,
+        ..server_cfg
     };
 
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -103,4 +206,12 @@ fn run() -> Result<()> {
         };
         run_daemon(&dir, server_cfg, shutdown).await
     })
+}
+
+/// A limit that must be at least 1 when given.
+fn positive<T: PartialEq + From<u8>>(flag: &str, v: Option<T>) -> Result<Option<T>> {
+    if v == Some(T::from(0)) {
+        anyhow::bail!("{flag} must be at least 1");
+    }
+    Ok(v)
 }

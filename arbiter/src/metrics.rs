@@ -309,6 +309,34 @@ impl ArbiterMetrics {
         }
     }
 
+    /// Drops every series of a GPU the arbiter forgot (no NVML, no clients left), so
+    /// made-up GPU UUIDs cannot grow the metrics without bound.
+    pub fn forget_gpu(&mut self, gpu: &str) {
+        let g = GpuLabels {
+            gpu: gpu.to_string(),
+        };
+        for f in [
+            &self.grants,
+            &self.drops_tq,
+            &self.drops_no_fit,
+            &self.early_releases,
+            &self.revocations,
+        ] {
+            f.remove(&g);
+        }
+        self.handoff_seconds.remove(&g);
+        self.wait_seconds.remove(&g);
+        for direction in ["out", "in"] {
+            let s = SwapLabels {
+                gpu: gpu.to_string(),
+                direction: direction.into(),
+            };
+            self.swap_bytes.remove(&s);
+            self.swap_seconds.remove(&s);
+        }
+        self.last_release_ns.remove(gpu);
+    }
+
     /// Refreshes the gauges from live state and encodes everything.
     pub fn render(&self, gpus: &[GpuStatus], swap: &NodeSwap) -> String {
         let clamp = |b: u64| b.min(i64::MAX as u64) as i64;

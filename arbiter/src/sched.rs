@@ -18,6 +18,11 @@
 //!   new holder's swap-in waits for the memory to come free).
 //! - A holder that ignores a drop for `grace` loses the GPU (it is told so). A client
 //!   that goes away releases everything at once.
+//! - After an arbiter restart a client may say it still holds the GPU (`resume
+//!   {holding}`). The claim is believed only while nothing can refute it: inside the
+//!   post-restart window and before this scheduler granted anyone itself. Otherwise the
+//!   client is told `revoked` and queued like any other request (a tenant cannot jump
+//!   the queue by re-registering as a holder).
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -98,6 +103,12 @@ pub struct GpuScheduler {
     /// holder (still running on the GPU) had time to re-register.
     quiet_until: Option<Nanos>,
     resume_seen: bool,
+    /// Claims to hold (`resume {holding}`) are believed only before this time: the
+    /// end of the post-restart window.
+    resume_until: Nanos,
+    /// Whether this scheduler granted the GPU itself: from then on it knows who holds,
+    /// and a claim to hold is refuted.
+    granted_own: bool,
     /// The node's swap budget, told to clients at registration (enforced node-wide by
     /// the server, see [`crate::swap`]).
     swap_budget: Option<u64>,
@@ -106,6 +117,11 @@ pub struct GpuScheduler {
 
 /// Longest wait for a resumed holder to re-register after an arbiter restart.
 const RESUME_WINDOW_NS: u64 = 2_000_000_000;
+
+/// How long after the arbiter starts a client's claim to still hold the GPU is
+/// believed. Shims reconnect with a backoff of at most 1 s, so a real holder comes
+/// back well within it.
+pub const RESUME_CLAIM_WINDOW_NS: u64 = 5_000_000_000;
 
 fn ms_to_ns(ms: u64) -> u64 {
     ms.saturating_mul(1_000_000)
@@ -126,6 +142,8 @@ impl GpuScheduler {
             contended_need: 0,
             quiet_until: None,
             resume_seen: false,
+            resume_until: RESUME_CLAIM_WINDOW_NS,
+            granted_own: false,
             swap_budget: None,
             out: Vec::new(),
         }
@@ -136,6 +154,33 @@ impl GpuScheduler {
     pub fn with_swap_budget(mut self, budget: Option<u64>) -> Self {
         self.swap_budget = budget;
         self
+    }
+
+    /// Sets the end of the post-restart window (default: [`RESUME_CLAIM_WINDOW_NS`]
+    /// after time 0): claims to hold the GPU are refused from then on.
+    pub fn with_resume_window(mut self, until: Nanos) -> Self {
+        self.resume_until = until;
+        self
+    }
+
+    /// Total GPU memory scheduled against, as registered.
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// Raises the GPU's size (a later registration reported more, still within what
+    /// the arbiter knows the GPU has). Never lowers it.
+    pub fn raise_total(&mut self, now: Nanos, total: u64, capacity: u64) -> Vec<Output> {
+        if total > self.total {
+            self.total = total;
+            self.capacity = self.capacity.max(capacity);
+        }
+        self.finish(now)
+    }
+
+    /// Whether a claim to hold the GPU made now would be believed (see the module docs).
+    pub fn believes_resume(&self, now: Nanos) -> bool {
+        now < self.resume_until && !self.granted_own
     }
 
     /// GPU memory scheduled against (total − context reserve).
@@ -286,11 +331,12 @@ impl GpuScheduler {
             },
         );
         if let Some(r) = resume {
-            if !self.resume_seen {
+            let believed = self.believes_resume(now);
+            if believed && !self.resume_seen {
                 self.resume_seen = true;
                 self.quiet_until = Some(now + self.grace_ns.min(RESUME_WINDOW_NS));
             }
-            if r.holding {
+            if r.holding && believed {
                 self.quiet_until = None;
                 // It kept working while no arbiter ran; take it as holder again. If that
                 // makes two exclusive holders, the transition logic drops one.
@@ -310,6 +356,17 @@ impl GpuScheduler {
                         waited_ns: 0,
                     },
                 );
+            } else if r.holding {
+                // A claim this scheduler can refute: it is past the post-restart window
+                // or granted the GPU itself since. Tell the client it holds nothing (a
+                // shim then stops submitting) and queue it like any request.
+                self.send(
+                    id,
+                    ArbiterMsg::Revoked {
+                        reason: "resume refused: the arbiter did not grant this GPU to this client; waiting for a grant".into(),
+                    },
+                );
+                return self.request(now, id);
             } else if r.waiting {
                 return self.request(now, id);
             }
@@ -437,6 +494,11 @@ impl GpuScheduler {
         self.finish(now)
     }
 
+    /// Whether no client is registered (the server may drop the GPU's entry).
+    pub fn is_empty(&self) -> bool {
+        self.clients.is_empty()
+    }
+
     /// The client is gone (connection closed, process died): it releases everything.
     pub fn exit(&mut self, now: Nanos, id: ClientId) -> Vec<Output> {
         if self.clients.remove(&id).is_none() {
@@ -532,6 +594,7 @@ impl GpuScheduler {
         let waited = c.requested_at.take().map_or(0, |r| now.saturating_sub(r));
         c.waited_ns += waited;
         c.last_active = now;
+        self.granted_own = true;
         self.holders.insert(
             id,
             Hold {

@@ -8,10 +8,18 @@
 //!
 //! Identity comes from the socket: a client's host pid and uid are read with
 //! SO_PEERCRED and a connection can only act for itself.
+//!
+//! The client socket is open to every tenant, so every resource a connection can
+//! make the daemon hold is bounded (`docs/protocol.md`, "Limits"): descriptors
+//! (client connections stop short of RLIMIT_NOFILE, leaving a reserve for the
+//! control socket; at most `max_conns_per_group` per container, the peer's pid
+//! namespace or cgroup), time (registration and each frame have deadlines), memory
+//! (one node-wide budget for partly received frames) and log volume (warnings about
+//! peers are rate-limited, and nothing a peer sends reaches the log unescaped).
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,10 +30,11 @@ use kiwi_protocol::{
     Settings, StatusReport, Usage, PROTOCOL_VERSION,
 };
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{watch, Notify, Semaphore};
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::clock::monotonic_ns;
 use crate::events::EventLog;
+use crate::gpus;
 use crate::metrics::{ArbiterMetrics, NodeSwap};
 use crate::sched::{ClientId, ClientInfo, GpuScheduler, Output};
 use crate::swap;
@@ -39,8 +48,25 @@ pub struct ServerConfig {
     /// Context reserve policy: explicit MiB, or the default (see `kiwi_config`).
     pub reserve_mib: Option<u64>,
     pub event_log_capacity: usize,
-    /// Most simultaneous connections; more are refused.
+    /// Most simultaneous client connections; more are refused. Lowered at start to
+    /// RLIMIT_NOFILE minus [`FD_RESERVE`].
     pub max_connections: usize,
+    /// Most simultaneous client connections from one container: peers are grouped by
+    /// pid namespace (a container's), or by cgroup on the host's own.
+    pub max_conns_per_group: usize,
+    /// A connection that has not registered this long after connecting is closed.
+    pub register_timeout_ms: u64,
+    /// A frame that has started must be complete within this long.
+    pub frame_timeout_ms: u64,
+    /// Bytes of partly received frames buffered over every connection. A frame
+    /// larger than [`SMALL_FRAME`] that would exceed it is refused from its header.
+    pub partial_frame_budget_bytes: usize,
+    /// Bound on the event log's memory, over every GPU (besides its count per GPU).
+    pub event_log_max_bytes: usize,
+    /// RLIMIT_NOFILE to set at start (hard and soft) when the hard limit is lower;
+    /// raising it needs CAP_SYS_RESOURCE. The soft limit is raised to the hard one
+    /// in any case.
+    pub limit_nofile: Option<u64>,
     /// Messages per second a client may send (burst: one second's worth).
     pub max_msgs_per_sec: u32,
     /// Where to serve Prometheus metrics (`None`: nowhere).
@@ -49,6 +75,9 @@ pub struct ServerConfig {
     /// Clients are told it at registration and ask before growing their working set
     /// (see [`crate::swap`]).
     pub swap_budget_bytes: Option<u64>,
+    /// Where each GPU's UUID and size come from: NVML's table, or (without NVML) the
+    /// first registration of each GPU (see [`crate::gpus`]).
+    pub gpus: gpus::GpuTruth,
 }
 
 impl Default for ServerConfig {
@@ -60,19 +89,113 @@ impl Default for ServerConfig {
             reserve_mib: None,
             event_log_capacity: 100_000,
             max_connections: 4096,
+            max_conns_per_group: 64,
+            register_timeout_ms: 5_000,
+            frame_timeout_ms: 5_000,
+            partial_frame_budget_bytes: 64 << 20,
+            event_log_max_bytes: crate::events::DEFAULT_MAX_BYTES,
+            limit_nofile: None,
             max_msgs_per_sec: 20_000,
             metrics_addr: None,
             swap_budget_bytes: None,
+            gpus: gpus::GpuTruth::Claims,
         }
     }
 }
 
-/// Bytes a slow reader may leave unread before it is disconnected.
-const MAX_PENDING_WRITE: usize = 1 << 20;
+/// Bytes a slow reader may leave unread before it is disconnected. A client's
+/// messages are under 1 KiB each and it reads them as they come, so 64 KiB is far
+/// more than an honest client ever leaves; at the default connection cap it bounds
+/// unread replies to 256 MiB node-wide.
+const MAX_PENDING_WRITE: usize = 64 << 10;
+/// Descriptors client connections never take: the control socket's connections
+/// ([`MAX_CONTROL_CONNS`]), the listeners, the metrics server, the runtime's own.
+pub const FD_RESERVE: usize = 64;
+/// Simultaneous control connections (root's); they live in [`FD_RESERVE`].
+const MAX_CONTROL_CONNS: usize = 16;
+/// Frames up to this size (one read) are always buffered; larger ones need room in
+/// the node's budget for partly received frames.
+pub const SMALL_FRAME: usize = 16 * 1024;
+/// Longest log line; longer ones are cut (a peer's text could otherwise flood it).
+const MAX_LOG_LINE: usize = 2048;
+
+/// One log line, made safe: control characters (a newline would forge a line) are
+/// escaped and the line is cut to [`MAX_LOG_LINE`] bytes.
+fn log_safe(line: &str) -> std::borrow::Cow<'_, str> {
+    if line.len() <= MAX_LOG_LINE && !line.chars().any(kiwi_protocol::is_forbidden_char) {
+        return line.into();
+    }
+    let mut out = String::with_capacity(line.len().min(MAX_LOG_LINE) + 32);
+    for c in line.chars() {
+        if out.len() >= MAX_LOG_LINE {
+            out.push_str(&format!("… ({} bytes in all)", line.len()));
+            break;
+        }
+        if kiwi_protocol::is_forbidden_char(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out.into()
+}
 
 macro_rules! log_line {
     ($lvl:literal, $($arg:tt)*) => {
-        eprintln!(concat!("[", $lvl, "] {}"), format_args!($($arg)*))
+        eprintln!(concat!("[", $lvl, "] {}"), log_safe(&format!($($arg)*)))
+    };
+}
+
+/// At most `burst` warnings per 10 s; the rest are counted and summed up in the next
+/// one, so a flood of bad peers (or accept failing in a loop) cannot flood the log.
+struct Throttle {
+    burst: u32,
+    window_start: u64,
+    in_window: u32,
+    suppressed: u64,
+}
+
+impl Throttle {
+    const WINDOW_NS: u64 = 10_000_000_000;
+
+    fn new(burst: u32) -> Self {
+        Self {
+            burst,
+            window_start: 0,
+            in_window: 0,
+            suppressed: 0,
+        }
+    }
+
+    /// `Some(note)` when a warning may be written now; the note tells how many were
+    /// left out before it.
+    fn allow(&mut self) -> Option<String> {
+        let now = monotonic_ns();
+        if now.saturating_sub(self.window_start) >= Self::WINDOW_NS {
+            self.window_start = now;
+            self.in_window = 0;
+        }
+        if self.in_window >= self.burst {
+            self.suppressed += 1;
+            return None;
+        }
+        self.in_window += 1;
+        let n = std::mem::take(&mut self.suppressed);
+        Some(if n == 0 {
+            String::new()
+        } else {
+            format!(" ({n} similar warnings suppressed)")
+        })
+    }
+}
+
+/// Warns through a shared [`Throttle`].
+macro_rules! warn_throttled {
+    ($throttle:expr, $($arg:tt)*) => {
+        let allowed = $throttle.lock().unwrap_or_else(|e| e.into_inner()).allow();
+        if let Some(note) = allowed {
+            log_line!("WARN", "{}{note}", format_args!($($arg)*));
+        }
     };
 }
 
@@ -174,9 +297,84 @@ struct State {
     events: EventLog,
     metrics: ArbiterMetrics,
     next_client: ClientId,
+    /// End of the post-restart window: claims to hold a GPU are believed until then.
+    resume_until: u64,
+}
+
+impl gpus::Entries for BTreeMap<String, Gpu> {
+    fn entry(&self, uuid: &str) -> Option<(u32, u64)> {
+        self.get(uuid).map(|g| (g.index, g.sched.total()))
+    }
+    fn count(&self) -> usize {
+        self.len()
+    }
+    fn index_used(&self, index: u32) -> bool {
+        self.values().any(|g| g.index == index)
+    }
 }
 
 impl State {
+    /// Checks a registration's GPU against what the arbiter knows ([`gpus`]) and
+    /// creates its entry if it is the GPU's first client.
+    fn admit_gpu(&mut self, now: u64, uuid: &str, claimed: u64) -> Result<(), gpus::Refusal> {
+        let reserve_for = |total: u64| {
+            kiwi_config::context_reserve_bytes(
+                &kiwi_config::ArbiterConfig {
+                    reserve_mib: self.cfg.reserve_mib,
+                    ..Default::default()
+                },
+                total,
+            )
+        };
+        match self.cfg.gpus.check(&self.gpus, uuid, claimed)? {
+            gpus::Admit::Join { raise_to: None } => {}
+            gpus::Admit::Join {
+                raise_to: Some(total),
+            } => {
+                let capacity = total - reserve_for(total);
+                let outs = self
+                    .gpus
+                    .get_mut(uuid)
+                    .map(|g| g.sched.raise_total(now, total, capacity))
+                    .unwrap_or_default();
+                self.dispatch(uuid, outs);
+                log_line!(
+                    "INFO",
+                    "GPU {uuid}: {} MiB, as a later client reported",
+                    total >> 20
+                );
+            }
+            gpus::Admit::Create { index, total } => {
+                let reserve = reserve_for(total);
+                let sched =
+                    GpuScheduler::new(total, total - reserve, self.defaults, self.cfg.grace_ms)
+                        .with_swap_budget(self.cfg.swap_budget_bytes)
+                        .with_resume_window(self.resume_until);
+                log_line!(
+                    "INFO",
+                    "new GPU {uuid} (index {index}): {} MiB, {} MiB schedulable",
+                    total >> 20,
+                    (total - reserve) >> 20
+                );
+                self.gpus.insert(uuid.to_string(), Gpu { index, sched });
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops `uuid`'s entry once its last client left, unless the GPUs come from
+    /// NVML: made-up GPUs must not pile up, and a GPU's size is asked again.
+    fn forget_gpu_if_unused(&mut self, uuid: &str) {
+        if self.cfg.gpus.keeps_empty_entries() {
+            return;
+        }
+        if self.gpus.get(uuid).is_some_and(|g| g.sched.is_empty()) {
+            self.gpus.remove(uuid);
+            self.metrics.forget_gpu(uuid);
+            log_line!("INFO", "GPU {uuid} has no clients left; forgotten");
+        }
+    }
+
     /// Applies scheduler outputs: messages to peers, events to the log.
     fn dispatch(&mut self, gpu: &str, outs: Vec<Output>) {
         let now = monotonic_ns();
@@ -236,6 +434,187 @@ struct Shared {
     state: Mutex<State>,
     /// Wakes the timer task when a deadline may have moved.
     timer: Notify,
+    /// Open client connections per peer group (see [`peer_group`]).
+    groups: Mutex<HashMap<String, usize>>,
+    /// Bytes of partly received frames, over every client connection.
+    partial: FrameBudget,
+    /// Warnings about peers (bad frames, limits), over every connection.
+    warn: Mutex<Throttle>,
+    limits: Limits,
+}
+
+/// The per-connection limits, fixed at start.
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    max_conns_per_group: usize,
+    register_timeout: Duration,
+    frame_timeout: Duration,
+}
+
+/// The node-wide budget for partly received frames. A connection is charged for the
+/// whole frame it is in the middle of, from its header on, so a refusal comes before
+/// the payload is buffered.
+struct FrameBudget {
+    used: AtomicUsize,
+    limit: usize,
+}
+
+impl FrameBudget {
+    /// Sets a connection's charge (`charged`) to `want` bytes. `false`: `want` is a
+    /// large frame the budget has no room for; the charge is unchanged.
+    fn charge(&self, charged: &mut usize, want: usize) -> bool {
+        if want <= *charged {
+            self.used.fetch_sub(*charged - want, Ordering::Relaxed);
+            *charged = want;
+            return true;
+        }
+        let extra = want - *charged;
+        let ok = self
+            .used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
+                (want <= SMALL_FRAME || used + extra <= self.limit).then_some(used + extra)
+            })
+            .is_ok();
+        if ok {
+            *charged = want;
+        }
+        ok
+    }
+}
+
+/// A client connection's place under the connection caps; given back on drop.
+struct ConnSlot {
+    shared: Arc<Shared>,
+    group: String,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl ConnSlot {
+    /// Takes a place in `group`; `None` when the group is at its cap.
+    fn take(shared: &Arc<Shared>, group: String, permit: OwnedSemaphorePermit) -> Option<Self> {
+        let mut groups = shared.groups.lock().unwrap_or_else(|e| e.into_inner());
+        let n = groups.entry(group.clone()).or_insert(0);
+        if *n >= shared.limits.max_conns_per_group {
+            return None;
+        }
+        *n += 1;
+        Some(Self {
+            shared: shared.clone(),
+            group,
+            _permit: permit,
+        })
+    }
+}
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        let mut groups = self.shared.groups.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = groups.get_mut(&self.group) {
+            *n -= 1;
+            if *n == 0 {
+                groups.remove(&self.group);
+            }
+        }
+    }
+}
+
+/// Raises RLIMIT_NOFILE: both limits to `want` if the hard limit is below it (this
+/// needs CAP_SYS_RESOURCE; a refusal is logged), then the soft limit to the hard
+/// one. Returns the soft limit now.
+pub fn raise_fd_limit(want: Option<u64>) -> std::io::Result<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    if let Some(want) = want.filter(|&w| w > lim.rlim_max) {
+        let raised = libc::rlimit {
+            rlim_cur: want as libc::rlim_t,
+            rlim_max: want as libc::rlim_t,
+        };
+        // SAFETY: setrlimit reads the struct we own.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            lim = raised;
+        } else {
+            log_line!(
+                "WARN",
+                "cannot raise RLIMIT_NOFILE to {want} ({}; it needs CAP_SYS_RESOURCE); staying at {}",
+                std::io::Error::last_os_error(),
+                lim.rlim_max
+            );
+        }
+    }
+    if lim.rlim_cur < lim.rlim_max {
+        let want = libc::rlimit {
+            rlim_cur: lim.rlim_max,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: setrlimit reads the struct we own; raising soft up to hard needs no
+        // privilege.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } == 0 {
+            lim.rlim_cur = lim.rlim_max;
+        }
+    }
+    Ok(lim.rlim_cur)
+}
+
+/// `_IO(0xb7, 0x2)`: the parent of a namespace, as a new descriptor.
+const NS_GET_PARENT: u64 = 0xb702;
+
+/// The pid namespace a peer's container owns: the ancestor of the peer's pid
+/// namespace that is a child of ours (so a tenant gains nothing by nesting
+/// namespaces). `None`: the peer shares our pid namespace (a host process).
+fn container_pid_ns(pid: i32) -> Option<u64> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    use std::os::unix::fs::MetadataExt;
+    let ours = std::fs::metadata("/proc/self/ns/pid").ok()?.ino();
+    let mut cur = std::fs::File::open(format!("/proc/{pid}/ns/pid")).ok()?;
+    let mut ino = cur.metadata().ok()?.ino();
+    if ino == ours {
+        return None;
+    }
+    loop {
+        // SAFETY: NS_GET_PARENT on a namespace descriptor we own; it returns a new
+        // descriptor or -1 (top reached, or the parent is outside our view).
+        let fd = unsafe { libc::ioctl(cur.as_raw_fd(), NS_GET_PARENT as _) };
+        if fd < 0 {
+            return Some(ino);
+        }
+        // SAFETY: `fd` was just returned to us and nothing else owns it.
+        let parent = unsafe { std::fs::File::from_raw_fd(fd) };
+        let pino = parent.metadata().ok()?.ino();
+        if pino == ours {
+            return Some(ino);
+        }
+        ino = pino;
+        cur = parent;
+    }
+}
+
+/// The tenant a peer belongs to, for the per-container connection cap: its
+/// container's pid namespace; on the host's own pid namespace, its cgroup (a
+/// systemd service or session, or a container sharing the host's pids); its uid when
+/// /proc says nothing (the peer already gone).
+fn peer_group(cred: Option<tokio::net::unix::UCred>) -> String {
+    let uid = cred.map_or(u32::MAX, |c| c.uid());
+    let Some(pid) = cred.and_then(|c| c.pid()).filter(|&p| p > 0) else {
+        return format!("uid {uid}");
+    };
+    if let Some(ns) = container_pid_ns(pid) {
+        return format!("pid namespace {ns}");
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/cgroup")) {
+        Ok(text) => {
+            // cgroup v2's single line when there is one, else every v1 hierarchy.
+            let v2 = text.lines().find_map(|l| l.strip_prefix("0::"));
+            let key = v2.map_or_else(|| text.trim().replace('\n', ";"), str::to_string);
+            format!("cgroup {key}")
+        }
+        Err(_) => format!("uid {uid}"),
+    }
 }
 
 impl Shared {
@@ -257,20 +636,57 @@ pub async fn serve(
         scheduler_on: cfg.scheduler.is_on(),
         tq_ms: cfg.tq_ms.max(1),
     };
+    // Client connections stop FD_RESERVE short of the descriptor limit, so the
+    // control socket always has room.
+    let nofile = match raise_fd_limit(cfg.limit_nofile) {
+        Ok(n) => n,
+        Err(e) => {
+            log_line!("WARN", "cannot read RLIMIT_NOFILE ({e}); assuming 1024");
+            1024
+        }
+    };
+    let fd_room = usize::try_from(nofile)
+        .unwrap_or(usize::MAX)
+        .saturating_sub(FD_RESERVE)
+        .max(1);
+    let max_connections = cfg.max_connections.min(fd_room).max(1);
+    let limits = Limits {
+        max_conns_per_group: cfg.max_conns_per_group.max(1),
+        register_timeout: Duration::from_millis(cfg.register_timeout_ms.max(1)),
+        frame_timeout: Duration::from_millis(cfg.frame_timeout_ms.max(1)),
+    };
+    log_line!(
+        "INFO",
+        "limits: {max_connections} client connections (RLIMIT_NOFILE {nofile}, {FD_RESERVE} descriptors kept for the control socket and the daemon; configured {}), {} per container, registration within {} ms, each frame within {} ms, {} MiB for partly received frames, event log {} MiB",
+        cfg.max_connections,
+        limits.max_conns_per_group,
+        cfg.register_timeout_ms,
+        cfg.frame_timeout_ms,
+        cfg.partial_frame_budget_bytes >> 20,
+        cfg.event_log_max_bytes >> 20
+    );
     let shared = Arc::new(Shared {
+        groups: Mutex::new(HashMap::new()),
+        partial: FrameBudget {
+            used: AtomicUsize::new(0),
+            limit: cfg.partial_frame_budget_bytes,
+        },
+        warn: Mutex::new(Throttle::new(20)),
+        limits,
         state: Mutex::new(State {
-            events: EventLog::new(cfg.event_log_capacity),
+            events: EventLog::with_max_bytes(cfg.event_log_capacity, cfg.event_log_max_bytes),
             metrics: ArbiterMetrics::new(),
             cfg: cfg.clone(),
             defaults,
             gpus: BTreeMap::new(),
             clients: HashMap::new(),
             next_client: 1,
+            resume_until: monotonic_ns() + crate::sched::RESUME_CLAIM_WINDOW_NS,
         }),
         timer: Notify::new(),
     });
     let (stop_tx, stop_rx) = watch::channel(false);
-    let limit = Arc::new(Semaphore::new(cfg.max_connections));
+    let limit = Arc::new(Semaphore::new(max_connections));
 
     let timer = tokio::spawn(run_timers(shared.clone(), stop_rx.clone()));
     let clients = tokio::spawn(accept_clients(
@@ -349,26 +765,37 @@ async fn accept_clients(
 ) {
     let mut tasks = tokio::task::JoinSet::new();
     let mut backoff = Duration::from_millis(1);
+    let cap = limit.available_permits();
+    let accept_errors = Mutex::new(Throttle::new(1));
     loop {
         tokio::select! {
             res = listener.accept() => match res {
                 Ok((stream, _)) => {
                     backoff = Duration::from_millis(1);
                     let Ok(permit) = limit.clone().try_acquire_owned() else {
-                        log_line!("WARN", "connection limit reached; refusing a client");
-                        refuse(stream, ErrorCode::RateLimited, "too many connections").await;
+                        warn_throttled!(shared.warn, "{cap} client connections open, the limit; refusing a client");
+                        refuse(stream, ErrorCode::RateLimited, "too many connections to the arbiter").await;
+                        continue;
+                    };
+                    let cred = stream.peer_cred().ok();
+                    let group = peer_group(cred);
+                    let Some(slot) = ConnSlot::take(&shared, group.clone(), permit) else {
+                        let per = shared.limits.max_conns_per_group;
+                        warn_throttled!(shared.warn, "{per} connections open from {group}, its limit; refusing pid {}", cred.and_then(|c| c.pid()).unwrap_or(0));
+                        refuse(stream, ErrorCode::RateLimited, &format!("too many connections from this container (limit {per})")).await;
                         continue;
                     };
                     let shared = shared.clone();
                     let stop = stop.clone();
                     tasks.spawn(async move {
-                        client_connection(shared, stream, stop).await;
-                        drop(permit);
+                        client_connection(shared, stream, cred, stop).await;
+                        drop(slot);
                     });
                 }
                 Err(e) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    log_line!("WARN", "accept failed: {e}");
+                    // EMFILE and friends: back off instead of spinning, and say so
+                    // once in a while rather than on every try.
+                    warn_throttled!(accept_errors, "accept failed: {e}; retrying in up to 1 s");
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(1));
                 }
@@ -420,12 +847,28 @@ impl RateLimit {
     }
 }
 
+thread_local! {
+    /// Where connections read into before feeding their decoder: one per thread
+    /// rather than one per connection (an idle connection then costs no buffer).
+    static READ_BUF: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(vec![0u8; SMALL_FRAME]);
+}
+
+/// Reads what the socket has into `decoder`. `Ok(false)`: end of stream.
+fn read_into(stream: &UnixStream, decoder: &mut FrameDecoder) -> std::io::Result<bool> {
+    READ_BUF.with(|b| {
+        let mut buf = b.borrow_mut();
+        let n = stream.try_read(&mut buf)?;
+        decoder.push(&buf[..n]);
+        Ok(n > 0)
+    })
+}
+
 async fn client_connection(
     shared: Arc<Shared>,
     stream: UnixStream,
+    cred: Option<tokio::net::unix::UCred>,
     mut stop: watch::Receiver<bool>,
 ) {
-    let cred = stream.peer_cred().ok();
     let host_pid = cred.and_then(|c| c.pid()).unwrap_or(0).max(0) as u32;
     let stream = Arc::new(stream);
     let peer = Arc::new(Peer::new(stream.clone()));
@@ -442,29 +885,43 @@ async fn client_connection(
         );
         id
     };
+    let limits = shared.limits;
     let mut decoder = FrameDecoder::new();
     let mut rate = RateLimit::new(shared.lock().cfg.max_msgs_per_sec);
-    let mut buf = vec![0u8; 16 * 1024];
+    let mut register_by = Some(tokio::time::Instant::now() + limits.register_timeout);
+    // When the frame now arriving must be complete; `None` between frames.
+    let mut frame_by: Option<tokio::time::Instant> = None;
+    // This connection's share of the node's budget for partly received frames.
+    let mut charged = 0usize;
     'conn: loop {
         if peer.closing.load(Ordering::Relaxed) {
             break;
         }
         let want_write = peer.has_pending();
+        let deadline = register_by.into_iter().chain(frame_by).min();
+        let expired = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending::<()>().await,
+            }
+        };
         tokio::select! {
             r = stream.readable() => {
                 if r.is_err() { break; }
-                match stream.try_read(&mut buf) {
-                    Ok(0) => break,
-                    Ok(n) => decoder.push(&buf[..n]),
+                match read_into(&stream, &mut decoder) {
+                    Ok(false) => break,
+                    Ok(true) => {}
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
                     Err(_) => break,
                 }
+                let mut frames = 0;
                 loop {
                     let msg = match decoder.next_payload() {
                         Ok(Some(p)) => decode_client(p),
                         Ok(None) => break,
                         Err(e) => Err(ClientDecodeError::Protocol(e)),
                     };
+                    frames += 1;
                     let msg = match msg {
                         Ok(m) => m,
                         Err(e) => {
@@ -473,25 +930,67 @@ async fn client_connection(
                                     ErrorCode::WrongSocket,
                                     "control requests are refused on the client socket; use the control socket".to_string(),
                                 ),
-                                ClientDecodeError::Protocol(p) => (p.code(), p.to_string()),
+                                ClientDecodeError::Invalid(f) => {
+                                    (ErrorCode::InvalidArgument, format!("invalid message: {f}"))
+                                }
+                                // serde's text can quote the peer's bytes: bound it.
+                                ClientDecodeError::Protocol(p) => {
+                                    (p.code(), log_safe(&p.to_string()).into_owned())
+                                }
                             };
-                            log_line!("WARN", "client {id} (pid {host_pid}): {text}; disconnecting");
+                            warn_throttled!(shared.warn, "client {id} (pid {host_pid}): {text}; disconnecting");
                             peer.send(&ArbiterMsg::Error { code, message: text });
                             break 'conn;
                         }
                     };
                     if !rate.allow() {
-                        log_line!("WARN", "client {id} (pid {host_pid}) floods requests; disconnecting");
+                        warn_throttled!(shared.warn, "client {id} (pid {host_pid}) floods requests; disconnecting");
                         peer.send(&ArbiterMsg::Error {
                             code: ErrorCode::RateLimited,
                             message: "too many messages; slow down".into(),
                         });
                         break 'conn;
                     }
+                    let registering = matches!(msg, ClientMsg::Register(_));
                     if !handle_client_msg(&shared, id, host_pid, &peer, msg) {
                         break 'conn;
                     }
+                    if registering
+                        && shared.lock().clients.get(&id).is_some_and(|c| c.gpu.is_some())
+                    {
+                        register_by = None;
+                    }
                 }
+                // The frame in progress, if any: its deadline starts with its first
+                // byte, and it is charged in full from its header on.
+                let partial = decoder.partial_frame();
+                frame_by = match partial {
+                    None => None,
+                    Some(_) if frames > 0 || frame_by.is_none() => {
+                        Some(tokio::time::Instant::now() + limits.frame_timeout)
+                    }
+                    Some(_) => frame_by,
+                };
+                let want = partial.unwrap_or(0);
+                if !shared.partial.charge(&mut charged, want) {
+                    let budget = shared.partial.limit;
+                    warn_throttled!(shared.warn, "client {id} (pid {host_pid}): a frame of {want} bytes does not fit in what is left of the {} MiB for partly received frames; disconnecting", budget >> 20);
+                    peer.send(&ArbiterMsg::Error {
+                        code: ErrorCode::RateLimited,
+                        message: format!("the arbiter is buffering too many partly sent frames ({} MiB); a frame of {want} bytes is refused", budget >> 20),
+                    });
+                    break 'conn;
+                }
+            }
+            _ = expired => {
+                let (code, message) = if register_by.is_some_and(|d| d <= tokio::time::Instant::now()) {
+                    (ErrorCode::NotRegistered, format!("no registration within {} ms of connecting; closing", limits.register_timeout.as_millis()))
+                } else {
+                    (ErrorCode::Timeout, format!("a frame was not completed within {} ms; closing", limits.frame_timeout.as_millis()))
+                };
+                warn_throttled!(shared.warn, "client {id} (pid {host_pid}): {message}");
+                peer.send(&ArbiterMsg::Error { code, message });
+                break;
             }
             r = stream.writable(), if want_write => {
                 if r.is_err() || peer.try_flush().is_err() { break; }
@@ -501,6 +1000,8 @@ async fn client_connection(
             _ = stop.changed() => break,
         }
     }
+    shared.partial.charge(&mut charged, 0);
+    drop(decoder);
     // Best effort: flush a final error message, then forget the client.
     let _ = peer.try_flush();
     let mut st = shared.lock();
@@ -514,6 +1015,7 @@ async fn client_connection(
                 .unwrap_or_default();
             st.dispatch(&gpu, outs);
             log_line!("INFO", "client {id} (pid {host_pid}) left GPU {gpu}");
+            st.forget_gpu_if_unused(&gpu);
         }
     }
     drop(st);
@@ -522,6 +1024,7 @@ async fn client_connection(
 
 enum ClientDecodeError {
     Control,
+    Invalid(kiwi_protocol::FieldError),
     Protocol(ProtocolError),
 }
 
@@ -531,9 +1034,14 @@ impl From<ProtocolError> for ClientDecodeError {
     }
 }
 
+/// Decodes and validates one client payload (string limits: see
+/// [`ClientMsg::validate`]).
 fn decode_client(payload: &[u8]) -> Result<ClientMsg, ClientDecodeError> {
     match decode_payload::<ClientMsg>(payload) {
-        Ok(m) => Ok(m),
+        Ok(m) => match m.validate() {
+            Ok(()) => Ok(m),
+            Err(f) => Err(ClientDecodeError::Invalid(f)),
+        },
         Err(e) => {
             if decode_payload::<ControlRequest>(payload).is_ok() {
                 Err(ClientDecodeError::Control)
@@ -581,29 +1089,22 @@ fn handle_client_msg(
                 return false;
             }
             let uuid = r.gpu_uuid.clone();
-            if !st.gpus.contains_key(&uuid) {
-                let index = st.gpus.len() as u32;
-                let reserve = kiwi_config::context_reserve_bytes(
-                    &kiwi_config::ArbiterConfig {
-                        reserve_mib: st.cfg.reserve_mib,
-                        ..Default::default()
-                    },
-                    r.gpu_total_memory,
+            if let Err(refusal) = st.admit_gpu(now, &uuid, r.gpu_total_memory) {
+                warn_throttled!(
+                    shared.warn,
+                    "client {id} (pid {host_pid}) refused: {refusal}"
                 );
-                let sched = GpuScheduler::new(
-                    r.gpu_total_memory,
-                    r.gpu_total_memory - reserve,
-                    st.defaults,
-                    st.cfg.grace_ms,
-                )
-                .with_swap_budget(st.cfg.swap_budget_bytes);
-                log_line!(
-                    "INFO",
-                    "new GPU {uuid} (index {index}): {} MiB, {} MiB schedulable",
-                    r.gpu_total_memory >> 20,
-                    (r.gpu_total_memory - reserve) >> 20
-                );
-                st.gpus.insert(uuid.clone(), Gpu { index, sched });
+                let code = match refusal {
+                    gpus::Refusal::WrongTotal { .. } => ErrorCode::InvalidArgument,
+                    gpus::Refusal::UnknownGpu { .. } | gpus::Refusal::TooManyGpus { .. } => {
+                        ErrorCode::UnknownGpu
+                    }
+                };
+                peer.send(&ArbiterMsg::Error {
+                    code,
+                    message: refusal.to_string(),
+                });
+                return false;
             }
             if let Some(c) = st.clients.get_mut(&id) {
                 c.gpu = Some(uuid.clone());
@@ -625,6 +1126,16 @@ fn handle_client_msg(
                 .get_mut(&uuid)
                 .map(|g| g.sched.register(now, id, info, usage, r.resume))
                 .unwrap_or_default();
+            if r.resume.is_some_and(|x| x.holding)
+                && outs
+                    .iter()
+                    .any(|o| matches!(o, Output::Send(to, ArbiterMsg::Revoked { .. }) if *to == id))
+            {
+                warn_throttled!(
+                    shared.warn,
+                    "client {id} (pid {host_pid}) claims to hold GPU {uuid}, which the arbiter did not grant it: refused, queued"
+                );
+            }
             (uuid, outs)
         }
         (ClientMsg::Register(_), Some(_)) => {
@@ -717,16 +1228,31 @@ async fn accept_control(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut tasks = tokio::task::JoinSet::new();
+    let mut backoff = Duration::from_millis(1);
+    let accept_errors = Mutex::new(Throttle::new(1));
     loop {
         tokio::select! {
             res = listener.accept() => match res {
                 Ok((stream, _)) => {
+                    backoff = Duration::from_millis(1);
+                    if tasks.len() >= MAX_CONTROL_CONNS {
+                        warn_throttled!(shared.warn, "{MAX_CONTROL_CONNS} control connections open, the limit; refusing one");
+                        let reply = ControlReply::Error {
+                            code: ErrorCode::RateLimited,
+                            message: format!("{MAX_CONTROL_CONNS} kiwictl connections are open already; try again"),
+                        };
+                        if let Ok(buf) = kiwi_protocol::encode(&reply) {
+                            let _ = stream.try_write(&buf);
+                        }
+                        continue;
+                    }
                     let shared = shared.clone();
                     tasks.spawn(control_connection(shared, stream));
                 }
                 Err(e) => {
-                    log_line!("WARN", "control accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    warn_throttled!(accept_errors, "control accept failed: {e}; retrying in up to 1 s");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
                 }
             },
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
@@ -756,7 +1282,16 @@ async fn control_connection(shared: Arc<Shared>, stream: UnixStream) {
             let (reply, fatal) = match decoder.next_payload() {
                 Ok(None) => break,
                 Ok(Some(p)) => match decode_payload::<ControlRequest>(p) {
-                    Ok(req) => (handle_control(&shared, req, &who), false),
+                    Ok(req) => match req.validate() {
+                        Ok(()) => (handle_control(&shared, req, &who), false),
+                        Err(f) => (
+                            ControlReply::Error {
+                                code: ErrorCode::InvalidArgument,
+                                message: format!("invalid request: {f}"),
+                            },
+                            false,
+                        ),
+                    },
                     Err(e) => {
                         let wrong = decode_payload::<ClientMsg>(p).is_ok();
                         let (code, message) = if wrong {
@@ -765,7 +1300,7 @@ async fn control_connection(shared: Arc<Shared>, stream: UnixStream) {
                                 "client messages belong on the client socket".to_string(),
                             )
                         } else {
-                            (e.code(), e.to_string())
+                            (e.code(), log_safe(&e.to_string()).into_owned())
                         };
                         (ControlReply::Error { code, message }, false)
                     }
@@ -778,14 +1313,65 @@ async fn control_connection(shared: Arc<Shared>, stream: UnixStream) {
                     true,
                 ),
             };
-            let mut out = Vec::new();
-            if encode_into(&reply, &mut out).is_err() {
-                return;
-            }
+            // A reply too large for a frame becomes an error reply, never silence.
+            let out = match kiwi_protocol::encode(&reply) {
+                Ok(out) => out,
+                Err(e) => {
+                    log_line!("WARN", "a reply to kiwictl (pid {who}) was too large: {e}");
+                    let err = ControlReply::Error {
+                        code: e.code(),
+                        message: format!(
+                            "the arbiter's reply was too large to send ({e}); narrow the request (--gpu)"
+                        ),
+                    };
+                    match kiwi_protocol::encode(&err) {
+                        Ok(out) => out,
+                        Err(_) => return,
+                    }
+                }
+            };
             if stream.write_all(&out).await.is_err() || fatal {
                 return;
             }
         }
+    }
+}
+
+/// The most a status reply may encode to: the frame limit, less room for the
+/// counts of what was left out.
+const STATUS_BUDGET: usize = kiwi_protocol::MAX_PAYLOAD - 1024;
+
+/// Encoded length of a JSON value (`usize::MAX` if it would not encode).
+macro_rules! json_len {
+    ($v:expr) => {
+        serde_json::to_vec($v).map_or(usize::MAX, |b| b.len())
+    };
+}
+
+/// Cuts a status report to fit in one frame: clients from the last GPU backwards
+/// (holders and queue still list every id), then whole GPUs; counts what it left
+/// out in `omitted_clients` and `omitted_gpus`.
+fn fit_status(r: &mut StatusReport, budget: usize) {
+    let mut len = json_len!(&*r);
+    while len > budget {
+        let excess = len - budget;
+        let mut cut = 0;
+        for g in r.gpus.iter_mut().rev() {
+            while cut < excess {
+                let Some(c) = g.clients.pop() else { break };
+                cut += json_len!(&c) + 1;
+                r.omitted_clients += 1;
+            }
+        }
+        if cut < excess {
+            if let Some(g) = r.gpus.pop() {
+                r.omitted_gpus += 1;
+                r.omitted_clients += g.clients.len() as u64;
+            } else {
+                return;
+            }
+        }
+        len = json_len!(&*r);
     }
 }
 
@@ -887,7 +1473,7 @@ fn handle_control(shared: &Shared, req: ControlRequest, who: &str) -> ControlRep
             Err(e) => e,
             Ok(uuids) => {
                 let swap = st.node_swap();
-                ControlReply::Status(StatusReport {
+                let mut report = StatusReport {
                     default_settings: st.defaults,
                     gpus: uuids
                         .iter()
@@ -897,7 +1483,11 @@ fn handle_control(shared: &Shared, req: ControlRequest, who: &str) -> ControlRep
                     swap_budget_bytes: swap.budget_bytes,
                     swap_need_bytes: swap.need_bytes,
                     swap_in_use_bytes: swap.in_use_bytes,
-                })
+                    omitted_clients: 0,
+                    omitted_gpus: 0,
+                };
+                fit_status(&mut report, STATUS_BUDGET);
+                ControlReply::Status(report)
             }
         },
         ControlRequest::Events {

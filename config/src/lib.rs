@@ -14,6 +14,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
+pub mod report;
+pub use report::one_line;
+
 /// Where the file is looked for when neither a flag nor `KIWI_CONFIG` names one.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/kiwi/config.toml";
 /// Environment variable naming the config file.
@@ -30,7 +33,7 @@ pub const CONTAINER_SHIM_PATH: &str = "/usr/lib/kiwi/libkiwi.so";
 /// Errors reading the configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config file {path}: {source}")]
+    #[error("cannot read config file {path}: {source}; name a readable file with --config or KIWI_CONFIG, or leave both unset for /etc/kiwi/config.toml")]
     Read {
         path: PathBuf,
         source: std::io::Error,
@@ -126,6 +129,19 @@ pub struct ArbiterConfig {
     pub event_log_capacity: usize,
     /// Prometheus endpoint, e.g. "127.0.0.1:9400". `None`: no metrics server.
     pub metrics_addr: Option<String>,
+    /// Where the arbiter learns each GPU's UUID and memory: "auto" (libnvidia-ml.so.1
+    /// if it loads), "off" (no NVML: a GPU's first registration sets its size), or the
+    /// path of an NVML library, which must load.
+    pub nvml: String,
+    /// Limits on what tenants can make the arbiter hold (docs/protocol.md, "Limits").
+    /// `None`: the arbiter's default. Flags of the same name win.
+    pub max_connections: Option<usize>,
+    pub max_conns_per_group: Option<usize>,
+    pub register_timeout_ms: Option<u64>,
+    pub frame_timeout_ms: Option<u64>,
+    pub partial_frame_budget_mib: Option<u64>,
+    pub event_log_mib: Option<u64>,
+    pub limit_nofile: Option<u64>,
 }
 
 impl Default for ArbiterConfig {
@@ -138,6 +154,14 @@ impl Default for ArbiterConfig {
             swap_budget_mib: None,
             event_log_capacity: 100_000,
             metrics_addr: None,
+            nvml: "auto".into(),
+            max_connections: None,
+            max_conns_per_group: None,
+            register_timeout_ms: None,
+            frame_timeout_ms: None,
+            partial_frame_budget_mib: None,
+            event_log_mib: None,
+            limit_nofile: None,
         }
     }
 }
@@ -312,6 +336,23 @@ impl Config {
                 "arbiter.event_log_capacity must be at least 1".into(),
             ));
         }
+        let a = &self.arbiter;
+        for (key, value) in [
+            ("max_connections", a.max_connections.map(|v| v as u64)),
+            (
+                "max_conns_per_group",
+                a.max_conns_per_group.map(|v| v as u64),
+            ),
+            ("register_timeout_ms", a.register_timeout_ms),
+            ("frame_timeout_ms", a.frame_timeout_ms),
+            ("partial_frame_budget_mib", a.partial_frame_budget_mib),
+            ("event_log_mib", a.event_log_mib),
+            ("limit_nofile", a.limit_nofile),
+        ] {
+            if value == Some(0) {
+                return Err(invalid(format!("arbiter.{key} must be at least 1")));
+            }
+        }
         Ok(())
     }
 
@@ -442,6 +483,32 @@ vgpus_per_gpu = 4
             Config::from_str_at("[device_plugin]\nhealth_interval_ms = 0\n", Path::new("c"))
                 .is_err()
         );
+    }
+
+    #[test]
+    fn arbiter_limits_are_keys_and_zero_is_refused() {
+        let c = Config::from_str_at(
+            "[arbiter]\nmax_conns_per_group = 8\nframe_timeout_ms = 250\nevent_log_mib = 4\n",
+            Path::new("c"),
+        )
+        .unwrap();
+        assert_eq!(c.arbiter.max_conns_per_group, Some(8));
+        assert_eq!(c.arbiter.frame_timeout_ms, Some(250));
+        assert_eq!(c.arbiter.event_log_mib, Some(4));
+        for key in [
+            "max_connections",
+            "max_conns_per_group",
+            "register_timeout_ms",
+            "limit_nofile",
+        ] {
+            let e = Config::from_str_at(&format!("[arbiter]\n{key} = 0\n"), Path::new("c"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("arbiter.{key} must be at least 1")),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! around the pure edits in `containerd` and `docker` — reading, `--dry-run` diffs,
 //! backups, atomic writes, and the lines the user reads.
 //!
-//! Nothing here restarts a daemon: the messages say how to.
+//! Nothing here restarts or reloads a daemon: the messages say how to.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -20,6 +20,12 @@ pub const DEFAULT_CONTAINERD_CONFIG: &str = "/etc/containerd/config.toml";
 pub const DEFAULT_DOCKER_CONFIG: &str = "/etc/docker/daemon.json";
 /// Suffix of the copy of a file taken before each change.
 pub const BACKUP_SUFFIX: &str = ".kiwi-backup";
+/// What to do after editing `daemon.json`. dockerd re-reads `runtimes` and
+/// `default-runtime` on SIGHUP (`systemctl reload docker`); a restart would stop every
+/// running container (without live-restore) for nothing.
+pub const DOCKER_RELOAD_ADVICE: &str =
+    "[INFO] Reload docker (SIGHUP; running containers keep running): systemctl reload docker";
+
 /// Suffix of docker's undo record, next to `daemon.json`.
 pub const DOCKER_UNDO_SUFFIX: &str = ".kiwi-undo";
 
@@ -395,7 +401,7 @@ fn install_docker_cmd(a: &DockerInstallArgs, out: &mut dyn Write) -> Result<()> 
     )?;
     writeln!(
         out,
-        "[INFO] Restart docker to use it: systemctl restart docker; then \
+        "{DOCKER_RELOAD_ADVICE} to use it; then \
          docker run --runtime {} -e KIWI_VISIBLE_DEVICES=0 ...",
         a.runtime_name
     )?;
@@ -445,10 +451,7 @@ fn uninstall_docker_cmd(a: &DockerUninstallArgs, out: &mut dyn Write) -> Result<
         cfg.display(),
         backup_note(&backups)
     )?;
-    writeln!(
-        out,
-        "[INFO] Restart docker to apply: systemctl restart docker"
-    )?;
+    writeln!(out, "{DOCKER_RELOAD_ADVICE} to apply")?;
     Ok(())
 }
 
@@ -567,4 +570,40 @@ fn write_atomic(path: &Path, text: &str) -> Result<()> {
         let _ = std::fs::remove_file(&tmp);
         format!("cannot replace {}", path.display())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Docker picks up `runtimes` on SIGHUP, so the advice is a reload: a restart would
+    /// stop the node's running containers for nothing. (tests/tests/docker.rs follows
+    /// this advice against a real dockerd.)
+    #[test]
+    fn docker_advice_is_a_reload_not_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let args = |dry_run| DockerInstallArgs {
+            config: dir.path().join("daemon.json"),
+            set_as_default: false,
+            dry_run,
+            runtime_path: DEFAULT_RUNTIME_PATH.into(),
+            runtime_name: RUNTIME_NAME.into(),
+        };
+        let mut out = Vec::new();
+        install_docker_cmd(&args(false), &mut out).unwrap();
+        let out = String::from_utf8(out).unwrap();
+        assert!(out.contains("systemctl reload docker to use it"), "{out}");
+        assert!(!out.contains("restart"), "{out}");
+
+        let mut out = Vec::new();
+        let un = DockerUninstallArgs {
+            config: dir.path().join("daemon.json"),
+            dry_run: false,
+            runtime_name: RUNTIME_NAME.into(),
+        };
+        uninstall_docker_cmd(&un, &mut out).unwrap();
+        let out = String::from_utf8(out).unwrap();
+        assert!(out.contains("systemctl reload docker to apply"), "{out}");
+        assert!(!out.contains("restart"), "{out}");
+    }
 }

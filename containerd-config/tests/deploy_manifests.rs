@@ -145,6 +145,16 @@ fn plain_manifests_have_what_kiwi_needs() {
         .iter()
         .any(|m| m["mountPath"] == "/etc/kiwi"));
     assert_eq!(c["ports"][0]["containerPort"], 9400);
+    // Pods have no LimitNOFILE: the arbiter raises its own (CAP_SYS_RESOURCE).
+    assert!(c["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e["name"] == "KIWI_LIMIT_NOFILE" && e["value"] == "65536"));
+    assert_eq!(
+        c["securityContext"]["capabilities"]["add"],
+        serde_json::json!(["SYS_RESOURCE"])
+    );
 
     let script = init_script(arbiter);
     for needed in [
@@ -253,6 +263,10 @@ fn systemd_units_run_the_daemons_with_the_design_paths() {
         "containers bind /run/kiwi/client"
     );
     assert!(unit.contains("\n[Install]\nWantedBy=multi-user.target\n"));
+    assert!(
+        unit.contains("\nLimitNOFILE=65536\n"),
+        "room for 4096 client connections and the control socket"
+    );
     let unit =
         std::fs::read_to_string(repo().join("deploy/systemd/kiwi-device-plugin.service")).unwrap();
     assert!(unit.contains("\nExecStart=/usr/local/bin/kiwi-device-plugin\n"));

@@ -80,7 +80,7 @@ fn main() {
             })
         });
     if let Err(e) = result {
-        eprintln!("kiwi-device-plugin: {e:#}");
+        eprintln!("kiwi-device-plugin: {}", kiwi_config::one_line(e.as_ref()));
         std::process::exit(1);
     }
 }

@@ -127,7 +127,7 @@ pub enum PluginError {
     Inventory(#[from] InventoryError),
     #[error("{0}")]
     Settings(String),
-    #[error("cannot serve on {path}: {source}")]
+    #[error("cannot serve on {path}: {source}; --kubelet-dir (device_plugin.kubelet_dir) must name the kubelet's device plugin directory, usually /var/lib/kubelet/device-plugins")]
     Bind {
         path: PathBuf,
         source: std::io::Error,

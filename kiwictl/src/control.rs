@@ -34,7 +34,12 @@ impl Control {
 
     /// Sends a request; an error reply becomes an error.
     pub fn call(&mut self, req: &ControlRequest) -> Result<ControlReply> {
-        let reply = self.conn.call(req).context("arbiter did not answer")?;
+        let reply = self.conn.call(req).map_err(|e| match e {
+            kiwi_protocol::ProtocolError::TimedOut { .. } => {
+                anyhow::anyhow!("the arbiter accepted the connection but gave {e}; it may be overloaded (see its log)")
+            }
+            e => anyhow::Error::new(e).context("the arbiter did not answer"),
+        })?;
         if let ControlReply::Error { message, .. } = &reply {
             bail!("{message}");
         }

@@ -216,6 +216,14 @@ pub fn run(args: &DemoArgs) -> Result<ExitCode> {
         .arg(args.tq.to_string())
         .arg("--grace-ms")
         .arg("2000")
+        // The simulated GPU is unknown to a real node's NVML; on a real GPU the
+        // arbiter checks registrations against it as in production.
+        .arg("--nvml")
+        .arg(if build.sim_dir.is_some() {
+            "off"
+        } else {
+            "auto"
+        })
         .env_remove("KIWI_CONFIG")
         .stdin(Stdio::null())
         .stdout(Stdio::null())

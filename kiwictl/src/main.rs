@@ -113,7 +113,7 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("[ERROR] {e:#}");
+            eprintln!("[ERROR] {}", kiwi_config::one_line(e.as_ref()));
             ExitCode::from(1)
         }
     }

@@ -33,8 +33,27 @@ fn swap_line(r: &StatusReport) -> String {
     )
 }
 
+/// The line saying what the arbiter left out to fit its reply in one frame.
+fn omitted_line(r: &StatusReport) -> Option<String> {
+    if r.omitted_clients == 0 && r.omitted_gpus == 0 {
+        return None;
+    }
+    Some(format!(
+        "Not shown: {} client(s) and {} GPU(s); the arbiter cut its reply to the 1 MiB frame limit (--gpu shows one GPU).",
+        r.omitted_clients, r.omitted_gpus
+    ))
+}
+
 /// Renders the status report as a table per GPU, after the node's swap line.
 pub fn render(r: &StatusReport) -> String {
+    let mut s = render_gpus(r);
+    if let Some(line) = omitted_line(r) {
+        let _ = writeln!(s, "{line}");
+    }
+    s
+}
+
+fn render_gpus(r: &StatusReport) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "{}", swap_line(r));
     if r.gpus.is_empty() {
@@ -149,7 +168,21 @@ mod tests {
             swap_budget_bytes: budget,
             swap_need_bytes: need,
             swap_in_use_bytes: in_use,
+            omitted_clients: 0,
+            omitted_gpus: 0,
         }
+    }
+
+    #[test]
+    fn a_cut_reply_says_so() {
+        let mut r = report(None, 0, 0);
+        assert!(!render(&r).contains("Not shown"));
+        r.omitted_clients = 12;
+        let t = render(&r);
+        assert!(
+            t.trim_end().ends_with("Not shown: 12 client(s) and 0 GPU(s); the arbiter cut its reply to the 1 MiB frame limit (--gpu shows one GPU)."),
+            "{t}"
+        );
     }
 
     #[test]

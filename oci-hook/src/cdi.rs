@@ -16,8 +16,29 @@ use serde::{Deserialize, Serialize};
 
 use crate::gpu::{self, DeviceNode, GpuError, GpuInfo, HostDevices};
 
-pub const CDI_VERSION: &str = "0.6.0";
 pub const CDI_KIND: &str = "kiwi.dev/gpu";
+
+/// The lowest `cdiVersion` a spec's content needs, by the rules of CDI's own
+/// `MinimumRequiredVersion` for the features this module can write: 0.3.0 (the earliest
+/// engines accept), 0.5.0 once a device name starts with something other than a letter
+/// (`0`, `1`: GPU indexes), 0.6.0 once the kind's class has a dot. Declaring more than
+/// needed only shuts out older engines: podman 4.3 (Debian 12) refuses a 0.6.0 spec.
+pub fn minimum_cdi_version(spec: &CdiSpec) -> &'static str {
+    let class = spec.kind.split_once('/').map_or("", |(_, c)| c);
+    if class.contains('.') {
+        return "0.6.0";
+    }
+    let digit_first = spec.devices.iter().any(|d| {
+        d.name
+            .chars()
+            .next()
+            .is_some_and(|c| !c.is_ascii_alphabetic())
+    });
+    if digit_first {
+        return "0.5.0";
+    }
+    "0.3.0"
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -138,8 +159,8 @@ pub fn generate_cdi_spec(gpus: &[GpuInfo], cfg: &Config) -> Result<CdiSpec, GpuE
     if let Some(last) = args.last_mut() {
         *last = "createRuntime".into();
     }
-    Ok(CdiSpec {
-        cdi_version: CDI_VERSION.into(),
+    let mut spec = CdiSpec {
+        cdi_version: String::new(),
         kind: CDI_KIND.into(),
         devices: out,
         container_edits: ContainerEdits {
@@ -151,7 +172,9 @@ pub fn generate_cdi_spec(gpus: &[GpuInfo], cfg: &Config) -> Result<CdiSpec, GpuE
                 args,
             }],
         },
-    })
+    };
+    spec.cdi_version = minimum_cdi_version(&spec).into();
+    Ok(spec)
 }
 
 /// `kiwictl cdi generate` arguments.
@@ -198,4 +221,46 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     std::fs::rename(&tmp, path).inspect_err(|_| {
         let _ = std::fs::remove_file(&tmp);
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(kind: &str, names: &[&str]) -> CdiSpec {
+        CdiSpec {
+            cdi_version: String::new(),
+            kind: kind.into(),
+            devices: names
+                .iter()
+                .map(|n| CdiDevice {
+                    name: n.to_string(),
+                    container_edits: ContainerEdits::default(),
+                })
+                .collect(),
+            container_edits: ContainerEdits::default(),
+        }
+    }
+
+    #[test]
+    fn declared_version_is_the_lowest_the_content_needs() {
+        // Today's content: GPU indexes as device names need 0.5.0, and nothing more.
+        assert_eq!(
+            minimum_cdi_version(&spec(CDI_KIND, &["0", "GPU-1234", "all"])),
+            "0.5.0"
+        );
+        // Names that start with a letter (no GPU found: only `all`) need nothing new.
+        assert_eq!(minimum_cdi_version(&spec(CDI_KIND, &["all"])), "0.3.0");
+        assert_eq!(
+            minimum_cdi_version(&spec(CDI_KIND, &["GPU-1", "all"])),
+            "0.3.0"
+        );
+        // A dot in the class (0.6.0) outranks a digit-first name.
+        assert_eq!(
+            minimum_cdi_version(&spec("kiwi.dev/v.gpu", &["0"])),
+            "0.6.0"
+        );
+        // Dots in the vendor are allowed since the beginning.
+        assert_eq!(minimum_cdi_version(&spec("a.b.c/gpu", &["x"])), "0.3.0");
+    }
 }

@@ -3,7 +3,10 @@
 //! or taken from the configured list (`runtime.driver_files`).
 //!
 //! Each file is bind-mounted read-only at the same path inside the container, as
-//! NVIDIA's toolkit does. This module only finds files; [`crate::runtime`] adds mounts.
+//! NVIDIA's toolkit does, and the directories of the libraries among them go to the hook,
+//! which adds them to the container's ld cache (a RHEL host's `/usr/lib64` means nothing
+//! to an Ubuntu image's loader otherwise). This module only finds files;
+//! [`crate::runtime`] adds mounts.
 
 use std::path::{Path, PathBuf};
 
@@ -63,6 +66,25 @@ fn arch_tag() -> &'static str {
     } else {
         ""
     }
+}
+
+/// The directories, inside the container, of the shared libraries among `files`
+/// (names with `.so`), in order, each once: what the container's ld cache must cover.
+pub fn library_dirs(files: &[DriverFile]) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for f in files {
+        let is_lib = f
+            .destination
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.ends_with(".so") || n.contains(".so."));
+        if let Some(dir) = f.destination.parent().filter(|_| is_lib) {
+            if !dirs.iter().any(|d| d == dir) {
+                dirs.push(dir.to_path_buf());
+            }
+        }
+    }
+    dirs
 }
 
 /// Finds `names` in `ldconfig -p` output, keeping the first entry of this architecture.
@@ -189,6 +211,24 @@ mod tests {
         );
         assert_eq!(files[1].destination, PathBuf::from("/usr/bin/nvidia-smi"));
         assert!(missing.contains(&"libnvidia-ml.so.1") && !missing.contains(&"libcuda.so.1"));
+    }
+
+    #[test]
+    fn library_dirs_are_the_libraries_parents_once() {
+        let f = |d: &str| DriverFile {
+            source: PathBuf::from("/x"),
+            destination: PathBuf::from(d),
+        };
+        let files = [
+            f("/usr/lib64/libcuda.so.1"),
+            f("/usr/lib64/libnvidia-ml.so.1"),
+            f("/usr/bin/nvidia-smi"),
+            f("/opt/nv/libnvidia-nvvm.so"),
+        ];
+        assert_eq!(
+            library_dirs(&files),
+            [PathBuf::from("/usr/lib64"), PathBuf::from("/opt/nv")]
+        );
     }
 
     #[test]

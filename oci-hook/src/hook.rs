@@ -8,7 +8,10 @@
 //! - bind a copy of `/etc/ld.so.preload` that lists the shim before the image's own
 //!   entries (a bind, so the image is never modified and a read-only root works; only
 //!   an image without the file gets an empty mount point),
-//! - create the device nodes that are missing.
+//! - create the device nodes that are missing,
+//! - add the directories of the driver libraries kiwi-runtime bound (`--ld-dir`) to the
+//!   container's ld cache, with the host's `ldconfig -r <rootfs>`, as NVIDIA's toolkit
+//!   does; never with the image's own ldconfig, which would run as root on the host.
 //!
 //! The namespace work runs in a forked child, so the hook's own process never changes
 //! namespace and every error comes back to it as one line. An unclaimed container is
@@ -33,6 +36,11 @@ use crate::spec::{Spec, SpecError};
 /// The state JSON is small; more than this on stdin is not a runtime talking.
 const MAX_STATE_BYTES: u64 = 1 << 20;
 
+/// The largest image `/etc/ld.so.preload` the hook copies. Real ones list a library or
+/// two; a bigger one (a sparse 300 MiB file costs the image nothing) would make the hook
+/// spend seconds writing a full copy into the bundle, which lives in RAM-backed `/run`.
+pub const MAX_PRELOAD_BYTES: u64 = 64 * 1024;
+
 #[derive(Debug, thiserror::Error)]
 pub enum HookError {
     #[error("cannot read the container state on stdin: {0}")]
@@ -45,8 +53,8 @@ pub enum HookError {
     Config(#[from] kiwi_config::ConfigError),
     #[error("cannot give the container its vGPU: {0}")]
     Gpu(#[from] GpuError),
-    #[error("cannot give the container its vGPU: the Kiwi shim {path} is missing on this host (runtime.shim_path)")]
-    ShimMissing { path: PathBuf },
+    #[error("cannot give the container its vGPU: the Kiwi shim {path} is missing on this host (runtime.shim_path; {origin})")]
+    ShimMissing { path: PathBuf, origin: String },
     #[error("cannot create the client socket directory {path}: {source}")]
     ClientDir {
         path: PathBuf,
@@ -56,6 +64,8 @@ pub enum HookError {
     Namespace { pid: i32, reason: String },
     #[error("inside the container: {0}")]
     Inject(String),
+    #[error("cannot update the container's ld cache: {0}")]
+    LdCache(String),
 }
 
 /// The OCI state a runtime passes to hooks on stdin.
@@ -103,7 +113,21 @@ pub struct Injection {
     pub shim: PathBuf,
     pub client_dir: PathBuf,
     pub nodes: Vec<DeviceNode>,
+    /// Directories of bound driver libraries, inside the container, for its ld cache.
+    #[serde(default)]
+    pub ld_dirs: Vec<PathBuf>,
+    /// The host's ldconfig, when there are `ld_dirs`.
+    #[serde(default)]
+    pub host_ldconfig: Option<PathBuf>,
 }
+
+/// Where the host's ldconfig is looked for (glibc's is statically linked).
+const HOST_LDCONFIG: [&str; 2] = ["/sbin/ldconfig", "/usr/sbin/ldconfig"];
+/// The file the hook writes in the container's `/etc/ld.so.conf.d`, so an `ldconfig`
+/// the container runs later (a package install) keeps the driver's directories.
+pub const LD_CONF_FILE: &str = "/etc/ld.so.conf.d/00-kiwi-driver.conf";
+/// How long ldconfig may take (it reads every library in the image's directories).
+const LDCONFIG_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The container's claim and the spec, or `None` when nothing claims a vGPU.
 pub fn claimed_spec(state: &State) -> Result<Option<(Spec, Claim)>, HookError> {
@@ -127,7 +151,30 @@ pub fn plan(
     claim: &Claim,
     cfg: &Config,
     socket_dir: &Path,
+    ld_dirs: &[PathBuf],
 ) -> Result<Injection, HookError> {
+    if let Some(d) = ld_dirs.iter().find(|d| !d.is_absolute()) {
+        return Err(HookError::LdCache(format!(
+            "--ld-dir {} is not an absolute path",
+            d.display()
+        )));
+    }
+    let host_ldconfig = if ld_dirs.is_empty() {
+        None
+    } else {
+        Some(
+            HOST_LDCONFIG
+                .iter()
+                .map(PathBuf::from)
+                .find(|p| p.is_file())
+                .ok_or_else(|| {
+                    HookError::LdCache(format!(
+                        "no ldconfig on this host ({})",
+                        HOST_LDCONFIG.join(", ")
+                    ))
+                })?,
+        )
+    };
     let pid = match state.pid {
         Some(p) if p > 0 => p,
         _ => {
@@ -139,6 +186,7 @@ pub fn plan(
     if !cfg.runtime.shim_path.is_file() {
         return Err(HookError::ShimMissing {
             path: cfg.runtime.shim_path.clone(),
+            origin: crate::runtime::config_origin(cfg),
         });
     }
     let in_spec = spec.nvidia_devices();
@@ -173,6 +221,8 @@ pub fn plan(
         shim: cfg.runtime.shim_path.clone(),
         client_dir,
         nodes,
+        ld_dirs: ld_dirs.to_vec(),
+        host_ldconfig,
     })
 }
 
@@ -322,6 +372,42 @@ fn kind_of(target: &Path) -> Option<std::fs::FileType> {
         .map(|m| m.file_type())
 }
 
+fn preload_too_big(len: u64) -> String {
+    format!(
+        "/etc/ld.so.preload in the image is {len} bytes, more than the {MAX_PRELOAD_BYTES} \
+         Kiwi accepts; a claimed container needs a smaller one"
+    )
+}
+
+/// Reads the image's `/etc/ld.so.preload`, at most [`MAX_PRELOAD_BYTES`] of it. Opened
+/// without following a symlink and without blocking, and checked again once open, so an
+/// image that swaps the file for a FIFO or a link after the check gets an error, not a hang.
+fn read_image_preload(path: &Path) -> Result<String, String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| format!("cannot read /etc/ld.so.preload: {e}"))?;
+    let md = f
+        .metadata()
+        .map_err(|e| format!("cannot read /etc/ld.so.preload: {e}"))?;
+    if !md.is_file() {
+        return Err("/etc/ld.so.preload exists in the image and is not a regular file".into());
+    }
+    if md.len() > MAX_PRELOAD_BYTES {
+        return Err(preload_too_big(md.len()));
+    }
+    let mut buf = Vec::new();
+    f.take(MAX_PRELOAD_BYTES + 1)
+        .read_to_end(&mut buf)
+        .map_err(|e| format!("cannot read /etc/ld.so.preload: {e}"))?;
+    if buf.len() as u64 > MAX_PRELOAD_BYTES {
+        return Err(preload_too_big(buf.len() as u64));
+    }
+    String::from_utf8(buf).map_err(|_| "/etc/ld.so.preload in the image is not UTF-8 text".into())
+}
+
 /// The injection proper, run inside the container's mount namespace. Every target is
 /// resolved and checked first, so an image the hook cannot serve fails before anything
 /// is created or mounted.
@@ -355,13 +441,19 @@ fn inject_here(inj: &Injection) -> Result<(), String> {
     let preload_target = join(Path::new("/etc/ld.so.preload"))?;
     let existing = match kind_of(&preload_target) {
         None => String::new(),
-        Some(k) if k.is_file() => std::fs::read_to_string(&preload_target)
-            .map_err(|e| format!("cannot read /etc/ld.so.preload: {e}"))?,
+        Some(k) if k.is_file() => read_image_preload(&preload_target)?,
         Some(_) => {
             return Err("/etc/ld.so.preload exists in the image and is not a regular file".into())
         }
     };
     let preload = preload_contents(&existing);
+    if !inj.ld_dirs.is_empty()
+        && kind_of(&join(Path::new(LD_CONF_FILE))?).is_some_and(|k| !k.is_file())
+    {
+        return Err(format!(
+            "{LD_CONF_FILE} exists in the image and is not a regular file"
+        ));
+    }
 
     // Act. Device nodes first: they need a writable /dev, which binds never affect.
     for (target, node) in new_nodes {
@@ -440,6 +532,117 @@ fn inject_here(inj: &Injection) -> Result<(), String> {
         );
         let _ = std::fs::remove_file(&source);
         bound?;
+    }
+    update_ld_cache(inj)
+}
+
+/// Adds `inj.ld_dirs` to the container's ld cache, as NVIDIA's toolkit does: a file in
+/// `/etc/ld.so.conf.d` listing them, then the host's `ldconfig -r <rootfs>` (which
+/// chroots itself) with the directories on its command line too, so they count even
+/// where `/etc/ld.so.conf` does not include `ld.so.conf.d`. `-X`: no symlinks are made in
+/// the image's directories. Only images with glibc's files (an ldconfig or a cache) get
+/// this; a musl or busybox image has no cache to update. The image's own ldconfig is
+/// never run: from here it would run as root on the host, inside nothing but a chroot.
+fn update_ld_cache(inj: &Injection) -> Result<(), String> {
+    let Some(ldconfig) = inj
+        .host_ldconfig
+        .as_ref()
+        .filter(|_| !inj.ld_dirs.is_empty())
+    else {
+        return Ok(());
+    };
+    let root = &inj.rootfs;
+    let join = |p: &str| {
+        secure_join(root, Path::new(p))
+            .map_err(|e| format!("cannot resolve {p} in the rootfs: {e}"))
+    };
+    let mut glibc = false;
+    for p in ["/sbin/ldconfig", "/usr/sbin/ldconfig", "/etc/ld.so.cache"] {
+        glibc |= kind_of(&join(p)?).is_some();
+    }
+    if !glibc {
+        return Ok(());
+    }
+    let fail = |what: String| format!("cannot update the container's ld cache: {what}");
+
+    // Checked with the other targets before anything was mounted; O_NOFOLLOW below.
+    let conf = join(LD_CONF_FILE)?;
+    if let Some(dir) = conf.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| fail(format!("/etc/ld.so.conf.d: {e}")))?;
+    }
+    let mut text = String::from("# Kiwi: the NVIDIA driver libraries bound from the host\n");
+    for d in &inj.ld_dirs {
+        text.push_str(&d.to_string_lossy());
+        text.push('\n');
+    }
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&conf)
+            .map_err(|e| fail(format!("{LD_CONF_FILE}: {e}")))?;
+        f.write_all(text.as_bytes())
+            .map_err(|e| fail(format!("{LD_CONF_FILE}: {e}")))?;
+    }
+
+    // A Debian host's ldconfig does not search /lib64 and /usr/lib64 by itself; a
+    // non-Debian image's loader does (NVIDIA's toolkit adds them the same way).
+    let mut dirs: Vec<PathBuf> = inj.ld_dirs.clone();
+    let debian_image = kind_of(&join("/etc/debian_version")?).is_some_and(|k| k.is_file());
+    if Path::new("/etc/debian_version").is_file() && !debian_image {
+        for d in ["/lib64", "/usr/lib64"] {
+            if kind_of(&join(d)?).is_some_and(|k| k.is_dir()) && !dirs.iter().any(|x| x == d) {
+                dirs.push(PathBuf::from(d));
+            }
+        }
+    }
+    let mut child = std::process::Command::new(ldconfig)
+        .arg("-r")
+        .arg(root)
+        .args(["-X", "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache"])
+        .args(&dirs)
+        .env_clear()
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| fail(format!("cannot run {}: {e}", ldconfig.display())))?;
+    // Drained on a thread so a chatty ldconfig cannot fill the pipe and stall.
+    let mut stderr = child.stderr.take().expect("piped");
+    let reader = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = stderr.read_to_end(&mut buf);
+        buf
+    });
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(st)) => break st,
+            Ok(None) if t0.elapsed() > LDCONFIG_TIMEOUT => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(fail(format!(
+                    "{} took more than {}s",
+                    ldconfig.display(),
+                    LDCONFIG_TIMEOUT.as_secs()
+                )));
+            }
+            Ok(None) => std::thread::sleep(std::time::Duration::from_millis(2)),
+            Err(e) => return Err(fail(format!("waiting for {}: {e}", ldconfig.display()))),
+        }
+    };
+    let err = reader.join().unwrap_or_default();
+    if !status.success() {
+        let err = String::from_utf8_lossy(&err);
+        let last = err
+            .lines()
+            .rfind(|l| !l.trim().is_empty())
+            .unwrap_or("no message");
+        return Err(fail(format!("{} {status}: {last}", ldconfig.display())));
     }
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! What `kiwi-runtime` does before it `exec`s the real runtime: pick that runtime, and
 //! for `create`/`run` of a claimed container, edit `config.json` (device nodes, allow
-//! rules, driver files or `NVIDIA_VISIBLE_DEVICES`, the `kiwi-hook` prestart hook).
+//! rules, driver files or `NVIDIA_VISIBLE_DEVICES`, the `kiwi-hook` prestart hook with
+//! the driver libraries' directories for the container's ld cache).
 //!
 //! An unclaimed container's spec is never written. A claimed one that Kiwi cannot serve
 //! is refused before anything is written, so a failed create leaves the bundle as it
@@ -23,6 +24,9 @@ use crate::spec::{Hook, Spec, SpecError};
 /// NVIDIA's legacy hook runs it.
 pub const HOOK_STAGE: &str = "prestart";
 
+/// The hook flag naming a directory of bound driver libraries (repeated per directory).
+pub const LD_DIR_FLAG: &str = "--ld-dir";
+
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
     #[error("none of the configured runtimes {names:?} (runtime.runtimes) was found on PATH")]
@@ -33,10 +37,10 @@ pub enum RuntimeError {
     Spec(#[from] SpecError),
     #[error("cannot give the container its vGPU: {0}")]
     Gpu(#[from] GpuError),
-    #[error("cannot give the container its vGPU: the Kiwi shim {path} is missing on this host (runtime.shim_path)")]
-    ShimMissing { path: PathBuf },
-    #[error("cannot give the container its vGPU: kiwi-hook {path} is missing or not executable (runtime.hook_path)")]
-    HookMissing { path: PathBuf },
+    #[error("cannot give the container its vGPU: the Kiwi shim {path} is missing on this host (runtime.shim_path; {origin})")]
+    ShimMissing { path: PathBuf, origin: String },
+    #[error("cannot give the container its vGPU: kiwi-hook {path} is missing or not executable (runtime.hook_path; {origin})")]
+    HookMissing { path: PathBuf, origin: String },
     #[error("cannot give the container its vGPU: {0}")]
     Driver(#[from] DriverError),
     #[error("cannot find the bundle: {path}: {source}")]
@@ -125,16 +129,34 @@ pub fn nvidia_visible_devices(claim: &Claim) -> String {
     }
 }
 
+/// Where a setting came from, for errors about it: the config file that was read, or
+/// that none was. Under docker the runtime's environment is containerd's (or conmon's
+/// under podman), not dockerd's, so a `KIWI_CONFIG` set on dockerd is not seen; saying
+/// which file was read makes that visible instead of blaming the shim alone.
+pub fn config_origin(cfg: &Config) -> String {
+    match &cfg.source {
+        Some(p) => format!("config file {}", p.display()),
+        None => format!(
+            "no config file was read, defaults used: {} is unset in this process's \
+             environment and {} does not exist",
+            kiwi_config::CONFIG_ENV,
+            kiwi_config::DEFAULT_CONFIG_PATH
+        ),
+    }
+}
+
 /// Checks everything a claimed container needs from the host. Nothing is written.
 pub fn check_host(cfg: &Config) -> Result<(), RuntimeError> {
     if !cfg.runtime.shim_path.is_file() {
         return Err(RuntimeError::ShimMissing {
             path: cfg.runtime.shim_path.clone(),
+            origin: config_origin(cfg),
         });
     }
     if !is_executable(&cfg.runtime.hook_path) {
         return Err(RuntimeError::HookMissing {
             path: cfg.runtime.hook_path.clone(),
+            origin: config_origin(cfg),
         });
     }
     Ok(())
@@ -180,7 +202,16 @@ pub fn edit_spec(
     for f in &files {
         spec.add_ro_bind(&f.source, &f.destination);
     }
-    spec.add_hook(HOOK_STAGE, &hook_entry(cfg, socket_dir));
+    // The libraries' directories go to the hook, which adds them to the container's ld
+    // cache once the binds exist.
+    let mut hook = hook_entry(cfg, socket_dir);
+    let stage = hook.args.pop();
+    for dir in driver::library_dirs(&files) {
+        hook.args.push(LD_DIR_FLAG.into());
+        hook.args.push(dir.to_string_lossy().into_owned());
+    }
+    hook.args.extend(stage);
+    spec.add_hook(HOOK_STAGE, &hook);
     log.info(&format!(
         "{}: claim {} -> {} device node(s), {} driver file(s), hook {}",
         spec.path().display(),

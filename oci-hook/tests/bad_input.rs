@@ -131,6 +131,56 @@ fn runtime_refuses_bad_specs_claims_and_hosts_without_touching_the_bundle() {
     assert!(fx.runc_list().is_empty());
 }
 
+/// Under docker, kiwi-runtime's environment is containerd's, not dockerd's: a
+/// `KIWI_CONFIG` set on dockerd is silently not seen. The error must then say which
+/// config file was read (or that none was), not only that the shim is missing.
+#[test]
+fn missing_shim_error_names_the_config_file_that_was_read() {
+    let fx = Fixture::new();
+    fx.write_config_with("[\"/bin/true\"]", &fx.path().join("gone/libkiwi.so"), "");
+    let spec = claimed_spec("0");
+    let b = spec_only_bundle(&fx, "origin", &spec);
+    let out = fx
+        .kiwi_runtime()
+        .args(["create", "--bundle"])
+        .arg(&b)
+        .arg("named")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert_one_line_error(
+        &text_of(&out),
+        &format!(
+            "gone/libkiwi.so is missing on this host (runtime.shim_path; config file {})",
+            fx.config.display()
+        ),
+    );
+
+    // No KIWI_CONFIG and no /etc/kiwi/config.toml: defaults, and the error says so.
+    let default_shim = kiwi_config::Config::default().runtime.shim_path;
+    if Path::new(kiwi_config::DEFAULT_CONFIG_PATH).exists() || default_shim.exists() {
+        eprintln!("this host has a Kiwi install: the no-config half is not checked");
+        return;
+    }
+    let out = Command::new(RUNTIME)
+        .env_remove("KIWI_CONFIG")
+        .args(["create", "--bundle"])
+        .arg(&b)
+        .arg("unnamed")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert_one_line_error(
+        &text_of(&out),
+        "(runtime.shim_path; no config file was read, defaults used: KIWI_CONFIG is unset \
+         in this process's environment and /etc/kiwi/config.toml does not exist)",
+    );
+    assert_eq!(
+        std::fs::read_to_string(b.join("config.json")).unwrap(),
+        spec
+    );
+}
+
 #[test]
 fn runtime_error_reaches_runc_json_log_for_containerd() {
     let fx = Fixture::new();

@@ -27,6 +27,7 @@ fn cdi_spec_parses_back_and_matches_what_the_runtime_injects() {
     let fx = Fixture::new();
     let cdi = generate(&fx);
     assert_eq!(cdi.kind, "kiwi.dev/gpu");
+    assert_eq!(cdi.cdi_version, "0.5.0");
     let names: Vec<&str> = cdi.devices.iter().map(|d| d.name.as_str()).collect();
     assert_eq!(names, ["0", UUID0, "1", UUID1, "all"]);
     let dev = |n: &str| cdi.devices.iter().find(|d| d.name == n).unwrap();
@@ -82,10 +83,12 @@ fn cdi_spec_parses_back_and_matches_what_the_runtime_injects() {
     assert_eq!(from_runtime, from_cdi);
     let rt_hook = &spec.hooks("prestart")[0];
     assert_eq!(rt_hook.path, hook.path);
-    assert_eq!(
-        rt_hook.args[..rt_hook.args.len() - 1],
-        hook.args[..hook.args.len() - 1]
-    );
+    // The same arguments, plus the bound driver libraries' directory for the ld cache
+    // (CDI binds no driver files).
+    let driver_dir = fx.driver_file.parent().unwrap().display().to_string();
+    let mut expected = hook.args[..hook.args.len() - 1].to_vec();
+    expected.extend(["--ld-dir".to_string(), driver_dir]);
+    assert_eq!(rt_hook.args[..rt_hook.args.len() - 1], expected);
 }
 
 /// Runs a bundle with plain runc (no kiwi-runtime).

@@ -254,3 +254,58 @@ fn image_symlinks_cannot_make_the_hook_write_on_the_host() {
         .join("ld.so.preload")
         .exists());
 }
+
+#[test]
+fn huge_preload_in_the_image_is_refused_quickly_without_a_copy() {
+    if !require(&["runc", "busybox", "gcc"]) {
+        return;
+    }
+    let fx = Fixture::new();
+    let _arbiter = FakeArbiter::start(&fx.socket_dir);
+    let b = fx.bundle("hugepreload", "echo STARTED", &["KIWI_VISIBLE_DEVICES=0"]);
+    // Sparse: 300 MiB that cost the image nothing, and would cost the hook a full copy.
+    let f = std::fs::File::create(b.join("rootfs/etc/ld.so.preload")).unwrap();
+    f.set_len(300 << 20).unwrap();
+    drop(f);
+    let t0 = std::time::Instant::now();
+    let out = fx.run_container(&b);
+    let took = t0.elapsed();
+    let (stdout, stderr) = text(&out);
+    assert!(!out.status.success(), "{stdout}");
+    assert!(
+        !stdout.contains("STARTED"),
+        "a claimed container must not start without Kiwi"
+    );
+    assert!(
+        stderr.contains(
+            "kiwi-hook: inside the container: /etc/ld.so.preload in the image is 314572800 bytes, \
+             more than the 65536 Kiwi accepts"
+        ),
+        "{stderr}"
+    );
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    let leftovers: Vec<_> = std::fs::read_dir(&b)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".kiwi"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+    assert!(fx.runc_list().is_empty(), "no container left");
+
+    // Exactly at the cap it still works: the limit is on size, not on having a file.
+    let b = fx.bundle(
+        "bigpreload",
+        "echo STARTED; head -c 30 /etc/ld.so.preload",
+        &["KIWI_VISIBLE_DEVICES=0"],
+    );
+    let mut text64 = "/lib/libimage-own.so\n".repeat(64 * 1024 / 21);
+    text64.push_str(&"#".repeat(64 * 1024 - text64.len()));
+    std::fs::write(b.join("rootfs/etc/ld.so.preload"), &text64).unwrap();
+    let out = fx.run_container(&b);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("STARTED\n/usr/lib/kiwi/libkiwi.so\n/lib"),
+        "{stdout}"
+    );
+}

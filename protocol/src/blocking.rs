@@ -53,13 +53,21 @@ impl<S: Serialize, R: DeserializeOwned> Connection<S, R> {
         Ok(())
     }
 
-    /// Receives one message, blocking (or until the stream's read timeout).
+    /// Receives one message, blocking (or until the stream's read timeout, which is
+    /// then [`ProtocolError::TimedOut`], not the socket's `EAGAIN`).
     pub fn recv(&mut self) -> Result<R, ProtocolError> {
         loop {
             if let Some(m) = self.try_decode()? {
                 return Ok(m);
             }
-            self.fill()?;
+            match self.fill() {
+                Err(ProtocolError::Io(e)) if is_timeout(&e) => {
+                    return Err(ProtocolError::TimedOut {
+                        after: self.stream.read_timeout().ok().flatten(),
+                    })
+                }
+                other => other?,
+            }
         }
     }
 
@@ -75,14 +83,7 @@ impl<S: Serialize, R: DeserializeOwned> Connection<S, R> {
         self.stream.set_read_timeout(old)?;
         match res {
             Ok(()) => self.try_decode(),
-            Err(ProtocolError::Io(e))
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                Ok(None)
-            }
+            Err(ProtocolError::Io(e)) if is_timeout(&e) => Ok(None),
             Err(e) => Err(e),
         }
     }
@@ -107,4 +108,12 @@ impl<S: Serialize, R: DeserializeOwned> Connection<S, R> {
         self.decoder.push(&buf[..n]);
         Ok(())
     }
+}
+
+/// A read that ran into the socket's timeout (`SO_RCVTIMEO` reports `EAGAIN`).
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
 }

@@ -2,7 +2,10 @@
 //!
 //! [`FrameDecoder`] is an incremental parser: feed it whatever bytes arrived and pull
 //! whole frames out. It checks magic, version and length from the header alone, so an
-//! oversize or foreign stream is rejected before its payload is buffered.
+//! oversize or foreign stream is rejected before its payload is buffered. It also
+//! tells a server how large the frame it is in the middle of will be
+//! ([`FrameDecoder::partial_frame`]), so the bytes a peer can make it buffer are
+//! known, and budgeted, from the header on.
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -15,6 +18,9 @@ pub const MAGIC: [u8; 2] = *b"KW";
 pub const HEADER_LEN: usize = 8;
 /// Hard limit on a frame's payload. Event-log replies are paginated to stay under it.
 pub const MAX_PAYLOAD: usize = 1 << 20;
+/// A decoder whose buffer is empty gives back a capacity larger than this, so a
+/// connection that once received a large frame does not keep its memory.
+const KEEP_CAPACITY: usize = 64 * 1024;
 
 /// Encodes `msg` as one frame.
 pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, ProtocolError> {
@@ -81,7 +87,34 @@ impl FrameDecoder {
             self.buf.drain(..self.pos);
             self.pos = 0;
         }
+        // Inside a frame whose header is known, grow to exactly its size once rather
+        // than doubling past it.
+        if let Some(total) = self.partial_frame() {
+            let have = self.buffered();
+            if total > have {
+                self.buf.reserve_exact(total - have);
+            }
+        }
         self.buf.extend_from_slice(bytes);
+    }
+
+    /// When a frame has started but is not complete: the bytes it will occupy once
+    /// complete (header and payload; just the header while the header itself is
+    /// incomplete). `None` between frames. A header that does not parse also
+    /// reports just its own size ([`Self::next_payload`] refuses it).
+    pub fn partial_frame(&self) -> Option<usize> {
+        let avail = &self.buf[self.pos..];
+        if avail.is_empty() {
+            return None;
+        }
+        if avail.len() < HEADER_LEN {
+            return Some(HEADER_LEN);
+        }
+        let mut h = [0u8; HEADER_LEN];
+        h.copy_from_slice(&avail[..HEADER_LEN]);
+        let total = parse_header(&h).map_or(HEADER_LEN, |len| HEADER_LEN + len);
+        // Several whole frames may be buffered: only an incomplete one counts.
+        (avail.len() < total).then_some(total)
     }
 
     /// Bytes received but not yet returned as frames.
@@ -92,6 +125,10 @@ impl FrameDecoder {
     /// The next whole frame's payload, `None` if more bytes are needed. After an
     /// error the stream is not at a frame boundary: drop the connection.
     pub fn next_payload(&mut self) -> Result<Option<&[u8]>, ProtocolError> {
+        if self.pos == self.buf.len() && self.buf.capacity() > KEEP_CAPACITY {
+            self.buf = Vec::new();
+            self.pos = 0;
+        }
         let avail = &self.buf[self.pos..];
         if avail.len() < HEADER_LEN {
             return Ok(None);
@@ -191,6 +228,40 @@ mod tests {
             assert!(d.next_msg::<ClientMsg>().unwrap().is_some());
         }
         assert!(d.buf.capacity() < 1 << 20);
+    }
+
+    #[test]
+    fn partial_frame_is_known_from_the_header_and_memory_is_given_back() {
+        let frame = encode(&ClientMsg::Register(Register {
+            version: 1,
+            pid: 1,
+            gpu_uuid: "GPU-1".into(),
+            gpu_total_memory: 1,
+            working_set_bytes: 0,
+            resident_bytes: 0,
+            container_id: None,
+            pod_name: None,
+            pod_namespace: None,
+            name: Some("n".repeat(200_000)),
+            resume: None,
+        }))
+        .unwrap();
+        let mut d = FrameDecoder::new();
+        assert_eq!(d.partial_frame(), None);
+        d.push(&frame[..3]);
+        assert_eq!(d.partial_frame(), Some(HEADER_LEN));
+        d.push(&frame[3..20_000]);
+        assert_eq!(d.partial_frame(), Some(frame.len()));
+        assert!(d.next_payload().unwrap().is_none());
+        d.push(&frame[20_000..]);
+        assert_eq!(d.partial_frame(), None);
+        assert!(d.buf.capacity() <= frame.len() + 16, "grown exactly");
+        assert!(d.next_msg::<ClientMsg>().unwrap().is_some());
+        assert!(d.next_payload().unwrap().is_none());
+        assert!(
+            d.buf.capacity() <= KEEP_CAPACITY,
+            "large buffer kept when idle"
+        );
     }
 
     proptest! {

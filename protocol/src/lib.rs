@@ -33,7 +33,12 @@ pub enum ProtocolError {
     Malformed(String),
     #[error("connection closed")]
     Closed,
-    #[error("I/O error: {0}")]
+    /// A blocking receive hit the stream's read timeout (`None`: no timeout was set,
+    /// yet the socket said it would block).
+    #[error("no answer within {}", after.map(|d| format!("{:.1} s", d.as_secs_f64())).unwrap_or_else(|| "the read timeout".into()))]
+    TimedOut { after: Option<std::time::Duration> },
+    /// The cause is the whole message: printing it once keeps errors on one line.
+    #[error(transparent)]
     Io(#[from] std::io::Error),
 }
 
@@ -44,7 +49,9 @@ impl ProtocolError {
             ProtocolError::BadMagic(_) | ProtocolError::Malformed(_) => ErrorCode::Malformed,
             ProtocolError::Version { .. } => ErrorCode::Version,
             ProtocolError::Oversize { .. } => ErrorCode::Oversize,
-            ProtocolError::Closed | ProtocolError::Io(_) => ErrorCode::Internal,
+            ProtocolError::Closed | ProtocolError::TimedOut { .. } | ProtocolError::Io(_) => {
+                ErrorCode::Internal
+            }
         }
     }
 

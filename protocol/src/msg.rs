@@ -9,6 +9,48 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Longest client-supplied string the arbiter accepts, in bytes (a DNS name's limit,
+/// which bounds Kubernetes names too). Checked by [`ClientMsg::validate`].
+pub const MAX_TEXT_BYTES: usize = 253;
+
+/// A client-supplied field that breaks a limit: the error reply names the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("field `{field}` {problem}")]
+pub struct FieldError {
+    pub field: &'static str,
+    pub problem: String,
+}
+
+/// Characters refused in client text: every control character (a newline would forge
+/// a log line, an escape sequence would drive an operator's terminal), the Unicode
+/// line and paragraph separators, and the bidirectional overrides that reorder text.
+pub fn is_forbidden_char(c: char) -> bool {
+    c.is_control()
+        || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// Checks one client-supplied string: at most [`MAX_TEXT_BYTES`], no forbidden
+/// characters.
+pub fn check_text(field: &'static str, s: &str) -> Result<(), FieldError> {
+    if s.len() > MAX_TEXT_BYTES {
+        return Err(FieldError {
+            field,
+            problem: format!("is {} bytes long; the limit is {MAX_TEXT_BYTES}", s.len()),
+        });
+    }
+    if let Some(c) = s.chars().find(|&c| is_forbidden_char(c)) {
+        return Err(FieldError {
+            field,
+            problem: format!("contains the control character U+{:04X}", c as u32),
+        });
+    }
+    Ok(())
+}
+
+fn check_opt(field: &'static str, s: &Option<String>) -> Result<(), FieldError> {
+    s.as_deref().map_or(Ok(()), |s| check_text(field, s))
+}
+
 /// Registration: the first message on a client connection. One connection per
 /// (process, GPU): a process using two GPUs opens two connections.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -41,6 +83,23 @@ pub struct Register {
     /// Set when re-registering after the arbiter restarted: what this client held.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resume: Option<Resume>,
+}
+
+impl Register {
+    /// Checks every string the client chose (see [`check_text`]).
+    pub fn validate(&self) -> Result<(), FieldError> {
+        if self.gpu_uuid.is_empty() {
+            return Err(FieldError {
+                field: "gpu_uuid",
+                problem: "is empty".into(),
+            });
+        }
+        check_text("gpu_uuid", &self.gpu_uuid)?;
+        check_opt("container_id", &self.container_id)?;
+        check_opt("pod_name", &self.pod_name)?;
+        check_opt("pod_namespace", &self.pod_namespace)?;
+        check_opt("name", &self.name)
+    }
 }
 
 /// A re-registering client's state, so a new arbiter can rebuild its own.
@@ -102,6 +161,17 @@ pub enum ClientMsg {
     Admit {
         working_set_bytes: u64,
     },
+}
+
+impl ClientMsg {
+    /// Checks the limits serde cannot express (string lengths and characters). The
+    /// arbiter calls it on every decoded message before acting on it.
+    pub fn validate(&self) -> Result<(), FieldError> {
+        match self {
+            ClientMsg::Register(r) => r.validate(),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// Why the arbiter asks a holder to give the GPU back.
@@ -206,8 +276,11 @@ pub enum ErrorCode {
     AlreadyRegistered,
     /// A control request on the client socket, or a client request on the control socket.
     WrongSocket,
-    /// Too many messages too fast.
+    /// Too many messages too fast, too many connections, or the node's buffer for
+    /// partly received frames is full.
     RateLimited,
+    /// A frame was not completed in time.
+    Timeout,
     UnknownGpu,
     InvalidArgument,
     Internal,
@@ -237,6 +310,19 @@ pub enum ControlRequest {
         since_seq: u64,
         limit: u32,
     },
+}
+
+impl ControlRequest {
+    /// Checks the GPU selector like client text (the control socket is root's, but a
+    /// selector is echoed into logs and replies).
+    pub fn validate(&self) -> Result<(), FieldError> {
+        match self {
+            ControlRequest::SetScheduler { gpu, .. }
+            | ControlRequest::SetTq { gpu, .. }
+            | ControlRequest::Status { gpu }
+            | ControlRequest::Events { gpu, .. } => check_opt("gpu", gpu),
+        }
+    }
 }
 
 /// Arbiter → kiwictl.
@@ -284,6 +370,18 @@ pub struct StatusReport {
     /// resident.
     #[serde(default)]
     pub swap_in_use_bytes: u64,
+    /// Clients left out of `gpus[].clients` so that the reply fits in one frame
+    /// (their ids still appear in `holders` and `queue`). Absent when 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub omitted_clients: u64,
+    /// GPUs left out of `gpus` for the same reason (select one with `gpu`). Absent
+    /// when 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub omitted_gpus: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -531,7 +629,10 @@ mod tests {
         assert_eq!(old.swap_budget_bytes, None);
         assert_eq!(old.swap_need_bytes, 0);
         assert_eq!(old.swap_in_use_bytes, 0);
+        assert_eq!(old.omitted_clients, 0);
+        assert!(!serde_json::to_string(&old).unwrap().contains("omitted"));
         let r = StatusReport {
+            omitted_clients: 3,
             swap_budget_bytes: Some(1 << 30),
             swap_need_bytes: 7,
             swap_in_use_bytes: 9,
@@ -539,5 +640,48 @@ mod tests {
         };
         let back: StatusReport = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
         assert_eq!(back, r);
+    }
+
+    #[test]
+    fn client_text_is_bounded_and_printable() {
+        let mut r = Register {
+            version: 1,
+            pid: 1,
+            gpu_uuid: "GPU-1".into(),
+            gpu_total_memory: 1 << 30,
+            working_set_bytes: 0,
+            resident_bytes: 0,
+            container_id: None,
+            pod_name: Some("p".repeat(MAX_TEXT_BYTES)),
+            pod_namespace: None,
+            name: Some("jupyter-ü".into()),
+            resume: None,
+        };
+        assert_eq!(r.validate(), Ok(()));
+        r.name = Some("x".repeat(1 << 20));
+        let e = r.validate().unwrap_err();
+        assert_eq!(e.field, "name");
+        assert_eq!(
+            e.to_string(),
+            "field `name` is 1048576 bytes long; the limit is 253"
+        );
+        r.name = Some("ok\n[INFO] forged".into());
+        let e = ClientMsg::Register(r.clone()).validate().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "field `name` contains the control character U+000A"
+        );
+        r.name = None;
+        for bad in ["a\rb", "\u{1b}[2J", "a\u{2028}b", "\u{202e}gpj", "\u{85}"] {
+            r.container_id = Some(bad.into());
+            assert_eq!(r.validate().unwrap_err().field, "container_id", "{bad:?}");
+        }
+        r.container_id = None;
+        r.gpu_uuid = String::new();
+        assert_eq!(r.validate().unwrap_err().field, "gpu_uuid");
+        let sel = ControlRequest::Status {
+            gpu: Some("0\n".into()),
+        };
+        assert_eq!(sel.validate().unwrap_err().field, "gpu");
     }
 }

@@ -61,32 +61,56 @@ pub fn require_tool(tool: &str) -> bool {
 pub use kiwi_protocol::monotonic_ns;
 
 /// A `kiwi-arbiter` process on a private socket directory; killed on drop.
+///
+/// Unless its arguments say otherwise (`--nvml ...`), it runs with `--nvml off`: the
+/// tests register made-up GPUs, which an arbiter that found the machine's NVML (a
+/// node with an NVIDIA driver) would refuse. [`Arbiter::start_with_env`] runs one
+/// on the simulator's NVML.
 pub struct Arbiter {
     pub child: Child,
     pub dir: tempfile::TempDir,
     pub args: Vec<String>,
+    /// Extra environment (e.g. a simulated machine's), kept across restarts.
+    pub env: Vec<(String, String)>,
 }
 
 impl Arbiter {
     /// Starts `kiwi-arbiter --socket-dir <tmp> <args>` and waits for its sockets.
     pub fn start(args: &[&str]) -> Arbiter {
+        Self::start_with_env(args, Vec::new())
+    }
+
+    /// [`Arbiter::start`] with extra environment variables.
+    pub fn start_with_env(args: &[&str], env: Vec<(String, String)>) -> Arbiter {
         let dir = tempfile::Builder::new()
             .prefix("kiwi-arb")
             .tempdir()
             .expect("tempdir");
-        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        let child = Self::spawn(dir.path(), &args);
-        let a = Arbiter { child, dir, args };
+        let mut args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        if !args
+            .iter()
+            .any(|a| a == "--nvml" || a.starts_with("--nvml="))
+        {
+            args.extend(["--nvml".to_string(), "off".to_string()]);
+        }
+        let child = Self::spawn(dir.path(), &args, &env);
+        let a = Arbiter {
+            child,
+            dir,
+            args,
+            env,
+        };
         a.wait_ready();
         a
     }
 
-    fn spawn(dir: &Path, args: &[String]) -> Child {
+    fn spawn(dir: &Path, args: &[String], env: &[(String, String)]) -> Child {
         Command::new(bin("kiwi-arbiter"))
             .arg("--socket-dir")
             .arg(dir)
             .args(args)
             .env_remove("KIWI_CONFIG")
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(if std::env::var_os("KIWI_TEST_VERBOSE").is_some() {
@@ -134,7 +158,7 @@ impl Arbiter {
     pub fn restart_hard(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        self.child = Self::spawn(self.dir.path(), &self.args);
+        self.child = Self::spawn(self.dir.path(), &self.args, &self.env);
         self.wait_ready();
     }
 

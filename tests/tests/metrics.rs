@@ -163,3 +163,39 @@ fn metrics_address_in_use_is_a_clear_error() {
         "no socket left behind"
     );
 }
+
+#[test]
+fn forgotten_gpus_leave_no_series_behind() {
+    // Without NVML, a GPU entry goes when its last client leaves; its counters must
+    // go too, or made-up UUIDs would grow the metrics without bound.
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let arb = Arbiter::start(&["--metrics-addr", &addr]);
+    let sock = arb.client_socket();
+    for i in 0..20 {
+        let uuid = format!("GPU-made-up-{i}");
+        let mut c = Client::register(&sock, register_msg(&uuid, 1 << 30, 10 * MIB));
+        c.conn.send(&ClientMsg::Request).unwrap();
+        c.wait_for(Duration::from_secs(5), |m| {
+            matches!(m, ArbiterMsg::Grant { .. })
+        });
+        assert!(scrape(port).contains(&format!("kiwi_grants_total{{gpu=\"{uuid}\"}}")));
+    }
+    // The last client's exit is processed after its connection closes.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let text = scrape(port);
+        if !text.contains("GPU-made-up-") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "series of forgotten GPUs remain:\n{}",
+            text.lines()
+                .filter(|l| l.contains("GPU-made-up-"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}

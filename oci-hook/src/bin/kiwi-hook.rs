@@ -1,7 +1,7 @@
 //! `kiwi-hook`: the OCI prestart / createRuntime hook. Reads the container state on
 //! stdin; for a container that claims a vGPU, binds the shim and the arbiter's client
-//! socket directory into it, lists the shim in `/etc/ld.so.preload` and creates missing
-//! device nodes. An unclaimed container is left alone (exit 0).
+//! socket directory into it, lists the shim in `/etc/ld.so.preload`, creates missing
+//! device nodes and adds the bound driver libraries to the container's ld cache. An unclaimed container is left alone (exit 0).
 
 use std::path::PathBuf;
 
@@ -23,6 +23,10 @@ struct Args {
     /// Arbiter socket directory (default: $KIWI_SOCKET_DIR, the config file, /run/kiwi).
     #[arg(long, value_name = "DIR")]
     socket_dir: Option<PathBuf>,
+    /// A directory of driver libraries kiwi-runtime bound into the container, to add to
+    /// its ld cache (repeatable).
+    #[arg(long = "ld-dir", value_name = "DIR")]
+    ld_dir: Vec<PathBuf>,
     /// The hook stage this runs at (informational: prestart, createRuntime).
     stage: Option<String>,
 }
@@ -35,7 +39,7 @@ fn run(args: &Args, log: &mut Logger, t0: std::time::Instant) -> Result<(), Hook
     let cfg = Config::load(args.config.as_deref())?;
     *log = Logger::new("kiwi-hook", cfg.runtime.log_path.clone());
     let socket_dir = cfg.socket_dir(args.socket_dir.as_deref());
-    let inj = hook::plan(&state, &spec, &claim, &cfg, &socket_dir)?;
+    let inj = hook::plan(&state, &spec, &claim, &cfg, &socket_dir, &args.ld_dir)?;
     hook::inject(&inj)?;
     log.info(&format!(
         "container {}: injected shim, {} device node(s), socket dir {} in {:.2} ms",

@@ -26,6 +26,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if lt (int .Values.vgpusPerGpu) 1 -}}
 {{- fail (printf "vgpusPerGpu must be at least 1, not %v" .Values.vgpusPerGpu) -}}
 {{- end -}}
+{{- if lt (int .Values.arbiter.limitNofile) 1024 -}}
+{{- fail (printf "arbiter.limitNofile must be at least 1024, not %v" .Values.arbiter.limitNofile) -}}
+{{- end -}}
 {{- if not (has .Values.deviceListStrategy (list "envvar" "cdi-cri" "cdi-annotations")) -}}
 {{- fail (printf "deviceListStrategy must be envvar, cdi-cri or cdi-annotations, not %q" .Values.deviceListStrategy) -}}
 {{- end -}}

@@ -60,7 +60,7 @@ impl Args {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("kiwi-sim: {e:#}");
+        eprintln!("kiwi-sim: {}", kiwi_config::one_line(e.as_ref()));
         std::process::exit(1);
     }
 }

@@ -1,0 +1,153 @@
+//! NVIDIA's CUDA runtime under Kiwi: programs compiled against the runtime wheel's
+//! `cuda_runtime_api.h` and linked against its `libcudart.so.12` (fetched once by
+//! `scripts/fetch-cuda-runtime.sh`), preloaded with `libkiwi.so`, on the GPU
+//! simulator, under a private `kiwi-arbiter`. Nothing of ours sits between the
+//! program and the runtime: this is the path PyTorch and friends take.
+//!
+//! Needs the workspace built (`cargo build --workspace --all-targets`), `gcc` and
+//! `pip` (a failure under `CI=true`, a loud skip otherwise).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::Duration;
+
+use kiwi_protocol::EventKind;
+use kiwi_sim_core::harness::{CudaRuntime, SimMachine};
+use kiwi_tests::{profile_dir, Arbiter};
+
+fn c_source(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../sim/core/tests/c")
+        .join(name)
+}
+
+fn compile(rt: &CudaRuntime, dir: &Path, src: &str) -> PathBuf {
+    let exe = dir.join(src.trim_end_matches(".c"));
+    rt.compile(&c_source(src), &exe)
+        .unwrap_or_else(|e| panic!("{e}"));
+    exe
+}
+
+/// Waits for a child's output, killing it (and failing the test) after 120 s.
+fn finish(child: Child) -> Output {
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(o) => o.expect("wait for child"),
+        Err(_) => {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("pid {pid} hung for 120 s");
+        }
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}--- stderr\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn stats(path: &Path) -> HashMap<String, u64> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("no shim stats at {} ({e})", path.display()))
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .filter_map(|(k, v)| Some((k.to_string(), v.trim().parse().ok()?)))
+        .collect()
+}
+
+/// A runtime program on machine `m`, under Kiwi when `socket_dir` is given.
+fn spawn(
+    rt: &CudaRuntime,
+    m: &SimMachine,
+    exe: &Path,
+    args: &[&str],
+    socket_dir: Option<&Path>,
+    stats: &Path,
+) -> Child {
+    let mut c = Command::new(exe);
+    m.apply_with_runtime(&mut c, rt)
+        .args(args)
+        .env("KIWI_STATS", stats)
+        .env("KIWI_LOG", "info")
+        .env_remove("LD_PRELOAD")
+        .env_remove("KIWI_REQUIRE_ARBITER")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(d) = socket_dir {
+        let shim = profile_dir().join("libkiwi.so");
+        assert!(
+            shim.exists(),
+            "{} is missing: run `cargo build --workspace --all-targets` first",
+            shim.display()
+        );
+        c.env("LD_PRELOAD", shim).env("KIWI_SOCKET_DIR", d);
+    }
+    c.spawn().expect("spawn the runtime program")
+}
+
+/// Two 640 MiB runtime programs on a 1 GiB simulated GPU: under Kiwi they take
+/// turns (one is swapped out while the other runs) and both verify every byte;
+/// without Kiwi one of them runs out of memory.
+#[test]
+fn two_runtime_programs_over_capacity_take_turns_under_kiwi() {
+    let Some(rt) = CudaRuntime::fetch_or_skip("cudart under Kiwi") else {
+        return;
+    };
+    let m = SimMachine::new("cudart-kiwi", 1, 1 << 30)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_env("KIWI_SIM_PCIE_GBPS", "4");
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile(&rt, dir.path(), "cudart_notebook.c");
+    let args = ["640", "3", "100"];
+    let arb = Arbiter::start(&["--tq", "0.5"]);
+    let (sa, sb) = (dir.path().join("a.stats"), dir.path().join("b.stats"));
+    let a = spawn(&rt, &m, &exe, &args, Some(arb.socket_dir()), &sa);
+    std::thread::sleep(Duration::from_millis(300));
+    let b = spawn(&rt, &m, &exe, &args, Some(arb.socket_dir()), &sb);
+    let (oa, ob) = (finish(a), finish(b));
+    for (tag, o) in [("A", &oa), ("B", &ob)] {
+        assert_eq!(o.status.code(), Some(0), "{tag}: {}", text(o));
+        assert_eq!(
+            String::from_utf8_lossy(&o.stdout).lines().last(),
+            Some("OK"),
+            "{tag}: {}",
+            text(o)
+        );
+    }
+    let (sa, sb) = (stats(&sa), stats(&sb));
+    let swapped = sa.get("swap_out_bytes").copied().unwrap_or(0)
+        + sb.get("swap_out_bytes").copied().unwrap_or(0);
+    assert!(
+        swapped >= 500 << 20,
+        "one program was swapped out for the other: {sa:?} {sb:?}"
+    );
+    assert!(
+        arb.events()
+            .iter()
+            .any(|e| matches!(e.kind, EventKind::SwapOut { .. })),
+        "the arbiter's log records the swap"
+    );
+
+    // Control: the same pair without Kiwi runs out of memory.
+    let m2 = SimMachine::new("cudart-nokiwi", 1, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
+    let (ca, cb) = (dir.path().join("ca.stats"), dir.path().join("cb.stats"));
+    let a = spawn(&rt, &m2, &exe, &args, None, &ca);
+    std::thread::sleep(Duration::from_millis(300));
+    let ob = finish(spawn(&rt, &m2, &exe, &args, None, &cb));
+    let oa = finish(a);
+    let outs = format!("{}{}", text(&oa), text(&ob));
+    assert!(
+        outs.contains("cudaErrorMemoryAllocation"),
+        "without Kiwi one of them must run out of memory: {outs}"
+    );
+}

@@ -1,0 +1,407 @@
+//! Hostile tenants against the scheduler, over real sockets (issue #14, items 1, 2
+//! and 4): a fake resume must not jump the queue, a registration must not set a GPU's
+//! size (NVML's word is the truth; without NVML the first registration's), and
+//! made-up GPUs must not fill the arbiter's GPU table.
+
+use std::io::BufReader;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kiwi_protocol::blocking::Connection;
+use kiwi_protocol::{ArbiterMsg, ClientMsg, ErrorCode, EventKind, Register, Resume};
+use kiwi_sim_core::harness::{in_ci, SimMachine};
+use kiwi_sim_core::ident::gpu_uuid_string;
+use kiwi_tests::{bin, monotonic_ns, read_line_starting, register_msg, Arbiter, Client};
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+/// A `kiwi-fake-client` process (an honest client) and its output.
+struct Fake {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Fake {
+    fn spawn(arb: &Arbiter, args: &[&str]) -> Fake {
+        let mut child = Command::new(bin("kiwi-fake-client"))
+            .arg("--socket")
+            .arg(arb.client_socket())
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn fake client");
+        let out = BufReader::new(child.stdout.take().unwrap());
+        Fake { child, out }
+    }
+
+    fn expect(&mut self, prefix: &str) -> String {
+        read_line_starting(&mut self.out, prefix)
+            .unwrap_or_else(|| panic!("fake client ended before printing {prefix}"))
+    }
+}
+
+impl Drop for Fake {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    panic!("timed out waiting for {what}");
+}
+
+/// Sends one registration on a fresh connection: `Ok(connection)` when registered,
+/// `Err((code, message))` when refused.
+fn try_register(
+    arb: &Arbiter,
+    reg: Register,
+) -> Result<Connection<ClientMsg, ArbiterMsg>, (ErrorCode, String)> {
+    let mut conn = Connection::connect(&arb.client_socket()).expect("connect");
+    conn.stream()
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    match conn.call(&ClientMsg::Register(reg)).expect("an answer") {
+        ArbiterMsg::Registered { .. } => Ok(conn),
+        ArbiterMsg::Error { code, message } => Err((code, message)),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+/// The refusal of a registration that must be refused.
+fn refused(arb: &Arbiter, reg: Register) -> (ErrorCode, String) {
+    match try_register(arb, reg) {
+        Ok(_) => panic!("registered; it must be refused"),
+        Err(e) => e,
+    }
+}
+
+/// A simulated machine, or `None` (skipped) where the simulator is not built.
+fn sim_machine(tag: &str, memory: u64) -> Option<SimMachine> {
+    match SimMachine::new(tag, 1, memory) {
+        Ok(m) => Some(m),
+        Err(e) if !in_ci() => {
+            eprintln!("SKIPPED: GPU simulator not available ({e}); CI=true would fail this test");
+            None
+        }
+        Err(e) => panic!("GPU simulator not available: {e}"),
+    }
+}
+
+/// An arbiter that finds the simulator's `libnvidia-ml.so.1` the way a node's
+/// arbiter finds the driver's: through the dynamic linker (`--nvml auto`).
+fn arbiter_on_sim_nvml(m: &SimMachine, args: &[&str]) -> Arbiter {
+    let mut args = args.to_vec();
+    args.extend(["--nvml", "auto"]);
+    Arbiter::start_with_env(&args, m.env())
+}
+
+// ---- item 1: a fake resume ----------------------------------------------------
+
+/// Re-registers as a holder (`resume {holding}`) every time it is revoked or refused,
+/// ignoring drops, until told to stop. Returns the client ids it got.
+fn fake_resumer(arb: &Arbiter, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<Vec<u64>> {
+    let socket = arb.client_socket();
+    std::thread::spawn(move || {
+        let mut ids = Vec::new();
+        while !stop.load(Ordering::Relaxed) {
+            let Ok(mut conn) = Connection::<ClientMsg, ArbiterMsg>::connect(&socket) else {
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
+            };
+            let mut reg = register_msg("GPU-fake-0", GIB, 700 * MIB);
+            reg.resident_bytes = 700 * MIB;
+            reg.resume = Some(Resume {
+                holding: true,
+                waiting: false,
+            });
+            if conn.send(&ClientMsg::Register(reg)).is_err() {
+                continue;
+            }
+            while !stop.load(Ordering::Relaxed) {
+                match conn.recv_timeout(Duration::from_millis(20)) {
+                    Ok(Some(ArbiterMsg::Registered { client_id, .. })) => ids.push(client_id),
+                    // Revoked (or refused): come back at once, as a "holder" again.
+                    Ok(Some(ArbiterMsg::Revoked { .. })) | Ok(Some(ArbiterMsg::Error { .. })) => {
+                        break
+                    }
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            }
+            // Aggressive, but leave a 2-core CI machine some air.
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        ids
+    })
+}
+
+#[test]
+fn a_fake_resume_does_not_jump_the_queue() {
+    let (tq_ms, grace_ms) = (500u64, 300u64);
+    let arb = Arbiter::start(&["--tq", "0.5", "--grace-ms", "300"]);
+    let ws = (700 * MIB).to_string();
+    // A holds (the arbiter granted it), B waits behind it.
+    let mut a = Fake::spawn(&arb, &["--ws", &ws, "--request"]);
+    a.expect("GRANTED");
+    let b_asked = monotonic_ns();
+    let mut b = Fake::spawn(&arb, &["--ws", &ws, "--request"]);
+    b.expect("REGISTERED");
+    wait_until("B queued", Duration::from_secs(5), || {
+        arb.status().gpus[0].queue.len() == 1
+    });
+    // H claims to hold the GPU, again and again.
+    let stop = Arc::new(AtomicBool::new(false));
+    let h = fake_resumer(&arb, stop.clone());
+    // While B waits, nobody holds next to the exclusive holder.
+    let granted = Arc::new(Mutex::new(None));
+    let watcher = {
+        let granted = granted.clone();
+        std::thread::spawn(move || {
+            let line = b.expect("GRANTED");
+            *granted.lock().unwrap() = Some(line);
+            b
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut most_holders = 0;
+    while granted.lock().unwrap().is_none() && Instant::now() < deadline {
+        let st = arb.status();
+        let g = &st.gpus[0];
+        most_holders = most_holders.max(g.holders.len());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let b_line = granted.lock().unwrap().clone().expect("B was granted");
+    let b_granted: u64 = b_line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    stop.store(true, Ordering::Relaxed);
+    let h_ids = h.join().unwrap();
+    let _b = watcher.join().unwrap();
+    assert!(h_ids.len() >= 2, "H registered {} times", h_ids.len());
+    assert_eq!(
+        most_holders, 1,
+        "H held the GPU next to the exclusive holder"
+    );
+    let waited_ms = (b_granted - b_asked) / 1_000_000;
+    assert!(
+        waited_ms < tq_ms + grace_ms + 700,
+        "B waited {waited_ms} ms (TQ {tq_ms} ms, grace {grace_ms} ms)"
+    );
+    // No grant went to H before B's.
+    let ev = arb.events();
+    let h_grants: Vec<_> = ev
+        .iter()
+        .filter(|e| e.t_ns < b_granted && matches!(e.kind, EventKind::Grant { .. }))
+        .filter(|e| e.client.is_some_and(|c| h_ids.contains(&c)))
+        .collect();
+    assert!(h_grants.is_empty(), "H was granted first: {h_grants:?}");
+}
+
+// ---- item 2: who says how big a GPU is -----------------------------------------
+
+#[test]
+fn with_nvml_registrations_must_match_the_gpu() {
+    let Some(m) = sim_machine("hs-nvml", GIB) else {
+        return;
+    };
+    let arb = arbiter_on_sim_nvml(&m, &["--tq", "30"]);
+    let uuid = gpu_uuid_string(&m.name, 0);
+
+    // A GPU the node does not have.
+    let (code, msg) = refused(&arb, register_msg("GPU-made-up", GIB, MIB));
+    assert_eq!(code, ErrorCode::UnknownGpu, "{msg}");
+    assert!(
+        msg.contains("not on this node") && msg.contains(&uuid),
+        "{msg}"
+    );
+
+    // The right GPU, claiming it is enormous: refused, so it cannot make every
+    // working set "fit".
+    let (code, msg) = refused(&arb, register_msg(&uuid, u64::MAX, MIB));
+    assert_eq!(code, ErrorCode::InvalidArgument, "{msg}");
+    assert!(
+        msg.contains("NVML") && msg.contains(&GIB.to_string()),
+        "{msg}"
+    );
+
+    // Two honest 700 MiB tenants on the 1 GiB GPU are arbitrated: one at a time.
+    let mut a = Client::register(&arb.client_socket(), register_msg(&uuid, GIB, 700 * MIB));
+    let mut b = Client::register(&arb.client_socket(), register_msg(&uuid, GIB, 700 * MIB));
+    a.conn.send(&ClientMsg::Request).unwrap();
+    let g = a.wait_for(Duration::from_secs(5), |m| {
+        matches!(m, ArbiterMsg::Grant { .. })
+    });
+    assert!(
+        matches!(
+            g,
+            Some(ArbiterMsg::Grant {
+                exclusive: true,
+                ..
+            })
+        ),
+        "{g:?}"
+    );
+    b.conn.send(&ClientMsg::Request).unwrap();
+    let g = b.wait_for(Duration::from_millis(300), |m| {
+        matches!(m, ArbiterMsg::Grant { .. })
+    });
+    assert_eq!(g, None, "B must wait while A holds");
+    let st = arb.status();
+    assert_eq!(st.gpus.len(), 1);
+    assert_eq!(st.gpus[0].total_memory_bytes, GIB);
+    assert!(!st.gpus[0].fits);
+}
+
+#[test]
+fn the_simulators_nvml_agrees_with_its_cuda() {
+    // A real program under the shim on the simulated GPU registers with what the
+    // simulator's libcuda says; an arbiter reading the simulator's NVML accepts it.
+    let Some(m) = sim_machine("hs-agree", 256 * MIB) else {
+        return;
+    };
+    let arb = arbiter_on_sim_nvml(&m, &[]);
+    let mut cmd = Command::new(bin("gpuburst"));
+    cmd.args(["--mem", "64MiB", "--bursts", "1", "--gpu-ms", "20"])
+        .args(["--cpu-ms", "0", "--verify"])
+        .env("LD_PRELOAD", bin("libkiwi.so"))
+        .env("KIWI_SOCKET_DIR", arb.socket_dir())
+        .env("KIWI_REQUIRE_ARBITER", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    m.apply(&mut cmd);
+    let out = cmd.output().expect("run gpuburst");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let registered = arb.events().iter().any(|e| {
+        matches!(e.kind, EventKind::Register { .. }) && e.gpu == gpu_uuid_string(&m.name, 0)
+    });
+    assert!(registered, "the program registered on the simulated GPU");
+}
+
+#[test]
+fn without_nvml_the_first_size_stands_until_its_clients_leave() {
+    let arb = Arbiter::start(&["--nvml", "off"]);
+    let honest = Client::register(&arb.client_socket(), register_msg("GPU-x", 16 * GIB, MIB));
+    let (code, msg) = refused(&arb, register_msg("GPU-x", u64::MAX, MIB));
+    assert_eq!(code, ErrorCode::InvalidArgument, "{msg}");
+    assert!(msg.contains("as first registered"), "{msg}");
+    assert_eq!(arb.status().gpus[0].total_memory_bytes, 16 * GIB);
+    // Once nobody uses it, the entry goes: the next first registration decides again.
+    drop(honest);
+    wait_until("GPU-x forgotten", Duration::from_secs(5), || {
+        arb.status().gpus.is_empty()
+    });
+    let _c = Client::register(&arb.client_socket(), register_msg("GPU-x", 8 * GIB, MIB));
+    assert_eq!(arb.status().gpus[0].total_memory_bytes, 8 * GIB);
+}
+
+#[test]
+fn an_unusable_nvml_path_is_one_clear_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(bin("kiwi-arbiter"))
+        .arg("--socket-dir")
+        .arg(dir.path())
+        .args(["--nvml", "/nonexistent/libnvidia-ml.so.1"])
+        .env_remove("KIWI_CONFIG")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let last = err.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("kiwi-arbiter: ") && last.contains("/nonexistent/libnvidia-ml.so.1"),
+        "{err}"
+    );
+    assert!(last.contains("--nvml off"), "says what to do: {err}");
+}
+
+// ---- item 4: the GPU table ------------------------------------------------------
+
+#[test]
+fn made_up_gpus_do_not_break_status() {
+    let Some(m) = sim_machine("hs-table", GIB) else {
+        return;
+    };
+    let arb = arbiter_on_sim_nvml(&m, &[]);
+    let uuid = gpu_uuid_string(&m.name, 0);
+    let _real = Client::register(&arb.client_socket(), register_msg(&uuid, GIB, MIB));
+    let t = Instant::now();
+    for i in 0..6000 {
+        // Each answered (refused, with NVML) before the next; the connection closes.
+        let reg = register_msg(&format!("GPU-{i:08}-made-up-by-a-tenant-0000"), GIB, MIB);
+        let _ = try_register(&arb, reg);
+    }
+    eprintln!("6000 registrations in {:?}", t.elapsed());
+    let st = arb.status();
+    let listed: Vec<&str> = st.gpus.iter().map(|g| g.uuid.as_str()).collect();
+    assert_eq!(listed, vec![uuid.as_str()], "only the real GPU");
+}
+
+#[test]
+fn without_nvml_the_gpu_table_is_capped() {
+    let arb = Arbiter::start(&["--nvml", "off", "--max-conns-per-group", "200"]);
+    let mut open = Vec::new();
+    let mut refused = Vec::new();
+    for i in 0..100 {
+        match try_register(&arb, register_msg(&format!("GPU-made-up-{i}"), GIB, MIB)) {
+            Ok(c) => open.push(c),
+            Err(e) => refused.push(e),
+        }
+    }
+    assert_eq!(open.len(), 64, "{refused:?}");
+    let (code, msg) = &refused[0];
+    assert_eq!(*code, ErrorCode::UnknownGpu);
+    assert!(msg.contains("limit of 64 GPUs"), "{msg}");
+    assert_eq!(arb.status().gpus.len(), 64);
+    // Their clients gone, the entries go too.
+    drop(open);
+    wait_until("entries dropped", Duration::from_secs(5), || {
+        arb.status().gpus.is_empty()
+    });
+    let _c = Client::register(&arb.client_socket(), register_msg("GPU-real", GIB, MIB));
+    let st = arb.status();
+    assert_eq!(st.gpus.len(), 1);
+    assert_eq!(st.gpus[0].index, 0, "indexes are reused");
+}
+
+#[test]
+fn an_arbiter_restart_on_nvml_resumes_the_real_holder() {
+    // The legitimate resume still works where the arbiter checks GPUs with NVML: a
+    // program mid-run reconnects to the restarted arbiter and finishes.
+    let Some(m) = sim_machine("hs-restart", 256 * MIB) else {
+        return;
+    };
+    let mut arb = arbiter_on_sim_nvml(&m, &["--tq", "1"]);
+    let mut cmd = Command::new(bin("gpuburst"));
+    cmd.args(["--mem", "64MiB", "--bursts", "6", "--gpu-ms", "200"])
+        .args(["--cpu-ms", "50", "--verify"])
+        .env("LD_PRELOAD", bin("libkiwi.so"))
+        .env("KIWI_SOCKET_DIR", arb.socket_dir())
+        .env("KIWI_REQUIRE_ARBITER", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    m.apply(&mut cmd);
+    let child = cmd.spawn().expect("spawn gpuburst");
+    std::thread::sleep(Duration::from_millis(500));
+    arb.restart_hard();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let resumed = arb
+        .events()
+        .iter()
+        .any(|e| matches!(e.kind, EventKind::Register { resumed: true, .. }));
+    assert!(resumed, "the new arbiter saw a resumed registration: {err}");
+}
