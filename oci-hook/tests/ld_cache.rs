@@ -11,18 +11,6 @@ use std::process::Command;
 
 use common::*;
 
-const HELPERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/helpers");
-
-fn gcc(args: &[&str], out: &Path) {
-    let st = Command::new("gcc")
-        .args(args)
-        .arg("-o")
-        .arg(out)
-        .status()
-        .unwrap();
-    assert!(st.success(), "gcc {args:?}");
-}
-
 /// Copies the program's shared libraries (from `ldd`) into the rootfs at their paths.
 fn copy_libs(program: &Path, rootfs: &Path) {
     let out = Command::new("ldd").arg(program).output().unwrap();

@@ -10,18 +10,6 @@ use std::process::Command;
 
 use common::*;
 
-const HELPERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/helpers");
-
-fn gcc(args: &[&str], out: &Path) {
-    let st = Command::new("gcc")
-        .args(args)
-        .arg("-o")
-        .arg(out)
-        .status()
-        .unwrap();
-    assert!(st.success(), "gcc {args:?}");
-}
-
 fn announce_lib(out: &Path, tag: &str) {
     let def = format!("-DTAG=\"{tag}\"");
     gcc(

@@ -320,3 +320,58 @@ pub fn read_line_starting(
         }
     }
 }
+
+/// A `kiwi-fake-client` process (an honest client that prints what it is told, one
+/// line each, with the time) and its output. Killed on drop.
+pub struct FakeClient {
+    pub child: Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl FakeClient {
+    /// Starts one against `arb`'s client socket with `args` (e.g. `--ws N --request`).
+    pub fn spawn(arb: &Arbiter, args: &[&str]) -> FakeClient {
+        let mut child = Command::new(bin("kiwi-fake-client"))
+            .arg("--socket")
+            .arg(arb.client_socket())
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn fake client");
+        let out = BufReader::new(child.stdout.take().expect("piped stdout"));
+        FakeClient { child, out }
+    }
+
+    /// The next output line starting with `prefix` (earlier lines are skipped).
+    pub fn expect(&mut self, prefix: &str) -> String {
+        read_line_starting(&mut self.out, prefix)
+            .unwrap_or_else(|| panic!("fake client ended before printing {prefix}"))
+    }
+
+    /// The monotonic time (ns) a line printed by the fake client carries.
+    pub fn time_of(line: &str) -> u64 {
+        line.split_whitespace()
+            .nth(1)
+            .and_then(|t| t.parse().ok())
+            .unwrap_or_else(|| panic!("no time in {line:?}"))
+    }
+}
+
+impl Drop for FakeClient {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `f` every 5 ms until it holds; panics naming `what` after `timeout`.
+pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    panic!("timed out waiting for {what}");
+}

@@ -1,81 +1,33 @@
 //! The arbiter with real processes and real sockets: faults and hostile clients.
 
-use std::io::{BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kiwi_protocol::{
     ArbiterMsg, ClientMsg, ClientState, ControlRequest, ErrorCode, EventKind, MAGIC,
     PROTOCOL_VERSION,
 };
-use kiwi_tests::{bin, monotonic_ns, read_line_starting, register_msg, Arbiter, Client};
+use kiwi_tests::{bin, monotonic_ns, register_msg, wait_until, Arbiter, Client, FakeClient};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
 
-struct Fake {
-    child: Child,
-    out: BufReader<std::process::ChildStdout>,
-}
-
-impl Fake {
-    fn spawn(arb: &Arbiter, ws: u64, extra: &[&str]) -> Fake {
-        let mut child = Command::new(bin("kiwi-fake-client"))
-            .arg("--socket")
-            .arg(arb.client_socket())
-            .arg("--ws")
-            .arg(ws.to_string())
-            .args(extra)
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn fake client");
-        let out = BufReader::new(child.stdout.take().unwrap());
-        Fake { child, out }
-    }
-
-    fn expect(&mut self, prefix: &str) -> String {
-        read_line_starting(&mut self.out, prefix)
-            .unwrap_or_else(|| panic!("fake client ended before printing {prefix}"))
-    }
-
-    fn time_of(line: &str) -> u64 {
-        line.split_whitespace().nth(1).unwrap().parse().unwrap()
-    }
-}
-
-impl Drop for Fake {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    panic!("timed out waiting for {what}");
-}
-
 #[test]
 fn sigkilled_holder_hands_over_within_100ms() {
     let arb = Arbiter::start(&["--tq", "30"]);
-    let mut a = Fake::spawn(&arb, 700 * MIB, &["--request"]);
+    let mut a = FakeClient::spawn(&arb, &["--ws", &(700 * MIB).to_string(), "--request"]);
     a.expect("GRANTED");
-    let mut b = Fake::spawn(&arb, 700 * MIB, &["--request"]);
+    let mut b = FakeClient::spawn(&arb, &["--ws", &(700 * MIB).to_string(), "--request"]);
     b.expect("REGISTERED");
     wait_until("B queued", Duration::from_secs(5), || {
         arb.status().gpus[0].queue.len() == 1
     });
     let killed_at = monotonic_ns();
     a.child.kill().unwrap();
-    let granted = Fake::time_of(&b.expect("GRANTED"));
+    let granted = FakeClient::time_of(&b.expect("GRANTED"));
     let ms = (granted - killed_at) as f64 / 1e6;
     assert!(ms < 100.0, "next waiter granted {ms:.1} ms after SIGKILL");
     let ev = arb.events();
@@ -85,12 +37,15 @@ fn sigkilled_holder_hands_over_within_100ms() {
 #[test]
 fn stubborn_holder_loses_the_gpu_after_grace() {
     let arb = Arbiter::start(&["--tq", "0.2", "--grace-ms", "300"]);
-    let mut a = Fake::spawn(&arb, 700 * MIB, &["--request", "--stubborn"]);
-    let a_granted = Fake::time_of(&a.expect("GRANTED"));
-    let mut b = Fake::spawn(&arb, 700 * MIB, &["--request"]);
-    let dropped = Fake::time_of(&a.expect("DROP"));
-    let revoked = Fake::time_of(&a.expect("REVOKED"));
-    let b_granted = Fake::time_of(&b.expect("GRANTED"));
+    let mut a = FakeClient::spawn(
+        &arb,
+        &["--ws", &(700 * MIB).to_string(), "--request", "--stubborn"],
+    );
+    let a_granted = FakeClient::time_of(&a.expect("GRANTED"));
+    let mut b = FakeClient::spawn(&arb, &["--ws", &(700 * MIB).to_string(), "--request"]);
+    let dropped = FakeClient::time_of(&a.expect("DROP"));
+    let revoked = FakeClient::time_of(&a.expect("REVOKED"));
+    let b_granted = FakeClient::time_of(&b.expect("GRANTED"));
     let grace_ms = (revoked - dropped) as f64 / 1e6;
     assert!(
         (290.0..600.0).contains(&grace_ms),
@@ -259,9 +214,15 @@ fn identity_comes_from_the_socket_and_control_is_root_only() {
 #[test]
 fn clients_survive_an_arbiter_restart() {
     let mut arb = Arbiter::start(&["--tq", "30"]);
-    let mut a = Fake::spawn(&arb, 700 * MIB, &["--request", "--reconnect"]);
+    let mut a = FakeClient::spawn(
+        &arb,
+        &["--ws", &(700 * MIB).to_string(), "--request", "--reconnect"],
+    );
     a.expect("GRANTED");
-    let mut b = Fake::spawn(&arb, 700 * MIB, &["--request", "--reconnect"]);
+    let mut b = FakeClient::spawn(
+        &arb,
+        &["--ws", &(700 * MIB).to_string(), "--request", "--reconnect"],
+    );
     b.expect("REGISTERED");
     wait_until("B queued", Duration::from_secs(5), || {
         arb.status().gpus[0].queue.len() == 1

@@ -3,8 +3,7 @@
 //! size (NVML's word is the truth; without NVML the first registration's), and
 //! made-up GPUs must not fill the arbiter's GPU table.
 
-use std::io::BufReader;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -13,53 +12,10 @@ use kiwi_protocol::blocking::Connection;
 use kiwi_protocol::{ArbiterMsg, ClientMsg, ErrorCode, EventKind, Register, Resume};
 use kiwi_sim_core::harness::{in_ci, SimMachine};
 use kiwi_sim_core::ident::gpu_uuid_string;
-use kiwi_tests::{bin, monotonic_ns, read_line_starting, register_msg, Arbiter, Client};
+use kiwi_tests::{bin, monotonic_ns, register_msg, wait_until, Arbiter, Client, FakeClient};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
-
-/// A `kiwi-fake-client` process (an honest client) and its output.
-struct Fake {
-    child: Child,
-    out: BufReader<std::process::ChildStdout>,
-}
-
-impl Fake {
-    fn spawn(arb: &Arbiter, args: &[&str]) -> Fake {
-        let mut child = Command::new(bin("kiwi-fake-client"))
-            .arg("--socket")
-            .arg(arb.client_socket())
-            .args(args)
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn fake client");
-        let out = BufReader::new(child.stdout.take().unwrap());
-        Fake { child, out }
-    }
-
-    fn expect(&mut self, prefix: &str) -> String {
-        read_line_starting(&mut self.out, prefix)
-            .unwrap_or_else(|| panic!("fake client ended before printing {prefix}"))
-    }
-}
-
-impl Drop for Fake {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    panic!("timed out waiting for {what}");
-}
 
 /// Sends one registration on a fresh connection: `Ok(connection)` when registered,
 /// `Err((code, message))` when refused.
@@ -152,10 +108,10 @@ fn a_fake_resume_does_not_jump_the_queue() {
     let arb = Arbiter::start(&["--tq", "0.5", "--grace-ms", "300"]);
     let ws = (700 * MIB).to_string();
     // A holds (the arbiter granted it), B waits behind it.
-    let mut a = Fake::spawn(&arb, &["--ws", &ws, "--request"]);
+    let mut a = FakeClient::spawn(&arb, &["--ws", &ws, "--request"]);
     a.expect("GRANTED");
     let b_asked = monotonic_ns();
-    let mut b = Fake::spawn(&arb, &["--ws", &ws, "--request"]);
+    let mut b = FakeClient::spawn(&arb, &["--ws", &ws, "--request"]);
     b.expect("REGISTERED");
     wait_until("B queued", Duration::from_secs(5), || {
         arb.status().gpus[0].queue.len() == 1

@@ -345,3 +345,17 @@ pub fn text(out: &Output) -> (String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// C sources the tests compile (`tests/helpers`).
+pub const HELPERS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/helpers");
+
+/// Compiles with gcc (`args` then `-o out`); panics if gcc fails.
+pub fn gcc(args: &[&str], out: &Path) {
+    let st = Command::new("gcc")
+        .args(args)
+        .arg("-o")
+        .arg(out)
+        .status()
+        .unwrap();
+    assert!(st.success(), "gcc {args:?}");
+}
