@@ -24,7 +24,8 @@ fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 # The runtime wheel ships include/cuda.h (the driver API header).
-$pip download --quiet --no-deps --only-binary=:all: --dest "$tmp" "nvidia-cuda-runtime-cu12>=12.4" >&2
+# Pinned: the same wheel scripts/fetch-cuda-runtime.sh takes the runtime from.
+$pip download --quiet --no-deps --only-binary=:all: --dest "$tmp" "nvidia-cuda-runtime-cu12==12.9.79" >&2
 whl=$(ls "$tmp"/*.whl | head -n 1)
 python3 - "$whl" "$tmp/x" <<'PY'
 import sys, zipfile

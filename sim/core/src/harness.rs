@@ -135,6 +135,112 @@ impl Drop for SimMachine {
     }
 }
 
+/// NVIDIA's CUDA runtime (`cuda_runtime_api.h` and `libcudart.so.12`, pinned
+/// versions), fetched once from PyPI by `scripts/fetch-cuda-runtime.sh` into
+/// `target/cuda-runtime-<version>/`, for tests that run real runtime programs on
+/// the simulator.
+pub struct CudaRuntime {
+    pub dir: PathBuf,
+}
+
+impl CudaRuntime {
+    /// Fetches the runtime (once) and checks that `gcc` is there; the error says
+    /// what is missing.
+    pub fn fetch() -> Result<CudaRuntime, String> {
+        if Command::new("gcc").arg("--version").output().is_err() {
+            return Err("gcc is not installed (apt-get install gcc)".into());
+        }
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let out = Command::new("sh")
+            .arg(root.join("scripts/fetch-cuda-runtime.sh"))
+            .output()
+            .map_err(|e| format!("running scripts/fetch-cuda-runtime.sh: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "could not fetch the CUDA runtime: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let dir = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        Ok(CudaRuntime { dir: dir.into() })
+    }
+
+    /// [`CudaRuntime::fetch`], or `None` after a loud skip message; under
+    /// `CI=true` a failure panics instead.
+    pub fn fetch_or_skip(test: &str) -> Option<CudaRuntime> {
+        match Self::fetch() {
+            Ok(r) => Some(r),
+            Err(why) if in_ci() => panic!("{test}: {why}"),
+            Err(why) => {
+                eprintln!("\n!!!!! SKIPPING {test}: {why} (this fails under CI=true) !!!!!\n");
+                None
+            }
+        }
+    }
+
+    pub fn include_dir(&self) -> PathBuf {
+        self.dir.join("include")
+    }
+
+    pub fn lib_dir(&self) -> PathBuf {
+        self.dir.join("lib")
+    }
+
+    /// Compiles the C program `src` (warnings are errors) into `exe`, linked
+    /// against the runtime's `libcudart.so.12` and nothing of ours.
+    pub fn compile(&self, src: &Path, exe: &Path) -> Result<(), String> {
+        let out = Command::new("gcc")
+            .args(["-O1", "-Wall", "-Werror", "-o"])
+            .arg(exe)
+            .arg(src)
+            .arg("-I")
+            .arg(self.include_dir())
+            .arg("-L")
+            .arg(self.lib_dir())
+            .args(["-l:libcudart.so.12", "-lpthread"])
+            .output()
+            .map_err(|e| format!("running gcc: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "gcc {} failed:\n{}",
+                src.display(),
+                String::from_utf8_lossy(&out.stderr)
+            ))
+        }
+    }
+
+    /// `LD_LIBRARY_PATH` for a runtime program on the simulator in `sim_dir`: the
+    /// simulator's `libcuda.so.1` first, then the runtime.
+    pub fn library_path(&self, sim_dir: &Path) -> String {
+        let mut ld = format!("{}:{}", sim_dir.display(), self.lib_dir().display());
+        if let Ok(old) = std::env::var("LD_LIBRARY_PATH") {
+            if !old.is_empty() {
+                ld = format!("{ld}:{old}");
+            }
+        }
+        ld
+    }
+}
+
+impl SimMachine {
+    /// [`SimMachine::apply`] for a program linked against the CUDA runtime.
+    pub fn apply_with_runtime<'a>(
+        &self,
+        cmd: &'a mut Command,
+        rt: &CudaRuntime,
+    ) -> &'a mut Command {
+        self.apply(cmd)
+            .env("LD_LIBRARY_PATH", rt.library_path(&self.sim_dir))
+    }
+}
+
 /// Whether tests run in CI (`CI=true`), where a missing tool is a failure.
 pub fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")

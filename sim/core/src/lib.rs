@@ -12,7 +12,8 @@
 //!   answers "did A and B ever run kernels at the same time?";
 //! - [`install`]: putting the two cdylibs together in `target/<profile>/sim/`;
 //! - [`ident`]: GPU UUIDs and PCI identities, identical for both stand-ins;
-//! - [`dma`]: how host↔device copies move their bytes (the copy engine).
+//! - [`dma`]: how host↔device copies move their bytes (the copy engine);
+//! - [`integrity`]: the answer to the CUDA runtime's integrity check.
 //!
 //! It must not export any `cu*`/`nvml*` symbol: test binaries link it.
 
@@ -20,6 +21,7 @@ pub mod dma;
 pub mod harness;
 pub mod ident;
 pub mod install;
+pub mod integrity;
 pub mod knobs;
 pub mod machine;
 pub mod trace;

@@ -30,6 +30,7 @@ pub const CUDA_ERROR_INVALID_IMAGE: CUresult = 200;
 pub const CUDA_ERROR_INVALID_CONTEXT: CUresult = 201;
 pub const CUDA_ERROR_CONTEXT_ALREADY_CURRENT: CUresult = 202;
 pub const CUDA_ERROR_ALREADY_MAPPED: CUresult = 208;
+pub const CUDA_ERROR_UNSUPPORTED_LIMIT: CUresult = 215;
 pub const CUDA_ERROR_NOT_MAPPED: CUresult = 211;
 pub const CUDA_ERROR_INVALID_SOURCE: CUresult = 300;
 pub const CUDA_ERROR_FILE_NOT_FOUND: CUresult = 301;
@@ -48,6 +49,9 @@ pub const CUDA_ERROR_LAUNCH_FAILED: CUresult = 719;
 pub const CUDA_ERROR_NOT_PERMITTED: CUresult = 800;
 pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
 pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CUresult = 900;
+pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CUresult = 901;
+pub const CUDA_ERROR_STREAM_CAPTURE_UNJOINED: CUresult = 904;
+pub const CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD: CUresult = 908;
 pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
 /// (code, name, description) for `cuGetErrorName` / `cuGetErrorString`.
@@ -104,6 +108,11 @@ pub const ERRORS: &[(CUresult, &std::ffi::CStr, &std::ffi::CStr)] = &[
         c"resource already mapped",
     ),
     (
+        CUDA_ERROR_UNSUPPORTED_LIMIT,
+        c"CUDA_ERROR_UNSUPPORTED_LIMIT",
+        c"limit is not supported on this architecture",
+    ),
+    (
         CUDA_ERROR_NOT_MAPPED,
         c"CUDA_ERROR_NOT_MAPPED",
         c"resource not mapped",
@@ -137,6 +146,21 @@ pub const ERRORS: &[(CUresult, &std::ffi::CStr, &std::ffi::CStr)] = &[
         CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
         c"CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
         c"operation not permitted when stream is capturing",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+        c"CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+        c"operation failed due to a previous error during capture",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_UNJOINED,
+        c"CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
+        c"capture sequence contains a fork that was not joined to the primary stream",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD,
+        c"CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
+        c"attempt to terminate a thread-local capture sequence from another thread",
     ),
     (
         CUDA_ERROR_NOT_FOUND,
@@ -202,6 +226,10 @@ pub const CU_STREAM_PER_THREAD: usize = 2;
 pub const CU_STREAM_NON_BLOCKING: u32 = 1;
 pub const CU_STREAM_CAPTURE_STATUS_NONE: i32 = 0;
 pub const CU_STREAM_CAPTURE_STATUS_ACTIVE: i32 = 1;
+pub const CU_STREAM_CAPTURE_STATUS_INVALIDATED: i32 = 2;
+pub const CU_STREAM_CAPTURE_MODE_GLOBAL: u32 = 0;
+pub const CU_STREAM_CAPTURE_MODE_THREAD_LOCAL: u32 = 1;
+pub const CU_STREAM_CAPTURE_MODE_RELAXED: u32 = 2;
 
 pub const CU_EVENT_DISABLE_TIMING: u32 = 2;
 
@@ -239,6 +267,7 @@ pub mod ptr_attr {
     pub const RANGE_START_ADDR: i32 = 11;
     pub const RANGE_SIZE: i32 = 12;
     pub const MAPPED: i32 = 13;
+    pub const MEMPOOL_HANDLE: i32 = 17;
 }
 
 pub const CU_MEMORYTYPE_HOST: u32 = 1;
@@ -272,6 +301,7 @@ const _: () = assert!(std::mem::size_of::<CudaMemcpy2D>() == 128);
 
 /// `CUuuid`.
 #[repr(C)]
+#[derive(Clone, Copy)]
 pub struct CUuuid {
     pub bytes: [u8; 16],
 }

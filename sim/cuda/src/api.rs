@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use kiwi_sim_core::{ident, GRANULARITY};
 
 use crate::abi::*;
+use crate::capture;
 use crate::driver::{self, driver, Driver};
 use crate::exec::{Builtin, Context, Event, EventState, Op, Side, Stream};
 use crate::ffi::{c_str, guard, out, read, write_c_string};
@@ -92,7 +93,7 @@ extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult 
     })
 }
 
-fn attribute_value(d: &Driver, a: i32, g: u32) -> Result<i32, CUresult> {
+pub(crate) fn attribute_value(d: &Driver, a: i32, g: u32) -> Result<i32, CUresult> {
     use crate::abi::attr::*;
     Ok(match a {
         MAX_THREADS_PER_BLOCK => 1024,
@@ -176,7 +177,13 @@ extern "C" fn cuDeviceCanAccessPeer(can: *mut i32, dev: CUdevice, peer: CUdevice
 
 // ---------------------------------------------------------------- contexts
 
-fn primary_retain(pctx: *mut CUcontext, dev: CUdevice) -> Result<(), CUresult> {
+/// The primary context of `dev`, created on first use; `retain` counts a reference
+/// (`cuDevicePrimaryCtxRetain`), the runtime's private lookup does not.
+pub(crate) fn primary_context(
+    pctx: *mut CUcontext,
+    dev: CUdevice,
+    retain: bool,
+) -> Result<(), CUresult> {
     let d = driver()?;
     let g = d.device(dev)?;
     if pctx.is_null() {
@@ -194,13 +201,15 @@ fn primary_retain(pctx: *mut CUcontext, dev: CUdevice) -> Result<(), CUresult> {
             c
         }
     };
-    p.refs += 1;
+    if retain {
+        p.refs += 1;
+    }
     out(pctx, ctx.handle() as CUcontext)
 }
 
 #[no_mangle]
 extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
-    guard(|| primary_retain(pctx, dev))
+    guard(|| primary_context(pctx, dev, true))
 }
 
 fn primary_release(dev: CUdevice) -> Result<(), CUresult> {
@@ -237,7 +246,8 @@ fn primary_reset(dev: CUdevice) -> Result<(), CUresult> {
         .ctx
         .clone();
     if let Some(c) = ctx {
-        c.wait_for(c.submitted());
+        c.wait_all();
+        c.clear_local_storage();
         d.mem.free_owned_by(c.handle());
         c.sticky.store(CUDA_SUCCESS, Ordering::Release);
     }
@@ -308,7 +318,8 @@ extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
         if c.primary {
             return Err(CUDA_ERROR_INVALID_CONTEXT);
         }
-        c.wait_for(c.submitted());
+        c.wait_all();
+        c.clear_local_storage();
         c.destroyed.store(true, Ordering::Release);
         d.contexts
             .write()
@@ -371,7 +382,9 @@ extern "C" fn cuCtxPopCurrent_v2(pctx: *mut CUcontext) -> CUresult {
 extern "C" fn cuCtxSynchronize() -> CUresult {
     guard(|| {
         driver()?;
-        driver::current_unchecked()?.synchronize()
+        let ctx = driver::current_unchecked()?;
+        capture::refuse_context_wide(&ctx)?;
+        ctx.synchronize()
     })
 }
 
@@ -418,6 +431,23 @@ extern "C" fn cuCtxGetStreamPriorityRange(least: *mut i32, greatest: *mut i32) -
     })
 }
 
+#[no_mangle]
+extern "C" fn cuCtxGetLimit(value: *mut usize, limit: u32) -> CUresult {
+    guard(|| {
+        driver()?;
+        let ctx = driver::current_unchecked()?;
+        out(value, ctx.limit(limit)? as usize)
+    })
+}
+
+#[no_mangle]
+extern "C" fn cuCtxSetLimit(limit: u32, value: usize) -> CUresult {
+    guard(|| {
+        driver()?;
+        driver::current_unchecked()?.set_limit(limit, value as u64)
+    })
+}
+
 // ---------------------------------------------------------------- device memory
 
 #[no_mangle]
@@ -439,6 +469,7 @@ extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) -> CUresult {
     guard(|| {
         let d = driver()?;
         let ctx = driver::current()?;
+        capture::refuse_unsafe()?;
         if dptr.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -458,6 +489,7 @@ extern "C" fn cuMemAllocPitch_v2(
     guard(|| {
         let d = driver()?;
         let ctx = driver::current()?;
+        capture::refuse_unsafe()?;
         if !matches!(elem, 4 | 8 | 16) || width == 0 || height == 0 || pitch.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -479,11 +511,14 @@ extern "C" fn cuMemFree_v2(ptr: CUdeviceptr) -> CUresult {
         if ptr == 0 {
             return Ok(());
         }
+        capture::refuse_unsafe()?;
         // Like the real driver, freeing waits for work that may still use it.
         if let Ok(ctx) = driver::current_unchecked() {
-            ctx.wait_for(ctx.submitted());
+            ctx.wait_all();
         }
-        d.mem.free_linear(ptr)
+        d.mem.free_linear(ptr)?;
+        crate::pool::note_free(ptr);
+        Ok(())
     })
 }
 
@@ -509,25 +544,32 @@ extern "C" fn cuMemGetAddressRange_v2(
 fn alloc_async(
     dptr: *mut CUdeviceptr,
     size: usize,
+    pool: Option<*mut c_void>,
     stream: CUstream,
     pt: bool,
 ) -> Result<(), CUresult> {
     let d = driver()?;
     let s = d.stream(stream, pt)?;
-    if dptr.is_null() {
+    if dptr.is_null() || size == 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    // Memory is taken at once (so OUT_OF_MEMORY is reported here); the pointer is
-    // usable by work queued after this call, as with a real pool.
+    let pool = match pool {
+        Some(h) => crate::pool::pool(h)?,
+        None => crate::pool::current(s.ctx.device)?,
+    };
+    // Memory is taken at once (so OUT_OF_MEMORY is reported here), on the pool's
+    // device; the pointer is usable by work queued after this call, as with a real
+    // pool.
     let p = d
         .mem
-        .alloc_linear(s.ctx.device, size as u64, s.ctx.handle())?;
+        .alloc_linear(pool.device, size as u64, s.ctx.handle())?;
+    crate::pool::note_alloc(&pool, p, size as u64);
     out(dptr, p)
 }
 
 #[no_mangle]
 extern "C" fn cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> CUresult {
-    guard(|| alloc_async(dptr, size, stream, false))
+    guard(|| alloc_async(dptr, size, None, stream, false))
 }
 
 #[no_mangle]
@@ -536,7 +578,71 @@ extern "C" fn cuMemAllocAsync_ptsz(
     size: usize,
     stream: CUstream,
 ) -> CUresult {
-    guard(|| alloc_async(dptr, size, stream, true))
+    guard(|| alloc_async(dptr, size, None, stream, true))
+}
+
+#[no_mangle]
+extern "C" fn cuMemAllocFromPoolAsync(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: *mut c_void,
+    stream: CUstream,
+) -> CUresult {
+    guard(|| alloc_async(dptr, size, Some(pool), stream, false))
+}
+
+#[no_mangle]
+extern "C" fn cuMemAllocFromPoolAsync_ptsz(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: *mut c_void,
+    stream: CUstream,
+) -> CUresult {
+    guard(|| alloc_async(dptr, size, Some(pool), stream, true))
+}
+
+#[no_mangle]
+extern "C" fn cuDeviceGetDefaultMemPool(pool: *mut *mut c_void, dev: CUdevice) -> CUresult {
+    guard(|| crate::pool::get_default(pool, dev))
+}
+
+#[no_mangle]
+extern "C" fn cuDeviceGetMemPool(pool: *mut *mut c_void, dev: CUdevice) -> CUresult {
+    guard(|| crate::pool::get_current(pool, dev))
+}
+
+#[no_mangle]
+extern "C" fn cuDeviceSetMemPool(dev: CUdevice, pool: *mut c_void) -> CUresult {
+    guard(|| crate::pool::set_current(dev, pool))
+}
+
+#[no_mangle]
+extern "C" fn cuMemPoolCreate(
+    pool: *mut *mut c_void,
+    props: *const crate::pool::CUmemPoolProps,
+) -> CUresult {
+    guard(|| crate::pool::create(pool, props))
+}
+
+#[no_mangle]
+extern "C" fn cuMemPoolDestroy(pool: *mut c_void) -> CUresult {
+    guard(|| crate::pool::destroy(pool))
+}
+
+#[no_mangle]
+extern "C" fn cuMemPoolSetAttribute(pool: *mut c_void, attr: i32, value: *mut c_void) -> CUresult {
+    guard(|| crate::pool::set_attribute(pool, attr, value))
+}
+
+#[no_mangle]
+extern "C" fn cuMemPoolGetAttribute(pool: *mut c_void, attr: i32, value: *mut c_void) -> CUresult {
+    guard(|| crate::pool::get_attribute(pool, attr, value))
+}
+
+/// Pools cache nothing here, so there is never anything to trim.
+#[no_mangle]
+extern "C" fn cuMemPoolTrimTo(pool: *mut c_void, _keep: usize) -> CUresult {
+    guard(|| crate::pool::pool(pool).map(|_| ()))
 }
 
 fn free_async(ptr: CUdeviceptr, stream: CUstream, pt: bool) -> Result<(), CUresult> {
@@ -565,6 +671,7 @@ extern "C" fn cuMemAllocManaged(dptr: *mut CUdeviceptr, size: usize, flags: u32)
     guard(|| {
         let d = driver()?;
         let ctx = driver::current()?;
+        capture::refuse_unsafe()?;
         if dptr.is_null() || !matches!(flags, CU_MEM_ATTACH_GLOBAL | CU_MEM_ATTACH_HOST) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -635,67 +742,186 @@ extern "C" fn cuMemPrefetchAsync_v2_ptsz(
     guard(|| prefetch(ptr, n, location_device(loc)?, s, true))
 }
 
+/// One pointer attribute of `ptr`; `CUDA_ERROR_INVALID_VALUE` for an address the
+/// simulator does not know or an attribute it does not answer.
+fn pointer_attribute(
+    d: &Driver,
+    data: *mut c_void,
+    attribute: i32,
+    ptr: u64,
+) -> Result<(), CUresult> {
+    use crate::abi::ptr_attr::*;
+    if data.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if let Some(i) = d.mem.pointer_info(ptr) {
+        return match attribute {
+            CONTEXT => {
+                let ctx = if i.owner != 0 {
+                    i.owner
+                } else {
+                    driver::current_handle()
+                };
+                out(data.cast::<CUcontext>(), ctx as CUcontext)
+            }
+            MEMORY_TYPE => out(
+                data.cast::<u32>(),
+                if i.managed {
+                    CU_MEMORYTYPE_UNIFIED
+                } else {
+                    CU_MEMORYTYPE_DEVICE
+                },
+            ),
+            DEVICE_POINTER => out(data.cast::<u64>(), ptr),
+            HOST_POINTER if i.managed => out(data.cast::<u64>(), ptr),
+            HOST_POINTER => Err(CUDA_ERROR_INVALID_VALUE),
+            BUFFER_ID => out(data.cast::<u64>(), i.start),
+            IS_MANAGED => out(data.cast::<i32>(), i32::from(i.managed)),
+            DEVICE_ORDINAL => out(data.cast::<i32>(), i.gpu as i32),
+            RANGE_START_ADDR => out(data.cast::<u64>(), i.start),
+            RANGE_SIZE => out(data.cast::<usize>(), i.size as usize),
+            MAPPED => out(data.cast::<i32>(), i32::from(i.mapped)),
+            MEMPOOL_HANDLE => out(
+                data.cast::<*mut c_void>(),
+                crate::pool::pool_of(i.start).unwrap_or(0) as *mut c_void,
+            ),
+            _ => Err(CUDA_ERROR_INVALID_VALUE),
+        };
+    }
+    // Pinned or registered host memory is visible to the device at its address.
+    let (start, len) = d
+        .mem
+        .host_range(ptr as usize)
+        .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    match attribute {
+        CONTEXT => out(
+            data.cast::<CUcontext>(),
+            driver::current_handle() as CUcontext,
+        ),
+        MEMORY_TYPE => out(data.cast::<u32>(), CU_MEMORYTYPE_HOST),
+        DEVICE_POINTER | HOST_POINTER => out(data.cast::<u64>(), ptr),
+        IS_MANAGED => out(data.cast::<i32>(), 0),
+        DEVICE_ORDINAL => out(
+            data.cast::<i32>(),
+            driver::current().map(|c| c.device as i32).unwrap_or(0),
+        ),
+        RANGE_START_ADDR => out(data.cast::<u64>(), start as u64),
+        RANGE_SIZE => out(data.cast::<usize>(), len),
+        MAPPED => out(data.cast::<i32>(), 1),
+        MEMPOOL_HANDLE => out(data.cast::<*mut c_void>(), std::ptr::null_mut()),
+        _ => Err(CUDA_ERROR_INVALID_VALUE),
+    }
+}
+
 #[no_mangle]
 extern "C" fn cuPointerGetAttribute(
     data: *mut c_void,
     attribute: i32,
     ptr: CUdeviceptr,
 ) -> CUresult {
+    guard(|| pointer_attribute(driver()?, data, attribute, ptr))
+}
+
+/// The default an attribute reads for a pointer the driver does not know: "the
+/// attributes are assigned default NULL values and CUDA_SUCCESS is returned"
+/// (Driver API reference, `cuPointerGetAttributes`), i.e. zero of the attribute's
+/// size; the device ordinal reads -2 (no device), as the runtime reports it.
+fn unknown_pointer_default(data: *mut c_void, attribute: i32) -> Result<(), CUresult> {
     use crate::abi::ptr_attr::*;
+    match attribute {
+        CONTEXT | HOST_POINTER | MEMPOOL_HANDLE => out(data.cast::<usize>(), 0),
+        MEMORY_TYPE | IS_MANAGED | MAPPED => out(data.cast::<u32>(), 0),
+        DEVICE_POINTER | BUFFER_ID | RANGE_START_ADDR => out(data.cast::<u64>(), 0),
+        RANGE_SIZE => out(data.cast::<usize>(), 0),
+        DEVICE_ORDINAL => out(data.cast::<i32>(), -2),
+        _ => Err(CUDA_ERROR_INVALID_VALUE),
+    }
+}
+
+#[no_mangle]
+extern "C" fn cuPointerGetAttributes(
+    n: u32,
+    attributes: *const i32,
+    data: *mut *mut c_void,
+    ptr: CUdeviceptr,
+) -> CUresult {
     guard(|| {
         let d = driver()?;
-        if data.is_null() {
+        if n == 0 || attributes.is_null() || data.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        if let Some(i) = d.mem.pointer_info(ptr) {
-            return match attribute {
-                CONTEXT => {
-                    let ctx = if i.owner != 0 {
-                        i.owner
-                    } else {
-                        driver::current_handle()
-                    };
-                    out(data.cast::<CUcontext>(), ctx as CUcontext)
-                }
-                MEMORY_TYPE => out(
-                    data.cast::<u32>(),
-                    if i.managed {
-                        CU_MEMORYTYPE_UNIFIED
-                    } else {
-                        CU_MEMORYTYPE_DEVICE
-                    },
-                ),
-                DEVICE_POINTER => out(data.cast::<u64>(), ptr),
-                HOST_POINTER if i.managed => out(data.cast::<u64>(), ptr),
-                HOST_POINTER => Err(CUDA_ERROR_INVALID_VALUE),
-                BUFFER_ID => out(data.cast::<u64>(), i.start),
-                IS_MANAGED => out(data.cast::<i32>(), i32::from(i.managed)),
-                DEVICE_ORDINAL => out(data.cast::<i32>(), i.gpu as i32),
-                RANGE_START_ADDR => out(data.cast::<u64>(), i.start),
-                RANGE_SIZE => out(data.cast::<usize>(), i.size as usize),
-                MAPPED => out(data.cast::<i32>(), i32::from(i.mapped)),
-                _ => Err(CUDA_ERROR_INVALID_VALUE),
-            };
+        let known = d.mem.pointer_info(ptr).is_some() || d.mem.host_range(ptr as usize).is_some();
+        for i in 0..n as usize {
+            // SAFETY: the caller passes arrays of `n` attributes and `n` data pointers.
+            let (a, slot) = unsafe { (read(attributes.add(i))?, read(data.add(i))?) };
+            // An attribute that does not apply (the host pointer of device memory)
+            // reads its NULL default here, where cuPointerGetAttribute fails.
+            if !known || pointer_attribute(d, slot, a, ptr).is_err() {
+                unknown_pointer_default(slot, a)?;
+            }
         }
-        // Pinned or registered host memory is visible to the device at its address.
-        let (start, len) = d
-            .mem
-            .host_range(ptr as usize)
-            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        match attribute {
-            CONTEXT => out(
-                data.cast::<CUcontext>(),
-                driver::current_handle() as CUcontext,
-            ),
-            MEMORY_TYPE => out(data.cast::<u32>(), CU_MEMORYTYPE_HOST),
-            DEVICE_POINTER | HOST_POINTER => out(data.cast::<u64>(), ptr),
-            IS_MANAGED => out(data.cast::<i32>(), 0),
-            RANGE_START_ADDR => out(data.cast::<u64>(), start as u64),
-            RANGE_SIZE => out(data.cast::<usize>(), len),
-            MAPPED => out(data.cast::<i32>(), 1),
-            _ => Err(CUDA_ERROR_INVALID_VALUE),
-        }
+        Ok(())
     })
+}
+
+/// `cuIpcGetMemHandle`: only the base of a `cuMemAlloc` allocation can be exported
+/// (Driver API reference: "a pointer to the base of an existing device memory
+/// allocation created with cuMemAlloc"); VMM mappings (`cuMemCreate`), pool and
+/// managed memory, and interior pointers are `CUDA_ERROR_INVALID_VALUE`, as the
+/// real driver answers (VMM memory is shared through `cuMemExportToShareableHandle`
+/// instead). The handle names this process and the allocation; opening it
+/// (`cuIpcOpenMemHandle`) is not simulated: a simulated allocation's bytes live in
+/// its own process.
+#[no_mangle]
+extern "C" fn cuIpcGetMemHandle(handle: *mut [u8; 64], ptr: CUdeviceptr) -> CUresult {
+    guard(|| {
+        let d = driver()?;
+        driver::current()?;
+        if handle.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let info = d.mem.pointer_info(ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if !d.mem.is_linear_start(ptr) || info.managed || crate::pool::pool_of(ptr).is_some() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let mut h = [0u8; 64];
+        h[..8].copy_from_slice(b"KIWISIM\0");
+        h[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+        h[16..24].copy_from_slice(&ptr.to_le_bytes());
+        h[24..32].copy_from_slice(&info.size.to_le_bytes());
+        out(handle, h)
+    })
+}
+
+fn advise(ptr: u64, n: usize, advice: i32, device: i32) -> Result<(), CUresult> {
+    let d = driver()?;
+    if !(1..=6).contains(&advice) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if device != CU_DEVICE_CPU {
+        d.device(device)?;
+    }
+    // Advice applies to managed memory (the simulated device has no pageable
+    // memory access); it changes nothing here, managed memory being always resident.
+    match d.mem.pointer_info(ptr) {
+        Some(i) if i.managed && n > 0 && ptr + n as u64 <= i.start + i.size => Ok(()),
+        _ => Err(CUDA_ERROR_INVALID_VALUE),
+    }
+}
+
+#[no_mangle]
+extern "C" fn cuMemAdvise(ptr: CUdeviceptr, n: usize, advice: i32, device: CUdevice) -> CUresult {
+    guard(|| advise(ptr, n, advice, device))
+}
+
+#[no_mangle]
+extern "C" fn cuMemAdvise_v2(
+    ptr: CUdeviceptr,
+    n: usize,
+    advice: i32,
+    loc: CUmemLocation,
+) -> CUresult {
+    guard(|| advise(ptr, n, advice, location_device(loc)?))
 }
 
 // ---------------------------------------------------------------- pinned host memory
@@ -703,6 +929,7 @@ extern "C" fn cuPointerGetAttribute(
 fn host_alloc(pp: *mut *mut c_void, size: usize) -> Result<(), CUresult> {
     let d = driver()?;
     driver::current()?;
+    capture::refuse_unsafe()?;
     if pp.is_null() || size == 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -746,6 +973,7 @@ extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, flags: u32) -> C
 extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
     guard(|| {
         let d = driver()?;
+        capture::refuse_unsafe()?;
         let len = d.mem.host_remove(p as usize, true)?;
         // SAFETY: unmapping a mapping host_alloc created with this length.
         unsafe { libc::munmap(p, len) };
@@ -776,8 +1004,10 @@ extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CUresult {
 /// right away (memory freed or unmapped after submission fails at execution with a
 /// sticky `CUDA_ERROR_ILLEGAL_ADDRESS`).
 fn check_range(d: &Driver, ptr: u64, n: u64, write: bool) -> Result<(), CUresult> {
+    // The copy runs on the current context's device: a VMM mapping must grant it.
+    let dev = driver::current_unchecked()?.device;
     d.mem
-        .resolve(ptr, n, write)
+        .resolve(ptr, n, write, dev)
         .map(|_| ())
         .map_err(|_| CUDA_ERROR_INVALID_VALUE)
 }
@@ -819,12 +1049,14 @@ fn enqueue(stream: CUstream, pt: bool, op: Op, sync: bool) -> Result<(), CUresul
     let d = driver()?;
     let s = d.stream(stream, pt)?;
     s.ctx.check()?;
-    if sync && s.is_capturing() {
-        return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    if sync {
+        // A synchronous call on a capturing (per-thread) stream; the legacy
+        // stream's rule is checked at submission.
+        capture::refuse_stream_use(&s)?;
     }
     let seq = s.ctx.submit(&s, op)?;
     if sync {
-        s.ctx.wait_for(seq);
+        s.ctx.wait_for(s.lane, seq);
         s.ctx.check()?;
     }
     Ok(())
@@ -1478,25 +1710,26 @@ extern "C" fn cuMemSetAccess(
         if desc.is_null() || count == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        // With several devices each descriptor names one; a simulated mapping has a
-        // single access level, taken from the last descriptor.
-        let mut access = Access::None;
+        // Each descriptor grants one device its access.
+        let mut grants = Vec::with_capacity(count);
         for i in 0..count {
             // SAFETY: the caller passes an array of `count` descriptors.
             let dsc = read(unsafe { desc.add(i) })?;
             if dsc.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
                 return Err(CUDA_ERROR_INVALID_VALUE);
             }
-            d.device(dsc.location.id)
+            let dev = d
+                .device(dsc.location.id)
                 .map_err(|_| CUDA_ERROR_INVALID_DEVICE)?;
-            access = match dsc.flags {
+            let access = match dsc.flags {
                 CU_MEM_ACCESS_FLAGS_PROT_NONE => Access::None,
                 CU_MEM_ACCESS_FLAGS_PROT_READ => Access::Read,
                 CU_MEM_ACCESS_FLAGS_PROT_READWRITE => Access::ReadWrite,
                 _ => return Err(CUDA_ERROR_INVALID_VALUE),
             };
+            grants.push((dev, access));
         }
-        d.mem.set_access(ptr, size as u64, access)
+        d.mem.set_access(ptr, size as u64, &grants)
     })
 }
 
@@ -1550,17 +1783,19 @@ fn stream_sync(s: CUstream, pt: bool) -> Result<(), CUresult> {
     let d = driver()?;
     let legacy = s.is_null() && !pt || s as usize == CU_STREAM_LEGACY;
     let st = d.stream(s, pt)?;
-    if st.is_capturing() {
-        return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    if legacy {
+        capture::refuse_legacy(&st.ctx)?;
+    } else {
+        capture::refuse_stream_use(&st)?;
     }
-    // The legacy stream waits for all blocking work of the context; one executor per
-    // context makes that "everything submitted so far".
+    // The legacy stream waits for all work of the blocking streams of the context
+    // (its lane, in submission order), not for non-blocking streams.
     let seq = if legacy {
-        st.ctx.submitted()
+        st.ctx.submitted(st.lane)
     } else {
         st.last_seq.load(Ordering::Acquire)
     };
-    st.ctx.wait_for(seq);
+    st.ctx.wait_for(st.lane, seq);
     st.ctx.check()
 }
 
@@ -1578,10 +1813,12 @@ fn stream_query(s: CUstream, pt: bool) -> Result<(), CUresult> {
     let d = driver()?;
     let st = d.stream(s, pt)?;
     st.ctx.check()?;
-    if st.is_capturing() {
-        return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    if st.legacy {
+        capture::refuse_legacy(&st.ctx)?;
+    } else {
+        capture::refuse_stream_use(&st)?;
     }
-    if st.ctx.is_done(st.last_seq.load(Ordering::Acquire)) {
+    if st.ctx.is_done(st.lane, st.last_seq.load(Ordering::Acquire)) {
         Ok(())
     } else {
         Err(CUDA_ERROR_NOT_READY)
@@ -1601,19 +1838,24 @@ extern "C" fn cuStreamQuery_ptsz(s: CUstream) -> CUresult {
 fn stream_wait_event(s: CUstream, e: CUevent, pt: bool) -> Result<(), CUresult> {
     let d = driver()?;
     let st = d.stream(s, pt)?;
+    if st.legacy {
+        capture::refuse_legacy(&st.ctx)?;
+    }
     let ev = d.event(e)?;
-    let (ctx, seq) = {
+    let (ctx, lane, seq) = {
         let g = ev.state.lock().unwrap_or_else(|e| e.into_inner());
         match &g.ctx {
-            Some(c) => (c.clone(), event_seq(&g, c)),
+            Some(c) => (c.clone(), g.lane, event_seq(&g, c)),
             None => return Ok(()), // never recorded: nothing to wait for
         }
     };
-    if Arc::ptr_eq(&ctx, &st.ctx) {
-        // Same executor: submission order already puts the record first.
+    if Arc::ptr_eq(&ctx, &st.ctx) && lane == st.lane {
+        // Same executor lane: submission order already puts the record first.
         return Ok(());
     }
-    st.ctx.submit(&st, Op::WaitFor { ctx, seq }).map(|_| ())
+    st.ctx
+        .submit(&st, Op::WaitFor { ctx, lane, seq })
+        .map(|_| ())
 }
 
 #[no_mangle]
@@ -1727,14 +1969,17 @@ fn event_record(e: CUevent, s: CUstream, pt: bool) -> Result<(), CUresult> {
     let d = driver()?;
     let ev = d.event(e)?;
     let st = d.stream(s, pt)?;
+    let capture_id = capture::capture_id(&st);
     // The lock is not held across submission (which may block on a full queue while
     // the executor needs this lock); the generation ties the op to this record.
     let generation = {
         let mut g = ev.state.lock().unwrap_or_else(|e| e.into_inner());
         g.generation += 1;
         g.ctx = Some(st.ctx.clone());
+        g.lane = st.lane;
         g.seq = u64::MAX;
         g.time_ns = 0;
+        g.capture_id = capture_id;
         g.generation
     };
     let got = st.ctx.submit(
@@ -1765,7 +2010,7 @@ fn event_record(e: CUevent, s: CUstream, pt: bool) -> Result<(), CUresult> {
 /// "everything submitted so far").
 fn event_seq(g: &EventState, ctx: &Context) -> u64 {
     if g.seq == u64::MAX {
-        ctx.submitted()
+        ctx.submitted(g.lane)
     } else {
         g.seq
     }
@@ -1796,10 +2041,11 @@ extern "C" fn cuEventQuery(e: CUevent) -> CUresult {
     guard(|| {
         let ev = driver()?.event(e)?;
         let g = ev.state.lock().unwrap_or_else(|e| e.into_inner());
+        capture::refuse_captured_event(g.capture_id)?;
         match &g.ctx {
             None => Ok(()),
             Some(_) if g.time_ns != 0 => Ok(()),
-            Some(c) if c.is_done(event_seq(&g, c)) => c.check(),
+            Some(c) if c.is_done(g.lane, event_seq(&g, c)) => c.check(),
             Some(_) => Err(CUDA_ERROR_NOT_READY),
         }
     })
@@ -1809,15 +2055,16 @@ extern "C" fn cuEventQuery(e: CUevent) -> CUresult {
 extern "C" fn cuEventSynchronize(e: CUevent) -> CUresult {
     guard(|| {
         let ev = driver()?.event(e)?;
-        let (ctx, seq) = {
+        let (ctx, lane, seq) = {
             let g = ev.state.lock().unwrap_or_else(|e| e.into_inner());
+            capture::refuse_captured_event(g.capture_id)?;
             let seq = g.ctx.as_ref().map(|c| event_seq(&g, c)).unwrap_or(0);
-            (g.ctx.clone(), seq)
+            (g.ctx.clone(), g.lane, seq)
         };
         match ctx {
             None => Ok(()),
             Some(c) => {
-                c.wait_for(seq);
+                c.wait_for(lane, seq);
                 c.check()
             }
         }
@@ -1872,15 +2119,7 @@ fn capturable(s: CUstream, pt: bool) -> Result<Arc<Stream>, CUresult> {
 }
 
 fn begin_capture(s: CUstream, mode: u32, pt: bool) -> Result<(), CUresult> {
-    if mode > 2 {
-        return Err(CUDA_ERROR_INVALID_VALUE);
-    }
-    let st = capturable(s, pt)?;
-    if st.begin_capture() {
-        Ok(())
-    } else {
-        Err(CUDA_ERROR_ILLEGAL_STATE)
-    }
+    capture::begin(&capturable(s, pt)?, mode)
 }
 
 #[no_mangle]
@@ -1898,7 +2137,16 @@ fn end_capture(s: CUstream, graph: *mut *mut c_void, pt: bool) -> Result<(), CUr
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let st = capturable(s, pt)?;
-    let ops = st.end_capture().ok_or(CUDA_ERROR_ILLEGAL_STATE)?;
+    let ops = match capture::end(&st) {
+        Ok(ops) => ops,
+        Err(e) => {
+            // An invalidated capture ends with a NULL graph (Driver API reference).
+            if e == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED {
+                out(graph, std::ptr::null_mut())?;
+            }
+            return Err(e);
+        }
+    };
     let g = Arc::new(ops);
     let h = Arc::as_ptr(&g) as usize;
     d.graphs
@@ -1919,14 +2167,7 @@ extern "C" fn cuStreamEndCapture_ptsz(s: CUstream, graph: *mut *mut c_void) -> C
 
 fn is_capturing(s: CUstream, status: *mut i32, pt: bool) -> Result<(), CUresult> {
     let st = driver()?.stream(s, pt)?;
-    out(
-        status,
-        if st.is_capturing() {
-            CU_STREAM_CAPTURE_STATUS_ACTIVE
-        } else {
-            CU_STREAM_CAPTURE_STATUS_NONE
-        },
-    )
+    out(status, capture::status(&st).0)
 }
 
 #[no_mangle]
@@ -1936,6 +2177,88 @@ extern "C" fn cuStreamIsCapturing(s: CUstream, status: *mut i32) -> CUresult {
 #[no_mangle]
 extern "C" fn cuStreamIsCapturing_ptsz(s: CUstream, status: *mut i32) -> CUresult {
     guard(|| is_capturing(s, status, true))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn capture_info(
+    s: CUstream,
+    status: *mut i32,
+    id: *mut u64,
+    graph: *mut *mut c_void,
+    deps: *mut *const c_void,
+    edges: *mut *const c_void,
+    count: *mut usize,
+    pt: bool,
+) -> Result<(), CUresult> {
+    let st = driver()?.stream(s, pt)?;
+    capture::info(&st, status, id, graph, deps, edges, count)
+}
+
+#[no_mangle]
+extern "C" fn cuStreamGetCaptureInfo(s: CUstream, status: *mut i32, id: *mut u64) -> CUresult {
+    let n = std::ptr::null_mut();
+    guard(|| capture_info(s, status, id, n, n.cast(), n.cast(), n.cast(), false))
+}
+#[no_mangle]
+extern "C" fn cuStreamGetCaptureInfo_ptsz(s: CUstream, status: *mut i32, id: *mut u64) -> CUresult {
+    let n = std::ptr::null_mut();
+    guard(|| capture_info(s, status, id, n, n.cast(), n.cast(), n.cast(), true))
+}
+#[no_mangle]
+extern "C" fn cuStreamGetCaptureInfo_v2(
+    s: CUstream,
+    status: *mut i32,
+    id: *mut u64,
+    graph: *mut *mut c_void,
+    deps: *mut *const c_void,
+    count: *mut usize,
+) -> CUresult {
+    let n = std::ptr::null_mut();
+    guard(|| capture_info(s, status, id, graph, deps, n, count, false))
+}
+#[no_mangle]
+extern "C" fn cuStreamGetCaptureInfo_v2_ptsz(
+    s: CUstream,
+    status: *mut i32,
+    id: *mut u64,
+    graph: *mut *mut c_void,
+    deps: *mut *const c_void,
+    count: *mut usize,
+) -> CUresult {
+    let n = std::ptr::null_mut();
+    guard(|| capture_info(s, status, id, graph, deps, n, count, true))
+}
+#[no_mangle]
+extern "C" fn cuStreamGetCaptureInfo_v3(
+    s: CUstream,
+    status: *mut i32,
+    id: *mut u64,
+    graph: *mut *mut c_void,
+    deps: *mut *const c_void,
+    edges: *mut *const c_void,
+    count: *mut usize,
+) -> CUresult {
+    guard(|| capture_info(s, status, id, graph, deps, edges, count, false))
+}
+#[no_mangle]
+extern "C" fn cuStreamGetCaptureInfo_v3_ptsz(
+    s: CUstream,
+    status: *mut i32,
+    id: *mut u64,
+    graph: *mut *mut c_void,
+    deps: *mut *const c_void,
+    edges: *mut *const c_void,
+    count: *mut usize,
+) -> CUresult {
+    guard(|| capture_info(s, status, id, graph, deps, edges, count, true))
+}
+
+#[no_mangle]
+extern "C" fn cuThreadExchangeStreamCaptureMode(mode: *mut u32) -> CUresult {
+    guard(|| {
+        driver()?;
+        capture::exchange_mode(mode)
+    })
 }
 
 #[no_mangle]
@@ -2058,7 +2381,7 @@ fn function(f: CUfunction) -> Result<Builtin, CUresult> {
         .ok_or(CUDA_ERROR_INVALID_HANDLE)
 }
 
-fn module_load(m: *mut CUmodule, image: *const c_void) -> Result<(), CUresult> {
+pub(crate) fn module_load(m: *mut CUmodule, image: *const c_void) -> Result<(), CUresult> {
     let d = driver()?;
     driver::current()?;
     if m.is_null() {
@@ -2134,14 +2457,66 @@ extern "C" fn cuFuncGetAttribute(pi: *mut i32, attrib: i32, f: CUfunction) -> CU
     guard(|| {
         driver()?;
         function(f)?;
+        if let Some(v) = func_attr_set(f, attrib) {
+            return out(pi, v);
+        }
         let v = match attrib {
             0 => 1024,   // MAX_THREADS_PER_BLOCK
             4 => 32,     // NUM_REGS
             5 | 6 => 80, // PTX / BINARY version
+            9 => -1,     // PREFERRED_SHARED_MEMORY_CARVEOUT: no preference
             1..=8 => 0,
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
         };
         out(pi, v)
+    })
+}
+
+/// Values set by `cuFuncSetAttribute`, by (function, attribute).
+static FUNC_ATTRS: Mutex<Vec<(usize, i32, i32)>> = Mutex::new(Vec::new());
+
+fn func_attr_set(f: CUfunction, attrib: i32) -> Option<i32> {
+    FUNC_ATTRS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .find(|(g, a, _)| *g == f as usize && *a == attrib)
+        .map(|x| x.2)
+}
+
+/// `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`, `_PREFERRED_SHARED_MEMORY_CARVEOUT`.
+const FUNC_MAX_DYNAMIC_SHARED: i32 = 8;
+const FUNC_CARVEOUT: i32 = 9;
+
+#[no_mangle]
+extern "C" fn cuFuncSetAttribute(f: CUfunction, attrib: i32, value: i32) -> CUresult {
+    guard(|| {
+        driver()?;
+        function(f)?;
+        let ok = match attrib {
+            // The opt-in maximum minus the built-ins' static shared memory (none).
+            FUNC_MAX_DYNAMIC_SHARED => (0..=163 << 10).contains(&value),
+            FUNC_CARVEOUT => (-1..=100).contains(&value),
+            _ => false,
+        };
+        if !ok {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let mut v = FUNC_ATTRS.lock().unwrap_or_else(|e| e.into_inner());
+        v.retain(|(g, a, _)| !(*g == f as usize && *a == attrib));
+        v.push((f as usize, attrib, value));
+        Ok(())
+    })
+}
+
+/// `CU_MODULE_LAZY_LOADING` unless `CUDA_MODULE_LOADING=EAGER` (the driver's
+/// default since CUDA 12.2).
+#[no_mangle]
+extern "C" fn cuModuleGetLoadingMode(mode: *mut u32) -> CUresult {
+    guard(|| {
+        driver()?;
+        let eager = std::env::var("CUDA_MODULE_LOADING").is_ok_and(|v| v == "EAGER");
+        out(mode, if eager { 1 } else { 2 })
     })
 }
 
@@ -2408,13 +2783,8 @@ extern "C" fn cuGetErrorString(e: CUresult, s: *mut *const c_char) -> CUresult {
 }
 
 #[no_mangle]
-extern "C" fn cuGetExportTable(table: *mut *const c_void, _id: *const CUuuid) -> CUresult {
-    guard(|| {
-        if !table.is_null() {
-            out(table, std::ptr::null())?;
-        }
-        Err(CUDA_ERROR_NOT_SUPPORTED)
-    })
+extern "C" fn cuGetExportTable(table: *mut *const c_void, id: *const CUuuid) -> CUresult {
+    guard(|| crate::dark_api::export_table(table, id))
 }
 
 #[no_mangle]
@@ -2484,6 +2854,23 @@ pub fn exports() -> Vec<(&'static str, i32, usize)> {
         cuMemGetAddressRange_v2 = 3020,
         cuMemAllocAsync = 11020,
         cuMemFreeAsync = 11020,
+        cuMemAllocFromPoolAsync = 11020,
+        cuDeviceGetDefaultMemPool = 11020,
+        cuDeviceGetMemPool = 11020,
+        cuDeviceSetMemPool = 11020,
+        cuMemPoolCreate = 11020,
+        cuMemPoolDestroy = 11020,
+        cuMemPoolSetAttribute = 11020,
+        cuMemPoolGetAttribute = 11020,
+        cuMemPoolTrimTo = 11020,
+        cuPointerGetAttributes = 7000,
+        cuIpcGetMemHandle = 4010,
+        cuMemAdvise = 8000,
+        cuMemAdvise_v2 = 12020,
+        cuCtxGetLimit = 3010,
+        cuCtxSetLimit = 3010,
+        cuFuncSetAttribute = 9000,
+        cuModuleGetLoadingMode = 11070,
         cuMemAllocManaged = 6000,
         cuMemPrefetchAsync = 8000,
         cuMemPrefetchAsync_v2 = 12020,
@@ -2537,6 +2924,10 @@ pub fn exports() -> Vec<(&'static str, i32, usize)> {
         cuStreamBeginCapture_v2 = 10010,
         cuStreamEndCapture = 10000,
         cuStreamIsCapturing = 10000,
+        cuStreamGetCaptureInfo = 10010,
+        cuStreamGetCaptureInfo_v2 = 11030,
+        cuStreamGetCaptureInfo_v3 = 12030,
+        cuThreadExchangeStreamCaptureMode = 10010,
         cuGraphInstantiateWithFlags = 11040,
         cuGraphLaunch = 10000,
         cuGraphUpload = 11010,
@@ -2602,6 +2993,7 @@ pub fn per_thread_exports() -> Vec<(&'static str, i32, &'static str, usize)> {
         "cuMemsetD32Async" @ 3020 => cuMemsetD32Async_ptsz,
         "cuMemAllocAsync" @ 11020 => cuMemAllocAsync_ptsz,
         "cuMemFreeAsync" @ 11020 => cuMemFreeAsync_ptsz,
+        "cuMemAllocFromPoolAsync" @ 11020 => cuMemAllocFromPoolAsync_ptsz,
         "cuMemPrefetchAsync" @ 12020 => cuMemPrefetchAsync_v2_ptsz,
         "cuStreamSynchronize" @ 2000 => cuStreamSynchronize_ptsz,
         "cuStreamQuery" @ 2000 => cuStreamQuery_ptsz,
@@ -2616,6 +3008,9 @@ pub fn per_thread_exports() -> Vec<(&'static str, i32, &'static str, usize)> {
         "cuStreamBeginCapture" @ 10010 => cuStreamBeginCapture_v2_ptsz,
         "cuStreamEndCapture" @ 10000 => cuStreamEndCapture_ptsz,
         "cuStreamIsCapturing" @ 10000 => cuStreamIsCapturing_ptsz,
+        "cuStreamGetCaptureInfo" @ 10010 => cuStreamGetCaptureInfo_ptsz,
+        "cuStreamGetCaptureInfo" @ 11030 => cuStreamGetCaptureInfo_v2_ptsz,
+        "cuStreamGetCaptureInfo" @ 12030 => cuStreamGetCaptureInfo_v3_ptsz,
         "cuGraphLaunch" @ 10000 => cuGraphLaunch_ptsz,
         "cuGraphUpload" @ 11010 => cuGraphUpload_ptsz,
         "cuMemPrefetchAsync" @ 8000 => cuMemPrefetchAsync_ptsz,

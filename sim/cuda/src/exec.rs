@@ -1,17 +1,20 @@
 //! Contexts and their executors: asynchronous work in submission order.
 //!
-//! Each context has one worker thread that runs queued work (kernels, async copies
-//! and memsets, event records, host functions, cross-context stream waits, async
-//! frees). All streams of a context are serialized by that one worker, in submission
-//! order (documented simplification: stream order is kept, stream concurrency is
-//! not modelled). The queue is bounded at [`QUEUE_DEPTH`] pending operations; a
-//! submission blocks while it is full, as a launch does on hardware.
+//! Each context has two executor lanes, each one worker thread that runs queued work
+//! (kernels, async copies and memsets, event records, host functions, stream waits,
+//! async frees) in submission order: the legacy lane (the legacy stream, blocking
+//! streams, per-thread streams) and the non-blocking lane (`CU_STREAM_NON_BLOCKING`
+//! streams), so a non-blocking stream is not ordered with the legacy stream, as on
+//! hardware. Streams of one lane are serialized (documented simplification: stream
+//! order is kept, concurrency within a lane is not modelled). Each lane's queue is
+//! bounded at [`QUEUE_DEPTH`] pending operations; a submission blocks while it is
+//! full, as a launch does on hardware.
 //!
 //! The submission path takes one uncontended mutex, writes into a preallocated ring
 //! and wakes the worker only when it sleeps: no syscall and no allocation while the
 //! worker is busy.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -116,6 +119,7 @@ pub enum Op {
     },
     WaitFor {
         ctx: Arc<Context>,
+        lane: usize,
         seq: u64,
     },
     HostFn {
@@ -149,12 +153,9 @@ struct Queue {
     space_waiters: usize,
 }
 
-/// A CUDA context.
-pub struct Context {
-    pub device: u32,
-    pub flags: u32,
-    pub primary: bool,
-    driver: &'static Driver,
+/// One in-order executor of a context: its queue, worker thread and completion
+/// counter. Sequence numbers count per lane.
+struct Lane {
     queue: Mutex<Queue>,
     work_cv: Condvar,
     space_cv: Condvar,
@@ -163,86 +164,12 @@ pub struct Context {
     done_mx: Mutex<()>,
     done_cv: Condvar,
     waiters: AtomicUsize,
-    /// Sticky error (e.g. `CUDA_ERROR_ILLEGAL_ADDRESS`): every later call fails with it.
-    pub sticky: AtomicU32,
-    pub destroyed: AtomicBool,
     worker: Mutex<Option<std::thread::JoinHandle<()>>>,
-    /// The legacy NULL stream of this context.
-    pub null_stream: Mutex<Option<Arc<Stream>>>,
 }
 
-/// A stream: the context it belongs to and its last submitted operation.
-pub struct Stream {
-    pub ctx: Arc<Context>,
-    pub last_seq: AtomicU64,
-    pub flags: u32,
-    pub priority: i32,
-    /// Set while the stream is being captured into a graph (checked without the
-    /// lock on every submission).
-    pub capturing: AtomicBool,
-    /// The operations captured so far.
-    pub captured: Mutex<Option<Vec<Op>>>,
-}
-
-impl Stream {
-    pub fn new(ctx: Arc<Context>, flags: u32, priority: i32) -> Stream {
-        Stream {
-            ctx,
-            last_seq: AtomicU64::new(0),
-            flags,
-            priority,
-            capturing: AtomicBool::new(false),
-            captured: Mutex::new(None),
-        }
-    }
-
-    /// Starts capturing; false if the stream already is.
-    pub fn begin_capture(&self) -> bool {
-        let mut c = self.captured.lock().unwrap_or_else(|e| e.into_inner());
-        if c.is_some() {
-            return false;
-        }
-        *c = Some(Vec::new());
-        self.capturing.store(true, Ordering::Release);
-        true
-    }
-
-    /// Ends capturing and returns what was captured (None if not capturing).
-    pub fn end_capture(&self) -> Option<Vec<Op>> {
-        let mut c = self.captured.lock().unwrap_or_else(|e| e.into_inner());
-        self.capturing.store(false, Ordering::Release);
-        c.take()
-    }
-
-    pub fn is_capturing(&self) -> bool {
-        self.capturing.load(Ordering::Acquire)
-    }
-}
-
-/// An event: where it was last recorded and when that point completed.
-pub struct Event {
-    pub flags: u32,
-    pub state: Mutex<EventState>,
-}
-
-#[derive(Default)]
-pub struct EventState {
-    pub ctx: Option<Arc<Context>>,
-    /// Sequence of the record operation; `u64::MAX` while it is being submitted.
-    pub seq: u64,
-    /// Completion time (monotonic ns), 0 while pending.
-    pub time_ns: u64,
-    /// Bumped by every record, so a stale record op does not complete a newer one.
-    pub generation: u64,
-}
-
-impl Context {
-    pub fn new(driver: &'static Driver, device: u32, flags: u32, primary: bool) -> Arc<Context> {
-        let ctx = Arc::new(Context {
-            device,
-            flags,
-            primary,
-            driver,
+impl Lane {
+    fn new() -> Lane {
+        Lane {
             queue: Mutex::new(Queue {
                 ops: VecDeque::with_capacity(QUEUE_DEPTH),
                 worker_idle: false,
@@ -256,19 +183,185 @@ impl Context {
             done_mx: Mutex::new(()),
             done_cv: Condvar::new(),
             waiters: AtomicUsize::new(0),
+            worker: Mutex::new(None),
+        }
+    }
+}
+
+/// The lane of the legacy stream and of every stream ordered with it (blocking
+/// streams, the per-thread stream).
+pub const LEGACY_LANE: usize = 0;
+/// The lane of `CU_STREAM_NON_BLOCKING` streams: not ordered with the legacy stream
+/// (Driver API reference, "Stream synchronization behavior").
+pub const NON_BLOCKING_LANE: usize = 1;
+const LANES: usize = 2;
+
+/// A CUDA context.
+pub struct Context {
+    pub device: u32,
+    pub flags: u32,
+    pub primary: bool,
+    driver: &'static Driver,
+    lanes: [Lane; LANES],
+    /// Sticky error (e.g. `CUDA_ERROR_ILLEGAL_ADDRESS`): every later call fails with it.
+    pub sticky: AtomicU32,
+    pub destroyed: AtomicBool,
+    /// The legacy NULL stream of this context.
+    pub null_stream: Mutex<Option<Arc<Stream>>>,
+    /// Context-local storage of the runtime's private interface (`dark_api`):
+    /// key → (value, destructor called when the context is reset or destroyed).
+    pub local_storage: Mutex<HashMap<usize, (usize, Option<ClsDestructor>)>>,
+    /// `cuCtxSetLimit` values, by `CUlimit`.
+    limits: Mutex<[u64; LIMITS]>,
+}
+
+/// `CU_LIMIT_*` from `STACK_SIZE` (0) to `CIG_SHMEM_FALLBACK_ENABLED` (9).
+const LIMITS: usize = 10;
+/// Defaults of an A100 (CUDA 12): stack 1 KiB, printf FIFO 1 MiB, malloc heap
+/// 8 MiB, sync depth 2, pending launches 2048, L2 fetch 64 B, persisting L2 0,
+/// shared memory of a CIG context (not one: 0), CIG off, CIG fallback on.
+const LIMIT_DEFAULTS: [u64; LIMITS] = [1024, 1 << 20, 8 << 20, 2, 2048, 64, 0, 0, 0, 1];
+
+/// Destructor of a context-local storage entry: (context, key, value).
+pub type ClsDestructor = extern "C" fn(CUcontext, *mut c_void, *mut c_void);
+
+/// A capture sequence in progress on a stream (see `capture`).
+pub struct Capture {
+    /// The operations captured so far, in stream order.
+    pub ops: Vec<Op>,
+    /// `CU_STREAM_CAPTURE_MODE_*` the sequence began with.
+    pub mode: u32,
+    /// The thread that began it (`capture::thread_id`).
+    pub thread: u64,
+    /// Unique id (`cuStreamGetCaptureInfo`).
+    pub id: u64,
+    /// Set by a prohibited call: the capture can only be ended, with an error.
+    pub invalidated: bool,
+}
+
+/// A stream: the context it belongs to and its last submitted operation.
+pub struct Stream {
+    pub ctx: Arc<Context>,
+    /// The lane this stream's work runs on, and its last operation there.
+    pub lane: usize,
+    pub last_seq: AtomicU64,
+    pub flags: u32,
+    pub priority: i32,
+    /// The context's legacy NULL stream.
+    pub legacy: bool,
+    /// Set while the stream is being captured into a graph (checked without the
+    /// lock on every submission).
+    pub capturing: AtomicBool,
+    /// The capture sequence in progress.
+    pub captured: Mutex<Option<Capture>>,
+}
+
+impl Stream {
+    pub fn new(ctx: Arc<Context>, flags: u32, priority: i32) -> Stream {
+        Stream {
+            ctx,
+            lane: if flags & CU_STREAM_NON_BLOCKING != 0 {
+                NON_BLOCKING_LANE
+            } else {
+                LEGACY_LANE
+            },
+            last_seq: AtomicU64::new(0),
+            flags,
+            priority,
+            legacy: false,
+            capturing: AtomicBool::new(false),
+            captured: Mutex::new(None),
+        }
+    }
+
+    /// Starts capturing; false if the stream already is.
+    pub fn begin_capture(&self, mode: u32, thread: u64, id: u64) -> bool {
+        let mut c = self.captured.lock().unwrap_or_else(|e| e.into_inner());
+        if c.is_some() {
+            return false;
+        }
+        *c = Some(Capture {
+            ops: Vec::new(),
+            mode,
+            thread,
+            id,
+            invalidated: false,
+        });
+        self.capturing.store(true, Ordering::Release);
+        true
+    }
+
+    /// Ends capturing and returns the sequence (None if not capturing).
+    pub fn end_capture(&self) -> Option<Capture> {
+        let mut c = self.captured.lock().unwrap_or_else(|e| e.into_inner());
+        self.capturing.store(false, Ordering::Release);
+        c.take()
+    }
+
+    pub fn is_capturing(&self) -> bool {
+        self.capturing.load(Ordering::Acquire)
+    }
+
+    /// Runs `f` on the capture in progress, if any.
+    pub fn with_capture<R>(&self, f: impl FnOnce(&mut Capture) -> R) -> Option<R> {
+        self.captured
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+            .map(f)
+    }
+}
+
+/// An event: where it was last recorded and when that point completed.
+pub struct Event {
+    pub flags: u32,
+    pub state: Mutex<EventState>,
+}
+
+#[derive(Default)]
+pub struct EventState {
+    pub ctx: Option<Arc<Context>>,
+    /// The lane of the stream it was recorded on.
+    pub lane: usize,
+    /// Sequence of the record operation; `u64::MAX` while it is being submitted.
+    pub seq: u64,
+    /// Completion time (monotonic ns), 0 while pending.
+    pub time_ns: u64,
+    /// Bumped by every record, so a stale record op does not complete a newer one.
+    pub generation: u64,
+    /// Id of the capture sequence the last record went into (0: none).
+    pub capture_id: u64,
+}
+
+impl Context {
+    pub fn new(driver: &'static Driver, device: u32, flags: u32, primary: bool) -> Arc<Context> {
+        let ctx = Arc::new(Context {
+            device,
+            flags,
+            primary,
+            driver,
+            lanes: [Lane::new(), Lane::new()],
             sticky: AtomicU32::new(CUDA_SUCCESS),
             destroyed: AtomicBool::new(false),
-            worker: Mutex::new(None),
             null_stream: Mutex::new(None),
+            local_storage: Mutex::new(HashMap::new()),
+            limits: Mutex::new(LIMIT_DEFAULTS),
         });
-        *ctx.null_stream.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(Arc::new(Stream::new(ctx.clone(), 0, 0)));
-        let worker_ctx = ctx.clone();
-        let handle = std::thread::Builder::new()
-            .name(format!("kiwi-sim-gpu{device}"))
-            .spawn(move || worker_ctx.run_worker())
-            .expect("spawning the context executor thread");
-        *ctx.worker.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
+        *ctx.null_stream.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(Stream {
+            legacy: true,
+            ..Stream::new(ctx.clone(), 0, 0)
+        }));
+        for lane in 0..LANES {
+            let worker_ctx = ctx.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("kiwi-sim-gpu{device}.{lane}"))
+                .spawn(move || worker_ctx.run_worker(lane))
+                .expect("spawning the context executor thread");
+            *ctx.lanes[lane]
+                .worker
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = Some(handle);
+        }
         ctx
     }
 
@@ -302,71 +395,132 @@ impl Context {
             // Captured into the stream's graph instead of run; sequence 0 is
             // "already complete" for anyone who waits on it.
             let mut c = stream.captured.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(ops) = c.as_mut() {
-                ops.push(op);
+            if let Some(cap) = c.as_mut() {
+                if cap.invalidated {
+                    // CUDA Programming Guide, "Invalidation": further use of a
+                    // stream whose capture was invalidated is an error until
+                    // cuStreamEndCapture.
+                    return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+                }
+                cap.ops.push(op);
                 return Ok(0);
             }
         }
-        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if stream.legacy && crate::capture::active() {
+            crate::capture::refuse_legacy(self)?;
+        }
+        let l = &self.lanes[stream.lane];
+        let mut q = l.queue.lock().unwrap_or_else(|e| e.into_inner());
         while q.ops.len() >= QUEUE_DEPTH && !q.shutdown {
             q.space_waiters += 1;
-            q = self.space_cv.wait(q).unwrap_or_else(|e| e.into_inner());
+            q = l.space_cv.wait(q).unwrap_or_else(|e| e.into_inner());
             q.space_waiters -= 1;
         }
         if q.shutdown {
             return Err(CUDA_ERROR_CONTEXT_IS_DESTROYED);
         }
-        let seq = self.submitted.load(Ordering::Relaxed) + 1;
-        self.submitted.store(seq, Ordering::Release);
+        let seq = l.submitted.load(Ordering::Relaxed) + 1;
+        l.submitted.store(seq, Ordering::Release);
         stream.last_seq.store(seq, Ordering::Release);
         q.ops.push_back((seq, op));
         if q.worker_idle {
             q.worker_idle = false;
-            self.work_cv.notify_one();
+            l.work_cv.notify_one();
         }
         Ok(seq)
     }
 
-    /// Sequence number of the last submitted operation.
-    pub fn submitted(&self) -> u64 {
-        self.submitted.load(Ordering::Acquire)
+    /// Sequence number of the last operation submitted to `lane`.
+    pub fn submitted(&self, lane: usize) -> u64 {
+        self.lanes[lane].submitted.load(Ordering::Acquire)
     }
 
-    pub fn is_done(&self, seq: u64) -> bool {
-        self.completed.load(Ordering::Acquire) >= seq
+    pub fn is_done(&self, lane: usize, seq: u64) -> bool {
+        self.lanes[lane].completed.load(Ordering::Acquire) >= seq
     }
 
-    /// Blocks until operation `seq` has completed.
-    pub fn wait_for(&self, seq: u64) {
-        if self.is_done(seq) {
+    /// Blocks until operation `seq` of `lane` has completed.
+    pub fn wait_for(&self, lane: usize, seq: u64) {
+        if self.is_done(lane, seq) {
             return;
         }
-        self.waiters.fetch_add(1, Ordering::SeqCst);
-        let mut g = self.done_mx.lock().unwrap_or_else(|e| e.into_inner());
-        while self.completed.load(Ordering::SeqCst) < seq {
-            g = self.done_cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        let l = &self.lanes[lane];
+        l.waiters.fetch_add(1, Ordering::SeqCst);
+        let mut g = l.done_mx.lock().unwrap_or_else(|e| e.into_inner());
+        while l.completed.load(Ordering::SeqCst) < seq {
+            g = l.done_cv.wait(g).unwrap_or_else(|e| e.into_inner());
         }
         drop(g);
-        self.waiters.fetch_sub(1, Ordering::SeqCst);
+        l.waiters.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Waits for everything submitted so far, on every lane.
+    pub fn wait_all(&self) {
+        for lane in 0..LANES {
+            self.wait_for(lane, self.submitted(lane));
+        }
     }
 
     /// Waits for everything submitted so far and returns the sticky error, if any.
     pub fn synchronize(&self) -> Result<(), CUresult> {
-        self.wait_for(self.submitted());
+        self.wait_all();
         self.check()
+    }
+
+    /// `cuCtxGetLimit`.
+    pub fn limit(&self, limit: u32) -> Result<u64, CUresult> {
+        let l = self.limits.lock().unwrap_or_else(|e| e.into_inner());
+        l.get(limit as usize)
+            .copied()
+            .ok_or(CUDA_ERROR_UNSUPPORTED_LIMIT)
+    }
+
+    /// `cuCtxSetLimit`: the CIG limits (7, 8) can only be read; the L2 fetch
+    /// granularity is at most 128 bytes.
+    pub fn set_limit(&self, limit: u32, value: u64) -> Result<(), CUresult> {
+        match limit {
+            0..=4 | 6 | 9 => {}
+            5 if value <= 128 => {}
+            5 | 7 | 8 => return Err(CUDA_ERROR_INVALID_VALUE),
+            _ => return Err(CUDA_ERROR_UNSUPPORTED_LIMIT),
+        }
+        self.limits.lock().unwrap_or_else(|e| e.into_inner())[limit as usize] = value;
+        Ok(())
+    }
+
+    /// Empties the context-local storage, calling each entry's destructor (outside
+    /// the lock: a destructor may call back into the driver).
+    pub fn clear_local_storage(self: &Arc<Self>) {
+        let entries: Vec<_> = self
+            .local_storage
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .collect();
+        for (key, (value, dtor)) in entries {
+            if let Some(f) = dtor {
+                f(
+                    self.handle() as CUcontext,
+                    key as *mut c_void,
+                    value as *mut c_void,
+                );
+            }
+        }
     }
 
     /// Stops the executor after it drained its queue.
     pub fn shut_down(&self) {
-        {
-            let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        for l in &self.lanes {
+            let mut q = l.queue.lock().unwrap_or_else(|e| e.into_inner());
             q.shutdown = true;
-            self.work_cv.notify_all();
-            self.space_cv.notify_all();
+            l.work_cv.notify_all();
+            l.space_cv.notify_all();
         }
-        if let Some(h) = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            if h.thread().id() != std::thread::current().id() {
-                let _ = h.join();
+        for l in &self.lanes {
+            if let Some(h) = l.worker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                if h.thread().id() != std::thread::current().id() {
+                    let _ = h.join();
+                }
             }
         }
         // Break the context ↔ null stream cycle.
@@ -376,14 +530,15 @@ impl Context {
             .take();
     }
 
-    fn run_worker(self: Arc<Self>) {
+    fn run_worker(self: Arc<Self>, lane: usize) {
+        let l = &self.lanes[lane];
         loop {
             let (seq, op) = {
-                let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+                let mut q = l.queue.lock().unwrap_or_else(|e| e.into_inner());
                 loop {
                     if let Some(item) = q.ops.pop_front() {
                         if q.space_waiters > 0 {
-                            self.space_cv.notify_one();
+                            l.space_cv.notify_one();
                         }
                         break item;
                     }
@@ -391,7 +546,7 @@ impl Context {
                         return;
                     }
                     q.worker_idle = true;
-                    q = self.work_cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                    q = l.work_cv.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
             };
             // A panic in one operation must not kill the executor (waiters would hang).
@@ -402,10 +557,10 @@ impl Context {
                 self.sticky
                     .store(CUDA_ERROR_LAUNCH_FAILED, Ordering::Release);
             }
-            self.completed.store(seq, Ordering::SeqCst);
-            if self.waiters.load(Ordering::SeqCst) > 0 {
-                let _g = self.done_mx.lock().unwrap_or_else(|e| e.into_inner());
-                self.done_cv.notify_all();
+            l.completed.store(seq, Ordering::SeqCst);
+            if l.waiters.load(Ordering::SeqCst) > 0 {
+                let _g = l.done_mx.lock().unwrap_or_else(|e| e.into_inner());
+                l.done_cv.notify_all();
             }
         }
     }
@@ -427,7 +582,7 @@ impl Context {
                     st.time_ns = monotonic_ns();
                 }
             }
-            Op::WaitFor { ctx, seq } => ctx.wait_for(seq),
+            Op::WaitFor { ctx, lane, seq } => ctx.wait_for(lane, seq),
             _ if broken => {}
             Op::Kernel { kind, args } => {
                 if let Err(f) = self.run_kernel(kind, args) {
@@ -437,7 +592,7 @@ impl Context {
             }
             Op::HtoD { dst, src, n } => {
                 let start = monotonic_ns();
-                match d.mem.resolve(dst, n, true) {
+                match d.mem.resolve(dst, n, true, self.device) {
                     Ok(pieces) => {
                         let mut at = src;
                         for p in pieces {
@@ -459,7 +614,7 @@ impl Context {
             }
             Op::DtoH { dst, src, n } => {
                 let start = monotonic_ns();
-                match d.mem.resolve(src, n, false) {
+                match d.mem.resolve(src, n, false, self.device) {
                     Ok(pieces) => {
                         let mut at = dst;
                         for p in pieces {
@@ -476,7 +631,10 @@ impl Context {
             }
             Op::DtoD { dst, src, n } => {
                 let start = monotonic_ns();
-                match (d.mem.resolve(src, n, false), d.mem.resolve(dst, n, true)) {
+                match (
+                    d.mem.resolve(src, n, false, self.device),
+                    d.mem.resolve(dst, n, true, self.device),
+                ) {
                     (Ok(s), Ok(t)) => {
                         copy_pieces(&s, &t);
                         pace(start, 2.0 * n as f64 / d.hbm_bps);
@@ -500,7 +658,7 @@ impl Context {
             } => {
                 let start = monotonic_ns();
                 let n = count * u64::from(elem);
-                match memset_range(d, dst, value, elem, count) {
+                match memset_range(d, self.device, dst, value, elem, count) {
                     Ok(()) => pace(start, n as f64 / d.hbm_bps),
                     Err(_) => self.fail(CUDA_ERROR_ILLEGAL_ADDRESS),
                 }
@@ -514,8 +672,9 @@ impl Context {
                 height,
             } => {
                 let start = monotonic_ns();
-                let ok = (0..height)
-                    .all(|row| memset_range(d, dst + row * pitch, value, elem, width).is_ok());
+                let ok = (0..height).all(|row| {
+                    memset_range(d, self.device, dst + row * pitch, value, elem, width).is_ok()
+                });
                 if ok {
                     pace(start, (width * u64::from(elem) * height) as f64 / d.hbm_bps);
                 } else {
@@ -532,6 +691,7 @@ impl Context {
                 let ok = (0..height).all(|row| {
                     copy_row(
                         d,
+                        self.device,
                         src.device,
                         src.addr + row * src.pitch,
                         dst.device,
@@ -562,7 +722,9 @@ impl Context {
                 unsafe { f(stream as CUstream, CUDA_SUCCESS, data as *mut c_void) }
             }
             Op::Free { ptr } => {
-                let _ = d.mem.free_linear(ptr);
+                if d.mem.free_linear(ptr).is_ok() {
+                    crate::pool::note_free(ptr);
+                }
             }
             Op::Nop => {}
         }
@@ -578,14 +740,14 @@ impl Context {
             Builtin::Spin => args[0] as f64 / 1e9,
             Builtin::Fill => {
                 let (ptr, value, words) = (args[0], args[1] as u32, args[2]);
-                for p in d.mem.resolve(ptr, bytes_of(words)?, true)? {
+                for p in d.mem.resolve(ptr, bytes_of(words)?, true, self.device)? {
                     for_words(&p, |w| *w = value);
                 }
                 words as f64 * 4.0 / d.hbm_bps
             }
             Builtin::Add => {
                 let (ptr, delta, words) = (args[0], args[1] as u32, args[2]);
-                for p in d.mem.resolve(ptr, bytes_of(words)?, true)? {
+                for p in d.mem.resolve(ptr, bytes_of(words)?, true, self.device)? {
                     for_words(&p, |w| *w = w.wrapping_add(delta));
                 }
                 words as f64 * 8.0 / d.hbm_bps
@@ -593,10 +755,10 @@ impl Context {
             Builtin::Checksum => {
                 let (ptr, words, out) = (args[0], args[1], args[2]);
                 let mut sum = 0u64;
-                for p in d.mem.resolve(ptr, bytes_of(words)?, false)? {
+                for p in d.mem.resolve(ptr, bytes_of(words)?, false, self.device)? {
                     for_words(&p, |w| sum = sum.wrapping_add(u64::from(*w)));
                 }
-                let dst = d.mem.resolve(out, 8, true)?;
+                let dst = d.mem.resolve(out, 8, true, self.device)?;
                 copy_from_host(&dst, &sum.to_le_bytes());
                 words as f64 * 4.0 / d.hbm_bps
             }
@@ -706,7 +868,14 @@ fn copy_pieces(src: &[crate::memory::Piece], dst: &[crate::memory::Piece]) {
 }
 
 /// Fills `count` elements of `elem` bytes at device address `dst` with `value`.
-fn memset_range(d: &Driver, dst: u64, value: u32, elem: u8, count: u64) -> Result<(), Fault> {
+fn memset_range(
+    d: &Driver,
+    dev: u32,
+    dst: u64,
+    value: u32,
+    elem: u8,
+    count: u64,
+) -> Result<(), Fault> {
     let n = count * u64::from(elem);
     let pattern: [u8; 4] = match elem {
         1 => [value as u8; 4],
@@ -717,7 +886,7 @@ fn memset_range(d: &Driver, dst: u64, value: u32, elem: u8, count: u64) -> Resul
         _ => value.to_le_bytes(),
     };
     let mut phase = 0usize;
-    for p in d.mem.resolve(dst, n, true)? {
+    for p in d.mem.resolve(dst, n, true, dev)? {
         // SAFETY: resolved, writable device piece kept alive by p.phys.
         let bytes =
             unsafe { std::slice::from_raw_parts_mut(p.phys.host_ptr(p.offset), p.len as usize) };
@@ -730,6 +899,7 @@ fn memset_range(d: &Driver, dst: u64, value: u32, elem: u8, count: u64) -> Resul
 /// Copies `n` bytes between any combination of host and device addresses.
 fn copy_row(
     d: &Driver,
+    dev: u32,
     src_dev: bool,
     src: u64,
     dst_dev: bool,
@@ -738,13 +908,13 @@ fn copy_row(
 ) -> Result<(), Fault> {
     match (src_dev, dst_dev) {
         (true, true) => {
-            let s = d.mem.resolve(src, n, false)?;
-            let t = d.mem.resolve(dst, n, true)?;
+            let s = d.mem.resolve(src, n, false, dev)?;
+            let t = d.mem.resolve(dst, n, true, dev)?;
             copy_pieces(&s, &t);
         }
         (false, true) => {
             let mut at = src as usize;
-            for p in d.mem.resolve(dst, n, true)? {
+            for p in d.mem.resolve(dst, n, true, dev)? {
                 // SAFETY: host source readable per the caller's contract; device
                 // piece resolved and alive.
                 unsafe { dma::copy(p.phys.host_ptr(p.offset), at as *const u8, p.len as usize) };
@@ -753,7 +923,7 @@ fn copy_row(
         }
         (true, false) => {
             let mut at = dst as usize;
-            for p in d.mem.resolve(src, n, false)? {
+            for p in d.mem.resolve(src, n, false, dev)? {
                 // SAFETY: as above, in the other direction.
                 unsafe { dma::copy(at as *mut u8, p.phys.host_ptr(p.offset), p.len as usize) };
                 at += p.len as usize;

@@ -5,15 +5,20 @@
 //! Modules: `abi` (types and values of `cuda.h`), `ffi` (the panic guard and
 //! pointer helpers), `driver` (process state, context stacks), `memory` (device
 //! address space, VMM), `exec` (contexts' executors, streams, events, built-in
-//! kernels), `api` (the exports) and `procaddr` (`cuGetProcAddress`).
+//! kernels), `api` (the exports), `procaddr` (`cuGetProcAddress`) and `dark_api`
+//! (`cuGetExportTable`: the CUDA runtime's private tables), `capture` (stream
+//! capture and its rules), `pool` (stream-ordered memory pools).
 //!
 //! This crate is only ever built as a cdylib, so no test binary contains `cu*`
 //! symbols; shared logic lives in `kiwi-sim-core`.
 
 mod abi;
 mod api;
+mod capture;
+mod dark_api;
 mod driver;
 mod exec;
 mod ffi;
 mod memory;
+mod pool;
 mod procaddr;

@@ -222,7 +222,10 @@ pub enum Access {
 struct Mapping {
     size: u64,
     phys: Arc<Phys>,
-    access: Access,
+    /// Access of each device (by ordinal), as `cuMemSetAccess` granted it: a
+    /// mapping is reachable only from the devices it names (Driver API reference,
+    /// `cuMemSetAccess`, `cuMemMap`).
+    access: Vec<Access>,
 }
 
 enum RegionKind {
@@ -266,6 +269,7 @@ struct VaSpace {
 /// All device memory of this process.
 pub struct Memory {
     machine: &'static Machine,
+    gpus: u32,
     pub base: u64,
     pub len: u64,
     va: RwLock<VaSpace>,
@@ -302,6 +306,7 @@ impl Memory {
         free.insert(base, len);
         Ok(Memory {
             machine,
+            gpus: machine.settings().gpus,
             base,
             len,
             va: RwLock::new(VaSpace {
@@ -666,7 +671,7 @@ impl Memory {
             Mapping {
                 size,
                 phys,
-                access: Access::None,
+                access: vec![Access::None; self.gpus as usize],
             },
         );
         Ok(())
@@ -715,11 +720,20 @@ impl Memory {
         }
     }
 
-    /// `cuMemSetAccess` for one device.
-    pub fn set_access(&self, ptr: u64, size: u64, access: Access) -> Result<(), CUresult> {
+    /// `cuMemSetAccess`: `(device, access)` for each descriptor; devices not named
+    /// keep their access.
+    pub fn set_access(
+        &self,
+        ptr: u64,
+        size: u64,
+        grants: &[(u32, Access)],
+    ) -> Result<(), CUresult> {
         self.with_reservation(ptr, size, |mappings| {
             for k in Self::tiled(mappings, ptr, size)? {
-                mappings.get_mut(&k).expect("tiled keys exist").access = access;
+                let m = mappings.get_mut(&k).expect("tiled keys exist");
+                for &(dev, a) in grants {
+                    m.access[dev as usize] = a;
+                }
             }
             Ok(())
         })
@@ -738,8 +752,9 @@ impl Memory {
         Ok(())
     }
 
-    /// Resolves `[addr, addr+len)` for a device access (`write` for stores).
-    pub fn resolve(&self, addr: u64, len: u64, write: bool) -> Result<Vec<Piece>, Fault> {
+    /// Resolves `[addr, addr+len)` for an access by device `dev` (`write` for
+    /// stores).
+    pub fn resolve(&self, addr: u64, len: u64, write: bool, dev: u32) -> Result<Vec<Piece>, Fault> {
         let va = self.read();
         let (&start, r) = va
             .regions
@@ -768,7 +783,7 @@ impl Memory {
                     if ms + m.size <= at {
                         continue;
                     }
-                    let ok = match m.access {
+                    let ok = match m.access.get(dev as usize).copied().unwrap_or(Access::None) {
                         Access::ReadWrite => true,
                         Access::Read => !write,
                         Access::None => false,

@@ -266,8 +266,17 @@ int main(void) {
         unsigned long long gw = 1024;
         void *gargs[] = {&gbuf, &three, &gw};
         CHECK(cuLaunchKernel(add, 4, 1, 1, 256, 1, 1, 0, cs, gargs, NULL));
+        /* Synchronizing a capturing stream is refused and invalidates the capture. */
         EXPECT(cuStreamSynchronize(cs), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
-        CUgraph graph;
+        CHECK(cuStreamIsCapturing(cs, &cst));
+        ASSERT(cst == CU_STREAM_CAPTURE_STATUS_INVALIDATED);
+        EXPECT(cuLaunchKernel(add, 4, 1, 1, 256, 1, 1, 0, cs, gargs, NULL),
+               CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+        CUgraph graph = (CUgraph)1;
+        EXPECT(cuStreamEndCapture(cs, &graph), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+        ASSERT(graph == NULL);
+        CHECK(cuStreamBeginCapture(cs, CU_STREAM_CAPTURE_MODE_GLOBAL));
+        CHECK(cuLaunchKernel(add, 4, 1, 1, 256, 1, 1, 0, cs, gargs, NULL));
         CHECK(cuStreamEndCapture(cs, &graph));
         CHECK(cuStreamIsCapturing(cs, &cst));
         ASSERT(cst == CU_STREAM_CAPTURE_STATUS_NONE);
@@ -289,6 +298,24 @@ int main(void) {
         CHECK(cuMemFree(gbuf));
     }
 
+    /* Function attributes, the module loading mode, context limits. */
+    {
+        int fv = 0;
+        CHECK(cuFuncSetAttribute(add, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 64 << 10));
+        CHECK(cuFuncGetAttribute(&fv, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, add));
+        ASSERT(fv == 64 << 10);
+        EXPECT(cuFuncSetAttribute(add, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 1 << 20),
+               CUDA_ERROR_INVALID_VALUE);
+        CUmoduleLoadingMode lm;
+        CHECK(cuModuleGetLoadingMode(&lm));
+        ASSERT(lm == CU_MODULE_LAZY_LOADING);
+        size_t lim = 0;
+        CHECK(cuCtxSetLimit(CU_LIMIT_STACK_SIZE, 4096));
+        CHECK(cuCtxGetLimit(&lim, CU_LIMIT_STACK_SIZE));
+        ASSERT(lim == 4096);
+        EXPECT(cuCtxSetLimit(CU_LIMIT_MAX, 1), CUDA_ERROR_UNSUPPORTED_LIMIT);
+    }
+
     /* VMM with the real CUmemAllocationProp / CUmemAccessDesc layouts. */
     CUmemAllocationProp prop;
     memset(&prop, 0, sizeof prop);
@@ -303,10 +330,15 @@ int main(void) {
     CHECK(cuMemAddressReserve(&va, 2 * gran, 0, 0, 0));
     CHECK(cuMemCreate(&mh, 2 * gran, &prop, 0));
     CHECK(cuMemMap(va, 2 * gran, 0, mh, 0));
-    CUmemAccessDesc acc;
-    acc.location = prop.location;
-    acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    CHECK(cuMemSetAccess(va, 2 * gran, &acc, 1));
+    /* The memory is on device 1; the memset below runs from the current context
+     * (device 0), so both devices are granted access. */
+    CUmemAccessDesc acc[2];
+    acc[0].location = prop.location;
+    acc[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    acc[1].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    acc[1].location.id = 0;
+    acc[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CHECK(cuMemSetAccess(va, 2 * gran, acc, 2));
     CHECK(cuMemsetD8(va, 1, 2 * gran));
     CHECK(cuMemRelease(mh));
     CHECK(cuMemUnmap(va, 2 * gran));
