@@ -473,3 +473,97 @@ fn the_installer_restarts_containerd_only_when_asked_and_needed() {
         "restarted again although nothing changed"
     );
 }
+
+#[test]
+fn monitoring_objects_are_off_by_default_and_installed_when_asked() {
+    let Some(docs) = render(&[]) else {
+        return;
+    };
+    assert!(
+        docs.iter()
+            .all(|d| d["kind"] != "PrometheusRule" && d["kind"] != "PodMonitor"),
+        "monitoring objects need the Prometheus Operator's CRDs: opt-in"
+    );
+    assert!(docs
+        .iter()
+        .all(|d| d["metadata"]["name"] != "kiwi-grafana-dashboard"));
+
+    let Some(docs) = render(&[
+        "--set",
+        "dashboard.enabled=true,dashboard.namespace=monitoring,prometheusRule.enabled=true",
+        "--set",
+        "prometheusRule.labels.release=kps,podMonitor.enabled=true",
+    ]) else {
+        return;
+    };
+    let files = repo().join("deploy/helm/kiwi/files");
+
+    // The dashboard: a ConfigMap the Grafana sidecar picks up, holding the file.
+    let cm = find(&docs, "ConfigMap", "kiwi-grafana-dashboard");
+    assert_eq!(cm["metadata"]["namespace"], "monitoring");
+    assert_eq!(cm["metadata"]["labels"]["grafana_dashboard"], "1");
+    let json = cm["data"]["kiwi-dashboard.json"]
+        .as_str()
+        .expect("the dashboard in the ConfigMap");
+    let installed: Value = serde_json::from_str(json).expect("the installed dashboard is JSON");
+    let file: Value =
+        serde_json::from_str(&std::fs::read_to_string(files.join("kiwi-dashboard.json")).unwrap())
+            .unwrap();
+    assert_eq!(installed, file);
+
+    // The alerts: a PrometheusRule carrying every rule of the rule file.
+    let rule = find(&docs, "PrometheusRule", "kiwi");
+    assert_eq!(rule["apiVersion"], "monitoring.coreos.com/v1");
+    assert_eq!(rule["metadata"]["namespace"], "kiwi-system");
+    assert_eq!(rule["metadata"]["labels"]["release"], "kps");
+    let alerts: Vec<&str> = rule["spec"]["groups"][0]["rules"]
+        .as_array()
+        .expect("rules")
+        .iter()
+        .filter_map(|r| r["alert"].as_str())
+        .collect();
+    let text = std::fs::read_to_string(files.join("kiwi-alerts.yaml")).unwrap();
+    assert_eq!(alerts.len(), text.matches("- alert:").count(), "{alerts:?}");
+    for a in [
+        "KiwiTenantWaitingTooLong",
+        "KiwiSwapBudgetNearlyUsed",
+        "KiwiGpuUnhealthy",
+    ] {
+        assert!(alerts.contains(&a), "{a} missing from {alerts:?}");
+    }
+    for r in rule["spec"]["groups"][0]["rules"].as_array().unwrap() {
+        assert!(
+            r["expr"].as_str().is_some_and(|e| e.contains("kiwi_")),
+            "{r}"
+        );
+    }
+
+    // Scraping: both daemons' metrics ports.
+    let pm = find(&docs, "PodMonitor", "kiwi");
+    assert_eq!(pm["spec"]["podMetricsEndpoints"][0]["port"], "metrics");
+    let wanted = &pm["spec"]["selector"]["matchExpressions"][0]["values"];
+    for ds in ["kiwi-scheduler", "kiwi-device-plugin"] {
+        let pod_labels = &find(&docs, "DaemonSet", ds)["spec"]["template"]["metadata"]["labels"];
+        assert_eq!(pod_labels["name"], ds);
+        assert!(
+            wanted.as_array().unwrap().iter().any(|v| v == ds),
+            "{wanted}"
+        );
+        let ports =
+            &find(&docs, "DaemonSet", ds)["spec"]["template"]["spec"]["containers"][0]["ports"];
+        assert!(
+            ports
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| p["name"] == "metrics"),
+            "{ds}: {ports}"
+        );
+    }
+
+    // No PodMonitor without metrics endpoints.
+    let Some(docs) = render(&["--set", "podMonitor.enabled=true,metrics.enabled=false"]) else {
+        return;
+    };
+    assert!(docs.iter().all(|d| d["kind"] != "PodMonitor"));
+}

@@ -88,8 +88,25 @@ def lint_errors(values):
     return found
 
 
+# Custom resources of the Prometheus Operator, rendered only when asked for
+# (prometheusRule.enabled, podMonitor.enabled). kubernetes-validate ships the
+# built-in API's schemas only and raises SchemaNotFoundError for these, so their
+# schema validation is skipped (and only theirs): their apiVersion is checked here,
+# and the rules themselves by promtool (tests/tests/dashboard.rs).
+CRD_KINDS = {
+    "PrometheusRule": "monitoring.coreos.com/v1",
+    "PodMonitor": "monitoring.coreos.com/v1",
+}
+
+
 def validate(obj, where):
     errors = []
+    if obj.get("kind") in CRD_KINDS:
+        if obj.get("apiVersion") != CRD_KINDS[obj["kind"]]:
+            errors.append(f"{where}: {obj['kind']} must be {CRD_KINDS[obj['kind']]}, not {obj.get('apiVersion')}")
+        if not obj.get("metadata", {}).get("name") or not isinstance(obj.get("spec"), dict):
+            errors.append(f"{where}: {obj['kind']} without metadata.name or spec")
+        return errors
     for version in KUBE_VERSIONS:
         try:
             kubernetes_validate.validate(obj, version, strict=True)
@@ -115,6 +132,12 @@ VARIANTS = [
         "imagePullSecrets": [{"name": "regcred"}],
     },
     {"installer": {"enabled": False}, "devicePlugin": {"enabled": False}, "runtimeClass": {"create": False}},
+    # The monitoring objects (docs/install.md, "Dashboard and alerts").
+    {
+        "dashboard": {"enabled": True, "namespace": "monitoring", "annotations": {"grafana_folder": "Kiwi"}},
+        "prometheusRule": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+        "podMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+    },
 ]
 
 

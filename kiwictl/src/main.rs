@@ -6,6 +6,7 @@ mod demo;
 mod run;
 mod status;
 mod timeline;
+mod top;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -55,6 +56,14 @@ enum Command {
         /// Only this GPU (UUID or index).
         #[arg(long)]
         gpu: Option<String>,
+    },
+    /// A live view of every GPU and client, refreshed every second (q quits).
+    Top {
+        /// Only this GPU (UUID or index).
+        #[arg(long)]
+        gpu: Option<String>,
+        #[command(flatten)]
+        args: top::TopArgs,
     },
     /// Print the arbiter's event log (one JSON object per line).
     Events {
@@ -181,6 +190,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Some(Command::Top { gpu, args }) => top::run(&socket_dir, gpu.or(cli.gpu), &args),
         Some(Command::Events { since_seq, gpu }) => {
             let mut ctl = Control::connect(&socket_dir)?;
             let (events, _) = ctl.events(gpu.or(cli.gpu), since_seq)?;

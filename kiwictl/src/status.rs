@@ -1,10 +1,11 @@
-//! `kiwictl status`: the human table.
+//! `kiwictl status`: the human table, and the formatting helpers `kiwictl top`
+//! shares with it.
 
 use std::fmt::Write;
 
-use kiwi_protocol::{ClientState, StatusReport};
+use kiwi_protocol::{ClientState, ClientStatus, StatusReport};
 
-fn mib(b: u64) -> String {
+pub(crate) fn mib(b: u64) -> String {
     if b >= 10 << 30 {
         format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
     } else {
@@ -12,12 +13,31 @@ fn mib(b: u64) -> String {
     }
 }
 
-fn secs(ns: u64) -> String {
+pub(crate) fn secs(ns: u64) -> String {
     format!("{:.1}s", ns as f64 / 1e9)
 }
 
+/// Where a client runs: `namespace/pod`, the pod, a short container id, or `-`.
+pub(crate) fn client_where(c: &ClientStatus) -> String {
+    match (&c.pod_namespace, &c.pod_name, &c.container_id) {
+        (Some(ns), Some(p), _) => format!("{ns}/{p}"),
+        (None, Some(p), _) => p.clone(),
+        (_, None, Some(cid)) => cid.chars().take(12).collect(),
+        _ => "-".to_string(),
+    }
+}
+
+pub(crate) fn state_name(s: ClientState) -> &'static str {
+    match s {
+        ClientState::Running => "running",
+        ClientState::Holding => "holding",
+        ClientState::Waiting => "waiting",
+        ClientState::Idle => "idle",
+    }
+}
+
 /// The node-wide swap line: budget, need, in use.
-fn swap_line(r: &StatusReport) -> String {
+pub(crate) fn swap_line(r: &StatusReport) -> String {
     let budget = match r.swap_budget_bytes {
         None => "unlimited".to_string(),
         Some(b) => mib(b),
@@ -34,7 +54,7 @@ fn swap_line(r: &StatusReport) -> String {
 }
 
 /// The line saying what the arbiter left out to fit its reply in one frame.
-fn omitted_line(r: &StatusReport) -> Option<String> {
+pub(crate) fn omitted_line(r: &StatusReport) -> Option<String> {
     if r.omitted_clients == 0 && r.omitted_gpus == 0 {
         return None;
     }
@@ -116,18 +136,8 @@ fn render_gpus(r: &StatusReport) -> String {
             "HELD"
         );
         for c in &g.clients {
-            let where_ = match (&c.pod_namespace, &c.pod_name, &c.container_id) {
-                (Some(ns), Some(p), _) => format!("{ns}/{p}"),
-                (None, Some(p), _) => p.clone(),
-                (_, None, Some(cid)) => cid.chars().take(12).collect(),
-                _ => "-".to_string(),
-            };
-            let state = match c.state {
-                ClientState::Running => "running",
-                ClientState::Holding => "holding",
-                ClientState::Waiting => "waiting",
-                ClientState::Idle => "idle",
-            };
+            let where_ = client_where(c);
+            let state = state_name(c.state);
             let _ = writeln!(
                 s,
                 "  {:>4} {:>7} {:>8} {:<16} {:<28} {:<8} {:>10} {:>10} {:>8} {:>8}",
