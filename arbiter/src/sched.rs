@@ -52,6 +52,8 @@ pub struct ClientInfo {
     pub container_id: Option<String>,
     pub pod_name: Option<String>,
     pub pod_namespace: Option<String>,
+    /// It asked to be told why it waits ([`ArbiterMsg::Waiting`]).
+    pub wait_info: bool,
 }
 
 impl ClientInfo {
@@ -63,9 +65,22 @@ impl ClientInfo {
             container_id: r.container_id.clone(),
             pod_name: r.pod_name.clone(),
             pod_namespace: r.pod_namespace.clone(),
+            wait_info: r.wait_info,
         }
     }
+
+    /// How a waiter is told who holds the GPU: the pod name, else the program name.
+    fn display_name(&self, id: ClientId) -> String {
+        self.pod_name
+            .clone()
+            .or_else(|| self.name.clone())
+            .unwrap_or_else(|| format!("client {id}"))
+    }
 }
+
+/// What a waiter hears in [`ArbiterMsg::Waiting`]: the holder shown, how many others
+/// hold, its place in the queue, when the holder's quantum ends (absolute).
+type WaitView = (Option<ClientId>, u32, u32, Option<Nanos>);
 
 #[derive(Debug, Clone)]
 struct Client {
@@ -77,6 +92,8 @@ struct Client {
     last_active: Nanos,
     waited_ns: u64,
     held_ns: u64,
+    /// What it was last told while waiting (`wait_info` clients only).
+    told: Option<WaitView>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -112,8 +129,21 @@ pub struct GpuScheduler {
     /// The node's swap budget, told to clients at registration (enforced node-wide by
     /// the server, see [`crate::swap`]).
     swap_budget: Option<u64>,
+    /// The queue and holders as waiters were last told about them (queue length,
+    /// first, last, shown holder, holders, quantum end): unchanged, nobody's
+    /// [`ArbiterMsg::Waiting`] can have changed, and the pass over the queue is skipped.
+    waiters_seen: Option<WaitersSeen>,
     out: Vec<Output>,
 }
+
+type WaitersSeen = (
+    usize,
+    Option<ClientId>,
+    Option<ClientId>,
+    Option<ClientId>,
+    usize,
+    Option<Nanos>,
+);
 
 /// Longest wait for a resumed holder to re-register after an arbiter restart.
 const RESUME_WINDOW_NS: u64 = 2_000_000_000;
@@ -145,6 +175,7 @@ impl GpuScheduler {
             resume_until: RESUME_CLAIM_WINDOW_NS,
             granted_own: false,
             swap_budget: None,
+            waiters_seen: None,
             out: Vec::new(),
         }
     }
@@ -283,6 +314,7 @@ impl GpuScheduler {
 
     fn finish(&mut self, now: Nanos) -> Vec<Output> {
         self.schedule(now);
+        self.notify_waiters(now);
         std::mem::take(&mut self.out)
     }
 
@@ -319,6 +351,7 @@ impl GpuScheduler {
                 last_active: now,
                 waited_ns: 0,
                 held_ns: 0,
+                told: None,
             },
         );
         self.send(
@@ -578,6 +611,7 @@ impl GpuScheduler {
         self.queue.retain(|&q| q != id);
         if was_queued {
             if let Some(c) = self.clients.get_mut(&id) {
+                c.told = None;
                 if let Some(r) = c.requested_at.take() {
                     c.waited_ns += now.saturating_sub(r);
                 }
@@ -593,6 +627,7 @@ impl GpuScheduler {
         };
         let waited = c.requested_at.take().map_or(0, |r| now.saturating_sub(r));
         c.waited_ns += waited;
+        c.told = None;
         c.last_active = now;
         self.granted_own = true;
         self.holders.insert(
@@ -830,6 +865,71 @@ impl GpuScheduler {
                 ArbiterMsg::Contended {
                     waiting,
                     need_bytes: need,
+                },
+            );
+        }
+    }
+
+    /// Tells each waiter that asked for it (`wait_info`) who holds the GPU, its place
+    /// in the queue and when the holder's quantum ends, when that changed since it
+    /// was last told: one message per waiter per change, never a repeat. Cost: O(1)
+    /// when neither the queue nor the holder changed (the common step); otherwise one
+    /// pass over the queue, and one message to each waiter whose view moved: a
+    /// hand-off moves everyone up one place, so n waiters get one message each
+    /// (~100 bytes; 1,000 waiters: ~100 KB per hand-off, at most one hand-off per
+    /// quantum or early release).
+    fn notify_waiters(&mut self, now: Nanos) {
+        let shown = self
+            .holders
+            .iter()
+            .min_by_key(|(id, h)| (!h.exclusive, h.since, **id))
+            .map(|(id, h)| (*id, *h));
+        let arbitrating = self.settings.scheduler_on && !self.fits();
+        // The quantum ends at since + TQ (a lone holder has no deadline, but with
+        // someone waiting it has one). A drop sent sooner (no longer fits) ends it then.
+        let deadline = shown.and_then(|(_, h)| {
+            let tq_end = h.since.saturating_add(self.tq_ns());
+            match h.drop_sent {
+                Some(sent) => Some(sent.min(tq_end)),
+                None if arbitrating => Some(tq_end),
+                None => None,
+            }
+        });
+        let holder = shown.map(|(id, _)| id);
+        let seen = (
+            self.queue.len(),
+            self.queue.front().copied(),
+            self.queue.back().copied(),
+            holder,
+            self.holders.len(),
+            deadline,
+        );
+        if self.waiters_seen == Some(seen) {
+            return;
+        }
+        self.waiters_seen = Some(seen);
+        let others = self.holders.len().saturating_sub(1) as u32;
+        let name = holder.and_then(|h| self.clients.get(&h).map(|c| c.info.display_name(h)));
+        let mut tell = Vec::new();
+        for (place, id) in self.queue.iter().enumerate() {
+            let Some(c) = self.clients.get_mut(id) else {
+                continue;
+            };
+            let view = (holder, others, place as u32, deadline);
+            if !c.info.wait_info || c.told == Some(view) {
+                continue;
+            }
+            c.told = Some(view);
+            tell.push((*id, place as u32));
+        }
+        for (id, ahead) in tell {
+            self.send(
+                id,
+                ArbiterMsg::Waiting {
+                    holder: name.clone(),
+                    other_holders: others,
+                    ahead,
+                    quantum_left_ms: deadline.map(|d| d.saturating_sub(now) / 1_000_000),
                 },
             );
         }

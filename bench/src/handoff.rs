@@ -34,6 +34,7 @@ fn register(socket: &Path, ws: u64) -> Result<Connection<ClientMsg, ArbiterMsg>>
         pod_namespace: None,
         name: Some("kiwi-bench".into()),
         resume: None,
+        wait_info: false,
     };
     match c.call(&ClientMsg::Register(reg))? {
         ArbiterMsg::Registered { .. } => Ok(c),

@@ -244,6 +244,7 @@ mod tests {
             pod_namespace: None,
             name: Some("n".repeat(200_000)),
             resume: None,
+            wait_info: false,
         }))
         .unwrap();
         let mut d = FrameDecoder::new();

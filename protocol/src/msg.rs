@@ -83,6 +83,16 @@ pub struct Register {
     /// Set when re-registering after the arbiter restarted: what this client held.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resume: Option<Resume>,
+    /// The client wants [`ArbiterMsg::Waiting`] (who holds the GPU, its place in the
+    /// queue) while it waits. Opt-in, so that arbiters never send it to shims that
+    /// predate it (they refuse unknown message types). Left out when false, so a
+    /// registration without it is byte for byte what older shims send.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub wait_info: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 impl Register {
@@ -254,6 +264,29 @@ pub enum ArbiterMsg {
         code: ErrorCode,
         message: String,
     },
+    /// To a waiting client that registered with `wait_info`: why it waits. Sent when
+    /// it starts waiting and again only when what it says changes (another holder,
+    /// another place in the queue, another quantum end), never twice for the same.
+    Waiting {
+        /// Who holds the GPU, as it registered: its pod name, else its program name,
+        /// else `client <id>`. `None`: nobody holds it this instant (being handed
+        /// over).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        holder: Option<String>,
+        /// Clients holding the GPU besides `holder` (being dropped so it fits).
+        #[serde(default, skip_serializing_if = "is_zero_u32")]
+        other_holders: u32,
+        /// Clients in the queue before this one (0: next).
+        ahead: u32,
+        /// Milliseconds from now until the holder's quantum ends and it is asked to
+        /// give the GPU back; 0: it has been asked already. `None`: no deadline.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        quantum_left_ms: Option<u64>,
+    },
+}
+
+fn is_zero_u32(n: &u32) -> bool {
+    *n == 0
 }
 
 /// Per-GPU scheduler settings.
@@ -621,6 +654,57 @@ mod tests {
     }
 
     #[test]
+    fn wait_info_is_opt_in_and_waiting_round_trips() {
+        // A registration without the opt-in is what older shims send, and decodes.
+        let old =
+            r#"{"type":"register","version":1,"pid":7,"gpu_uuid":"GPU-1","gpu_total_memory":1024}"#;
+        let ClientMsg::Register(mut r) = serde_json::from_str::<ClientMsg>(old).unwrap() else {
+            panic!("not a register");
+        };
+        assert!(!r.wait_info);
+        assert!(!serde_json::to_string(&ClientMsg::Register(r.clone()))
+            .unwrap()
+            .contains("wait_info"));
+        r.wait_info = true;
+        let j = serde_json::to_string(&ClientMsg::Register(r.clone())).unwrap();
+        assert!(j.ends_with(r#","wait_info":true}"#), "{j}");
+        assert_eq!(
+            round_trip(&ClientMsg::Register(r.clone())),
+            ClientMsg::Register(r)
+        );
+
+        let w = ArbiterMsg::Waiting {
+            holder: Some("nb-a".into()),
+            other_holders: 0,
+            ahead: 1,
+            quantum_left_ms: Some(12_000),
+        };
+        assert_eq!(
+            serde_json::to_string(&w).unwrap(),
+            r#"{"type":"waiting","holder":"nb-a","ahead":1,"quantum_left_ms":12000}"#
+        );
+        assert_eq!(round_trip(&w), w);
+        let bare: ArbiterMsg = serde_json::from_str(r#"{"type":"waiting","ahead":0}"#).unwrap();
+        assert_eq!(
+            bare,
+            ArbiterMsg::Waiting {
+                holder: None,
+                other_holders: 0,
+                ahead: 0,
+                quantum_left_ms: None
+            }
+        );
+        // Why it must be opt-in: a shim that predates the type cannot decode it.
+        #[derive(Deserialize)]
+        #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+        #[allow(dead_code)]
+        enum OldArbiterMsg {
+            Pong { token: u64 },
+        }
+        assert!(serde_json::from_str::<OldArbiterMsg>(r#"{"type":"waiting","ahead":0}"#).is_err());
+    }
+
+    #[test]
     fn status_report_swap_fields_default() {
         let old: StatusReport = serde_json::from_str(
             r#"{"default_settings":{"scheduler_on":true,"tq_ms":30000},"gpus":[],"now_ns":5}"#,
@@ -656,6 +740,7 @@ mod tests {
             pod_namespace: None,
             name: Some("jupyter-ü".into()),
             resume: None,
+            wait_info: false,
         };
         assert_eq!(r.validate(), Ok(()));
         r.name = Some("x".repeat(1 << 20));

@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 
 use kiwi_protocol::blocking::Connection;
 use kiwi_protocol::{
-    ArbiterMsg, ClientMsg, ProtocolError, Register, Resume, SwapDirection, Usage, PROTOCOL_VERSION,
+    ArbiterMsg, ClientMsg, ErrorCode, ProtocolError, Register, Resume, SwapDirection, Usage,
+    PROTOCOL_VERSION,
 };
 
 use crate::cuda::{
@@ -49,6 +50,8 @@ const ADMIT_WAIT: Duration = Duration::from_secs(10);
 /// Pinned buffers a contended holder prepares per tick for its coming swap-out: small
 /// enough that a drop arriving meanwhile waits little (the same thread answers it).
 const PREPARE_PER_TICK: u64 = 64 << 20;
+/// A submission that waited this long says why, once ([`Client::acquire`]).
+pub const EXPLAIN_AFTER: Duration = Duration::from_secs(1);
 
 /// What a turn needs from its GPU's allocator: residency, eviction, draining.
 pub trait Residency: Send + Sync {
@@ -117,6 +120,13 @@ pub struct Turn {
     /// The arbiter's answer to the admission in flight, put there by the turn's thread.
     admitted: Mutex<Option<bool>>,
     admitted_cv: Condvar,
+    /// What `kiwi_status_json` and the wait lines show ([`crate::status`]). A leaf
+    /// lock, held only to copy a few fields: reading it never waits behind a swap.
+    view: Mutex<crate::status::View>,
+    /// The last figures reported or computed (every tick), readable without the
+    /// allocator's lock.
+    seen_working_set: AtomicU64,
+    seen_resident: AtomicU64,
 }
 
 /// A growth the arbiter admitted (or that needs no admission); hold it until the
@@ -200,7 +210,21 @@ impl Turn {
     }
 
     fn usage(&self) -> Usage {
-        usage_of(self.res.figures())
+        let u = usage_of(self.res.figures());
+        self.seen_working_set
+            .store(u.working_set_bytes, Ordering::Relaxed);
+        self.seen_resident
+            .store(u.resident_bytes, Ordering::Relaxed);
+        u
+    }
+
+    /// What this turn shows: its view, and its last known (working set, resident).
+    pub fn view(&self) -> (crate::status::View, u64, u64) {
+        (
+            lock(&self.view).clone(),
+            self.seen_working_set.load(Ordering::Relaxed),
+            self.seen_resident.load(Ordering::Relaxed),
+        )
     }
 
     /// Reports a finished swap to the arbiter (and the counters).
@@ -268,6 +292,8 @@ impl Turn {
             }
         }
         self.report_swap(SwapDirection::In, total);
+        lock(&self.view).last_swap_in = Some((total.bytes, total.duration));
+        self.usage();
         Ok(())
     }
 }
@@ -286,6 +312,8 @@ struct State {
     slots: Vec<Slot>,
     /// Slots in acquisition order: by GPU UUID, the same order in every process.
     order: Vec<usize>,
+    /// The wait being explained: the slot named in its line, and when it began.
+    explained: Option<(usize, Instant)>,
 }
 
 impl State {
@@ -314,6 +342,8 @@ pub struct Client {
 pub enum StartError {
     Protocol(ProtocolError),
     Refused(String),
+    /// The arbiter refused `wait_info` as malformed: it predates it.
+    Predates(String),
 }
 
 impl std::fmt::Display for StartError {
@@ -321,6 +351,7 @@ impl std::fmt::Display for StartError {
         match self {
             StartError::Protocol(e) => write!(f, "{e}"),
             StartError::Refused(m) => write!(f, "refused: {m}"),
+            StartError::Predates(m) => write!(f, "refused as malformed: {m}"),
         }
     }
 }
@@ -361,13 +392,32 @@ struct Registration {
     swap_budget: Option<u64>,
 }
 
-/// Connects and registers one GPU.
+/// Connects and registers one GPU, asking to be told why it waits (`wait_info`). An
+/// arbiter that predates `wait_info` refuses the field as malformed: the shim then
+/// registers again without it (and explains its waits with less).
 fn register(
     env: &ShimEnv,
     info: &DeviceInfo,
     slot: usize,
     figures: Figures,
     resume: Option<Resume>,
+) -> Result<Registration, StartError> {
+    match register_once(env, info, slot, figures, resume, true) {
+        Err(StartError::Predates(m)) => {
+            crate::kdebug!("the arbiter does not know `wait_info` ({m}); registering without it");
+            register_once(env, info, slot, figures, resume, false)
+        }
+        r => r,
+    }
+}
+
+fn register_once(
+    env: &ShimEnv,
+    info: &DeviceInfo,
+    slot: usize,
+    figures: Figures,
+    resume: Option<Resume>,
+    wait_info: bool,
 ) -> Result<Registration, StartError> {
     let stream = UnixStream::connect(env.client_socket())?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
@@ -391,6 +441,7 @@ fn register(
         pod_namespace: std::env::var("KIWI_POD_NAMESPACE").ok(),
         name,
         resume,
+        wait_info,
     }))?;
     let (capacity, swap_budget) = match conn.recv()? {
         ArbiterMsg::Registered {
@@ -408,6 +459,10 @@ fn register(
             );
             (capacity_bytes, swap_budget_bytes)
         }
+        ArbiterMsg::Error {
+            code: ErrorCode::Malformed,
+            message,
+        } if wait_info => return Err(StartError::Predates(message)),
         ArbiterMsg::Error { code, message } => {
             return Err(StartError::Refused(format!("{code:?}: {message}")))
         }
@@ -480,10 +535,16 @@ impl Client {
                 idle_since: Instant::now(),
                 slots: Vec::new(),
                 order: Vec::new(),
+                explained: None,
             }),
             cv: Condvar::new(),
             by_device: [const { OnceLock::new() }; MAX_TURNS],
         }))
+    }
+
+    /// Every turn of the process, by device ordinal (no lock taken).
+    pub fn turns(&self) -> impl Iterator<Item = &Arc<Turn>> {
+        self.by_device.iter().filter_map(|t| t.get())
     }
 
     /// The turn of device `ordinal`, if the process has one.
@@ -555,7 +616,11 @@ impl Client {
             admitting: Mutex::new(()),
             admitted: Mutex::new(None),
             admitted_cv: Condvar::new(),
+            view: Mutex::new(crate::status::View::default()),
+            seen_working_set: AtomicU64::new(0),
+            seen_resident: AtomicU64::new(0),
         });
+        turn.usage();
         // The gate is open only while every turn is held: this one is not yet.
         self.gate.close_and_wait();
         st.slots.push(Slot {
@@ -586,10 +651,14 @@ impl Client {
         Added::Managed
     }
 
-    /// Blocks until this process may submit work (the gate is open) or fails.
+    /// Blocks until this process may submit work (the gate is open) or fails. A wait
+    /// past [`EXPLAIN_AFTER`] logs one line saying why (once per wait of the process,
+    /// however many threads wait), and the grant that ends it one more. This is the
+    /// slow path: the gate's fast path never comes here.
     pub fn acquire(&self) -> Result<(), CUresult> {
         let mut st = lock(&self.state);
         st.want += 1;
+        let started = Instant::now();
         let result = loop {
             if self.gate.is_open() {
                 break Ok(());
@@ -601,16 +670,42 @@ impl Client {
                 }
                 Step::Fail(e) => break Err(e),
                 Step::Wait => {
+                    let waited = started.elapsed();
+                    if waited >= EXPLAIN_AFTER && st.explained.is_none() {
+                        st.explained = self.explain_wait(&st, started);
+                    }
+                    let next = EXPLAIN_AFTER
+                        .checked_sub(waited)
+                        .filter(|d| !d.is_zero())
+                        .unwrap_or(Duration::from_secs(1));
                     st = self
                         .cv
-                        .wait_timeout(st, Duration::from_secs(1))
+                        .wait_timeout(st, next)
                         .unwrap_or_else(|p| p.into_inner())
                         .0;
                 }
             }
         };
+        if let Some((k, since)) = st.explained.take() {
+            if result.is_ok() {
+                crate::status::explain_grant(&st.slots[k].turn, since.elapsed());
+            }
+        }
         st.want -= 1;
         result
+    }
+
+    /// Logs why the process waits: the first turn in order it does not hold, with
+    /// what the arbiter last said about it. `None` when every turn is held (the wait is
+    /// a swap-in, not the arbiter's).
+    fn explain_wait(&self, st: &State, since: Instant) -> Option<(usize, Instant)> {
+        let k = st
+            .order
+            .iter()
+            .copied()
+            .find(|&k| st.slots[k].ts.phase != Phase::Holding)?;
+        crate::status::explain_wait(&st.slots[k].turn);
+        Some((k, since))
     }
 
     /// One pass over the turns in acquisition order: held turns are made resident; at
@@ -652,6 +747,7 @@ impl Client {
 
     fn request(&self, st: &mut State, k: usize) {
         let turn = st.slots[k].turn.clone();
+        lock(&turn.view).start_waiting(Instant::now());
         let ts = &mut st.slots[k].ts;
         ts.phase = Phase::Requested;
         let u = turn.usage();
@@ -685,6 +781,7 @@ impl Client {
         }
         let u = turn.usage();
         turn.send(&ClientMsg::Release(u));
+        lock(&turn.view).stop(Instant::now());
         let ts = &mut st.slots[k].ts;
         ts.phase = Phase::Idle;
         ts.last_usage = Some(u);
@@ -693,6 +790,7 @@ impl Client {
     fn on_grant(&self, k: usize, exclusive: bool, waiting: u32) {
         let mut st = lock(&self.state);
         stats::GRANTS.fetch_add(1, Ordering::Relaxed);
+        lock(&st.slots[k].turn.view).granted(Instant::now(), exclusive);
         {
             let ts = &mut st.slots[k].ts;
             ts.phase = Phase::Holding;
@@ -768,6 +866,7 @@ impl Client {
         let turn = st.slots[k].turn.clone();
         let _ = turn.res.drain();
         turn.res.set_backing_allowed(false);
+        lock(&turn.view).stop(Instant::now());
         st.slots[k].ts.phase = Phase::Idle;
         drop(st);
         self.cv.notify_all();
@@ -804,6 +903,20 @@ impl Client {
                 crate::kwarn!("arbiter error {code:?}: {message}")
             }
             ArbiterMsg::Admitted { ok, .. } => turn.on_admitted(ok),
+            ArbiterMsg::Waiting {
+                holder,
+                other_holders,
+                ahead,
+                quantum_left_ms,
+            } => {
+                let now = Instant::now();
+                lock(&turn.view).why = Some(crate::status::Why {
+                    holder,
+                    other_holders,
+                    ahead,
+                    quantum_end: quantum_left_ms.map(|ms| now + Duration::from_millis(ms)),
+                });
+            }
             ArbiterMsg::Registered { .. } | ArbiterMsg::Pong { .. } => {}
         }
     }

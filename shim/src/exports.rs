@@ -288,6 +288,11 @@ exports! {
     submit cuStreamBatchMemOp_v2_ptsz(stream: CUstream, count: Uint, params: Opaque, flags: Uint);
 }
 
+/// Kiwi's own C functions, for the Python package (`python/kiwi`) and other
+/// callers that find them with `dlsym(RTLD_DEFAULT, …)`; documented in
+/// `docs/shim.md`. Defined in [`crate::status`].
+pub use crate::status::{kiwi_explain, kiwi_status_json};
+
 /// The export named `name`, if any.
 pub fn lookup(name: &[u8]) -> Option<usize> {
     if !name.starts_with(b"cu") {

@@ -18,7 +18,7 @@
 //! | `KIWI_REQUIRE_ARBITER` | `1`: fail `cuInit` instead of running unmanaged |
 //! | `KIWI_IDLE_MS` | idle time after which a contended holder releases early (default 100) |
 //! | `KIWI_REAL_LIBCUDA` | path of the real driver (default `libcuda.so.1`) |
-//! | `KIWI_LOG` | `error`, `warn` (default), `info`, `debug` |
+//! | `KIWI_LOG` | `error`, `warn` (default), `info`, `debug`; the two lines explaining a wait show unless it is `warn` or `error` |
 //! | `KIWI_STATS` | file the shim writes its counters to at exit |
 //! | `KIWI_POD_NAME`, `KIWI_POD_NAMESPACE`, `KIWI_CONTAINER_ID` | shown by `kiwictl status` |
 
@@ -35,3 +35,4 @@ pub mod mem;
 pub mod procaddr;
 pub mod real;
 pub mod stats;
+pub mod status;

@@ -64,6 +64,43 @@ pub fn write(level: Level, args: std::fmt::Arguments<'_>) {
     let _ = std::io::stderr().write_all(line.as_bytes());
 }
 
+/// 0 = not read yet, 1 = shown, 2 = silenced.
+static EXPLAIN: AtomicU8 = AtomicU8::new(0);
+
+/// Whether the two lines that explain a wait are shown: they are `info` lines, but a
+/// person waiting should see them without asking, so they show unless `KIWI_LOG`
+/// asks for less than `info` (`warn`, `error`).
+pub fn explain_enabled() -> bool {
+    let mut cur = EXPLAIN.load(Ordering::Relaxed);
+    if cur == 0 {
+        let quiet = std::env::var("KIWI_LOG")
+            .ok()
+            .and_then(|v| parse_level(&v))
+            .is_some_and(|l| l < Level::Info);
+        cur = if quiet { 2 } else { 1 };
+        EXPLAIN.store(cur, Ordering::Relaxed);
+    }
+    cur == 1
+}
+
+/// Shows (`true`) or silences the lines that explain a wait, whatever `KIWI_LOG`
+/// said; returns whether they were shown. The notebook extension silences them while
+/// it shows its own live line.
+pub fn set_explain(on: bool) -> bool {
+    let was = explain_enabled();
+    EXPLAIN.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    was
+}
+
+/// Writes a line explaining a wait, as an `info` line (see [`explain_enabled`]).
+pub fn explain(args: std::fmt::Arguments<'_>) {
+    if !explain_enabled() {
+        return;
+    }
+    let line = format!("[kiwi] info: pid {}: {args}\n", std::process::id());
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
 #[macro_export]
 macro_rules! kwarn { ($($a:tt)*) => { $crate::log::write($crate::log::Level::Warn, format_args!($($a)*)) } }
 #[macro_export]

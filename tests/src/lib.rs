@@ -267,6 +267,7 @@ pub fn register_msg(gpu: &str, total: u64, ws: u64) -> Register {
         pod_namespace: None,
         name: Some("test".into()),
         resume: None,
+        wait_info: false,
     }
 }
 

@@ -735,3 +735,161 @@ fn re_registering_as_holder_does_not_starve_a_waiter() {
         waited / MS
     );
 }
+
+fn reg_named(s: &mut GpuScheduler, now: Nanos, id: ClientId, ws: u64, pod: &str, wait_info: bool) {
+    let info = ClientInfo {
+        pod_name: Some(pod.into()),
+        wait_info,
+        ..ClientInfo::default()
+    };
+    s.register(now, id, info, usage(ws, 0), None);
+}
+
+fn waiting(outs: &[Output], to: ClientId) -> Vec<(Option<String>, u32, Option<u64>)> {
+    sent(outs, to)
+        .into_iter()
+        .filter_map(|m| match m {
+            ArbiterMsg::Waiting {
+                holder,
+                ahead,
+                quantum_left_ms,
+                ..
+            } => Some((holder, ahead, quantum_left_ms)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn all_waiting(outs: &[Output]) -> usize {
+    outs.iter()
+        .filter(|o| matches!(o, Output::Send(_, ArbiterMsg::Waiting { .. })))
+        .count()
+}
+
+#[test]
+fn waiters_hear_who_holds_their_place_and_the_quantum_once_per_change() {
+    let mut s = sched(1000 * MIB, 30_000, 5_000);
+    reg_named(&mut s, 0, 1, 700 * MIB, "nb-a", true);
+    reg_named(&mut s, 0, 2, 700 * MIB, "nb-b", true);
+    reg_named(&mut s, 0, 3, 700 * MIB, "nb-c", true);
+    let outs = s.request(SEC, 1);
+    assert_eq!(granted(&outs, 1), Some(true));
+    assert!(
+        waiting(&outs, 1).is_empty(),
+        "a holder is not told it waits"
+    );
+    // B starts waiting: told at once, with A's quantum end (TQ 30 s from t = 1 s).
+    let outs = s.request(2 * SEC, 2);
+    assert_eq!(
+        waiting(&outs, 2),
+        vec![(Some("nb-a".into()), 0, Some(29_000))]
+    );
+    // C queues behind B; B's view did not change: only C hears.
+    let outs = s.request(3 * SEC, 3);
+    assert_eq!(
+        waiting(&outs, 3),
+        vec![(Some("nb-a".into()), 1, Some(28_000))]
+    );
+    assert_eq!(all_waiting(&outs), 1);
+    // Steps that change nothing the waiters see tell nobody anything.
+    let outs = s.usage(4 * SEC, 1, usage(700 * MIB, 700 * MIB));
+    assert_eq!(all_waiting(&outs), 0);
+    let outs = s.request(5 * SEC, 2);
+    assert_eq!(all_waiting(&outs), 0);
+    // The quantum ends: A is dropped; its quantum end did not move, nobody is told.
+    let outs = s.tick(31 * SEC);
+    assert!(dropped(&outs, 1).is_some());
+    assert_eq!(all_waiting(&outs), 0);
+    // A gives the GPU back: B holds, C is next, with B's whole quantum ahead.
+    let outs = s.release(32 * SEC, 1, usage(700 * MIB, 0));
+    assert_eq!(granted(&outs, 2), Some(true));
+    assert!(waiting(&outs, 2).is_empty());
+    assert_eq!(
+        waiting(&outs, 3),
+        vec![(Some("nb-b".into()), 0, Some(30_000))]
+    );
+    // A asks again: told it is behind C.
+    let outs = s.request(33 * SEC, 1);
+    assert_eq!(
+        waiting(&outs, 1),
+        vec![(Some("nb-b".into()), 1, Some(29_000))]
+    );
+    // A TQ change moves the quantum's end: both waiters hear it once.
+    let outs = s.set_tq(34 * SEC, 60_000);
+    assert_eq!(
+        waiting(&outs, 3),
+        vec![(Some("nb-b".into()), 0, Some(58_000))]
+    );
+    assert_eq!(
+        waiting(&outs, 1),
+        vec![(Some("nb-b".into()), 1, Some(58_000))]
+    );
+}
+
+#[test]
+fn waiting_goes_only_to_clients_that_asked() {
+    let mut s = sched(1000 * MIB, 30_000, 5_000);
+    reg_named(&mut s, 0, 1, 700 * MIB, "nb-a", false);
+    reg_named(&mut s, 0, 2, 700 * MIB, "nb-b", false);
+    s.request(SEC, 1);
+    let outs = s.request(2 * SEC, 2);
+    assert_eq!(all_waiting(&outs), 0, "an old shim would not decode it");
+    // A program name stands in for a missing pod name.
+    let info = ClientInfo {
+        name: Some("train.py".into()),
+        wait_info: true,
+        ..ClientInfo::default()
+    };
+    s.register(3 * SEC, 3, info, usage(700 * MIB, 0), None);
+    let outs = s.request(3 * SEC, 3);
+    assert_eq!(
+        waiting(&outs, 3),
+        vec![(Some("nb-a".into()), 1, Some(28_000))]
+    );
+    s.release(4 * SEC, 1, usage(700 * MIB, 0));
+    s.exit(5 * SEC, 2);
+    // B left: 3 holds now (granted on B's exit); 1 asks and is told nothing.
+    let outs = s.request(6 * SEC, 1);
+    assert_eq!(all_waiting(&outs), 0, "1 did not ask");
+    assert_eq!(s.holders(), vec![3]);
+    // A newcomer that asked hears 3's program name (it has no pod name).
+    reg_named(&mut s, 7 * SEC, 4, 700 * MIB, "nb-d", true);
+    let outs = s.request(7 * SEC, 4);
+    assert_eq!(
+        waiting(&outs, 4),
+        vec![(Some("train.py".into()), 1, Some(28_000))]
+    );
+}
+
+#[test]
+fn a_thousand_waiters_cost_one_message_each_per_hand_off_and_none_otherwise() {
+    let n = 1000u64;
+    let mut s = sched(1000 * MIB, 1_000, 5_000);
+    for id in 0..=n {
+        reg_named(&mut s, 0, id, 700 * MIB, &format!("p{id}"), true);
+    }
+    let mut total = 0;
+    for id in 0..=n {
+        total += all_waiting(&s.request(SEC, id));
+    }
+    // Each newcomer hears once; nobody ahead of it is told again.
+    assert_eq!(total, n as usize);
+    // A usage change of the holder (or anything else the waiters do not see): nothing.
+    assert_eq!(
+        all_waiting(&s.usage(SEC + 1, 0, usage(700 * MIB, 700 * MIB))),
+        0
+    );
+    for id in 1..=n {
+        assert_eq!(all_waiting(&s.request(SEC + 2, id)), 0);
+    }
+    // The hand-off: every remaining waiter moves up one place, one message each.
+    let outs = s.tick(2 * SEC);
+    assert!(dropped(&outs, 0).is_some());
+    assert_eq!(all_waiting(&outs), 0, "the quantum's end did not move");
+    let outs = s.release(2 * SEC + 1, 0, usage(700 * MIB, 0));
+    assert_eq!(granted(&outs, 1), Some(true));
+    assert_eq!(all_waiting(&outs), n as usize - 1);
+    // One waiter in the middle gives up: only those behind it move.
+    let outs = s.release(2 * SEC + 2, 500, usage(700 * MIB, 0));
+    assert_eq!(all_waiting(&outs), (n - 500) as usize);
+}
