@@ -106,6 +106,13 @@ pub fn spawn_job(b: &Build, sim: &Sim, job: Job, seed: u64, kiwi: Option<&Path>)
     .env("LD_LIBRARY_PATH", &b.sim_dir)
     .env("KIWI_SIM_NAME", &sim.name)
     .env("KIWI_SIM_MEMORY", sim.memory.to_string())
+    // Not the simulator's 300 MiB per context: the jobs are sized for the arbiter's
+    // context reserve (1/8 of the GPU), which does not yet count each client's
+    // non-swappable memory (issue #13); two of these contexts fit in it.
+    .env(
+        "KIWI_SIM_CONTEXT_MEMORY",
+        kiwi_sim_core::harness::suite_context_memory(sim.memory).to_string(),
+    )
     .env_remove("LD_PRELOAD")
     .stdin(Stdio::null())
     .stdout(Stdio::null())

@@ -227,6 +227,11 @@ fn child(role: &[&str], b: &Build, sim: &Sim) -> Result<String> {
         .env("LD_LIBRARY_PATH", &b.sim_dir)
         .env("KIWI_SIM_NAME", &sim.name)
         .env("KIWI_SIM_MEMORY", sim.memory.to_string())
+        // As in jobs.rs: sized for the arbiter's context reserve until issue #13.
+        .env(
+            "KIWI_SIM_CONTEXT_MEMORY",
+            kiwi_sim_core::harness::suite_context_memory(sim.memory).to_string(),
+        )
         .env_remove("LD_PRELOAD")
         .stderr(Stdio::inherit())
         .output()?;

@@ -292,6 +292,14 @@ pub fn run(args: &DemoArgs) -> Result<ExitCode> {
             cmd.env("LD_LIBRARY_PATH", sim)
                 .env("KIWI_SIM_NAME", &sim_name)
                 .env("KIWI_SIM_MEMORY", gpu_mem.to_string())
+                // Not the simulator's 300 MiB per context: the story's notebooks
+                // (700 MiB each on 1 GiB) are sized for the arbiter's context
+                // reserve (1/8 of the GPU), which does not yet count each client's
+                // non-swappable memory (issue #13); two of these contexts fit in it.
+                .env(
+                    "KIWI_SIM_CONTEXT_MEMORY",
+                    kiwi_sim_core::harness::suite_context_memory(gpu_mem).to_string(),
+                )
                 .env("KIWI_SIM_TRACE", &trace);
         }
         let mut child = cmd.spawn().context("cannot start gpuburst")?;

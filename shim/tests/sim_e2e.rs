@@ -92,6 +92,9 @@ struct Run<'a> {
     env: &'a Env,
     sim_name: String,
     sim_memory: &'a str,
+    /// `KIWI_SIM_CONTEXT_MEMORY`: the suite's value for the GPU's size (see
+    /// `kiwi_sim_core::harness::suite_context_memory`: not 300 MiB until issue #13).
+    context_memory: u64,
     socket_dir: Option<&'a Path>,
     preload: bool,
     dlopen: bool,
@@ -107,6 +110,7 @@ impl<'a> Run<'a> {
             env,
             sim_name: format!("{sim_name}-{}", std::process::id()),
             sim_memory: "1GiB",
+            context_memory: kiwi_sim_core::harness::suite_context_memory(1 << 30),
             socket_dir: None,
             preload: true,
             dlopen: false,
@@ -128,6 +132,7 @@ impl<'a> Run<'a> {
             .env("LD_LIBRARY_PATH", &self.env.sim_dir)
             .env("KIWI_SIM_NAME", &self.sim_name)
             .env("KIWI_SIM_MEMORY", self.sim_memory)
+            .env("KIWI_SIM_CONTEXT_MEMORY", self.context_memory.to_string())
             .env("KIWI_STATS", &self.stats)
             .env("KIWI_LOG", "info")
             .env_remove("LD_PRELOAD")
@@ -704,6 +709,7 @@ fn two_apps_on_a_tiny_quantum_swap_back_and_forth() {
     let mk = |tag: &str| {
         let mut r = Run::new(&env, "cycles", dir.path(), tag, &args);
         r.sim_memory = "16MiB";
+        r.context_memory = kiwi_sim_core::harness::suite_context_memory(16 << 20);
         r.socket_dir = Some(arb.socket_dir());
         r
     };
@@ -830,6 +836,7 @@ fn a_thousand_swap_cycles_never_lose_a_byte() {
     );
     run.socket_dir = Some(&sock);
     run.sim_memory = "64MiB";
+    run.context_memory = kiwi_sim_core::harness::suite_context_memory(64 << 20);
     run.extra_env = vec![("KIWI_LOG".into(), "warn".into())];
     let o = run.run();
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
@@ -996,6 +1003,10 @@ fn gpuburst(
     .env("LD_LIBRARY_PATH", &env.sim_dir)
     .env("KIWI_SIM_NAME", sim_name)
     .env("KIWI_SIM_MEMORY", "1GiB")
+    .env(
+        "KIWI_SIM_CONTEXT_MEMORY",
+        kiwi_sim_core::harness::suite_context_memory(1 << 30).to_string(),
+    )
     .env("KIWI_SIM_TRACE", trace)
     .env_remove("LD_PRELOAD")
     .stdin(Stdio::null())
@@ -1117,6 +1128,10 @@ fn gpuburst_on(
         .env("KIWI_SIM_NAME", sim_name)
         .env("KIWI_SIM_GPUS", gpus.to_string())
         .env("KIWI_SIM_MEMORY", "1GiB")
+        .env(
+            "KIWI_SIM_CONTEXT_MEMORY",
+            kiwi_sim_core::harness::suite_context_memory(1 << 30).to_string(),
+        )
         .env("KIWI_SIM_TRACE", trace)
         .env("LD_PRELOAD", &env.shim)
         .env("KIWI_SOCKET_DIR", socket)

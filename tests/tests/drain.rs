@@ -26,6 +26,12 @@ fn deep_queuer_cmd(arb: &Arbiter, sim: &str, sim_dir: &Path, mem: &str, seed: &s
     .env("LD_LIBRARY_PATH", sim_dir)
     .env("KIWI_SIM_NAME", sim)
     .env("KIWI_SIM_MEMORY", "256MiB")
+    // Not 300 MiB per context until the arbiter counts each client's
+    // non-swappable memory (issue #13).
+    .env(
+        "KIWI_SIM_CONTEXT_MEMORY",
+        kiwi_sim_core::harness::suite_context_memory(256 << 20).to_string(),
+    )
     .env("LD_PRELOAD", bin("libkiwi.so"))
     .env("KIWI_SOCKET_DIR", arb.socket_dir())
     .env("KIWI_REQUIRE_ARBITER", "1")

@@ -35,7 +35,32 @@ pub struct SimConfig {
     pub hbm_gbps: f64,
     /// `KIWI_SIM_TRACE`: file every kernel appends a line to.
     pub trace: Option<PathBuf>,
+    /// `KIWI_SIM_CONTEXT_MEMORY` in bytes: device memory each context costs, never
+    /// the application's to free or swap. Default [`DEFAULT_CONTEXT_MEMORY`].
+    pub context_memory: u64,
+    /// `KIWI_SIM_MEMCREATE_US_PER_2MIB`: wall time `cuMemCreate` takes per 2 MiB,
+    /// in microseconds. Default [`DEFAULT_MEMCREATE_US_PER_2MIB`].
+    pub memcreate_us_per_2mib: f64,
+    /// `KIWI_SIM_PIN_GBPS`: how fast host memory is page-locked (`cuMemHostAlloc`,
+    /// `cuMemAllocHost`, `cuMemHostRegister`), GB/s. Default [`DEFAULT_PIN_GBPS`];
+    /// 0 turns the cost off.
+    pub pin_gbps: f64,
 }
+
+/// Device memory a context costs on a real GPU, never the application's to free or
+/// swap: about 300 MiB with CUDA 12 on data-centre GPUs (what `nvidia-smi` shows for
+/// a process that only created a context: the driver's per-context state, local
+/// memory, printf FIFO, malloc heap, loaded module code). The figure issue #12 gives;
+/// not measured here (no GPU).
+pub const DEFAULT_CONTEXT_MEMORY: u64 = 300 << 20;
+/// `cuMemCreate` costs about 100 µs per 2 MiB page (the figure issue #12 gives from
+/// published VMM measurements: physical allocation is linear in 2 MiB pages, which is
+/// why NVIDIA's "Introducing Low-Level GPU Virtual Memory Management" advises keeping
+/// physical allocations and remapping them). Not measured here.
+pub const DEFAULT_MEMCREATE_US_PER_2MIB: f64 = 100.0;
+/// Page-locking host memory: about 2 GB/s (`cudaHostAlloc`/`cudaHostRegister` pin
+/// every page through the kernel; the figure issue #12 gives). Not measured here.
+pub const DEFAULT_PIN_GBPS: f64 = 2.0;
 
 impl Default for SimConfig {
     fn default() -> Self {
@@ -46,6 +71,9 @@ impl Default for SimConfig {
             pcie_gbps: 25.0,
             hbm_gbps: 1000.0,
             trace: None,
+            context_memory: DEFAULT_CONTEXT_MEMORY,
+            memcreate_us_per_2mib: DEFAULT_MEMCREATE_US_PER_2MIB,
+            pin_gbps: DEFAULT_PIN_GBPS,
         }
     }
 }
@@ -109,6 +137,29 @@ impl SimConfig {
                 c.trace = Some(PathBuf::from(v));
             }
         }
+        if let Some(v) = get("KIWI_SIM_CONTEXT_MEMORY") {
+            c.context_memory =
+                kiwi_config::parse_size(&v).map_err(|e| bad("KIWI_SIM_CONTEXT_MEMORY", &v, e))?;
+        }
+        // Time costs: 0 turns one off (tests whose subject is not that cost).
+        for (var, slot) in [
+            (
+                "KIWI_SIM_MEMCREATE_US_PER_2MIB",
+                &mut c.memcreate_us_per_2mib,
+            ),
+            ("KIWI_SIM_PIN_GBPS", &mut c.pin_gbps),
+        ] {
+            if let Some(v) = get(var) {
+                let g: f64 = v
+                    .trim()
+                    .parse()
+                    .map_err(|_| bad(var, &v, "not a number".into()))?;
+                if !(g.is_finite() && g >= 0.0) {
+                    return Err(bad(var, &v, "must be a number, 0 or more".into()));
+                }
+                *slot = g;
+            }
+        }
         Ok(c)
     }
 }
@@ -150,6 +201,9 @@ mod tests {
         assert_eq!(c.pcie_gbps, 25.0);
         assert_eq!(c.hbm_gbps, 1000.0);
         assert_eq!(c.trace, None);
+        assert_eq!(c.context_memory, 300 << 20);
+        assert_eq!(c.memcreate_us_per_2mib, 100.0);
+        assert_eq!(c.pin_gbps, 2.0);
     }
 
     #[test]
@@ -160,8 +214,14 @@ mod tests {
             ("KIWI_SIM_NAME", "t-1"),
             ("KIWI_SIM_PCIE_GBPS", "1.5"),
             ("KIWI_SIM_TRACE", "/tmp/x"),
+            ("KIWI_SIM_CONTEXT_MEMORY", "48MiB"),
+            ("KIWI_SIM_MEMCREATE_US_PER_2MIB", "0"),
+            ("KIWI_SIM_PIN_GBPS", "0.5"),
         ])
         .unwrap();
+        assert_eq!(c.context_memory, 48 << 20);
+        assert_eq!(c.memcreate_us_per_2mib, 0.0);
+        assert_eq!(c.pin_gbps, 0.5);
         assert_eq!(c.gpus, 2);
         assert_eq!(c.memory, 1 << 30);
         assert_eq!(c.name, "t-1");
@@ -181,6 +241,9 @@ mod tests {
             ("KIWI_SIM_NAME", ""),
             ("KIWI_SIM_PCIE_GBPS", "-1"),
             ("KIWI_SIM_HBM_GBPS", "nan"),
+            ("KIWI_SIM_CONTEXT_MEMORY", "much"),
+            ("KIWI_SIM_MEMCREATE_US_PER_2MIB", "-5"),
+            ("KIWI_SIM_PIN_GBPS", "fast"),
         ] {
             let e = cfg(&[(k, v)]).unwrap_err();
             assert!(e.to_string().starts_with(k), "{e}");

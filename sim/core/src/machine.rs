@@ -26,7 +26,7 @@ use crate::knobs::{validate_name, SimConfig, MAX_GPUS};
 /// Most processes one simulated GPU tracks at once.
 pub const MAX_PROCS: usize = 256;
 const MAGIC: u64 = 0x4b49_5749_5349_4d31; // "KIWISIM1"
-const LAYOUT_VERSION: u64 = 4;
+const LAYOUT_VERSION: u64 = 5;
 
 /// Errors of the machine segment.
 #[derive(Debug, thiserror::Error)]
@@ -83,6 +83,8 @@ struct Segment {
     gpus: AtomicU64,
     pcie_bits: AtomicU64,
     hbm_bits: AtomicU64,
+    /// Device memory each context costs (`KIWI_SIM_CONTEXT_MEMORY`), in bytes.
+    context_bytes: AtomicU64,
     gpu: [GpuSlot; MAX_GPUS as usize],
 }
 
@@ -92,6 +94,8 @@ pub struct MachineSettings {
     pub gpus: u32,
     pub pcie_gbps: f64,
     pub hbm_gbps: f64,
+    /// Device memory each context costs, in bytes.
+    pub context_memory: u64,
 }
 
 /// One process's use of a GPU.
@@ -292,6 +296,7 @@ impl Machine {
                 s.gpus.store(u64::from(cfg.gpus), Ordering::SeqCst);
                 s.pcie_bits.store(cfg.pcie_gbps.to_bits(), Ordering::SeqCst);
                 s.hbm_bits.store(cfg.hbm_gbps.to_bits(), Ordering::SeqCst);
+                s.context_bytes.store(cfg.context_memory, Ordering::SeqCst);
                 for g in 0..cfg.gpus as usize {
                     s.gpu[g].capacity.store(cfg.memory, Ordering::SeqCst);
                 }
@@ -364,6 +369,7 @@ impl Machine {
             gpus: self.gpu_count(),
             pcie_gbps: f64::from_bits(s.pcie_bits.load(Ordering::Relaxed)),
             hbm_gbps: f64::from_bits(s.hbm_bits.load(Ordering::Relaxed)),
+            context_memory: s.context_bytes.load(Ordering::Relaxed),
         }
     }
 
@@ -646,8 +652,10 @@ mod tests {
         let mut other = c.clone();
         other.gpus = 3;
         other.memory = 1 << 30;
+        other.context_memory = 1 << 20;
         let b = Machine::open(&other).unwrap();
         assert_eq!(b.gpu_count(), 1);
+        assert_eq!(b.settings().context_memory, 300 << 20);
         assert_eq!(b.capacity(0).unwrap(), 64 << 20);
         a.reserve(0, 10 << 20).unwrap();
         // Same process, same entry: both handles see it.

@@ -46,6 +46,24 @@ fn cuda_include() -> Option<String> {
 /// Compiles `tests/c/<name>` against `cuda.h`, linked with `-lcuda` against the
 /// simulator, runs it on `m` and checks that it printed `OK`.
 fn build_and_run(include: &str, m: &SimMachine, name: &str) {
+    let exe = build(include, m, name);
+    let run = m.apply(&mut Command::new(&exe)).output().unwrap();
+    expect_ok(&run);
+}
+
+fn expect_ok(run: &std::process::Output) {
+    let out = format!(
+        "{}{}",
+        String::from_utf8_lossy(&run.stdout),
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(run.status.success(), "{out}");
+    assert_eq!(String::from_utf8_lossy(&run.stdout).trim(), "OK", "{out}");
+}
+
+/// Compiles `tests/c/<name>` against `cuda.h`, linked with `-lcuda` against the
+/// simulator; returns the executable (in `m`'s temporary directory).
+fn build(include: &str, m: &SimMachine, name: &str) -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     let exe = m.trace.with_file_name(name.trim_end_matches(".c"));
     let cc = Command::new("gcc")
@@ -62,14 +80,7 @@ fn build_and_run(include: &str, m: &SimMachine, name: &str) {
         "gcc failed:\n{}",
         String::from_utf8_lossy(&cc.stderr)
     );
-    let run = m.apply(&mut Command::new(&exe)).output().unwrap();
-    let out = format!(
-        "{}{}",
-        String::from_utf8_lossy(&run.stdout),
-        String::from_utf8_lossy(&run.stderr)
-    );
-    assert!(run.status.success(), "{out}");
-    assert_eq!(String::from_utf8_lossy(&run.stdout).trim(), "OK", "{out}");
+    exe
 }
 
 #[test]
@@ -109,4 +120,143 @@ fn vmm_access_ipc_and_stream_ordering_are_strict() {
     };
     let m = SimMachine::new("strict", 2, 256 << 20).unwrap_or_else(|e| panic!("{e}"));
     build_and_run(&include, &m, "strict_rules.c");
+}
+
+/// Each context costs device memory the application can never free or swap
+/// (`KIWI_SIM_CONTEXT_MEMORY`, 300 MiB by default): `tests/c/context_memory.c`
+/// sees it in `cuMemGetInfo`, cannot allocate past it, cannot create a context
+/// that does not fit, and gets it back when a context is destroyed or reset.
+#[test]
+fn every_context_costs_device_memory() {
+    let Some(include) = cuda_include() else {
+        return;
+    };
+    // The library's default: 300 MiB (the harness sets a smaller value for the
+    // other tests; see SimMachine::env).
+    let m = SimMachine::new("ctxmem", 1, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
+    let exe = build(&include, &m, "context_memory.c");
+    let run = m
+        .apply(&mut Command::new(&exe))
+        .env_remove("KIWI_SIM_CONTEXT_MEMORY")
+        .args(["check", "300"])
+        .output()
+        .unwrap();
+    expect_ok(&run);
+    // Another size, set by the knob.
+    let m = SimMachine::new("ctxmem", 1, 1 << 30)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_env("KIWI_SIM_CONTEXT_MEMORY", "100MiB");
+    let run = m
+        .apply(&mut Command::new(&exe))
+        .args(["check", "100"])
+        .output()
+        .unwrap();
+    expect_ok(&run);
+}
+
+/// A process's context memory is accounted to it on the shared machine (another
+/// process sees it used) and reclaimed when the process is killed, like its
+/// allocations.
+#[test]
+fn a_killed_process_gives_its_context_memory_back() {
+    use std::io::BufRead;
+    let Some(include) = cuda_include() else {
+        return;
+    };
+    let m = SimMachine::new("ctxkill", 1, 1 << 30)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_env("KIWI_SIM_CONTEXT_MEMORY", "200MiB");
+    let exe = build(&include, &m, "context_memory.c");
+    /// Kills the holder even when an assertion fails (it never exits by itself).
+    struct Holder(std::process::Child);
+    impl Drop for Holder {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut holder = Holder(
+        m.apply(&mut Command::new(&exe))
+            .arg("hold")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let mut line = String::new();
+    std::io::BufReader::new(holder.0.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "READY");
+    let machine = kiwi_sim_core::Machine::open_existing(&m.name)
+        .unwrap()
+        .expect("the holder created the machine");
+    let u = machine.usage(0).unwrap();
+    assert_eq!(u.used, 200 << 20, "{u:?}");
+    assert_eq!(
+        u.processes,
+        vec![kiwi_sim_core::ProcessUsage {
+            pid: holder.0.id(),
+            bytes: 200 << 20
+        }]
+    );
+    holder.0.kill().unwrap();
+    holder.0.wait().unwrap();
+    assert_eq!(machine.usage(0).unwrap().used, 0, "not reclaimed");
+}
+
+/// `cuMemCreate` and page-locking host memory (`cuMemHostAlloc`, `cuMemAllocHost`,
+/// `cuMemHostRegister`) take wall time as the knobs say, and far less with the
+/// knobs at 0 (so the checks fail on a simulator that does not pay the cost).
+/// The knobs are set large here so that the modelled time dominates the host's own
+/// work (populating the pages); their defaults are checked by the knobs' unit test.
+#[test]
+fn mem_create_and_pinning_take_the_modelled_time() {
+    let Some(include) = cuda_include() else {
+        return;
+    };
+    let m = SimMachine::new("timecost", 1, 256 << 20).unwrap_or_else(|e| panic!("{e}"));
+    let exe = build(&include, &m, "time_costs.c");
+    let times = |knob: &str, value: &str, args: &[&str]| -> Vec<f64> {
+        let run = m
+            .apply(&mut Command::new(&exe))
+            .env(knob, value)
+            .args(args)
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&run.stdout).to_string();
+        assert!(
+            run.status.success(),
+            "{out}{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        out.split_whitespace()
+            .map(|t| t.parse().unwrap_or_else(|_| panic!("not a time: {out}")))
+            .collect()
+    };
+    // 8 MiB = 4 pages of 2 MiB at 5 ms each.
+    let on = times(
+        "KIWI_SIM_MEMCREATE_US_PER_2MIB",
+        "5000",
+        &["memcreate", "8"],
+    );
+    let off = times("KIWI_SIM_MEMCREATE_US_PER_2MIB", "0", &["memcreate", "8"]);
+    eprintln!("cuMemCreate of 8 MiB: {on:?} ms modelled, {off:?} ms without the cost");
+    assert!(on[0] >= 20.0, "cuMemCreate took {} ms, not 20", on[0]);
+    assert!(
+        off[0] < 20.0,
+        "without its cost cuMemCreate took {} ms",
+        off[0]
+    );
+    // 16 MiB at 0.5 GB/s: 33.6 ms for each way of pinning.
+    let want = 16.0 * 1048576.0 / 0.5e9 * 1e3;
+    let on = times("KIWI_SIM_PIN_GBPS", "0.5", &["pin", "16"]);
+    let off = times("KIWI_SIM_PIN_GBPS", "0", &["pin", "16"]);
+    eprintln!("pinning 16 MiB (HostAlloc, AllocHost, HostRegister): {on:?} ms modelled, {off:?} ms without the cost");
+    for (i, call) in ["cuMemHostAlloc", "cuMemAllocHost", "cuMemHostRegister"]
+        .iter()
+        .enumerate()
+    {
+        assert!(on[i] >= want, "{call} took {} ms, not {want}", on[i]);
+        assert!(off[i] < want, "without its cost {call} took {} ms", off[i]);
+    }
 }

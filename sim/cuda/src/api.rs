@@ -1,7 +1,9 @@
-//! The exported `cu*` entry points. Each one runs through [`guard`] (no panic
-//! crosses the C ABI) and reads caller memory only through the `ffi` helpers.
-//! Stream-taking calls have `_ptsz`/`_ptds` twins whose NULL stream is the calling
-//! thread's per-thread default stream.
+//! What each exported `cu*` entry point does: `api::cuX` is the body of the export
+//! `cuX` that `crate::exports` generates from its declaration list (which runs it
+//! through `guard`, so no panic crosses the C ABI). Bodies read caller memory only
+//! through the `ffi` helpers. A body with a final `pt: bool` serves an export and
+//! its `_ptsz`/`_ptds` twin: `pt` is true for the twin, whose NULL stream is the
+//! calling thread's per-thread default stream.
 #![allow(non_snake_case, clippy::too_many_arguments)]
 
 use std::ffi::{c_char, c_void};
@@ -14,7 +16,7 @@ use crate::abi::*;
 use crate::capture;
 use crate::driver::{self, driver, Driver};
 use crate::exec::{Builtin, Context, Event, EventState, Op, Side, Stream};
-use crate::ffi::{c_str, guard, out, read, write_c_string};
+use crate::ffi::{c_str, out, read, write_c_string};
 use crate::memory::Access;
 
 /// The driver version the simulator claims (CUDA 12.4).
@@ -22,41 +24,30 @@ pub const DRIVER_VERSION: i32 = 12040;
 
 // ---------------------------------------------------------------- init, devices
 
-#[no_mangle]
-extern "C" fn cuInit(flags: u32) -> CUresult {
-    guard(|| {
-        if flags != 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        driver::init().map(|_| ())
-    })
+pub(crate) fn cuInit(flags: u32) -> Result<(), CUresult> {
+    if flags != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    driver::init().map(|_| ())
 }
 
-#[no_mangle]
-extern "C" fn cuDriverGetVersion(v: *mut i32) -> CUresult {
-    guard(|| out(v, DRIVER_VERSION))
+pub(crate) fn cuDriverGetVersion(v: *mut i32) -> Result<(), CUresult> {
+    out(v, DRIVER_VERSION)
 }
 
-#[no_mangle]
-extern "C" fn cuDeviceGet(dev: *mut CUdevice, ordinal: i32) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        d.device(ordinal)?;
-        out(dev, ordinal)
-    })
+pub(crate) fn cuDeviceGet(dev: *mut CUdevice, ordinal: i32) -> Result<(), CUresult> {
+    let d = driver()?;
+    d.device(ordinal)?;
+    out(dev, ordinal)
 }
 
-#[no_mangle]
-extern "C" fn cuDeviceGetCount(count: *mut i32) -> CUresult {
-    guard(|| out(count, driver()?.gpus as i32))
+pub(crate) fn cuDeviceGetCount(count: *mut i32) -> Result<(), CUresult> {
+    out(count, driver()?.gpus as i32)
 }
 
-#[no_mangle]
-extern "C" fn cuDeviceGetName(name: *mut c_char, len: i32, dev: CUdevice) -> CUresult {
-    guard(|| {
-        driver()?.device(dev)?;
-        write_c_string(name, len, ident::DEVICE_NAME)
-    })
+pub(crate) fn cuDeviceGetName(name: *mut c_char, len: i32, dev: CUdevice) -> Result<(), CUresult> {
+    driver()?.device(dev)?;
+    write_c_string(name, len, ident::DEVICE_NAME)
 }
 
 fn device_uuid(uuid: *mut CUuuid, dev: CUdevice) -> Result<(), CUresult> {
@@ -70,27 +61,22 @@ fn device_uuid(uuid: *mut CUuuid, dev: CUdevice) -> Result<(), CUresult> {
     )
 }
 
-#[no_mangle]
-extern "C" fn cuDeviceGetUuid(uuid: *mut CUuuid, dev: CUdevice) -> CUresult {
-    guard(|| device_uuid(uuid, dev))
+pub(crate) fn cuDeviceGetUuid(uuid: *mut CUuuid, dev: CUdevice) -> Result<(), CUresult> {
+    device_uuid(uuid, dev)
 }
 
-#[no_mangle]
-extern "C" fn cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice) -> CUresult {
-    guard(|| device_uuid(uuid, dev))
+pub(crate) fn cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice) -> Result<(), CUresult> {
+    device_uuid(uuid, dev)
 }
 
-#[no_mangle]
-extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        let g = d.device(dev)?;
-        let cap = d
-            .machine
-            .capacity(g)
-            .map_err(|_| CUDA_ERROR_INVALID_DEVICE)?;
-        out(bytes, cap as usize)
-    })
+pub(crate) fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> Result<(), CUresult> {
+    let d = driver()?;
+    let g = d.device(dev)?;
+    let cap = d
+        .machine
+        .capacity(g)
+        .map_err(|_| CUDA_ERROR_INVALID_DEVICE)?;
+    out(bytes, cap as usize)
 }
 
 pub(crate) fn attribute_value(d: &Driver, a: i32, g: u32) -> Result<i32, CUresult> {
@@ -133,46 +119,46 @@ pub(crate) fn attribute_value(d: &Driver, a: i32, g: u32) -> Result<i32, CUresul
     })
 }
 
-#[no_mangle]
-extern "C" fn cuDeviceGetAttribute(pi: *mut i32, attrib: i32, dev: CUdevice) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        let g = d.device(dev)?;
-        out(pi, attribute_value(d, attrib, g)?)
-    })
+pub(crate) fn cuDeviceGetAttribute(
+    pi: *mut i32,
+    attrib: i32,
+    dev: CUdevice,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    let g = d.device(dev)?;
+    out(pi, attribute_value(d, attrib, g)?)
 }
 
-#[no_mangle]
-extern "C" fn cuDeviceComputeCapability(
+pub(crate) fn cuDeviceComputeCapability(
     major: *mut i32,
     minor: *mut i32,
     dev: CUdevice,
-) -> CUresult {
-    guard(|| {
-        driver()?.device(dev)?;
-        out(major, 8)?;
-        out(minor, 0)
-    })
+) -> Result<(), CUresult> {
+    driver()?.device(dev)?;
+    out(major, 8)?;
+    out(minor, 0)
 }
 
-#[no_mangle]
-extern "C" fn cuDeviceGetPCIBusId(bus: *mut c_char, len: i32, dev: CUdevice) -> CUresult {
-    guard(|| {
-        let g = driver()?.device(dev)?;
-        // cuda's form has a 4-digit domain: 0000:BB:00.0
-        let id = ident::pci_bus_id(g);
-        write_c_string(bus, len, &id[4..])
-    })
+pub(crate) fn cuDeviceGetPCIBusId(
+    bus: *mut c_char,
+    len: i32,
+    dev: CUdevice,
+) -> Result<(), CUresult> {
+    let g = driver()?.device(dev)?;
+    // cuda's form has a 4-digit domain: 0000:BB:00.0
+    let id = ident::pci_bus_id(g);
+    write_c_string(bus, len, &id[4..])
 }
 
-#[no_mangle]
-extern "C" fn cuDeviceCanAccessPeer(can: *mut i32, dev: CUdevice, peer: CUdevice) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        d.device(dev)?;
-        d.device(peer)?;
-        out(can, 0)
-    })
+pub(crate) fn cuDeviceCanAccessPeer(
+    can: *mut i32,
+    dev: CUdevice,
+    peer: CUdevice,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    d.device(dev)?;
+    d.device(peer)?;
+    out(can, 0)
 }
 
 // ---------------------------------------------------------------- contexts
@@ -195,21 +181,33 @@ pub(crate) fn primary_context(
     let ctx = match &p.ctx {
         Some(c) => c.clone(),
         None => {
+            // A context costs device memory from its creation on: out of memory
+            // when the GPU cannot hold it (Driver API reference,
+            // cuDevicePrimaryCtxRetain: CUDA_ERROR_OUT_OF_MEMORY).
+            d.charge_context(g)?;
             let c = Context::new(d, g, p.flags, true);
+            c.charged.store(true, Ordering::Release);
             d.register_context(&c);
             p.ctx = Some(c.clone());
             c
         }
     };
+    if !ctx.charged.load(Ordering::Acquire) {
+        // Reset, now activated again: it costs its memory again.
+        d.charge_context(g)?;
+        ctx.charged.store(true, Ordering::Release);
+    }
     if retain {
         p.refs += 1;
     }
     out(pctx, ctx.handle() as CUcontext)
 }
 
-#[no_mangle]
-extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
-    guard(|| primary_context(pctx, dev, true))
+pub(crate) fn cuDevicePrimaryCtxRetain(
+    pctx: *mut CUcontext,
+    dev: CUdevice,
+) -> Result<(), CUresult> {
+    primary_context(pctx, dev, true)
 }
 
 fn primary_release(dev: CUdevice) -> Result<(), CUresult> {
@@ -227,14 +225,12 @@ fn primary_release(dev: CUdevice) -> Result<(), CUresult> {
     Ok(())
 }
 
-#[no_mangle]
-extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
-    guard(|| primary_release(dev))
+pub(crate) fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> Result<(), CUresult> {
+    primary_release(dev)
 }
 
-#[no_mangle]
-extern "C" fn cuDevicePrimaryCtxRelease(dev: CUdevice) -> CUresult {
-    guard(|| primary_release(dev))
+pub(crate) fn cuDevicePrimaryCtxRelease(dev: CUdevice) -> Result<(), CUresult> {
+    primary_release(dev)
 }
 
 fn primary_reset(dev: CUdevice) -> Result<(), CUresult> {
@@ -250,295 +246,246 @@ fn primary_reset(dev: CUdevice) -> Result<(), CUresult> {
         c.clear_local_storage();
         d.mem.free_owned_by(c.handle());
         c.sticky.store(CUDA_SUCCESS, Ordering::Release);
+        // The reset context gives its memory back until it is activated again
+        // (the next retain, or the runtime's lookup).
+        d.uncharge_context(g, &c.charged);
     }
     Ok(())
 }
 
-#[no_mangle]
-extern "C" fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) -> CUresult {
-    guard(|| primary_reset(dev))
+pub(crate) fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) -> Result<(), CUresult> {
+    primary_reset(dev)
 }
 
-#[no_mangle]
-extern "C" fn cuDevicePrimaryCtxReset(dev: CUdevice) -> CUresult {
-    guard(|| primary_reset(dev))
+pub(crate) fn cuDevicePrimaryCtxReset(dev: CUdevice) -> Result<(), CUresult> {
+    primary_reset(dev)
 }
 
-#[no_mangle]
-extern "C" fn cuDevicePrimaryCtxGetState(
+pub(crate) fn cuDevicePrimaryCtxGetState(
     dev: CUdevice,
     flags: *mut u32,
     active: *mut i32,
-) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        let g = d.device(dev)?;
-        let p = d.primary[g as usize]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        out(flags, p.flags)?;
-        out(active, i32::from(p.refs > 0))
-    })
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    let g = d.device(dev)?;
+    let p = d.primary[g as usize]
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    out(flags, p.flags)?;
+    out(active, i32::from(p.refs > 0))
 }
 
-#[no_mangle]
-extern "C" fn cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, flags: u32) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        let g = d.device(dev)?;
-        d.primary[g as usize]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .flags = flags;
-        Ok(())
-    })
+pub(crate) fn cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, flags: u32) -> Result<(), CUresult> {
+    let d = driver()?;
+    let g = d.device(dev)?;
+    d.primary[g as usize]
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .flags = flags;
+    Ok(())
 }
 
-#[no_mangle]
-extern "C" fn cuCtxCreate_v2(pctx: *mut CUcontext, flags: u32, dev: CUdevice) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        let g = d.device(dev)?;
-        if pctx.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let c = Context::new(d, g, flags, false);
-        d.register_context(&c);
+pub(crate) fn cuCtxCreate_v2(
+    pctx: *mut CUcontext,
+    flags: u32,
+    dev: CUdevice,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    let g = d.device(dev)?;
+    if pctx.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    d.charge_context(g)?;
+    let c = Context::new(d, g, flags, false);
+    c.charged.store(true, Ordering::Release);
+    d.register_context(&c);
+    out(pctx, c.handle() as CUcontext)?;
+    driver::push_current(c);
+    Ok(())
+}
+
+pub(crate) fn cuCtxDestroy_v2(ctx: CUcontext) -> Result<(), CUresult> {
+    let d = driver()?;
+    let c = d.context(ctx as usize)?;
+    if c.primary {
+        return Err(CUDA_ERROR_INVALID_CONTEXT);
+    }
+    c.wait_all();
+    c.clear_local_storage();
+    c.destroyed.store(true, Ordering::Release);
+    d.contexts
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&(ctx as usize));
+    d.streams
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .retain(|_, s| !Arc::ptr_eq(&s.ctx, &c));
+    c.shut_down();
+    d.mem.free_owned_by(ctx as usize);
+    d.uncharge_context(c.device, &c.charged);
+    driver::forget_current(ctx as usize);
+    Ok(())
+}
+
+pub(crate) fn cuCtxSetCurrent(ctx: CUcontext) -> Result<(), CUresult> {
+    let d = driver()?;
+    if ctx.is_null() {
+        driver::set_current(None);
+        return Ok(());
+    }
+    driver::set_current(Some(d.context(ctx as usize)?));
+    Ok(())
+}
+
+pub(crate) fn cuCtxGetCurrent(pctx: *mut CUcontext) -> Result<(), CUresult> {
+    driver()?;
+    out(pctx, driver::current_handle() as CUcontext)
+}
+
+pub(crate) fn cuCtxPushCurrent_v2(ctx: CUcontext) -> Result<(), CUresult> {
+    let c = driver()?.context(ctx as usize)?;
+    driver::push_current(c);
+    Ok(())
+}
+
+pub(crate) fn cuCtxPopCurrent_v2(pctx: *mut CUcontext) -> Result<(), CUresult> {
+    driver()?;
+    let c = driver::pop_current().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+    if !pctx.is_null() {
         out(pctx, c.handle() as CUcontext)?;
-        driver::push_current(c);
-        Ok(())
-    })
+    }
+    Ok(())
 }
 
-#[no_mangle]
-extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        let c = d.context(ctx as usize)?;
-        if c.primary {
-            return Err(CUDA_ERROR_INVALID_CONTEXT);
-        }
-        c.wait_all();
-        c.clear_local_storage();
-        c.destroyed.store(true, Ordering::Release);
-        d.contexts
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(ctx as usize));
-        d.streams
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|_, s| !Arc::ptr_eq(&s.ctx, &c));
-        c.shut_down();
-        d.mem.free_owned_by(ctx as usize);
-        driver::forget_current(ctx as usize);
-        Ok(())
-    })
+pub(crate) fn cuCtxSynchronize() -> Result<(), CUresult> {
+    driver()?;
+    let ctx = driver::current_unchecked()?;
+    capture::refuse_context_wide(&ctx)?;
+    ctx.synchronize()
 }
 
-#[no_mangle]
-extern "C" fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        if ctx.is_null() {
-            driver::set_current(None);
-            return Ok(());
-        }
-        driver::set_current(Some(d.context(ctx as usize)?));
-        Ok(())
-    })
+pub(crate) fn cuCtxGetDevice(dev: *mut CUdevice) -> Result<(), CUresult> {
+    driver()?;
+    out(dev, driver::current_unchecked()?.device as CUdevice)
 }
 
-#[no_mangle]
-extern "C" fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult {
-    guard(|| {
-        driver()?;
-        out(pctx, driver::current_handle() as CUcontext)
-    })
+pub(crate) fn cuCtxGetFlags(flags: *mut u32) -> Result<(), CUresult> {
+    driver()?;
+    out(flags, driver::current_unchecked()?.flags)
 }
 
-#[no_mangle]
-extern "C" fn cuCtxPushCurrent_v2(ctx: CUcontext) -> CUresult {
-    guard(|| {
-        let c = driver()?.context(ctx as usize)?;
-        driver::push_current(c);
-        Ok(())
-    })
+pub(crate) fn cuCtxGetApiVersion(ctx: CUcontext, version: *mut u32) -> Result<(), CUresult> {
+    let d = driver()?;
+    if !ctx.is_null() {
+        d.context(ctx as usize)?;
+    } else {
+        driver::current_unchecked()?;
+    }
+    out(version, 3020)
 }
 
-#[no_mangle]
-extern "C" fn cuCtxPopCurrent_v2(pctx: *mut CUcontext) -> CUresult {
-    guard(|| {
-        driver()?;
-        let c = driver::pop_current().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
-        if !pctx.is_null() {
-            out(pctx, c.handle() as CUcontext)?;
-        }
-        Ok(())
-    })
+pub(crate) fn cuCtxGetStreamPriorityRange(
+    least: *mut i32,
+    greatest: *mut i32,
+) -> Result<(), CUresult> {
+    driver()?;
+    if !least.is_null() {
+        out(least, 0)?;
+    }
+    if !greatest.is_null() {
+        out(greatest, -5)?;
+    }
+    Ok(())
 }
 
-#[no_mangle]
-extern "C" fn cuCtxSynchronize() -> CUresult {
-    guard(|| {
-        driver()?;
-        let ctx = driver::current_unchecked()?;
-        capture::refuse_context_wide(&ctx)?;
-        ctx.synchronize()
-    })
+pub(crate) fn cuCtxGetLimit(value: *mut usize, limit: u32) -> Result<(), CUresult> {
+    driver()?;
+    let ctx = driver::current_unchecked()?;
+    out(value, ctx.limit(limit)? as usize)
 }
 
-#[no_mangle]
-extern "C" fn cuCtxGetDevice(dev: *mut CUdevice) -> CUresult {
-    guard(|| {
-        driver()?;
-        out(dev, driver::current_unchecked()?.device as CUdevice)
-    })
-}
-
-#[no_mangle]
-extern "C" fn cuCtxGetFlags(flags: *mut u32) -> CUresult {
-    guard(|| {
-        driver()?;
-        out(flags, driver::current_unchecked()?.flags)
-    })
-}
-
-#[no_mangle]
-extern "C" fn cuCtxGetApiVersion(ctx: CUcontext, version: *mut u32) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        if !ctx.is_null() {
-            d.context(ctx as usize)?;
-        } else {
-            driver::current_unchecked()?;
-        }
-        out(version, 3020)
-    })
-}
-
-#[no_mangle]
-extern "C" fn cuCtxGetStreamPriorityRange(least: *mut i32, greatest: *mut i32) -> CUresult {
-    guard(|| {
-        driver()?;
-        if !least.is_null() {
-            out(least, 0)?;
-        }
-        if !greatest.is_null() {
-            out(greatest, -5)?;
-        }
-        Ok(())
-    })
-}
-
-#[no_mangle]
-extern "C" fn cuCtxGetLimit(value: *mut usize, limit: u32) -> CUresult {
-    guard(|| {
-        driver()?;
-        let ctx = driver::current_unchecked()?;
-        out(value, ctx.limit(limit)? as usize)
-    })
-}
-
-#[no_mangle]
-extern "C" fn cuCtxSetLimit(limit: u32, value: usize) -> CUresult {
-    guard(|| {
-        driver()?;
-        driver::current_unchecked()?.set_limit(limit, value as u64)
-    })
+pub(crate) fn cuCtxSetLimit(limit: u32, value: usize) -> Result<(), CUresult> {
+    driver()?;
+    driver::current_unchecked()?.set_limit(limit, value as u64)
 }
 
 // ---------------------------------------------------------------- device memory
 
-#[no_mangle]
-extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        let ctx = driver::current()?;
-        let u = d
-            .machine
-            .usage(ctx.device)
-            .map_err(|_| CUDA_ERROR_INVALID_DEVICE)?;
-        out(free, u.free() as usize)?;
-        out(total, u.capacity as usize)
-    })
+pub(crate) fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> Result<(), CUresult> {
+    let d = driver()?;
+    let ctx = driver::current()?;
+    let u = d
+        .machine
+        .usage(ctx.device)
+        .map_err(|_| CUDA_ERROR_INVALID_DEVICE)?;
+    out(free, u.free() as usize)?;
+    out(total, u.capacity as usize)
 }
 
-#[no_mangle]
-extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        let ctx = driver::current()?;
-        capture::refuse_unsafe()?;
-        if dptr.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let p = d.mem.alloc_linear(ctx.device, size as u64, ctx.handle())?;
-        out(dptr, p)
-    })
+pub(crate) fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) -> Result<(), CUresult> {
+    let d = driver()?;
+    let ctx = driver::current()?;
+    capture::refuse_unsafe()?;
+    if dptr.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let p = d.mem.alloc_linear(ctx.device, size as u64, ctx.handle())?;
+    out(dptr, p)
 }
 
-#[no_mangle]
-extern "C" fn cuMemAllocPitch_v2(
+pub(crate) fn cuMemAllocPitch_v2(
     dptr: *mut CUdeviceptr,
     pitch: *mut usize,
     width: usize,
     height: usize,
     elem: u32,
-) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        let ctx = driver::current()?;
-        capture::refuse_unsafe()?;
-        if !matches!(elem, 4 | 8 | 16) || width == 0 || height == 0 || pitch.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let p = width.next_multiple_of(512);
-        let size = p.checked_mul(height).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        if dptr.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let a = d.mem.alloc_linear(ctx.device, size as u64, ctx.handle())?;
-        out(dptr, a)?;
-        out(pitch, p)
-    })
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    let ctx = driver::current()?;
+    capture::refuse_unsafe()?;
+    if !matches!(elem, 4 | 8 | 16) || width == 0 || height == 0 || pitch.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let p = width.next_multiple_of(512);
+    let size = p.checked_mul(height).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    if dptr.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let a = d.mem.alloc_linear(ctx.device, size as u64, ctx.handle())?;
+    out(dptr, a)?;
+    out(pitch, p)
 }
 
-#[no_mangle]
-extern "C" fn cuMemFree_v2(ptr: CUdeviceptr) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        if ptr == 0 {
-            return Ok(());
-        }
-        capture::refuse_unsafe()?;
-        // Like the real driver, freeing waits for work that may still use it.
-        if let Ok(ctx) = driver::current_unchecked() {
-            ctx.wait_all();
-        }
-        d.mem.free_linear(ptr)?;
-        crate::pool::note_free(ptr);
-        Ok(())
-    })
+pub(crate) fn cuMemFree_v2(ptr: CUdeviceptr) -> Result<(), CUresult> {
+    let d = driver()?;
+    if ptr == 0 {
+        return Ok(());
+    }
+    capture::refuse_unsafe()?;
+    // Like the real driver, freeing waits for work that may still use it.
+    if let Ok(ctx) = driver::current_unchecked() {
+        ctx.wait_all();
+    }
+    d.mem.free_linear(ptr)?;
+    crate::pool::note_free(ptr);
+    Ok(())
 }
 
-#[no_mangle]
-extern "C" fn cuMemGetAddressRange_v2(
+pub(crate) fn cuMemGetAddressRange_v2(
     base: *mut CUdeviceptr,
     size: *mut usize,
     ptr: CUdeviceptr,
-) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        let (b, s) = d.mem.address_range(ptr).ok_or(CUDA_ERROR_NOT_FOUND)?;
-        if !base.is_null() {
-            out(base, b)?;
-        }
-        if !size.is_null() {
-            out(size, s as usize)?;
-        }
-        Ok(())
-    })
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    let (b, s) = d.mem.address_range(ptr).ok_or(CUDA_ERROR_NOT_FOUND)?;
+    if !base.is_null() {
+        out(base, b)?;
+    }
+    if !size.is_null() {
+        out(size, s as usize)?;
+    }
+    Ok(())
 }
 
 fn alloc_async(
@@ -567,82 +514,70 @@ fn alloc_async(
     out(dptr, p)
 }
 
-#[no_mangle]
-extern "C" fn cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) -> CUresult {
-    guard(|| alloc_async(dptr, size, None, stream, false))
-}
-
-#[no_mangle]
-extern "C" fn cuMemAllocAsync_ptsz(
+pub(crate) fn cuMemAllocAsync(
     dptr: *mut CUdeviceptr,
     size: usize,
     stream: CUstream,
-) -> CUresult {
-    guard(|| alloc_async(dptr, size, None, stream, true))
+    pt: bool,
+) -> Result<(), CUresult> {
+    alloc_async(dptr, size, None, stream, pt)
 }
 
-#[no_mangle]
-extern "C" fn cuMemAllocFromPoolAsync(
+pub(crate) fn cuMemAllocFromPoolAsync(
     dptr: *mut CUdeviceptr,
     size: usize,
     pool: *mut c_void,
     stream: CUstream,
-) -> CUresult {
-    guard(|| alloc_async(dptr, size, Some(pool), stream, false))
+    pt: bool,
+) -> Result<(), CUresult> {
+    alloc_async(dptr, size, Some(pool), stream, pt)
 }
 
-#[no_mangle]
-extern "C" fn cuMemAllocFromPoolAsync_ptsz(
-    dptr: *mut CUdeviceptr,
-    size: usize,
-    pool: *mut c_void,
-    stream: CUstream,
-) -> CUresult {
-    guard(|| alloc_async(dptr, size, Some(pool), stream, true))
+pub(crate) fn cuDeviceGetDefaultMemPool(
+    pool: *mut *mut c_void,
+    dev: CUdevice,
+) -> Result<(), CUresult> {
+    crate::pool::get_default(pool, dev)
 }
 
-#[no_mangle]
-extern "C" fn cuDeviceGetDefaultMemPool(pool: *mut *mut c_void, dev: CUdevice) -> CUresult {
-    guard(|| crate::pool::get_default(pool, dev))
+pub(crate) fn cuDeviceGetMemPool(pool: *mut *mut c_void, dev: CUdevice) -> Result<(), CUresult> {
+    crate::pool::get_current(pool, dev)
 }
 
-#[no_mangle]
-extern "C" fn cuDeviceGetMemPool(pool: *mut *mut c_void, dev: CUdevice) -> CUresult {
-    guard(|| crate::pool::get_current(pool, dev))
+pub(crate) fn cuDeviceSetMemPool(dev: CUdevice, pool: *mut c_void) -> Result<(), CUresult> {
+    crate::pool::set_current(dev, pool)
 }
 
-#[no_mangle]
-extern "C" fn cuDeviceSetMemPool(dev: CUdevice, pool: *mut c_void) -> CUresult {
-    guard(|| crate::pool::set_current(dev, pool))
-}
-
-#[no_mangle]
-extern "C" fn cuMemPoolCreate(
+pub(crate) fn cuMemPoolCreate(
     pool: *mut *mut c_void,
     props: *const crate::pool::CUmemPoolProps,
-) -> CUresult {
-    guard(|| crate::pool::create(pool, props))
+) -> Result<(), CUresult> {
+    crate::pool::create(pool, props)
 }
 
-#[no_mangle]
-extern "C" fn cuMemPoolDestroy(pool: *mut c_void) -> CUresult {
-    guard(|| crate::pool::destroy(pool))
+pub(crate) fn cuMemPoolDestroy(pool: *mut c_void) -> Result<(), CUresult> {
+    crate::pool::destroy(pool)
 }
 
-#[no_mangle]
-extern "C" fn cuMemPoolSetAttribute(pool: *mut c_void, attr: i32, value: *mut c_void) -> CUresult {
-    guard(|| crate::pool::set_attribute(pool, attr, value))
+pub(crate) fn cuMemPoolSetAttribute(
+    pool: *mut c_void,
+    attr: i32,
+    value: *mut c_void,
+) -> Result<(), CUresult> {
+    crate::pool::set_attribute(pool, attr, value)
 }
 
-#[no_mangle]
-extern "C" fn cuMemPoolGetAttribute(pool: *mut c_void, attr: i32, value: *mut c_void) -> CUresult {
-    guard(|| crate::pool::get_attribute(pool, attr, value))
+pub(crate) fn cuMemPoolGetAttribute(
+    pool: *mut c_void,
+    attr: i32,
+    value: *mut c_void,
+) -> Result<(), CUresult> {
+    crate::pool::get_attribute(pool, attr, value)
 }
 
 /// Pools cache nothing here, so there is never anything to trim.
-#[no_mangle]
-extern "C" fn cuMemPoolTrimTo(pool: *mut c_void, _keep: usize) -> CUresult {
-    guard(|| crate::pool::pool(pool).map(|_| ()))
+pub(crate) fn cuMemPoolTrimTo(pool: *mut c_void, _keep: usize) -> Result<(), CUresult> {
+    crate::pool::pool(pool).map(|_| ())
 }
 
 fn free_async(ptr: CUdeviceptr, stream: CUstream, pt: bool) -> Result<(), CUresult> {
@@ -654,30 +589,25 @@ fn free_async(ptr: CUdeviceptr, stream: CUstream, pt: bool) -> Result<(), CUresu
     s.ctx.submit(&s, Op::Free { ptr }).map(|_| ())
 }
 
-#[no_mangle]
-extern "C" fn cuMemFreeAsync(ptr: CUdeviceptr, stream: CUstream) -> CUresult {
-    guard(|| free_async(ptr, stream, false))
-}
-
-#[no_mangle]
-extern "C" fn cuMemFreeAsync_ptsz(ptr: CUdeviceptr, stream: CUstream) -> CUresult {
-    guard(|| free_async(ptr, stream, true))
+pub(crate) fn cuMemFreeAsync(ptr: CUdeviceptr, stream: CUstream, pt: bool) -> Result<(), CUresult> {
+    free_async(ptr, stream, pt)
 }
 
 // ---------------------------------------------------------------- managed memory, pointers
 
-#[no_mangle]
-extern "C" fn cuMemAllocManaged(dptr: *mut CUdeviceptr, size: usize, flags: u32) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        let ctx = driver::current()?;
-        capture::refuse_unsafe()?;
-        if dptr.is_null() || !matches!(flags, CU_MEM_ATTACH_GLOBAL | CU_MEM_ATTACH_HOST) {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let p = d.mem.alloc_managed(ctx.device, size as u64, ctx.handle())?;
-        out(dptr, p)
-    })
+pub(crate) fn cuMemAllocManaged(
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    flags: u32,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    let ctx = driver::current()?;
+    capture::refuse_unsafe()?;
+    if dptr.is_null() || !matches!(flags, CU_MEM_ATTACH_GLOBAL | CU_MEM_ATTACH_HOST) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let p = d.mem.alloc_managed(ctx.device, size as u64, ctx.handle())?;
+    out(dptr, p)
 }
 
 /// Managed memory is always resident in the simulator: a prefetch only checks its
@@ -694,23 +624,14 @@ fn prefetch(ptr: u64, n: usize, device: i32, stream: CUstream, pt: bool) -> Resu
     enqueue(stream, pt, Op::Nop, false)
 }
 
-#[no_mangle]
-extern "C" fn cuMemPrefetchAsync(
+pub(crate) fn cuMemPrefetchAsync(
     ptr: CUdeviceptr,
     n: usize,
     device: CUdevice,
     s: CUstream,
-) -> CUresult {
-    guard(|| prefetch(ptr, n, device, s, false))
-}
-#[no_mangle]
-extern "C" fn cuMemPrefetchAsync_ptsz(
-    ptr: CUdeviceptr,
-    n: usize,
-    device: CUdevice,
-    s: CUstream,
-) -> CUresult {
-    guard(|| prefetch(ptr, n, device, s, true))
+    pt: bool,
+) -> Result<(), CUresult> {
+    prefetch(ptr, n, device, s, pt)
 }
 
 fn location_device(loc: CUmemLocation) -> Result<i32, CUresult> {
@@ -721,25 +642,15 @@ fn location_device(loc: CUmemLocation) -> Result<i32, CUresult> {
     }
 }
 
-#[no_mangle]
-extern "C" fn cuMemPrefetchAsync_v2(
+pub(crate) fn cuMemPrefetchAsync_v2(
     ptr: CUdeviceptr,
     n: usize,
     loc: CUmemLocation,
     _flags: u32,
     s: CUstream,
-) -> CUresult {
-    guard(|| prefetch(ptr, n, location_device(loc)?, s, false))
-}
-#[no_mangle]
-extern "C" fn cuMemPrefetchAsync_v2_ptsz(
-    ptr: CUdeviceptr,
-    n: usize,
-    loc: CUmemLocation,
-    _flags: u32,
-    s: CUstream,
-) -> CUresult {
-    guard(|| prefetch(ptr, n, location_device(loc)?, s, true))
+    pt: bool,
+) -> Result<(), CUresult> {
+    prefetch(ptr, n, location_device(loc)?, s, pt)
 }
 
 /// One pointer attribute of `ptr`; `CUDA_ERROR_INVALID_VALUE` for an address the
@@ -813,13 +724,12 @@ fn pointer_attribute(
     }
 }
 
-#[no_mangle]
-extern "C" fn cuPointerGetAttribute(
+pub(crate) fn cuPointerGetAttribute(
     data: *mut c_void,
     attribute: i32,
     ptr: CUdeviceptr,
-) -> CUresult {
-    guard(|| pointer_attribute(driver()?, data, attribute, ptr))
+) -> Result<(), CUresult> {
+    pointer_attribute(driver()?, data, attribute, ptr)
 }
 
 /// The default an attribute reads for a pointer the driver does not know: "the
@@ -838,30 +748,27 @@ fn unknown_pointer_default(data: *mut c_void, attribute: i32) -> Result<(), CUre
     }
 }
 
-#[no_mangle]
-extern "C" fn cuPointerGetAttributes(
+pub(crate) fn cuPointerGetAttributes(
     n: u32,
     attributes: *const i32,
     data: *mut *mut c_void,
     ptr: CUdeviceptr,
-) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        if n == 0 || attributes.is_null() || data.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if n == 0 || attributes.is_null() || data.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let known = d.mem.pointer_info(ptr).is_some() || d.mem.host_range(ptr as usize).is_some();
+    for i in 0..n as usize {
+        // SAFETY: the caller passes arrays of `n` attributes and `n` data pointers.
+        let (a, slot) = unsafe { (read(attributes.add(i))?, read(data.add(i))?) };
+        // An attribute that does not apply (the host pointer of device memory)
+        // reads its NULL default here, where cuPointerGetAttribute fails.
+        if !known || pointer_attribute(d, slot, a, ptr).is_err() {
+            unknown_pointer_default(slot, a)?;
         }
-        let known = d.mem.pointer_info(ptr).is_some() || d.mem.host_range(ptr as usize).is_some();
-        for i in 0..n as usize {
-            // SAFETY: the caller passes arrays of `n` attributes and `n` data pointers.
-            let (a, slot) = unsafe { (read(attributes.add(i))?, read(data.add(i))?) };
-            // An attribute that does not apply (the host pointer of device memory)
-            // reads its NULL default here, where cuPointerGetAttribute fails.
-            if !known || pointer_attribute(d, slot, a, ptr).is_err() {
-                unknown_pointer_default(slot, a)?;
-            }
-        }
-        Ok(())
-    })
+    }
+    Ok(())
 }
 
 /// `cuIpcGetMemHandle`: only the base of a `cuMemAlloc` allocation can be exported
@@ -872,25 +779,22 @@ extern "C" fn cuPointerGetAttributes(
 /// instead). The handle names this process and the allocation; opening it
 /// (`cuIpcOpenMemHandle`) is not simulated: a simulated allocation's bytes live in
 /// its own process.
-#[no_mangle]
-extern "C" fn cuIpcGetMemHandle(handle: *mut [u8; 64], ptr: CUdeviceptr) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        driver::current()?;
-        if handle.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let info = d.mem.pointer_info(ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        if !d.mem.is_linear_start(ptr) || info.managed || crate::pool::pool_of(ptr).is_some() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let mut h = [0u8; 64];
-        h[..8].copy_from_slice(b"KIWISIM\0");
-        h[8..12].copy_from_slice(&std::process::id().to_le_bytes());
-        h[16..24].copy_from_slice(&ptr.to_le_bytes());
-        h[24..32].copy_from_slice(&info.size.to_le_bytes());
-        out(handle, h)
-    })
+pub(crate) fn cuIpcGetMemHandle(handle: *mut [u8; 64], ptr: CUdeviceptr) -> Result<(), CUresult> {
+    let d = driver()?;
+    driver::current()?;
+    if handle.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let info = d.mem.pointer_info(ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    if !d.mem.is_linear_start(ptr) || info.managed || crate::pool::pool_of(ptr).is_some() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let mut h = [0u8; 64];
+    h[..8].copy_from_slice(b"KIWISIM\0");
+    h[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    h[16..24].copy_from_slice(&ptr.to_le_bytes());
+    h[24..32].copy_from_slice(&info.size.to_le_bytes());
+    out(handle, h)
 }
 
 fn advise(ptr: u64, n: usize, advice: i32, device: i32) -> Result<(), CUresult> {
@@ -909,24 +813,56 @@ fn advise(ptr: u64, n: usize, advice: i32, device: i32) -> Result<(), CUresult> 
     }
 }
 
-#[no_mangle]
-extern "C" fn cuMemAdvise(ptr: CUdeviceptr, n: usize, advice: i32, device: CUdevice) -> CUresult {
-    guard(|| advise(ptr, n, advice, device))
+pub(crate) fn cuMemAdvise(
+    ptr: CUdeviceptr,
+    n: usize,
+    advice: i32,
+    device: CUdevice,
+) -> Result<(), CUresult> {
+    advise(ptr, n, advice, device)
 }
 
-#[no_mangle]
-extern "C" fn cuMemAdvise_v2(
+pub(crate) fn cuMemAdvise_v2(
     ptr: CUdeviceptr,
     n: usize,
     advice: i32,
     loc: CUmemLocation,
-) -> CUresult {
-    guard(|| advise(ptr, n, advice, location_device(loc)?))
+) -> Result<(), CUresult> {
+    advise(ptr, n, advice, location_device(loc)?)
 }
 
 // ---------------------------------------------------------------- pinned host memory
 
+/// Makes a call that succeeded take at least `seconds` of wall time since `start`:
+/// what the real driver spends page-locking host memory or creating physical
+/// memory (knobs `KIWI_SIM_PIN_GBPS`, `KIWI_SIM_MEMCREATE_US_PER_2MIB`). Work the
+/// simulator really did (populating pages) counts toward it.
+///
+/// A sleep, not a spin: the caller sees the latency it would on hardware, while the
+/// host's cores (two on CI, shared by every simulated process) stay free for the
+/// other processes, which on a real machine would not be slowed down by this one's
+/// pinning.
+pub(crate) fn take_time(start: std::time::Instant, seconds: f64) {
+    if !(seconds.is_finite() && seconds > 0.0) {
+        return;
+    }
+    let want = std::time::Duration::from_secs_f64(seconds);
+    if let Some(left) = want.checked_sub(start.elapsed()) {
+        std::thread::sleep(left);
+    }
+}
+
+/// Seconds page-locking `bytes` of host memory takes.
+fn pin_seconds(d: &Driver, bytes: usize) -> f64 {
+    if d.pin_bps > 0.0 {
+        bytes as f64 / d.pin_bps
+    } else {
+        0.0
+    }
+}
+
 fn host_alloc(pp: *mut *mut c_void, size: usize) -> Result<(), CUresult> {
+    let start = std::time::Instant::now();
     let d = driver()?;
     driver::current()?;
     capture::refuse_unsafe()?;
@@ -951,51 +887,53 @@ fn host_alloc(pp: *mut *mut c_void, size: usize) -> Result<(), CUresult> {
         return Err(CUDA_ERROR_OUT_OF_MEMORY);
     }
     d.mem.host_add(p as usize, size, true)?;
-    out(pp, p)
+    out(pp, p)?;
+    take_time(start, pin_seconds(d, size));
+    Ok(())
 }
 
-#[no_mangle]
-extern "C" fn cuMemAllocHost_v2(pp: *mut *mut c_void, size: usize) -> CUresult {
-    guard(|| host_alloc(pp, size))
+pub(crate) fn cuMemAllocHost_v2(pp: *mut *mut c_void, size: usize) -> Result<(), CUresult> {
+    host_alloc(pp, size)
 }
 
-#[no_mangle]
-extern "C" fn cuMemHostAlloc(pp: *mut *mut c_void, size: usize, flags: u32) -> CUresult {
-    guard(|| {
-        if flags & !0x7 != 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        host_alloc(pp, size)
-    })
+pub(crate) fn cuMemHostAlloc(
+    pp: *mut *mut c_void,
+    size: usize,
+    flags: u32,
+) -> Result<(), CUresult> {
+    if flags & !0x7 != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    host_alloc(pp, size)
 }
 
-#[no_mangle]
-extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        capture::refuse_unsafe()?;
-        let len = d.mem.host_remove(p as usize, true)?;
-        // SAFETY: unmapping a mapping host_alloc created with this length.
-        unsafe { libc::munmap(p, len) };
-        Ok(())
-    })
+pub(crate) fn cuMemFreeHost(p: *mut c_void) -> Result<(), CUresult> {
+    let d = driver()?;
+    capture::refuse_unsafe()?;
+    let len = d.mem.host_remove(p as usize, true)?;
+    // SAFETY: unmapping a mapping host_alloc created with this length.
+    unsafe { libc::munmap(p, len) };
+    Ok(())
 }
 
-#[no_mangle]
-extern "C" fn cuMemHostRegister_v2(p: *mut c_void, size: usize, flags: u32) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        driver::current()?;
-        if p.is_null() || size == 0 || flags & !0xf != 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        d.mem.host_add(p as usize, size, false)
-    })
+pub(crate) fn cuMemHostRegister_v2(
+    p: *mut c_void,
+    size: usize,
+    flags: u32,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    driver::current()?;
+    if p.is_null() || size == 0 || flags & !0xf != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let start = std::time::Instant::now();
+    d.mem.host_add(p as usize, size, false)?;
+    take_time(start, pin_seconds(d, size));
+    Ok(())
 }
 
-#[no_mangle]
-extern "C" fn cuMemHostUnregister(p: *mut c_void) -> CUresult {
-    guard(|| driver()?.mem.host_remove(p as usize, false).map(|_| ()))
+pub(crate) fn cuMemHostUnregister(p: *mut c_void) -> Result<(), CUresult> {
+    driver()?.mem.host_remove(p as usize, false).map(|_| ())
 }
 
 // ---------------------------------------------------------------- copies and memsets
@@ -1179,152 +1117,122 @@ fn memset(
 
 const NULL_STREAM: CUstream = std::ptr::null_mut();
 
-#[no_mangle]
-extern "C" fn cuMemcpy(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> CUresult {
-    guard(|| memcpy(dst, src, n, NULL_STREAM, false, true))
+pub(crate) fn cuMemcpy(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    n: usize,
+    pt: bool,
+) -> Result<(), CUresult> {
+    memcpy(dst, src, n, NULL_STREAM, pt, true)
 }
-#[no_mangle]
-extern "C" fn cuMemcpy_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> CUresult {
-    guard(|| memcpy(dst, src, n, NULL_STREAM, true, true))
-}
-#[no_mangle]
-extern "C" fn cuMemcpyAsync(dst: CUdeviceptr, src: CUdeviceptr, n: usize, s: CUstream) -> CUresult {
-    guard(|| memcpy(dst, src, n, s, false, false))
-}
-#[no_mangle]
-extern "C" fn cuMemcpyAsync_ptsz(
+
+pub(crate) fn cuMemcpyAsync(
     dst: CUdeviceptr,
     src: CUdeviceptr,
     n: usize,
     s: CUstream,
-) -> CUresult {
-    guard(|| memcpy(dst, src, n, s, true, false))
+    pt: bool,
+) -> Result<(), CUresult> {
+    memcpy(dst, src, n, s, pt, false)
 }
-#[no_mangle]
-extern "C" fn cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, n: usize) -> CUresult {
-    guard(|| htod(dst, src, n, NULL_STREAM, false, true))
+
+pub(crate) fn cuMemcpyHtoD_v2(
+    dst: CUdeviceptr,
+    src: *const c_void,
+    n: usize,
+    pt: bool,
+) -> Result<(), CUresult> {
+    htod(dst, src, n, NULL_STREAM, pt, true)
 }
-#[no_mangle]
-extern "C" fn cuMemcpyHtoD_v2_ptds(dst: CUdeviceptr, src: *const c_void, n: usize) -> CUresult {
-    guard(|| htod(dst, src, n, NULL_STREAM, true, true))
+
+pub(crate) fn cuMemcpyDtoH_v2(
+    dst: *mut c_void,
+    src: CUdeviceptr,
+    n: usize,
+    pt: bool,
+) -> Result<(), CUresult> {
+    dtoh(dst, src, n, NULL_STREAM, pt, true)
 }
-#[no_mangle]
-extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, n: usize) -> CUresult {
-    guard(|| dtoh(dst, src, n, NULL_STREAM, false, true))
+
+pub(crate) fn cuMemcpyDtoD_v2(
+    dst: CUdeviceptr,
+    src: CUdeviceptr,
+    n: usize,
+    pt: bool,
+) -> Result<(), CUresult> {
+    dtod(dst, src, n, NULL_STREAM, pt, true)
 }
-#[no_mangle]
-extern "C" fn cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: CUdeviceptr, n: usize) -> CUresult {
-    guard(|| dtoh(dst, src, n, NULL_STREAM, true, true))
-}
-#[no_mangle]
-extern "C" fn cuMemcpyDtoD_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> CUresult {
-    guard(|| dtod(dst, src, n, NULL_STREAM, false, true))
-}
-#[no_mangle]
-extern "C" fn cuMemcpyDtoD_v2_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> CUresult {
-    guard(|| dtod(dst, src, n, NULL_STREAM, true, true))
-}
-#[no_mangle]
-extern "C" fn cuMemcpyHtoDAsync_v2(
+
+pub(crate) fn cuMemcpyHtoDAsync_v2(
     dst: CUdeviceptr,
     src: *const c_void,
     n: usize,
     s: CUstream,
-) -> CUresult {
-    guard(|| htod(dst, src, n, s, false, false))
+    pt: bool,
+) -> Result<(), CUresult> {
+    htod(dst, src, n, s, pt, false)
 }
-#[no_mangle]
-extern "C" fn cuMemcpyHtoDAsync_v2_ptsz(
-    dst: CUdeviceptr,
-    src: *const c_void,
-    n: usize,
-    s: CUstream,
-) -> CUresult {
-    guard(|| htod(dst, src, n, s, true, false))
-}
-#[no_mangle]
-extern "C" fn cuMemcpyDtoHAsync_v2(
+
+pub(crate) fn cuMemcpyDtoHAsync_v2(
     dst: *mut c_void,
     src: CUdeviceptr,
     n: usize,
     s: CUstream,
-) -> CUresult {
-    guard(|| dtoh(dst, src, n, s, false, false))
+    pt: bool,
+) -> Result<(), CUresult> {
+    dtoh(dst, src, n, s, pt, false)
 }
-#[no_mangle]
-extern "C" fn cuMemcpyDtoHAsync_v2_ptsz(
-    dst: *mut c_void,
-    src: CUdeviceptr,
-    n: usize,
-    s: CUstream,
-) -> CUresult {
-    guard(|| dtoh(dst, src, n, s, true, false))
-}
-#[no_mangle]
-extern "C" fn cuMemcpyDtoDAsync_v2(
+
+pub(crate) fn cuMemcpyDtoDAsync_v2(
     dst: CUdeviceptr,
     src: CUdeviceptr,
     n: usize,
     s: CUstream,
-) -> CUresult {
-    guard(|| dtod(dst, src, n, s, false, false))
+    pt: bool,
+) -> Result<(), CUresult> {
+    dtod(dst, src, n, s, pt, false)
 }
-#[no_mangle]
-extern "C" fn cuMemcpyDtoDAsync_v2_ptsz(
+
+pub(crate) fn cuMemsetD8_v2(dst: CUdeviceptr, v: u8, n: usize, pt: bool) -> Result<(), CUresult> {
+    memset(dst, u32::from(v), 1, n, NULL_STREAM, pt, true)
+}
+
+pub(crate) fn cuMemsetD16_v2(dst: CUdeviceptr, v: u16, n: usize, pt: bool) -> Result<(), CUresult> {
+    memset(dst, u32::from(v), 2, n, NULL_STREAM, pt, true)
+}
+
+pub(crate) fn cuMemsetD32_v2(dst: CUdeviceptr, v: u32, n: usize, pt: bool) -> Result<(), CUresult> {
+    memset(dst, v, 4, n, NULL_STREAM, pt, true)
+}
+
+pub(crate) fn cuMemsetD8Async(
     dst: CUdeviceptr,
-    src: CUdeviceptr,
+    v: u8,
     n: usize,
     s: CUstream,
-) -> CUresult {
-    guard(|| dtod(dst, src, n, s, true, false))
+    pt: bool,
+) -> Result<(), CUresult> {
+    memset(dst, u32::from(v), 1, n, s, pt, false)
 }
-#[no_mangle]
-extern "C" fn cuMemsetD8_v2(dst: CUdeviceptr, v: u8, n: usize) -> CUresult {
-    guard(|| memset(dst, u32::from(v), 1, n, NULL_STREAM, false, true))
+
+pub(crate) fn cuMemsetD16Async(
+    dst: CUdeviceptr,
+    v: u16,
+    n: usize,
+    s: CUstream,
+    pt: bool,
+) -> Result<(), CUresult> {
+    memset(dst, u32::from(v), 2, n, s, pt, false)
 }
-#[no_mangle]
-extern "C" fn cuMemsetD8_v2_ptds(dst: CUdeviceptr, v: u8, n: usize) -> CUresult {
-    guard(|| memset(dst, u32::from(v), 1, n, NULL_STREAM, true, true))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD16_v2(dst: CUdeviceptr, v: u16, n: usize) -> CUresult {
-    guard(|| memset(dst, u32::from(v), 2, n, NULL_STREAM, false, true))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD16_v2_ptds(dst: CUdeviceptr, v: u16, n: usize) -> CUresult {
-    guard(|| memset(dst, u32::from(v), 2, n, NULL_STREAM, true, true))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD32_v2(dst: CUdeviceptr, v: u32, n: usize) -> CUresult {
-    guard(|| memset(dst, v, 4, n, NULL_STREAM, false, true))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD32_v2_ptds(dst: CUdeviceptr, v: u32, n: usize) -> CUresult {
-    guard(|| memset(dst, v, 4, n, NULL_STREAM, true, true))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD8Async(dst: CUdeviceptr, v: u8, n: usize, s: CUstream) -> CUresult {
-    guard(|| memset(dst, u32::from(v), 1, n, s, false, false))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD8Async_ptsz(dst: CUdeviceptr, v: u8, n: usize, s: CUstream) -> CUresult {
-    guard(|| memset(dst, u32::from(v), 1, n, s, true, false))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD16Async(dst: CUdeviceptr, v: u16, n: usize, s: CUstream) -> CUresult {
-    guard(|| memset(dst, u32::from(v), 2, n, s, false, false))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD16Async_ptsz(dst: CUdeviceptr, v: u16, n: usize, s: CUstream) -> CUresult {
-    guard(|| memset(dst, u32::from(v), 2, n, s, true, false))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD32Async(dst: CUdeviceptr, v: u32, n: usize, s: CUstream) -> CUresult {
-    guard(|| memset(dst, v, 4, n, s, false, false))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD32Async_ptsz(dst: CUdeviceptr, v: u32, n: usize, s: CUstream) -> CUresult {
-    guard(|| memset(dst, v, 4, n, s, true, false))
+
+pub(crate) fn cuMemsetD32Async(
+    dst: CUdeviceptr,
+    v: u32,
+    n: usize,
+    s: CUstream,
+    pt: bool,
+) -> Result<(), CUresult> {
+    memset(dst, v, 4, n, s, pt, false)
 }
 
 // ---------------------------------------------------------------- 2D copies and memsets
@@ -1416,29 +1324,20 @@ fn copy_2d(p: *const CudaMemcpy2D, stream: CUstream, pt: bool, sync: bool) -> Re
     )
 }
 
-#[no_mangle]
-extern "C" fn cuMemcpy2D_v2(p: *const CudaMemcpy2D) -> CUresult {
-    guard(|| copy_2d(p, NULL_STREAM, false, true))
+pub(crate) fn cuMemcpy2D_v2(p: *const CudaMemcpy2D, pt: bool) -> Result<(), CUresult> {
+    copy_2d(p, NULL_STREAM, pt, true)
 }
-#[no_mangle]
-extern "C" fn cuMemcpy2D_v2_ptds(p: *const CudaMemcpy2D) -> CUresult {
-    guard(|| copy_2d(p, NULL_STREAM, true, true))
+
+pub(crate) fn cuMemcpy2DUnaligned_v2(p: *const CudaMemcpy2D, pt: bool) -> Result<(), CUresult> {
+    copy_2d(p, NULL_STREAM, pt, true)
 }
-#[no_mangle]
-extern "C" fn cuMemcpy2DUnaligned_v2(p: *const CudaMemcpy2D) -> CUresult {
-    guard(|| copy_2d(p, NULL_STREAM, false, true))
-}
-#[no_mangle]
-extern "C" fn cuMemcpy2DUnaligned_v2_ptds(p: *const CudaMemcpy2D) -> CUresult {
-    guard(|| copy_2d(p, NULL_STREAM, true, true))
-}
-#[no_mangle]
-extern "C" fn cuMemcpy2DAsync_v2(p: *const CudaMemcpy2D, s: CUstream) -> CUresult {
-    guard(|| copy_2d(p, s, false, false))
-}
-#[no_mangle]
-extern "C" fn cuMemcpy2DAsync_v2_ptsz(p: *const CudaMemcpy2D, s: CUstream) -> CUresult {
-    guard(|| copy_2d(p, s, true, false))
+
+pub(crate) fn cuMemcpy2DAsync_v2(
+    p: *const CudaMemcpy2D,
+    s: CUstream,
+    pt: bool,
+) -> Result<(), CUresult> {
+    copy_2d(p, s, pt, false)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -1476,131 +1375,73 @@ fn memset_2d(
     enqueue(stream, pt, op, sync)
 }
 
-#[no_mangle]
-extern "C" fn cuMemsetD2D8_v2(
+pub(crate) fn cuMemsetD2D8_v2(
     dst: CUdeviceptr,
     pitch: usize,
     v: u8,
     w: usize,
     h: usize,
-) -> CUresult {
-    guard(|| memset_2d(dst, pitch, u32::from(v), 1, w, h, NULL_STREAM, false, true))
+    pt: bool,
+) -> Result<(), CUresult> {
+    memset_2d(dst, pitch, u32::from(v), 1, w, h, NULL_STREAM, pt, true)
 }
-#[no_mangle]
-extern "C" fn cuMemsetD2D8_v2_ptds(
-    dst: CUdeviceptr,
-    pitch: usize,
-    v: u8,
-    w: usize,
-    h: usize,
-) -> CUresult {
-    guard(|| memset_2d(dst, pitch, u32::from(v), 1, w, h, NULL_STREAM, true, true))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD2D16_v2(
+
+pub(crate) fn cuMemsetD2D16_v2(
     dst: CUdeviceptr,
     pitch: usize,
     v: u16,
     w: usize,
     h: usize,
-) -> CUresult {
-    guard(|| memset_2d(dst, pitch, u32::from(v), 2, w, h, NULL_STREAM, false, true))
+    pt: bool,
+) -> Result<(), CUresult> {
+    memset_2d(dst, pitch, u32::from(v), 2, w, h, NULL_STREAM, pt, true)
 }
-#[no_mangle]
-extern "C" fn cuMemsetD2D16_v2_ptds(
-    dst: CUdeviceptr,
-    pitch: usize,
-    v: u16,
-    w: usize,
-    h: usize,
-) -> CUresult {
-    guard(|| memset_2d(dst, pitch, u32::from(v), 2, w, h, NULL_STREAM, true, true))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD2D32_v2(
+
+pub(crate) fn cuMemsetD2D32_v2(
     dst: CUdeviceptr,
     pitch: usize,
     v: u32,
     w: usize,
     h: usize,
-) -> CUresult {
-    guard(|| memset_2d(dst, pitch, v, 4, w, h, NULL_STREAM, false, true))
+    pt: bool,
+) -> Result<(), CUresult> {
+    memset_2d(dst, pitch, v, 4, w, h, NULL_STREAM, pt, true)
 }
-#[no_mangle]
-extern "C" fn cuMemsetD2D32_v2_ptds(
-    dst: CUdeviceptr,
-    pitch: usize,
-    v: u32,
-    w: usize,
-    h: usize,
-) -> CUresult {
-    guard(|| memset_2d(dst, pitch, v, 4, w, h, NULL_STREAM, true, true))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD2D8Async(
+
+pub(crate) fn cuMemsetD2D8Async(
     dst: CUdeviceptr,
     pitch: usize,
     v: u8,
     w: usize,
     h: usize,
     s: CUstream,
-) -> CUresult {
-    guard(|| memset_2d(dst, pitch, u32::from(v), 1, w, h, s, false, false))
+    pt: bool,
+) -> Result<(), CUresult> {
+    memset_2d(dst, pitch, u32::from(v), 1, w, h, s, pt, false)
 }
-#[no_mangle]
-extern "C" fn cuMemsetD2D8Async_ptsz(
-    dst: CUdeviceptr,
-    pitch: usize,
-    v: u8,
-    w: usize,
-    h: usize,
-    s: CUstream,
-) -> CUresult {
-    guard(|| memset_2d(dst, pitch, u32::from(v), 1, w, h, s, true, false))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD2D16Async(
+
+pub(crate) fn cuMemsetD2D16Async(
     dst: CUdeviceptr,
     pitch: usize,
     v: u16,
     w: usize,
     h: usize,
     s: CUstream,
-) -> CUresult {
-    guard(|| memset_2d(dst, pitch, u32::from(v), 2, w, h, s, false, false))
+    pt: bool,
+) -> Result<(), CUresult> {
+    memset_2d(dst, pitch, u32::from(v), 2, w, h, s, pt, false)
 }
-#[no_mangle]
-extern "C" fn cuMemsetD2D16Async_ptsz(
-    dst: CUdeviceptr,
-    pitch: usize,
-    v: u16,
-    w: usize,
-    h: usize,
-    s: CUstream,
-) -> CUresult {
-    guard(|| memset_2d(dst, pitch, u32::from(v), 2, w, h, s, true, false))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD2D32Async(
+
+pub(crate) fn cuMemsetD2D32Async(
     dst: CUdeviceptr,
     pitch: usize,
     v: u32,
     w: usize,
     h: usize,
     s: CUstream,
-) -> CUresult {
-    guard(|| memset_2d(dst, pitch, v, 4, w, h, s, false, false))
-}
-#[no_mangle]
-extern "C" fn cuMemsetD2D32Async_ptsz(
-    dst: CUdeviceptr,
-    pitch: usize,
-    v: u32,
-    w: usize,
-    h: usize,
-    s: CUstream,
-) -> CUresult {
-    guard(|| memset_2d(dst, pitch, v, 4, w, h, s, true, false))
+    pt: bool,
+) -> Result<(), CUresult> {
+    memset_2d(dst, pitch, v, 4, w, h, s, pt, false)
 }
 
 // ---------------------------------------------------------------- VMM
@@ -1614,123 +1455,112 @@ fn check_prop(d: &Driver, prop: *const CUmemAllocationProp) -> Result<u32, CUres
         .map_err(|_| CUDA_ERROR_INVALID_DEVICE)
 }
 
-#[no_mangle]
-extern "C" fn cuMemGetAllocationGranularity(
+pub(crate) fn cuMemGetAllocationGranularity(
     g: *mut usize,
     prop: *const CUmemAllocationProp,
     option: i32,
-) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        check_prop(d, prop)?;
-        if !matches!(option, 0 | 1) {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        out(g, GRANULARITY as usize)
-    })
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    check_prop(d, prop)?;
+    if !matches!(option, 0 | 1) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    out(g, GRANULARITY as usize)
 }
 
-#[no_mangle]
-extern "C" fn cuMemAddressReserve(
+pub(crate) fn cuMemAddressReserve(
     ptr: *mut CUdeviceptr,
     size: usize,
     align: usize,
     addr: CUdeviceptr,
     flags: u64,
-) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        if ptr.is_null() || flags != 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let at = d.mem.reserve(size as u64, align as u64, addr)?;
-        out(ptr, at)
-    })
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if ptr.is_null() || flags != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let at = d.mem.reserve(size as u64, align as u64, addr)?;
+    out(ptr, at)
 }
 
-#[no_mangle]
-extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUresult {
-    guard(|| driver()?.mem.unreserve(ptr, size as u64))
+pub(crate) fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> Result<(), CUresult> {
+    driver()?.mem.unreserve(ptr, size as u64)
 }
 
-#[no_mangle]
-extern "C" fn cuMemCreate(
+pub(crate) fn cuMemCreate(
     handle: *mut CUmemGenericAllocationHandle,
     size: usize,
     prop: *const CUmemAllocationProp,
     flags: u64,
-) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        let g = check_prop(d, prop)?;
-        if handle.is_null() || flags != 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let h = d.mem.create(g, size as u64)?;
-        out(handle, h)
-    })
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    let g = check_prop(d, prop)?;
+    if handle.is_null() || flags != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let start = std::time::Instant::now();
+    let h = d.mem.create(g, size as u64)?;
+    out(handle, h)?;
+    // Physical allocation is linear in 2 MiB pages (KIWI_SIM_MEMCREATE_US_PER_2MIB).
+    take_time(
+        start,
+        (size as u64 / GRANULARITY) as f64 * d.memcreate_s_per_2mib,
+    );
+    Ok(())
 }
 
-#[no_mangle]
-extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
-    guard(|| driver()?.mem.release(handle))
+pub(crate) fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> Result<(), CUresult> {
+    driver()?.mem.release(handle)
 }
 
-#[no_mangle]
-extern "C" fn cuMemMap(
+pub(crate) fn cuMemMap(
     ptr: CUdeviceptr,
     size: usize,
     offset: usize,
     handle: CUmemGenericAllocationHandle,
     flags: u64,
-) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        if flags != 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        d.mem.map(ptr, size as u64, offset as u64, handle)
-    })
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if flags != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    d.mem.map(ptr, size as u64, offset as u64, handle)
 }
 
-#[no_mangle]
-extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
-    guard(|| driver()?.mem.unmap(ptr, size as u64))
+pub(crate) fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> Result<(), CUresult> {
+    driver()?.mem.unmap(ptr, size as u64)
 }
 
-#[no_mangle]
-extern "C" fn cuMemSetAccess(
+pub(crate) fn cuMemSetAccess(
     ptr: CUdeviceptr,
     size: usize,
     desc: *const CUmemAccessDesc,
     count: usize,
-) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        if desc.is_null() || count == 0 {
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if desc.is_null() || count == 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // Each descriptor grants one device its access.
+    let mut grants = Vec::with_capacity(count);
+    for i in 0..count {
+        // SAFETY: the caller passes an array of `count` descriptors.
+        let dsc = read(unsafe { desc.add(i) })?;
+        if dsc.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        // Each descriptor grants one device its access.
-        let mut grants = Vec::with_capacity(count);
-        for i in 0..count {
-            // SAFETY: the caller passes an array of `count` descriptors.
-            let dsc = read(unsafe { desc.add(i) })?;
-            if dsc.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
-                return Err(CUDA_ERROR_INVALID_VALUE);
-            }
-            let dev = d
-                .device(dsc.location.id)
-                .map_err(|_| CUDA_ERROR_INVALID_DEVICE)?;
-            let access = match dsc.flags {
-                CU_MEM_ACCESS_FLAGS_PROT_NONE => Access::None,
-                CU_MEM_ACCESS_FLAGS_PROT_READ => Access::Read,
-                CU_MEM_ACCESS_FLAGS_PROT_READWRITE => Access::ReadWrite,
-                _ => return Err(CUDA_ERROR_INVALID_VALUE),
-            };
-            grants.push((dev, access));
-        }
-        d.mem.set_access(ptr, size as u64, &grants)
-    })
+        let dev = d
+            .device(dsc.location.id)
+            .map_err(|_| CUDA_ERROR_INVALID_DEVICE)?;
+        let access = match dsc.flags {
+            CU_MEM_ACCESS_FLAGS_PROT_NONE => Access::None,
+            CU_MEM_ACCESS_FLAGS_PROT_READ => Access::Read,
+            CU_MEM_ACCESS_FLAGS_PROT_READWRITE => Access::ReadWrite,
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        grants.push((dev, access));
+    }
+    d.mem.set_access(ptr, size as u64, &grants)
 }
 
 // ---------------------------------------------------------------- streams and events
@@ -1755,28 +1585,27 @@ fn stream_create(ph: *mut CUstream, flags: u32, priority: i32) -> Result<(), CUr
     out(ph, h as CUstream)
 }
 
-#[no_mangle]
-extern "C" fn cuStreamCreate(ph: *mut CUstream, flags: u32) -> CUresult {
-    guard(|| stream_create(ph, flags, 0))
+pub(crate) fn cuStreamCreate(ph: *mut CUstream, flags: u32) -> Result<(), CUresult> {
+    stream_create(ph, flags, 0)
 }
 
-#[no_mangle]
-extern "C" fn cuStreamCreateWithPriority(ph: *mut CUstream, flags: u32, priority: i32) -> CUresult {
-    guard(|| stream_create(ph, flags, priority))
+pub(crate) fn cuStreamCreateWithPriority(
+    ph: *mut CUstream,
+    flags: u32,
+    priority: i32,
+) -> Result<(), CUresult> {
+    stream_create(ph, flags, priority)
 }
 
-#[no_mangle]
-extern "C" fn cuStreamDestroy_v2(s: CUstream) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        // Pending work still completes; the handle is gone at once.
-        d.streams
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(s as usize))
-            .map(|_| ())
-            .ok_or(CUDA_ERROR_INVALID_HANDLE)
-    })
+pub(crate) fn cuStreamDestroy_v2(s: CUstream) -> Result<(), CUresult> {
+    let d = driver()?;
+    // Pending work still completes; the handle is gone at once.
+    d.streams
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&(s as usize))
+        .map(|_| ())
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)
 }
 
 fn stream_sync(s: CUstream, pt: bool) -> Result<(), CUresult> {
@@ -1799,14 +1628,8 @@ fn stream_sync(s: CUstream, pt: bool) -> Result<(), CUresult> {
     st.ctx.check()
 }
 
-#[no_mangle]
-extern "C" fn cuStreamSynchronize(s: CUstream) -> CUresult {
-    guard(|| stream_sync(s, false))
-}
-
-#[no_mangle]
-extern "C" fn cuStreamSynchronize_ptsz(s: CUstream) -> CUresult {
-    guard(|| stream_sync(s, true))
+pub(crate) fn cuStreamSynchronize(s: CUstream, pt: bool) -> Result<(), CUresult> {
+    stream_sync(s, pt)
 }
 
 fn stream_query(s: CUstream, pt: bool) -> Result<(), CUresult> {
@@ -1825,14 +1648,8 @@ fn stream_query(s: CUstream, pt: bool) -> Result<(), CUresult> {
     }
 }
 
-#[no_mangle]
-extern "C" fn cuStreamQuery(s: CUstream) -> CUresult {
-    guard(|| stream_query(s, false))
-}
-
-#[no_mangle]
-extern "C" fn cuStreamQuery_ptsz(s: CUstream) -> CUresult {
-    guard(|| stream_query(s, true))
+pub(crate) fn cuStreamQuery(s: CUstream, pt: bool) -> Result<(), CUresult> {
+    stream_query(s, pt)
 }
 
 fn stream_wait_event(s: CUstream, e: CUevent, pt: bool) -> Result<(), CUresult> {
@@ -1858,14 +1675,13 @@ fn stream_wait_event(s: CUstream, e: CUevent, pt: bool) -> Result<(), CUresult> 
         .map(|_| ())
 }
 
-#[no_mangle]
-extern "C" fn cuStreamWaitEvent(s: CUstream, e: CUevent, _flags: u32) -> CUresult {
-    guard(|| stream_wait_event(s, e, false))
-}
-
-#[no_mangle]
-extern "C" fn cuStreamWaitEvent_ptsz(s: CUstream, e: CUevent, _flags: u32) -> CUresult {
-    guard(|| stream_wait_event(s, e, true))
+pub(crate) fn cuStreamWaitEvent(
+    s: CUstream,
+    e: CUevent,
+    _flags: u32,
+    pt: bool,
+) -> Result<(), CUresult> {
+    stream_wait_event(s, e, pt)
 }
 
 fn add_callback(
@@ -1893,76 +1709,55 @@ fn add_callback(
         .map(|_| ())
 }
 
-#[no_mangle]
-extern "C" fn cuStreamAddCallback(
+pub(crate) fn cuStreamAddCallback(
     s: CUstream,
     cb: CUstreamCallback,
     data: *mut c_void,
     flags: u32,
-) -> CUresult {
-    guard(|| add_callback(s, cb, data, flags, false))
+    pt: bool,
+) -> Result<(), CUresult> {
+    add_callback(s, cb, data, flags, pt)
 }
 
-#[no_mangle]
-extern "C" fn cuStreamAddCallback_ptsz(
-    s: CUstream,
-    cb: CUstreamCallback,
-    data: *mut c_void,
-    flags: u32,
-) -> CUresult {
-    guard(|| add_callback(s, cb, data, flags, true))
+pub(crate) fn cuStreamGetFlags(s: CUstream, flags: *mut u32) -> Result<(), CUresult> {
+    out(flags, driver()?.stream(s, false)?.flags)
 }
 
-#[no_mangle]
-extern "C" fn cuStreamGetFlags(s: CUstream, flags: *mut u32) -> CUresult {
-    guard(|| out(flags, driver()?.stream(s, false)?.flags))
+pub(crate) fn cuStreamGetPriority(s: CUstream, prio: *mut i32) -> Result<(), CUresult> {
+    out(prio, driver()?.stream(s, false)?.priority)
 }
 
-#[no_mangle]
-extern "C" fn cuStreamGetPriority(s: CUstream, prio: *mut i32) -> CUresult {
-    guard(|| out(prio, driver()?.stream(s, false)?.priority))
+pub(crate) fn cuStreamGetCtx(s: CUstream, pctx: *mut CUcontext) -> Result<(), CUresult> {
+    let st = driver()?.stream(s, false)?;
+    out(pctx, st.ctx.handle() as CUcontext)
 }
 
-#[no_mangle]
-extern "C" fn cuStreamGetCtx(s: CUstream, pctx: *mut CUcontext) -> CUresult {
-    guard(|| {
-        let st = driver()?.stream(s, false)?;
-        out(pctx, st.ctx.handle() as CUcontext)
-    })
+pub(crate) fn cuEventCreate(ph: *mut CUevent, flags: u32) -> Result<(), CUresult> {
+    let d = driver()?;
+    driver::current()?;
+    if ph.is_null() || flags & !0x7 != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let e = Arc::new(Event {
+        flags,
+        state: Mutex::new(EventState::default()),
+    });
+    let h = Arc::as_ptr(&e) as usize;
+    d.events
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(h, e);
+    out(ph, h as CUevent)
 }
 
-#[no_mangle]
-extern "C" fn cuEventCreate(ph: *mut CUevent, flags: u32) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        driver::current()?;
-        if ph.is_null() || flags & !0x7 != 0 {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let e = Arc::new(Event {
-            flags,
-            state: Mutex::new(EventState::default()),
-        });
-        let h = Arc::as_ptr(&e) as usize;
-        d.events
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(h, e);
-        out(ph, h as CUevent)
-    })
-}
-
-#[no_mangle]
-extern "C" fn cuEventDestroy_v2(e: CUevent) -> CUresult {
-    guard(|| {
-        driver()?
-            .events
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(e as usize))
-            .map(|_| ())
-            .ok_or(CUDA_ERROR_INVALID_HANDLE)
-    })
+pub(crate) fn cuEventDestroy_v2(e: CUevent) -> Result<(), CUresult> {
+    driver()?
+        .events
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&(e as usize))
+        .map(|_| ())
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)
 }
 
 fn event_record(e: CUevent, s: CUstream, pt: bool) -> Result<(), CUresult> {
@@ -2016,59 +1811,46 @@ fn event_seq(g: &EventState, ctx: &Context) -> u64 {
     }
 }
 
-#[no_mangle]
-extern "C" fn cuEventRecord(e: CUevent, s: CUstream) -> CUresult {
-    guard(|| event_record(e, s, false))
+pub(crate) fn cuEventRecord(e: CUevent, s: CUstream, pt: bool) -> Result<(), CUresult> {
+    event_record(e, s, pt)
 }
 
-#[no_mangle]
-extern "C" fn cuEventRecord_ptsz(e: CUevent, s: CUstream) -> CUresult {
-    guard(|| event_record(e, s, true))
+pub(crate) fn cuEventRecordWithFlags(
+    e: CUevent,
+    s: CUstream,
+    _flags: u32,
+    pt: bool,
+) -> Result<(), CUresult> {
+    event_record(e, s, pt)
 }
 
-#[no_mangle]
-extern "C" fn cuEventRecordWithFlags(e: CUevent, s: CUstream, _flags: u32) -> CUresult {
-    guard(|| event_record(e, s, false))
+pub(crate) fn cuEventQuery(e: CUevent) -> Result<(), CUresult> {
+    let ev = driver()?.event(e)?;
+    let g = ev.state.lock().unwrap_or_else(|e| e.into_inner());
+    capture::refuse_captured_event(g.capture_id)?;
+    match &g.ctx {
+        None => Ok(()),
+        Some(_) if g.time_ns != 0 => Ok(()),
+        Some(c) if c.is_done(g.lane, event_seq(&g, c)) => c.check(),
+        Some(_) => Err(CUDA_ERROR_NOT_READY),
+    }
 }
 
-#[no_mangle]
-extern "C" fn cuEventRecordWithFlags_ptsz(e: CUevent, s: CUstream, _flags: u32) -> CUresult {
-    guard(|| event_record(e, s, true))
-}
-
-#[no_mangle]
-extern "C" fn cuEventQuery(e: CUevent) -> CUresult {
-    guard(|| {
-        let ev = driver()?.event(e)?;
+pub(crate) fn cuEventSynchronize(e: CUevent) -> Result<(), CUresult> {
+    let ev = driver()?.event(e)?;
+    let (ctx, lane, seq) = {
         let g = ev.state.lock().unwrap_or_else(|e| e.into_inner());
         capture::refuse_captured_event(g.capture_id)?;
-        match &g.ctx {
-            None => Ok(()),
-            Some(_) if g.time_ns != 0 => Ok(()),
-            Some(c) if c.is_done(g.lane, event_seq(&g, c)) => c.check(),
-            Some(_) => Err(CUDA_ERROR_NOT_READY),
+        let seq = g.ctx.as_ref().map(|c| event_seq(&g, c)).unwrap_or(0);
+        (g.ctx.clone(), g.lane, seq)
+    };
+    match ctx {
+        None => Ok(()),
+        Some(c) => {
+            c.wait_for(lane, seq);
+            c.check()
         }
-    })
-}
-
-#[no_mangle]
-extern "C" fn cuEventSynchronize(e: CUevent) -> CUresult {
-    guard(|| {
-        let ev = driver()?.event(e)?;
-        let (ctx, lane, seq) = {
-            let g = ev.state.lock().unwrap_or_else(|e| e.into_inner());
-            capture::refuse_captured_event(g.capture_id)?;
-            let seq = g.ctx.as_ref().map(|c| event_seq(&g, c)).unwrap_or(0);
-            (g.ctx.clone(), g.lane, seq)
-        };
-        match ctx {
-            None => Ok(()),
-            Some(c) => {
-                c.wait_for(lane, seq);
-                c.check()
-            }
-        }
-    })
+    }
 }
 
 fn elapsed(ms: *mut f32, start: CUevent, end: CUevent) -> Result<(), CUresult> {
@@ -2097,14 +1879,20 @@ fn elapsed(ms: *mut f32, start: CUevent, end: CUevent) -> Result<(), CUresult> {
     out(ms, (tb as f64 - ta as f64) as f32 / 1e6)
 }
 
-#[no_mangle]
-extern "C" fn cuEventElapsedTime(ms: *mut f32, start: CUevent, end: CUevent) -> CUresult {
-    guard(|| elapsed(ms, start, end))
+pub(crate) fn cuEventElapsedTime(
+    ms: *mut f32,
+    start: CUevent,
+    end: CUevent,
+) -> Result<(), CUresult> {
+    elapsed(ms, start, end)
 }
 
-#[no_mangle]
-extern "C" fn cuEventElapsedTime_v2(ms: *mut f32, start: CUevent, end: CUevent) -> CUresult {
-    guard(|| elapsed(ms, start, end))
+pub(crate) fn cuEventElapsedTime_v2(
+    ms: *mut f32,
+    start: CUevent,
+    end: CUevent,
+) -> Result<(), CUresult> {
+    elapsed(ms, start, end)
 }
 
 // ---------------------------------------------------------------- graphs (stream capture)
@@ -2122,13 +1910,8 @@ fn begin_capture(s: CUstream, mode: u32, pt: bool) -> Result<(), CUresult> {
     capture::begin(&capturable(s, pt)?, mode)
 }
 
-#[no_mangle]
-extern "C" fn cuStreamBeginCapture_v2(s: CUstream, mode: u32) -> CUresult {
-    guard(|| begin_capture(s, mode, false))
-}
-#[no_mangle]
-extern "C" fn cuStreamBeginCapture_v2_ptsz(s: CUstream, mode: u32) -> CUresult {
-    guard(|| begin_capture(s, mode, true))
+pub(crate) fn cuStreamBeginCapture_v2(s: CUstream, mode: u32, pt: bool) -> Result<(), CUresult> {
+    begin_capture(s, mode, pt)
 }
 
 fn end_capture(s: CUstream, graph: *mut *mut c_void, pt: bool) -> Result<(), CUresult> {
@@ -2156,13 +1939,12 @@ fn end_capture(s: CUstream, graph: *mut *mut c_void, pt: bool) -> Result<(), CUr
     out(graph, h as *mut c_void)
 }
 
-#[no_mangle]
-extern "C" fn cuStreamEndCapture(s: CUstream, graph: *mut *mut c_void) -> CUresult {
-    guard(|| end_capture(s, graph, false))
-}
-#[no_mangle]
-extern "C" fn cuStreamEndCapture_ptsz(s: CUstream, graph: *mut *mut c_void) -> CUresult {
-    guard(|| end_capture(s, graph, true))
+pub(crate) fn cuStreamEndCapture(
+    s: CUstream,
+    graph: *mut *mut c_void,
+    pt: bool,
+) -> Result<(), CUresult> {
+    end_capture(s, graph, pt)
 }
 
 fn is_capturing(s: CUstream, status: *mut i32, pt: bool) -> Result<(), CUresult> {
@@ -2170,13 +1952,8 @@ fn is_capturing(s: CUstream, status: *mut i32, pt: bool) -> Result<(), CUresult>
     out(status, capture::status(&st).0)
 }
 
-#[no_mangle]
-extern "C" fn cuStreamIsCapturing(s: CUstream, status: *mut i32) -> CUresult {
-    guard(|| is_capturing(s, status, false))
-}
-#[no_mangle]
-extern "C" fn cuStreamIsCapturing_ptsz(s: CUstream, status: *mut i32) -> CUresult {
-    guard(|| is_capturing(s, status, true))
+pub(crate) fn cuStreamIsCapturing(s: CUstream, status: *mut i32, pt: bool) -> Result<(), CUresult> {
+    is_capturing(s, status, pt)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -2194,42 +1971,30 @@ fn capture_info(
     capture::info(&st, status, id, graph, deps, edges, count)
 }
 
-#[no_mangle]
-extern "C" fn cuStreamGetCaptureInfo(s: CUstream, status: *mut i32, id: *mut u64) -> CUresult {
+pub(crate) fn cuStreamGetCaptureInfo(
+    s: CUstream,
+    status: *mut i32,
+    id: *mut u64,
+    pt: bool,
+) -> Result<(), CUresult> {
     let n = std::ptr::null_mut();
-    guard(|| capture_info(s, status, id, n, n.cast(), n.cast(), n.cast(), false))
+    capture_info(s, status, id, n, n.cast(), n.cast(), n.cast(), pt)
 }
-#[no_mangle]
-extern "C" fn cuStreamGetCaptureInfo_ptsz(s: CUstream, status: *mut i32, id: *mut u64) -> CUresult {
-    let n = std::ptr::null_mut();
-    guard(|| capture_info(s, status, id, n, n.cast(), n.cast(), n.cast(), true))
-}
-#[no_mangle]
-extern "C" fn cuStreamGetCaptureInfo_v2(
+
+pub(crate) fn cuStreamGetCaptureInfo_v2(
     s: CUstream,
     status: *mut i32,
     id: *mut u64,
     graph: *mut *mut c_void,
     deps: *mut *const c_void,
     count: *mut usize,
-) -> CUresult {
+    pt: bool,
+) -> Result<(), CUresult> {
     let n = std::ptr::null_mut();
-    guard(|| capture_info(s, status, id, graph, deps, n, count, false))
+    capture_info(s, status, id, graph, deps, n, count, pt)
 }
-#[no_mangle]
-extern "C" fn cuStreamGetCaptureInfo_v2_ptsz(
-    s: CUstream,
-    status: *mut i32,
-    id: *mut u64,
-    graph: *mut *mut c_void,
-    deps: *mut *const c_void,
-    count: *mut usize,
-) -> CUresult {
-    let n = std::ptr::null_mut();
-    guard(|| capture_info(s, status, id, graph, deps, n, count, true))
-}
-#[no_mangle]
-extern "C" fn cuStreamGetCaptureInfo_v3(
+
+pub(crate) fn cuStreamGetCaptureInfo_v3(
     s: CUstream,
     status: *mut i32,
     id: *mut u64,
@@ -2237,58 +2002,41 @@ extern "C" fn cuStreamGetCaptureInfo_v3(
     deps: *mut *const c_void,
     edges: *mut *const c_void,
     count: *mut usize,
-) -> CUresult {
-    guard(|| capture_info(s, status, id, graph, deps, edges, count, false))
-}
-#[no_mangle]
-extern "C" fn cuStreamGetCaptureInfo_v3_ptsz(
-    s: CUstream,
-    status: *mut i32,
-    id: *mut u64,
-    graph: *mut *mut c_void,
-    deps: *mut *const c_void,
-    edges: *mut *const c_void,
-    count: *mut usize,
-) -> CUresult {
-    guard(|| capture_info(s, status, id, graph, deps, edges, count, true))
+    pt: bool,
+) -> Result<(), CUresult> {
+    capture_info(s, status, id, graph, deps, edges, count, pt)
 }
 
-#[no_mangle]
-extern "C" fn cuThreadExchangeStreamCaptureMode(mode: *mut u32) -> CUresult {
-    guard(|| {
-        driver()?;
-        capture::exchange_mode(mode)
-    })
+pub(crate) fn cuThreadExchangeStreamCaptureMode(mode: *mut u32) -> Result<(), CUresult> {
+    driver()?;
+    capture::exchange_mode(mode)
 }
 
-#[no_mangle]
-extern "C" fn cuGraphInstantiateWithFlags(
+pub(crate) fn cuGraphInstantiateWithFlags(
     exec: *mut *mut c_void,
     graph: *mut c_void,
     _flags: u64,
-) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        if exec.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let g = d
-            .graphs
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&(graph as usize))
-            .cloned()
-            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        // An executable graph is a snapshot: later changes to the graph do not
-        // reach it (there are none here, graphs are immutable captures).
-        let e = Arc::new(g.as_ref().clone());
-        let h = Arc::as_ptr(&e) as usize;
-        d.graph_execs
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(h, e);
-        out(exec, h as *mut c_void)
-    })
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if exec.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let g = d
+        .graphs
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(graph as usize))
+        .cloned()
+        .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    // An executable graph is a snapshot: later changes to the graph do not
+    // reach it (there are none here, graphs are immutable captures).
+    let e = Arc::new(g.as_ref().clone());
+    let h = Arc::as_ptr(&e) as usize;
+    d.graph_execs
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(h, e);
+    out(exec, h as *mut c_void)
 }
 
 fn graph_exec(exec: *mut c_void) -> Result<Arc<Vec<Op>>, CUresult> {
@@ -2313,13 +2061,8 @@ fn graph_launch(exec: *mut c_void, stream: CUstream, pt: bool) -> Result<(), CUr
     Ok(())
 }
 
-#[no_mangle]
-extern "C" fn cuGraphLaunch(exec: *mut c_void, s: CUstream) -> CUresult {
-    guard(|| graph_launch(exec, s, false))
-}
-#[no_mangle]
-extern "C" fn cuGraphLaunch_ptsz(exec: *mut c_void, s: CUstream) -> CUresult {
-    guard(|| graph_launch(exec, s, true))
+pub(crate) fn cuGraphLaunch(exec: *mut c_void, s: CUstream, pt: bool) -> Result<(), CUresult> {
+    graph_launch(exec, s, pt)
 }
 
 fn graph_upload(exec: *mut c_void, stream: CUstream, pt: bool) -> Result<(), CUresult> {
@@ -2328,39 +2071,28 @@ fn graph_upload(exec: *mut c_void, stream: CUstream, pt: bool) -> Result<(), CUr
     enqueue(stream, pt, Op::Nop, false)
 }
 
-#[no_mangle]
-extern "C" fn cuGraphUpload(exec: *mut c_void, s: CUstream) -> CUresult {
-    guard(|| graph_upload(exec, s, false))
-}
-#[no_mangle]
-extern "C" fn cuGraphUpload_ptsz(exec: *mut c_void, s: CUstream) -> CUresult {
-    guard(|| graph_upload(exec, s, true))
+pub(crate) fn cuGraphUpload(exec: *mut c_void, s: CUstream, pt: bool) -> Result<(), CUresult> {
+    graph_upload(exec, s, pt)
 }
 
-#[no_mangle]
-extern "C" fn cuGraphExecDestroy(exec: *mut c_void) -> CUresult {
-    guard(|| {
-        driver()?
-            .graph_execs
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(exec as usize))
-            .map(|_| ())
-            .ok_or(CUDA_ERROR_INVALID_VALUE)
-    })
+pub(crate) fn cuGraphExecDestroy(exec: *mut c_void) -> Result<(), CUresult> {
+    driver()?
+        .graph_execs
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&(exec as usize))
+        .map(|_| ())
+        .ok_or(CUDA_ERROR_INVALID_VALUE)
 }
 
-#[no_mangle]
-extern "C" fn cuGraphDestroy(graph: *mut c_void) -> CUresult {
-    guard(|| {
-        driver()?
-            .graphs
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(graph as usize))
-            .map(|_| ())
-            .ok_or(CUDA_ERROR_INVALID_VALUE)
-    })
+pub(crate) fn cuGraphDestroy(graph: *mut c_void) -> Result<(), CUresult> {
+    driver()?
+        .graphs
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&(graph as usize))
+        .map(|_| ())
+        .ok_or(CUDA_ERROR_INVALID_VALUE)
 }
 
 // ---------------------------------------------------------------- modules and launches
@@ -2394,82 +2126,68 @@ pub(crate) fn module_load(m: *mut CUmodule, image: *const c_void) -> Result<(), 
     out(m, d.new_module() as CUmodule)
 }
 
-#[no_mangle]
-extern "C" fn cuModuleLoadData(m: *mut CUmodule, image: *const c_void) -> CUresult {
-    guard(|| module_load(m, image))
+pub(crate) fn cuModuleLoadData(m: *mut CUmodule, image: *const c_void) -> Result<(), CUresult> {
+    module_load(m, image)
 }
 
-#[no_mangle]
-extern "C" fn cuModuleLoadDataEx(
+pub(crate) fn cuModuleLoadDataEx(
     m: *mut CUmodule,
     image: *const c_void,
     _n: u32,
     _o: *mut i32,
     _v: *mut *mut c_void,
-) -> CUresult {
-    guard(|| module_load(m, image))
+) -> Result<(), CUresult> {
+    module_load(m, image)
 }
 
-#[no_mangle]
-extern "C" fn cuModuleLoad(m: *mut CUmodule, fname: *const c_char) -> CUresult {
-    guard(|| {
-        let path = c_str(fname)?;
-        if !std::path::Path::new(path).is_file() {
-            return Err(CUDA_ERROR_FILE_NOT_FOUND);
-        }
-        module_load(m, fname.cast())
-    })
+pub(crate) fn cuModuleLoad(m: *mut CUmodule, fname: *const c_char) -> Result<(), CUresult> {
+    let path = c_str(fname)?;
+    if !std::path::Path::new(path).is_file() {
+        return Err(CUDA_ERROR_FILE_NOT_FOUND);
+    }
+    module_load(m, fname.cast())
 }
 
-#[no_mangle]
-extern "C" fn cuModuleUnload(m: CUmodule) -> CUresult {
-    guard(|| {
-        if driver()?.drop_module(m as usize) {
-            Ok(())
-        } else {
-            Err(CUDA_ERROR_INVALID_HANDLE)
-        }
-    })
+pub(crate) fn cuModuleUnload(m: CUmodule) -> Result<(), CUresult> {
+    if driver()?.drop_module(m as usize) {
+        Ok(())
+    } else {
+        Err(CUDA_ERROR_INVALID_HANDLE)
+    }
 }
 
-#[no_mangle]
-extern "C" fn cuModuleGetFunction(
+pub(crate) fn cuModuleGetFunction(
     f: *mut CUfunction,
     m: CUmodule,
     name: *const c_char,
-) -> CUresult {
-    guard(|| {
-        let d = driver()?;
-        if !d.has_module(m as usize) {
-            return Err(CUDA_ERROR_INVALID_HANDLE);
-        }
-        let name = c_str(name)?;
-        let b = FUNCTIONS
-            .iter()
-            .find(|b| b.name() == name)
-            .ok_or(CUDA_ERROR_NOT_FOUND)?;
-        out(f, b as *const Builtin as CUfunction)
-    })
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if !d.has_module(m as usize) {
+        return Err(CUDA_ERROR_INVALID_HANDLE);
+    }
+    let name = c_str(name)?;
+    let b = FUNCTIONS
+        .iter()
+        .find(|b| b.name() == name)
+        .ok_or(CUDA_ERROR_NOT_FOUND)?;
+    out(f, b as *const Builtin as CUfunction)
 }
 
-#[no_mangle]
-extern "C" fn cuFuncGetAttribute(pi: *mut i32, attrib: i32, f: CUfunction) -> CUresult {
-    guard(|| {
-        driver()?;
-        function(f)?;
-        if let Some(v) = func_attr_set(f, attrib) {
-            return out(pi, v);
-        }
-        let v = match attrib {
-            0 => 1024,   // MAX_THREADS_PER_BLOCK
-            4 => 32,     // NUM_REGS
-            5 | 6 => 80, // PTX / BINARY version
-            9 => -1,     // PREFERRED_SHARED_MEMORY_CARVEOUT: no preference
-            1..=8 => 0,
-            _ => return Err(CUDA_ERROR_INVALID_VALUE),
-        };
-        out(pi, v)
-    })
+pub(crate) fn cuFuncGetAttribute(pi: *mut i32, attrib: i32, f: CUfunction) -> Result<(), CUresult> {
+    driver()?;
+    function(f)?;
+    if let Some(v) = func_attr_set(f, attrib) {
+        return out(pi, v);
+    }
+    let v = match attrib {
+        0 => 1024,   // MAX_THREADS_PER_BLOCK
+        4 => 32,     // NUM_REGS
+        5 | 6 => 80, // PTX / BINARY version
+        9 => -1,     // PREFERRED_SHARED_MEMORY_CARVEOUT: no preference
+        1..=8 => 0,
+        _ => return Err(CUDA_ERROR_INVALID_VALUE),
+    };
+    out(pi, v)
 }
 
 /// Values set by `cuFuncSetAttribute`, by (function, attribute).
@@ -2488,36 +2206,30 @@ fn func_attr_set(f: CUfunction, attrib: i32) -> Option<i32> {
 const FUNC_MAX_DYNAMIC_SHARED: i32 = 8;
 const FUNC_CARVEOUT: i32 = 9;
 
-#[no_mangle]
-extern "C" fn cuFuncSetAttribute(f: CUfunction, attrib: i32, value: i32) -> CUresult {
-    guard(|| {
-        driver()?;
-        function(f)?;
-        let ok = match attrib {
-            // The opt-in maximum minus the built-ins' static shared memory (none).
-            FUNC_MAX_DYNAMIC_SHARED => (0..=163 << 10).contains(&value),
-            FUNC_CARVEOUT => (-1..=100).contains(&value),
-            _ => false,
-        };
-        if !ok {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let mut v = FUNC_ATTRS.lock().unwrap_or_else(|e| e.into_inner());
-        v.retain(|(g, a, _)| !(*g == f as usize && *a == attrib));
-        v.push((f as usize, attrib, value));
-        Ok(())
-    })
+pub(crate) fn cuFuncSetAttribute(f: CUfunction, attrib: i32, value: i32) -> Result<(), CUresult> {
+    driver()?;
+    function(f)?;
+    let ok = match attrib {
+        // The opt-in maximum minus the built-ins' static shared memory (none).
+        FUNC_MAX_DYNAMIC_SHARED => (0..=163 << 10).contains(&value),
+        FUNC_CARVEOUT => (-1..=100).contains(&value),
+        _ => false,
+    };
+    if !ok {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let mut v = FUNC_ATTRS.lock().unwrap_or_else(|e| e.into_inner());
+    v.retain(|(g, a, _)| !(*g == f as usize && *a == attrib));
+    v.push((f as usize, attrib, value));
+    Ok(())
 }
 
 /// `CU_MODULE_LAZY_LOADING` unless `CUDA_MODULE_LOADING=EAGER` (the driver's
 /// default since CUDA 12.2).
-#[no_mangle]
-extern "C" fn cuModuleGetLoadingMode(mode: *mut u32) -> CUresult {
-    guard(|| {
-        driver()?;
-        let eager = std::env::var("CUDA_MODULE_LOADING").is_ok_and(|v| v == "EAGER");
-        out(mode, if eager { 1 } else { 2 })
-    })
+pub(crate) fn cuModuleGetLoadingMode(mode: *mut u32) -> Result<(), CUresult> {
+    driver()?;
+    let eager = std::env::var("CUDA_MODULE_LOADING").is_ok_and(|v| v == "EAGER");
+    out(mode, if eager { 1 } else { 2 })
 }
 
 /// Reads the kernel's arguments now (as the driver does at launch).
@@ -2603,8 +2315,7 @@ fn launch(
     s.ctx.submit(&s, Op::Kernel { kind, args }).map(|_| ())
 }
 
-#[no_mangle]
-extern "C" fn cuLaunchKernel(
+pub(crate) fn cuLaunchKernel(
     f: CUfunction,
     gx: u32,
     gy: u32,
@@ -2616,12 +2327,12 @@ extern "C" fn cuLaunchKernel(
     s: CUstream,
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
-) -> CUresult {
-    guard(|| launch(f, [gx, gy, gz], [bx, by, bz], s, params, extra, false))
+    pt: bool,
+) -> Result<(), CUresult> {
+    launch(f, [gx, gy, gz], [bx, by, bz], s, params, extra, pt)
 }
 
-#[no_mangle]
-extern "C" fn cuLaunchKernel_ptsz(
+pub(crate) fn cuLaunchCooperativeKernel(
     f: CUfunction,
     gx: u32,
     gy: u32,
@@ -2632,61 +2343,17 @@ extern "C" fn cuLaunchKernel_ptsz(
     _shmem: u32,
     s: CUstream,
     params: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> CUresult {
-    guard(|| launch(f, [gx, gy, gz], [bx, by, bz], s, params, extra, true))
-}
-
-#[no_mangle]
-extern "C" fn cuLaunchCooperativeKernel(
-    f: CUfunction,
-    gx: u32,
-    gy: u32,
-    gz: u32,
-    bx: u32,
-    by: u32,
-    bz: u32,
-    _shmem: u32,
-    s: CUstream,
-    params: *mut *mut c_void,
-) -> CUresult {
-    guard(|| {
-        launch(
-            f,
-            [gx, gy, gz],
-            [bx, by, bz],
-            s,
-            params,
-            std::ptr::null_mut(),
-            false,
-        )
-    })
-}
-
-#[no_mangle]
-extern "C" fn cuLaunchCooperativeKernel_ptsz(
-    f: CUfunction,
-    gx: u32,
-    gy: u32,
-    gz: u32,
-    bx: u32,
-    by: u32,
-    bz: u32,
-    _shmem: u32,
-    s: CUstream,
-    params: *mut *mut c_void,
-) -> CUresult {
-    guard(|| {
-        launch(
-            f,
-            [gx, gy, gz],
-            [bx, by, bz],
-            s,
-            params,
-            std::ptr::null_mut(),
-            true,
-        )
-    })
+    pt: bool,
+) -> Result<(), CUresult> {
+    launch(
+        f,
+        [gx, gy, gz],
+        [bx, by, bz],
+        s,
+        params,
+        std::ptr::null_mut(),
+        pt,
+    )
 }
 
 fn launch_ex(
@@ -2712,24 +2379,14 @@ fn launch_ex(
     )
 }
 
-#[no_mangle]
-extern "C" fn cuLaunchKernelEx(
+pub(crate) fn cuLaunchKernelEx(
     cfg: *const CUlaunchConfig,
     f: CUfunction,
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
-) -> CUresult {
-    guard(|| launch_ex(cfg, f, params, extra, false))
-}
-
-#[no_mangle]
-extern "C" fn cuLaunchKernelEx_ptsz(
-    cfg: *const CUlaunchConfig,
-    f: CUfunction,
-    params: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> CUresult {
-    guard(|| launch_ex(cfg, f, params, extra, true))
+    pt: bool,
+) -> Result<(), CUresult> {
+    launch_ex(cfg, f, params, extra, pt)
 }
 
 fn host_func(s: CUstream, f: CUhostFn, data: *mut c_void, pt: bool) -> Result<(), CUresult> {
@@ -2748,271 +2405,59 @@ fn host_func(s: CUstream, f: CUhostFn, data: *mut c_void, pt: bool) -> Result<()
         .map(|_| ())
 }
 
-#[no_mangle]
-extern "C" fn cuLaunchHostFunc(s: CUstream, f: CUhostFn, data: *mut c_void) -> CUresult {
-    guard(|| host_func(s, f, data, false))
-}
-
-#[no_mangle]
-extern "C" fn cuLaunchHostFunc_ptsz(s: CUstream, f: CUhostFn, data: *mut c_void) -> CUresult {
-    guard(|| host_func(s, f, data, true))
+pub(crate) fn cuLaunchHostFunc(
+    s: CUstream,
+    f: CUhostFn,
+    data: *mut c_void,
+    pt: bool,
+) -> Result<(), CUresult> {
+    host_func(s, f, data, pt)
 }
 
 // ---------------------------------------------------------------- errors, entry points
 
-#[no_mangle]
-extern "C" fn cuGetErrorName(e: CUresult, s: *mut *const c_char) -> CUresult {
-    guard(|| match ERRORS.iter().find(|x| x.0 == e) {
+pub(crate) fn cuGetErrorName(e: CUresult, s: *mut *const c_char) -> Result<(), CUresult> {
+    match ERRORS.iter().find(|x| x.0 == e) {
         Some(x) => out(s, x.1.as_ptr()),
         None => {
             let _ = out(s, std::ptr::null());
             Err(CUDA_ERROR_INVALID_VALUE)
         }
-    })
+    }
 }
 
-#[no_mangle]
-extern "C" fn cuGetErrorString(e: CUresult, s: *mut *const c_char) -> CUresult {
-    guard(|| match ERRORS.iter().find(|x| x.0 == e) {
+pub(crate) fn cuGetErrorString(e: CUresult, s: *mut *const c_char) -> Result<(), CUresult> {
+    match ERRORS.iter().find(|x| x.0 == e) {
         Some(x) => out(s, x.2.as_ptr()),
         None => {
             let _ = out(s, std::ptr::null());
             Err(CUDA_ERROR_INVALID_VALUE)
         }
-    })
+    }
 }
 
-#[no_mangle]
-extern "C" fn cuGetExportTable(table: *mut *const c_void, id: *const CUuuid) -> CUresult {
-    guard(|| crate::dark_api::export_table(table, id))
+pub(crate) fn cuGetExportTable(
+    table: *mut *const c_void,
+    id: *const CUuuid,
+) -> Result<(), CUresult> {
+    crate::dark_api::export_table(table, id)
 }
 
-#[no_mangle]
-extern "C" fn cuGetProcAddress(
+pub(crate) fn cuGetProcAddress(
     symbol: *const c_char,
     pfn: *mut *mut c_void,
     version: i32,
     flags: u64,
-) -> CUresult {
-    guard(|| crate::procaddr::get_proc_address(symbol, pfn, version, flags, std::ptr::null_mut()))
+) -> Result<(), CUresult> {
+    crate::procaddr::get_proc_address(symbol, pfn, version, flags, std::ptr::null_mut())
 }
 
-#[no_mangle]
-extern "C" fn cuGetProcAddress_v2(
+pub(crate) fn cuGetProcAddress_v2(
     symbol: *const c_char,
     pfn: *mut *mut c_void,
     version: i32,
     flags: u64,
     status: *mut i32,
-) -> CUresult {
-    guard(|| crate::procaddr::get_proc_address(symbol, pfn, version, flags, status))
-}
-
-/// Every export: (symbol, minimum CUDA version, address). `procaddr` derives base
-/// names from the symbols.
-pub fn exports() -> Vec<(&'static str, i32, usize)> {
-    macro_rules! table {
-        ($($name:ident = $ver:expr),* $(,)?) => {
-            vec![$((stringify!($name), $ver, $name as *const () as usize)),*]
-        };
-    }
-    table![
-        cuInit = 2000,
-        cuDriverGetVersion = 2020,
-        cuDeviceGet = 2000,
-        cuDeviceGetCount = 2000,
-        cuDeviceGetName = 2000,
-        cuDeviceGetUuid = 9020,
-        cuDeviceGetUuid_v2 = 11040,
-        cuDeviceTotalMem_v2 = 3020,
-        cuDeviceGetAttribute = 2000,
-        cuDeviceComputeCapability = 2000,
-        cuDeviceGetPCIBusId = 4010,
-        cuDeviceCanAccessPeer = 4000,
-        cuDevicePrimaryCtxRetain = 7000,
-        cuDevicePrimaryCtxRelease = 7000,
-        cuDevicePrimaryCtxRelease_v2 = 11000,
-        cuDevicePrimaryCtxReset = 7000,
-        cuDevicePrimaryCtxReset_v2 = 11000,
-        cuDevicePrimaryCtxGetState = 7000,
-        cuDevicePrimaryCtxSetFlags_v2 = 11000,
-        cuCtxCreate_v2 = 3020,
-        cuCtxDestroy_v2 = 4000,
-        cuCtxSetCurrent = 4000,
-        cuCtxGetCurrent = 4000,
-        cuCtxPushCurrent_v2 = 4000,
-        cuCtxPopCurrent_v2 = 4000,
-        cuCtxSynchronize = 2000,
-        cuCtxGetDevice = 2000,
-        cuCtxGetFlags = 7000,
-        cuCtxGetApiVersion = 3020,
-        cuCtxGetStreamPriorityRange = 5050,
-        cuMemGetInfo_v2 = 3020,
-        cuMemAlloc_v2 = 3020,
-        cuMemAllocPitch_v2 = 3020,
-        cuMemFree_v2 = 3020,
-        cuMemGetAddressRange_v2 = 3020,
-        cuMemAllocAsync = 11020,
-        cuMemFreeAsync = 11020,
-        cuMemAllocFromPoolAsync = 11020,
-        cuDeviceGetDefaultMemPool = 11020,
-        cuDeviceGetMemPool = 11020,
-        cuDeviceSetMemPool = 11020,
-        cuMemPoolCreate = 11020,
-        cuMemPoolDestroy = 11020,
-        cuMemPoolSetAttribute = 11020,
-        cuMemPoolGetAttribute = 11020,
-        cuMemPoolTrimTo = 11020,
-        cuPointerGetAttributes = 7000,
-        cuIpcGetMemHandle = 4010,
-        cuMemAdvise = 8000,
-        cuMemAdvise_v2 = 12020,
-        cuCtxGetLimit = 3010,
-        cuCtxSetLimit = 3010,
-        cuFuncSetAttribute = 9000,
-        cuModuleGetLoadingMode = 11070,
-        cuMemAllocManaged = 6000,
-        cuMemPrefetchAsync = 8000,
-        cuMemPrefetchAsync_v2 = 12020,
-        cuPointerGetAttribute = 4000,
-        cuMemAllocHost_v2 = 3020,
-        cuMemHostAlloc = 2020,
-        cuMemFreeHost = 2000,
-        cuMemHostRegister_v2 = 6050,
-        cuMemHostUnregister = 4000,
-        cuMemcpy = 4000,
-        cuMemcpyAsync = 4000,
-        cuMemcpyHtoD_v2 = 3020,
-        cuMemcpyDtoH_v2 = 3020,
-        cuMemcpyDtoD_v2 = 3020,
-        cuMemcpyHtoDAsync_v2 = 3020,
-        cuMemcpyDtoHAsync_v2 = 3020,
-        cuMemcpyDtoDAsync_v2 = 3020,
-        cuMemsetD8_v2 = 3020,
-        cuMemsetD16_v2 = 3020,
-        cuMemsetD32_v2 = 3020,
-        cuMemsetD8Async = 3020,
-        cuMemsetD16Async = 3020,
-        cuMemsetD32Async = 3020,
-        cuMemcpy2D_v2 = 3020,
-        cuMemcpy2DUnaligned_v2 = 3020,
-        cuMemcpy2DAsync_v2 = 3020,
-        cuMemsetD2D8_v2 = 3020,
-        cuMemsetD2D16_v2 = 3020,
-        cuMemsetD2D32_v2 = 3020,
-        cuMemsetD2D8Async = 3020,
-        cuMemsetD2D16Async = 3020,
-        cuMemsetD2D32Async = 3020,
-        cuMemGetAllocationGranularity = 10020,
-        cuMemAddressReserve = 10020,
-        cuMemAddressFree = 10020,
-        cuMemCreate = 10020,
-        cuMemRelease = 10020,
-        cuMemMap = 10020,
-        cuMemUnmap = 10020,
-        cuMemSetAccess = 10020,
-        cuStreamCreate = 2000,
-        cuStreamCreateWithPriority = 5050,
-        cuStreamDestroy_v2 = 4000,
-        cuStreamSynchronize = 2000,
-        cuStreamQuery = 2000,
-        cuStreamWaitEvent = 3020,
-        cuStreamAddCallback = 5000,
-        cuStreamGetFlags = 5050,
-        cuStreamGetPriority = 5050,
-        cuStreamGetCtx = 9020,
-        cuStreamBeginCapture_v2 = 10010,
-        cuStreamEndCapture = 10000,
-        cuStreamIsCapturing = 10000,
-        cuStreamGetCaptureInfo = 10010,
-        cuStreamGetCaptureInfo_v2 = 11030,
-        cuStreamGetCaptureInfo_v3 = 12030,
-        cuThreadExchangeStreamCaptureMode = 10010,
-        cuGraphInstantiateWithFlags = 11040,
-        cuGraphLaunch = 10000,
-        cuGraphUpload = 11010,
-        cuGraphExecDestroy = 10000,
-        cuGraphDestroy = 10000,
-        cuEventCreate = 2000,
-        cuEventDestroy_v2 = 4000,
-        cuEventRecord = 2000,
-        cuEventRecordWithFlags = 11010,
-        cuEventQuery = 2000,
-        cuEventSynchronize = 2000,
-        cuEventElapsedTime = 2000,
-        cuEventElapsedTime_v2 = 12080,
-        cuModuleLoadData = 2000,
-        cuModuleLoadDataEx = 2010,
-        cuModuleLoad = 2000,
-        cuModuleUnload = 2000,
-        cuModuleGetFunction = 2000,
-        cuFuncGetAttribute = 2020,
-        cuLaunchKernel = 4000,
-        cuLaunchKernelEx = 11060,
-        cuLaunchCooperativeKernel = 9000,
-        cuLaunchHostFunc = 10000,
-        cuGetErrorName = 6000,
-        cuGetErrorString = 6000,
-        cuGetExportTable = 3000,
-        cuGetProcAddress = 11030,
-        cuGetProcAddress_v2 = 12000,
-    ]
-}
-
-/// Per-thread-default-stream variants: (base name, minimum CUDA version, symbol,
-/// address). A base name may have several (e.g. `cuMemPrefetchAsync` and its `_v2`).
-pub fn per_thread_exports() -> Vec<(&'static str, i32, &'static str, usize)> {
-    macro_rules! table {
-        ($($base:literal @ $ver:expr => $name:ident),* $(,)?) => {
-            vec![$(($base, $ver, stringify!($name), $name as *const () as usize)),*]
-        };
-    }
-    table![
-        "cuMemcpy" @ 4000 => cuMemcpy_ptds,
-        "cuMemcpyHtoD" @ 3020 => cuMemcpyHtoD_v2_ptds,
-        "cuMemcpyDtoH" @ 3020 => cuMemcpyDtoH_v2_ptds,
-        "cuMemcpyDtoD" @ 3020 => cuMemcpyDtoD_v2_ptds,
-        "cuMemsetD8" @ 3020 => cuMemsetD8_v2_ptds,
-        "cuMemsetD16" @ 3020 => cuMemsetD16_v2_ptds,
-        "cuMemsetD32" @ 3020 => cuMemsetD32_v2_ptds,
-        "cuMemcpy2D" @ 3020 => cuMemcpy2D_v2_ptds,
-        "cuMemcpy2DUnaligned" @ 3020 => cuMemcpy2DUnaligned_v2_ptds,
-        "cuMemcpy2DAsync" @ 3020 => cuMemcpy2DAsync_v2_ptsz,
-        "cuMemsetD2D8" @ 3020 => cuMemsetD2D8_v2_ptds,
-        "cuMemsetD2D16" @ 3020 => cuMemsetD2D16_v2_ptds,
-        "cuMemsetD2D32" @ 3020 => cuMemsetD2D32_v2_ptds,
-        "cuMemsetD2D8Async" @ 3020 => cuMemsetD2D8Async_ptsz,
-        "cuMemsetD2D16Async" @ 3020 => cuMemsetD2D16Async_ptsz,
-        "cuMemsetD2D32Async" @ 3020 => cuMemsetD2D32Async_ptsz,
-        "cuMemcpyAsync" @ 4000 => cuMemcpyAsync_ptsz,
-        "cuMemcpyHtoDAsync" @ 3020 => cuMemcpyHtoDAsync_v2_ptsz,
-        "cuMemcpyDtoHAsync" @ 3020 => cuMemcpyDtoHAsync_v2_ptsz,
-        "cuMemcpyDtoDAsync" @ 3020 => cuMemcpyDtoDAsync_v2_ptsz,
-        "cuMemsetD8Async" @ 3020 => cuMemsetD8Async_ptsz,
-        "cuMemsetD16Async" @ 3020 => cuMemsetD16Async_ptsz,
-        "cuMemsetD32Async" @ 3020 => cuMemsetD32Async_ptsz,
-        "cuMemAllocAsync" @ 11020 => cuMemAllocAsync_ptsz,
-        "cuMemFreeAsync" @ 11020 => cuMemFreeAsync_ptsz,
-        "cuMemAllocFromPoolAsync" @ 11020 => cuMemAllocFromPoolAsync_ptsz,
-        "cuMemPrefetchAsync" @ 12020 => cuMemPrefetchAsync_v2_ptsz,
-        "cuStreamSynchronize" @ 2000 => cuStreamSynchronize_ptsz,
-        "cuStreamQuery" @ 2000 => cuStreamQuery_ptsz,
-        "cuStreamWaitEvent" @ 3020 => cuStreamWaitEvent_ptsz,
-        "cuStreamAddCallback" @ 5000 => cuStreamAddCallback_ptsz,
-        "cuEventRecord" @ 2000 => cuEventRecord_ptsz,
-        "cuEventRecordWithFlags" @ 11010 => cuEventRecordWithFlags_ptsz,
-        "cuLaunchKernel" @ 4000 => cuLaunchKernel_ptsz,
-        "cuLaunchKernelEx" @ 11060 => cuLaunchKernelEx_ptsz,
-        "cuLaunchCooperativeKernel" @ 9000 => cuLaunchCooperativeKernel_ptsz,
-        "cuLaunchHostFunc" @ 10000 => cuLaunchHostFunc_ptsz,
-        "cuStreamBeginCapture" @ 10010 => cuStreamBeginCapture_v2_ptsz,
-        "cuStreamEndCapture" @ 10000 => cuStreamEndCapture_ptsz,
-        "cuStreamIsCapturing" @ 10000 => cuStreamIsCapturing_ptsz,
-        "cuStreamGetCaptureInfo" @ 10010 => cuStreamGetCaptureInfo_ptsz,
-        "cuStreamGetCaptureInfo" @ 11030 => cuStreamGetCaptureInfo_v2_ptsz,
-        "cuStreamGetCaptureInfo" @ 12030 => cuStreamGetCaptureInfo_v3_ptsz,
-        "cuGraphLaunch" @ 10000 => cuGraphLaunch_ptsz,
-        "cuGraphUpload" @ 11010 => cuGraphUpload_ptsz,
-        "cuMemPrefetchAsync" @ 8000 => cuMemPrefetchAsync_ptsz,
-    ]
+) -> Result<(), CUresult> {
+    crate::procaddr::get_proc_address(symbol, pfn, version, flags, status)
 }

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 use kiwi_sim_core::trace::TraceWriter;
-use kiwi_sim_core::{Machine, SimConfig};
+use kiwi_sim_core::{Machine, MachineError, SimConfig};
 
 use crate::abi::*;
 use crate::exec::{Context, Event, Op, Stream};
@@ -31,6 +31,12 @@ pub struct Driver {
     pub pcie_bps: f64,
     /// Device memory bandwidth in bytes/s.
     pub hbm_bps: f64,
+    /// Device memory each context costs (the machine's `KIWI_SIM_CONTEXT_MEMORY`).
+    pub context_memory: u64,
+    /// Wall time `cuMemCreate` takes per 2 MiB, in seconds (0: free).
+    pub memcreate_s_per_2mib: f64,
+    /// How fast host memory is page-locked, bytes/s (0: free).
+    pub pin_bps: f64,
     pub trace: Option<TraceWriter>,
     pub mem: Memory,
     pub primary: Vec<Mutex<Primary>>,
@@ -82,6 +88,9 @@ fn init_driver() -> Result<Driver, CUresult> {
         gpus: settings.gpus,
         pcie_bps: settings.pcie_gbps * 1e9,
         hbm_bps: settings.hbm_gbps * 1e9,
+        context_memory: settings.context_memory,
+        memcreate_s_per_2mib: cfg.memcreate_us_per_2mib * 1e-6,
+        pin_bps: cfg.pin_gbps * 1e9,
         trace,
         mem,
         primary: (0..settings.gpus)
@@ -140,6 +149,34 @@ impl Driver {
             return Err(CUDA_ERROR_INVALID_DEVICE);
         }
         Ok(dev as u32)
+    }
+
+    /// Charges the device memory a context costs to this process on `gpu`, when a
+    /// context is created (or a reset primary context activated again). It counts
+    /// toward the GPU's capacity in the machine segment like an allocation, so
+    /// `cuMemGetInfo` and NVML show it and a dead process's contexts are reclaimed
+    /// with its allocations; the application can never free or swap it.
+    pub fn charge_context(&self, gpu: u32) -> Result<(), CUresult> {
+        if self.context_memory == 0 {
+            return Ok(());
+        }
+        self.machine
+            .reserve(gpu, self.context_memory)
+            .map_err(|e| match e {
+                MachineError::OutOfMemory { .. } | MachineError::TooManyProcesses(_) => {
+                    CUDA_ERROR_OUT_OF_MEMORY
+                }
+                MachineError::NoSuchGpu { .. } => CUDA_ERROR_INVALID_DEVICE,
+                _ => CUDA_ERROR_OPERATING_SYSTEM,
+            })
+    }
+
+    /// Gives back what [`Driver::charge_context`] took, once per charge: `charged`
+    /// is the context's flag.
+    pub fn uncharge_context(&self, gpu: u32, charged: &AtomicBool) {
+        if charged.swap(false, Ordering::AcqRel) && self.context_memory > 0 {
+            self.machine.release(gpu, self.context_memory);
+        }
     }
 
     pub fn register_context(&self, ctx: &Arc<Context>) {

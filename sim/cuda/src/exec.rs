@@ -206,6 +206,10 @@ pub struct Context {
     /// Sticky error (e.g. `CUDA_ERROR_ILLEGAL_ADDRESS`): every later call fails with it.
     pub sticky: AtomicU32,
     pub destroyed: AtomicBool,
+    /// Whether the device memory this context costs is charged to the process now
+    /// (`Driver::charge_context`): from creation to destruction, or for a primary
+    /// context from activation to reset.
+    pub charged: AtomicBool,
     /// The legacy NULL stream of this context.
     pub null_stream: Mutex<Option<Arc<Stream>>>,
     /// Context-local storage of the runtime's private interface (`dark_api`):
@@ -343,6 +347,7 @@ impl Context {
             lanes: [Lane::new(), Lane::new()],
             sticky: AtomicU32::new(CUDA_SUCCESS),
             destroyed: AtomicBool::new(false),
+            charged: AtomicBool::new(false),
             null_stream: Mutex::new(None),
             local_storage: Mutex::new(HashMap::new()),
             limits: Mutex::new(LIMIT_DEFAULTS),

@@ -5,7 +5,9 @@
 //! Modules: `abi` (types and values of `cuda.h`), `ffi` (the panic guard and
 //! pointer helpers), `driver` (process state, context stacks), `memory` (device
 //! address space, VMM), `exec` (contexts' executors, streams, events, built-in
-//! kernels), `api` (the exports), `procaddr` (`cuGetProcAddress`) and `dark_api`
+//! kernels), `exports` (the one declaration list of every exported symbol, its
+//! version and per-thread twin), `api` (what each export does), `procaddr`
+//! (`cuGetProcAddress`) and `dark_api`
 //! (`cuGetExportTable`: the CUDA runtime's private tables), `capture` (stream
 //! capture and its rules), `pool` (stream-ordered memory pools).
 //!
@@ -18,6 +20,7 @@ mod capture;
 mod dark_api;
 mod driver;
 mod exec;
+mod exports;
 mod ffi;
 mod memory;
 mod pool;

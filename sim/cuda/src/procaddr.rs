@@ -34,14 +34,14 @@ fn table() -> &'static Table {
     static T: OnceLock<Table> = OnceLock::new();
     T.get_or_init(|| {
         let mut by_base: HashMap<&'static str, Vec<(i32, usize)>> = HashMap::new();
-        for (sym, ver, addr) in crate::api::exports() {
+        for (sym, ver, addr) in crate::exports::exports() {
             by_base.entry(base_name(sym)).or_default().push((ver, addr));
         }
         for v in by_base.values_mut() {
             v.sort();
         }
         let mut per_thread: HashMap<&'static str, Vec<(i32, usize)>> = HashMap::new();
-        for (base, ver, _, addr) in crate::api::per_thread_exports() {
+        for (base, ver, _, addr) in crate::exports::per_thread_exports() {
             per_thread.entry(base).or_default().push((ver, addr));
         }
         for v in per_thread.values_mut() {
