@@ -52,6 +52,9 @@ const ADMIT_WAIT: Duration = Duration::from_secs(10);
 const PREPARE_PER_TICK: u64 = 64 << 20;
 /// A submission that waited this long says why, once ([`Client::acquire`]).
 pub const EXPLAIN_AFTER: Duration = Duration::from_secs(1);
+/// The device of a submission from a thread with no current context: it needs the
+/// turn of every GPU the process has a context on.
+pub const ANY_DEVICE: usize = usize::MAX;
 
 /// What a turn needs from its GPU's allocator: residency, eviction, draining.
 pub trait Residency: Send + Sync {
@@ -69,6 +72,12 @@ pub trait Residency: Send + Sync {
     }
     /// Waits until this process's queued GPU work on this GPU is done.
     fn drain(&self) -> Result<(), CUresult>;
+    /// Runs `f` with the allocator locked, so its residency cannot change meanwhile
+    /// (an allocation left unbacked closes the gate under that lock), passing whether
+    /// everything is resident; returns `f`'s answer.
+    fn locked(&self, f: &mut dyn FnMut(bool) -> bool) -> bool {
+        f(self.all_resident())
+    }
 }
 
 /// A GPU this process uses.
@@ -127,6 +136,10 @@ pub struct Turn {
     /// allocator's lock.
     seen_working_set: AtomicU64,
     seen_resident: AtomicU64,
+    /// The process has memory on this GPU or submitted work to it: it needs this turn
+    /// to run work. A context alone is not a claim (frameworks open every visible GPU;
+    /// `torch.cuda.mem_get_info(i)` makes a context on GPU `i`). Never cleared.
+    claimed: AtomicBool,
 }
 
 /// A growth the arbiter admitted (or that needs no admission); hold it until the
@@ -144,6 +157,22 @@ impl Turn {
 
     pub fn figures(&self) -> Figures {
         self.res.figures()
+    }
+
+    /// Whether the process needs this turn to run work ([`Turn::claim`]).
+    pub fn claimed(&self) -> bool {
+        self.claimed.load(Ordering::SeqCst)
+    }
+
+    /// The process has memory on this GPU or submits work to it: from now on its work
+    /// waits for this turn. The first claim closes the gate (the turn is not held: a
+    /// turn is asked for only once claimed). Callers that changed the allocator claim
+    /// under its lock, so the claim cannot cross [`Client`] opening the gate.
+    pub fn claim(&self, gate: &Gate) {
+        if !self.claimed.swap(true, Ordering::SeqCst) {
+            gate.close();
+            crate::kdebug!("GPU {}: claimed (memory or work on it)", self.info.ordinal);
+        }
     }
 
     /// Whether the arbiter enforces a node swap budget (growth must be admitted).
@@ -619,10 +648,12 @@ impl Client {
             view: Mutex::new(crate::status::View::default()),
             seen_working_set: AtomicU64::new(0),
             seen_resident: AtomicU64::new(0),
+            claimed: AtomicBool::new(false),
         });
         turn.usage();
-        // The gate is open only while every turn is held: this one is not yet.
-        self.gate.close_and_wait();
+        // A context is not a claim: the process's other GPUs go on; work submitted to
+        // this one waits (and claims it) until its turn is held.
+        self.gate.exclude_and_wait(ordinal);
         st.slots.push(Slot {
             turn: turn.clone(),
             ts: TurnState {
@@ -655,19 +686,35 @@ impl Client {
     /// past [`EXPLAIN_AFTER`] logs one line saying why (once per wait of the process,
     /// however many threads wait), and the grant that ends it one more. This is the
     /// slow path: the gate's fast path never comes here.
-    pub fn acquire(&self) -> Result<(), CUresult> {
+    ///
+    /// `device`: the GPU the waiting submission goes to, when the gate is open for
+    /// some GPUs only ([`Gate::open_devices`]); its turn is claimed first
+    /// ([`ANY_DEVICE`]: every turn). `None`: the gate is closed for all.
+    pub fn acquire(&self, device: Option<usize>) -> Result<(), CUresult> {
         let mut st = lock(&self.state);
+        match device {
+            Some(ANY_DEVICE) => self.turns().for_each(|t| t.claim(self.gate)),
+            Some(d) => {
+                if let Some(t) = self.turn_for(d) {
+                    t.claim(self.gate);
+                }
+            }
+            None => {}
+        }
         st.want += 1;
         let started = Instant::now();
         let result = loop {
-            if self.gate.is_open() {
+            let admitted = match device {
+                Some(d) => self.gate.is_open() || self.gate.admits(d),
+                None => self.gate.is_open() || self.gate.partial(),
+            };
+            if admitted {
                 break Ok(());
             }
             match self.step(&mut st) {
-                Step::Ready => {
-                    self.gate.open();
-                    break Ok(());
-                }
+                // Residency changed under us (an allocation left unbacked): go round.
+                Step::Ready if !self.open_gate(&st) => {}
+                Step::Ready => break Ok(()),
                 Step::Fail(e) => break Err(e),
                 Step::Wait => {
                     let waited = started.elapsed();
@@ -703,17 +750,20 @@ impl Client {
             .order
             .iter()
             .copied()
-            .find(|&k| st.slots[k].ts.phase != Phase::Holding)?;
+            .find(|&k| st.slots[k].turn.claimed() && st.slots[k].ts.phase != Phase::Holding)?;
         crate::status::explain_wait(&st.slots[k].turn);
         Some((k, since))
     }
 
-    /// One pass over the turns in acquisition order: held turns are made resident; at
-    /// the first turn not held, every later turn still held is given back (nothing is
-    /// held past a turn we wait for) and the turn is requested.
+    /// One pass over the claimed turns in acquisition order: held turns are made
+    /// resident; at the first turn not held, every later turn still held is given back
+    /// (nothing is held past a turn we wait for) and the turn is requested.
     fn step(&self, st: &mut State) -> Step {
         for pos in 0..st.order.len() {
             let k = st.order[pos];
+            if !st.slots[k].turn.claimed() {
+                continue;
+            }
             match st.slots[k].ts.phase {
                 Phase::Holding => match st.slots[k].turn.make_resident() {
                     Ok(()) => {}
@@ -758,11 +808,37 @@ impl Client {
         turn.send(&ClientMsg::Request);
     }
 
-    /// Whether every turn is held and resident: the gate may open.
-    fn all_ready(&self, st: &State) -> bool {
-        st.slots
-            .iter()
-            .all(|s| s.ts.phase == Phase::Holding && s.turn.res.all_resident())
+    /// Opens the gate when every claimed turn is held and resident: for all work
+    /// when every turn is claimed, else for the work of the claimed GPUs (and of GPUs
+    /// the shim does not manage). Residency is checked, and the gate opened, with
+    /// every allocator locked: an allocation left unbacked closes the gate under its
+    /// allocator's lock, so it cannot slip between the check and the opening (the
+    /// gate would open over unmapped memory). Returns whether it opened.
+    fn open_gate(&self, st: &State) -> bool {
+        fn nest(slots: &[Slot], ready: &mut dyn FnMut() -> bool) -> bool {
+            match slots.split_first() {
+                None => ready(),
+                Some((s, rest)) => s.turn.res.locked(&mut |resident| {
+                    if s.turn.claimed() && !(resident && s.ts.phase == Phase::Holding) {
+                        return false;
+                    }
+                    nest(rest, ready)
+                }),
+            }
+        }
+        nest(&st.slots, &mut || {
+            let unclaimed = st
+                .slots
+                .iter()
+                .filter(|s| !s.turn.claimed())
+                .fold(0u64, |m, s| m | 1 << s.turn.info.ordinal);
+            if unclaimed == 0 {
+                self.gate.open();
+            } else {
+                self.gate.open_devices(!unclaimed);
+            }
+            true
+        })
     }
 
     /// Stops admitting, drains the GPU, evicts `need` bytes and releases the turn.
@@ -801,7 +877,9 @@ impl Client {
         // Bound the queue before the gate opens: waiting threads queue at once.
         self.refresh_throttle(&st);
         let pos = st.position(k);
-        let earlier_missing = st.order[..pos].iter().any(|&i| !st.holding(i));
+        let earlier_missing = st.order[..pos]
+            .iter()
+            .any(|&i| st.slots[i].turn.claimed() && !st.holding(i));
         if earlier_missing {
             // Asked for before an earlier turn was lost: holding this one while waiting
             // for that one could deadlock with another process. Give it back; it is
@@ -813,9 +891,7 @@ impl Client {
             match turn.make_resident() {
                 Ok(()) => {
                     st.slots[k].ts.oom_retries = 0;
-                    if self.all_ready(&st) {
-                        self.gate.open();
-                    }
+                    self.open_gate(&st);
                 }
                 Err(CUDA_ERROR_OUT_OF_MEMORY) if st.slots[k].ts.oom_retries < 3 => {
                     st.slots[k].ts.oom_retries += 1;
@@ -1208,13 +1284,14 @@ pub fn on_init(has_gpu: impl FnOnce() -> Result<(), CUresult>) -> CUresult {
     }
 }
 
-/// The submission slow path: waits for this process's turn(s).
-pub fn acquire(gate: &Gate) -> Result<(), CUresult> {
+/// The submission slow path: waits for this process's turn(s); `device` as in
+/// [`Client::acquire`].
+pub fn acquire(gate: &Gate, device: Option<usize>) -> Result<(), CUresult> {
     loop {
         match MODE.load(Ordering::Acquire) {
             MANAGED => {
                 return match CLIENT.get() {
-                    Some(c) => c.acquire(),
+                    Some(c) => c.acquire(device),
                     None => Err(CUDA_ERROR_NOT_INITIALIZED),
                 }
             }

@@ -4,6 +4,9 @@
 //! a GPU is held, the queue bound's count: one more add): no lock, no allocation, no
 //! system call. Otherwise the submitting thread goes to the client
 //! ([`crate::client`]) and waits for its turn.
+//! A submission into a capturing stream ([`crate::capture`]) is recorded by the
+//! driver, not run: on the slow path it goes straight through, and the queue bound
+//! never synchronizes while a stream captures.
 //!
 //! Closing is a two-sided handshake: the closer clears `open`, then waits until no
 //! submission is between its check and its driver call (`inflight` = 0); a submitter
@@ -20,6 +23,10 @@ const INFLIGHT_MASK: u64 = 0xffff_ffff;
 
 pub struct Gate {
     open: AtomicBool,
+    /// Devices (bit per ordinal) whose work may run while `open` is false: set when the
+    /// process holds the turns it needs but has contexts on GPUs it does not use
+    /// ([`Gate::open_devices`]). Only the slow path reads it.
+    devices: AtomicU64,
     counter: AtomicU64,
 }
 
@@ -33,6 +40,7 @@ impl Gate {
     pub const fn new() -> Self {
         Self {
             open: AtomicBool::new(false),
+            devices: AtomicU64::new(0),
             counter: AtomicU64::new(0),
         }
     }
@@ -61,12 +69,45 @@ impl Gate {
     }
 
     pub fn open(&self) {
+        self.devices.store(u64::MAX, Ordering::SeqCst);
         self.open.store(true, Ordering::SeqCst);
+    }
+
+    /// Opens for the work of the devices in `mask` only: the fast path stays closed
+    /// and a submission enters through [`Gate::try_enter_device`].
+    pub fn open_devices(&self, mask: u64) {
+        self.open.store(false, Ordering::SeqCst);
+        self.devices.store(mask, Ordering::SeqCst);
+    }
+
+    /// Whether the gate is open for only some devices (submissions must say which).
+    pub fn partial(&self) -> bool {
+        self.devices.load(Ordering::SeqCst) != 0 && !self.open.load(Ordering::SeqCst)
+    }
+
+    /// Whether work on device `d` may run now.
+    pub fn admits(&self, d: usize) -> bool {
+        d < 64 && self.devices.load(Ordering::SeqCst) & (1u64 << d) != 0
+    }
+
+    /// [`Gate::try_enter`] for a submission to device `d` (the same handshake on the
+    /// device mask); the caller must [`Gate::exit`] after its driver call.
+    pub fn try_enter_device(&self, d: usize) -> bool {
+        if !self.admits(d) {
+            return false;
+        }
+        self.counter.fetch_add(ENTER, Ordering::SeqCst);
+        if self.admits(d) {
+            return true;
+        }
+        self.counter.fetch_sub(1, Ordering::SeqCst);
+        false
     }
 
     /// Stops admitting and waits for submissions already past the check.
     pub fn close_and_wait(&self) {
         self.open.store(false, Ordering::SeqCst);
+        self.devices.store(0, Ordering::SeqCst);
         let mut spins = 0u32;
         while self.counter.load(Ordering::SeqCst) & INFLIGHT_MASK != 0 {
             spins += 1;
@@ -82,6 +123,29 @@ impl Gate {
     /// must take the slow path).
     pub fn close(&self) {
         self.open.store(false, Ordering::SeqCst);
+        self.devices.store(0, Ordering::SeqCst);
+    }
+
+    /// Stops admitting work on device `d` (a context on it that this process has not
+    /// used yet) and waits for submissions already past the check; the others' work
+    /// goes on through [`Gate::try_enter_device`].
+    pub fn exclude_and_wait(&self, d: usize) {
+        let was_open = self.open.swap(false, Ordering::SeqCst);
+        let bit = 1u64 << (d & 63);
+        if was_open {
+            self.devices.store(!bit, Ordering::SeqCst);
+        } else {
+            self.devices.fetch_and(!bit, Ordering::SeqCst);
+        }
+        let mut spins = 0u32;
+        while self.counter.load(Ordering::SeqCst) & INFLIGHT_MASK != 0 {
+            spins += 1;
+            if spins < 100 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
     }
 
     /// Submissions so far (wrapping at 2^32): the idle detector watches it change.
@@ -99,8 +163,15 @@ pub static GATE: Gate = Gate::new();
 pub static THROTTLE: AtomicBool = AtomicBool::new(false);
 
 /// Runs the driver call `f` once this process may submit work.
+/// `stream` names the stream the work goes to (read only on the slow path: a
+/// submission into a capturing stream is recorded by the driver, so it neither waits
+/// for the turn nor counts toward the queue bound).
 #[inline(always)]
-pub fn submit(name: &'static str, f: impl FnOnce() -> CUresult) -> CUresult {
+pub fn submit(
+    name: &'static str,
+    stream: impl FnOnce() -> Option<crate::capture::StreamArg>,
+    f: impl FnOnce() -> CUresult,
+) -> CUresult {
     if GATE.try_enter() {
         let r = f();
         GATE.exit();
@@ -109,7 +180,7 @@ pub fn submit(name: &'static str, f: impl FnOnce() -> CUresult) -> CUresult {
         }
         return r;
     }
-    submit_slow(name, f)
+    submit_slow(name, stream, f)
 }
 
 /// The adaptive bound on queued work while holding a GPU: after every `limit`
@@ -173,8 +244,12 @@ impl QueueBound {
         let t = std::time::Instant::now();
         self.syncing.fetch_add(1, Ordering::SeqCst);
         // An error here (a broken context) reaches the application on its own next
-        // synchronizing call; the bound only waits.
-        let _ = crate::hooks::synchronize_current();
+        // synchronizing call; the bound only waits. Never while a stream captures:
+        // the driver would refuse and invalidate the capture (the bound resumes after).
+        if crate::capture::sync_unless_capturing(crate::hooks::synchronize_current).is_none() {
+            self.syncing.fetch_sub(1, Ordering::SeqCst);
+            return;
+        }
         self.syncing.fetch_sub(1, Ordering::SeqCst);
         self.adapt(t.elapsed());
     }
@@ -214,14 +289,39 @@ pub static QUEUE_BOUND: QueueBound = QueueBound::new();
 
 #[cold]
 #[inline(never)]
-fn submit_slow(name: &'static str, f: impl FnOnce() -> CUresult) -> CUresult {
+fn submit_slow(
+    name: &'static str,
+    stream: impl FnOnce() -> Option<crate::capture::StreamArg>,
+    f: impl FnOnce() -> CUresult,
+) -> CUresult {
+    // Only over resident memory: the driver checks a copy's or memset's pointers when
+    // it records them, so a capture over swapped-out memory waits for the turn.
+    if crate::capture::is_captured(stream()) && crate::hooks::all_resident() {
+        // Recorded into a capture, not run: nothing reaches the GPU, so no turn is
+        // needed (a drop waits for the capture to end) and the queue does not grow.
+        return crate::ffi::guarded(name, f);
+    }
     crate::ffi::guarded(name, || loop {
+        // Open for some GPUs only (the process has contexts on GPUs it does not use):
+        // the work goes to the calling thread's current context's device.
+        // No current context: it needs every turn ([`crate::client::ANY_DEVICE`]).
+        let device = GATE
+            .partial()
+            .then(|| crate::hooks::current_device().unwrap_or(crate::client::ANY_DEVICE));
+        if device.is_some_and(|d| GATE.try_enter_device(d)) {
+            let r = f();
+            GATE.exit();
+            if THROTTLE.load(Ordering::Relaxed) {
+                QUEUE_BOUND.after_submit();
+            }
+            return r;
+        }
         crate::stats::SLOW_SUBMITS.fetch_add(1, Ordering::Relaxed);
-        if let Err(code) = crate::client::acquire(&GATE) {
+        if let Err(code) = crate::client::acquire(&GATE, device) {
             crate::kdebug!("{name}: refused with CUDA error {code}");
             return code;
         }
-        if GATE.try_enter() {
+        if GATE.try_enter() || device.is_some_and(|d| GATE.try_enter_device(d)) {
             let r = f();
             GATE.exit();
             return r;

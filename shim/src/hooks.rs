@@ -111,9 +111,23 @@ impl Driver for RealDriver {
     fn wait_copies(&self) -> Result<(), CUresult> {
         call!(cuStreamSynchronize: fn(CUstream)(null_mut()))
     }
+    // A free waits for the work that may still use the memory: a stream-ordered free
+    // for its own stream only ([`FREE_STREAM`]), any other free for the context, never
+    // while a stream captures (the driver would refuse and invalidate the capture;
+    // frees during a capture are deferred before they get here, see [`mem_free`]).
     fn sync(&self) -> Result<(), CUresult> {
-        call!(cuCtxSynchronize: fn()())
+        if let Some(s) = FREE_STREAM.get() {
+            return call!(cuStreamSynchronize: fn(CUstream)(s.handle_for_legacy_entry()));
+        }
+        crate::capture::sync_unless_capturing(|| call!(cuCtxSynchronize: fn()()))
+            .unwrap_or(Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED))
     }
+}
+
+thread_local! {
+    /// The stream a stream-ordered free on this thread waits for ([`mem_free_async`]).
+    static FREE_STREAM: std::cell::Cell<Option<crate::capture::StreamArg>> =
+        const { std::cell::Cell::new(None) };
 }
 
 /// Most device ordinals the shim manages (one allocator and one turn each).
@@ -148,10 +162,17 @@ fn current_context() -> CUcontext {
     ctx
 }
 
-fn current_device() -> Option<usize> {
+/// The device of the calling thread's current context (where its next launch goes).
+pub fn current_device() -> Option<usize> {
     let mut d: CUdevice = 0;
     call!(cuCtxGetDevice: fn(*mut CUdevice)(&mut d)).ok()?;
     usize::try_from(d).ok().filter(|&d| d < MAX_DEVICES)
+}
+
+/// Whether every allocation of every device is resident (slow paths only: it takes
+/// each allocator's lock).
+pub fn all_resident() -> bool {
+    seen_devices().all(|d| mem_lock(d).as_ref().is_none_or(|m| m.all_resident()))
 }
 
 /// Waits for the work queued on the calling thread's current context: the queue
@@ -178,7 +199,30 @@ impl AppContext {
             return None;
         }
         let previous = current_context();
-        let switched = previous != ctx && call!(cuCtxSetCurrent: fn(CUcontext)(ctx)).is_ok();
+        if previous == ctx {
+            return Some(AppContext {
+                previous,
+                switched: false,
+            });
+        }
+        if call!(cuCtxSetCurrent: fn(CUcontext)(ctx)).is_ok() {
+            return Some(AppContext {
+                previous,
+                switched: true,
+            });
+        }
+        // The application destroyed that context (`cuCtxDestroy`) and made none on
+        // this device since: its work there is gone with it, and the shim's memory
+        // (VMM, not owned by a context) is reached through the device's primary
+        // context, retained once for the shim.
+        let mut primary: CUcontext = null_mut();
+        call!(cuDevicePrimaryCtxRetain: fn(*mut CUcontext, CUdevice)(&mut primary, d as CUdevice))
+            .ok()?;
+        crate::kwarn!(
+            "GPU {d}: the application's context is gone; swapping through the primary context"
+        );
+        let _ = APP_CTX[d].compare_exchange(ctx, primary, Ordering::AcqRel, Ordering::Acquire);
+        let switched = call!(cuCtxSetCurrent: fn(CUcontext)(primary)).is_ok();
         Some(AppContext { previous, switched })
     }
 }
@@ -306,6 +350,9 @@ impl DeviceResidency {
         match guard.as_mut() {
             Some(m) => crate::ffi::inside(|| {
                 let _ctx = AppContext::enter(self.0);
+                // Pinning swap buffers is a potentially unsafe call: relaxed, it never
+                // invalidates the application's captures.
+                let _relaxed = crate::capture::Relaxed::enter();
                 f(m)
             }),
             None => default,
@@ -333,18 +380,49 @@ impl Residency for DeviceResidency {
     fn all_resident(&self) -> bool {
         mem_lock(self.0).as_ref().is_none_or(|m| m.all_resident())
     }
+    // Swap copies run on the legacy stream, which a capture on a blocking stream
+    // forbids: they wait for such captures to end (the swap is refused, never forced
+    // through a capture, when one outlasts the wait).
     fn swap_in_all(&self) -> Result<Swap, CUresult> {
+        if !crate::capture::legacy_usable(crate::capture::CAPTURE_WAIT) {
+            return Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
         self.with(Ok(Swap::default()), |m| m.swap_in_all())
     }
     fn evict(&self, need: u64) -> Result<Swap, CUresult> {
+        if !crate::capture::legacy_usable(crate::capture::CAPTURE_WAIT) {
+            return Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
         self.with(Ok(Swap::default()), |m| m.evict(need))
     }
     fn prepare_swap_out(&self, need: u64, budget: u64) -> Result<u64, CUresult> {
         self.with(Ok(0), |m| m.prepare_swap_out(need, budget))
     }
+    fn locked(&self, f: &mut dyn FnMut(bool) -> bool) -> bool {
+        let guard = mem_lock(self.0);
+        f(guard.as_ref().is_none_or(|m| m.all_resident()))
+    }
+    /// Waits for the context's queued work. While a stream captures the driver refuses
+    /// that (and invalidates the capture), so a drain waits for the captures to end
+    /// first: a drop that arrives during a capture is answered when it ends, within
+    /// [`crate::capture::CAPTURE_WAIT`]. The idle detector drains with the gate open:
+    /// for it a capture in progress is work in progress, and the drain returns after
+    /// [`crate::capture::IDLE_PROBE`], which it reads as busy.
     fn drain(&self) -> Result<(), CUresult> {
         crate::ffi::inside(|| match AppContext::enter(self.0) {
-            Some(_ctx) => call!(cuCtxSynchronize: fn()()),
+            Some(_ctx) => {
+                let probing = crate::gate::GATE.is_open();
+                let patience = if probing {
+                    crate::capture::IDLE_PROBE
+                } else {
+                    crate::capture::CAPTURE_WAIT
+                };
+                let sync = || call!(cuCtxSynchronize: fn()());
+                match crate::capture::sync_when_quiet(patience, sync) {
+                    Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) if probing => Ok(()),
+                    r => r,
+                }
+            }
             None => Ok(()),
         })
     }
@@ -388,6 +466,11 @@ fn context_created(r: CUresult, pctx: *mut CUcontext, dev: CUdevice) -> CUresult
                 unsafe { *pctx }
             };
             ensure_device(d, ctx);
+            // The newest context is the one the shim's threads swap and drain in: an
+            // earlier one may have been destroyed (`cuCtxDestroy`) or reset since.
+            if !ctx.is_null() {
+                APP_CTX[d].store(ctx, Ordering::Release);
+            }
         }
     }
     r
@@ -546,7 +629,9 @@ fn alloc(size: u64) -> Option<Result<u64, CUresult>> {
         Ok(a) => a,
         Err(e) => return Some(Err(e)),
     };
-    let r = mem_lock(d).as_mut().map(|m| match m.alloc(size) {
+    let mut guard = mem_lock(d);
+    let m = guard.as_mut()?;
+    let r = match m.alloc(size) {
         Err(CUDA_ERROR_OUT_OF_MEMORY) if m.figures().working_set + size <= limit_of(d) => {
             // Within what this application may use, but the GPU is physically full of
             // others' memory: reserve now, back it at the next turn (the arbiter makes
@@ -554,18 +639,24 @@ fn alloc(size: u64) -> Option<Result<u64, CUresult>> {
             m.set_backing_allowed(false);
             let r = m.alloc(size);
             m.set_backing_allowed(true);
-            (r, m.all_resident())
+            r
         }
-        r => (r, m.all_resident()),
-    })?;
-    let (r, resident) = r;
+        r => r,
+    };
     if r.is_ok() {
         crate::stats::ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // Memory left unbacked while the gate is open must be backed before work runs.
-        if !resident {
+        // Memory on this GPU: the process needs its turn from now on.
+        if let Some(t) = client::global().and_then(|c| c.turn_for(d)) {
+            t.claim(&crate::gate::GATE);
+        }
+        // Memory left unbacked must be backed before work runs. Closed under the
+        // allocator's lock: the client checks residency and opens the gate under it
+        // too, so it cannot open over this memory (a sticky illegal address).
+        if !m.all_resident() {
             crate::gate::GATE.close();
         }
     }
+    drop(guard);
     Some(r)
 }
 
@@ -692,6 +783,18 @@ pub unsafe fn mem_free(
     real: Real<unsafe extern "C" fn(CUdeviceptr) -> CUresult>,
     dptr: CUdeviceptr,
 ) -> CUresult {
+    let ours = || client::allocator_enabled() && with_owner(dptr, |_| ()).is_some();
+    if crate::capture::active() && ours() {
+        // Freeing waits for the work that may use the memory, which no shim may do while
+        // a stream captures: the free is done when the last capture ends (the memory
+        // stays mapped until then, so nothing running can touch unmapped memory).
+        crate::capture::after_captures(Box::new(move || {
+            if let Some(e) = free_ours(dptr).filter(|&r| r != CUDA_SUCCESS) {
+                crate::kwarn!("a free deferred past a capture failed with CUDA error {e}");
+            }
+        }));
+        return CUDA_SUCCESS;
+    }
     match free_ours(dptr) {
         Some(r) => r,
         // SAFETY: forwarding the caller's argument.
@@ -707,16 +810,53 @@ pub unsafe fn mem_free_async(
     dptr: CUdeviceptr,
     stream: CUstream,
 ) -> CUresult {
+    // SAFETY: the caller's arguments.
+    unsafe { free_async(real, dptr, crate::capture::StreamArg::new(stream, false)) }
+}
+
+/// `cuMemFreeAsync_ptsz`: a NULL stream is the calling thread's per-thread stream.
+/// # Safety
+/// As [`mem_free_async`].
+pub unsafe fn mem_free_async_ptsz(
+    real: Real<unsafe extern "C" fn(CUdeviceptr, CUstream) -> CUresult>,
+    dptr: CUdeviceptr,
+    stream: CUstream,
+) -> CUresult {
+    // SAFETY: the caller's arguments.
+    unsafe { free_async(real, dptr, crate::capture::StreamArg::new(stream, true)) }
+}
+
+/// A stream-ordered free of a shim allocation waits for its own stream only (work
+/// queued there may still use the memory; other streams' use is ordered by the
+/// application, as with the driver's pools), never for the whole context.
+/// # Safety
+/// `real` is the original taking `(dptr, s.handle)`.
+unsafe fn free_async(
+    real: Real<unsafe extern "C" fn(CUdeviceptr, CUstream) -> CUresult>,
+    dptr: CUdeviceptr,
+    s: crate::capture::StreamArg,
+) -> CUresult {
     let ours = client::allocator_enabled() && with_owner(dptr, |_| ()).is_some();
     if !ours {
         // SAFETY: forwarding the caller's arguments.
-        return unsafe { real(dptr, stream) };
+        return unsafe { real(dptr, s.handle) };
     }
-    // Stream order: work already queued on the stream may still use the memory.
-    if let Err(e) = call!(cuStreamSynchronize: fn(CUstream)(stream)) {
+    if crate::capture::is_captured(Some(s)) {
+        // A free captured into a graph happens each time the graph runs, after the
+        // graph's earlier work, which the shim cannot order: the memory stays allocated
+        // (and swappable) instead, never freed under a graph that still uses it.
+        crate::kwarn!(
+            "cuMemFreeAsync of {dptr:#x} captured into a graph: kept allocated (Kiwi does not free captured frees)"
+        );
+        return CUDA_SUCCESS;
+    }
+    if let Err(e) = call!(cuStreamSynchronize: fn(CUstream)(s.handle_for_legacy_entry())) {
         return e;
     }
-    free_ours(dptr).unwrap_or(CUDA_ERROR_INVALID_VALUE)
+    FREE_STREAM.set(Some(s));
+    let r = free_ours(dptr).unwrap_or(CUDA_ERROR_INVALID_VALUE);
+    FREE_STREAM.set(None);
+    r
 }
 
 /// # Safety
@@ -807,6 +947,9 @@ pub unsafe fn app_mem_create(
             if ensure_device(d, current_context()) {
                 if let Some(m) = mem_lock(d).as_mut() {
                     m.external_created(h, size as u64);
+                    if let Some(t) = client::global().and_then(|c| c.turn_for(d)) {
+                        t.claim(&crate::gate::GATE);
+                    }
                 }
             }
         }

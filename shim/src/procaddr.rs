@@ -49,7 +49,12 @@ pub fn resolve(
         return Resolution::Driver;
     }
     if let Some(i) = (0..SYMBOLS.len()).find(|&i| original(i) == driver_fn) {
-        return Resolution::Wrapper(i);
+        // A `driver` entry has no wrapper: the driver's own function it is.
+        return if SYMBOLS[i].exported() {
+            Resolution::Wrapper(i)
+        } else {
+            Resolution::Driver
+        };
     }
     // Unknown address: choose by name among the exports of the same base name.
     let (base, _, _) = split_name(name);
@@ -58,7 +63,7 @@ pub fn resolve(
     let mut any_pt_variant = false;
     for (i, s) in SYMBOLS.iter().enumerate() {
         let (b, v, pt) = split_name(s.name());
-        if b != base {
+        if b != base || !s.exported() {
             continue;
         }
         any_pt_variant |= pt;
@@ -153,6 +158,16 @@ mod tests {
         // Not ours at all.
         assert_eq!(
             resolve("cuModuleLoadData", internal, 0, orig),
+            Resolution::Driver
+        );
+        // Classified but left to the driver, by address or by name.
+        let query = Sym::cuStreamQuery as usize;
+        assert_eq!(
+            resolve("cuStreamQuery", orig(query), 0, orig),
+            Resolution::Driver
+        );
+        assert_eq!(
+            resolve("cuStreamQuery", internal, 0, orig),
             Resolution::Driver
         );
         // The driver said "no such symbol".

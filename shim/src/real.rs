@@ -49,41 +49,46 @@ pub fn real_dlsym() -> DlsymFn {
 
 /// Opens the real driver and resolves every original, once.
 pub fn load() {
-    LOAD.call_once(|| {
-        let env = crate::env::ShimEnv::from_env();
-        let path = env
-            .real_libcuda
-            .clone()
-            .unwrap_or_else(|| "libcuda.so.1".to_string());
-        let Ok(cpath) = std::ffi::CString::new(path.clone()) else {
-            crate::kerror!("KIWI_REAL_LIBCUDA={path:?} is not a valid path");
-            return;
+    // Marked as inside the shim: a driver (or a proxy standing for it) that looks up
+    // `cu*` names while it is being loaded is below the shim and gets its own
+    // ([`crate::dl`]).
+    LOAD.call_once(|| crate::ffi::inside(load_now));
+}
+
+fn load_now() {
+    let env = crate::env::ShimEnv::from_env();
+    let path = env
+        .real_libcuda
+        .clone()
+        .unwrap_or_else(|| "libcuda.so.1".to_string());
+    let Ok(cpath) = std::ffi::CString::new(path.clone()) else {
+        crate::kerror!("KIWI_REAL_LIBCUDA={path:?} is not a valid path");
+        return;
+    };
+    // SAFETY: dlopen with a NUL-terminated path.
+    let h = unsafe { libc::dlopen(cpath.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    if h.is_null() {
+        // SAFETY: dlerror returns a thread-local message or null.
+        let err = unsafe { libc::dlerror() };
+        let msg = if err.is_null() {
+            String::new()
+        } else {
+            // SAFETY: dlerror's result is a NUL-terminated string.
+            unsafe { CStr::from_ptr(err) }
+                .to_string_lossy()
+                .into_owned()
         };
-        // SAFETY: dlopen with a NUL-terminated path.
-        let h = unsafe { libc::dlopen(cpath.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-        if h.is_null() {
-            // SAFETY: dlerror returns a thread-local message or null.
-            let err = unsafe { libc::dlerror() };
-            let msg = if err.is_null() {
-                String::new()
-            } else {
-                // SAFETY: dlerror's result is a NUL-terminated string.
-                unsafe { CStr::from_ptr(err) }
-                    .to_string_lossy()
-                    .into_owned()
-            };
-            crate::kerror!("cannot load the real CUDA driver {path:?}: {msg}");
-            return;
-        }
-        LIBCUDA.store(h, Ordering::Release);
-        let dlsym = real_dlsym();
-        for (i, s) in SYMBOLS.iter().enumerate() {
-            // SAFETY: h is a live dlopen handle and the name is NUL-terminated.
-            let p = unsafe { dlsym(h, s.cname().as_ptr()) };
-            REAL[i].store(p, Ordering::Release);
-        }
-        crate::kdebug!("real driver {path} loaded");
-    });
+        crate::kerror!("cannot load the real CUDA driver {path:?}: {msg}");
+        return;
+    }
+    LIBCUDA.store(h, Ordering::Release);
+    let dlsym = real_dlsym();
+    for (i, s) in SYMBOLS.iter().enumerate() {
+        // SAFETY: h is a live dlopen handle and the name is NUL-terminated.
+        let p = unsafe { dlsym(h, s.cname().as_ptr()) };
+        REAL[i].store(p, Ordering::Release);
+    }
+    crate::kdebug!("real driver {path} loaded");
 }
 
 /// The original behind export `index`, or null when the driver lacks it.

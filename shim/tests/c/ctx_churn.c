@@ -1,0 +1,77 @@
+/* Contexts that come and go before the work (driver API, NVIDIA's cuda.h). Usage:
+ *   ctx_churn destroy|reset MIB BURSTS
+ * destroy: cuCtxCreate twice, then cuCtxDestroy of the first (the second lives on;
+ *          created while the first lives, it cannot reuse its handle).
+ * reset:   retain the primary context, cuDevicePrimaryCtxReset, release, then a
+ *          cuCtxCreate context and the primary one retained again.
+ * Then allocates MIB MiB in the last context and runs BURSTS bursts: a memset to a
+ * new value, every byte copied back and checked, 50 ms apart (another program over
+ * capacity forces drops meanwhile). Prints "OK"; exits 2 on a failed call, 3 on a
+ * wrong byte. */
+#include <cuda.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define CHECK(call)                                                            \
+    do {                                                                       \
+        CUresult r_ = (call);                                                  \
+        if (r_ != CUDA_SUCCESS) {                                              \
+            const char *n_ = "?";                                              \
+            cuGetErrorName(r_, &n_);                                           \
+            printf("FAIL %s:%d %s -> %d %s\n", __FILE__, __LINE__, #call,      \
+                   (int)r_, n_);                                               \
+            fflush(stdout);                                                    \
+            exit(2);                                                           \
+        }                                                                      \
+    } while (0)
+
+int main(int argc, char **argv) {
+    if (argc != 4) {
+        fprintf(stderr, "usage: ctx_churn destroy|reset MIB BURSTS\n");
+        return 1;
+    }
+    size_t n = (size_t)atoi(argv[2]) << 20;
+    int bursts = atoi(argv[3]);
+    CUdevice dev;
+    CUcontext c1, c2, p;
+    CHECK(cuInit(0));
+    CHECK(cuDeviceGet(&dev, 0));
+    if (strcmp(argv[1], "destroy") == 0) {
+        CHECK(cuCtxCreate(&c1, 0, dev));
+        CHECK(cuCtxCreate(&c2, 0, dev));
+        CHECK(cuCtxDestroy(c1));
+        CHECK(cuCtxSetCurrent(c2));
+    } else {
+        CHECK(cuDevicePrimaryCtxRetain(&p, dev));
+        CHECK(cuCtxSetCurrent(p));
+        CHECK(cuCtxSynchronize());
+        CHECK(cuDevicePrimaryCtxReset(dev));
+        CHECK(cuDevicePrimaryCtxRelease(dev));
+        CHECK(cuCtxCreate(&c2, 0, dev));
+        CHECK(cuCtxDestroy(c2));
+        CHECK(cuDevicePrimaryCtxRetain(&p, dev));
+        CHECK(cuCtxSetCurrent(p));
+    }
+    CUdeviceptr d;
+    unsigned char *h = malloc(n);
+    if (!h) return 1;
+    CHECK(cuMemAlloc(&d, n));
+    for (int b = 0; b < bursts; b++) {
+        unsigned char v = (unsigned char)(b * 13 + 5);
+        CHECK(cuMemsetD8(d, v, n));
+        CHECK(cuCtxSynchronize());
+        usleep(50000);
+        CHECK(cuMemcpyDtoH(h, d, n));
+        for (size_t i = 0; i < n; i++)
+            if (h[i] != v) {
+                printf("burst %d: byte %zu is %u, want %u\n", b, i, h[i], v);
+                return 3;
+            }
+    }
+    CHECK(cuMemFree(d));
+    printf("OK\n");
+    fflush(stdout);
+    return 0;
+}
