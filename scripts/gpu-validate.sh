@@ -72,6 +72,61 @@ PY
   echo "$torch_result"
 fi
 
+graph_result="skipped: no python3 with torch"
+ipc_result="skipped: no python3 with torch"
+if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+  echo "== torch.cuda.graph: capture under Kiwi, replay while a second program competes"
+  cat >"$WORK/graph.py" <<'PY'
+import sys, time, torch
+gib = float(sys.argv[1])
+x = torch.zeros(int(gib * (1 << 30) / 4), device="cuda")  # most of this process's share
+static = torch.zeros(1 << 20, device="cuda")
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):          # warm-up outside the capture, as PyTorch advises
+    for _ in range(3):
+        static.add_(1)
+torch.cuda.current_stream().wait_stream(s)
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    for _ in range(2000):           # enough to trip the shim's queue bound mid-capture
+        static.add_(1)
+for i in range(20):
+    g.replay()
+    if i % 5 == 0:
+        time.sleep(1.0)             # idle: the other program takes its turn, x is swapped
+torch.cuda.synchronize()
+want = 3 + 2000 * 20              # captured work runs only when replayed
+print("ok" if bool((static == want).all()) and x.sum().item() == 0 else f"WRONG {static[0].item()} != {want}")
+PY
+  "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/graph.py" "$GIB" >"$WORK/g.out" 2>&1 & G1=$!
+  "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/train.py" 3 "$GIB" >"$WORK/g2.out" 2>&1 & G2=$!
+  rg=0; rg2=0; wait $G1 || rg=$?; wait $G2 || rg2=$?
+  graph_result="graph exit $rg: $(tail -1 "$WORK/g.out"); competitor exit $rg2: $(tail -1 "$WORK/g2.out")"
+  echo "$graph_result"
+
+  echo "== torch.multiprocessing: a CUDA tensor sent to a child process (IPC)"
+  cat >"$WORK/ipc.py" <<'PY'
+import torch, torch.multiprocessing as mp
+def child(q):
+    t = q.get()
+    print("child sum", t.sum().item())
+if __name__ == "__main__":
+    mp.set_start_method("spawn")
+    q = mp.Queue()
+    p = mp.Process(target=child, args=(q,))
+    p.start()
+    t = torch.ones(1 << 20, device="cuda")
+    q.put(t)
+    p.join()
+    print("ok" if p.exitcode == 0 else f"child exit {p.exitcode}")
+PY
+  ri=0; "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/ipc.py" >"$WORK/ipc.out" 2>&1 || ri=$?
+  # Expected to fail today: cuIpcGetMemHandle refuses the shim's VMM memory (docs/shim.md).
+  ipc_result="exit $ri: $(tail -1 "$WORK/ipc.out") (IPC of shim allocations is not supported yet)"
+  echo "$ipc_result"
+fi
+
 GPUS=$(nvidia-smi -L | grep -c '^GPU ' || true)
 multi_result="skipped: one GPU"
 if [ "$GPUS" -ge 2 ]; then
@@ -100,6 +155,8 @@ echo "$swaps"
   echo
   echo "- gpuburst pair at 60% of ${TOTAL_MIB} MiB each: ${burst_result}"
   echo "- PyTorch pair under kiwictl run: ${torch_result}"
+  echo "- torch.cuda.graph capture and replay under Kiwi: ${graph_result}"
+  echo "- torch.multiprocessing CUDA tensor: ${ipc_result}"
   echo "- two-GPU pair in opposite orders: ${multi_result}"
   echo "- ${swaps}"
 } >>docs/gpu-validation.md
