@@ -16,6 +16,13 @@
 //!   is still missing at grant time is reclaimed from idle clients, least recently
 //!   active first, in parallel with the grant: room-making never delays a grant (the
 //!   new holder's swap-in waits for the memory to come free).
+//! - Memory that no swap frees counts: each client's reported non-swappable bytes
+//!   (its contexts, modules, own VMM memory) and at least the GPU's context reserve
+//!   ([`GpuScheduler::fixed`]). Working sets fit when Σ working sets ≤ total − that.
+//! - An exclusive holder that is not all resident (its swap-in found no room: memory
+//!   of others still there) gets room made for it: whatever is still missing, less
+//!   reclaims already asked, is reclaimed from idle clients, least recently active
+//!   first. The holder waits for it; it is never failed.
 //! - A holder that ignores a drop for `grace` loses the GPU (it is told so). A client
 //!   that goes away releases everything at once.
 //! - After an arbiter restart a client may say it still holds the GPU (`resume
@@ -54,6 +61,8 @@ pub struct ClientInfo {
     pub pod_namespace: Option<String>,
     /// It asked to be told why it waits ([`ArbiterMsg::Waiting`]).
     pub wait_info: bool,
+    /// Its GPU memory that no swap frees, as registered (`None`: it does not report).
+    pub unswappable: Option<u64>,
 }
 
 impl ClientInfo {
@@ -66,6 +75,7 @@ impl ClientInfo {
             pod_name: r.pod_name.clone(),
             pod_namespace: r.pod_namespace.clone(),
             wait_info: r.wait_info,
+            unswappable: r.unswappable_bytes,
         }
     }
 
@@ -94,6 +104,10 @@ struct Client {
     held_ns: u64,
     /// What it was last told while waiting (`wait_info` clients only).
     told: Option<WaitView>,
+    /// GPU memory of its that no swap frees (contexts, modules, its own VMM memory).
+    unswappable: u64,
+    /// Bytes it was asked to reclaim and has not answered yet.
+    reclaim_pending: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -219,10 +233,31 @@ impl GpuScheduler {
         self.capacity
     }
 
-    /// Bytes of this GPU's working sets that do not fit in its capacity: the least
-    /// host RAM that must hold its swapped-out memory.
+    /// GPU memory no swap frees: the clients' reported non-swappable bytes, or the
+    /// context reserve (total − capacity) when that is more. The reserve was sized
+    /// for contexts, which clients now report: counting both would count each
+    /// context twice. So it is a floor, for what nobody reports (shims that predate
+    /// the report, a context before its turn's first report).
+    pub fn fixed(&self) -> u64 {
+        let reported = self
+            .clients
+            .values()
+            .map(|c| c.unswappable)
+            .fold(0u64, u64::saturating_add);
+        reported
+            .max(self.total.saturating_sub(self.capacity))
+            .min(self.total)
+    }
+
+    /// GPU memory the working sets are scheduled against: total − [`Self::fixed`].
+    pub fn room(&self) -> u64 {
+        self.total.saturating_sub(self.fixed())
+    }
+
+    /// Bytes of this GPU's working sets that do not fit in its room: the least host
+    /// RAM that must hold its swapped-out memory.
     pub fn swap_need(&self) -> u64 {
-        self.working_sets().saturating_sub(self.capacity)
+        self.working_sets().saturating_sub(self.room())
     }
 
     /// [`Self::swap_need`] if client `id`'s working set were `working_set` bytes.
@@ -234,7 +269,7 @@ impl GpuScheduler {
         self.working_sets()
             .saturating_sub(current)
             .saturating_add(working_set)
-            .saturating_sub(self.capacity)
+            .saturating_sub(self.room())
     }
 
     /// Bytes swapped out to host memory now, over all clients (working set − resident).
@@ -249,9 +284,10 @@ impl GpuScheduler {
             .fold(0u64, u64::saturating_add)
     }
 
-    /// Whether every registered working set fits at once.
+    /// Whether every registered working set fits at once, next to the memory no
+    /// swap frees.
     pub fn fits(&self) -> bool {
-        self.working_sets() <= self.capacity
+        self.working_sets() <= self.room()
     }
 
     fn working_sets(&self) -> u64 {
@@ -274,7 +310,8 @@ impl GpuScheduler {
     }
 
     /// Bytes that must leave GPU memory before `next` can bring all of its own in:
-    /// what residency would exceed capacity by. Residency can already be over capacity
+    /// what residency would exceed the room by (every client's non-swappable memory
+    /// stays). Residency can already be over the room
     /// (a client swaps in on a grant given while its answer to a reclaim was still on
     /// the way): that overflow must go too, or it stays for good.
     fn need_for(&self, next: ClientId) -> u64 {
@@ -287,7 +324,7 @@ impl GpuScheduler {
             .saturating_sub(c.usage.resident_bytes);
         self.resident()
             .saturating_add(missing)
-            .saturating_sub(self.capacity)
+            .saturating_sub(self.room())
     }
 
     /// Current holders (one when exclusive), for tests and status.
@@ -342,6 +379,7 @@ impl GpuScheduler {
                 resumed: resume.is_some(),
             },
         );
+        let unswappable = info.unswappable.unwrap_or(0).min(self.total);
         self.clients.insert(
             id,
             Client {
@@ -352,6 +390,8 @@ impl GpuScheduler {
                 waited_ns: 0,
                 held_ns: 0,
                 told: None,
+                unswappable,
+                reclaim_pending: 0,
             },
         );
         self.send(
@@ -444,6 +484,7 @@ impl GpuScheduler {
             return Vec::new();
         };
         c.usage = usage;
+        c.reclaim_pending = 0;
         if let Some(h) = self.holders.remove(&id) {
             let c = self.clients.get_mut(&id).expect("checked above");
             c.held_ns += now.saturating_sub(h.since);
@@ -504,6 +545,22 @@ impl GpuScheduler {
             return Vec::new();
         };
         c.usage = usage;
+        c.reclaim_pending = 0;
+        self.finish(now)
+    }
+
+    /// The client's memory that no swap frees is now `bytes`
+    /// ([`kiwi_protocol::ClientMsg::Unswappable`]).
+    pub fn unswappable(&mut self, now: Nanos, id: ClientId, bytes: u64) -> Vec<Output> {
+        let Some(c) = self.clients.get_mut(&id) else {
+            return Vec::new();
+        };
+        // A report past the GPU's size is a lie or a bug: it cannot take more than all.
+        let bytes = bytes.min(self.total);
+        if c.unswappable == bytes {
+            return Vec::new();
+        }
+        c.unswappable = bytes;
         self.finish(now)
     }
 
@@ -674,26 +731,61 @@ impl GpuScheduler {
         let Some(next) = self.queue.pop_front() else {
             return;
         };
-        let mut need = self.need_for(next);
-        if need > 0 {
-            let mut victims: Vec<(Nanos, ClientId, u64)> = self
-                .clients
-                .iter()
-                .filter(|(&id, c)| id != next && c.usage.resident_bytes > 0)
-                .map(|(&id, c)| (c.last_active, id, c.usage.resident_bytes))
-                .collect();
-            victims.sort();
-            for (_, id, resident) in victims {
-                if need == 0 {
-                    break;
-                }
-                let take = resident.min(need);
-                need -= take;
-                self.log(Some(id), EventKind::Reclaim { need_bytes: take });
-                self.send(id, ArbiterMsg::Reclaim { need_bytes: take });
-            }
-        }
+        self.reclaim_for(next);
         self.grant(now, next, true);
+    }
+
+    /// Reclaims from clients other than `next` (none of them holding) what `next`
+    /// still lacks to be all resident, less what reclaims already asked and not yet
+    /// answered will free: least recently active first.
+    fn reclaim_for(&mut self, next: ClientId) {
+        let pending = self
+            .clients
+            .values()
+            .map(|c| c.reclaim_pending)
+            .fold(0u64, u64::saturating_add);
+        let mut need = self.need_for(next).saturating_sub(pending);
+        if need == 0 {
+            return;
+        }
+        let mut victims: Vec<(Nanos, ClientId, u64)> = self
+            .clients
+            .iter()
+            .filter(|(&id, _)| id != next && !self.holders.contains_key(&id))
+            .map(|(&id, c)| {
+                let left = c.usage.resident_bytes.saturating_sub(c.reclaim_pending);
+                (c.last_active, id, left)
+            })
+            .filter(|&(_, _, left)| left > 0)
+            .collect();
+        victims.sort();
+        for (_, id, left) in victims {
+            if need == 0 {
+                break;
+            }
+            let take = left.min(need);
+            need -= take;
+            if let Some(c) = self.clients.get_mut(&id) {
+                c.reclaim_pending = c.reclaim_pending.saturating_add(take);
+            }
+            self.log(Some(id), EventKind::Reclaim { need_bytes: take });
+            self.send(id, ArbiterMsg::Reclaim { need_bytes: take });
+        }
+    }
+
+    /// An exclusive holder that is not all resident found no room to swap in (the
+    /// memory of others is still there): make room for what it lacks.
+    fn make_room_for_holder(&mut self) {
+        let short: Vec<ClientId> = self
+            .holders
+            .iter()
+            .filter(|(_, h)| h.exclusive && h.drop_sent.is_none())
+            .map(|(&id, _)| id)
+            .filter(|id| self.need_bytes_to_complete(*id) > 0)
+            .collect();
+        for id in short {
+            self.reclaim_for(id);
+        }
     }
 
     fn schedule(&mut self, now: Nanos) {
@@ -728,7 +820,7 @@ impl GpuScheduler {
             let mut overflow = self
                 .resident()
                 .saturating_add(self.need_bytes_to_complete(keep))
-                .saturating_sub(self.capacity);
+                .saturating_sub(self.room());
             let others: Vec<ClientId> = self
                 .holders
                 .keys()
@@ -794,6 +886,7 @@ impl GpuScheduler {
 
         // Nobody holds: hand over to the first in line.
         self.handoff(now);
+        self.make_room_for_holder();
 
         // TQ: drop the holder only when someone waits.
         if !self.queue.is_empty() {

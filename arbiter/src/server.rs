@@ -1199,6 +1199,7 @@ fn handle_client_msg(
                 ClientMsg::Release(u) => s.release(now, id, u),
                 ClientMsg::Usage(u) => s.usage(now, id, u),
                 ClientMsg::Reclaimed(u) => s.reclaimed(now, id, u),
+                ClientMsg::Unswappable { bytes } => s.unswappable(now, id, bytes),
                 ClientMsg::Swapped {
                     direction,
                     bytes,

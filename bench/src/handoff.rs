@@ -35,6 +35,7 @@ fn register(socket: &Path, ws: u64) -> Result<Connection<ClientMsg, ArbiterMsg>>
         name: Some("kiwi-bench".into()),
         resume: None,
         wait_info: false,
+        unswappable_bytes: None,
     };
     match c.call(&ClientMsg::Register(reg))? {
         ArbiterMsg::Registered { .. } => Ok(c),

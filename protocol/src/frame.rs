@@ -245,6 +245,7 @@ mod tests {
             name: Some("n".repeat(200_000)),
             resume: None,
             wait_info: false,
+            unswappable_bytes: None,
         }))
         .unwrap();
         let mut d = FrameDecoder::new();

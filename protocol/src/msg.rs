@@ -89,6 +89,15 @@ pub struct Register {
     /// registration without it is byte for byte what older shims send.
     #[serde(default, skip_serializing_if = "is_false")]
     pub wait_info: bool,
+    /// GPU memory of this client that no swap frees (its contexts, the modules it
+    /// loaded, the application's own VMM memory), as it measured it. Present (even
+    /// `0`) when the client will report changes with [`ClientMsg::Unswappable`]: an
+    /// arbiter that accepts a registration carrying it counts it and takes those
+    /// reports. Left out by clients that predate it, so their registrations are
+    /// unchanged; an arbiter that predates it refuses the field as malformed and the
+    /// client registers again without it (and never reports).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unswappable_bytes: Option<u64>,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -170,6 +179,12 @@ pub enum ClientMsg {
     /// and answered, in order on this connection, by [`ArbiterMsg::Admitted`].
     Admit {
         working_set_bytes: u64,
+    },
+    /// This client's GPU memory that no swap frees changed (a context, a module
+    /// load, the application's own `cuMemCreate`): `bytes` is the new total. Sent
+    /// only after a registration that carried `unswappable_bytes` was accepted.
+    Unswappable {
+        bytes: u64,
     },
 }
 
@@ -579,6 +594,39 @@ mod tests {
         .is_ok());
     }
 
+    /// A registration without `unswappable_bytes` is what older shims send; one with
+    /// it (even 0) opts in to `unswappable` reports, which older arbiters refuse.
+    #[test]
+    fn unswappable_is_opt_in_and_additive() {
+        let base =
+            r#"{"type":"register","version":1,"pid":7,"gpu_uuid":"GPU-1","gpu_total_memory":1024"#;
+        let old: ClientMsg = serde_json::from_str(&format!("{base}}}")).unwrap();
+        let ClientMsg::Register(mut r) = old else {
+            panic!("not a registration")
+        };
+        assert_eq!(r.unswappable_bytes, None);
+        assert!(!serde_json::to_string(&ClientMsg::Register(r.clone()))
+            .unwrap()
+            .contains("unswappable"));
+        r.unswappable_bytes = Some(0);
+        let j = serde_json::to_string(&ClientMsg::Register(r.clone())).unwrap();
+        assert!(j.contains(r#""unswappable_bytes":0"#), "{j}");
+        assert_eq!(
+            round_trip(&ClientMsg::Register(r.clone())),
+            ClientMsg::Register(r)
+        );
+        let m = ClientMsg::Unswappable { bytes: 300 << 20 };
+        assert_eq!(
+            serde_json::to_string(&m).unwrap(),
+            r#"{"type":"unswappable","bytes":314572800}"#
+        );
+        assert_eq!(round_trip(&m), m);
+        assert!(serde_json::from_str::<ClientMsg>(r#"{"type":"unswappable"}"#).is_err());
+        assert!(
+            serde_json::from_str::<ClientMsg>(r#"{"type":"unswappable","bytes":1,"x":2}"#).is_err()
+        );
+    }
+
     fn round_trip<T>(msg: &T) -> T
     where
         T: Serialize + serde::de::DeserializeOwned,
@@ -741,6 +789,7 @@ mod tests {
             name: Some("jupyter-ü".into()),
             resume: None,
             wait_info: false,
+            unswappable_bytes: None,
         };
         assert_eq!(r.validate(), Ok(()));
         r.name = Some("x".repeat(1 << 20));

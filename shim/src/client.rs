@@ -42,9 +42,9 @@ type Conn = Connection<ClientMsg, ArbiterMsg>;
 /// Most GPUs one process can hold turns on (device ordinals below this are managed).
 pub const MAX_TURNS: usize = 64;
 
-/// How long a swap-in waits for others' evictions to make room before giving the turn
-/// back.
-const MAKE_ROOM_WAIT: Duration = Duration::from_secs(15);
+/// How long a holder waits for room to swap in before it says so on stderr (it keeps
+/// waiting: the arbiter is making room).
+const SHORT_OF_ROOM_LOG: Duration = Duration::from_secs(2);
 /// How long an allocation waits for the arbiter's swap admission before going ahead.
 const ADMIT_WAIT: Duration = Duration::from_secs(10);
 /// Pinned buffers a contended holder prepares per tick for its coming swap-out: small
@@ -87,6 +87,9 @@ pub struct DeviceInfo {
     pub ordinal: usize,
     pub uuid: String,
     pub total_memory: u64,
+    /// Device memory the process's context on it costs (measured when the turn is
+    /// made: see `hooks::context_cost`); memory no swap frees.
+    pub context_bytes: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,8 +110,12 @@ struct TurnState {
     contended: u32,
     /// Bytes to evict when releasing early (from the contention notice).
     contended_need: u64,
-    oom_retries: u32,
+    /// Since when a held turn has found no room to swap in (it waits, the arbiter
+    /// makes room), and whether that was logged.
+    short_since: Option<(Instant, bool)>,
     last_usage: Option<Usage>,
+    /// The non-swappable bytes last reported.
+    last_unswappable: Option<u64>,
     /// The contention need whose swap-out buffers are ready (pinned ahead of the drop).
     prepared_for: Option<u64>,
 }
@@ -140,6 +147,13 @@ pub struct Turn {
     /// to run work. A context alone is not a claim (frameworks open every visible GPU;
     /// `torch.cuda.mem_get_info(i)` makes a context on GPU `i`). Never cleared.
     claimed: AtomicBool,
+    /// Memory of the process's contexts and loaded modules on this GPU (no swap
+    /// frees it); the application's own VMM memory is added from the allocator.
+    context_bytes: AtomicU64,
+    /// The arbiter accepted `unswappable_bytes` at registration: usage reports leave
+    /// the application's own VMM memory out of the working set, and `unswappable`
+    /// reports carry it with the contexts'.
+    reports_unswappable: AtomicBool,
 }
 
 /// A growth the arbiter admitted (or that needs no admission); hold it until the
@@ -238,8 +252,30 @@ impl Turn {
         }
     }
 
+    /// Adds (or, negative, removes) memory of a context or module of the process on
+    /// this GPU; reported from the turn's thread at its next tick.
+    pub fn add_context_bytes(&self, delta: i64) {
+        let _ = self
+            .context_bytes
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                Some(v.saturating_add_signed(delta))
+            });
+    }
+
+    /// This process's memory on this GPU that no swap frees: contexts, modules and
+    /// the application's own VMM memory.
+    pub fn unswappable(&self) -> u64 {
+        self.context_bytes.load(Ordering::Relaxed) + self.res.figures().external
+    }
+
     fn usage(&self) -> Usage {
-        let u = usage_of(self.res.figures());
+        let mut f = self.res.figures();
+        if self.reports_unswappable.load(Ordering::Relaxed) {
+            // Reported apart, as memory no swap frees.
+            f.working_set -= f.external;
+            f.resident -= f.external;
+        }
+        let u = usage_of(f);
         self.seen_working_set
             .store(u.working_set_bytes, Ordering::Relaxed);
         self.seen_resident
@@ -298,30 +334,19 @@ impl Turn {
         }
     }
 
-    /// Swaps everything back in (reporting the swap) unless it is all resident. Out of
-    /// memory is retried for a while: right after a grant the previous holder may still
-    /// be evicting what the arbiter asked of it.
+    /// Swaps everything back in (reporting the swap) unless it is all resident. One
+    /// attempt, never a sleep: out of memory (right after a grant the previous holder
+    /// or an idle client may still be evicting what the arbiter asked of it) keeps
+    /// what was swapped in and returns the error; the caller then waits for room
+    /// without holding a lock ([`Client::short_of_room`]) and the turn's thread tries
+    /// again at each tick.
     fn make_resident(&self) -> Result<(), CUresult> {
         if self.res.all_resident() {
             return Ok(());
         }
-        let deadline = Instant::now() + MAKE_ROOM_WAIT;
-        let mut total = Swap::default();
-        loop {
-            match self.res.swap_in_all() {
-                Ok(s) => {
-                    total.bytes += s.bytes;
-                    total.duration += s.duration;
-                    break;
-                }
-                Err(CUDA_ERROR_OUT_OF_MEMORY) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        self.report_swap(SwapDirection::In, total);
-        lock(&self.view).last_swap_in = Some((total.bytes, total.duration));
+        let s = self.res.swap_in_all()?;
+        self.report_swap(SwapDirection::In, s);
+        lock(&self.view).last_swap_in = Some((s.bytes, s.duration));
         self.usage();
         Ok(())
     }
@@ -419,25 +444,35 @@ struct Registration {
     writer: Conn,
     capacity: u64,
     swap_budget: Option<u64>,
+    /// The arbiter took `unswappable_bytes`: it counts them and takes `unswappable`.
+    reports_unswappable: bool,
 }
 
-/// Connects and registers one GPU, asking to be told why it waits (`wait_info`). An
-/// arbiter that predates `wait_info` refuses the field as malformed: the shim then
-/// registers again without it (and explains its waits with less).
+/// Connects and registers one GPU, asking to be told why it waits (`wait_info`) and
+/// reporting its memory no swap frees (`unswappable_bytes`). An arbiter that predates
+/// a field refuses it as malformed: the shim then registers again without
+/// `unswappable_bytes` (its working set then counts the application's own VMM memory,
+/// as before), and then without `wait_info` too (and explains its waits with less).
 fn register(
     env: &ShimEnv,
     info: &DeviceInfo,
     slot: usize,
     figures: Figures,
+    unswappable: u64,
     resume: Option<Resume>,
 ) -> Result<Registration, StartError> {
-    match register_once(env, info, slot, figures, resume, true) {
-        Err(StartError::Predates(m)) => {
-            crate::kdebug!("the arbiter does not know `wait_info` ({m}); registering without it");
-            register_once(env, info, slot, figures, resume, false)
-        }
-        r => r,
+    let mut r = register_once(env, info, slot, figures, resume, true, Some(unswappable));
+    if let Err(StartError::Predates(m)) = &r {
+        crate::kdebug!(
+            "the arbiter does not know `unswappable_bytes` ({m}); registering without it"
+        );
+        r = register_once(env, info, slot, figures, resume, true, None);
     }
+    if let Err(StartError::Predates(m)) = &r {
+        crate::kdebug!("the arbiter does not know `wait_info` ({m}); registering without it");
+        r = register_once(env, info, slot, figures, resume, false, None);
+    }
+    r
 }
 
 fn register_once(
@@ -447,6 +482,7 @@ fn register_once(
     figures: Figures,
     resume: Option<Resume>,
     wait_info: bool,
+    unswappable: Option<u64>,
 ) -> Result<Registration, StartError> {
     let stream = UnixStream::connect(env.client_socket())?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
@@ -458,19 +494,26 @@ fn register_once(
     let pod_name = std::env::var("KIWI_POD_NAME")
         .ok()
         .or_else(|| std::env::var("HOSTNAME").ok());
+    // Reporting it apart, the application's own VMM memory leaves the working set.
+    let own = if unswappable.is_some() {
+        figures.external
+    } else {
+        0
+    };
     conn.send(&ClientMsg::Register(Register {
         version: PROTOCOL_VERSION,
         pid: std::process::id(),
         gpu_uuid: info.uuid.clone(),
         gpu_total_memory: info.total_memory,
-        working_set_bytes: figures.working_set,
-        resident_bytes: figures.resident,
+        working_set_bytes: figures.working_set - own,
+        resident_bytes: figures.resident - own,
         container_id: std::env::var("KIWI_CONTAINER_ID").ok(),
         pod_name,
         pod_namespace: std::env::var("KIWI_POD_NAMESPACE").ok(),
         name,
         resume,
         wait_info,
+        unswappable_bytes: unswappable,
     }))?;
     let (capacity, swap_budget) = match conn.recv()? {
         ArbiterMsg::Registered {
@@ -491,7 +534,7 @@ fn register_once(
         ArbiterMsg::Error {
             code: ErrorCode::Malformed,
             message,
-        } if wait_info => return Err(StartError::Predates(message)),
+        } if wait_info || unswappable.is_some() => return Err(StartError::Predates(message)),
         ArbiterMsg::Error { code, message } => {
             return Err(StartError::Refused(format!("{code:?}: {message}")))
         }
@@ -505,6 +548,7 @@ fn register_once(
         writer: Conn::new(writer_stream),
         capacity,
         swap_budget,
+        reports_unswappable: unswappable.is_some(),
     })
 }
 
@@ -606,14 +650,23 @@ impl Client {
             return Added::Unmanaged;
         };
         res.set_backing_allowed(false);
-        let (reader, writer, capacity, budget) = match register(
+        let figures = res.figures();
+        let unswappable = info.context_bytes + figures.external;
+        let (reader, writer, capacity, budget, reports) = match register(
             &self.env,
             &info,
             slot,
-            res.figures(),
+            figures,
+            unswappable,
             None,
         ) {
-            Ok(r) => (Some(r.reader), Some(r.writer), r.capacity, r.swap_budget),
+            Ok(r) => (
+                Some(r.reader),
+                Some(r.writer),
+                r.capacity,
+                r.swap_budget,
+                r.reports_unswappable,
+            ),
             Err(StartError::Refused(m)) => {
                 crate::kerror!(
                     "GPU {} ({}): the arbiter refused it ({m}); running it UNMANAGED: no sharing, no swapping",
@@ -630,11 +683,12 @@ impl Client {
                     "GPU {}: cannot reach the arbiter ({e}); will retry",
                     info.ordinal
                 );
-                (None, None, info.total_memory, None)
+                (None, None, info.total_memory, None, false)
             }
         };
         res.set_limit(capacity);
         let ordinal = info.ordinal;
+        let context_bytes = info.context_bytes;
         let turn = Arc::new(Turn {
             info,
             slot,
@@ -649,6 +703,8 @@ impl Client {
             seen_working_set: AtomicU64::new(0),
             seen_resident: AtomicU64::new(0),
             claimed: AtomicBool::new(false),
+            context_bytes: AtomicU64::new(context_bytes),
+            reports_unswappable: AtomicBool::new(reports),
         });
         turn.usage();
         // A context is not a claim: the process's other GPUs go on; work submitted to
@@ -661,8 +717,9 @@ impl Client {
                 exclusive: false,
                 contended: 0,
                 contended_need: 0,
-                oom_retries: 0,
+                short_since: None,
                 last_usage: None,
+                last_unswappable: reports.then_some(unswappable),
                 prepared_for: None,
             },
         });
@@ -766,14 +823,11 @@ impl Client {
             }
             match st.slots[k].ts.phase {
                 Phase::Holding => match st.slots[k].turn.make_resident() {
-                    Ok(()) => {}
-                    Err(CUDA_ERROR_OUT_OF_MEMORY) if st.slots[k].ts.oom_retries < 3 => {
-                        // Others' memory is in the way: give the turn back so the arbiter
-                        // (which now knows our working set) makes room; the next pass
-                        // asks again.
-                        st.slots[k].ts.oom_retries += 1;
-                        crate::kwarn!("GPU memory is full while holding; releasing to make room");
-                        self.give_back(st, k, 0, false);
+                    Ok(()) => st.slots[k].ts.short_since = None,
+                    Err(CUDA_ERROR_OUT_OF_MEMORY) => {
+                        // Others' memory is still in the way: the turn waits (never the
+                        // application's call failing) while the arbiter makes room.
+                        self.short_of_room(st, k);
                         return Step::Wait;
                     }
                     Err(e) => return Step::Fail(e),
@@ -795,11 +849,98 @@ impl Client {
         Step::Ready
     }
 
+    /// A held turn whose swap-in found no room: it waits (the gate stays closed, no
+    /// lock is held while waiting) and tells the arbiter its residency at once, so
+    /// the arbiter reclaims what is missing from idle clients
+    /// (`GpuScheduler::make_room_for_holder`); the turn's thread tries again at each
+    /// tick ([`Client::retry_short`]).
+    fn short_of_room(&self, st: &mut State, k: usize) {
+        let turn = st.slots[k].turn.clone();
+        let ts = &mut st.slots[k].ts;
+        if ts.short_since.is_none() {
+            ts.short_since = Some((Instant::now(), false));
+            crate::kdebug!(
+                "GPU {}: no room to swap in yet; waiting for the arbiter to make room",
+                turn.info.ordinal
+            );
+        }
+        Self::report(&turn, ts);
+    }
+
+    /// Sends this turn's non-swappable bytes and usage where they changed since last
+    /// reported.
+    fn report(turn: &Turn, ts: &mut TurnState) {
+        if turn.reports_unswappable.load(Ordering::Relaxed) {
+            let n = turn.unswappable();
+            if ts.last_unswappable != Some(n) {
+                turn.send(&ClientMsg::Unswappable { bytes: n });
+                ts.last_unswappable = Some(n);
+            }
+        }
+        let u = turn.usage();
+        if ts.last_usage != Some(u) {
+            turn.send(&ClientMsg::Usage(u));
+            ts.last_usage = Some(u);
+        }
+    }
+
+    /// The turn's thread, each tick while a held turn is short of room: swaps in
+    /// what fits now; once all is resident the gate opens for the waiting threads.
+    /// Says on stderr, once, when the wait passes [`SHORT_OF_ROOM_LOG`].
+    fn retry_short(&self, st: &mut State, k: usize) {
+        let turn = st.slots[k].turn.clone();
+        match turn.make_resident() {
+            Ok(()) => {
+                if let Some((since, true)) = st.slots[k].ts.short_since {
+                    crate::kinfo!(
+                        "GPU {}: room made after {:?}; swapped in",
+                        turn.info.ordinal,
+                        since.elapsed()
+                    );
+                }
+                st.slots[k].ts.short_since = None;
+                self.open_gate(st);
+                self.cv.notify_all();
+            }
+            Err(CUDA_ERROR_OUT_OF_MEMORY) => {
+                let ts = &mut st.slots[k].ts;
+                if let Some((since, logged @ false)) = ts.short_since.as_mut() {
+                    if since.elapsed() >= SHORT_OF_ROOM_LOG {
+                        *logged = true;
+                        let f = turn.figures();
+                        crate::kwarn!(
+                            "GPU {}: no room to swap in {} MiB for {:?}: others' memory is still on the GPU; waiting for the arbiter to make room (the application's calls wait, they do not fail)",
+                            turn.info.ordinal,
+                            (f.working_set - f.resident) >> 20,
+                            since.elapsed()
+                        );
+                    }
+                }
+                Self::report(&turn, ts);
+            }
+            Err(e) => {
+                crate::kerror!(
+                    "GPU {}: swap-in failed with CUDA error {e}",
+                    turn.info.ordinal
+                );
+                st.slots[k].ts.short_since = None;
+                self.cv.notify_all();
+            }
+        }
+    }
+
     fn request(&self, st: &mut State, k: usize) {
         let turn = st.slots[k].turn.clone();
         lock(&turn.view).start_waiting(Instant::now());
         let ts = &mut st.slots[k].ts;
         ts.phase = Phase::Requested;
+        if turn.reports_unswappable.load(Ordering::Relaxed) {
+            let n = turn.unswappable();
+            if ts.last_unswappable != Some(n) {
+                turn.send(&ClientMsg::Unswappable { bytes: n });
+                ts.last_unswappable = Some(n);
+            }
+        }
         let u = turn.usage();
         if ts.last_usage != Some(u) {
             turn.send(&ClientMsg::Usage(u));
@@ -846,11 +987,8 @@ impl Client {
     fn give_back(&self, st: &mut State, k: usize, need: u64, early: bool) {
         self.gate.close_and_wait();
         let turn = st.slots[k].turn.clone();
-        if let Err(e) = turn.res.drain() {
-            crate::kwarn!("draining before release failed with CUDA error {e}");
-        }
         turn.res.set_backing_allowed(false);
-        turn.evict(need);
+        Self::drain_then_evict(&turn, need, "release");
         stats::RELEASES.fetch_add(1, Ordering::Relaxed);
         if early {
             stats::EARLY_RELEASES.fetch_add(1, Ordering::Relaxed);
@@ -860,6 +998,7 @@ impl Client {
         lock(&turn.view).stop(Instant::now());
         let ts = &mut st.slots[k].ts;
         ts.phase = Phase::Idle;
+        ts.short_since = None;
         ts.last_usage = Some(u);
     }
 
@@ -890,14 +1029,12 @@ impl Client {
             turn.res.set_backing_allowed(true);
             match turn.make_resident() {
                 Ok(()) => {
-                    st.slots[k].ts.oom_retries = 0;
+                    st.slots[k].ts.short_since = None;
                     self.open_gate(&st);
                 }
-                Err(CUDA_ERROR_OUT_OF_MEMORY) if st.slots[k].ts.oom_retries < 3 => {
-                    st.slots[k].ts.oom_retries += 1;
-                    crate::kwarn!("no room to swap in after a grant; releasing and asking again");
-                    self.give_back(&mut st, k, 0, false);
-                }
+                // The room is still being made (the previous holder or idle clients
+                // are evicting): wait for it, the turn's thread tries again each tick.
+                Err(CUDA_ERROR_OUT_OF_MEMORY) => self.short_of_room(&mut st, k),
                 Err(e) => crate::kerror!("swap-in after a grant failed with CUDA error {e}"),
             }
         }
@@ -923,12 +1060,31 @@ impl Client {
         self.cv.notify_all();
     }
 
+    /// Drains, then evicts `need` bytes. A failed drain evicts nothing: work still
+    /// queued may read or write the memory, so copying it out then unmapping it could
+    /// lose what that work writes (or fault it). The memory stays resident and the
+    /// caller's answer (`release`, `reclaimed`) says so; the arbiter then asks this
+    /// idle client to evict with a `reclaim` when the next holder needs the room,
+    /// which drains again.
+    fn drain_then_evict(turn: &Turn, need: u64, before: &str) {
+        match turn.res.drain() {
+            Ok(()) => turn.evict(need),
+            Err(e) if need > 0 => crate::kerror!(
+                "GPU {}: draining before {before} failed with CUDA error {e}: nothing swapped out, its memory stays resident",
+                turn.info.ordinal
+            ),
+            Err(e) => crate::kwarn!(
+                "GPU {}: draining before {before} failed with CUDA error {e}",
+                turn.info.ordinal
+            ),
+        }
+    }
+
     fn on_reclaim(&self, k: usize, need: u64) {
         let mut st = lock(&self.state);
         let turn = st.slots[k].turn.clone();
         if !st.holding(k) {
-            let _ = turn.res.drain();
-            turn.evict(need);
+            Self::drain_then_evict(&turn, need, "a reclaim");
         }
         let u = turn.usage();
         turn.send(&ClientMsg::Reclaimed(u));
@@ -944,6 +1100,7 @@ impl Client {
         turn.res.set_backing_allowed(false);
         lock(&turn.view).stop(Instant::now());
         st.slots[k].ts.phase = Phase::Idle;
+        st.slots[k].ts.short_since = None;
         drop(st);
         self.cv.notify_all();
     }
@@ -1008,6 +1165,9 @@ impl Client {
             st.idle_mark = subs;
             st.idle_since = now;
         }
+        if st.slots[k].ts.phase == Phase::Holding && st.slots[k].ts.short_since.is_some() {
+            self.retry_short(&mut st, k);
+        }
         let turn = st.slots[k].turn.clone();
         let ts = &st.slots[k].ts;
         if ts.phase == Phase::Holding
@@ -1040,11 +1200,7 @@ impl Client {
             self.cv.notify_all();
             return;
         }
-        let u = turn.usage();
-        if st.slots[k].ts.last_usage != Some(u) {
-            st.slots[k].ts.last_usage = Some(u);
-            turn.send(&ClientMsg::Usage(u));
-        }
+        Self::report(&turn, &mut st.slots[k].ts);
         // Others wait: pin the buffers the coming swap-out needs now, a little per
         // tick, so the drop does not wait for pinning (slow: page-locking host RAM).
         let ts = &st.slots[k].ts;
@@ -1147,9 +1303,25 @@ impl Client {
                     waiting: st.slots[k].ts.phase == Phase::Requested,
                 }
             };
-            match register(&self.env, &turn.info, k, turn.res.figures(), Some(resume)) {
+            let unswappable = turn.unswappable();
+            match register(
+                &self.env,
+                &turn.info,
+                k,
+                turn.res.figures(),
+                unswappable,
+                Some(resume),
+            ) {
                 Ok(r) => {
                     stats::RECONNECTS.fetch_add(1, Ordering::Relaxed);
+                    turn.reports_unswappable
+                        .store(r.reports_unswappable, Ordering::Relaxed);
+                    {
+                        let mut st = lock(&self.state);
+                        let ts = &mut st.slots[k].ts;
+                        ts.last_unswappable = r.reports_unswappable.then_some(unswappable);
+                        ts.last_usage = None;
+                    }
                     turn.capacity.store(r.capacity, Ordering::Relaxed);
                     turn.budgeted
                         .store(r.swap_budget.is_some(), Ordering::Release);

@@ -258,8 +258,12 @@ exports! {
     pass cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: CUmemGenericAllocationHandle, flags: u64);
     /// The application's own VMM: unmaps its handle; runs no work.
     pass cuMemUnmap(ptr: CUdeviceptr, size: usize);
-    /// The application's own VMM: sets access to its mapping; runs no work.
-    pass cuMemSetAccess(ptr: CUdeviceptr, size: usize, desc: *const CUmemAccessDesc, count: usize);
+    /// Access to a mapping: on a shim allocation recorded and re-applied after every swap-in (`attrs.rs`), on the application's own VMM passed through; runs no work.
+    hook cuMemSetAccess(ptr: CUdeviceptr, size: usize, desc: *const CUmemAccessDesc, count: usize) => crate::attrs::mem_set_access;
+    /// Peer access: the shim's mappings on the peer's device grant the current device access, now and after every swap-in (`attrs.rs`); runs no work.
+    hook cuCtxEnablePeerAccess(peer: CUcontext, flags: Uint) => crate::attrs::ctx_enable_peer_access;
+    /// Peer access: the grant is withdrawn from the shim's mappings (`attrs.rs`); runs no work.
+    hook cuCtxDisablePeerAccess(peer: CUcontext) => crate::attrs::ctx_disable_peer_access;
     /// Reads the VMM granularity; runs no work.
     pass cuMemGetAllocationGranularity(granularity: *mut usize, prop: *const CUmemAllocationProp, option: c_int);
     /// Pinned host memory: lives in host RAM, never swapped; runs no work.
@@ -531,7 +535,7 @@ exports! {
     driver cuGreenCtxStreamCreate;
     /// IPC of device memory: left to the driver for now (#13 item 6); runs no work.
     driver cuIpcCloseMemHandle;
-    /// IPC of device memory: left to the driver for now (#13 item 6); runs no work.
+    /// IPC of device memory: left to the driver, which refuses the shim's allocations (VMM memory; not supported, docs/shim.md); runs no work.
     driver cuIpcGetMemHandle;
     /// IPC of device memory: left to the driver for now (#13 item 6); runs no work.
     driver cuIpcOpenMemHandle;
@@ -583,10 +587,10 @@ exports! {
     driver cuMulticastCreate;
     /// NVLink multicast objects over the application's own VMM memory, not swapped; runs no work.
     driver cuMulticastUnbind;
-    /// Pointer attributes: answered by the driver for now (#13 item 6); runs no work.
-    driver cuPointerGetAttribute;
-    /// Pointer attributes: answered by the driver for now (#13 item 6); runs no work.
-    driver cuPointerGetAttributes;
+    /// Pointer attributes: the shim answers for its own allocations (their own range, device and type, swapped out or not: `attrs.rs`); runs no work.
+    hook cuPointerGetAttribute(data: *mut c_void, attribute: c_int, ptr: CUdeviceptr) => crate::attrs::pointer_get_attribute;
+    /// Pointer attributes: the shim answers for its own allocations (their own range, device and type, swapped out or not: `attrs.rs`); runs no work.
+    hook cuPointerGetAttributes(n: Uint, attributes: *mut c_int, data: *mut *mut c_void, ptr: CUdeviceptr) => crate::attrs::pointer_get_attributes;
     /// Pointer attributes: answered by the driver for now (#13 item 6); runs no work.
     driver cuPointerSetAttribute;
     /// Attaches managed memory (paged by the driver) to a stream; runs no work.

@@ -83,6 +83,20 @@ impl Driver for RealDriver {
     fn unmap(&self, va: u64, size: u64) -> Result<(), CUresult> {
         call!(cuMemUnmap: fn(CUdeviceptr, usize)(va, size as usize))
     }
+    fn set_access(&self, va: u64, size: u64, grants: &[crate::mem::Grant]) -> Result<(), CUresult> {
+        let descs: Vec<CUmemAccessDesc> = grants
+            .iter()
+            .map(|&(id, flags)| CUmemAccessDesc {
+                location: CUmemLocation {
+                    type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                    id,
+                },
+                flags,
+            })
+            .collect();
+        call!(cuMemSetAccess: fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize)
+            (va, size as usize, descs.as_ptr(), descs.len()))
+    }
     fn host_alloc(&self, size: u64) -> Result<*mut u8, CUresult> {
         let mut p: *mut c_void = null_mut();
         call!(cuMemAllocHost_v2: fn(*mut *mut c_void, usize)(&mut p, size as usize))?;
@@ -247,6 +261,75 @@ fn device_info(d: usize) -> Result<DeviceInfo, CUresult> {
         ordinal: d,
         uuid: format_uuid(&uuid),
         total_memory: total as u64,
+        context_bytes: 0,
+    })
+}
+
+/// Device memory free now, as the driver sees it from the calling thread's context.
+fn free_memory() -> Option<u64> {
+    let (mut free, mut total) = (0usize, 0usize);
+    call!(cuMemGetInfo_v2: fn(*mut usize, *mut usize)(&mut free, &mut total)).ok()?;
+    Some(free as u64)
+}
+
+/// What a context costs on device `d`, where the application has context `ctx`:
+/// the drop in free memory (`cuMemGetInfo`) while the shim holds a context of its own
+/// there, made and destroyed at once. Other processes allocating or freeing
+/// meanwhile (their own probes, swaps) move free memory too, so it tries until two
+/// measurements agree within 1 MiB (at most 6 tries, else their median). The
+/// application's own context was made
+/// before the shim could look (the CUDA runtime makes its primary context through a
+/// private entry point), so its cost is measured on a twin. 0 when it cannot be
+/// measured (no room for a second context: the arbiter's reserve then covers it).
+fn context_cost(d: usize, ctx: CUcontext) -> u64 {
+    let destroy = crate::real::lookup(c"cuCtxDestroy_v2");
+    if ctx.is_null() || destroy.is_null() {
+        return 0;
+    }
+    // SAFETY: the driver's cuCtxDestroy_v2, with cuda.h's signature.
+    let destroy = unsafe {
+        std::mem::transmute::<*mut c_void, unsafe extern "C" fn(CUcontext) -> CUresult>(destroy)
+    };
+    crate::ffi::inside(|| {
+        let previous = current_context();
+        if call!(cuCtxSetCurrent: fn(CUcontext)(ctx)).is_err() {
+            return 0;
+        }
+        let mut seen: Vec<u64> = Vec::new();
+        let mut agreed = None;
+        for _ in 0..6 {
+            let Some(before) = free_memory() else { break };
+            let mut twin: CUcontext = null_mut();
+            if call!(cuCtxCreate_v2: fn(*mut CUcontext, Uint, CUdevice)(&mut twin, 0, d as CUdevice))
+                .is_err()
+            {
+                break;
+            }
+            let after = free_memory();
+            // SAFETY: destroying the context made just above (it pops it: `ctx` is
+            // current again).
+            unsafe { destroy(twin) };
+            let _ = call!(cuCtxSetCurrent: fn(CUcontext)(ctx));
+            let Some(after) = after else { break };
+            let cost = before.saturating_sub(after);
+            if seen.iter().any(|&c| c.abs_diff(cost) <= 1 << 20) {
+                agreed = Some(cost);
+                break;
+            }
+            seen.push(cost);
+        }
+        let _ = call!(cuCtxSetCurrent: fn(CUcontext)(previous));
+        seen.sort_unstable();
+        let cost = agreed.or_else(|| seen.get(seen.len() / 2).copied());
+        let Some(cost) = cost else {
+            crate::kinfo!("GPU {d}: could not measure what a context costs; counting none");
+            return 0;
+        };
+        crate::kdebug!(
+            "GPU {d}: a context costs {cost} bytes ({} tries)",
+            seen.len() + 1
+        );
+        cost
     })
 }
 
@@ -297,13 +380,14 @@ fn ensure_device(d: usize, ctx: CUcontext) -> bool {
     let Some(c) = client::global() else {
         return create_mem(d, ctx, true);
     };
-    let info = match device_info(d) {
+    let mut info = match device_info(d) {
         Ok(i) => i,
         Err(e) => {
             crate::kwarn!("GPU {d}: cannot identify it (CUDA error {e}); not managed");
             return false;
         }
     };
+    info.context_bytes = context_cost(d, ctx);
     let added = c.add_device(info, || {
         create_mem(d, ctx, false).then(|| Box::new(DeviceResidency(d)) as Box<dyn Residency>)
     });
@@ -328,6 +412,59 @@ fn current_mem_device() -> Option<usize> {
     }
     let d = current_device()?;
     ensure_device(d, ctx).then_some(d)
+}
+
+/// Runs `f` on the allocator whose allocation contains `ptr` (any byte of it), with
+/// its device and the allocation's (base, size); `None` when no allocation of the
+/// shim's holds `ptr`. For [`crate::attrs`].
+pub(crate) fn with_allocation<T>(
+    ptr: CUdeviceptr,
+    f: impl FnOnce(usize, (u64, u64), &mut Memory<RealDriver>) -> T,
+) -> Option<T> {
+    if !client::allocator_enabled() {
+        return None;
+    }
+    for d in seen_devices() {
+        let mut guard = mem_lock(d);
+        if let Some(m) = guard.as_mut() {
+            if let Some(range) = m.range_of(ptr) {
+                return Some(crate::ffi::inside(|| f(d, range, m)));
+            }
+        }
+    }
+    None
+}
+
+/// Runs `f` on device `d`'s allocator, if it has one. For [`crate::attrs`].
+pub(crate) fn with_device_memory<T>(
+    d: usize,
+    f: impl FnOnce(&mut Memory<RealDriver>) -> T,
+) -> Option<T> {
+    if d >= MAX_DEVICES {
+        return None;
+    }
+    mem_lock(d).as_mut().map(|m| crate::ffi::inside(|| f(m)))
+}
+
+/// The application's context on device `d` (null when it has none). For
+/// [`crate::attrs`].
+pub(crate) fn app_context(d: usize) -> CUcontext {
+    APP_CTX
+        .get(d)
+        .map_or(null_mut(), |c| c.load(Ordering::Acquire))
+}
+
+/// The device of context `ctx`: made current for the question, the thread's own
+/// context restored after. For [`crate::attrs`].
+pub(crate) fn device_of(ctx: CUcontext) -> Option<usize> {
+    let previous = current_context();
+    if previous == ctx {
+        return current_device();
+    }
+    call!(cuCtxSetCurrent: fn(CUcontext)(ctx)).ok()?;
+    let d = current_device();
+    let _ = call!(cuCtxSetCurrent: fn(CUcontext)(previous));
+    d
 }
 
 /// Runs `f` on the allocator that owns `ptr` (an allocation base).

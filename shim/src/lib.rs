@@ -22,6 +22,7 @@
 //! | `KIWI_STATS` | file the shim writes its counters to at exit |
 //! | `KIWI_POD_NAME`, `KIWI_POD_NAMESPACE`, `KIWI_CONTAINER_ID` | shown by `kiwictl status` |
 
+pub mod attrs;
 pub mod capture;
 pub mod client;
 pub mod cuda;

@@ -90,6 +90,26 @@ pub trait Driver: Send {
     }
     /// Waits until every piece of work of this process's context is done.
     fn sync(&self) -> Result<(), CUresult>;
+    /// Grants other devices access to the mapping at `va` (`cuMemSetAccess`), beyond
+    /// the read-write access [`Driver::map`] gives the owning device. The default does
+    /// nothing.
+    fn set_access(&self, _va: u64, _size: u64, _grants: &[Grant]) -> Result<(), CUresult> {
+        Ok(())
+    }
+}
+
+/// Access of one other device to a mapping: (device ordinal, `CUmemAccess_flags`:
+/// 0 none, 1 read, 3 read-write). The application's `cuMemSetAccess` and
+/// `cuCtxEnablePeerAccess` are recorded as grants and applied to every new mapping,
+/// so they survive swaps.
+pub type Grant = (i32, i32);
+
+/// Sets `device`'s entry in `grants` (a later grant replaces an earlier one).
+fn merge_grant(grants: &mut Vec<Grant>, g: Grant) {
+    match grants.iter_mut().find(|x| x.0 == g.0) {
+        Some(x) => x.1 = g.1,
+        None => grants.push(g),
+    }
 }
 
 /// A pinned host buffer: held by a swapped-out segment (its contents) or spare.
@@ -119,6 +139,9 @@ struct Segment {
     touch: u64,
     /// Sub-allocation state when this is a small-allocation chunk.
     chunk: Option<Chunk>,
+    /// Other devices' access the application asked for (`cuMemSetAccess` on an
+    /// allocation this segment holds), applied whenever it is mapped.
+    access: Vec<Grant>,
 }
 
 enum Alloc {
@@ -149,6 +172,9 @@ pub struct Figures {
     pub working_set: u64,
     /// Of those, bytes in GPU memory now.
     pub resident: u64,
+    /// Of both, the application's own VMM handles: never swapped (the arbiter counts
+    /// them as memory no swap frees, apart from the working set).
+    pub external: u64,
 }
 
 pub struct Memory<D: Driver> {
@@ -170,6 +196,9 @@ pub struct Memory<D: Driver> {
     /// The application's own VMM handles: handle → bytes (counted, never swapped).
     external: HashMap<u64, u64>,
     external_bytes: u64,
+    /// Other devices' access to every mapping (`cuCtxEnablePeerAccess` from their
+    /// contexts), applied whenever a segment is mapped.
+    peers: Vec<Grant>,
     /// Pinned host buffers no segment holds, for the next swap-out.
     spare: Vec<HostBuf>,
     /// Bytes of every pinned host buffer (held and spare).
@@ -197,6 +226,7 @@ impl<D: Driver> Memory<D> {
             resident: 0,
             external: HashMap::new(),
             external_bytes: 0,
+            peers: Vec::new(),
             spare: Vec::new(),
             host_bytes: 0,
         })
@@ -222,6 +252,7 @@ impl<D: Driver> Memory<D> {
         Figures {
             working_set: self.working_set + self.external_bytes,
             resident: self.resident + self.external_bytes,
+            external: self.external_bytes,
         }
     }
 
@@ -295,7 +326,115 @@ impl<D: Driver> Memory<D> {
         s.handle = Some(h);
         s.touch = epoch;
         self.resident += size;
+        self.reapply_access(i);
         Ok(())
+    }
+
+    /// The other devices' access segment `i` must have: the peers', overridden by
+    /// what the application asked for on its allocations.
+    fn grants_of(&self, i: usize) -> Vec<Grant> {
+        let mut g = self.peers.clone();
+        for &a in &self.segs[i].as_ref().expect("live segment").access {
+            merge_grant(&mut g, a);
+        }
+        g
+    }
+
+    /// Applies the recorded access to segment `i`, freshly mapped (a new mapping gives
+    /// only the owning device access). A failure is logged, not returned: the
+    /// application's data is intact and this device's work goes on; another device's
+    /// access then fails with the driver's own error.
+    fn reapply_access(&mut self, i: usize) {
+        let g = self.grants_of(i);
+        if g.is_empty() {
+            return;
+        }
+        let (va, size) = {
+            let s = self.seg(i);
+            (s.va, s.size)
+        };
+        if let Err(e) = self.drv.set_access(va, size, &g) {
+            crate::kwarn!(
+                "re-granting other devices' access to {size} bytes at {va:#x} after mapping failed with CUDA error {e}"
+            );
+        }
+    }
+
+    /// The segments holding any byte of `[ptr, ptr+size)`, which must lie inside one
+    /// allocation; `None` when `ptr` is in no allocation of this allocator.
+    fn segments_in(&self, ptr: u64, size: u64) -> Option<Result<Vec<usize>, CUresult>> {
+        let (&base, a) = self.allocs.range(..=ptr).next_back()?;
+        let (asize, segs) = match a {
+            Alloc::Large { size, segs, .. } => (*size, segs.clone()),
+            Alloc::Small { seg, size, .. } => (*size, vec![*seg]),
+        };
+        if ptr >= base + asize {
+            return None;
+        }
+        if size == 0 || ptr.checked_add(size).is_none_or(|end| end > base + asize) {
+            return Some(Err(CUDA_ERROR_INVALID_VALUE));
+        }
+        let hit = segs
+            .into_iter()
+            .filter(|&i| {
+                let s = self.segs[i].as_ref().expect("live segment");
+                s.va < ptr + size && ptr < s.va + s.size
+            })
+            .collect();
+        Some(Ok(hit))
+    }
+
+    /// The application's `cuMemSetAccess(ptr, size, grants)` on memory of this
+    /// allocator: recorded on every segment holding the range (a small allocation's
+    /// whole shared chunk, a large one's whole 64 MiB segments) and applied now to
+    /// those that are mapped; every later mapping of them gets it too. `None`: `ptr`
+    /// is not this allocator's (the driver's business).
+    pub fn set_access(
+        &mut self,
+        ptr: u64,
+        size: u64,
+        grants: &[Grant],
+    ) -> Option<Result<(), CUresult>> {
+        let segs = match self.segments_in(ptr, size)? {
+            Ok(s) => s,
+            Err(e) => return Some(Err(e)),
+        };
+        for &i in &segs {
+            let s = self.seg(i);
+            for &g in grants {
+                merge_grant(&mut s.access, g);
+            }
+            if s.handle.is_some() {
+                let (va, size) = (s.va, s.size);
+                if let Err(e) = self.drv.set_access(va, size, grants) {
+                    return Some(Err(e));
+                }
+            }
+        }
+        Some(Ok(()))
+    }
+
+    /// Another device's context enabled (`flags` 3) or disabled (0) peer access to
+    /// this device: applied to every mapped segment now (where the application set no
+    /// access of its own for that device) and to every later mapping.
+    pub fn set_peer(&mut self, device: i32, flags: i32) -> Result<(), CUresult> {
+        if flags == 0 {
+            self.peers.retain(|g| g.0 != device);
+        } else {
+            merge_grant(&mut self.peers, (device, flags));
+        }
+        let mut r = Ok(());
+        for i in 0..self.segs.len() {
+            let Some(s) = self.segs[i].as_ref() else {
+                continue;
+            };
+            if s.handle.is_none() || s.access.iter().any(|g| g.0 == device) {
+                continue;
+            }
+            let (va, size) = (s.va, s.size);
+            r = r.and(self.drv.set_access(va, size, &[(device, flags)]));
+        }
+        r
     }
 
     /// Undoes [`Self::map_fresh`] (after a failed copy-in: the contents stay in the
@@ -394,6 +533,7 @@ impl<D: Driver> Memory<D> {
                 host: None,
                 touch: self.epoch,
                 chunk: None,
+                access: Vec::new(),
             });
             segs.push(i);
             off += len;
@@ -459,6 +599,7 @@ impl<D: Driver> Memory<D> {
                 free: vec![(need, self.gran - need)],
                 used: need,
             }),
+            access: Vec::new(),
         });
         self.working_set += self.gran;
         if self.backing_allowed {
@@ -807,6 +948,8 @@ pub mod fake {
         pub copies: u64,
         /// Fail the copy with this number (counting from 1) at its execution.
         pub fail_copy: Option<u64>,
+        /// Other devices' access per mapping (va → grants); a new mapping has none.
+        pub access: BTreeMap<u64, Vec<Grant>>,
     }
 
     pub struct FakeDriver {
@@ -958,6 +1101,7 @@ pub mod fake {
         }
         fn unmap(&self, va: u64, size: u64) -> Result<(), CUresult> {
             let mut st = self.st.borrow_mut();
+            st.access.remove(&va);
             match st.maps.remove(&va) {
                 Some((s, _)) if s == size => Ok(()),
                 _ => Err(1),
@@ -1047,6 +1191,18 @@ pub mod fake {
         }
         fn sync(&self) -> Result<(), CUresult> {
             self.st.borrow_mut().syncs += 1;
+            Ok(())
+        }
+        fn set_access(&self, va: u64, size: u64, grants: &[Grant]) -> Result<(), CUresult> {
+            let mut st = self.st.borrow_mut();
+            // As the driver: only whole mappings (the shim passes segments).
+            if st.maps.get(&va).map(|m| m.0) != Some(size) {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            let a = st.access.entry(va).or_default();
+            for &g in grants {
+                merge_grant(a, g);
+            }
             Ok(())
         }
     }
@@ -1347,6 +1503,59 @@ mod tests {
         assert!(m.driver().st.borrow().reserved.is_empty());
         assert_eq!(m.alloc(0), Err(CUDA_ERROR_INVALID_VALUE));
         assert_eq!(m.free(12345), Err(CUDA_ERROR_INVALID_VALUE));
+    }
+
+    /// The application's `cuMemSetAccess` and peer access survive swaps: every new
+    /// mapping gets them again (a mapping starts with the owning device's only).
+    #[test]
+    fn other_devices_access_is_reapplied_after_every_swap_in() {
+        for d in drivers(1 << 30) {
+            let mut m = Memory::new(d).unwrap();
+            let big = m.alloc(150 << 20).unwrap(); // segments of 64, 64, 22 MiB
+            let small = m.alloc(4096).unwrap();
+            // A range in the first segment only; the small one's whole chunk.
+            assert_eq!(
+                m.set_access(big + (10 << 20), 1 << 20, &[(1, 3)]),
+                Some(Ok(()))
+            );
+            assert_eq!(m.set_access(small, 4096, &[(2, 1)]), Some(Ok(())));
+            assert_eq!(
+                m.set_access(small, 8192, &[(2, 1)]),
+                Some(Err(1)),
+                "past the end"
+            );
+            assert_eq!(m.set_access(0x1000, 16, &[(1, 3)]), None, "not ours");
+            m.set_peer(3, 3).unwrap();
+            let expect = |m: &Memory<FakeDriver>| {
+                let st = m.driver().st.borrow();
+                assert_eq!(st.access[&big], vec![(1, 3), (3, 3)]);
+                assert_eq!(st.access[&(big + (64 << 20))], vec![(3, 3)]);
+                assert_eq!(st.access[&(big + (128 << 20))], vec![(3, 3)]);
+                assert_eq!(st.access[&small], vec![(2, 1), (3, 3)]);
+            };
+            expect(&m);
+            for _ in 0..3 {
+                m.evict(u64::MAX).unwrap();
+                assert!(m.driver().st.borrow().access.is_empty());
+                m.swap_in_all().unwrap();
+                // Grants in the order the allocator keeps them: peers first.
+                let st = m.driver().st.borrow();
+                assert_eq!(st.access[&big], vec![(3, 3), (1, 3)]);
+                assert_eq!(st.access[&small], vec![(3, 3), (2, 1)]);
+                assert_eq!(st.access[&(big + (64 << 20))], vec![(3, 3)]);
+            }
+            // Peer access disabled: gone from every mapping, now and after a swap.
+            m.set_peer(3, 0).unwrap();
+            assert_eq!(
+                m.driver().st.borrow().access[&(big + (64 << 20))],
+                vec![(3, 0)]
+            );
+            m.evict(u64::MAX).unwrap();
+            m.swap_in_all().unwrap();
+            let st = m.driver().st.borrow();
+            assert!(!st.access.contains_key(&(big + (64 << 20))));
+            assert_eq!(st.access[&big], vec![(1, 3)]);
+        }
     }
 
     #[test]

@@ -102,6 +102,18 @@ pub fn original(index: usize) -> *mut c_void {
     REAL[index].load(Ordering::Acquire)
 }
 
+/// A driver function the shim calls but does not export (`cuCtxDestroy_v2` for its
+/// context probe), or null.
+pub fn lookup(name: &CStr) -> *mut c_void {
+    load();
+    let h = LIBCUDA.load(Ordering::Acquire);
+    if h.is_null() {
+        return null_mut();
+    }
+    // SAFETY: h is a live dlopen handle and the name is NUL-terminated.
+    unsafe { real_dlsym()(h, name.as_ptr()) }
+}
+
 /// What an export answers when the real driver lacks its symbol.
 #[cold]
 pub fn missing(name: &str) -> CUresult {

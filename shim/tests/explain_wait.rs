@@ -203,7 +203,9 @@ fn a_shim_registers_with_an_arbiter_that_predates_wait_info() {
             let Ok(ClientMsg::Register(r)) = conn.recv() else {
                 continue;
             };
-            if r.wait_info {
+            // It predates both fields: the shim tries with both, then without
+            // `unswappable_bytes`, then without `wait_info` too.
+            if r.wait_info || r.unswappable_bytes.is_some() {
                 refused += 1;
                 let _ = conn.send(&ArbiterMsg::Error {
                     code: ErrorCode::Malformed,
@@ -255,7 +257,7 @@ fn a_shim_registers_with_an_arbiter_that_predates_wait_info() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(0), "{err}");
     let (refused, registered) = old.join().unwrap();
-    assert_eq!((refused, registered), (1, 1), "{err}");
+    assert_eq!((refused, registered), (2, 1), "{err}");
     let s = std::fs::read_to_string(&stats).unwrap();
     assert!(
         s.contains("mode managed") && s.contains("gpus 1"),

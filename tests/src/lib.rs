@@ -268,6 +268,7 @@ pub fn register_msg(gpu: &str, total: u64, ws: u64) -> Register {
         name: Some("test".into()),
         resume: None,
         wait_info: false,
+        unswappable_bytes: None,
     }
 }
 

@@ -893,3 +893,170 @@ fn a_thousand_waiters_cost_one_message_each_per_hand_off_and_none_otherwise() {
     let outs = s.release(2 * SEC + 2, 500, usage(700 * MIB, 0));
     assert_eq!(all_waiting(&outs), (n - 500) as usize);
 }
+
+// ---- memory no swap frees (#13) ----------------------------------------------
+
+/// A 4 GiB GPU with the default reserve (1/8: 512 MiB).
+fn sched_4g() -> GpuScheduler {
+    GpuScheduler::new(
+        4096 * MIB,
+        3584 * MIB,
+        Settings {
+            scheduler_on: true,
+            tq_ms: 1_000,
+        },
+        500,
+    )
+}
+
+fn reg_unswappable(s: &mut GpuScheduler, now: Nanos, id: ClientId, ws: u64, fixed: Option<u64>) {
+    let info = ClientInfo {
+        unswappable: fixed,
+        ..ClientInfo::default()
+    };
+    s.register(now, id, info, usage(ws, 0), None);
+}
+
+fn reclaims(outs: &[Output], to: ClientId) -> u64 {
+    sent(outs, to)
+        .iter()
+        .map(|m| match m {
+            ArbiterMsg::Reclaim { need_bytes } => *need_bytes,
+            _ => 0,
+        })
+        .sum()
+}
+
+/// Four 768 MiB programs with 300 MiB contexts on 4 GiB: their working sets fit in
+/// total − reserve (3072 ≤ 3584 MiB), but not next to their contexts (3072 + 1200 >
+/// 4096). Counting the contexts, they take turns; not counting them, all four were
+/// granted at once and the last allocations ran out of GPU memory.
+#[test]
+fn working_sets_fit_only_next_to_every_clients_unswappable_memory() {
+    let mut s = sched_4g();
+    for id in 1..=4 {
+        reg_unswappable(&mut s, 0, id, 768 * MIB, Some(300 * MIB));
+    }
+    assert_eq!(s.fixed(), 1200 * MIB);
+    assert_eq!(s.room(), 2896 * MIB);
+    assert!(!s.fits());
+    assert_eq!(granted(&s.request(1, 1), 1), Some(true));
+    assert_eq!(granted(&s.request(2, 2), 2), None, "B waits");
+    // The same clients without reports: the reserve alone, and they all share.
+    let mut old = sched_4g();
+    for id in 1..=4 {
+        reg_unswappable(&mut old, 0, id, 768 * MIB, None);
+    }
+    assert_eq!(old.fixed(), 512 * MIB, "the reserve");
+    assert!(old.fits());
+    // A context reported later counts from then on.
+    let mut s = sched_4g();
+    reg_unswappable(&mut s, 0, 1, 1700 * MIB, Some(0));
+    reg_unswappable(&mut s, 0, 2, 1700 * MIB, Some(0));
+    assert!(s.fits(), "3400 ≤ 4096 − 512");
+    s.unswappable(1, 1, 400 * MIB);
+    assert!(s.fits(), "400 < the reserve: nothing changes");
+    s.unswappable(2, 2, 400 * MIB);
+    assert!(!s.fits(), "3400 + 800 > 4096: the reports pass the reserve");
+    assert_eq!(s.swap_need(), 104 * MIB);
+}
+
+/// The reserve is a floor, not added to the reports: contexts that fit in it
+/// change nothing (the suite's 48 MiB contexts on 1 GiB).
+#[test]
+fn reports_within_the_reserve_change_nothing() {
+    let mut s = GpuScheduler::new(
+        1024 * MIB,
+        896 * MIB,
+        Settings {
+            scheduler_on: true,
+            tq_ms: 1_000,
+        },
+        500,
+    );
+    reg_unswappable(&mut s, 0, 1, 400 * MIB, Some(48 * MIB));
+    reg_unswappable(&mut s, 0, 2, 400 * MIB, Some(48 * MIB));
+    assert_eq!(s.room(), 896 * MIB);
+    assert!(s.fits());
+    assert_eq!(granted(&s.request(0, 1), 1), Some(false));
+    assert_eq!(granted(&s.request(0, 2), 2), Some(false));
+}
+
+/// A hand-off's need keeps everybody's unswappable memory on the GPU: the holder
+/// must evict enough that the next one's working set fits beside all contexts.
+#[test]
+fn a_handoffs_need_counts_unswappable_memory() {
+    let mut s = sched_4g();
+    for id in 1..=4 {
+        reg_unswappable(&mut s, 0, id, 768 * MIB, Some(300 * MIB));
+    }
+    assert_eq!(granted(&s.request(0, 1), 1), Some(true));
+    s.usage(0, 1, usage(768 * MIB, 768 * MIB));
+    // B, C, D were resident earlier (say they ran while D's context was not counted).
+    s.reclaimed(0, 2, usage(768 * MIB, 768 * MIB));
+    s.reclaimed(0, 3, usage(768 * MIB, 768 * MIB));
+    s.request(1, 4);
+    let outs = s.tick(SEC + 1);
+    // Resident 3 × 768 + D's 768 = 3072 over a room of 2896 MiB.
+    assert_eq!(dropped(&outs, 1), Some(176 * MIB), "{outs:?}");
+    let outs = s.release(SEC + 2, 1, usage(768 * MIB, 768 * MIB));
+    assert_eq!(granted(&outs, 4), Some(true));
+    // A released without evicting: the idle ones make room, least recently active
+    // first (B, registered first and never active since).
+    assert_eq!(reclaims(&outs, 2), 176 * MIB, "{outs:?}");
+}
+
+/// An exclusive holder whose swap-in found no room (a revoked holder's memory still
+/// resident, a reclaim answered with less than asked) gets that room reclaimed from
+/// idle clients; reclaims already asked are not asked twice.
+#[test]
+fn a_holder_short_of_room_gets_it_reclaimed() {
+    let mut s = sched_4g();
+    reg_unswappable(&mut s, 0, 1, 2000 * MIB, Some(300 * MIB));
+    reg_unswappable(&mut s, 0, 2, 2000 * MIB, Some(300 * MIB));
+    assert_eq!(granted(&s.request(0, 1), 1), Some(true));
+    s.usage(0, 1, usage(2000 * MIB, 2000 * MIB));
+    s.request(1, 2);
+    let outs = s.tick(SEC + 1);
+    assert!(dropped(&outs, 1).is_some());
+    // A never answers: revoked after the grace, its memory still resident. B gets
+    // the GPU and A is asked to reclaim what B lacks: 2000 + 2000 − 3496.
+    let outs = s.tick(SEC + 1 + 500 * MS);
+    assert!(sent(&outs, 1)
+        .iter()
+        .any(|m| matches!(m, ArbiterMsg::Revoked { .. })));
+    assert_eq!(granted(&outs, 2), Some(true));
+    assert_eq!(reclaims(&outs, 1), 504 * MIB, "{outs:?}");
+    // Nothing asked twice while that reclaim is pending.
+    let outs = s.usage(SEC + 2, 2, usage(2000 * MIB, 1000 * MIB));
+    assert_eq!(reclaims(&outs, 1), 0, "{outs:?}");
+    // A evicted only 200 MiB: B is still short, and A is asked for the rest.
+    let outs = s.reclaimed(SEC + 3, 1, usage(2000 * MIB, 1800 * MIB));
+    assert_eq!(reclaims(&outs, 1), 304 * MIB, "{outs:?}");
+    let outs = s.reclaimed(SEC + 4, 1, usage(2000 * MIB, 1496 * MIB));
+    assert_eq!(reclaims(&outs, 1), 0, "room made: {outs:?}");
+    s.usage(SEC + 5, 2, usage(2000 * MIB, 2000 * MIB));
+    assert!(s.holds_exclusive(2));
+}
+
+/// A report past the GPU's size (a lie or a bug) counts as the whole GPU, no more:
+/// the figures status shows stay within the GPU and no sum overflows.
+#[test]
+fn an_unswappable_report_past_the_gpu_counts_as_the_whole_gpu() {
+    let mut s = GpuScheduler::new(
+        1024 * MIB,
+        896 * MIB,
+        Settings {
+            scheduler_on: true,
+            tq_ms: 1_000,
+        },
+        500,
+    );
+    reg_unswappable(&mut s, 0, 1, 100 * MIB, Some(u64::MAX));
+    assert_eq!(s.fixed(), 1024 * MIB);
+    s.unswappable(0, 1, u64::MAX - 1);
+    reg_unswappable(&mut s, 0, 2, 100 * MIB, Some(u64::MAX));
+    assert_eq!(s.fixed(), 1024 * MIB, "clamped per client, summed saturating");
+    assert_eq!(s.room(), 0);
+    assert!(!s.fits());
+}

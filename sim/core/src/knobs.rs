@@ -45,6 +45,12 @@ pub struct SimConfig {
     /// `cuMemAllocHost`, `cuMemHostRegister`), GB/s. Default [`DEFAULT_PIN_GBPS`];
     /// 0 turns the cost off.
     pub pin_gbps: f64,
+    /// `KIWI_SIM_FAIL_SYNC`: fault injection for tests. While this file exists, the
+    /// process's next `cuCtxSynchronize` deletes it and fails with
+    /// `CUDA_ERROR_UNKNOWN` at once, without waiting for the context's work (which
+    /// goes on; the context stays usable): a synchronization that failed while work
+    /// was still queued. Per process; unset: never.
+    pub fail_sync: Option<PathBuf>,
 }
 
 /// Device memory a context costs on a real GPU, never the application's to free or
@@ -74,6 +80,7 @@ impl Default for SimConfig {
             context_memory: DEFAULT_CONTEXT_MEMORY,
             memcreate_us_per_2mib: DEFAULT_MEMCREATE_US_PER_2MIB,
             pin_gbps: DEFAULT_PIN_GBPS,
+            fail_sync: None,
         }
     }
 }
@@ -135,6 +142,11 @@ impl SimConfig {
         if let Some(v) = get("KIWI_SIM_TRACE") {
             if !v.is_empty() {
                 c.trace = Some(PathBuf::from(v));
+            }
+        }
+        if let Some(v) = get("KIWI_SIM_FAIL_SYNC") {
+            if !v.is_empty() {
+                c.fail_sync = Some(PathBuf::from(v));
             }
         }
         if let Some(v) = get("KIWI_SIM_CONTEXT_MEMORY") {
@@ -204,6 +216,7 @@ mod tests {
         assert_eq!(c.context_memory, 300 << 20);
         assert_eq!(c.memcreate_us_per_2mib, 100.0);
         assert_eq!(c.pin_gbps, 2.0);
+        assert_eq!(c.fail_sync, None);
     }
 
     #[test]
@@ -217,8 +230,10 @@ mod tests {
             ("KIWI_SIM_CONTEXT_MEMORY", "48MiB"),
             ("KIWI_SIM_MEMCREATE_US_PER_2MIB", "0"),
             ("KIWI_SIM_PIN_GBPS", "0.5"),
+            ("KIWI_SIM_FAIL_SYNC", "/tmp/fail"),
         ])
         .unwrap();
+        assert_eq!(c.fail_sync, Some(PathBuf::from("/tmp/fail")));
         assert_eq!(c.context_memory, 48 << 20);
         assert_eq!(c.memcreate_us_per_2mib, 0.0);
         assert_eq!(c.pin_gbps, 0.5);

@@ -359,9 +359,17 @@ pub(crate) fn cuCtxPopCurrent_v2(pctx: *mut CUcontext) -> Result<(), CUresult> {
 }
 
 pub(crate) fn cuCtxSynchronize() -> Result<(), CUresult> {
-    driver()?;
+    let d = driver()?;
     let ctx = driver::current_unchecked()?;
     capture::refuse_context_wide(&ctx)?;
+    // Fault injection (KIWI_SIM_FAIL_SYNC): the file's removal arms exactly one
+    // failure, without waiting for the queued work.
+    if d.fail_sync
+        .as_ref()
+        .is_some_and(|p| std::fs::remove_file(p).is_ok())
+    {
+        return Err(CUDA_ERROR_UNKNOWN);
+    }
     ctx.synchronize()
 }
 

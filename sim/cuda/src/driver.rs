@@ -38,6 +38,8 @@ pub struct Driver {
     /// How fast host memory is page-locked, bytes/s (0: free).
     pub pin_bps: f64,
     pub trace: Option<TraceWriter>,
+    /// `KIWI_SIM_FAIL_SYNC` (fault injection, see `kiwi_sim_core::knobs`).
+    pub fail_sync: Option<std::path::PathBuf>,
     pub mem: Memory,
     pub primary: Vec<Mutex<Primary>>,
     pub contexts: RwLock<HashMap<usize, Arc<Context>>>,
@@ -92,6 +94,7 @@ fn init_driver() -> Result<Driver, CUresult> {
         memcreate_s_per_2mib: cfg.memcreate_us_per_2mib * 1e-6,
         pin_bps: cfg.pin_gbps * 1e9,
         trace,
+        fail_sync: cfg.fail_sync.clone(),
         mem,
         primary: (0..settings.gpus)
             .map(|_| {

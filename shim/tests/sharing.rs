@@ -1,0 +1,316 @@
+//! What an application asks about its memory and grants on it survives swaps, and a
+//! failed drain never evicts (#13 items 5 and 6): real processes on the GPU simulator
+//! under a real `kiwi-arbiter`, driver-API programs of `tests/c` built against
+//! NVIDIA's `cuda.h`.
+//!
+//! Needs the workspace built (`cargo build --workspace --all-targets`), `gcc`, and
+//! `cuda.h` (fetched once by `scripts/fetch-cuda-h.sh`).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use kiwi_protocol::EventKind;
+use kiwi_sim_core::harness::SimMachine;
+use kiwi_tests::{bin, profile_dir, require_tool, Arbiter};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The shim under test: `KIWI_TEST_SHIM` (to run a test against another build of
+/// it, e.g. the last commit's), else the workspace's.
+fn shim() -> PathBuf {
+    std::env::var_os("KIWI_TEST_SHIM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| profile_dir().join("libkiwi.so"))
+}
+
+/// Compiles a driver-API program of `tests/c` against NVIDIA's cuda.h and the
+/// simulator's libcuda; `None` (skip) when gcc is missing outside CI.
+fn compile(name: &str, dir: &Path) -> Option<PathBuf> {
+    if !require_tool("gcc") {
+        return None;
+    }
+    let out = Command::new("sh")
+        .arg(root().join("scripts/fetch-cuda-h.sh"))
+        .output()
+        .expect("run fetch-cuda-h.sh");
+    assert!(out.status.success(), "fetch-cuda-h.sh failed");
+    let include = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let sim_dir = kiwi_sim_core::ensure_sim_dir(&profile_dir()).expect("simulator built");
+    let exe = dir.join(name);
+    let st = Command::new("gcc")
+        .args(["-O1", "-Wall", "-Werror", "-I", &include])
+        .arg(root().join(format!("shim/tests/c/{name}.c")))
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(&sim_dir)
+        .arg("-lcuda")
+        .status()
+        .expect("gcc");
+    assert!(st.success(), "compiling {name}.c");
+    Some(exe)
+}
+
+fn under_kiwi<'a>(c: &'a mut Command, m: &SimMachine, arb: &Arbiter) -> &'a mut Command {
+    m.apply(c)
+        .env("LD_PRELOAD", shim())
+        .env("KIWI_SOCKET_DIR", arb.socket_dir())
+        .env("KIWI_REQUIRE_ARBITER", "1")
+        .env("KIWI_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+}
+
+fn finish(child: Child) -> Output {
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(Duration::from_secs(120)) {
+        Ok(o) => o.expect("wait for child"),
+        Err(_) => {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            panic!("pid {pid} hung for 120 s");
+        }
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}--- stderr\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A program of `tests/c` that talks on stdin/stdout: it prints a line when it is
+/// ready for the next step and waits for a line to go on.
+struct Stepped {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    seen: String,
+}
+
+impl Stepped {
+    fn spawn(cmd: &mut Command) -> Stepped {
+        let mut child = cmd.stdin(Stdio::piped()).spawn().expect("spawn");
+        let stdin = child.stdin.take().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        Stepped {
+            child,
+            stdin,
+            stdout,
+            seen: String::new(),
+        }
+    }
+
+    /// Reads stdout until the line `want`; panics (with what it printed) otherwise.
+    fn wait_for(&mut self, want: &str) {
+        loop {
+            let mut line = String::new();
+            let n = self.stdout.read_line(&mut line).expect("read stdout");
+            self.seen.push_str(&line);
+            if n == 0 {
+                let mut err = String::new();
+                let _ = self.child.stderr.take().unwrap().read_to_string(&mut err);
+                panic!("no {want:?}: stdout\n{}--- stderr\n{err}", self.seen);
+            }
+            if line.trim() == want {
+                return;
+            }
+        }
+    }
+
+    fn go(&mut self) {
+        writeln!(self.stdin, "go").expect("write stdin");
+    }
+
+    fn finish(mut self) -> Output {
+        let mut rest = String::new();
+        let _ = self.stdout.read_to_string(&mut rest);
+        let mut o = finish(self.child);
+        self.seen.push_str(&rest);
+        o.stdout = self.seen.into_bytes();
+        o
+    }
+}
+
+/// The arbiter's clients registered by process `pid` (one per GPU).
+fn clients_of(arb: &Arbiter, pid: u32) -> Vec<u64> {
+    arb.events()
+        .iter()
+        .filter_map(|e| match e.kind {
+            EventKind::Register { pid: p, .. } if p == pid => e.client,
+            _ => None,
+        })
+        .collect()
+}
+
+/// Bytes process `pid` swapped out so far (arbiter's log).
+fn swapped_out(arb: &Arbiter, pid: u32) -> u64 {
+    let clients = clients_of(arb, pid);
+    arb.events()
+        .iter()
+        .filter(|e| e.client.is_some_and(|c| clients.contains(&c)))
+        .filter_map(|e| match e.kind {
+            EventKind::SwapOut { bytes, .. } => Some(bytes),
+            _ => None,
+        })
+        .sum()
+}
+
+/// Waits (up to 30 s) until `pid` swapped out at least `bytes`.
+fn wait_swapped_out(arb: &Arbiter, pid: u32, bytes: u64) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while swapped_out(arb, pid) < bytes {
+        assert!(
+            Instant::now() < deadline,
+            "pid {pid} swapped out only {} bytes in 30 s",
+            swapped_out(arb, pid)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A notebook over capacity with the program under test: it takes the GPU from it.
+fn gpuburst(m: &SimMachine, arb: &Arbiter, mib: u32) -> Child {
+    let mut b = Command::new(bin("gpuburst"));
+    under_kiwi(
+        b.args([
+            "--mem",
+            &format!("{mib}MiB"),
+            "--bursts",
+            "2",
+            "--gpu-ms",
+            "50",
+            "--cpu-ms",
+            "20",
+            "--verify",
+        ]),
+        m,
+        arb,
+    )
+    .spawn()
+    .expect("spawn gpuburst")
+}
+
+/// `cuPointerGetAttribute(s)` and `cuMemGetAddressRange` answer for a shim allocation
+/// with its own range, device and type, for a pointer inside it, resident and swapped
+/// out. The driver alone answered with a 64 MiB (or 2 MiB) mapping's range while
+/// resident, and "invalid value" while swapped out.
+#[test]
+fn pointer_attributes_are_the_allocations_own_even_swapped_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = compile("ptr_attrs", dir.path()) else {
+        return;
+    };
+    let m = SimMachine::new("ptrattr", 1, 1 << 30).unwrap();
+    let arb = Arbiter::start(&["--tq", "0.2"]);
+    let mut a = Command::new(&exe);
+    let mut a = Stepped::spawn(under_kiwi(a.arg("400"), &m, &arb));
+    a.wait_for("READY");
+    let b = gpuburst(&m, &arb, 600);
+    // The 2 MiB chunk and the first 64 MiB segment go first (least recently mapped).
+    wait_swapped_out(&arb, a.child.id(), 66 << 20);
+    a.go();
+    let (oa, ob) = (a.finish(), finish(b));
+    assert_eq!(oa.status.code(), Some(0), "{}", text(&oa));
+    assert!(String::from_utf8_lossy(&oa.stdout).contains("OK"));
+    assert_eq!(ob.status.code(), Some(0), "{}", text(&ob));
+}
+
+/// Another GPU's access to a shim allocation (`cuMemSetAccess`, as NCCL and peer
+/// copies grant it) is re-applied after a swap: a copy from GPU 1's context out of
+/// GPU 0's memory works before and after the program was swapped out on GPU 0. The
+/// shim's new mappings granted GPU 0 only: the copy after the swap-in failed with
+/// `CUDA_ERROR_INVALID_VALUE`.
+#[test]
+fn another_gpus_access_survives_a_swap() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = compile("peer_access", dir.path()) else {
+        return;
+    };
+    let m = SimMachine::new("peeracc", 2, 1 << 30).unwrap();
+    let arb = Arbiter::start(&["--tq", "0.2"]);
+    let mut a = Command::new(&exe);
+    let mut a = Stepped::spawn(under_kiwi(a.arg("400"), &m, &arb));
+    a.wait_for("READY");
+    // gpuburst works on GPU 0 by default: over capacity with the program there.
+    let b = gpuburst(&m, &arb, 500);
+    // Its first 64 MiB segment goes first (least recently mapped).
+    wait_swapped_out(&arb, a.child.id(), 64 << 20);
+    a.go();
+    let (oa, ob) = (a.finish(), finish(b));
+    assert_eq!(oa.status.code(), Some(0), "{}", text(&oa));
+    assert!(String::from_utf8_lossy(&oa.stdout).contains("OK"));
+    assert_eq!(ob.status.code(), Some(0), "{}", text(&ob));
+}
+
+/// A drop that comes while work is still queued, and whose drain fails (the
+/// simulator's `KIWI_SIM_FAIL_SYNC` fails the shim's `cuCtxSynchronize` at once, the
+/// work going on): nothing is swapped out then (the release reports the memory still
+/// resident); the arbiter's reclaim drains again and evicts once the work is done,
+/// and both programs keep every byte. Evicting after the failed drain copied the
+/// memory out while the queued memsets still wrote it and unmapped it under them: a
+/// sticky illegal address (or stale bytes) for the program.
+#[test]
+fn a_failed_drain_does_not_evict() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = compile("drain_fail", dir.path()) else {
+        return;
+    };
+    // Memsets of 400 MiB take 0.4 s each: four are queued when the drop comes.
+    let m = SimMachine::new("drainfail", 1, 1 << 30)
+        .unwrap()
+        .with_env("KIWI_SIM_HBM_GBPS", "1");
+    let arb = Arbiter::start(&["--tq", "0.2"]);
+    let fail = dir.path().join("fail-next-sync");
+    let mut a = Command::new(&exe);
+    let a = under_kiwi(a.arg("400"), &m, &arb)
+        .env("KIWI_SIM_FAIL_SYNC", &fail)
+        // No early release: its idle probe would meet the armed failure first.
+        .env("KIWI_IDLE_MS", "600000");
+    let mut a = Stepped::spawn(a);
+    a.wait_for("QUEUED");
+    std::fs::write(&fail, b"").unwrap();
+    let b = gpuburst(&m, &arb, 500);
+    let ob = finish(b);
+    let pid = a.child.id();
+    a.go();
+    let oa = a.finish();
+    assert!(!fail.exists(), "the drain never met the injected failure");
+    assert_eq!(oa.status.code(), Some(0), "{}", text(&oa));
+    assert!(String::from_utf8_lossy(&oa.stdout).contains("OK"));
+    assert_eq!(ob.status.code(), Some(0), "{}", text(&ob));
+    let err = String::from_utf8_lossy(&oa.stderr);
+    assert!(
+        err.contains("draining before release failed"),
+        "{}",
+        text(&oa)
+    );
+    // It released with its memory resident, and swapped out later (the reclaim).
+    let clients = clients_of(&arb, pid);
+    let events = arb.events();
+    let mine = |e: &&kiwi_protocol::Event| e.client.is_some_and(|c| clients.contains(&c));
+    let first_release = events
+        .iter()
+        .filter(mine)
+        .find_map(|e| match e.kind {
+            EventKind::Release { resident_bytes, .. } => Some(resident_bytes),
+            _ => None,
+        })
+        .expect("a release");
+    assert!(
+        first_release >= 400 << 20,
+        "released with {first_release} bytes resident"
+    );
+}
