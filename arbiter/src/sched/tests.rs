@@ -1056,7 +1056,7 @@ fn an_unswappable_report_past_the_gpu_counts_as_the_whole_gpu() {
     assert_eq!(s.fixed(), 1024 * MIB);
     s.unswappable(0, 1, u64::MAX - 1);
     reg_unswappable(&mut s, 0, 2, 100 * MIB, Some(u64::MAX));
-    assert_eq!(s.fixed(), 1024 * MIB, "clamped per client, summed saturating");
+    assert_eq!(s.fixed(), 1024 * MIB, "clamped to the GPU");
     assert_eq!(s.room(), 0);
     assert!(!s.fits());
 }
