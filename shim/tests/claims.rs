@@ -7,38 +7,16 @@
 //! Needs the workspace built (`cargo build --workspace --all-targets`), `gcc` and the
 //! CUDA runtime wheel (`scripts/fetch-cuda-runtime.sh`).
 
+mod common;
+use common::*;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Output};
 use std::time::Duration;
 
 use kiwi_protocol::{Event, EventKind};
 use kiwi_sim_core::harness::{CudaRuntime, SimMachine};
-use kiwi_tests::{bin, profile_dir, wait_until, Arbiter};
-
-fn finish(child: Child) -> Output {
-    let pid = child.id() as i32;
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(Duration::from_secs(120)) {
-        Ok(o) => o.expect("wait for child"),
-        Err(_) => {
-            // SAFETY: kill(2) on our own child's pid.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            panic!("pid {pid} hung for 120 s");
-        }
-    }
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "status {:?}\n--- stdout\n{}--- stderr\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use kiwi_tests::{bin, wait_until, Arbiter};
 
 /// The number after `key ` on a line of `o`'s stdout.
 fn figure(o: &Output, key: &str) -> f64 {
@@ -46,24 +24,6 @@ fn figure(o: &Output, key: &str) -> f64 {
         .lines()
         .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
         .unwrap_or_else(|| panic!("no {key} in\n{}", text(o)))
-}
-
-/// The shim under test: `KIWI_TEST_SHIM` (to run a test against another build of
-/// it, e.g. the last commit's), else the workspace's.
-fn shim() -> PathBuf {
-    std::env::var_os("KIWI_TEST_SHIM")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| profile_dir().join("libkiwi.so"))
-}
-
-fn under_kiwi<'a>(c: &'a mut Command, arb: &Arbiter) -> &'a mut Command {
-    c.env("LD_PRELOAD", shim())
-        .env("KIWI_SOCKET_DIR", arb.socket_dir())
-        .env("KIWI_REQUIRE_ARBITER", "1")
-        .env("KIWI_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
 }
 
 /// gpuburst on GPU 1 only, over capacity with its twin.

@@ -6,90 +6,16 @@
 //! Needs the workspace built (`cargo build --workspace --all-targets`), `gcc`, and
 //! `cuda.h` (fetched once by `scripts/fetch-cuda-h.sh`).
 
+mod common;
+use common::*;
+
 use std::io::{BufRead, BufReader, Read, Write};
-use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::SimMachine;
-use kiwi_tests::{bin, profile_dir, require_tool, Arbiter};
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// The shim under test: `KIWI_TEST_SHIM` (to run a test against another build of
-/// it, e.g. the last commit's), else the workspace's.
-fn shim() -> PathBuf {
-    std::env::var_os("KIWI_TEST_SHIM")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| profile_dir().join("libkiwi.so"))
-}
-
-/// Compiles a driver-API program of `tests/c` against NVIDIA's cuda.h and the
-/// simulator's libcuda; `None` (skip) when gcc is missing outside CI.
-fn compile(name: &str, dir: &Path) -> Option<PathBuf> {
-    if !require_tool("gcc") {
-        return None;
-    }
-    let out = Command::new("sh")
-        .arg(root().join("scripts/fetch-cuda-h.sh"))
-        .output()
-        .expect("run fetch-cuda-h.sh");
-    assert!(out.status.success(), "fetch-cuda-h.sh failed");
-    let include = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    let sim_dir = kiwi_sim_core::ensure_sim_dir(&profile_dir()).expect("simulator built");
-    let exe = dir.join(name);
-    let st = Command::new("gcc")
-        .args(["-O1", "-Wall", "-Werror", "-I", &include])
-        .arg(root().join(format!("shim/tests/c/{name}.c")))
-        .arg("-o")
-        .arg(&exe)
-        .arg("-L")
-        .arg(&sim_dir)
-        .arg("-lcuda")
-        .status()
-        .expect("gcc");
-    assert!(st.success(), "compiling {name}.c");
-    Some(exe)
-}
-
-fn under_kiwi<'a>(c: &'a mut Command, m: &SimMachine, arb: &Arbiter) -> &'a mut Command {
-    m.apply(c)
-        .env("LD_PRELOAD", shim())
-        .env("KIWI_SOCKET_DIR", arb.socket_dir())
-        .env("KIWI_REQUIRE_ARBITER", "1")
-        .env("KIWI_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-}
-
-fn finish(child: Child) -> Output {
-    let pid = child.id() as i32;
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(Duration::from_secs(120)) {
-        Ok(o) => o.expect("wait for child"),
-        Err(_) => {
-            // SAFETY: kill(2) on our own child's pid.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            panic!("pid {pid} hung for 120 s");
-        }
-    }
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "status {:?}\n--- stdout\n{}--- stderr\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
+use kiwi_tests::{bin, Arbiter};
 
 /// A program of `tests/c` that talks on stdin/stdout: it prints a line when it is
 /// ready for the next step and waits for a line to go on.
@@ -184,7 +110,7 @@ fn wait_swapped_out(arb: &Arbiter, pid: u32, bytes: u64) {
 /// A notebook over capacity with the program under test: it takes the GPU from it.
 fn gpuburst(m: &SimMachine, arb: &Arbiter, mib: u32) -> Child {
     let mut b = Command::new(bin("gpuburst"));
-    under_kiwi(
+    under_kiwi_on(
         b.args([
             "--mem",
             &format!("{mib}MiB"),
@@ -216,7 +142,7 @@ fn pointer_attributes_are_the_allocations_own_even_swapped_out() {
     let m = SimMachine::new("ptrattr", 1, 1 << 30).unwrap();
     let arb = Arbiter::start(&["--tq", "0.2"]);
     let mut a = Command::new(&exe);
-    let mut a = Stepped::spawn(under_kiwi(a.arg("400"), &m, &arb));
+    let mut a = Stepped::spawn(under_kiwi_on(a.arg("400"), &m, &arb));
     a.wait_for("READY");
     let b = gpuburst(&m, &arb, 600);
     // The 2 MiB chunk and the first 64 MiB segment go first (least recently mapped).
@@ -242,7 +168,7 @@ fn another_gpus_access_survives_a_swap() {
     let m = SimMachine::new("peeracc", 2, 1 << 30).unwrap();
     let arb = Arbiter::start(&["--tq", "0.2"]);
     let mut a = Command::new(&exe);
-    let mut a = Stepped::spawn(under_kiwi(a.arg("400"), &m, &arb));
+    let mut a = Stepped::spawn(under_kiwi_on(a.arg("400"), &m, &arb));
     a.wait_for("READY");
     // gpuburst works on GPU 0 by default: over capacity with the program there.
     let b = gpuburst(&m, &arb, 500);
@@ -275,7 +201,7 @@ fn a_failed_drain_does_not_evict() {
     let arb = Arbiter::start(&["--tq", "0.2"]);
     let fail = dir.path().join("fail-next-sync");
     let mut a = Command::new(&exe);
-    let a = under_kiwi(a.arg("400"), &m, &arb)
+    let a = under_kiwi_on(a.arg("400"), &m, &arb)
         .env("KIWI_SIM_FAIL_SYNC", &fail)
         // No early release: its idle probe would meet the armed failure first.
         .env("KIWI_IDLE_MS", "600000");
