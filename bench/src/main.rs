@@ -196,6 +196,9 @@ fn arbiter_role(socket_dir: PathBuf, tq: f64, scheduler: &str) -> Result<()> {
     let cfg = kiwi_arbiter::ServerConfig {
         tq_ms: ((tq * 1000.0) as u64).max(1),
         scheduler: scheduler.parse().map_err(anyhow::Error::msg)?,
+        // Every benchmark client is a child of this process, in one cgroup; on a node
+        // they are separate containers, each under its own per-container cap.
+        max_conns_per_group: usize::MAX,
         ..Default::default()
     };
     let rt = tokio::runtime::Builder::new_current_thread()
