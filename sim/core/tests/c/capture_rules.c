@@ -12,33 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CHECK(call)                                                            \
-    do {                                                                       \
-        CUresult r_ = (call);                                                  \
-        if (r_ != CUDA_SUCCESS) {                                              \
-            fprintf(stderr, "FAIL %s:%d %s -> %d\n", __FILE__, __LINE__, #call, \
-                    (int)r_);                                                  \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
-
-#define EXPECT(call, want)                                                     \
-    do {                                                                       \
-        CUresult r_ = (call);                                                  \
-        if (r_ != (want)) {                                                    \
-            fprintf(stderr, "FAIL %s:%d %s -> %d, want %s (%d)\n", __FILE__,  \
-                    __LINE__, #call, (int)r_, #want, (int)(want));             \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
-
-#define ASSERT(cond)                                                           \
-    do {                                                                       \
-        if (!(cond)) {                                                         \
-            fprintf(stderr, "FAIL %s:%d %s\n", __FILE__, __LINE__, #cond);    \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
+#include "driver_check.h"
 
 static CUcontext ctx;
 static CUdeviceptr buf;

@@ -13,25 +13,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#define CHECK(call)                                                            \
-    do {                                                                       \
-        CUresult r_ = (call);                                                  \
-        if (r_ != CUDA_SUCCESS) {                                              \
-            fprintf(stderr, "FAIL %s:%d %s -> %d\n", __FILE__, __LINE__, #call, \
-                    (int)r_);                                                  \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
-
-#define EXPECT(call, want)                                                     \
-    do {                                                                       \
-        CUresult r_ = (call);                                                  \
-        if (r_ != (want)) {                                                    \
-            fprintf(stderr, "FAIL %s:%d %s -> %d, want %s (%d)\n", __FILE__,  \
-                    __LINE__, #call, (int)r_, #want, (int)(want));             \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
+#include "driver_check.h"
 
 #define EXPECT_FREE(want)                                                      \
     do {                                                                       \

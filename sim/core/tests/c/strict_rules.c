@@ -9,33 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-#define CHECK(call)                                                            \
-    do {                                                                       \
-        CUresult r_ = (call);                                                  \
-        if (r_ != CUDA_SUCCESS) {                                              \
-            fprintf(stderr, "FAIL %s:%d %s -> %d\n", __FILE__, __LINE__, #call, \
-                    (int)r_);                                                  \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
-
-#define EXPECT(call, want)                                                     \
-    do {                                                                       \
-        CUresult r_ = (call);                                                  \
-        if (r_ != (want)) {                                                    \
-            fprintf(stderr, "FAIL %s:%d %s -> %d, want %s (%d)\n", __FILE__,  \
-                    __LINE__, #call, (int)r_, #want, (int)(want));             \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
-
-#define ASSERT(cond)                                                           \
-    do {                                                                       \
-        if (!(cond)) {                                                         \
-            fprintf(stderr, "FAIL %s:%d %s\n", __FILE__, __LINE__, #cond);    \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
+#include "driver_check.h"
 
 static const char ptx[] = ".version 7.0\n.target sm_52\n.address_size 64\n";
 

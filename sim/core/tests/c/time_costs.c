@@ -13,15 +13,7 @@
 #include <sys/mman.h>
 #include <time.h>
 
-#define CHECK(call)                                                            \
-    do {                                                                       \
-        CUresult r_ = (call);                                                  \
-        if (r_ != CUDA_SUCCESS) {                                              \
-            fprintf(stderr, "FAIL %s:%d %s -> %d\n", __FILE__, __LINE__, #call, \
-                    (int)r_);                                                  \
-            exit(1);                                                           \
-        }                                                                      \
-    } while (0)
+#include "driver_check.h"
 
 static double now_ms(void) {
     struct timespec t;
