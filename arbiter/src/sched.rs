@@ -463,6 +463,7 @@ impl GpuScheduler {
                     exclusive,
                     tq_ms: self.settings.tq_ms,
                     waiting,
+                    pipelined: false,
                 },
             );
             return self.finish(now);
@@ -709,6 +710,7 @@ impl GpuScheduler {
                 exclusive,
                 tq_ms: self.settings.tq_ms,
                 waiting,
+                pipelined: false,
             },
         );
         self.contended = exclusive && waiting > 0;

@@ -1205,6 +1205,8 @@ fn handle_client_msg(
                     bytes,
                     duration_ns,
                 } => s.swapped(now, id, direction, bytes, duration_ns),
+                // TODO(#15, H3): pipelined hand-off: grant the next client now.
+                ClientMsg::Drained => Vec::new(),
                 ClientMsg::Register(_) | ClientMsg::Ping { .. } | ClientMsg::Admit { .. } => {
                     Vec::new()
                 }

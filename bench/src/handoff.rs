@@ -36,6 +36,7 @@ fn register(socket: &Path, ws: u64) -> Result<Connection<ClientMsg, ArbiterMsg>>
         resume: None,
         wait_info: false,
         unswappable_bytes: None,
+        pipelined: false,
     };
     match c.call(&ClientMsg::Register(reg))? {
         ArbiterMsg::Registered { .. } => Ok(c),

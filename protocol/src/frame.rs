@@ -246,6 +246,7 @@ mod tests {
             resume: None,
             wait_info: false,
             unswappable_bytes: None,
+            pipelined: false,
         }))
         .unwrap();
         let mut d = FrameDecoder::new();

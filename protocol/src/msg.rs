@@ -98,6 +98,13 @@ pub struct Register {
     /// client registers again without it (and never reports).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unswappable_bytes: Option<u64>,
+    /// The client takes part in pipelined hand-offs (issue #15): after a
+    /// [`ArbiterMsg::Drop`] it sends [`ClientMsg::Drained`] as soon as its queued work
+    /// is done, it understands `Grant { pipelined: true }` and [`ArbiterMsg::Pressure`].
+    /// Opt-in and left out when false, like `wait_info`: an arbiter that predates it
+    /// refuses the field and the client registers again without it.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub pipelined: bool,
 }
 
 fn is_false(b: &bool) -> bool {
@@ -186,6 +193,12 @@ pub enum ClientMsg {
     Unswappable {
         bytes: u64,
     },
+    /// After a [`ArbiterMsg::Drop`], before its [`ClientMsg::Release`]: the holder's
+    /// queued work is done and it submits nothing more; its swap-out starts now. The
+    /// arbiter may grant the next client at once (`Grant { pipelined: true }`): its
+    /// swap-in then runs while this swap-out frees memory, on the other PCIe
+    /// direction. Sent only by clients that registered with `pipelined`.
+    Drained,
 }
 
 impl ClientMsg {
@@ -233,6 +246,13 @@ pub enum ArbiterMsg {
         exclusive: bool,
         tq_ms: u64,
         waiting: u32,
+        /// The previous holder is still swapping out (it sent [`ClientMsg::Drained`]):
+        /// the memory this client's swap-in needs is being freed. Its swap-in waits for
+        /// that memory (never failing the application's call) and runs alongside the
+        /// previous holder's swap-out. Only ever true for clients that registered with
+        /// `pipelined`; left out when false.
+        #[serde(default, skip_serializing_if = "is_false")]
+        pipelined: bool,
     },
     /// Sent to the holder(s) when the queue goes from empty to non-empty
     /// (`waiting > 0`) or back to empty (`waiting == 0`). A holder that goes idle
@@ -249,7 +269,9 @@ pub enum ArbiterMsg {
         reason: DropReason,
     },
     /// A client not holding the GPU is asked to evict `need_bytes` so the next holder
-    /// fits; answer [`ClientMsg::Reclaimed`].
+    /// fits, or (idle eviction, `arbiter.idle_evict_seconds`) because it has been idle
+    /// on an oversubscribed GPU: then `need_bytes` is all it has resident, and it
+    /// swaps out in the background; answer [`ClientMsg::Reclaimed`].
     Reclaim {
         need_bytes: u64,
     },
@@ -257,6 +279,14 @@ pub enum ArbiterMsg {
     /// must not submit work until granted again.
     Revoked {
         reason: String,
+    },
+    /// To every client of the GPU that registered with `pipelined`, when the GPU's
+    /// working sets (with the memory no swap frees) start (`oversubscribed: true`) or
+    /// stop exceeding its capacity, and once at registration when they already do. An
+    /// oversubscribed GPU swaps: each client may prepare its swap-out in the background
+    /// (page-lock its host buffers) so no swap pays for that while someone waits.
+    Pressure {
+        oversubscribed: bool,
     },
     /// Scheduler settings changed (`kiwictl -S/-T`), sent to every client of the GPU.
     Settings(Settings),
@@ -562,6 +592,7 @@ mod tests {
             exclusive: true,
             tq_ms: 30000,
             waiting: 1,
+            pipelined: false,
         })
         .unwrap();
         assert_eq!(
@@ -790,6 +821,7 @@ mod tests {
             resume: None,
             wait_info: false,
             unswappable_bytes: None,
+            pipelined: false,
         };
         assert_eq!(r.validate(), Ok(()));
         r.name = Some("x".repeat(1 << 20));

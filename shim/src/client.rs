@@ -514,6 +514,7 @@ fn register_once(
         resume,
         wait_info,
         unswappable_bytes: unswappable,
+        pipelined: false,
     }))?;
     let (capacity, swap_budget) = match conn.recv()? {
         ArbiterMsg::Registered {
@@ -1150,6 +1151,8 @@ impl Client {
                     quantum_end: quantum_left_ms.map(|ms| now + Duration::from_millis(ms)),
                 });
             }
+            // TODO(#15, H4): prepare swap-outs in the background while oversubscribed.
+            ArbiterMsg::Pressure { .. } => {}
             ArbiterMsg::Registered { .. } | ArbiterMsg::Pong { .. } => {}
         }
     }

@@ -229,6 +229,7 @@ fn a_shim_registers_with_an_arbiter_that_predates_wait_info() {
                         exclusive: false,
                         tq_ms: 1000,
                         waiting: 0,
+                        pipelined: false,
                     });
                 }
             }

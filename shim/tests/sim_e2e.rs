@@ -785,6 +785,7 @@ fn drop_every_grant(dir: &Path) -> std::thread::JoinHandle<FakeCounts> {
                             exclusive: true,
                             tq_ms: 3,
                             waiting: 1,
+                            pipelined: false,
                         })
                         .unwrap();
                         std::thread::sleep(Duration::from_millis(1));

@@ -269,6 +269,7 @@ pub fn register_msg(gpu: &str, total: u64, ws: u64) -> Register {
         resume: None,
         wait_info: false,
         unswappable_bytes: None,
+        pipelined: false,
     }
 }
 
