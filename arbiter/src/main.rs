@@ -32,6 +32,11 @@ struct Args {
     /// How long a holder may ignore a drop before the GPU is taken from it, in ms.
     #[arg(long)]
     grace_ms: Option<u64>,
+    /// On an oversubscribed GPU, ask a client that neither holds nor waits to swap
+    /// out in the background after this many idle seconds (default 30; 0: never;
+    /// config: [arbiter] idle_evict_seconds).
+    #[arg(long, value_name = "SECONDS", allow_hyphen_values = true)]
+    idle_evict_seconds: Option<String>,
     /// GPU memory reserved for contexts, in MiB (default: 1536, at most 1/8 of the GPU).
     #[arg(long)]
     reserve_mib: Option<u64>,
@@ -112,6 +117,12 @@ fn run() -> Result<()> {
             })?,
         },
     };
+    // Parsed here rather than by clap, so a bad value is one line, like other errors.
+    let idle_evict_s = match args.idle_evict_seconds.as_deref() {
+        Some(s) => kiwi_config::parse_idle_evict_arg(s)
+            .map_err(|e| anyhow::anyhow!("--idle-evict-seconds: {e}"))?,
+        None => cfg.arbiter.idle_evict_seconds,
+    };
     let nvml_setting = args.nvml.as_deref().unwrap_or(&cfg.arbiter.nvml);
     let nvml: NvmlSetting = nvml_setting
         .parse()
@@ -124,6 +135,7 @@ fn run() -> Result<()> {
         scheduler,
         tq_ms: ((tq_s * 1000.0).round() as u64).max(1),
         grace_ms: args.grace_ms.unwrap_or(cfg.arbiter.grace_ms),
+        idle_evict_ms: (idle_evict_s * 1000.0).round() as u64,
         reserve_mib: args.reserve_mib.or(cfg.arbiter.reserve_mib),
         event_log_capacity: args
             .event_log_capacity

@@ -81,6 +81,10 @@ pub struct ArbiterMetrics {
     admissions_refused: Counter,
     /// Per GPU: when the GPU was last given back, to time the next hand-off.
     last_release_ns: HashMap<String, u64>,
+    /// Per GPU: the client of its last exclusive grant. A release by another client
+    /// (a pipelined hand-off: the drop's release comes after the next grant) starts
+    /// no hand-off.
+    last_exclusive: HashMap<String, u64>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -128,6 +132,7 @@ impl ArbiterMetrics {
             swap_in_use: Gauge::default(),
             admissions_refused: Counter::default(),
             last_release_ns: HashMap::new(),
+            last_exclusive: HashMap::new(),
             registry: Registry::default(),
         };
         registry.register("grants", "GPU grants", m.grants.clone());
@@ -247,8 +252,8 @@ impl ArbiterMetrics {
         self.admissions_refused.inc();
     }
 
-    /// Counts one logged scheduler event.
-    pub fn observe(&mut self, t_ns: u64, gpu: &str, kind: &EventKind) {
+    /// Counts one logged scheduler event of `client`.
+    pub fn observe(&mut self, t_ns: u64, gpu: &str, client: Option<u64>, kind: &EventKind) {
         let g = GpuLabels {
             gpu: gpu.to_string(),
         };
@@ -261,7 +266,13 @@ impl ArbiterMetrics {
                 self.wait_seconds
                     .get_or_create(&g)
                     .observe(*waited_ns as f64 / 1e9);
+                if !*exclusive {
+                    self.last_exclusive.remove(gpu);
+                }
                 if *exclusive {
+                    if let Some(c) = client {
+                        self.last_exclusive.insert(gpu.to_string(), c);
+                    }
                     if let Some(r) = self.last_release_ns.remove(gpu) {
                         self.handoff_seconds
                             .get_or_create(&g)
@@ -281,11 +292,15 @@ impl ArbiterMetrics {
                 if *early {
                     self.early_releases.get_or_create(&g).inc();
                 }
-                self.last_release_ns.insert(gpu.to_string(), t_ns);
+                if self.starts_handoff(gpu, client) {
+                    self.last_release_ns.insert(gpu.to_string(), t_ns);
+                }
             }
             EventKind::Revoke => {
                 self.revocations.get_or_create(&g).inc();
-                self.last_release_ns.insert(gpu.to_string(), t_ns);
+                if self.starts_handoff(gpu, client) {
+                    self.last_release_ns.insert(gpu.to_string(), t_ns);
+                }
             }
             EventKind::Exit => {
                 self.last_release_ns.entry(gpu.to_string()).or_insert(t_ns);
@@ -335,6 +350,16 @@ impl ArbiterMetrics {
             self.swap_seconds.remove(&s);
         }
         self.last_release_ns.remove(gpu);
+        self.last_exclusive.remove(gpu);
+    }
+
+    /// Whether `client` giving the GPU back starts a hand-off: not when the GPU was
+    /// granted to someone else since (a pipelined hand-off, already done).
+    fn starts_handoff(&self, gpu: &str, client: Option<u64>) -> bool {
+        match (self.last_exclusive.get(gpu), client) {
+            (Some(holder), Some(c)) => *holder == c,
+            _ => true,
+        }
     }
 
     /// Refreshes the gauges from live state and encodes everything.
@@ -446,5 +471,69 @@ mod tests {
         );
         let out = m.render(&[], &NodeSwap::default());
         assert!(out.contains("kiwi_swap_budget_bytes 0"), "{out}");
+    }
+}
+
+#[cfg(test)]
+mod handoff_tests {
+    use super::*;
+
+    fn grant(m: &mut ArbiterMetrics, t: u64, c: u64) {
+        m.observe(
+            t,
+            "GPU-0",
+            Some(c),
+            &EventKind::Grant {
+                exclusive: true,
+                waited_ns: 0,
+            },
+        );
+    }
+
+    fn release(m: &mut ArbiterMetrics, t: u64, c: u64) {
+        m.observe(
+            t,
+            "GPU-0",
+            Some(c),
+            &EventKind::Release {
+                early: false,
+                resident_bytes: 0,
+            },
+        );
+    }
+
+    fn handoff_sum(m: &ArbiterMetrics) -> String {
+        let out = m.render(&[], &NodeSwap::default());
+        out.lines()
+            .filter(|l| {
+                l.starts_with("kiwi_handoff_seconds_sum")
+                    || l.starts_with("kiwi_handoff_seconds_count")
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// A pipelined hand-off grants B before A's release: A's release must not start
+    /// a "hand-off" that B's whole quantum would be counted in (B's exit keeps an
+    /// earlier release's time).
+    #[test]
+    fn a_release_after_a_pipelined_grant_times_no_handoff() {
+        let mut m = ArbiterMetrics::new();
+        let s = 1_000_000_000;
+        grant(&mut m, 0, 1);
+        grant(&mut m, 10 * s, 2); // pipelined: A (1) still swapping out
+        release(&mut m, 10 * s + s / 10, 1);
+        // B's process ends: the hand-off to the next starts now, not at A's release.
+        m.observe(20 * s, "GPU-0", Some(2), &EventKind::Exit);
+        grant(&mut m, 20 * s + s / 100, 1);
+        let h = handoff_sum(&m);
+        assert!(
+            h.contains("kiwi_handoff_seconds_count{gpu=\"GPU-0\"} 1"),
+            "{h}"
+        );
+        assert!(
+            h.contains("kiwi_handoff_seconds_sum{gpu=\"GPU-0\"} 0.01"),
+            "{h}"
+        );
     }
 }

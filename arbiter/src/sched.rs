@@ -25,6 +25,18 @@
 //!   first. The holder waits for it; it is never failed.
 //! - A holder that ignores a drop for `grace` loses the GPU (it is told so). A client
 //!   that goes away releases everything at once.
+//! - Pipelined hand-off (clients that registered `pipelined`): a dropped holder that
+//!   says `drained` (its work is done, its swap-out starts) leaves the holders for
+//!   `draining` until its release. The next in line is granted at once
+//!   (`grant {pipelined}`) if it registered `pipelined` too and no other swap-out is
+//!   under way; otherwise at the release, as before. The drainer's memory still counts
+//!   until its release (with what its drop asked freed), and the grace still applies.
+//! - Idle eviction (`idle_evict`): on an oversubscribed GPU, a client that neither
+//!   holds nor waits, has memory resident and has sent nothing for the idle time is
+//!   asked to reclaim all of it, one at a time, least recently seen first, only while
+//!   no hand-off is under way (no drop outstanding, nobody draining, no reclaim
+//!   younger than the grace unanswered). `pipelined` clients hear `pressure` whenever
+//!   the GPU starts or stops being oversubscribed, and at registration if it is.
 //! - After an arbiter restart a client may say it still holds the GPU (`resume
 //!   {holding}`). The claim is believed only while nothing can refute it: inside the
 //!   post-restart window and before this scheduler granted anyone itself. Otherwise the
@@ -34,8 +46,8 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use kiwi_protocol::{
-    ArbiterMsg, ClientState, ClientStatus, DropReason, EventKind, GpuStatus, Register, Settings,
-    Usage,
+    ArbiterMsg, ClientState, ClientStatus, DropReason, ErrorCode, EventKind, GpuStatus, Register,
+    Settings, Usage,
 };
 
 /// Connection-scoped client id, assigned by the server.
@@ -63,6 +75,9 @@ pub struct ClientInfo {
     pub wait_info: bool,
     /// Its GPU memory that no swap frees, as registered (`None`: it does not report).
     pub unswappable: Option<u64>,
+    /// It takes part in pipelined hand-offs (`drained`, `grant {pipelined}`,
+    /// `pressure`).
+    pub pipelined: bool,
 }
 
 impl ClientInfo {
@@ -76,6 +91,7 @@ impl ClientInfo {
             pod_namespace: r.pod_namespace.clone(),
             wait_info: r.wait_info,
             unswappable: r.unswappable_bytes,
+            pipelined: r.pipelined,
         }
     }
 
@@ -108,6 +124,12 @@ struct Client {
     unswappable: u64,
     /// Bytes it was asked to reclaim and has not answered yet.
     reclaim_pending: u64,
+    /// When that reclaim was asked (a hand-off in progress for idle eviction, for at
+    /// most the grace period: a client that never answers cannot stop it for good).
+    reclaim_sent: Option<Nanos>,
+    /// Last time it asked for the GPU, got or gave it back, or changed its memory:
+    /// what idle eviction measures.
+    last_seen: Nanos,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -115,6 +137,8 @@ struct Hold {
     since: Nanos,
     exclusive: bool,
     drop_sent: Option<Nanos>,
+    /// Bytes its drop asked it to evict (what a drainer is freeing).
+    drop_need: u64,
 }
 
 /// One GPU's scheduler.
@@ -127,6 +151,12 @@ pub struct GpuScheduler {
     clients: BTreeMap<ClientId, Client>,
     queue: VecDeque<ClientId>,
     holders: BTreeMap<ClientId, Hold>,
+    /// Dropped holders that said `drained`: swapping out, their release still to come.
+    draining: BTreeMap<ClientId, Hold>,
+    /// Idle eviction after this long without a word (0: off).
+    idle_evict_ns: u64,
+    /// What `pipelined` clients were last told: the GPU is oversubscribed.
+    pressure: bool,
     /// What holders were last told: someone waits, and the bytes the next one needs.
     contended: bool,
     contended_need: u64,
@@ -182,6 +212,9 @@ impl GpuScheduler {
             clients: BTreeMap::new(),
             queue: VecDeque::new(),
             holders: BTreeMap::new(),
+            draining: BTreeMap::new(),
+            idle_evict_ns: 0,
+            pressure: false,
             contended: false,
             contended_need: 0,
             quiet_until: None,
@@ -198,6 +231,13 @@ impl GpuScheduler {
     /// (`None`: unlimited, the field is left out).
     pub fn with_swap_budget(mut self, budget: Option<u64>) -> Self {
         self.swap_budget = budget;
+        self
+    }
+
+    /// Turns idle eviction on: a client idle this long on an oversubscribed GPU is
+    /// asked to swap out (0: off, the default).
+    pub fn with_idle_evict(mut self, idle_ms: u64) -> Self {
+        self.idle_evict_ns = ms_to_ns(idle_ms);
         self
     }
 
@@ -352,7 +392,14 @@ impl GpuScheduler {
     fn finish(&mut self, now: Nanos) -> Vec<Output> {
         self.schedule(now);
         self.notify_waiters(now);
+        self.notify_pressure();
+        self.idle_evict(now);
         std::mem::take(&mut self.out)
+    }
+
+    /// The GPU swaps: the scheduler is on and the working sets do not fit.
+    pub fn oversubscribed(&self) -> bool {
+        self.settings.scheduler_on && !self.fits()
     }
 
     // ---- inputs -------------------------------------------------------------
@@ -392,6 +439,8 @@ impl GpuScheduler {
                 told: None,
                 unswappable,
                 reclaim_pending: 0,
+                reclaim_sent: None,
+                last_seen: now,
             },
         );
         self.send(
@@ -403,6 +452,16 @@ impl GpuScheduler {
                 swap_budget_bytes: self.swap_budget,
             },
         );
+        // Already oversubscribed: a pipelined client prepares its swap-out from the
+        // start (a change this registration makes is told to everyone in `finish`).
+        if self.pressure && self.clients.get(&id).is_some_and(|c| c.info.pipelined) {
+            self.send(
+                id,
+                ArbiterMsg::Pressure {
+                    oversubscribed: true,
+                },
+            );
+        }
         if let Some(r) = resume {
             let believed = self.believes_resume(now);
             if believed && !self.resume_seen {
@@ -420,6 +479,7 @@ impl GpuScheduler {
                         since: now,
                         exclusive,
                         drop_sent: None,
+                        drop_need: 0,
                     },
                 );
                 self.log(
@@ -474,6 +534,7 @@ impl GpuScheduler {
         self.log(Some(id), EventKind::Request);
         if let Some(c) = self.clients.get_mut(&id) {
             c.requested_at = Some(now);
+            c.last_seen = now;
         }
         self.queue.push_back(id);
         self.finish(now)
@@ -486,7 +547,15 @@ impl GpuScheduler {
         };
         c.usage = usage;
         c.reclaim_pending = 0;
-        if let Some(h) = self.holders.remove(&id) {
+        c.reclaim_sent = None;
+        c.last_seen = now;
+        // A drainer's release ends its swap-out; it may have asked again meanwhile,
+        // and stays queued then.
+        if let Some(h) = self
+            .holders
+            .remove(&id)
+            .or_else(|| self.draining.remove(&id))
+        {
             let c = self.clients.get_mut(&id).expect("checked above");
             c.held_ns += now.saturating_sub(h.since);
             c.last_active = now;
@@ -515,6 +584,7 @@ impl GpuScheduler {
             return Vec::new();
         }
         c.usage = usage;
+        c.last_seen = now;
         self.log(
             Some(id),
             EventKind::Usage {
@@ -547,6 +617,39 @@ impl GpuScheduler {
         };
         c.usage = usage;
         c.reclaim_pending = 0;
+        c.reclaim_sent = None;
+        self.finish(now)
+    }
+
+    /// A dropped holder's queued work is done and its swap-out starts
+    /// ([`kiwi_protocol::ClientMsg::Drained`]): the next in line may start its
+    /// swap-in now. Refused with an error reply (and nothing else) from a client that
+    /// did not register `pipelined`, is not a dropped holder, or said it already.
+    pub fn drained(&mut self, now: Nanos, id: ClientId) -> Vec<Output> {
+        let Some(c) = self.clients.get(&id) else {
+            return Vec::new();
+        };
+        let problem = if !c.info.pipelined {
+            Some("this client did not register with `pipelined`")
+        } else if self.draining.contains_key(&id) {
+            Some("this client said it already after its drop")
+        } else if self.holders.get(&id).is_none_or(|h| h.drop_sent.is_none()) {
+            Some("this client was not asked to give the GPU back (no drop outstanding)")
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
+            self.send(
+                id,
+                ArbiterMsg::Error {
+                    code: ErrorCode::InvalidArgument,
+                    message: format!("`drained` refused: {problem}"),
+                },
+            );
+            return std::mem::take(&mut self.out);
+        }
+        let h = self.holders.remove(&id).expect("checked above");
+        self.draining.insert(id, h);
         self.finish(now)
     }
 
@@ -562,6 +665,7 @@ impl GpuScheduler {
             return Vec::new();
         }
         c.unswappable = bytes;
+        c.last_seen = now;
         self.finish(now)
     }
 
@@ -598,6 +702,7 @@ impl GpuScheduler {
         self.log(Some(id), EventKind::Exit);
         // Its memory is gone with it: the next one in line is granted at once.
         self.holders.remove(&id);
+        self.draining.remove(&id);
         self.queue.retain(|&q| q != id);
         self.finish(now)
     }
@@ -650,6 +755,14 @@ impl GpuScheduler {
                 }
             }
         }
+        for h in self.draining.values() {
+            if let Some(sent) = h.drop_sent {
+                at(sent + self.grace_ns);
+            }
+        }
+        if let (Some(free), Some((due, _))) = (self.link_free_at(), self.idle_candidate()) {
+            at(due.max(free));
+        }
         d
     }
 
@@ -679,7 +792,8 @@ impl GpuScheduler {
 
     // ---- the decisions ------------------------------------------------------
 
-    fn grant(&mut self, now: Nanos, id: ClientId, exclusive: bool) {
+    /// `pipelined`: granted while the previous holder still swaps out.
+    fn grant(&mut self, now: Nanos, id: ClientId, exclusive: bool, pipelined: bool) {
         let Some(c) = self.clients.get_mut(&id) else {
             return;
         };
@@ -687,6 +801,7 @@ impl GpuScheduler {
         c.waited_ns += waited;
         c.told = None;
         c.last_active = now;
+        c.last_seen = now;
         self.granted_own = true;
         self.holders.insert(
             id,
@@ -694,6 +809,7 @@ impl GpuScheduler {
                 since: now,
                 exclusive,
                 drop_sent: None,
+                drop_need: 0,
             },
         );
         let waiting = self.queue.len() as u32;
@@ -710,7 +826,7 @@ impl GpuScheduler {
                 exclusive,
                 tq_ms: self.settings.tq_ms,
                 waiting,
-                pipelined: false,
+                pipelined,
             },
         );
         self.contended = exclusive && waiting > 0;
@@ -730,30 +846,56 @@ impl GpuScheduler {
         if self.quiet_until.is_some_and(|q| now < q) {
             return;
         }
-        let Some(next) = self.queue.pop_front() else {
+        let Some(&next) = self.queue.front() else {
             return;
         };
-        self.reclaim_for(next);
-        self.grant(now, next, true);
+        // A swap-out is still under way (its client drained): only a client that takes
+        // part in pipelined hand-offs starts its swap-in beside it, and beside one
+        // swap-out at most. Others wait for the release, as before.
+        let pipelined = !self.draining.is_empty();
+        if pipelined
+            && (self.draining.len() > 1
+                || self.draining.contains_key(&next)
+                || !self.clients.get(&next).is_some_and(|c| c.info.pipelined))
+        {
+            return;
+        }
+        self.queue.pop_front();
+        self.reclaim_for(now, next);
+        self.grant(now, next, true, pipelined);
+    }
+
+    /// Bytes on their way out of GPU memory: reclaims asked and not answered, and
+    /// what drainers' drops asked them to evict.
+    fn freeing(&self) -> u64 {
+        let reclaims = self
+            .clients
+            .values()
+            .map(|c| c.reclaim_pending)
+            .fold(0u64, u64::saturating_add);
+        self.draining
+            .iter()
+            .map(|(id, h)| {
+                let resident = self.clients.get(id).map_or(0, |c| c.usage.resident_bytes);
+                h.drop_need.min(resident)
+            })
+            .fold(reclaims, u64::saturating_add)
     }
 
     /// Reclaims from clients other than `next` (none of them holding) what `next`
     /// still lacks to be all resident, less what reclaims already asked and not yet
     /// answered will free: least recently active first.
-    fn reclaim_for(&mut self, next: ClientId) {
-        let pending = self
-            .clients
-            .values()
-            .map(|c| c.reclaim_pending)
-            .fold(0u64, u64::saturating_add);
-        let mut need = self.need_for(next).saturating_sub(pending);
+    fn reclaim_for(&mut self, now: Nanos, next: ClientId) {
+        let mut need = self.need_for(next).saturating_sub(self.freeing());
         if need == 0 {
             return;
         }
         let mut victims: Vec<(Nanos, ClientId, u64)> = self
             .clients
             .iter()
-            .filter(|(&id, _)| id != next && !self.holders.contains_key(&id))
+            .filter(|(&id, _)| {
+                id != next && !self.holders.contains_key(&id) && !self.draining.contains_key(&id)
+            })
             .map(|(&id, c)| {
                 let left = c.usage.resident_bytes.saturating_sub(c.reclaim_pending);
                 (c.last_active, id, left)
@@ -769,15 +911,111 @@ impl GpuScheduler {
             need -= take;
             if let Some(c) = self.clients.get_mut(&id) {
                 c.reclaim_pending = c.reclaim_pending.saturating_add(take);
+                c.reclaim_sent = Some(now);
             }
-            self.log(Some(id), EventKind::Reclaim { need_bytes: take });
+            self.log(
+                Some(id),
+                EventKind::Reclaim {
+                    need_bytes: take,
+                    idle: false,
+                },
+            );
             self.send(id, ArbiterMsg::Reclaim { need_bytes: take });
+        }
+    }
+
+    /// When the PCIe link is free for idle eviction: after the unanswered reclaims
+    /// are a grace period old. `None`: a hand-off is under way (a drop outstanding,
+    /// someone draining), which only a message or the grace timer ends.
+    fn link_free_at(&self) -> Option<Nanos> {
+        if !self.draining.is_empty() || self.holders.values().any(|h| h.drop_sent.is_some()) {
+            return None;
+        }
+        Some(
+            self.clients
+                .values()
+                .filter(|c| c.reclaim_pending > 0)
+                .filter_map(|c| c.reclaim_sent)
+                .map(|t| t.saturating_add(self.grace_ns))
+                .max()
+                .unwrap_or(0),
+        )
+    }
+
+    /// The next client idle eviction would ask, and when: on an oversubscribed GPU
+    /// with eviction on, the client neither holding, draining nor waiting, with
+    /// memory resident and no reclaim unanswered, seen least recently.
+    fn idle_candidate(&self) -> Option<(Nanos, ClientId)> {
+        if self.idle_evict_ns == 0 || !self.oversubscribed() {
+            return None;
+        }
+        self.clients
+            .iter()
+            .filter(|(id, c)| {
+                c.requested_at.is_none()
+                    && c.usage.resident_bytes > 0
+                    && c.reclaim_pending == 0
+                    && !self.holders.contains_key(id)
+                    && !self.draining.contains_key(id)
+            })
+            .map(|(&id, c)| (c.last_seen.saturating_add(self.idle_evict_ns), id))
+            .min()
+    }
+
+    /// Idle eviction: asks the least recently seen idle client to swap out all it has
+    /// resident, once its idle time is up and the link is free. One at a time.
+    fn idle_evict(&mut self, now: Nanos) {
+        let Some(free) = self.link_free_at() else {
+            return;
+        };
+        let Some((due, id)) = self.idle_candidate() else {
+            return;
+        };
+        if now < due.max(free) {
+            return;
+        }
+        let Some(c) = self.clients.get_mut(&id) else {
+            return;
+        };
+        let bytes = c.usage.resident_bytes;
+        c.reclaim_pending = bytes;
+        c.reclaim_sent = Some(now);
+        self.log(
+            Some(id),
+            EventKind::Reclaim {
+                need_bytes: bytes,
+                idle: true,
+            },
+        );
+        self.send(id, ArbiterMsg::Reclaim { need_bytes: bytes });
+    }
+
+    /// Tells `pipelined` clients when the GPU starts or stops being oversubscribed.
+    fn notify_pressure(&mut self) {
+        let over = self.oversubscribed();
+        if over == self.pressure {
+            return;
+        }
+        self.pressure = over;
+        let ids: Vec<ClientId> = self
+            .clients
+            .iter()
+            .filter(|(_, c)| c.info.pipelined)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in ids {
+            self.send(
+                id,
+                ArbiterMsg::Pressure {
+                    oversubscribed: over,
+                },
+            );
         }
     }
 
     /// An exclusive holder that is not all resident found no room to swap in (the
     /// memory of others is still there): make room for what it lacks.
-    fn make_room_for_holder(&mut self) {
+    fn make_room_for_holder(&mut self, now: Nanos) {
         let short: Vec<ClientId> = self
             .holders
             .iter()
@@ -786,7 +1024,7 @@ impl GpuScheduler {
             .filter(|id| self.need_bytes_to_complete(*id) > 0)
             .collect();
         for id in short {
-            self.reclaim_for(id);
+            self.reclaim_for(now, id);
         }
     }
 
@@ -794,13 +1032,24 @@ impl GpuScheduler {
         if self.quiet_until.is_some_and(|q| now >= q) {
             self.quiet_until = None;
         }
+        // Grace: a drainer whose release does not come loses the GPU like a holder.
+        let expired: Vec<ClientId> = self
+            .draining
+            .iter()
+            .filter(|(_, h)| h.drop_sent.is_some_and(|s| now >= s + self.grace_ns))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in expired {
+            let h = self.draining.remove(&id).expect("listed");
+            self.revoke(now, id, h);
+        }
         if self.shared_mode() {
             // Everyone fits (or no arbitration): grant every waiter, shared — except
             // just after a restart, while a holder the arbiter cannot see yet may
             // still be coming back.
             if self.quiet_until.is_none() {
                 while let Some(id) = self.queue.pop_front() {
-                    self.grant(now, id, false);
+                    self.grant(now, id, false, false);
                 }
             }
             for h in self.holders.values_mut() {
@@ -837,6 +1086,7 @@ impl GpuScheduler {
                 h.drop_sent = Some(now);
                 let resident = self.clients.get(&id).map_or(0, |c| c.usage.resident_bytes);
                 let need = resident.min(overflow);
+                h.drop_need = need;
                 overflow -= need;
                 self.log(
                     Some(id),
@@ -870,25 +1120,12 @@ impl GpuScheduler {
             .collect();
         for id in expired {
             let h = self.holders.remove(&id).expect("listed");
-            if let Some(c) = self.clients.get_mut(&id) {
-                c.held_ns += now.saturating_sub(h.since);
-                c.last_active = now;
-            }
-            self.log(Some(id), EventKind::Revoke);
-            self.send(
-                id,
-                ArbiterMsg::Revoked {
-                    reason: format!(
-                        "did not release the GPU within {} ms of being asked",
-                        self.grace_ns / 1_000_000
-                    ),
-                },
-            );
+            self.revoke(now, id, h);
         }
 
         // Nobody holds: hand over to the first in line.
         self.handoff(now);
-        self.make_room_for_holder();
+        self.make_room_for_holder(now);
 
         // TQ: drop the holder only when someone waits.
         if !self.queue.is_empty() {
@@ -904,6 +1141,7 @@ impl GpuScheduler {
                 let need = next.map_or(0, |n| self.need_for(n));
                 if let Some(h) = self.holders.get_mut(&id) {
                     h.drop_sent = Some(now);
+                    h.drop_need = need;
                 }
                 self.log(
                     Some(id),
@@ -922,6 +1160,25 @@ impl GpuScheduler {
             }
         }
         self.notify_contention();
+    }
+
+    /// Takes the GPU from a holder (or drainer) that ignored its drop past the grace.
+    fn revoke(&mut self, now: Nanos, id: ClientId, h: Hold) {
+        if let Some(c) = self.clients.get_mut(&id) {
+            c.held_ns += now.saturating_sub(h.since);
+            c.last_active = now;
+            c.last_seen = now;
+        }
+        self.log(Some(id), EventKind::Revoke);
+        self.send(
+            id,
+            ArbiterMsg::Revoked {
+                reason: format!(
+                    "did not release the GPU within {} ms of being asked",
+                    self.grace_ns / 1_000_000
+                ),
+            },
+        );
     }
 
     fn need_bytes_to_complete(&self, id: ClientId) -> u64 {
@@ -1038,12 +1295,18 @@ impl GpuScheduler {
             .clients
             .iter()
             .map(|(&id, c)| {
+                let draining = self.draining.get(&id);
                 let (state, held_extra) = match self.holders.get(&id) {
                     Some(h) if h.exclusive => (ClientState::Holding, now.saturating_sub(h.since)),
                     Some(h) => (ClientState::Running, now.saturating_sub(h.since)),
                     None if c.requested_at.is_some() => (ClientState::Waiting, 0),
-                    None => (ClientState::Idle, 0),
+                    // Giving the GPU back, swapping out: its hold ends at its release.
+                    None => (
+                        ClientState::Idle,
+                        draining.map_or(0, |h| now.saturating_sub(h.since)),
+                    ),
                 };
+                let idle = state == ClientState::Idle && draining.is_none();
                 let wait_extra = c.requested_at.map_or(0, |r| now.saturating_sub(r));
                 ClientStatus {
                     id,
@@ -1062,6 +1325,7 @@ impl GpuScheduler {
                         .saturating_sub(c.usage.resident_bytes),
                     waited_ns: c.waited_ns + wait_extra,
                     held_ns: c.held_ns + held_extra,
+                    idle_since_ns: idle.then_some(c.last_seen),
                 }
             })
             .collect();

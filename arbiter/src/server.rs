@@ -45,6 +45,9 @@ pub struct ServerConfig {
     pub scheduler: SchedulerMode,
     pub tq_ms: u64,
     pub grace_ms: u64,
+    /// Idle eviction (`[arbiter] idle_evict_seconds`), in ms; 0: off. See
+    /// [`GpuScheduler::with_idle_evict`].
+    pub idle_evict_ms: u64,
     /// Context reserve policy: explicit MiB, or the default (see `kiwi_config`).
     pub reserve_mib: Option<u64>,
     pub event_log_capacity: usize,
@@ -86,6 +89,7 @@ impl Default for ServerConfig {
             scheduler: SchedulerMode::On,
             tq_ms: 30_000,
             grace_ms: 5_000,
+            idle_evict_ms: 30_000,
             reserve_mib: None,
             event_log_capacity: 100_000,
             max_connections: 4096,
@@ -349,6 +353,7 @@ impl State {
                 let sched =
                     GpuScheduler::new(total, total - reserve, self.defaults, self.cfg.grace_ms)
                         .with_swap_budget(self.cfg.swap_budget_bytes)
+                        .with_idle_evict(self.cfg.idle_evict_ms)
                         .with_resume_window(self.resume_until);
                 log_line!(
                     "INFO",
@@ -388,7 +393,7 @@ impl State {
         }
         for o in outs {
             if let Output::Log(id, kind) = o {
-                self.metrics.observe(now, gpu, &kind);
+                self.metrics.observe(now, gpu, id, &kind);
                 self.events.push(now, gpu, id, kind);
             }
         }
@@ -1205,8 +1210,7 @@ fn handle_client_msg(
                     bytes,
                     duration_ns,
                 } => s.swapped(now, id, direction, bytes, duration_ns),
-                // TODO(#15, H3): pipelined hand-off: grant the next client now.
-                ClientMsg::Drained => Vec::new(),
+                ClientMsg::Drained => s.drained(now, id),
                 ClientMsg::Register(_) | ClientMsg::Ping { .. } | ClientMsg::Admit { .. } => {
                     Vec::new()
                 }

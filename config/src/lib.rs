@@ -120,6 +120,11 @@ pub struct ArbiterConfig {
     pub tq_seconds: f64,
     /// How long a holder may ignore a drop before the GPU is taken from it.
     pub grace_ms: u64,
+    /// Idle eviction: on an oversubscribed GPU, a client that neither holds nor waits
+    /// and has sent nothing (no request, no memory change) for this many seconds is
+    /// asked to swap all it has resident out, in the background. 0 turns it off.
+    #[serde(deserialize_with = "idle_evict_seconds")]
+    pub idle_evict_seconds: f64,
     /// GPU memory held back for contexts and library workspaces, which cannot be
     /// swapped. `None`: 1536 MiB, but never more than an eighth of the GPU.
     pub reserve_mib: Option<u64>,
@@ -150,6 +155,7 @@ impl Default for ArbiterConfig {
             scheduler: SchedulerMode::On,
             tq_seconds: 30.0,
             grace_ms: 5_000,
+            idle_evict_seconds: 30.0,
             reserve_mib: None,
             swap_budget_mib: None,
             event_log_capacity: 100_000,
@@ -235,6 +241,34 @@ impl Default for DevicePluginConfig {
 fn positive_seconds<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     let v = f64::deserialize(d)?;
     parse_tq_value(v).map_err(serde::de::Error::custom)
+}
+
+fn idle_evict_seconds<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    let v = f64::deserialize(d)?;
+    parse_idle_evict_value(v).map_err(serde::de::Error::custom)
+}
+
+/// Checks an idle-eviction delay in seconds: finite, 0 (off) or more, at most a day.
+pub fn parse_idle_evict_value(v: f64) -> Result<f64, String> {
+    if !v.is_finite() || v < 0.0 {
+        return Err(format!(
+            "idle_evict_seconds must be 0 (off) or a positive number of seconds, not {v}"
+        ));
+    }
+    if v > 86_400.0 {
+        return Err(format!(
+            "idle_evict_seconds must be at most 86400 seconds (a day), not {v}"
+        ));
+    }
+    Ok(v)
+}
+
+/// Parses an idle-eviction delay as a person types it (`30`, `0.5`, `0` for off).
+pub fn parse_idle_evict_arg(s: &str) -> Result<f64, String> {
+    let v: f64 = s.trim().parse().map_err(|_| {
+        format!("idle_evict_seconds must be 0 (off) or a positive number of seconds, not {s:?}")
+    })?;
+    parse_idle_evict_value(v)
 }
 
 /// Checks a TQ in seconds: finite, > 0, at most a day.
@@ -508,6 +542,24 @@ vgpus_per_gpu = 4
                 e.contains(&format!("arbiter.{key} must be at least 1")),
                 "{e}"
             );
+        }
+    }
+
+    #[test]
+    fn idle_evict_seconds_defaults_to_30_and_0_turns_it_off() {
+        assert_eq!(ArbiterConfig::default().idle_evict_seconds, 30.0);
+        let c = Config::from_str_at("[arbiter]\nidle_evict_seconds = 0\n", Path::new("c")).unwrap();
+        assert_eq!(c.arbiter.idle_evict_seconds, 0.0);
+        let c =
+            Config::from_str_at("[arbiter]\nidle_evict_seconds = 1.5\n", Path::new("c")).unwrap();
+        assert_eq!(c.arbiter.idle_evict_seconds, 1.5);
+        let e = Config::from_str_at("[arbiter]\nidle_evict_seconds = -1\n", Path::new("c"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("idle_evict_seconds must be 0 (off)"), "{e}");
+        assert_eq!(parse_idle_evict_arg("0"), Ok(0.0));
+        for bad in ["-1", "abc", "", "nan", "inf", "1e9"] {
+            assert!(parse_idle_evict_arg(bad).is_err(), "{bad} accepted");
         }
     }
 

@@ -123,7 +123,7 @@ fn render_gpus(r: &StatusReport) -> String {
         );
         let _ = writeln!(
             s,
-            "  {:>4} {:>7} {:>8} {:<16} {:<28} {:<8} {:>10} {:>10} {:>8} {:>8}",
+            "  {:>4} {:>7} {:>8} {:<16} {:<28} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8}",
             "ID",
             "PID",
             "HOST PID",
@@ -133,14 +133,15 @@ fn render_gpus(r: &StatusReport) -> String {
             "RESIDENT",
             "SWAPPED",
             "WAITED",
-            "HELD"
+            "HELD",
+            "IDLE"
         );
         for c in &g.clients {
             let where_ = client_where(c);
             let state = state_name(c.state);
             let _ = writeln!(
                 s,
-                "  {:>4} {:>7} {:>8} {:<16} {:<28} {:<8} {:>10} {:>10} {:>8} {:>8}",
+                "  {:>4} {:>7} {:>8} {:<16} {:<28} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8}",
                 c.id,
                 c.pid,
                 c.host_pid,
@@ -155,7 +156,9 @@ fn render_gpus(r: &StatusReport) -> String {
                 mib(c.resident_bytes),
                 mib(c.swapped_bytes),
                 secs(c.waited_ns),
-                secs(c.held_ns)
+                secs(c.held_ns),
+                c.idle_since_ns
+                    .map_or_else(|| "-".to_string(), |t| secs(r.now_ns.saturating_sub(t)))
             );
         }
     }

@@ -506,6 +506,13 @@ pub struct ClientStatus {
     pub swapped_bytes: u64,
     pub waited_ns: u64,
     pub held_ns: u64,
+    /// For a client neither holding nor waiting: since when it is idle, the
+    /// CLOCK_MONOTONIC ns (as [`StatusReport::now_ns`]) it last asked for the GPU, gave
+    /// it back or changed its memory (what idle eviction measures,
+    /// `arbiter.idle_evict_seconds`). Absent for holders and waiters, and from arbiters
+    /// that predate it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_since_ns: Option<u64>,
 }
 
 /// One entry of a GPU's event log.
@@ -548,6 +555,11 @@ pub enum EventKind {
     },
     Reclaim {
         need_bytes: u64,
+        /// Why: `true` for idle eviction (the client had been idle past
+        /// `arbiter.idle_evict_seconds` on an oversubscribed GPU); `false` (left out):
+        /// room for the next holder.
+        #[serde(default, skip_serializing_if = "is_false")]
+        idle: bool,
     },
     Revoke,
     SwapOut {
@@ -803,6 +815,38 @@ mod tests {
         };
         let back: StatusReport = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
         assert_eq!(back, r);
+    }
+
+    /// #15's additions to the control side are optional both ways: what older
+    /// arbiters send decodes, and defaults are left out.
+    #[test]
+    fn idle_eviction_fields_are_additive() {
+        let old: EventKind = serde_json::from_str(r#"{"event":"reclaim","need_bytes":5}"#).unwrap();
+        assert_eq!(
+            old,
+            EventKind::Reclaim {
+                need_bytes: 5,
+                idle: false
+            }
+        );
+        assert_eq!(
+            serde_json::to_string(&old).unwrap(),
+            r#"{"event":"reclaim","need_bytes":5}"#
+        );
+        let idle = EventKind::Reclaim {
+            need_bytes: 5,
+            idle: true,
+        };
+        assert_eq!(
+            serde_json::to_string(&idle).unwrap(),
+            r#"{"event":"reclaim","need_bytes":5,"idle":true}"#
+        );
+        let c: ClientStatus = serde_json::from_str(
+            r#"{"id":1,"pid":2,"host_pid":3,"name":null,"container_id":null,"pod_name":null,"pod_namespace":null,"state":"idle","working_set_bytes":0,"resident_bytes":0,"swapped_bytes":0,"waited_ns":0,"held_ns":0}"#,
+        )
+        .unwrap();
+        assert_eq!(c.idle_since_ns, None);
+        assert!(!serde_json::to_string(&c).unwrap().contains("idle_since"));
     }
 
     #[test]

@@ -354,6 +354,9 @@ struct SimClient {
     hold_ms: u64,
     /// Time between a release and the next request.
     think_ms: u64,
+    /// Takes part in pipelined hand-offs: a cooperative one says `drained` halfway
+    /// between its drop and its release.
+    pipelined: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -361,6 +364,7 @@ enum Action {
     Request(ClientId),
     Release(ClientId),
     Reclaimed(ClientId, u64),
+    Drained(ClientId),
 }
 
 struct Sim {
@@ -371,6 +375,9 @@ struct Sim {
     holding: BTreeSet<ClientId>,
     max_wait: Nanos,
     grants: usize,
+    pipelined_grants: usize,
+    /// Clients that said `drained` and have not released (or been revoked) since.
+    draining: BTreeSet<ClientId>,
     violations: Vec<String>,
 }
 
@@ -386,8 +393,21 @@ impl Sim {
                 continue;
             };
             match msg {
-                ArbiterMsg::Grant { exclusive, .. } => {
+                ArbiterMsg::Grant {
+                    exclusive,
+                    pipelined,
+                    ..
+                } => {
                     self.grants += 1;
+                    if pipelined {
+                        self.pipelined_grants += 1;
+                        if !c.pipelined || self.draining.len() != 1 || !exclusive {
+                            self.violations.push(format!(
+                                "t={now}: pipelined grant to {id} (pipelined: {}) beside drainers {:?}",
+                                c.pipelined, self.draining
+                            ));
+                        }
+                    }
                     let others: Vec<_> =
                         self.s.holders().into_iter().filter(|&h| h != id).collect();
                     if exclusive && !others.is_empty() {
@@ -409,8 +429,16 @@ impl Sim {
                         let cl = self.clients.get_mut(&id).unwrap();
                         cl.resident = cl.resident.saturating_sub(need_bytes);
                         self.agenda.retain(|(_, a)| *a != Action::Release(id));
+                        if c.pipelined {
+                            self.agenda
+                                .push((now + delay_ms * MS / 2, Action::Drained(id)));
+                        }
                         self.agenda.push((now + delay_ms * MS, Action::Release(id)));
                     }
+                }
+                ArbiterMsg::Error { message, .. } => {
+                    self.violations
+                        .push(format!("t={now}: error to honest client {id}: {message}"));
                 }
                 ArbiterMsg::Reclaim { need_bytes } => {
                     if let Behaviour::Cooperative { delay_ms } = c.behaviour {
@@ -420,6 +448,7 @@ impl Sim {
                 }
                 ArbiterMsg::Revoked { .. } => {
                     self.holding.remove(&id);
+                    self.draining.remove(&id);
                     self.agenda.retain(|(_, a)| *a != Action::Release(id));
                     self.agenda
                         .push((now + c.think_ms * MS, Action::Request(id)));
@@ -457,7 +486,15 @@ impl Sim {
                         self.requested_at.entry(id).or_insert(now);
                         self.s.request(now, id)
                     }
+                    Action::Drained(id) => {
+                        if !self.holding.contains(&id) {
+                            continue;
+                        }
+                        self.draining.insert(id);
+                        self.s.drained(now, id)
+                    }
                     Action::Release(id) => {
+                        self.draining.remove(&id);
                         if !self.holding.remove(&id) {
                             continue;
                         }
@@ -493,20 +530,29 @@ fn behaviour() -> impl Strategy<Value = Behaviour> {
 }
 
 fn sim_client(capacity: u64, must_overflow: bool) -> impl Strategy<Value = SimClient> {
+    sim_client_p(capacity, must_overflow, Just(false))
+}
+
+fn sim_client_p(
+    capacity: u64,
+    must_overflow: bool,
+    pipelined: impl Strategy<Value = bool>,
+) -> impl Strategy<Value = SimClient> {
     let ws = if must_overflow {
         (capacity / 2 + 1)..=capacity
     } else {
         1..=capacity / 8
     };
-    (ws, behaviour(), 1u64..5_000, 0u64..3_000).prop_map(|(ws, behaviour, hold_ms, think_ms)| {
-        SimClient {
+    (ws, behaviour(), 1u64..5_000, 0u64..3_000, pipelined).prop_map(
+        |(ws, behaviour, hold_ms, think_ms, pipelined)| SimClient {
             ws,
             resident: 0,
             behaviour,
             hold_ms,
             think_ms,
-        }
-    })
+            pipelined,
+        },
+    )
 }
 
 fn build(
@@ -521,7 +567,11 @@ fn build(
     let mut agenda = Vec::new();
     for (i, (c, start)) in clients.into_iter().zip(starts).enumerate() {
         let id = i as ClientId + 1;
-        s.register(0, id, ClientInfo::default(), usage(c.ws, 0), None);
+        let info = ClientInfo {
+            pipelined: c.pipelined,
+            ..ClientInfo::default()
+        };
+        s.register(0, id, info, usage(c.ws, 0), None);
         agenda.push((start * MS, Action::Request(id)));
         map.insert(id, c);
     }
@@ -533,6 +583,8 @@ fn build(
         holding: BTreeSet::new(),
         max_wait: 0,
         grants: 0,
+        pipelined_grants: 0,
+        draining: BTreeSet::new(),
         violations: Vec::new(),
     }
 }
@@ -558,6 +610,27 @@ proptest! {
         let bound = (n - 1) * (tq_ms + grace_ms) * MS;
         prop_assert!(sim.max_wait <= bound, "waited {} ms > bound {} ms", sim.max_wait / MS, bound / MS);
         // Whenever it settles, at most one client holds.
+        prop_assert!(sim.s.holders().len() <= 1);
+    }
+
+    /// The same with clients that take part in pipelined hand-offs (some, all or none):
+    /// a drainer's successor is granted before the drainer's release, but never
+    /// beside another holder, never beside two swap-outs, only if it registered
+    /// `pipelined`, and no honest client is ever answered with an error.
+    #[test]
+    fn pipelined_handoffs_keep_exclusion_and_bounded_wait(
+        clients in proptest::collection::vec(sim_client_p(1000 * MIB, true, any::<bool>()), 2..6),
+        starts in proptest::collection::vec(0u64..3_000, 6),
+        tq_ms in 50u64..3_000,
+        grace_ms in 450u64..1_500,
+    ) {
+        let n = clients.len() as u64;
+        let mut sim = build(clients, starts, tq_ms, grace_ms, 1000 * MIB);
+        sim.run(120 * SEC);
+        prop_assert!(sim.violations.is_empty(), "{:?}", sim.violations);
+        prop_assert!(sim.grants > 0);
+        let bound = (n - 1) * (tq_ms + grace_ms) * MS;
+        prop_assert!(sim.max_wait <= bound, "waited {} ms > bound {} ms", sim.max_wait / MS, bound / MS);
         prop_assert!(sim.s.holders().len() <= 1);
     }
 
@@ -1059,4 +1132,353 @@ fn an_unswappable_report_past_the_gpu_counts_as_the_whole_gpu() {
     assert_eq!(s.fixed(), 1024 * MIB, "clamped to the GPU");
     assert_eq!(s.room(), 0);
     assert!(!s.fits());
+}
+
+// ---- pipelined hand-offs, pressure, idle eviction (#15) ------------------------
+
+fn reg_pipelined(s: &mut GpuScheduler, now: Nanos, id: ClientId, ws: u64, pipelined: bool) {
+    let info = ClientInfo {
+        pipelined,
+        ..ClientInfo::default()
+    };
+    s.register(now, id, info, usage(ws, 0), None);
+}
+
+fn grant_msg(outs: &[Output], to: ClientId) -> Option<(bool, bool)> {
+    sent(outs, to).iter().find_map(|m| match m {
+        ArbiterMsg::Grant {
+            exclusive,
+            pipelined,
+            ..
+        } => Some((*exclusive, *pipelined)),
+        _ => None,
+    })
+}
+
+fn error_to(outs: &[Output], to: ClientId) -> Option<String> {
+    sent(outs, to).iter().find_map(|m| match m {
+        ArbiterMsg::Error { message, .. } => Some(message.clone()),
+        _ => None,
+    })
+}
+
+fn logged(outs: &[Output]) -> Vec<(Option<ClientId>, EventKind)> {
+    outs.iter()
+        .filter_map(|o| match o {
+            Output::Log(id, k) => Some((*id, k.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A (700 MiB) holds 1000 MiB, B (700 MiB) waits; A's TQ ends and it is dropped with
+/// 400 MiB to evict. Returns the scheduler at A's drop (`t`).
+fn dropped_a(a_pipelined: bool, b_pipelined: bool) -> (GpuScheduler, Nanos) {
+    let mut s = sched(1000 * MIB, 1_000, 500);
+    reg_pipelined(&mut s, 0, 1, 700 * MIB, a_pipelined);
+    reg_pipelined(&mut s, 0, 2, 700 * MIB, b_pipelined);
+    assert_eq!(granted(&s.request(0, 1), 1), Some(true));
+    s.usage(0, 1, usage(700 * MIB, 700 * MIB));
+    s.request(MS, 2);
+    let t = SEC;
+    assert_eq!(dropped(&s.tick(t), 1), Some(400 * MIB));
+    (s, t)
+}
+
+#[test]
+fn drained_grants_the_next_pipelined_client_before_the_release() {
+    let (mut s, t) = dropped_a(true, true);
+    let outs = s.drained(t + MS, 1);
+    assert_eq!(grant_msg(&outs, 2), Some((true, true)), "{outs:?}");
+    // What A's drop frees is what B lacks: nobody is asked to reclaim more.
+    assert_eq!(reclaims(&outs, 1), 0, "{outs:?}");
+    assert_eq!(s.holders(), vec![2]);
+    assert!(matches!(
+        logged(&outs).as_slice(),
+        [(
+            Some(2),
+            EventKind::Grant {
+                exclusive: true,
+                ..
+            }
+        )]
+    ));
+    // A's release still comes, with its usage, and is taken: no second grant.
+    let outs = s.release(t + 200 * MS, 1, usage(700 * MIB, 300 * MIB));
+    assert_eq!(grant_msg(&outs, 2), None);
+    assert!(matches!(
+        logged(&outs).as_slice(),
+        [(Some(1), EventKind::Release { early: false, resident_bytes })] if *resident_bytes == 300 * MIB
+    ));
+    assert_eq!(s.holders(), vec![2]);
+    let st = s.status(t + 300 * MS, 0, "GPU-0");
+    let a = st.clients.iter().find(|c| c.id == 1).unwrap();
+    assert_eq!(a.resident_bytes, 300 * MIB);
+    assert_eq!(a.state, ClientState::Idle);
+    // B's quantum runs from its pipelined grant.
+    s.request(t + 300 * MS, 1);
+    assert_eq!(s.next_deadline(), Some(t + MS + SEC));
+}
+
+#[test]
+fn drained_waits_for_the_release_when_the_next_client_is_not_pipelined() {
+    let (mut s, t) = dropped_a(true, false);
+    let outs = s.drained(t + MS, 1);
+    assert_eq!(grant_msg(&outs, 2), None, "{outs:?}");
+    assert!(s.holders().is_empty());
+    let outs = s.release(t + 200 * MS, 1, usage(700 * MIB, 300 * MIB));
+    assert_eq!(grant_msg(&outs, 2), Some((true, false)), "{outs:?}");
+}
+
+#[test]
+fn a_bad_drained_is_an_error_reply_and_never_a_grant() {
+    // From a client that did not register `pipelined`.
+    let (mut s, t) = dropped_a(false, true);
+    let outs = s.drained(t + MS, 1);
+    assert!(error_to(&outs, 1)
+        .unwrap()
+        .contains("did not register with `pipelined`"));
+    assert_eq!(grant_msg(&outs, 2), None);
+    assert_eq!(s.holders(), vec![1], "nothing changed");
+    assert!(logged(&outs).is_empty());
+
+    // From a holder that was not dropped, and from a waiter.
+    let mut s = sched(1000 * MIB, 1_000, 500);
+    reg_pipelined(&mut s, 0, 1, 700 * MIB, true);
+    reg_pipelined(&mut s, 0, 2, 700 * MIB, true);
+    s.request(0, 1);
+    s.request(MS, 2);
+    for id in [1, 2] {
+        let outs = s.drained(2 * MS, id);
+        assert!(
+            error_to(&outs, id).unwrap().contains("no drop outstanding"),
+            "{outs:?}"
+        );
+        assert_eq!(grant_msg(&outs, 2), None);
+    }
+    assert!(s.drained(2 * MS, 99).is_empty(), "unknown client: nothing");
+
+    // Twice: the second is refused and grants nobody else.
+    let (mut s, t) = dropped_a(true, true);
+    reg_pipelined(&mut s, t, 3, 700 * MIB, true);
+    s.request(t, 3);
+    assert_eq!(grant_msg(&s.drained(t + MS, 1), 2), Some((true, true)));
+    let outs = s.drained(t + 2 * MS, 1);
+    assert!(error_to(&outs, 1).unwrap().contains("already"), "{outs:?}");
+    assert_eq!(grant_msg(&outs, 3), None);
+    assert_eq!(s.holders(), vec![2]);
+}
+
+#[test]
+fn a_drainer_that_never_releases_is_revoked_after_the_grace() {
+    let (mut s, t) = dropped_a(true, true);
+    s.drained(t + MS, 1);
+    assert_eq!(s.next_deadline(), Some(t + 500 * MS), "the drop's grace");
+    let outs = s.tick(t + 500 * MS);
+    assert!(revoked(&outs, 1), "{outs:?}");
+    assert!(logged(&outs)
+        .iter()
+        .any(|(id, k)| *id == Some(1) && *k == EventKind::Revoke));
+    // Its late release is still taken, and changes nothing for B.
+    let outs = s.release(t + 600 * MS, 1, usage(700 * MIB, 300 * MIB));
+    assert_eq!(grant_msg(&outs, 2), None);
+    assert_eq!(s.holders(), vec![2]);
+}
+
+#[test]
+fn a_second_drainer_waits_for_the_first_release() {
+    // A drains for B; B is dropped at once (TQ 1 ms) and drains for C while A still
+    // swaps out: C waits for A's release (one swap-out beside a swap-in at most).
+    let mut s = sched(1000 * MIB, 1, 5_000);
+    for id in 1..=3 {
+        reg_pipelined(&mut s, 0, id, 700 * MIB, true);
+    }
+    s.request(0, 1);
+    s.usage(0, 1, usage(700 * MIB, 700 * MIB));
+    s.request(0, 2);
+    s.request(0, 3);
+    assert!(dropped(&s.tick(MS), 1).is_some());
+    assert_eq!(grant_msg(&s.drained(MS, 1), 2), Some((true, true)));
+    assert!(dropped(&s.tick(2 * MS), 2).is_some());
+    let outs = s.drained(2 * MS, 2);
+    assert_eq!(grant_msg(&outs, 3), None, "{outs:?}");
+    let outs = s.release(3 * MS, 1, usage(700 * MIB, 0));
+    assert_eq!(grant_msg(&outs, 3), Some((true, true)), "{outs:?}");
+}
+
+fn pressure(outs: &[Output], to: ClientId) -> Vec<bool> {
+    sent(outs, to)
+        .iter()
+        .filter_map(|m| match m {
+            ArbiterMsg::Pressure { oversubscribed } => Some(*oversubscribed),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn pipelined_clients_hear_pressure_on_every_change_and_at_registration() {
+    let mut s = sched(1000 * MIB, 1_000, 500);
+    let outs = s.register(
+        0,
+        1,
+        ClientInfo {
+            pipelined: true,
+            ..Default::default()
+        },
+        usage(600 * MIB, 0),
+        None,
+    );
+    assert!(pressure(&outs, 1).is_empty(), "fits: nothing to say");
+    // A second client makes the GPU oversubscribed: the pipelined one hears it, the
+    // other (which never asked) does not.
+    let outs = s.register(MS, 2, ClientInfo::default(), usage(600 * MIB, 0), None);
+    assert_eq!(pressure(&outs, 1), vec![true]);
+    assert!(pressure(&outs, 2).is_empty());
+    // A pipelined client registering now hears it at once, after `registered`.
+    let outs = s.register(
+        2 * MS,
+        3,
+        ClientInfo {
+            pipelined: true,
+            ..Default::default()
+        },
+        usage(0, 0),
+        None,
+    );
+    let to3 = sent(&outs, 3);
+    assert!(matches!(to3[0], ArbiterMsg::Registered { .. }), "{to3:?}");
+    assert_eq!(pressure(&outs, 3), vec![true]);
+    assert!(pressure(&outs, 1).is_empty(), "no change, no repeat");
+    // Shrinking back under the room, and the scheduler off, end it.
+    let outs = s.usage(3 * MS, 2, usage(100 * MIB, 0));
+    assert_eq!(pressure(&outs, 1), vec![false]);
+    assert_eq!(pressure(&outs, 3), vec![false]);
+    s.usage(4 * MS, 2, usage(600 * MIB, 0));
+    let outs = s.set_scheduler(5 * MS, false);
+    assert_eq!(pressure(&outs, 1), vec![false]);
+}
+
+fn idle_reclaim(outs: &[Output], to: ClientId) -> Option<u64> {
+    let sent_bytes = reclaims(outs, to);
+    let logged_idle = logged(outs).iter().any(|(id, k)| {
+        *id == Some(to) && matches!(k, EventKind::Reclaim { idle: true, need_bytes } if *need_bytes == sent_bytes)
+    });
+    (sent_bytes > 0 && logged_idle).then_some(sent_bytes)
+}
+
+/// A (500 MiB) holds; B (600 MiB, 500 resident) went idle at time 0. 1000 MiB room:
+/// oversubscribed, and nobody needed a reclaim so far.
+fn idle_b(idle_ms: u64) -> GpuScheduler {
+    let mut s = sched(1000 * MIB, 30_000, 500).with_idle_evict(idle_ms);
+    reg(&mut s, 0, 1, 500 * MIB);
+    reg(&mut s, 0, 2, 600 * MIB);
+    s.usage(0, 2, usage(600 * MIB, 500 * MIB));
+    let outs = s.request(0, 1);
+    assert_eq!(reclaims(&outs, 2), 0, "{outs:?}");
+    s.usage(0, 1, usage(500 * MIB, 500 * MIB));
+    s
+}
+
+#[test]
+fn an_idle_resident_client_is_evicted_when_oversubscribed() {
+    let mut s = idle_b(1_000);
+    assert_eq!(s.next_deadline(), Some(SEC));
+    assert_eq!(idle_reclaim(&s.tick(SEC - 1), 2), None);
+    let outs = s.tick(SEC);
+    assert_eq!(idle_reclaim(&outs, 2), Some(500 * MIB), "{outs:?}");
+    // Asked once: no repeat while its answer is on the way.
+    assert_eq!(idle_reclaim(&s.tick(3 * SEC), 2), None);
+    assert!(s.next_deadline().is_none_or(|d| d > 3 * SEC));
+    let outs = s.reclaimed(3 * SEC, 2, usage(600 * MIB, 0));
+    assert_eq!(idle_reclaim(&outs, 2), None);
+    let st = s.status(4 * SEC, 0, "GPU-0");
+    let b = st.clients.iter().find(|c| c.id == 2).unwrap();
+    assert_eq!((b.resident_bytes, b.swapped_bytes), (0, 600 * MIB));
+    assert_eq!(b.idle_since_ns, Some(0));
+    let a = st.clients.iter().find(|c| c.id == 1).unwrap();
+    assert_eq!(a.idle_since_ns, None, "a holder is not idle");
+    // B asks later: it is granted after A and pays only its own swap-in (nobody
+    // else is asked to reclaim for it once A gives the GPU back).
+    s.request(5 * SEC, 2);
+    let outs = s.release(6 * SEC, 1, usage(500 * MIB, 400 * MIB));
+    assert_eq!(grant_msg(&outs, 2), Some((true, false)));
+    assert_eq!(reclaims(&outs, 1), 0, "{outs:?}");
+}
+
+#[test]
+fn no_idle_eviction_when_it_fits_when_off_or_for_a_recent_client() {
+    // Off.
+    let mut s = idle_b(0);
+    assert_eq!(s.next_deadline(), None);
+    assert_eq!(idle_reclaim(&s.tick(100 * SEC), 2), None);
+    // Fits: B shrinks to 400 MiB.
+    let mut s = idle_b(1_000);
+    s.usage(0, 2, usage(400 * MIB, 400 * MIB));
+    assert!(s.fits());
+    assert_eq!(s.next_deadline(), None);
+    assert_eq!(idle_reclaim(&s.tick(100 * SEC), 2), None);
+    // Active: B changed its memory at 0.9 s: its idle time starts again.
+    let mut s = idle_b(1_000);
+    s.usage(900 * MS, 2, usage(600 * MIB, 450 * MIB));
+    assert_eq!(idle_reclaim(&s.tick(SEC), 2), None);
+    assert_eq!(s.next_deadline(), Some(1_900 * MS));
+    // Waiting clients are not idle.
+    let mut s = idle_b(1_000);
+    s.request(0, 2);
+    assert_eq!(idle_reclaim(&s.tick(100 * SEC), 2), None);
+}
+
+#[test]
+fn idle_eviction_waits_for_a_free_link_and_goes_one_at_a_time() {
+    // C (100 MiB, resident) went idle at 0.1 s, after B.
+    let mut s = idle_b(1_000);
+    reg(&mut s, 0, 3, 100 * MIB);
+    s.usage(100 * MS, 3, usage(100 * MIB, 100 * MIB));
+    s.set_tq(0, 1_000);
+
+    // 1) A hand-off under way (D waits, A is dropped at its TQ): no eviction until
+    // A's release ends it.
+    let mut busy = s.clone();
+    reg(&mut busy, 0, 4, 100 * MIB);
+    busy.request(0, 4);
+    let outs = busy.tick(SEC);
+    assert!(dropped(&outs, 1).is_some(), "{outs:?}");
+    assert_eq!(idle_reclaim(&outs, 2), None, "a drop is outstanding");
+    assert_eq!(idle_reclaim(&busy.tick(SEC + 100 * MS), 2), None);
+    // D's grant needs 100 MiB reclaimed (from B, least recently active): that
+    // reclaim keeps the link busy until B answers it; then the rest of B goes.
+    let outs = busy.release(SEC + 200 * MS, 1, usage(500 * MIB, 400 * MIB));
+    assert_eq!(grant_msg(&outs, 4), Some((true, false)));
+    assert_eq!(reclaims(&outs, 2), 100 * MIB);
+    assert_eq!(idle_reclaim(&outs, 2), None, "{outs:?}");
+    let outs = busy.reclaimed(SEC + 250 * MS, 2, usage(600 * MIB, 400 * MIB));
+    assert_eq!(idle_reclaim(&outs, 2), Some(400 * MIB), "{outs:?}");
+
+    // 2) One at a time, least recently seen first: B (seen at 0), then C (0.1 s)
+    // once B answers.
+    let outs = s.tick(SEC);
+    assert_eq!(idle_reclaim(&outs, 2), Some(500 * MIB));
+    assert_eq!(idle_reclaim(&outs, 3), None);
+    let outs = s.reclaimed(SEC + 50 * MS, 2, usage(600 * MIB, 0));
+    assert_eq!(idle_reclaim(&outs, 3), None, "C is idle for 1 s at 1.1 s");
+    assert!(!s.fits());
+    assert_eq!(s.next_deadline(), Some(1_100 * MS));
+    assert_eq!(idle_reclaim(&s.tick(1_100 * MS), 3), Some(100 * MIB));
+}
+
+#[test]
+fn an_unanswered_idle_reclaim_blocks_the_link_only_for_the_grace() {
+    let mut s = idle_b(1_000);
+    reg(&mut s, 0, 3, 100 * MIB);
+    s.usage(0, 3, usage(100 * MIB, 100 * MIB));
+    s.usage(0, 2, usage(600 * MIB, 599 * MIB));
+    let outs = s.tick(SEC);
+    // B and C were both seen at 0: the lower id goes first.
+    assert_eq!(idle_reclaim(&outs, 2), Some(599 * MIB));
+    // B never answers: C is asked once the grace (500 ms) has passed.
+    assert_eq!(s.next_deadline(), Some(SEC + 500 * MS));
+    assert_eq!(idle_reclaim(&s.tick(SEC + 499 * MS), 3), None);
+    assert_eq!(idle_reclaim(&s.tick(SEC + 500 * MS), 3), Some(100 * MIB));
+    assert_eq!(s.next_deadline(), None, "nothing left to evict");
 }
