@@ -47,6 +47,10 @@ pub struct Options {
     /// `--start-at-ns N`: once ready, wait until CLOCK_MONOTONIC reaches N, so
     /// several programs can start their phases together.
     pub start_at_ns: Option<u64>,
+    /// `--start-on-stdin`: once ready, read one line from standard input holding the
+    /// CLOCK_MONOTONIC nanosecond to start at (as `--start-at-ns`), so a driver can
+    /// pick the start once every program is ready.
+    pub start_on_stdin: bool,
     /// `--kernel-us N`: length of the spin kernels a burst is made of (default 5000):
     /// short ones make an app that queues thousands of kernels.
     pub kernel_us: u64,
@@ -137,7 +141,7 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N] [--kernel-us 5000] [--queue-ms 100] [--verify] [--json] [--device 0[,1,...]] [--name LABEL] [--seed 1]";
+pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N | --start-on-stdin] [--kernel-us 5000] [--queue-ms 100] [--verify] [--json] [--device 0[,1,...]] [--name LABEL] [--seed 1]";
 
 impl Options {
     /// Parses arguments (without the program name).
@@ -156,6 +160,7 @@ impl Options {
             inject_fault: false,
             script: None,
             start_at_ns: None,
+            start_on_stdin: false,
             kernel_us: 5000,
             queue_ms: 100,
         };
@@ -195,6 +200,7 @@ impl Options {
                 "--inject-fault" => o.inject_fault = true,
                 "--script" => o.script = Some(parse_script(&value()?)?),
                 "--start-at-ns" => o.start_at_ns = Some(num(value()?)?),
+                "--start-on-stdin" => o.start_on_stdin = true,
                 "--queue-ms" => o.queue_ms = num(value()?)?,
                 "--kernel-us" => {
                     o.kernel_us = num(value()?)?;
@@ -220,6 +226,8 @@ pub enum Failure {
     Cuda(CudaError),
     /// Device memory did not hold what the program wrote (exit code 3).
     Mismatch(String),
+    /// Bad input at run time (`--start-on-stdin` got no start time; exit code 1).
+    Input(String),
 }
 
 impl From<CudaError> for Failure {
@@ -667,7 +675,20 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
         ),
     );
 
-    if let Some(at) = o.start_at_ns {
+    let mut start_at = o.start_at_ns;
+    if o.start_on_stdin {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).map_err(|e| {
+            Failure::Input(format!("--start-on-stdin: cannot read standard input: {e}"))
+        })?;
+        let at = line.trim().parse::<u64>().map_err(|_| {
+            Failure::Input(format!(
+                "--start-on-stdin: expected a CLOCK_MONOTONIC nanosecond count, got {line:?}"
+            ))
+        })?;
+        start_at = Some(at);
+    }
+    if let Some(at) = start_at {
         let now = monotonic_ns();
         if at > now {
             std::thread::sleep(Duration::from_nanos(at - now));

@@ -1,4 +1,4 @@
-//! `gpuburst`: see the crate docs. Exit codes: 0 ok, 1 bad usage or no driver,
+//! `gpuburst`: see the crate docs. Exit codes: 0 ok, 1 bad usage, bad input or no driver,
 //! 2 a CUDA call failed (the call and error name are printed), 3 verification failed.
 
 use gpuburst::burst::{run, Failure, Options};
@@ -25,6 +25,10 @@ fn main() {
         Err(Failure::Cuda(e)) => {
             eprintln!("gpuburst [{}]: {e}", opts.name);
             std::process::exit(2);
+        }
+        Err(Failure::Input(m)) => {
+            eprintln!("gpuburst [{}]: {m}", opts.name);
+            std::process::exit(1);
         }
         Err(Failure::Mismatch(m)) => {
             eprintln!("gpuburst [{}]: verification failed: {m}", opts.name);

@@ -265,10 +265,9 @@ pub fn run(args: &DemoArgs) -> Result<ExitCode> {
         }
     );
 
-    // Both notebooks allocate and fill their memory first; the story starts for
-    // both at the same instant, once that is done.
-    let warmup = Duration::from_millis(if args.gpu { 4000 } else { 2500 });
-    let start_ns = kiwi_sim_core::monotonic_ns() + warmup.as_nanos() as u64;
+    // Both notebooks allocate and fill their memory first (swapping as needed); the
+    // story starts for both at the same instant once both are ready, whatever the
+    // machine's load made that take: each waits for its start time on stdin.
     let mut apps = Vec::new();
     for nb in scripts(tq_ms) {
         let mut cmd = Command::new(&build.gpuburst);
@@ -278,14 +277,13 @@ pub fn run(args: &DemoArgs) -> Result<ExitCode> {
             .arg(nb.label)
             .arg("--script")
             .arg(&nb.script)
-            .arg("--start-at-ns")
-            .arg(start_ns.to_string())
+            .arg("--start-on-stdin")
             .arg("--json")
             .env("LD_PRELOAD", &build.shim)
             .env("KIWI_SOCKET_DIR", &socket_dir)
             .env("KIWI_REQUIRE_ARBITER", "1")
             .env_remove("CUDA_VISIBLE_DEVICES")
-            .stdin(Stdio::null())
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         if let Some(sim) = &build.sim_dir {
@@ -330,6 +328,15 @@ pub fn run(args: &DemoArgs) -> Result<ExitCode> {
             }
         }
         apps.push(app);
+    }
+    // T0: both are ready and wait for it. A little ahead of now, so both have read it
+    // before it comes.
+    let start_ns = kiwi_sim_core::monotonic_ns() + 100_000_000;
+    for a in &mut apps {
+        if let Some(mut stdin) = a.child.stdin.take() {
+            // A notebook that already failed has closed its end: its status says why.
+            let _ = writeln!(stdin, "{start_ns}");
+        }
     }
 
     // Progress while the story runs.
