@@ -139,6 +139,10 @@ struct Hold {
     drop_sent: Option<Nanos>,
     /// Bytes its drop asked it to evict (what a drainer is freeing).
     drop_need: u64,
+    /// When its quantum started: at the grant, or, for a `pipelined` client that had
+    /// memory to swap in, when it reported that memory resident (`None` until then).
+    /// A quantum spent swapping in would leave a short-TQ holder no time to work.
+    quantum_from: Option<Nanos>,
 }
 
 /// One GPU's scheduler.
@@ -480,6 +484,8 @@ impl GpuScheduler {
                         exclusive,
                         drop_sent: None,
                         drop_need: 0,
+                        // It was working already: its quantum runs from now.
+                        quantum_from: Some(now),
                     },
                 );
                 self.log(
@@ -585,6 +591,9 @@ impl GpuScheduler {
         }
         c.usage = usage;
         c.last_seen = now;
+        if usage.resident_bytes >= usage.working_set_bytes {
+            self.resident_now(now, id);
+        }
         self.log(
             Some(id),
             EventKind::Usage {
@@ -683,7 +692,10 @@ impl GpuScheduler {
         }
         let kind = match direction {
             kiwi_protocol::SwapDirection::Out => EventKind::SwapOut { bytes, duration_ns },
-            kiwi_protocol::SwapDirection::In => EventKind::SwapIn { bytes, duration_ns },
+            kiwi_protocol::SwapDirection::In => {
+                self.resident_now(now, id);
+                EventKind::SwapIn { bytes, duration_ns }
+            }
         };
         self.log(Some(id), kind);
         self.finish(now)
@@ -750,7 +762,7 @@ impl GpuScheduler {
             for h in self.holders.values() {
                 match h.drop_sent {
                     Some(sent) => at(sent + self.grace_ns),
-                    None if !self.queue.is_empty() => at(h.since + self.tq_ns()),
+                    None if !self.queue.is_empty() => at(self.quantum_end(h)),
                     None => {}
                 }
             }
@@ -768,6 +780,38 @@ impl GpuScheduler {
 
     fn tq_ns(&self) -> u64 {
         ms_to_ns(self.settings.tq_ms)
+    }
+
+    /// When a holder's quantum starts, granted at `now`: at once, unless it is a
+    /// `pipelined` client (one that reports its swaps) with memory to swap in.
+    fn quantum_start(c: &Client, now: Nanos) -> Option<Nanos> {
+        let resident = c.usage.resident_bytes >= c.usage.working_set_bytes;
+        (resident || !c.info.pipelined).then_some(now)
+    }
+
+    /// When holder `h`'s quantum ends. One still swapping in has until the grant plus
+    /// the longer of the TQ and the grace period to report its memory resident, then
+    /// a whole TQ of work: so a holder holds at most that plus a TQ, whatever it
+    /// reports.
+    fn quantum_end(&self, h: &Hold) -> Nanos {
+        match h.quantum_from {
+            Some(q) => q.saturating_add(self.tq_ns()),
+            None => h.since.saturating_add(self.tq_ns().max(self.grace_ns)),
+        }
+    }
+
+    /// `id` reported its memory resident (a swap-in, or usage): a holder whose quantum
+    /// waited for that starts it now, if that is before its wait ran out.
+    fn resident_now(&mut self, now: Nanos, id: ClientId) {
+        let end = match self.holders.get(&id) {
+            Some(h) if h.quantum_from.is_none() && h.drop_sent.is_none() => self.quantum_end(h),
+            _ => return,
+        };
+        if now < end {
+            if let Some(h) = self.holders.get_mut(&id) {
+                h.quantum_from = Some(now);
+            }
+        }
     }
 
     fn broadcast_settings(&mut self) {
@@ -803,6 +847,7 @@ impl GpuScheduler {
         c.last_active = now;
         c.last_seen = now;
         self.granted_own = true;
+        let quantum_from = Self::quantum_start(c, now);
         self.holders.insert(
             id,
             Hold {
@@ -810,6 +855,7 @@ impl GpuScheduler {
                 exclusive,
                 drop_sent: None,
                 drop_need: 0,
+                quantum_from,
             },
         );
         let waiting = self.queue.len() as u32;
@@ -1103,10 +1149,15 @@ impl GpuScheduler {
                     },
                 );
             }
+            let start = self
+                .clients
+                .get(&keep)
+                .and_then(|c| Self::quantum_start(c, now));
             if let Some(h) = self.holders.get_mut(&keep) {
                 if !h.exclusive {
                     h.exclusive = true;
                     h.since = now;
+                    h.quantum_from = start;
                 }
             }
         }
@@ -1129,11 +1180,10 @@ impl GpuScheduler {
 
         // TQ: drop the holder only when someone waits.
         if !self.queue.is_empty() {
-            let tq = self.tq_ns();
             let due: Vec<ClientId> = self
                 .holders
                 .iter()
-                .filter(|(_, h)| h.drop_sent.is_none() && now >= h.since + tq)
+                .filter(|(_, h)| h.drop_sent.is_none() && now >= self.quantum_end(h))
                 .map(|(id, _)| *id)
                 .collect();
             let next = self.queue.front().copied();
@@ -1240,7 +1290,7 @@ impl GpuScheduler {
         // The quantum ends at since + TQ (a lone holder has no deadline, but with
         // someone waiting it has one). A drop sent sooner (no longer fits) ends it then.
         let deadline = shown.and_then(|(_, h)| {
-            let tq_end = h.since.saturating_add(self.tq_ns());
+            let tq_end = self.quantum_end(&h);
             match h.drop_sent {
                 Some(sent) => Some(sent.min(tq_end)),
                 None if arbitrating => Some(tq_end),

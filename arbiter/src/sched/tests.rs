@@ -1299,6 +1299,8 @@ fn a_second_drainer_waits_for_the_first_release() {
     s.request(0, 3);
     assert!(dropped(&s.tick(MS), 1).is_some());
     assert_eq!(grant_msg(&s.drained(MS, 1), 2), Some((true, true)));
+    // B's quantum starts once its memory is in.
+    s.usage(MS, 2, usage(700 * MIB, 700 * MIB));
     assert!(dropped(&s.tick(2 * MS), 2).is_some());
     let outs = s.drained(2 * MS, 2);
     assert_eq!(grant_msg(&outs, 3), None, "{outs:?}");
@@ -1481,4 +1483,64 @@ fn an_unanswered_idle_reclaim_blocks_the_link_only_for_the_grace() {
     assert_eq!(idle_reclaim(&s.tick(SEC + 499 * MS), 3), None);
     assert_eq!(idle_reclaim(&s.tick(SEC + 500 * MS), 3), Some(100 * MIB));
     assert_eq!(s.next_deadline(), None, "nothing left to evict");
+}
+
+#[test]
+fn a_pipelined_holders_quantum_starts_when_its_memory_is_in() {
+    // TQ 100 ms, grace 1 s: B's swap-in takes 300 ms, longer than a quantum. Counted
+    // from the grant, B would be dropped before doing any work.
+    let mut s = sched(1000 * MIB, 100, 1_000);
+    reg_pipelined(&mut s, 0, 1, 700 * MIB, true);
+    reg_pipelined(&mut s, 0, 2, 700 * MIB, true);
+    s.request(0, 1);
+    s.usage(0, 1, usage(700 * MIB, 700 * MIB));
+    s.request(0, 2);
+    assert!(dropped(&s.tick(100 * MS), 1).is_some());
+    assert_eq!(grant_msg(&s.drained(110 * MS, 1), 2), Some((true, true)));
+    s.release(150 * MS, 1, usage(700 * MIB, 0));
+    s.request(150 * MS, 1);
+    // Still swapping in at the grant + TQ: not dropped.
+    assert!(dropped(&s.tick(210 * MS), 2).is_none());
+    assert_eq!(s.next_deadline(), Some(110 * MS + 1_000 * MS));
+    // In at 410 ms: a whole quantum from then.
+    s.swapped(
+        410 * MS,
+        2,
+        kiwi_protocol::SwapDirection::In,
+        700 * MIB,
+        300 * MS,
+    );
+    assert_eq!(s.next_deadline(), Some(510 * MS));
+    assert!(dropped(&s.tick(500 * MS), 2).is_none());
+    assert!(dropped(&s.tick(510 * MS), 2).is_some());
+}
+
+#[test]
+fn a_holder_that_never_reports_its_memory_in_is_dropped_after_the_grace() {
+    // Whatever it reports (or not), a holder holds at most max(TQ, grace) + TQ.
+    let mut s = sched(1000 * MIB, 100, 1_000);
+    reg_pipelined(&mut s, 0, 1, 700 * MIB, true);
+    reg_pipelined(&mut s, 0, 2, 700 * MIB, true);
+    s.request(0, 1);
+    s.request(0, 2);
+    assert!(dropped(&s.tick(999 * MS), 1).is_none());
+    assert!(dropped(&s.tick(1_000 * MS), 1).is_some());
+    // A report after its wait ran out does not start a new quantum.
+    let mut s = sched(1000 * MIB, 100, 1_000);
+    reg_pipelined(&mut s, 0, 1, 700 * MIB, true);
+    reg_pipelined(&mut s, 0, 2, 700 * MIB, true);
+    s.request(0, 1);
+    s.request(0, 2);
+    s.usage(900 * MS, 1, usage(700 * MIB, 700 * MIB));
+    assert!(dropped(&s.tick(1_000 * MS), 1).is_some());
+}
+
+#[test]
+fn a_client_that_does_not_report_swaps_has_its_quantum_from_the_grant() {
+    let mut s = sched(1000 * MIB, 100, 1_000);
+    reg_pipelined(&mut s, 0, 1, 700 * MIB, false);
+    reg_pipelined(&mut s, 0, 2, 700 * MIB, false);
+    s.request(0, 1);
+    s.request(0, 2);
+    assert!(dropped(&s.tick(100 * MS), 1).is_some());
 }
