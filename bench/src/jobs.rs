@@ -1,11 +1,14 @@
 //! `oversub` and `fit`: two notebook-like jobs (gpuburst) on one simulated GPU, their
 //! makespan under Kiwi against baselines measured in the same run.
 //!
-//! - `oversub`: each job needs 70% of the GPU's memory and spends half its time on
-//!   the GPU. Baselines: the jobs one after the other (serial), and both at once
+//! - `oversub`: each job needs 70% of the GPU's memory (of what two contexts leave)
+//!   and spends half its time on the GPU. Baselines: the jobs one after the other (serial), and both at once
 //!   without Kiwi (the second runs out of memory). A TQ sweep shows the trade-off.
 //! - `fit`: each job needs 40%; Kiwi against the scheduler turned off.
+//!
+//! Every simulated machine here charges the costs of real hardware ([`COSTS`]).
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -48,10 +51,50 @@ impl Build {
     }
 }
 
+/// The costs of real hardware every benchmark's simulated machine charges, set
+/// explicitly (whatever the caller's environment says); `docs/benchmarks.md` lists
+/// them.
+pub struct Costs {
+    /// Device memory each context costs (`KIWI_SIM_CONTEXT_MEMORY`), bytes.
+    pub context_memory: u64,
+    /// `cuMemCreate`, µs per 2 MiB (`KIWI_SIM_MEMCREATE_US_PER_2MIB`).
+    pub memcreate_us_per_2mib: f64,
+    /// Page-locking host memory, GB/s (`KIWI_SIM_PIN_GBPS`).
+    pub pin_gbps: f64,
+    /// Each direction of a GPU's PCIe link, shared by every copy in it, GB/s
+    /// (`KIWI_SIM_PCIE_GBPS`).
+    pub pcie_gbps: f64,
+    /// Device memory bandwidth, GB/s (`KIWI_SIM_HBM_GBPS`).
+    pub hbm_gbps: f64,
+}
+
+/// The simulator's defaults: the figures of a real data-centre GPU (see
+/// `docs/simulator.md` for their sources).
+pub const COSTS: Costs = Costs {
+    context_memory: kiwi_sim_core::knobs::DEFAULT_CONTEXT_MEMORY,
+    memcreate_us_per_2mib: kiwi_sim_core::knobs::DEFAULT_MEMCREATE_US_PER_2MIB,
+    pin_gbps: kiwi_sim_core::knobs::DEFAULT_PIN_GBPS,
+    pcie_gbps: 25.0,
+    hbm_gbps: 1000.0,
+};
+
+/// GPU memory of the machines the scheduling scenarios run on: room for two
+/// contexts of [`COSTS`] and two jobs of 70% of what is left, which do not fit
+/// together.
+pub const GPU: u64 = 2 << 30;
+
+/// `percent`% of the memory two processes' jobs can have on [`GPU`]: what is left
+/// after both contexts.
+pub fn job_mem(percent: u64) -> u64 {
+    (GPU - 2 * COSTS.context_memory) / 100 * percent
+}
+
 /// One simulated machine for one measurement; its segment is removed on drop.
 pub struct Sim {
     pub name: String,
     pub memory: u64,
+    /// Where its kernels are traced (`KIWI_SIM_TRACE`), if anywhere.
+    pub trace: Option<PathBuf>,
 }
 
 impl Sim {
@@ -61,6 +104,26 @@ impl Sim {
         Sim {
             name: format!("kiwi-bench-{tag}-{}-{n}", std::process::id()),
             memory,
+            trace: None,
+        }
+    }
+
+    /// The environment of a process on this machine: its name, size and [`COSTS`].
+    pub fn apply<'a>(&self, b: &Build, cmd: &'a mut Command) -> &'a mut Command {
+        cmd.env("LD_LIBRARY_PATH", &b.sim_dir)
+            .env("KIWI_SIM_NAME", &self.name)
+            .env("KIWI_SIM_MEMORY", self.memory.to_string())
+            .env("KIWI_SIM_CONTEXT_MEMORY", COSTS.context_memory.to_string())
+            .env(
+                "KIWI_SIM_MEMCREATE_US_PER_2MIB",
+                COSTS.memcreate_us_per_2mib.to_string(),
+            )
+            .env("KIWI_SIM_PIN_GBPS", COSTS.pin_gbps.to_string())
+            .env("KIWI_SIM_PCIE_GBPS", COSTS.pcie_gbps.to_string())
+            .env("KIWI_SIM_HBM_GBPS", COSTS.hbm_gbps.to_string());
+        match &self.trace {
+            Some(t) => cmd.env("KIWI_SIM_TRACE", t),
+            None => cmd.env_remove("KIWI_SIM_TRACE"),
         }
     }
 }
@@ -103,20 +166,11 @@ pub fn spawn_job(b: &Build, sim: &Sim, job: Job, seed: u64, kiwi: Option<&Path>)
         "--kernel-us",
         &job.kernel_us.to_string(),
     ])
-    .env("LD_LIBRARY_PATH", &b.sim_dir)
-    .env("KIWI_SIM_NAME", &sim.name)
-    .env("KIWI_SIM_MEMORY", sim.memory.to_string())
-    // Not the simulator's 300 MiB per context: the jobs are sized for the arbiter's
-    // context reserve (1/8 of the GPU), which does not yet count each client's
-    // non-swappable memory (issue #13); two of these contexts fit in it.
-    .env(
-        "KIWI_SIM_CONTEXT_MEMORY",
-        kiwi_sim_core::harness::suite_context_memory(sim.memory).to_string(),
-    )
     .env_remove("LD_PRELOAD")
     .stdin(Stdio::null())
     .stdout(Stdio::null())
     .stderr(Stdio::piped());
+    sim.apply(b, &mut cmd);
     if let Some(dir) = kiwi {
         cmd.env("LD_PRELOAD", &b.shim)
             .env("KIWI_SOCKET_DIR", dir)
@@ -125,15 +179,63 @@ pub fn spawn_job(b: &Build, sim: &Sim, job: Job, seed: u64, kiwi: Option<&Path>)
     Ok(cmd.spawn()?)
 }
 
-/// Waits for every job; `Ok(true)` if all exited 0.
-fn wait_all(children: Vec<Child>) -> Result<(bool, String)> {
+impl Job {
+    /// How long one run of two of these jobs may take at most: three times both
+    /// jobs' phases back to back, and 30 s for starting up.
+    pub fn limit(&self) -> Duration {
+        let one = u64::from(self.bursts) * self.gpu_ms
+            + u64::from(self.bursts.saturating_sub(1)) * (self.cpu_ms + self.idle_ms);
+        Duration::from_millis(3 * 2 * one + 30_000)
+    }
+}
+
+/// Waits for every job, at most until `deadline`; `Ok(true)` if all exited 0. Jobs
+/// still running then (turns that make no progress) are killed and the run is an
+/// error, so a benchmark never hangs.
+pub fn wait_all(children: Vec<Child>, deadline: Instant) -> Result<(bool, String)> {
+    let mut kids = Vec::new();
+    let mut readers = Vec::new();
+    for mut c in children {
+        let err = c.stderr.take();
+        readers.push(std::thread::spawn(move || {
+            let mut s = String::new();
+            if let Some(mut e) = err {
+                let _ = e.read_to_string(&mut s);
+            }
+            s
+        }));
+        kids.push(c);
+    }
+    let mut status = vec![None; kids.len()];
+    let mut late = false;
+    while status.iter().any(Option::is_none) {
+        for (c, st) in kids.iter_mut().zip(status.iter_mut()) {
+            if st.is_none() {
+                *st = c.try_wait()?;
+            }
+        }
+        if status.iter().any(Option::is_none) && Instant::now() > deadline {
+            for c in &mut kids {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            late = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let errs: Vec<String> = readers
+        .into_iter()
+        .map(|h| h.join().unwrap_or_default())
+        .collect();
+    if late {
+        bail!("the jobs had not finished by their deadline and were killed (turns that make no progress?)");
+    }
     let mut ok = true;
     let mut why = String::new();
-    for c in children {
-        let out = c.wait_with_output()?;
-        if !out.status.success() {
+    for (st, err) in status.iter().zip(&errs) {
+        if !st.is_some_and(|s| s.success()) {
             ok = false;
-            let err = String::from_utf8_lossy(&out.stderr);
             why = err.lines().last().unwrap_or("").to_string();
         }
     }
@@ -160,7 +262,7 @@ pub fn together_under_kiwi(
         spawn_job(b, &sim, job, 1, Some(arb.socket_dir()))?,
         spawn_job(b, &sim, job, 2, Some(arb.socket_dir()))?,
     ];
-    let (ok, why) = wait_all(kids)?;
+    let (ok, why) = wait_all(kids, Instant::now() + job.limit())?;
     if !ok {
         bail!("a job failed under Kiwi: {why}");
     }
@@ -172,7 +274,10 @@ pub fn serial(b: &Build, job: Job, gpu: u64) -> Result<Duration> {
     let sim = Sim::new("serial", gpu);
     let t0 = Instant::now();
     for seed in [1, 2] {
-        let (ok, why) = wait_all(vec![spawn_job(b, &sim, job, seed, None)?])?;
+        let (ok, why) = wait_all(
+            vec![spawn_job(b, &sim, job, seed, None)?],
+            Instant::now() + job.limit(),
+        )?;
         if !ok {
             bail!("a job failed on its own: {why}");
         }
@@ -188,18 +293,16 @@ pub fn together_without_kiwi(b: &Build, job: Job, gpu: u64) -> Result<(bool, Dur
         spawn_job(b, &sim, job, 1, None)?,
         spawn_job(b, &sim, job, 2, None)?,
     ];
-    let (ok, why) = wait_all(kids)?;
+    let (ok, why) = wait_all(kids, Instant::now() + job.limit())?;
     Ok((ok, t0.elapsed(), why))
 }
-
-const GPU: u64 = 1 << 30;
 
 pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
     let b = Build::find()?;
     // Notebook-like phases of a second or more: a hand-off costs an idle check
     // (KIWI_IDLE_MS), a swap-out and a swap-in, which shorter phases cannot amortize.
     let job = Job {
-        mem: GPU / 10 * 7,
+        mem: job_mem(70),
         bursts: if quick { 3 } else { 5 },
         gpu_ms: if quick { 1000 } else { 2000 },
         cpu_ms: if quick { 1000 } else { 2000 },
@@ -210,12 +313,22 @@ pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
     let serial_t = serial(&b, job, GPU)?.as_secs_f64();
     let kiwi_t = together_under_kiwi(&b, job, GPU, tq, true)?.as_secs_f64();
     let (nok, nt, why) = together_without_kiwi(&b, job, GPU)?;
+    // The best any interleaving can do: both jobs' GPU time back to back, plus the
+    // one CPU phase that cannot overlap another job's GPU time (the last job's
+    // before its last burst). 22 s for 5 x (2 s GPU + 2 s CPU).
+    let ideal = (2 * u64::from(job.bursts) * job.gpu_ms + job.cpu_ms) as f64 / 1e3;
     let mut figs = vec![
         Figure::new("oversub", "makespan_kiwi", kiwi_t, "s")
+            .against(
+                ideal,
+                "ideal interleave: both jobs' GPU time + one CPU phase",
+            )
+            .goal("within 5% (ratio <= 1.05)"),
+        Figure::new("oversub", "makespan_kiwi_vs_serial", kiwi_t, "s")
             .against(serial_t, "the two jobs one after the other")
-            .goal("ratio <= 0.67 (>= 1.5x faster than serial)"),
+            .goal("ratio <= 0.6 (ideal: 22/38 = 0.58)"),
         Figure::new("oversub", "speedup_vs_serial", serial_t / kiwi_t, "x")
-            .goal(">= 1.5x (nvshare reports 1.35x)"),
+            .goal(">= 1.65x (nvshare reports 1.35x)"),
         Figure::new(
             "oversub",
             if nok {
@@ -235,11 +348,10 @@ pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
             },
         ),
     ];
-    let sweep: &[f64] = if quick {
-        &[0.3]
-    } else {
-        &[0.2, 1.0, 3.0, 30.0]
-    };
+    // Not below a second: the TQ counts from the grant, the swap-in included, and
+    // with real hardware's costs a swap of these jobs takes hundreds of ms, so
+    // shorter turns do little else.
+    let sweep: &[f64] = if quick { &[1.0] } else { &[1.0, 3.0, 30.0] };
     for &t in sweep {
         let m = together_under_kiwi(&b, job, GPU, t, true)?.as_secs_f64();
         figs.push(
@@ -253,7 +365,7 @@ pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
 pub fn fit(quick: bool) -> Result<Vec<Figure>> {
     let b = Build::find()?;
     let job = Job {
-        mem: GPU / 10 * 4,
+        mem: job_mem(40),
         bursts: if quick { 3 } else { 5 },
         gpu_ms: if quick { 1000 } else { 2000 },
         cpu_ms: if quick { 1000 } else { 2000 },

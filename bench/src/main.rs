@@ -4,6 +4,7 @@
 mod handoff;
 mod jobs;
 mod markdown;
+mod pipeline;
 mod procs;
 mod report;
 mod shimbench;
@@ -62,6 +63,15 @@ enum Scenario {
     Oversub,
     /// Two jobs that fit: Kiwi vs. the scheduler off.
     Fit,
+    /// The cold (first ever) and a steady hand-off, and the hand-off against
+    /// max(swap-out alone, swap-in alone).
+    HandoffSwap,
+    /// Request-to-first-work of a notebook whose only partner idles (idle eviction)
+    /// against its own swap-in.
+    IdlePartner,
+    /// A holder that goes idle while another waits: its last work's completion to
+    /// the waiter's grant, minus KIWI_IDLE_MS.
+    EarlyRelease,
     #[command(name = "__arbiter", hide = true)]
     Arbiter {
         #[arg(long)]
@@ -70,6 +80,9 @@ enum Scenario {
         tq: f64,
         #[arg(long, default_value = "on")]
         scheduler: String,
+        /// `[arbiter] idle_evict_seconds`, in ms (0: off); default: the arbiter's.
+        #[arg(long)]
+        idle_evict_ms: Option<u64>,
     },
     #[command(name = "__launch-overhead", hide = true)]
     LaunchOverheadRole { shim: PathBuf },
@@ -120,11 +133,15 @@ fn run(cli: Cli) -> Result<()> {
         Scenario::LaunchOverheadRole { shim } => return shimbench::launch_overhead_role(&shim),
         Scenario::CopyBandwidthRole { bytes } => return shimbench::copy_bandwidth_role(bytes),
         Scenario::Fit => jobs::fit(cli.quick)?,
+        Scenario::HandoffSwap => pipeline::handoff_swap(cli.quick)?,
+        Scenario::IdlePartner => pipeline::idle_partner(cli.quick)?,
+        Scenario::EarlyRelease => pipeline::early_release(cli.quick)?,
         Scenario::Arbiter {
             socket_dir,
             tq,
             scheduler,
-        } => return arbiter_role(socket_dir, tq, &scheduler),
+            idle_evict_ms,
+        } => return arbiter_role(socket_dir, tq, &scheduler, idle_evict_ms),
         Scenario::HandoffClient { socket, rounds } => {
             return handoff::client_role(&socket, rounds, true)
         }
@@ -152,6 +169,9 @@ fn run_all(quick: bool, json: bool, markdown: Option<PathBuf>) -> Result<()> {
         ("launch-overhead", Box::new(shimbench::launch_overhead)),
         ("swap", Box::new(shimbench::swap)),
         ("drop-latency", Box::new(shimbench::drop_latency)),
+        ("handoff-swap", Box::new(pipeline::handoff_swap)),
+        ("idle-partner", Box::new(pipeline::idle_partner)),
+        ("early-release", Box::new(pipeline::early_release)),
         ("oversub", Box::new(jobs::oversub)),
         ("fit", Box::new(jobs::fit)),
     ];
@@ -192,8 +212,13 @@ fn run_all(quick: bool, json: bool, markdown: Option<PathBuf>) -> Result<()> {
 }
 
 /// The arbiter, in this process (the same library code as `kiwi-arbiter`).
-fn arbiter_role(socket_dir: PathBuf, tq: f64, scheduler: &str) -> Result<()> {
-    let cfg = kiwi_arbiter::ServerConfig {
+fn arbiter_role(
+    socket_dir: PathBuf,
+    tq: f64,
+    scheduler: &str,
+    idle_evict_ms: Option<u64>,
+) -> Result<()> {
+    let mut cfg = kiwi_arbiter::ServerConfig {
         tq_ms: ((tq * 1000.0) as u64).max(1),
         scheduler: scheduler.parse().map_err(anyhow::Error::msg)?,
         // Every benchmark client is a child of this process, in one cgroup; on a node
@@ -201,6 +226,12 @@ fn arbiter_role(socket_dir: PathBuf, tq: f64, scheduler: &str) -> Result<()> {
         max_conns_per_group: usize::MAX,
         ..Default::default()
     };
+    if let Some(ms) = idle_evict_ms {
+        cfg.idle_evict_ms = ms;
+    }
+    // A benchmark killed mid-run (Ctrl-C, a timeout) leaves no arbiter behind.
+    // SAFETY: prctl(PR_SET_PDEATHSIG) takes a signal number and touches no memory.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;

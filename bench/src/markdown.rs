@@ -3,7 +3,43 @@
 
 use std::fmt::Write as _;
 
+use crate::jobs::{COSTS, GPU};
 use crate::report::Figure;
+
+/// What the simulated machines of the run charge, in words (each a cost a real GPU
+/// has; `docs/simulator.md` gives their sources).
+pub fn costs() -> Vec<String> {
+    let mib = |b: u64| b >> 20;
+    vec![
+        format!(
+            "GPU memory: {} MiB per GPU for the scheduling scenarios; every context costs \
+             {} MiB of it that no swap frees (`KIWI_SIM_CONTEXT_MEMORY`)",
+            mib(GPU),
+            mib(COSTS.context_memory)
+        ),
+        format!(
+            "`cuMemCreate`: {} µs per 2 MiB page (`KIWI_SIM_MEMCREATE_US_PER_2MIB`)",
+            COSTS.memcreate_us_per_2mib
+        ),
+        format!(
+            "page-locking host memory (`cuMemHostAlloc`, `cuMemAllocHost`, \
+             `cuMemHostRegister`): {} GB/s (`KIWI_SIM_PIN_GBPS`)",
+            COSTS.pin_gbps
+        ),
+        format!(
+            "PCIe: one link per GPU, full duplex, {} GB/s per direction shared by every \
+             copy in that direction, whichever process makes it (`KIWI_SIM_PCIE_GBPS`); \
+             the host's own copy speed caps it lower (the simulator's copy engine is a \
+             CPU copy)",
+            COSTS.pcie_gbps
+        ),
+        format!(
+            "device memory (kernels, memsets, device-to-device copies): {} GB/s \
+             (`KIWI_SIM_HBM_GBPS`)",
+            COSTS.hbm_gbps
+        ),
+    ]
+}
 
 /// What the figures were measured on.
 pub fn machine() -> Vec<(String, String)> {
@@ -83,6 +119,15 @@ pub fn render(figures: &[Figure], errors: &[(String, String)], command: &str) ->
     for (k, v) in machine() {
         let _ = writeln!(s, "- {k}: {v}");
     }
+    let _ = writeln!(s, "\n## What the simulator charges\n");
+    let _ = writeln!(
+        s,
+        "The GPU is simulated (`sim/`); it charges these costs of real hardware as wall \
+         time or memory, so the figures include them:\n"
+    );
+    for c in costs() {
+        let _ = writeln!(s, "- {c}");
+    }
     let _ = writeln!(s, "\n## Figures\n");
     let _ = writeln!(s, "| scenario | metric | value | baseline | ratio | goal |");
     let _ = writeln!(s, "| --- | --- | --- | --- | --- | --- |");
@@ -134,6 +179,11 @@ mod tests {
             "kiwi-bench all --markdown",
         );
         assert!(md.contains("## Machine"));
+        assert!(md.contains("## What the simulator charges"), "{md}");
+        assert!(md.contains("every context costs 300 MiB"), "{md}");
+        assert!(md.contains("`cuMemCreate`: 100 µs per 2 MiB page"), "{md}");
+        assert!(md.contains("2 GB/s (`KIWI_SIM_PIN_GBPS`)"), "{md}");
+        assert!(md.contains("25 GB/s per direction"), "{md}");
         assert!(
             md.contains(
                 "| handoff/8 | handoff_p99 | 80.000 us | 27.000 us (raw round trip) | 2.96× |"

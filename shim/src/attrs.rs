@@ -59,8 +59,8 @@ unsafe fn answer(
             BUFFER_ID => *data.cast::<u64>() = base,
             IS_MANAGED => *data.cast::<u32>() = 0,
             DEVICE_ORDINAL => *data.cast::<c_int>() = d as c_int,
-            // cuIpcGetMemHandle does not take VMM memory (docs/shim.md).
-            IS_LEGACY_CUDA_IPC_CAPABLE => *data.cast::<u32>() = 0,
+            // The shim serves cuIpcGetMemHandle for its allocations (crate::ipc).
+            IS_LEGACY_CUDA_IPC_CAPABLE => *data.cast::<u32>() = u32::from(crate::ipc::exportable()),
             RANGE_START_ADDR => *data.cast::<u64>() = base,
             RANGE_SIZE => *data.cast::<usize>() = size as usize,
             // The application's view: its memory is there, swapped out or not.

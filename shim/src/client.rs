@@ -18,7 +18,7 @@
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -47,9 +47,17 @@ pub const MAX_TURNS: usize = 64;
 const SHORT_OF_ROOM_LOG: Duration = Duration::from_secs(2);
 /// How long an allocation waits for the arbiter's swap admission before going ahead.
 const ADMIT_WAIT: Duration = Duration::from_secs(10);
-/// Pinned buffers a contended holder prepares per tick for its coming swap-out: small
-/// enough that a drop arriving meanwhile waits little (the same thread answers it).
-const PREPARE_PER_TICK: u64 = 64 << 20;
+/// Pinned buffers the pinning thread prepares per step before it looks at its work
+/// again (one segment's buffer): it pins without any of the shim's locks held, so
+/// nothing waits behind it, and a step is short enough that a new target (a drop, the
+/// pressure ending) is seen soon.
+const PIN_STEP: u64 = 64 << 20;
+/// How long a swap-in after a pipelined grant retries, at short intervals, for the
+/// memory the previous holder frees segment by segment; after that it waits as any
+/// short-of-room turn does (a retry per tick). Under the arbiter's grace (5 s).
+const PIPELINED_WAIT: Duration = Duration::from_secs(2);
+/// How often the pinning thread looks again while a turn wants buffers ready.
+const PIN_RECHECK: Duration = Duration::from_millis(200);
 /// A submission that waited this long says why, once ([`Client::acquire`]).
 pub const EXPLAIN_AFTER: Duration = Duration::from_secs(1);
 /// The device of a submission from a thread with no current context: it needs the
@@ -63,12 +71,24 @@ pub trait Residency: Send + Sync {
     fn set_backing_allowed(&self, allowed: bool);
     fn all_resident(&self) -> bool;
     fn swap_in_all(&self) -> Result<Swap, CUresult>;
+    /// Swaps everything in while another process frees the memory it needs, segment
+    /// by segment: out of memory is tried again, at short intervals, until `until`.
+    fn swap_in_waiting(&self, until: Instant) -> Result<Swap, CUresult> {
+        let _ = until;
+        self.swap_in_all()
+    }
     fn evict(&self, need: u64) -> Result<Swap, CUresult>;
     /// Allocates up to about `budget` bytes of the pinned buffers `evict(need)` will
-    /// need; returns the bytes allocated (0: ready).
+    /// need; returns the bytes allocated (0: ready). Called from the pinning thread:
+    /// it must not hold the allocator's lock while it pins.
     fn prepare_swap_out(&self, need: u64, budget: u64) -> Result<u64, CUresult> {
         let _ = (need, budget);
         Ok(0)
+    }
+    /// Frees the spare pinned buffers (none holds swapped-out contents); returns the
+    /// bytes freed.
+    fn trim_spare_buffers(&self) -> u64 {
+        0
     }
     /// Waits until this process's queued GPU work on this GPU is done.
     fn drain(&self) -> Result<(), CUresult>;
@@ -116,8 +136,13 @@ struct TurnState {
     last_usage: Option<Usage>,
     /// The non-swappable bytes last reported.
     last_unswappable: Option<u64>,
-    /// The contention need whose swap-out buffers are ready (pinned ahead of the drop).
-    prepared_for: Option<u64>,
+    /// The process's submission count ([`Gate::submissions`]) up to which this GPU's
+    /// queued work was seen done, and when (the end of the drain that saw it): the
+    /// idle clock of an early release runs from there.
+    work_done: Option<(u32, Instant)>,
+    /// When the quantum of the current grant ends (the arbiter then drops us): an
+    /// early release can only come before it.
+    quantum_end: Option<Instant>,
 }
 
 /// One GPU's turn: its connection, its allocator and what the arbiter lets it use.
@@ -154,6 +179,39 @@ pub struct Turn {
     /// the application's own VMM memory out of the working set, and `unswappable`
     /// reports carry it with the contexts'.
     reports_unswappable: AtomicBool,
+    /// The arbiter accepted `pipelined` at registration: a drop is answered with
+    /// `drained` before the swap-out.
+    pipelined: AtomicBool,
+    /// Bytes to evict that others waiting for this GPU need (`contended`; 0: nobody
+    /// waits): their pinned buffers are prepared ahead by the pinning thread.
+    pin_target: AtomicU64,
+    /// The GPU is oversubscribed (`pressure`): the buffers of a full swap-out are
+    /// prepared ahead, whoever holds it.
+    pressure: AtomicBool,
+    /// The pressure ended: the pinning thread frees the spare buffers.
+    pin_trim: AtomicBool,
+    /// The node's swap budget the arbiter announced (`u64::MAX`: none).
+    swap_budget: AtomicU64,
+    /// A release or a swap of this turn is under way: the pinning thread starts no
+    /// step meanwhile (it would compete for the allocator's lock and the CPU with the
+    /// critical path).
+    swapping: AtomicU32,
+}
+
+/// Marks a turn's release or swap as under way while alive ([`Turn::swapping`]).
+struct Swapping<'a>(&'a AtomicU32);
+
+impl<'a> Swapping<'a> {
+    fn enter(turn: &'a Turn) -> Self {
+        turn.swapping.fetch_add(1, Ordering::AcqRel);
+        Swapping(&turn.swapping)
+    }
+}
+
+impl Drop for Swapping<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// A growth the arbiter admitted (or that needs no admission); hold it until the
@@ -325,6 +383,7 @@ impl Turn {
         if need == 0 {
             return;
         }
+        let _swapping = Swapping::enter(self);
         match self.res.evict(need) {
             Ok(s) => self.report_swap(SwapDirection::Out, s),
             Err(e) => crate::kerror!(
@@ -344,6 +403,7 @@ impl Turn {
         if self.res.all_resident() {
             return Ok(());
         }
+        let _swapping = Swapping::enter(self);
         let s = self.res.swap_in_all()?;
         self.report_swap(SwapDirection::In, s);
         lock(&self.view).last_swap_in = Some((s.bytes, s.duration));
@@ -360,9 +420,11 @@ struct Slot {
 struct State {
     /// Threads of this process blocked waiting for the GPU(s).
     want: u32,
-    /// The process's idle clock: submissions seen at the last change, and when.
+    /// The process's submission count ([`Gate::submissions`]) at the last look: the
+    /// idle detector drains only once it stopped moving.
     idle_mark: u32,
-    idle_since: Instant,
+    /// When it last moved.
+    quiet_since: Instant,
     slots: Vec<Slot>,
     /// Slots in acquisition order: by GPU UUID, the same order in every process.
     order: Vec<usize>,
@@ -389,6 +451,10 @@ pub struct Client {
     cv: Condvar,
     /// Turns by device ordinal, readable without waiting behind a swap.
     by_device: [OnceLock<Arc<Turn>>; MAX_TURNS],
+    /// The pinning thread ([`Client::pin_loop`]) has work: a turn's target changed.
+    pin_work: Mutex<bool>,
+    pin_cv: Condvar,
+    pin_started: OnceLock<()>,
 }
 
 /// Why a turn could not be registered.
@@ -446,13 +512,19 @@ struct Registration {
     swap_budget: Option<u64>,
     /// The arbiter took `unswappable_bytes`: it counts them and takes `unswappable`.
     reports_unswappable: bool,
+    /// The arbiter took `pipelined`: it takes `drained` and may send `pressure` and
+    /// `grant {pipelined}`.
+    pipelined: bool,
 }
 
-/// Connects and registers one GPU, asking to be told why it waits (`wait_info`) and
-/// reporting its memory no swap frees (`unswappable_bytes`). An arbiter that predates
-/// a field refuses it as malformed: the shim then registers again without
-/// `unswappable_bytes` (its working set then counts the application's own VMM memory,
-/// as before), and then without `wait_info` too (and explains its waits with less).
+/// Connects and registers one GPU, asking to be told why it waits (`wait_info`),
+/// reporting its memory no swap frees (`unswappable_bytes`) and taking part in
+/// pipelined hand-offs (`pipelined`). An arbiter that predates a field refuses it as
+/// malformed: the shim then registers again without the newest field first: without
+/// `pipelined` (hand-offs wait for its whole swap-out, buffers are pinned ahead only
+/// once others wait), then without `unswappable_bytes` (its working set then counts
+/// the application's own VMM memory, as before), then without `wait_info` too (and
+/// explains its waits with less).
 fn register(
     env: &ShimEnv,
     info: &DeviceInfo,
@@ -461,20 +533,26 @@ fn register(
     unswappable: u64,
     resume: Option<Resume>,
 ) -> Result<Registration, StartError> {
-    let mut r = register_once(env, info, slot, figures, resume, true, Some(unswappable));
+    let u = Some(unswappable);
+    let mut r = register_once(env, info, slot, figures, resume, true, u, true);
+    if let Err(StartError::Predates(m)) = &r {
+        crate::kdebug!("the arbiter does not know `pipelined` ({m}); registering without it");
+        r = register_once(env, info, slot, figures, resume, true, u, false);
+    }
     if let Err(StartError::Predates(m)) = &r {
         crate::kdebug!(
             "the arbiter does not know `unswappable_bytes` ({m}); registering without it"
         );
-        r = register_once(env, info, slot, figures, resume, true, None);
+        r = register_once(env, info, slot, figures, resume, true, None, false);
     }
     if let Err(StartError::Predates(m)) = &r {
         crate::kdebug!("the arbiter does not know `wait_info` ({m}); registering without it");
-        r = register_once(env, info, slot, figures, resume, false, None);
+        r = register_once(env, info, slot, figures, resume, false, None, false);
     }
     r
 }
 
+#[allow(clippy::too_many_arguments)]
 fn register_once(
     env: &ShimEnv,
     info: &DeviceInfo,
@@ -483,6 +561,7 @@ fn register_once(
     resume: Option<Resume>,
     wait_info: bool,
     unswappable: Option<u64>,
+    pipelined: bool,
 ) -> Result<Registration, StartError> {
     let stream = UnixStream::connect(env.client_socket())?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
@@ -514,7 +593,7 @@ fn register_once(
         resume,
         wait_info,
         unswappable_bytes: unswappable,
-        pipelined: false,
+        pipelined,
     }))?;
     let (capacity, swap_budget) = match conn.recv()? {
         ArbiterMsg::Registered {
@@ -535,7 +614,9 @@ fn register_once(
         ArbiterMsg::Error {
             code: ErrorCode::Malformed,
             message,
-        } if wait_info || unswappable.is_some() => return Err(StartError::Predates(message)),
+        } if wait_info || unswappable.is_some() || pipelined => {
+            return Err(StartError::Predates(message))
+        }
         ArbiterMsg::Error { code, message } => {
             return Err(StartError::Refused(format!("{code:?}: {message}")))
         }
@@ -550,7 +631,35 @@ fn register_once(
         capacity,
         swap_budget,
         reports_unswappable: unswappable.is_some(),
+        pipelined,
     })
+}
+
+/// Waits up to `timeout` for the arbiter's next message on `conn`. The wait is a
+/// `ppoll` (timer precision): a socket's receive timeout counts in scheduler ticks
+/// (4 to 10 ms), which made the idle detector's 1 ms looks and its deadlines late.
+fn next_message(conn: &mut Conn, timeout: Duration) -> Result<Option<ArbiterMsg>, ProtocolError> {
+    if let Some(m) = conn.try_decode()? {
+        return Ok(Some(m));
+    }
+    let mut pfd = libc::pollfd {
+        fd: conn.stream().as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: one valid pollfd and a valid timespec for the call's duration; no
+    // signal mask is changed (null).
+    let ready = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+    if ready <= 0 {
+        // Timed out, or interrupted by a signal: the caller ticks and waits again.
+        return Ok(None);
+    }
+    // Readable (or closed): reads what is there without waiting more than a moment.
+    conn.recv_timeout(Duration::from_millis(1))
 }
 
 /// What [`Client::add_device`] did.
@@ -606,13 +715,16 @@ impl Client {
             state: Mutex::new(State {
                 want: 0,
                 idle_mark: 0,
-                idle_since: Instant::now(),
+                quiet_since: Instant::now(),
                 slots: Vec::new(),
                 order: Vec::new(),
                 explained: None,
             }),
             cv: Condvar::new(),
             by_device: [const { OnceLock::new() }; MAX_TURNS],
+            pin_work: Mutex::new(false),
+            pin_cv: Condvar::new(),
+            pin_started: OnceLock::new(),
         }))
     }
 
@@ -653,7 +765,7 @@ impl Client {
         res.set_backing_allowed(false);
         let figures = res.figures();
         let unswappable = info.context_bytes + figures.external;
-        let (reader, writer, capacity, budget, reports) = match register(
+        let (reader, writer, capacity, budget, reports, pipelined) = match register(
             &self.env,
             &info,
             slot,
@@ -667,6 +779,7 @@ impl Client {
                 r.capacity,
                 r.swap_budget,
                 r.reports_unswappable,
+                r.pipelined,
             ),
             Err(StartError::Refused(m)) => {
                 crate::kerror!(
@@ -684,7 +797,7 @@ impl Client {
                     "GPU {}: cannot reach the arbiter ({e}); will retry",
                     info.ordinal
                 );
-                (None, None, info.total_memory, None, false)
+                (None, None, info.total_memory, None, false, false)
             }
         };
         res.set_limit(capacity);
@@ -706,6 +819,12 @@ impl Client {
             claimed: AtomicBool::new(false),
             context_bytes: AtomicU64::new(context_bytes),
             reports_unswappable: AtomicBool::new(reports),
+            pipelined: AtomicBool::new(pipelined),
+            pin_target: AtomicU64::new(0),
+            pressure: AtomicBool::new(false),
+            pin_trim: AtomicBool::new(false),
+            swap_budget: AtomicU64::new(budget.unwrap_or(u64::MAX)),
+            swapping: AtomicU32::new(0),
         });
         turn.usage();
         // A context is not a claim: the process's other GPUs go on; work submitted to
@@ -721,7 +840,8 @@ impl Client {
                 short_since: None,
                 last_usage: None,
                 last_unswappable: reports.then_some(unswappable),
-                prepared_for: None,
+                work_done: None,
+                quantum_end: None,
             },
         });
         let mut order: Vec<usize> = (0..st.slots.len()).collect();
@@ -730,6 +850,7 @@ impl Client {
         let _ = self.by_device[ordinal].set(turn.clone());
         stats::GPUS.fetch_add(1, Ordering::Relaxed);
         drop(st);
+        self.start_pinning();
         let c = self.clone();
         if let Err(e) = std::thread::Builder::new()
             .name(format!("kiwi-gpu{ordinal}"))
@@ -837,7 +958,7 @@ impl Client {
                     let later: Vec<usize> = st.order[pos + 1..].to_vec();
                     for j in later {
                         if st.holding(j) {
-                            self.give_back(st, j, 0, false);
+                            self.give_back(st, j, 0, false, false);
                         }
                     }
                     if st.slots[k].ts.phase == Phase::Idle {
@@ -985,11 +1106,27 @@ impl Client {
 
     /// Stops admitting, drains the GPU, evicts `need` bytes and releases the turn.
     /// Threads that still want the GPU ask again from [`Client::acquire`], in order.
-    fn give_back(&self, st: &mut State, k: usize, need: u64, early: bool) {
+    /// `dropped`: the arbiter asked for it (a drop); a pipelined client then says
+    /// `drained` as soon as its work is done, before its swap-out, so the next holder
+    /// can start swapping in while the memory is freed segment by segment.
+    fn give_back(&self, st: &mut State, k: usize, need: u64, early: bool, dropped: bool) {
         self.gate.close_and_wait();
         let turn = st.slots[k].turn.clone();
+        let _swapping = Swapping::enter(&turn);
         turn.res.set_backing_allowed(false);
-        Self::drain_then_evict(&turn, need, "release");
+        let announce = dropped && turn.pipelined.load(Ordering::Relaxed);
+        // The idle detector saw the queued work done and nothing was submitted since
+        // (the gate is closed now): no drain needed.
+        let done = st.slots[k].ts.work_done.map(|w| w.0) == Some(self.gate.submissions())
+            && !crate::capture::active();
+        if done {
+            if announce {
+                turn.send(&ClientMsg::Drained);
+            }
+            turn.evict(need);
+        } else {
+            Self::drain_then_evict(&turn, need, "release", announce);
+        }
         stats::RELEASES.fetch_add(1, Ordering::Relaxed);
         if early {
             stats::EARLY_RELEASES.fetch_add(1, Ordering::Relaxed);
@@ -1000,10 +1137,11 @@ impl Client {
         let ts = &mut st.slots[k].ts;
         ts.phase = Phase::Idle;
         ts.short_since = None;
+        ts.work_done = None;
         ts.last_usage = Some(u);
     }
 
-    fn on_grant(&self, k: usize, exclusive: bool, waiting: u32) {
+    fn on_grant(&self, k: usize, exclusive: bool, waiting: u32, pipelined: bool, tq_ms: u64) {
         let mut st = lock(&self.state);
         stats::GRANTS.fetch_add(1, Ordering::Relaxed);
         lock(&st.slots[k].turn.view).granted(Instant::now(), exclusive);
@@ -1012,8 +1150,9 @@ impl Client {
             ts.phase = Phase::Holding;
             ts.exclusive = exclusive;
             ts.contended = waiting;
+            ts.work_done = None;
+            ts.quantum_end = Instant::now().checked_add(Duration::from_millis(tq_ms));
         }
-        st.idle_since = Instant::now();
         // Bound the queue before the gate opens: waiting threads queue at once.
         self.refresh_throttle(&st);
         let pos = st.position(k);
@@ -1024,10 +1163,38 @@ impl Client {
             // Asked for before an earlier turn was lost: holding this one while waiting
             // for that one could deadlock with another process. Give it back; it is
             // asked for again once the earlier ones are held.
-            self.give_back(&mut st, k, 0, false);
+            self.give_back(&mut st, k, 0, false, false);
         } else {
             let turn = st.slots[k].turn.clone();
             turn.res.set_backing_allowed(true);
+            if pipelined && !turn.res.all_resident() {
+                // The previous holder is still swapping out, freeing the memory this
+                // swap-in needs segment by segment: swap in as it comes, waiting
+                // without the state lock (a waiting thread, a message of another turn
+                // go on), for at most PIPELINED_WAIT; what is left then waits as any
+                // short-of-room turn does.
+                drop(st);
+                let r = {
+                    let _swapping = Swapping::enter(&turn);
+                    turn.res.swap_in_waiting(Instant::now() + PIPELINED_WAIT)
+                };
+                match r {
+                    Ok(s) => {
+                        turn.report_swap(SwapDirection::In, s);
+                        lock(&turn.view).last_swap_in = Some((s.bytes, s.duration));
+                    }
+                    Err(e) => crate::kdebug!(
+                        "GPU {}: pipelined swap-in stopped with CUDA error {e}; waiting for room",
+                        turn.info.ordinal
+                    ),
+                }
+                st = lock(&self.state);
+                if st.slots[k].ts.phase != Phase::Holding {
+                    drop(st);
+                    self.cv.notify_all();
+                    return;
+                }
+            }
             match turn.make_resident() {
                 Ok(()) => {
                     st.slots[k].ts.short_since = None;
@@ -1046,7 +1213,7 @@ impl Client {
     fn on_drop(&self, k: usize, need: u64) {
         let mut st = lock(&self.state);
         match st.slots[k].ts.phase {
-            Phase::Holding => self.give_back(&mut st, k, need, false),
+            Phase::Holding => self.give_back(&mut st, k, need, false, true),
             // Not holding and not asking: a drop that crossed our (early) release, or an
             // arbiter that thinks we hold. Answering is harmless.
             Phase::Idle => {
@@ -1061,15 +1228,21 @@ impl Client {
         self.cv.notify_all();
     }
 
-    /// Drains, then evicts `need` bytes. A failed drain evicts nothing: work still
+    /// Drains, then evicts `need` bytes (saying `drained` in between when `announce`).
+    /// A failed drain evicts nothing: work still
     /// queued may read or write the memory, so copying it out then unmapping it could
     /// lose what that work writes (or fault it). The memory stays resident and the
     /// caller's answer (`release`, `reclaimed`) says so; the arbiter then asks this
     /// idle client to evict with a `reclaim` when the next holder needs the room,
     /// which drains again.
-    fn drain_then_evict(turn: &Turn, need: u64, before: &str) {
+    fn drain_then_evict(turn: &Turn, need: u64, before: &str, announce: bool) {
         match turn.res.drain() {
-            Ok(()) => turn.evict(need),
+            Ok(()) => {
+                if announce {
+                    turn.send(&ClientMsg::Drained);
+                }
+                turn.evict(need)
+            }
             Err(e) if need > 0 => crate::kerror!(
                 "GPU {}: draining before {before} failed with CUDA error {e}: nothing swapped out, its memory stays resident",
                 turn.info.ordinal
@@ -1085,7 +1258,7 @@ impl Client {
         let mut st = lock(&self.state);
         let turn = st.slots[k].turn.clone();
         if !st.holding(k) {
-            Self::drain_then_evict(&turn, need, "a reclaim");
+            Self::drain_then_evict(&turn, need, "a reclaim", false);
         }
         let u = turn.usage();
         turn.send(&ClientMsg::Reclaimed(u));
@@ -1111,8 +1284,11 @@ impl Client {
         crate::kdebug!("arbiter (slot {k}): {msg:?}");
         match msg {
             ArbiterMsg::Grant {
-                exclusive, waiting, ..
-            } => self.on_grant(k, exclusive, waiting),
+                exclusive,
+                waiting,
+                pipelined,
+                tq_ms,
+            } => self.on_grant(k, exclusive, waiting, pipelined, tq_ms),
             ArbiterMsg::Drop { need_bytes, .. } => self.on_drop(k, need_bytes),
             ArbiterMsg::Contended {
                 waiting,
@@ -1121,10 +1297,13 @@ impl Client {
                 let mut st = lock(&self.state);
                 let ts = &mut st.slots[k].ts;
                 ts.contended = waiting;
-                if ts.contended_need != need_bytes {
-                    ts.prepared_for = None;
-                }
                 ts.contended_need = need_bytes;
+                // Others wait: the buffers the coming swap-out needs are pinned now,
+                // in the background, so the release does not wait for pinning.
+                let target = if waiting > 0 { need_bytes } else { 0 };
+                if turn.pin_target.swap(target, Ordering::AcqRel) != target {
+                    self.wake_pinning();
+                }
             }
             ArbiterMsg::Reclaim { need_bytes } => self.on_reclaim(k, need_bytes),
             ArbiterMsg::Revoked { reason } => self.on_revoked(k, &reason),
@@ -1151,85 +1330,136 @@ impl Client {
                     quantum_end: quantum_left_ms.map(|ms| now + Duration::from_millis(ms)),
                 });
             }
-            // TODO(#15, H4): prepare swap-outs in the background while oversubscribed.
-            ArbiterMsg::Pressure { .. } => {}
+            // Oversubscribed: a swap-out of this client may come at any time (a drop, a
+            // reclaim, an idle eviction), whether it holds the GPU or not; its pinned
+            // buffers are prepared in the background. No longer: the spares go back.
+            ArbiterMsg::Pressure { oversubscribed } => {
+                crate::kdebug!(
+                    "GPU {}: {}oversubscribed",
+                    turn.info.ordinal,
+                    if oversubscribed { "" } else { "no longer " }
+                );
+                turn.pressure.store(oversubscribed, Ordering::Release);
+                if !oversubscribed {
+                    turn.pin_trim.store(true, Ordering::Release);
+                }
+                self.wake_pinning();
+            }
             ArbiterMsg::Registered { .. } | ArbiterMsg::Pong { .. } => {}
         }
     }
 
-    /// Periodic duties of turn `k`: usage reports (batched) and the early release of an
-    /// idle holder.
+    /// Periodic duties of turn `k`: usage reports (batched), the retry of a swap-in
+    /// short of room, and the early release of an idle holder.
+    ///
+    /// Idle means nothing submitted *and* the queued work done, for `KIWI_IDLE_MS`.
+    /// The submission count says the first. Once it stopped moving between two looks,
+    /// a drain (with the gate open: the application may go on) says the second, and
+    /// when: the work was done by the drain's end, and the idle clock runs from there.
+    /// A submission during the drain, a thread waiting in the queue bound or a capture
+    /// in progress means busy. No timing threshold: a drain that a loaded machine slows
+    /// down only starts the clock as much later, and it is taken once per quiet period.
     fn tick(&self, k: usize) {
         let mut st = lock(&self.state);
-        let now = Instant::now();
         let subs = self.gate.submissions();
-        if subs != st.idle_mark || crate::gate::QUEUE_BOUND.syncing() {
-            // A thread waiting in the queue bound is working, not idle.
-            st.idle_mark = subs;
-            st.idle_since = now;
+        let moved = subs != st.idle_mark || crate::gate::QUEUE_BOUND.syncing();
+        st.idle_mark = subs;
+        if moved {
+            st.quiet_since = Instant::now();
         }
         if st.slots[k].ts.phase == Phase::Holding && st.slots[k].ts.short_since.is_some() {
             self.retry_short(&mut st, k);
         }
         let turn = st.slots[k].turn.clone();
         let ts = &st.slots[k].ts;
+        // Drained while others wait and an early release can still come before the
+        // quantum ends (it is due once the work is done), and, nobody waiting, once
+        // quiet for the idle period (so that a holder idle long before anyone asks
+        // releases at once when someone does).
+        let before_quantum_end = ts
+            .quantum_end
+            .is_none_or(|end| Instant::now() + self.env.idle < end);
         if ts.phase == Phase::Holding
-            && ts.contended > 0
-            && st.want == 0
-            && now.duration_since(st.idle_since) >= self.env.idle
+            && ts.short_since.is_none()
+            && !moved
+            && ts.work_done.map(|w| w.0) != Some(subs)
+            && ((ts.contended > 0 && before_quantum_end)
+                || st.quiet_since.elapsed() >= self.env.idle)
         {
-            // Idle means nothing submitted *and* the queued work done: drain (the gate
-            // stays open, the app may go on) and look at how long it took. Work still
-            // running restarts the idle clock from its completion.
-            let t = Instant::now();
-            if let Err(e) = turn.res.drain() {
+            // Not under the state lock: a drop or a waiting thread must not wait for it.
+            drop(st);
+            let capturing = crate::capture::active();
+            let r = turn.res.drain();
+            let end = Instant::now();
+            st = lock(&self.state);
+            if let Err(e) = &r {
+                // Not seen done: the release drains again (and evicts nothing if that
+                // fails too, see drain_then_evict).
                 crate::kwarn!("draining an idle holder failed with CUDA error {e}");
             }
-            let after = self.gate.submissions();
-            if t.elapsed() > Duration::from_millis(2) || after != subs {
-                st.idle_mark = after;
-                st.idle_since = Instant::now();
+            let quiet = r.is_ok()
+                && self.gate.submissions() == subs
+                && !crate::gate::QUEUE_BOUND.syncing()
+                && !capturing
+                && !crate::capture::active();
+            if quiet && st.slots[k].ts.phase == Phase::Holding {
+                st.slots[k].ts.work_done = Some((subs, end));
+            }
+        }
+        let ts = &st.slots[k].ts;
+        if let (Phase::Holding, Some((mark, done))) = (ts.phase, ts.work_done) {
+            let idle = done.elapsed();
+            if ts.contended > 0
+                && st.want == 0
+                && mark == self.gate.submissions()
+                && idle >= self.env.idle
+            {
+                crate::kinfo!(
+                    "GPU {}: idle for {idle:?} while {} wait: releasing early",
+                    turn.info.ordinal,
+                    ts.contended
+                );
+                let need = ts.contended_need;
+                self.give_back(&mut st, k, need, true, false);
+                drop(st);
+                self.cv.notify_all();
                 return;
             }
-            crate::kinfo!(
-                "GPU {}: idle for {:?} while {} wait: releasing early",
-                turn.info.ordinal,
-                now.duration_since(st.idle_since),
-                ts.contended
-            );
-            let need = ts.contended_need;
-            self.give_back(&mut st, k, need, true);
-            drop(st);
-            self.cv.notify_all();
-            return;
         }
         Self::report(&turn, &mut st.slots[k].ts);
-        // Others wait: pin the buffers the coming swap-out needs now, a little per
-        // tick, so the drop does not wait for pinning (slow: page-locking host RAM).
+    }
+
+    /// How long turn `k`'s thread may wait for a message before its next tick: the
+    /// regular tick (usage reports), 1 ms while others wait and the holder's queued
+    /// work is not yet seen done, and until the end of its idle period once it is.
+    fn next_tick(&self, k: usize) -> Duration {
+        let idle = self.env.idle;
+        let base = (idle / 4).clamp(Duration::from_millis(1), Duration::from_millis(20));
+        let st = lock(&self.state);
         let ts = &st.slots[k].ts;
-        let need = ts.contended_need;
-        if ts.phase == Phase::Holding
-            && ts.contended > 0
-            && need > 0
-            && ts.prepared_for != Some(need)
-        {
-            drop(st);
-            let t = Instant::now();
-            let ready = match turn.res.prepare_swap_out(need, PREPARE_PER_TICK) {
-                Ok(0) => true,
-                Ok(n) => {
-                    crate::kdebug!("pinned {n} bytes ahead in {:?}", t.elapsed());
-                    stats::PINNED_AHEAD_BYTES.fetch_add(n, Ordering::Relaxed);
-                    false
+        if ts.phase != Phase::Holding {
+            return base;
+        }
+        let now = Instant::now();
+        if ts.short_since.is_some() {
+            return base;
+        }
+        match ts.work_done {
+            Some((mark, done)) if mark == self.gate.submissions() => {
+                let left = (done + idle).saturating_duration_since(now);
+                if ts.contended > 0 && !left.is_zero() {
+                    left.min(base)
+                } else {
+                    base
                 }
-                Err(e) => {
-                    crate::kdebug!("pinning swap buffers ahead failed with CUDA error {e}");
-                    true
-                }
-            };
-            if ready {
-                lock(&self.state).slots[k].ts.prepared_for = Some(need);
             }
+            // Not seen done yet: while others wait, an early release is due as soon
+            // as it is, so the idle detector looks every millisecond (a check of one
+            // atomic, and a drain once the count stopped moving).
+            _ if ts.contended > 0 && ts.quantum_end.is_none_or(|end| now + idle < end) => {
+                Duration::from_millis(1)
+            }
+            _ => base,
         }
     }
 
@@ -1239,9 +1469,8 @@ impl Client {
             Some(c) => c,
             None => self.reconnect(&turn),
         };
-        let tick = (self.env.idle / 4).clamp(Duration::from_millis(1), Duration::from_millis(20));
         loop {
-            match conn.recv_timeout(tick) {
+            match next_message(&mut conn, self.next_tick(k)) {
                 Ok(Some(msg)) => {
                     self.handle(&turn, msg);
                     // Drain whatever else arrived before ticking.
@@ -1257,6 +1486,108 @@ impl Client {
             }
             self.tick(k);
             self.refresh_throttle(&lock(&self.state));
+        }
+    }
+
+    /// Starts the pinning thread, once per process.
+    fn start_pinning(self: &Arc<Self>) {
+        if self.pin_started.set(()).is_err() {
+            return;
+        }
+        let c = self.clone();
+        if let Err(e) = std::thread::Builder::new()
+            .name("kiwi-pin".into())
+            .spawn(move || c.pin_loop())
+        {
+            crate::kwarn!("cannot start the shim's pinning thread ({e}): swap buffers are pinned when a swap needs them");
+        }
+    }
+
+    /// Tells the pinning thread that a turn's target changed.
+    fn wake_pinning(&self) {
+        *lock(&self.pin_work) = true;
+        self.pin_cv.notify_one();
+    }
+
+    /// The pinning thread: prepares the pinned host buffers each turn's next swap-out
+    /// needs, one [`PIN_STEP`] at a time over the turns, holding none of the shim's
+    /// locks while it pins (page-locking runs at a few GB/s). It has its own thread so
+    /// that a turn's thread (early releases, drops, grants) never waits behind it.
+    /// While some turn has a target it looks again every [`PIN_RECHECK`]: the working
+    /// set grows, a swap-in turns buffers back into spares.
+    fn pin_loop(&self) {
+        loop {
+            let busy = self.turns().any(|t| {
+                t.pressure.load(Ordering::Relaxed) || t.pin_target.load(Ordering::Relaxed) > 0
+            });
+            {
+                let mut w = lock(&self.pin_work);
+                if !*w {
+                    let wait = if busy {
+                        PIN_RECHECK
+                    } else {
+                        Duration::from_secs(3600)
+                    };
+                    w = self
+                        .pin_cv
+                        .wait_timeout(w, wait)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+                *w = false;
+            }
+            loop {
+                let mut more = false;
+                for turn in self.turns() {
+                    more |= Self::pin_step(turn);
+                }
+                if !more {
+                    break;
+                }
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// One step of pinning ahead for `turn`; returns whether more is left.
+    fn pin_step(turn: &Turn) -> bool {
+        if turn.pin_trim.swap(false, Ordering::AcqRel) && !turn.pressure.load(Ordering::Acquire) {
+            let n = turn.res.trim_spare_buffers();
+            if n > 0 {
+                crate::kdebug!(
+                    "GPU {}: no longer oversubscribed; freed {n} bytes of spare pinned buffers",
+                    turn.info.ordinal
+                );
+            }
+        }
+        let target = if turn.pressure.load(Ordering::Acquire) {
+            u64::MAX
+        } else {
+            turn.pin_target.load(Ordering::Acquire)
+        }
+        .min(turn.swap_budget.load(Ordering::Relaxed));
+        if target == 0 || turn.swapping.load(Ordering::Acquire) > 0 {
+            return false;
+        }
+        let t = Instant::now();
+        match turn.res.prepare_swap_out(target, PIN_STEP) {
+            Ok(0) => false,
+            Ok(n) => {
+                crate::kdebug!(
+                    "GPU {}: pinned {n} bytes ahead in {:?}",
+                    turn.info.ordinal,
+                    t.elapsed()
+                );
+                stats::PINNED_AHEAD_BYTES.fetch_add(n, Ordering::Relaxed);
+                true
+            }
+            Err(e) => {
+                crate::kdebug!(
+                    "GPU {}: pinning swap buffers ahead failed with CUDA error {e}",
+                    turn.info.ordinal
+                );
+                false
+            }
         }
     }
 
@@ -1328,6 +1659,9 @@ impl Client {
                     turn.capacity.store(r.capacity, Ordering::Relaxed);
                     turn.budgeted
                         .store(r.swap_budget.is_some(), Ordering::Release);
+                    turn.pipelined.store(r.pipelined, Ordering::Relaxed);
+                    turn.swap_budget
+                        .store(r.swap_budget.unwrap_or(u64::MAX), Ordering::Relaxed);
                     turn.res.set_limit(r.capacity);
                     let st = lock(&self.state);
                     *lock(&turn.writer) = Some(r.writer);

@@ -26,6 +26,7 @@ use std::sync::atomic::AtomicPtr;
 
 use crate::cuda::*;
 use crate::hooks;
+use crate::ipc::CUipcMemHandle;
 
 /// `CUarray`: an opaque driver handle.
 type CUarray = *mut c_void;
@@ -223,6 +224,16 @@ exports! {
     // The application's own VMM: passed through, its physical bytes counted.
     hook cuMemCreate(handle: *mut CUmemGenericAllocationHandle, size: usize, prop: *const CUmemAllocationProp, flags: u64) => hooks::app_mem_create;
     hook cuMemRelease(handle: CUmemGenericAllocationHandle) => hooks::app_mem_release;
+
+    // --- modules: their device memory is counted as memory no swap frees
+    hook cuModuleLoad(module: *mut *mut c_void, fname: *const c_char) => hooks::module_load;
+    hook cuModuleLoadData(module: *mut *mut c_void, image: *const c_void) => hooks::module_load_data;
+    hook cuModuleLoadDataEx(module: *mut *mut c_void, image: *const c_void, n: Uint, options: *mut c_int, values: *mut *mut c_void) => hooks::module_load_data_ex;
+    hook cuModuleLoadFatBinary(module: *mut *mut c_void, image: *const c_void) => hooks::module_load_data;
+    hook cuModuleUnload(module: *mut c_void) => hooks::module_unload;
+    hook cuLibraryLoadData(library: *mut *mut c_void, code: *const c_void, jit_options: *mut c_int, jit_values: *mut *mut c_void, n_jit: Uint, lib_options: *mut c_int, lib_values: *mut *mut c_void, n_lib: Uint) => hooks::library_load;
+    hook cuLibraryLoadFromFile(library: *mut *mut c_void, file: *const c_void, jit_options: *mut c_int, jit_values: *mut *mut c_void, n_jit: Uint, lib_options: *mut c_int, lib_values: *mut *mut c_void, n_lib: Uint) => hooks::library_load;
+    hook cuLibraryUnload(library: *mut c_void) => hooks::module_unload;
 
     // --- originals the shim itself uses
     /// Waits for the context's queued work (the shim drains with it); runs no work of its own.
@@ -533,14 +544,14 @@ exports! {
     driver cuGraphicsSubResourceGetMappedArray;
     /// Green contexts are not hooked (docs/shim.md, Limits); creates a stream, runs no work.
     driver cuGreenCtxStreamCreate;
-    /// IPC of device memory: left to the driver for now (#13 item 6); runs no work.
-    driver cuIpcCloseMemHandle;
-    /// IPC of device memory: left to the driver, which refuses the shim's allocations (VMM memory; not supported, docs/shim.md); runs no work.
-    driver cuIpcGetMemHandle;
-    /// IPC of device memory: left to the driver for now (#13 item 6); runs no work.
-    driver cuIpcOpenMemHandle;
-    /// IPC of device memory: left to the driver for now (#13 item 6); runs no work.
-    driver cuIpcOpenMemHandle_v2;
+    /// IPC of the shim's allocations ([`crate::ipc`]); other handles go to the driver.
+    hook cuIpcCloseMemHandle(dptr: CUdeviceptr) => crate::ipc::close_mem_handle;
+    /// IPC of the shim's allocations ([`crate::ipc`]); other memory goes to the driver.
+    hook cuIpcGetMemHandle(handle: *mut CUipcMemHandle, dptr: CUdeviceptr) => crate::ipc::get_mem_handle;
+    /// IPC of the shim's allocations ([`crate::ipc`]); other handles go to the driver.
+    hook cuIpcOpenMemHandle(pdptr: *mut CUdeviceptr, handle: CUipcMemHandle, flags: Uint) => crate::ipc::open_mem_handle;
+    /// IPC of the shim's allocations ([`crate::ipc`]); other handles go to the driver.
+    hook cuIpcOpenMemHandle_v2(pdptr: *mut CUdeviceptr, handle: CUipcMemHandle, flags: Uint) => crate::ipc::open_mem_handle;
     /// A module's globals live in the context's module memory, never swapped; runs no work.
     driver cuLibraryGetGlobal;
     /// A module's globals live in the context's module memory, never swapped; runs no work.

@@ -32,6 +32,7 @@ macro_rules! call {
 }
 
 /// The real driver, for one device, through the originals.
+#[derive(Clone, Copy)]
 pub struct RealDriver {
     device: CUdevice,
 }
@@ -54,10 +55,25 @@ impl Driver for RealDriver {
         call!(cuMemAddressFree: fn(CUdeviceptr, usize)(va, size as usize))
     }
     fn create(&self, size: u64) -> Result<u64, CUresult> {
-        let prop = CUmemAllocationProp::device(self.device);
+        // Exportable (POSIX fd), for CUDA IPC ([`crate::ipc`]), unless the driver refuses.
+        let mut prop = crate::ipc::alloc_prop(self.device);
         let mut h: CUmemGenericAllocationHandle = 0;
-        call!(cuMemCreate: fn(*mut CUmemGenericAllocationHandle, usize, *const CUmemAllocationProp, u64)
-            (&mut h, size as usize, &prop, 0))?;
+        let mut create = |prop: &CUmemAllocationProp| {
+            call!(cuMemCreate: fn(*mut CUmemGenericAllocationHandle, usize, *const CUmemAllocationProp, u64)
+            (&mut h, size as usize, prop, 0))
+        };
+        match create(&prop) {
+            Err(e) if crate::ipc::create_refused(&prop, e) => {
+                prop.requested_handle_types = 0;
+                create(&prop)?;
+            }
+            r => {
+                r?;
+                if prop.requested_handle_types != 0 {
+                    crate::ipc::created_exportable();
+                }
+            }
+        }
         Ok(h)
     }
     fn release(&self, handle: u64) -> Result<(), CUresult> {
@@ -124,6 +140,14 @@ impl Driver for RealDriver {
     }
     fn wait_copies(&self) -> Result<(), CUresult> {
         call!(cuStreamSynchronize: fn(CUstream)(null_mut()))
+    }
+    fn copies_done(&self) -> Option<bool> {
+        // CUDA_ERROR_NOT_READY (600): still copying.
+        match call!(cuStreamQuery: fn(CUstream)(null_mut())) {
+            Ok(()) => Some(true),
+            Err(600) => Some(false),
+            Err(_) => None,
+        }
     }
     // A free waits for the work that may still use the memory: a stream-ordered free
     // for its own stream only ([`FREE_STREAM`]), any other free for the context, never
@@ -526,14 +550,49 @@ impl Residency for DeviceResidency {
         }
         self.with(Ok(Swap::default()), |m| m.swap_in_all())
     }
+    fn swap_in_waiting(&self, until: std::time::Instant) -> Result<Swap, CUresult> {
+        if !crate::capture::legacy_usable(crate::capture::CAPTURE_WAIT) {
+            return Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
+        self.with(Ok(Swap::default()), |m| m.swap_in_until(Some(until)))
+    }
     fn evict(&self, need: u64) -> Result<Swap, CUresult> {
         if !crate::capture::legacy_usable(crate::capture::CAPTURE_WAIT) {
             return Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
         }
         self.with(Ok(Swap::default()), |m| m.evict(need))
     }
+    /// Pins outside the allocator's lock (page-locking runs at a few GB/s): a swap,
+    /// an allocation or a release never waits behind it.
     fn prepare_swap_out(&self, need: u64, budget: u64) -> Result<u64, CUresult> {
-        self.with(Ok(0), |m| m.prepare_swap_out(need, budget))
+        let Some((drv, missing)) = mem_lock(self.0)
+            .as_ref()
+            .map(|m| (*m.driver(), m.swap_out_shortfall(need)))
+        else {
+            return Ok(0);
+        };
+        let mut done = 0;
+        for size in missing {
+            if done > 0 && done + size > budget {
+                break;
+            }
+            let p = crate::ffi::inside(|| {
+                let _ctx = AppContext::enter(self.0);
+                let _relaxed = crate::capture::Relaxed::enter();
+                drv.host_alloc(size)
+            })?;
+            match mem_lock(self.0).as_mut() {
+                // SAFETY: `p` is a fresh buffer of `size` bytes from this allocator's
+                // driver, owned by nobody else.
+                Some(m) => unsafe { m.add_spare(p, size) },
+                None => drv.host_free(p),
+            }
+            done += size;
+        }
+        Ok(done)
+    }
+    fn trim_spare_buffers(&self) -> u64 {
+        self.with(0, |m| m.release_spares())
     }
     fn locked(&self, f: &mut dyn FnMut(bool) -> bool) -> bool {
         let guard = mem_lock(self.0);
@@ -669,6 +728,178 @@ pub unsafe fn ctx_create_v4(
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
     context_created(unsafe { real(pctx, params, flags, dev) }, pctx, dev)
+}
+
+// ---------------------------------------------------------------------------------
+// Modules: their code and constants take device memory no swap frees.
+
+/// Each loaded module or library the shim counted: handle → (device, bytes), so an
+/// unload gives back exactly what its load added.
+static MODULES: Mutex<std::collections::BTreeMap<usize, (usize, u64)>> =
+    Mutex::new(std::collections::BTreeMap::new());
+
+fn modules() -> MutexGuard<'static, std::collections::BTreeMap<usize, (usize, u64)>> {
+    MODULES.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Runs `load`, a module or library load into the calling thread's current context
+/// that writes its handle through `handle`, and counts the device memory it took as
+/// the process's memory no swap frees on that GPU (reported to the arbiter with the
+/// contexts' memory): the drop in free memory around the load, less what this
+/// process's own allocator mapped or unmapped meanwhile (both read under the
+/// allocator's lock, so a swap of its own never counts). Other processes allocating
+/// or freeing during the load can still move the figure; a negative one counts 0.
+fn counted_load(handle: *mut *mut c_void, load: impl FnOnce() -> CUresult) -> CUresult {
+    let target = current_mem_device()
+        .and_then(|d| client::global().and_then(|c| c.turn_for(d)).map(|t| (d, t)));
+    let Some((d, turn)) = target else {
+        return load();
+    };
+    let snapshot = || {
+        let guard = mem_lock(d);
+        let own = guard.as_ref().map_or(0, |m| m.figures().resident);
+        free_memory().map(|f| (f, own))
+    };
+    let before = snapshot();
+    let r = load();
+    if r != CUDA_SUCCESS || handle.is_null() {
+        return r;
+    }
+    // SAFETY: the driver just wrote the handle through the caller's pointer.
+    let h = unsafe { *handle } as usize;
+    let bytes = match (before, snapshot()) {
+        (Some((free0, own0)), Some((free1, own1))) => {
+            let took =
+                i128::from(free0) - i128::from(free1) - (i128::from(own1) - i128::from(own0));
+            u64::try_from(took.max(0)).unwrap_or(0)
+        }
+        _ => 0,
+    };
+    if bytes > 0 {
+        crate::kdebug!("GPU {d}: a module load took {bytes} bytes of device memory");
+        turn.add_context_bytes(bytes as i64);
+    }
+    modules().insert(h, (d, bytes));
+    r
+}
+
+/// Runs `unload` of module or library `h`; on success gives back what its load was
+/// counted.
+fn counted_unload(h: *mut c_void, unload: impl FnOnce() -> CUresult) -> CUresult {
+    let r = unload();
+    if r == CUDA_SUCCESS {
+        if let Some((d, bytes)) = modules().remove(&(h as usize)) {
+            if let Some(t) = client::global().and_then(|c| c.turn_for(d)) {
+                t.add_context_bytes(-(bytes as i64));
+            }
+        }
+    }
+    r
+}
+
+/// # Safety
+/// `real` is the driver's original of this entry point; the other arguments are the
+/// application's, valid as `cuda.h` documents them.
+pub unsafe fn module_load(
+    real: Real<unsafe extern "C" fn(*mut *mut c_void, *const c_char) -> CUresult>,
+    module: *mut *mut c_void,
+    fname: *const c_char,
+) -> CUresult {
+    // SAFETY: forwarding the caller's arguments.
+    counted_load(module, || unsafe { real(module, fname) })
+}
+
+/// `cuModuleLoadData` and `cuModuleLoadFatBinary`.
+/// # Safety
+/// `real` is the driver's original of this entry point; the other arguments are the
+/// application's, valid as `cuda.h` documents them.
+pub unsafe fn module_load_data(
+    real: Real<unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> CUresult>,
+    module: *mut *mut c_void,
+    image: *const c_void,
+) -> CUresult {
+    // SAFETY: forwarding the caller's arguments.
+    counted_load(module, || unsafe { real(module, image) })
+}
+
+/// # Safety
+/// `real` is the driver's original of this entry point; the other arguments are the
+/// application's, valid as `cuda.h` documents them.
+pub unsafe fn module_load_data_ex(
+    real: Real<
+        unsafe extern "C" fn(
+            *mut *mut c_void,
+            *const c_void,
+            Uint,
+            *mut c_int,
+            *mut *mut c_void,
+        ) -> CUresult,
+    >,
+    module: *mut *mut c_void,
+    image: *const c_void,
+    n: Uint,
+    options: *mut c_int,
+    values: *mut *mut c_void,
+) -> CUresult {
+    // SAFETY: forwarding the caller's arguments.
+    counted_load(module, || unsafe {
+        real(module, image, n, options, values)
+    })
+}
+
+/// `cuModuleUnload` and `cuLibraryUnload`.
+/// # Safety
+/// `real` is the driver's original of this entry point; the other arguments are the
+/// application's, valid as `cuda.h` documents them.
+pub unsafe fn module_unload(
+    real: Real<unsafe extern "C" fn(*mut c_void) -> CUresult>,
+    module: *mut c_void,
+) -> CUresult {
+    // SAFETY: forwarding the caller's argument.
+    counted_unload(module, || unsafe { real(module) })
+}
+
+/// `cuLibraryLoadData` (`code`: an image) and `cuLibraryLoadFromFile` (`code`: a
+/// file name).
+/// # Safety
+/// `real` is the driver's original of this entry point; the other arguments are the
+/// application's, valid as `cuda.h` documents them.
+#[allow(clippy::too_many_arguments)] // cuda.h's signature
+pub unsafe fn library_load(
+    real: Real<
+        unsafe extern "C" fn(
+            *mut *mut c_void,
+            *const c_void,
+            *mut c_int,
+            *mut *mut c_void,
+            Uint,
+            *mut c_int,
+            *mut *mut c_void,
+            Uint,
+        ) -> CUresult,
+    >,
+    library: *mut *mut c_void,
+    code: *const c_void,
+    jit_options: *mut c_int,
+    jit_values: *mut *mut c_void,
+    n_jit: Uint,
+    lib_options: *mut c_int,
+    lib_values: *mut *mut c_void,
+    n_lib: Uint,
+) -> CUresult {
+    // SAFETY: forwarding the caller's arguments.
+    counted_load(library, || unsafe {
+        real(
+            library,
+            code,
+            jit_options,
+            jit_values,
+            n_jit,
+            lib_options,
+            lib_values,
+            n_lib,
+        )
+    })
 }
 
 fn map_proc(symbol: *const c_char, pfn: *mut *mut c_void, flags: u64) {
@@ -921,18 +1152,27 @@ pub unsafe fn mem_free(
     dptr: CUdeviceptr,
 ) -> CUresult {
     let ours = || client::allocator_enabled() && with_owner(dptr, |_| ()).is_some();
-    if crate::capture::active() && ours() {
-        // Freeing waits for the work that may use the memory, which no shim may do while
-        // a stream captures: the free is done when the last capture ends (the memory
-        // stays mapped until then, so nothing running can touch unmapped memory).
+    // Freeing waits for the context's work that may use the memory (as cuMemFree
+    // does: a small allocation's range is reused at once), which no shim may do while
+    // a stream captures: the free is done when the last capture ends (the memory
+    // stays allocated and mapped until then, so nothing queued can touch a range
+    // handed out again, nor unmapped memory).
+    let defer = || {
         crate::capture::after_captures(Box::new(move || {
             if let Some(e) = free_ours(dptr).filter(|&r| r != CUDA_SUCCESS) {
                 crate::kwarn!("a free deferred past a capture failed with CUDA error {e}");
             }
         }));
-        return CUDA_SUCCESS;
+        CUDA_SUCCESS
+    };
+    if crate::capture::active() && ours() {
+        return defer();
     }
     match free_ours(dptr) {
+        // A capture began between the check and the wait: the allocation is intact.
+        Some(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) if crate::capture::active() => {
+            defer()
+        }
         Some(r) => r,
         // SAFETY: forwarding the caller's argument.
         None => unsafe { real(dptr) },

@@ -19,6 +19,7 @@
 //! | `KIWI_IDLE_MS` | idle time after which a contended holder releases early (default 100) |
 //! | `KIWI_REAL_LIBCUDA` | path of the real driver (default `libcuda.so.1`) |
 //! | `KIWI_LOG` | `error`, `warn` (default), `info`, `debug`; the two lines explaining a wait show unless it is `warn` or `error` |
+//! | `KIWI_IPC_TIMEOUT_MS` | how long `cuIpcOpenMemHandle` waits for the exporter (default 30000) |
 //! | `KIWI_STATS` | file the shim writes its counters to at exit |
 //! | `KIWI_POD_NAME`, `KIWI_POD_NAMESPACE`, `KIWI_CONTAINER_ID` | shown by `kiwictl status` |
 
@@ -32,6 +33,7 @@ pub mod exports;
 pub mod ffi;
 pub mod gate;
 pub mod hooks;
+pub mod ipc;
 pub mod log;
 pub mod mem;
 pub mod procaddr;

@@ -88,6 +88,11 @@ pub trait Driver: Send {
     fn wait_copies(&self) -> Result<(), CUresult> {
         Ok(())
     }
+    /// Whether the copies started so far are complete, without waiting; `None`: the
+    /// driver cannot tell (the default).
+    fn copies_done(&self) -> Option<bool> {
+        None
+    }
     /// Waits until every piece of work of this process's context is done.
     fn sync(&self) -> Result<(), CUresult>;
     /// Grants other devices access to the mapping at `va` (`cuMemSetAccess`), beyond
@@ -142,6 +147,8 @@ struct Segment {
     /// Other devices' access the application asked for (`cuMemSetAccess` on an
     /// allocation this segment holds), applied whenever it is mapped.
     access: Vec<Grant>,
+    /// Pins of shared (IPC) allocations this segment holds: never evicted while > 0.
+    pins: u32,
 }
 
 enum Alloc {
@@ -203,6 +210,11 @@ pub struct Memory<D: Driver> {
     spare: Vec<HostBuf>,
     /// Bytes of every pinned host buffer (held and spare).
     host_bytes: u64,
+    /// Allocations shared through IPC ([`crate::ipc`]): base → share.
+    shared: HashMap<u64, Shared>,
+    /// Bytes of the segments pinned by shared allocations (never evicted; reported
+    /// as memory no swap frees).
+    pinned: u64,
 }
 
 fn round_up(v: u64, to: u64) -> u64 {
@@ -229,6 +241,8 @@ impl<D: Driver> Memory<D> {
             peers: Vec::new(),
             spare: Vec::new(),
             host_bytes: 0,
+            shared: HashMap::new(),
+            pinned: 0,
         })
     }
 
@@ -252,7 +266,9 @@ impl<D: Driver> Memory<D> {
         Figures {
             working_set: self.working_set + self.external_bytes,
             resident: self.resident + self.external_bytes,
-            external: self.external_bytes,
+            // Pinned (shared) segments stay in the working set and resident, but no
+            // swap frees them: reported apart like the application's own handles.
+            external: self.external_bytes + self.pinned,
         }
     }
 
@@ -534,6 +550,7 @@ impl<D: Driver> Memory<D> {
                 touch: self.epoch,
                 chunk: None,
                 access: Vec::new(),
+                pins: 0,
             });
             segs.push(i);
             off += len;
@@ -600,6 +617,7 @@ impl<D: Driver> Memory<D> {
                 used: need,
             }),
             access: Vec::new(),
+            pins: 0,
         });
         self.working_set += self.gran;
         if self.backing_allowed {
@@ -637,20 +655,30 @@ impl<D: Driver> Memory<D> {
         self.allocs.contains_key(&ptr)
     }
 
-    /// Frees the allocation at `ptr`. Work that may still use it is waited for first.
+    /// Frees the allocation at `ptr`. Work that may still use it is waited for first
+    /// ([`Driver::sync`], as `cuMemFree` does): a small allocation's range goes back
+    /// to its chunk and is handed out again at once, and a kernel queued before the
+    /// free would otherwise write into the next allocation there. When the wait fails
+    /// the allocation stays allocated and the error is returned.
     pub fn free(&mut self, ptr: u64) -> Result<(), CUresult> {
+        let mapped = match self.allocs.get(&ptr) {
+            None => return Err(CUDA_ERROR_INVALID_VALUE),
+            Some(Alloc::Large { segs, .. }) => segs
+                .iter()
+                .any(|&i| self.segs[i].as_ref().is_some_and(|s| s.handle.is_some())),
+            Some(Alloc::Small { seg, .. }) => {
+                self.segs[*seg].as_ref().is_some_and(|s| s.handle.is_some())
+            }
+        };
+        if mapped {
+            self.drv.sync()?;
+        }
+        self.forget_share(ptr);
         let Some(a) = self.allocs.remove(&ptr) else {
             return Err(CUDA_ERROR_INVALID_VALUE);
         };
         match a {
             Alloc::Large { reserved, segs, .. } => {
-                if segs
-                    .iter()
-                    .any(|&i| self.segs[i].as_ref().is_some_and(|s| s.handle.is_some()))
-                {
-                    // Unmapping under a running kernel is an illegal address.
-                    self.drv.sync()?;
-                }
                 for i in segs {
                     self.destroy_seg(i);
                 }
@@ -673,10 +701,7 @@ impl<D: Driver> Memory<D> {
                     chunk.free.remove(pos);
                 }
                 if chunk.used == 0 {
-                    let (va, size, mapped) = (s.va, s.size, s.handle.is_some());
-                    if mapped {
-                        self.drv.sync()?;
-                    }
+                    let (va, size) = (s.va, s.size);
                     self.chunks.retain(|&c| c != seg);
                     self.destroy_seg(seg);
                     self.drv.free_va(va, size)?;
@@ -700,16 +725,24 @@ impl<D: Driver> Memory<D> {
     /// mapped. On error the segments done so far stay resident and the rest stay out,
     /// consistent (a later call goes on with the rest).
     pub fn swap_in_all(&mut self) -> Result<Swap, CUresult> {
+        self.swap_in_until(None)
+    }
+
+    /// [`Memory::swap_in_all`] for a swap-in that runs while another process frees
+    /// the memory it needs, segment by segment (a pipelined hand-off): a segment whose
+    /// physical memory cannot be created yet (out of memory) is tried again after a
+    /// short pause (0.5 ms, doubling to 2 ms) until `deadline`; then the error is
+    /// returned as by `swap_in_all`. `None`: one try.
+    pub fn swap_in_until(&mut self, deadline: Option<Instant>) -> Result<Swap, CUresult> {
         let start = Instant::now();
         self.epoch += 1;
         let todo: Vec<usize> = (0..self.segs.len())
             .filter(|&i| self.segs[i].as_ref().is_some_and(|s| s.handle.is_none()))
             .collect();
         let mut bytes = 0;
-        if let Some(&first) = todo.first() {
-            self.map_fresh(first)?;
-        }
         for (k, &i) in todo.iter().enumerate() {
+            // Mapped during the previous copy, unless there was no room yet.
+            self.map_fresh_until(i, deadline)?;
             let next = todo.get(k + 1).copied();
             let (va, size, host) = {
                 let s = self.seg(i);
@@ -723,8 +756,10 @@ impl<D: Driver> Memory<D> {
                     return Err(e);
                 }
             }
-            // While the copy runs: the next segment's memory.
-            let mapped_next = next.map(|n| self.map_fresh(n));
+            // While the copy runs: the next segment's memory. Waiting for room, it is
+            // tried again while the copy runs (the memory may come free meanwhile),
+            // else after it.
+            let mapped_next = next.map(|n| self.map_during_copy(n, deadline));
             if host.is_some() {
                 if let Err(e) = self.drv.wait_copies() {
                     self.unmap_fresh(i);
@@ -737,14 +772,46 @@ impl<D: Driver> Memory<D> {
                 self.spare.push(b);
                 bytes += size;
             }
-            if let Some(Err(e)) = mapped_next {
-                return Err(e);
+            match mapped_next {
+                Some(Err(CUDA_ERROR_OUT_OF_MEMORY)) | Some(Ok(())) | None => {}
+                Some(Err(e)) => return Err(e),
             }
         }
         Ok(Swap {
             bytes,
             duration: start.elapsed(),
         })
+    }
+
+    /// [`Memory::map_fresh`] while a copy runs; waiting for room (`deadline`), tried
+    /// again on out-of-memory every 0.5 ms until the copy is done (when the driver can
+    /// tell), so that creating the memory overlaps the copy.
+    fn map_during_copy(&mut self, i: usize, deadline: Option<Instant>) -> Result<(), CUresult> {
+        loop {
+            let r = self.map_fresh(i);
+            let waiting = deadline.is_some_and(|d| Instant::now() < d);
+            if r != Err(CUDA_ERROR_OUT_OF_MEMORY)
+                || !waiting
+                || self.drv.copies_done() != Some(false)
+            {
+                return r;
+            }
+            std::thread::sleep(Duration::from_micros(500));
+        }
+    }
+
+    /// [`Memory::map_fresh`], tried again on out-of-memory until `deadline`.
+    fn map_fresh_until(&mut self, i: usize, deadline: Option<Instant>) -> Result<(), CUresult> {
+        let mut pause = Duration::from_micros(500);
+        loop {
+            match self.map_fresh(i) {
+                Err(CUDA_ERROR_OUT_OF_MEMORY) if deadline.is_some_and(|d| Instant::now() < d) => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(2));
+                }
+                r => return r,
+            }
+        }
     }
 
     /// Evicts at least `need` bytes (all of them for `u64::MAX`), least recently used
@@ -776,6 +843,25 @@ impl<D: Driver> Memory<D> {
     /// calls it while it still holds the GPU (a little at a time, once others wait)
     /// moves the pinned allocation off the critical path of its next release.
     pub fn prepare_swap_out(&mut self, need: u64, budget: u64) -> Result<u64, CUresult> {
+        let mut done = 0;
+        for size in self.swap_out_shortfall(need) {
+            // At least one buffer per call, however small the budget.
+            if done > 0 && done + size > budget {
+                break;
+            }
+            let b = self.new_host_buf(size)?;
+            self.spare.push(b);
+            done += size;
+        }
+        Ok(done)
+    }
+
+    /// The sizes of the pinned buffers `evict(need)` would have to allocate now (what
+    /// no spare covers), largest first. [`Memory::prepare_swap_out`] allocates them
+    /// under the allocator's lock; a caller that must not hold it that long (pinning
+    /// runs at a few GB/s) allocates them through its own driver handle and hands
+    /// them over with [`Memory::add_spare`].
+    pub fn swap_out_shortfall(&self, need: u64) -> Vec<u64> {
         let victims = self.victims(need);
         let mut caps: Vec<u64> = self.spare.iter().map(|b| b.cap).collect();
         let mut missing = Vec::new();
@@ -792,17 +878,33 @@ impl<D: Driver> Memory<D> {
                 None => missing.push(size),
             }
         }
-        let mut done = 0;
-        for size in missing {
-            // At least one buffer per call, however small the budget.
-            if done > 0 && done + size > budget {
-                break;
-            }
-            let b = self.new_host_buf(size)?;
-            self.spare.push(b);
-            done += size;
+        missing
+    }
+
+    /// Takes a pinned buffer of `cap` bytes, allocated with this allocator's driver
+    /// (`host_alloc`) outside its lock, as a spare; trimmed at once if the spares then
+    /// pass the working set.
+    ///
+    /// # Safety
+    /// `ptr` came from `host_alloc(cap)` of this allocator's driver, is not freed and
+    /// is owned by nobody else from now on.
+    pub unsafe fn add_spare(&mut self, ptr: *mut u8, cap: u64) {
+        self.host_bytes += cap;
+        self.spare.push(HostBuf { ptr, cap });
+        self.trim_spare();
+    }
+
+    /// Frees every spare pinned buffer (those holding a swapped-out segment's contents
+    /// stay); returns the bytes freed. For a GPU that stopped being oversubscribed:
+    /// no swap is due, the pinned host RAM goes back to the node.
+    pub fn release_spares(&mut self) -> u64 {
+        let mut freed = 0;
+        for b in std::mem::take(&mut self.spare) {
+            self.drv.host_free(b.ptr);
+            self.host_bytes -= b.cap;
+            freed += b.cap;
         }
-        Ok(done)
+        freed
     }
 
     /// The resident segments `evict(need)` takes: least recently used first, until
@@ -814,7 +916,7 @@ impl<D: Driver> Memory<D> {
             .enumerate()
             .filter_map(|(i, s)| {
                 s.as_ref()
-                    .filter(|s| s.handle.is_some())
+                    .filter(|s| s.handle.is_some() && s.pins == 0)
                     .map(|s| (s.touch, i))
             })
             .collect();
@@ -901,6 +1003,131 @@ impl<D: Driver> Memory<D> {
     pub fn external_released(&mut self, handle: u64) {
         if let Some(size) = self.external.remove(&handle) {
             self.external_bytes -= size;
+        }
+    }
+}
+
+/// One allocation shared through IPC: the share's id ([`crate::ipc`]) and the pins
+/// it holds (one per importer with it open, or one for an export not yet opened).
+struct Shared {
+    id: u64,
+    pins: u32,
+}
+
+/// What an importer needs of a pinned shared allocation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedLayout {
+    pub base: u64,
+    pub size: u64,
+    /// Offset of `base` in the first segment (a small allocation in its chunk).
+    pub offset: u64,
+    /// The segments holding it, in address order: (size, physical handle).
+    pub segments: Vec<(u64, u64)>,
+}
+
+/// Why a shared allocation could not be pinned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PinError {
+    /// Some of it is swapped out (or never backed): pin it during the turn.
+    NotResident,
+    /// No such allocation, or it is no longer the one that share was made of.
+    Stale,
+}
+
+/// IPC sharing ([`crate::ipc`]): a pinned segment is never evicted, so its physical
+/// handles (which importers mapped) stay the same until the last pin goes.
+impl<D: Driver> Memory<D> {
+    fn alloc_segments(&self, base: u64) -> Option<(u64, Vec<usize>)> {
+        match self.allocs.get(&base)? {
+            Alloc::Large { size, segs, .. } => Some((*size, segs.clone())),
+            Alloc::Small { seg, size, .. } => Some((*size, vec![*seg])),
+        }
+    }
+
+    /// The id of the share of the allocation at `base`, if it was ever pinned.
+    pub fn share_id(&self, base: u64) -> Option<u64> {
+        self.shared.get(&base).map(|s| s.id)
+    }
+
+    /// Pins the allocation at `base` for share `id` (`first`: the share may be
+    /// new). Every segment holding it must be resident.
+    pub fn pin_shared(&mut self, base: u64, id: u64, first: bool) -> Result<(), PinError> {
+        let (_, segs) = self.alloc_segments(base).ok_or(PinError::Stale)?;
+        match self.shared.get(&base) {
+            Some(s) if s.id != id => return Err(PinError::Stale),
+            None if !first => return Err(PinError::Stale),
+            _ => {}
+        }
+        if segs
+            .iter()
+            .any(|&i| self.segs[i].as_ref().is_none_or(|s| s.handle.is_none()))
+        {
+            return Err(PinError::NotResident);
+        }
+        for i in segs {
+            let s = self.seg(i);
+            s.pins += 1;
+            if s.pins == 1 {
+                let size = s.size;
+                self.pinned += size;
+            }
+        }
+        self.shared
+            .entry(base)
+            .or_insert(Shared { id, pins: 0 })
+            .pins += 1;
+        Ok(())
+    }
+
+    /// Gives back one pin of share `id` on the allocation at `base` (nothing when
+    /// that share is gone: the allocation was freed).
+    pub fn unpin_shared(&mut self, base: u64, id: u64) {
+        match self.shared.get_mut(&base) {
+            Some(s) if s.id == id && s.pins > 0 => s.pins -= 1,
+            _ => return,
+        }
+        self.unpin_segments(base, 1);
+    }
+
+    fn unpin_segments(&mut self, base: u64, n: u32) {
+        let Some((_, segs)) = self.alloc_segments(base) else {
+            return;
+        };
+        for i in segs {
+            let s = self.seg(i);
+            let before = s.pins;
+            s.pins = s.pins.saturating_sub(n);
+            if before > 0 && s.pins == 0 {
+                let size = s.size;
+                self.pinned -= size;
+            }
+        }
+    }
+
+    /// The layout of the allocation at `base` while share `id` pins it.
+    pub fn shared_layout(&self, base: u64, id: u64) -> Option<SharedLayout> {
+        self.shared
+            .get(&base)
+            .filter(|s| s.id == id && s.pins > 0)?;
+        let (size, segs) = self.alloc_segments(base)?;
+        let mut segments = Vec::with_capacity(segs.len());
+        for &i in &segs {
+            let s = self.segs[i].as_ref()?;
+            segments.push((s.size, s.handle?));
+        }
+        let first = self.segs[*segs.first()?].as_ref()?.va;
+        Some(SharedLayout {
+            base,
+            size,
+            offset: base - first,
+            segments,
+        })
+    }
+
+    /// The allocation at `base` is being freed: its share (if any) ends.
+    fn forget_share(&mut self, base: u64) {
+        if let Some(s) = self.shared.remove(&base) {
+            self.unpin_segments(base, s.pins);
         }
     }
 }
@@ -1444,6 +1671,63 @@ mod tests {
         }
     }
 
+    /// Buffers pinned outside the allocator's lock and handed over as spares serve
+    /// the next swap-out; the spares go back when no swap is due.
+    #[test]
+    fn buffers_pinned_elsewhere_serve_the_swap_out_and_spares_are_released() {
+        for d in drivers(1 << 30) {
+            let mut m = Memory::new(d).unwrap();
+            let p = m.alloc(150 << 20).unwrap(); // 64 + 64 + 22 MiB
+            let data = pattern(17, 150 << 20);
+            m.driver().poke(p, &data).unwrap();
+            let missing = m.swap_out_shortfall(u64::MAX);
+            assert_eq!(missing, vec![64 << 20, 64 << 20, 22 << 20]);
+            for size in missing {
+                let ptr = m.driver().host_alloc(size).unwrap();
+                // SAFETY: a fresh buffer of `size` bytes from this allocator's driver.
+                unsafe { m.add_spare(ptr, size) };
+            }
+            assert!(m.swap_out_shortfall(u64::MAX).is_empty());
+            let allocs = m.driver().st.borrow().host_allocs;
+            assert_eq!(m.evict(u64::MAX).unwrap().bytes, 150 << 20);
+            assert_eq!(
+                m.driver().st.borrow().host_allocs,
+                allocs,
+                "all handed over"
+            );
+            m.swap_in_all().unwrap();
+            assert_eq!(m.driver().peek(p, data.len()).unwrap(), data);
+            assert_eq!(m.release_spares(), 150 << 20);
+            assert_eq!(m.host_buffer_bytes(), 0);
+            assert!(m.driver().st.borrow().host.is_empty());
+            // A spare past the working set is trimmed at once.
+            let ptr = m.driver().host_alloc(512 << 20).unwrap();
+            // SAFETY: as above.
+            unsafe { m.add_spare(ptr, 512 << 20) };
+            assert_eq!(m.host_buffer_bytes(), 0);
+        }
+    }
+
+    /// A swap-in waiting for room goes on as soon as there is some, and one that is
+    /// not waiting stops at the first segment without room, as before.
+    #[test]
+    fn swap_in_until_waits_for_room_only_when_asked() {
+        let mut m = Memory::new(FakeDriver::new(1 << 30)).unwrap();
+        let p = m.alloc(128 << 20).unwrap();
+        let data = pattern(19, 128 << 20);
+        m.driver().poke(p, &data).unwrap();
+        m.evict(u64::MAX).unwrap();
+        m.driver().st.borrow_mut().physical_limit = 64 << 20;
+        let t = Instant::now();
+        let deadline = Some(t + Duration::from_millis(30));
+        assert_eq!(m.swap_in_until(deadline), Err(CUDA_ERROR_OUT_OF_MEMORY));
+        assert!(t.elapsed() >= Duration::from_millis(30), "it waited");
+        assert_eq!(m.figures().resident, 64 << 20);
+        m.driver().st.borrow_mut().physical_limit = 1 << 30;
+        assert_eq!(m.swap_in_until(None).unwrap().bytes, 64 << 20);
+        assert_eq!(m.driver().peek(p, data.len()).unwrap(), data);
+    }
+
     #[test]
     fn growth_is_what_the_working_set_gains() {
         let mut m = Memory::new(FakeDriver::new(1 << 30)).unwrap();
@@ -1558,6 +1842,30 @@ mod tests {
         }
     }
 
+    /// A small free waits for the context's work like any other (`cuMemFree` does):
+    /// its range is handed out again at once, under a kernel that may still write it.
+    /// Swapped out, nothing can be running on it. A failed wait frees nothing.
+    #[test]
+    fn small_frees_wait_for_the_work_that_may_use_them() {
+        let mut m = Memory::new(FakeDriver::new(1 << 30)).unwrap();
+        let keep = m.alloc(4096).unwrap();
+        let x = m.alloc(4096).unwrap();
+        let syncs = m.driver().st.borrow().syncs;
+        m.free(x).unwrap();
+        assert_eq!(m.driver().st.borrow().syncs, syncs + 1, "the free waited");
+        assert_eq!(m.alloc(4096).unwrap(), x, "the range is reused at once");
+        m.evict(u64::MAX).unwrap();
+        let syncs = m.driver().st.borrow().syncs;
+        m.free(x).unwrap();
+        assert_eq!(
+            m.driver().st.borrow().syncs,
+            syncs,
+            "nothing resident to wait for"
+        );
+        m.free(keep).unwrap();
+        assert_eq!(m.figures(), Figures::default());
+    }
+
     #[test]
     fn external_vmm_is_counted_not_swapped() {
         let mut m = Memory::new(FakeDriver::new(1 << 30)).unwrap();
@@ -1567,5 +1875,62 @@ mod tests {
         assert_eq!(m.evict(u64::MAX).unwrap().bytes, 0);
         m.external_released(42);
         assert_eq!(m.figures().working_set, 0);
+    }
+
+    /// A shared (IPC) allocation is never evicted while pinned, counts as memory no
+    /// swap frees, and is swappable again once its last pin goes; a free ends the
+    /// share, and an old share's unpin then touches nothing.
+    #[test]
+    fn shared_allocations_stay_resident_while_pinned() {
+        let mut m = Memory::new(FakeDriver::new(1 << 30)).unwrap();
+        let shared = m.alloc(100 << 20).unwrap();
+        let private = m.alloc(64 << 20).unwrap();
+        m.driver().poke(shared, &pattern(1, 4096)).unwrap();
+        assert_eq!(
+            m.pin_shared(shared, 7, false),
+            Err(PinError::Stale),
+            "not shared yet"
+        );
+        m.pin_shared(shared, 7, true).unwrap();
+        m.pin_shared(shared, 7, false).unwrap();
+        assert_eq!(
+            m.pin_shared(shared, 8, true),
+            Err(PinError::Stale),
+            "another share"
+        );
+        let layout = m.shared_layout(shared, 7).unwrap();
+        assert_eq!(
+            (layout.base, layout.size, layout.offset),
+            (shared, 100 << 20, 0)
+        );
+        assert_eq!(layout.segments.len(), 2, "64 + 36 MiB segments");
+        assert_eq!(m.figures().external, 100 << 20);
+        // Everything that may go goes; the shared memory stays, at the same handles.
+        assert_eq!(m.evict(u64::MAX).unwrap().bytes, 64 << 20);
+        assert_eq!(m.shared_layout(shared, 7), Some(layout.clone()));
+        assert_eq!(m.driver().peek(shared, 4096).unwrap(), pattern(1, 4096));
+        m.swap_in_all().unwrap();
+        m.unpin_shared(shared, 7);
+        assert_eq!(
+            m.evict(u64::MAX).unwrap().bytes,
+            64 << 20,
+            "one pin left: the private memory only"
+        );
+        m.unpin_shared(shared, 7);
+        assert_eq!(m.figures().external, 0);
+        assert_eq!(m.shared_layout(shared, 7), None);
+        assert_eq!(m.evict(u64::MAX).unwrap().bytes, 100 << 20);
+        // Swapped out, it cannot be pinned until it is back.
+        assert_eq!(m.pin_shared(shared, 7, false), Err(PinError::NotResident));
+        m.swap_in_all().unwrap();
+        assert_eq!(m.driver().peek(shared, 4096).unwrap(), pattern(1, 4096));
+        m.pin_shared(shared, 7, false).unwrap();
+        m.free(shared).unwrap();
+        assert_eq!(m.figures().external, 0, "the free ended the share");
+        let again = m.alloc(100 << 20).unwrap();
+        m.unpin_shared(again, 7);
+        assert_eq!(m.pin_shared(again, 7, false), Err(PinError::Stale));
+        m.free(again).unwrap();
+        m.free(private).unwrap();
     }
 }

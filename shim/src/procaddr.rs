@@ -157,7 +157,7 @@ mod tests {
         );
         // Not ours at all.
         assert_eq!(
-            resolve("cuModuleLoadData", internal, 0, orig),
+            resolve("cuDeviceGetName", internal, 0, orig),
             Resolution::Driver
         );
         // Classified but left to the driver, by address or by name.

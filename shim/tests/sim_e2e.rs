@@ -915,7 +915,10 @@ fn seed_timeline_turns_follow_the_quantum_and_idle_releases_early() {
     });
     let a_release = find(ca, a_drop, &|k| matches!(k, EventKind::Release { .. }));
     let b_grant = find(cb, b_request, &|k| matches!(k, EventKind::Grant { .. }));
-    assert!(b_grant >= a_release, "B got the GPU only after A released");
+    // A pipelined hand-off (issue #15) grants B once A's work is drained, while A
+    // still swaps out: after A's drop, possibly before its release.
+    assert!(b_grant >= a_drop, "B got the GPU only after A was dropped");
+    let _ = a_release;
     let b_waited_ms = (b_grant - b_request) / 1_000_000;
     let held_ms = (a_drop - a_grant) / 1_000_000;
     assert!(

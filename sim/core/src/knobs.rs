@@ -51,6 +51,16 @@ pub struct SimConfig {
     /// goes on; the context stays usable): a synchronization that failed while work
     /// was still queued. Per process; unset: never.
     pub fail_sync: Option<PathBuf>,
+    /// `KIWI_SIM_MODULE_MEMORY` in bytes: device memory each module loaded through
+    /// the driver API (`cuModuleLoad*`) costs its context until it is unloaded, never
+    /// the application's to free or swap. Per process. Default
+    /// [`DEFAULT_MODULE_MEMORY`]; 0 turns it off.
+    pub module_memory: u64,
+    /// `KIWI_SIM_FAIL_MEMCREATE=N`: fault injection for tests. Every Nth
+    /// `cuMemCreate` of the process (the Nth, the 2Nth, ...) fails with
+    /// `CUDA_ERROR_OUT_OF_MEMORY`, as when other processes' memory fills the GPU. Per
+    /// process; unset or 0: never.
+    pub fail_memcreate_every: u64,
 }
 
 /// Device memory a context costs on a real GPU, never the application's to free or
@@ -67,6 +77,12 @@ pub const DEFAULT_MEMCREATE_US_PER_2MIB: f64 = 100.0;
 /// Page-locking host memory: about 2 GB/s (`cudaHostAlloc`/`cudaHostRegister` pin
 /// every page through the kernel; the figure issue #12 gives). Not measured here.
 pub const DEFAULT_PIN_GBPS: f64 = 2.0;
+/// Device memory a loaded module costs: its code and constant banks go into the
+/// context's device memory, which the driver takes in 2 MiB pages, so a small module
+/// costs one page; libraries of many kernels (cuBLAS, cuDNN, Triton's compiled
+/// kernels) load tens to hundreds of MiB across their modules (issue #13: 0.3 to over
+/// 1 GiB with the context). Not measured here (no GPU).
+pub const DEFAULT_MODULE_MEMORY: u64 = 2 << 20;
 
 impl Default for SimConfig {
     fn default() -> Self {
@@ -81,6 +97,8 @@ impl Default for SimConfig {
             memcreate_us_per_2mib: DEFAULT_MEMCREATE_US_PER_2MIB,
             pin_gbps: DEFAULT_PIN_GBPS,
             fail_sync: None,
+            module_memory: DEFAULT_MODULE_MEMORY,
+            fail_memcreate_every: 0,
         }
     }
 }
@@ -153,6 +171,16 @@ impl SimConfig {
             c.context_memory =
                 kiwi_config::parse_size(&v).map_err(|e| bad("KIWI_SIM_CONTEXT_MEMORY", &v, e))?;
         }
+        if let Some(v) = get("KIWI_SIM_MODULE_MEMORY") {
+            c.module_memory =
+                kiwi_config::parse_size(&v).map_err(|e| bad("KIWI_SIM_MODULE_MEMORY", &v, e))?;
+        }
+        if let Some(v) = get("KIWI_SIM_FAIL_MEMCREATE") {
+            c.fail_memcreate_every = v
+                .trim()
+                .parse()
+                .map_err(|_| bad("KIWI_SIM_FAIL_MEMCREATE", &v, "not a whole number".into()))?;
+        }
         // Time costs: 0 turns one off (tests whose subject is not that cost).
         for (var, slot) in [
             (
@@ -217,6 +245,8 @@ mod tests {
         assert_eq!(c.memcreate_us_per_2mib, 100.0);
         assert_eq!(c.pin_gbps, 2.0);
         assert_eq!(c.fail_sync, None);
+        assert_eq!(c.module_memory, 2 << 20);
+        assert_eq!(c.fail_memcreate_every, 0);
     }
 
     #[test]
@@ -231,8 +261,12 @@ mod tests {
             ("KIWI_SIM_MEMCREATE_US_PER_2MIB", "0"),
             ("KIWI_SIM_PIN_GBPS", "0.5"),
             ("KIWI_SIM_FAIL_SYNC", "/tmp/fail"),
+            ("KIWI_SIM_MODULE_MEMORY", "8MiB"),
+            ("KIWI_SIM_FAIL_MEMCREATE", "7"),
         ])
         .unwrap();
+        assert_eq!(c.fail_memcreate_every, 7);
+        assert_eq!(c.module_memory, 8 << 20);
         assert_eq!(c.fail_sync, Some(PathBuf::from("/tmp/fail")));
         assert_eq!(c.context_memory, 48 << 20);
         assert_eq!(c.memcreate_us_per_2mib, 0.0);
@@ -257,6 +291,8 @@ mod tests {
             ("KIWI_SIM_PCIE_GBPS", "-1"),
             ("KIWI_SIM_HBM_GBPS", "nan"),
             ("KIWI_SIM_CONTEXT_MEMORY", "much"),
+            ("KIWI_SIM_MODULE_MEMORY", "-1"),
+            ("KIWI_SIM_FAIL_MEMCREATE", "often"),
             ("KIWI_SIM_MEMCREATE_US_PER_2MIB", "-5"),
             ("KIWI_SIM_PIN_GBPS", "fast"),
         ] {

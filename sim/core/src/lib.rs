@@ -6,8 +6,8 @@
 //!
 //! - [`knobs`]: the `KIWI_SIM_*` environment knobs;
 //! - [`machine`]: the named shared-memory segment that makes one simulated GPU the
-//!   same GPU for every process naming it (capacity, per-process use, faults) and the
-//!   cross-process kernel lock;
+//!   same GPU for every process naming it (capacity, per-process use, faults), the
+//!   cross-process kernel lock and each GPU's PCIe link (one queue per direction);
 //! - [`trace`]: the kernel trace format, its writer, and the analysis helper that
 //!   answers "did A and B ever run kernels at the same time?";
 //! - [`install`]: putting the two cdylibs together in `target/<profile>/sim/`;
@@ -28,7 +28,7 @@ pub mod trace;
 
 pub use install::{ensure_sim_dir, install_sim_dir, profile_dir_of_current_exe};
 pub use knobs::{KnobError, SimConfig};
-pub use machine::{FaultState, GpuUsage, Machine, MachineError, ProcessUsage};
+pub use machine::{FaultState, GpuUsage, LinkDir, Machine, MachineError, ProcessUsage};
 pub use trace::{monotonic_ns, TraceRecord};
 
 /// Granularity of VMM allocations and mappings on current NVIDIA GPUs (2 MiB).

@@ -11,6 +11,10 @@
 //! Kernels of different processes on one GPU never overlap: [`Machine::kernel_lock`]
 //! takes a per-process mutex and then an `flock` on `kiwi-sim-<name>.gpu<N>.lock`.
 //!
+//! Each GPU has one PCIe link, full duplex: per direction, the time until which the
+//! copies already queued keep it busy ([`Machine::link_reserve`]), shared by every
+//! process, so concurrent copies in one direction share its bandwidth.
+//!
 //! This module owns the segment layout and nothing else: device memory contents live
 //! in the owning process (see `sim/cuda`).
 
@@ -26,7 +30,7 @@ use crate::knobs::{validate_name, SimConfig, MAX_GPUS};
 /// Most processes one simulated GPU tracks at once.
 pub const MAX_PROCS: usize = 256;
 const MAGIC: u64 = 0x4b49_5749_5349_4d31; // "KIWISIM1"
-const LAYOUT_VERSION: u64 = 5;
+const LAYOUT_VERSION: u64 = 6;
 
 /// Errors of the machine segment.
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +77,9 @@ struct GpuSlot {
     /// the kernel lock's fairness (see [`Machine::kernel_lock`]).
     kernel_waiters: AtomicU64,
     kernel_turns: AtomicU64,
+    /// Per [`LinkDir`]: the `CLOCK_MONOTONIC` ns until which the link's direction is
+    /// busy with the copies reserved so far (see [`Machine::link_reserve`]).
+    link_busy_until: [AtomicU64; 2],
     procs: [ProcSlot; MAX_PROCS],
 }
 
@@ -119,6 +126,13 @@ impl GpuUsage {
     pub fn free(&self) -> u64 {
         self.capacity.saturating_sub(self.used)
     }
+}
+
+/// A direction of a GPU's PCIe link (full duplex: the two never wait for each other).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkDir {
+    HostToDevice = 0,
+    DeviceToHost = 1,
 }
 
 /// A GPU's fault flag, as `kiwi-sim fault` sets it.
@@ -517,6 +531,30 @@ impl Machine {
         })
     }
 
+    /// Reserves `gpu`'s link in direction `dir` for a copy of `duration_ns` (its bytes
+    /// at the link rate) that is ready at `ready_ns` (`CLOCK_MONOTONIC`): it starts
+    /// when both it is ready and the copies reserved before it in that direction are
+    /// done. Returns when it ends; the caller sleeps until then. Lock-free (a CAS on
+    /// the shared segment), so a copier that dies leaves nothing held: at worst the
+    /// link stays busy until its copy would have ended.
+    pub fn link_reserve(
+        &self,
+        gpu: u32,
+        dir: LinkDir,
+        ready_ns: u64,
+        duration_ns: u64,
+    ) -> Result<u64, MachineError> {
+        let busy = &self.gpu(gpu)?.link_busy_until[dir as usize];
+        let mut cur = busy.load(Ordering::SeqCst);
+        loop {
+            let end = cur.max(ready_ns).saturating_add(duration_ns);
+            match busy.compare_exchange_weak(cur, end, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(_) => return Ok(end),
+                Err(now) => cur = now,
+            }
+        }
+    }
+
     /// Takes `gpu` exclusively for one kernel: no other thread of this process and no
     /// other process runs a kernel on it until the guard drops. Released by the kernel
     /// if the holder dies.
@@ -731,6 +769,29 @@ mod tests {
             "B waited {longest:?} for one kernel"
         );
         assert_eq!(a.seg().gpu[0].kernel_waiters.load(Ordering::SeqCst), 0);
+        reset(&c.name).unwrap();
+    }
+
+    #[test]
+    fn each_link_direction_queues_its_copies_and_the_two_are_independent() {
+        let c = cfg("link", 2, 64 << 20);
+        let (a, b) = (Machine::open(&c).unwrap(), Machine::open(&c).unwrap());
+        let t = crate::trace::monotonic_ns() + 1_000_000_000;
+        let h2d = LinkDir::HostToDevice;
+        // A's copy takes the link for 100 ns; B's, ready at the same time through
+        // another mapping (another process), queues behind it.
+        assert_eq!(a.link_reserve(0, h2d, t, 100).unwrap(), t + 100);
+        assert_eq!(b.link_reserve(0, h2d, t, 100).unwrap(), t + 200);
+        // The other direction and the other GPU's link are free.
+        let d2h = LinkDir::DeviceToHost;
+        assert_eq!(b.link_reserve(0, d2h, t, 100).unwrap(), t + 100);
+        assert_eq!(b.link_reserve(1, h2d, t, 100).unwrap(), t + 100);
+        // A copy ready after the link went idle starts when it is ready.
+        assert_eq!(a.link_reserve(0, h2d, t + 500, 10).unwrap(), t + 510);
+        assert!(matches!(
+            a.link_reserve(2, h2d, t, 1),
+            Err(MachineError::NoSuchGpu { .. })
+        ));
         reset(&c.name).unwrap();
     }
 

@@ -122,6 +122,20 @@ fn vmm_access_ipc_and_stream_ordering_are_strict() {
     build_and_run(&include, &m, "strict_rules.c");
 }
 
+/// Shareable VMM memory crosses processes as with the real driver: created with the
+/// POSIX fd handle type, exported, sent over a Unix socket, imported and mapped by
+/// a second process whose writes the first sees; exports of handles created without
+/// that type, other handle types, flags and foreign descriptors are refused
+/// (`tests/c/shareable.c`).
+#[test]
+fn shareable_memory_crosses_processes_and_refuses_what_the_driver_refuses() {
+    let Some(include) = cuda_include() else {
+        return;
+    };
+    let m = SimMachine::new("shareable", 1, 256 << 20).unwrap_or_else(|e| panic!("{e}"));
+    build_and_run(&include, &m, "shareable.c");
+}
+
 /// Each context costs device memory the application can never free or swap
 /// (`KIWI_SIM_CONTEXT_MEMORY`, 300 MiB by default): `tests/c/context_memory.c`
 /// sees it in `cuMemGetInfo`, cannot allocate past it, cannot create a context
@@ -259,4 +273,79 @@ fn mem_create_and_pinning_take_the_modelled_time() {
         assert!(on[i] >= want, "{call} took {} ms, not {want}", on[i]);
         assert!(off[i] < want, "without its cost {call} took {} ms", off[i]);
     }
+}
+
+/// Each simulated GPU has one PCIe link, full duplex, shared by every process
+/// (`tests/c/link_copies.c`): two processes copying host to device at once take
+/// about twice as long as one alone (each direction is one queue), while one
+/// copying host to device and one device to host at once take about as long as one
+/// (the directions are independent). A simulator that paces each copy on its own
+/// gives every copier the whole link and fails the first check.
+#[test]
+fn concurrent_copies_share_each_direction_of_the_pcie_link() {
+    use std::io::{BufRead, BufReader, Write};
+    let Some(include) = cuda_include() else {
+        return;
+    };
+    // 128 MiB at 0.25 GB/s: 537 ms on the link, far above the host's own memcpy.
+    const MIB: u64 = 128;
+    let alone_ms = (MIB << 20) as f64 / 0.25e9 * 1e3;
+    let m = SimMachine::new("link", 1, 1 << 30)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_env("KIWI_SIM_PCIE_GBPS", "0.25")
+        .with_env("KIWI_SIM_PIN_GBPS", "0");
+    let exe = build(&include, &m, "link_copies.c");
+    // Starts one process per direction, lets them all copy at once; returns the
+    // time from the first copy's start to the last one's end, in ms.
+    let together = |dirs: &[&str]| -> f64 {
+        let mut kids: Vec<_> = dirs
+            .iter()
+            .map(|dir| {
+                let mut c = m
+                    .apply(&mut Command::new(&exe))
+                    .args([dir.to_string(), MIB.to_string()])
+                    .stdin(std::process::Stdio::piped())
+                    .stdout(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap();
+                let mut out = BufReader::new(c.stdout.take().unwrap());
+                let mut line = String::new();
+                out.read_line(&mut line).unwrap();
+                assert_eq!(line.trim(), "READY", "{dir}: {line:?}");
+                (c, out)
+            })
+            .collect();
+        for (c, _) in &mut kids {
+            writeln!(c.stdin.as_mut().unwrap(), "go").unwrap();
+        }
+        let (mut first, mut last) = (f64::MAX, 0f64);
+        for (mut c, mut out) in kids {
+            let mut line = String::new();
+            out.read_line(&mut line).unwrap();
+            assert!(c.wait().unwrap().success(), "a copier failed: {line:?}");
+            let t: Vec<f64> = line
+                .split_whitespace()
+                .map(|t| t.parse().unwrap_or_else(|_| panic!("not times: {line:?}")))
+                .collect();
+            first = first.min(t[0]);
+            last = last.max(t[1]);
+        }
+        last - first
+    };
+    let one = together(&["h2d"]);
+    let same = together(&["h2d", "h2d"]);
+    let both = together(&["h2d", "d2h"]);
+    eprintln!(
+        "{MIB} MiB at 0.25 GB/s ({alone_ms:.0} ms modelled): one H2D {one:.0} ms, \
+         two H2D at once {same:.0} ms, H2D + D2H at once {both:.0} ms"
+    );
+    assert!(one >= alone_ms, "one copy took {one} ms, not {alone_ms}");
+    assert!(
+        same >= 1.8 * alone_ms,
+        "two H2D copies at once took {same:.0} ms: each got the whole link"
+    );
+    assert!(
+        both < 1.5 * alone_ms,
+        "H2D + D2H at once took {both:.0} ms: the directions waited for each other"
+    );
 }

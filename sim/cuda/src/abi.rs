@@ -242,6 +242,10 @@ pub const CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT: i32 = 2;
 
 pub const CU_MEM_ALLOCATION_TYPE_PINNED: i32 = 1;
 pub const CU_MEM_LOCATION_TYPE_DEVICE: i32 = 1;
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: shareable as a file descriptor.
+pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: i32 = 1;
+/// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, the one `cuIpcOpenMemHandle` flag.
+pub const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: u32 = 1;
 pub const CU_MEM_ACCESS_FLAGS_PROT_NONE: i32 = 0;
 pub const CU_MEM_ACCESS_FLAGS_PROT_READ: i32 = 1;
 pub const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: i32 = 3;
@@ -335,6 +339,13 @@ pub struct CUmemAllocationProp {
     pub alloc_flags: CUmemAllocFlags,
 }
 
+/// `CUipcMemHandle`: 64 opaque bytes, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUipcMemHandle {
+    pub reserved: [u8; 64],
+}
+
 /// `CUmemAccessDesc`.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -405,6 +416,7 @@ pub mod attr {
     pub const MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: i32 = 97;
     pub const HOST_REGISTER_SUPPORTED: i32 = 99;
     pub const VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: i32 = 102;
+    pub const HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: i32 = 103;
     pub const MAX_BLOCKS_PER_MULTIPROCESSOR: i32 = 106;
     pub const MEMORY_POOLS_SUPPORTED: i32 = 115;
     /// One past the largest attribute of CUDA 12.9 (`CU_DEVICE_ATTRIBUTE_MAX`).

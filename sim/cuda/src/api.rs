@@ -109,6 +109,7 @@ pub(crate) fn attribute_value(d: &Driver, a: i32, g: u32) -> Result<i32, CUresul
         MAX_SHARED_MEMORY_PER_MULTIPROCESSOR => 164 << 10,
         MAX_SHARED_MEMORY_PER_BLOCK_OPTIN => 163 << 10,
         VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED | MEMORY_POOLS_SUPPORTED => 1,
+        HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED => 1,
         MANAGED_MEMORY | CONCURRENT_MANAGED_ACCESS => 0,
         MAX_BLOCKS_PER_MULTIPROCESSOR => 32,
         a if a > 0 && a < MAX => {
@@ -244,6 +245,7 @@ fn primary_reset(dev: CUdevice) -> Result<(), CUresult> {
     if let Some(c) = ctx {
         c.wait_all();
         c.clear_local_storage();
+        d.drop_modules_of(c.handle());
         d.mem.free_owned_by(c.handle());
         c.sticky.store(CUDA_SUCCESS, Ordering::Release);
         // The reset context gives its memory back until it is activated again
@@ -312,6 +314,7 @@ pub(crate) fn cuCtxDestroy_v2(ctx: CUcontext) -> Result<(), CUresult> {
     }
     c.wait_all();
     c.clear_local_storage();
+    d.drop_modules_of(c.handle());
     c.destroyed.store(true, Ordering::Release);
     d.contexts
         .write()
@@ -803,6 +806,38 @@ pub(crate) fn cuIpcGetMemHandle(handle: *mut [u8; 64], ptr: CUdeviceptr) -> Resu
     h[16..24].copy_from_slice(&ptr.to_le_bytes());
     h[24..32].copy_from_slice(&info.size.to_le_bytes());
     out(handle, h)
+}
+
+/// `cuIpcOpenMemHandle` (v1 and `_v2`): opening a legacy IPC handle is not simulated
+/// (a `cuMemAlloc` allocation's bytes are private to its process): a valid call is
+/// `CUDA_ERROR_NOT_SUPPORTED`, so a program can tell it from a refused handle. VMM
+/// memory is shared through `cuMemExportToShareableHandle` instead.
+pub(crate) fn cuIpcOpenMemHandle(
+    pdptr: *mut CUdeviceptr,
+    _handle: CUipcMemHandle,
+    flags: u32,
+) -> Result<(), CUresult> {
+    driver()?;
+    driver::current()?;
+    if pdptr.is_null() || flags & !CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    Err(CUDA_ERROR_NOT_SUPPORTED)
+}
+
+pub(crate) fn cuIpcOpenMemHandle_v2(
+    pdptr: *mut CUdeviceptr,
+    handle: CUipcMemHandle,
+    flags: u32,
+) -> Result<(), CUresult> {
+    cuIpcOpenMemHandle(pdptr, handle, flags)
+}
+
+/// `cuIpcCloseMemHandle`: nothing is ever opened (above), so no pointer is one.
+pub(crate) fn cuIpcCloseMemHandle(_ptr: CUdeviceptr) -> Result<(), CUresult> {
+    driver()?;
+    driver::current()?;
+    Err(CUDA_ERROR_INVALID_VALUE)
 }
 
 fn advise(ptr: u64, n: usize, advice: i32, device: i32) -> Result<(), CUresult> {
@@ -1506,8 +1541,16 @@ pub(crate) fn cuMemCreate(
     if handle.is_null() || flags != 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    // Shareable handle types: the POSIX fd is supported (Linux); Win32 handles and
+    // fabric handles are not, on this system, as the driver says for them.
+    let shareable = match read(prop)?.requested_handle_types {
+        0 => false,
+        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR => true,
+        _ => return Err(CUDA_ERROR_NOT_SUPPORTED),
+    };
+    d.inject_memcreate_failure()?;
     let start = std::time::Instant::now();
-    let h = d.mem.create(g, size as u64)?;
+    let h = d.mem.create(g, size as u64, shareable)?;
     out(handle, h)?;
     // Physical allocation is linear in 2 MiB pages (KIWI_SIM_MEMCREATE_US_PER_2MIB).
     take_time(
@@ -1515,6 +1558,51 @@ pub(crate) fn cuMemCreate(
         (size as u64 / GRANULARITY) as f64 * d.memcreate_s_per_2mib,
     );
     Ok(())
+}
+
+/// `cuMemExportToShareableHandle`: the POSIX fd type only (others are
+/// `CUDA_ERROR_NOT_SUPPORTED` here), of a handle created asking for it (else
+/// `CUDA_ERROR_INVALID_VALUE`); writes a new descriptor (an `int`) the caller owns.
+pub(crate) fn cuMemExportToShareableHandle(
+    shareable: *mut c_void,
+    handle: CUmemGenericAllocationHandle,
+    handle_type: i32,
+    flags: u64,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if shareable.is_null() || flags != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if handle_type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR {
+        return Err(CUDA_ERROR_NOT_SUPPORTED);
+    }
+    let fd = d.mem.export_fd(handle)?;
+    out(shareable.cast::<i32>(), fd).inspect_err(|_| {
+        // SAFETY: closing the descriptor just made, which nobody else has seen.
+        unsafe { libc::close(fd) };
+    })
+}
+
+/// `cuMemImportFromShareableHandle`: `os_handle` carries the fd itself (as a
+/// pointer-sized integer, as the driver takes it); it must be a simulator export of
+/// this machine (else `CUDA_ERROR_INVALID_VALUE`) and stays the caller's.
+pub(crate) fn cuMemImportFromShareableHandle(
+    handle: *mut CUmemGenericAllocationHandle,
+    os_handle: *mut c_void,
+    handle_type: i32,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if handle.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if handle_type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR {
+        return Err(CUDA_ERROR_NOT_SUPPORTED);
+    }
+    let fd = i32::try_from(os_handle as usize).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+    let h = d.mem.import_fd(fd)?;
+    out(handle, h).inspect_err(|_| {
+        let _ = d.mem.release(h);
+    })
 }
 
 pub(crate) fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> Result<(), CUresult> {
@@ -2121,21 +2209,30 @@ fn function(f: CUfunction) -> Result<Builtin, CUresult> {
         .ok_or(CUDA_ERROR_INVALID_HANDLE)
 }
 
-pub(crate) fn module_load(m: *mut CUmodule, image: *const c_void) -> Result<(), CUresult> {
+/// Loads a module into the current context. A driver-API load (`charged`) costs the
+/// context [`driver::Driver::module_memory`] of device memory until it is unloaded;
+/// the runtime's private path (`dark_api.rs`) is not charged (a shim cannot see it).
+pub(crate) fn module_load(
+    m: *mut CUmodule,
+    image: *const c_void,
+    charged: bool,
+) -> Result<(), CUresult> {
     let d = driver()?;
-    driver::current()?;
+    let ctx = driver::current()?;
     if m.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     if image.is_null() {
         return Err(CUDA_ERROR_INVALID_IMAGE);
     }
+    let charge = if charged { d.module_memory } else { 0 };
     // Any image is accepted: entry names resolve to the built-ins.
-    out(m, d.new_module() as CUmodule)
+    let h = d.new_module(ctx.handle(), ctx.device, charge)?;
+    out(m, h as CUmodule)
 }
 
 pub(crate) fn cuModuleLoadData(m: *mut CUmodule, image: *const c_void) -> Result<(), CUresult> {
-    module_load(m, image)
+    module_load(m, image, true)
 }
 
 pub(crate) fn cuModuleLoadDataEx(
@@ -2145,7 +2242,7 @@ pub(crate) fn cuModuleLoadDataEx(
     _o: *mut i32,
     _v: *mut *mut c_void,
 ) -> Result<(), CUresult> {
-    module_load(m, image)
+    module_load(m, image, true)
 }
 
 pub(crate) fn cuModuleLoad(m: *mut CUmodule, fname: *const c_char) -> Result<(), CUresult> {
@@ -2153,7 +2250,7 @@ pub(crate) fn cuModuleLoad(m: *mut CUmodule, fname: *const c_char) -> Result<(),
     if !std::path::Path::new(path).is_file() {
         return Err(CUDA_ERROR_FILE_NOT_FOUND);
     }
-    module_load(m, fname.cast())
+    module_load(m, fname.cast(), true)
 }
 
 pub(crate) fn cuModuleUnload(m: CUmodule) -> Result<(), CUresult> {

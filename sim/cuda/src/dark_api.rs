@@ -134,9 +134,10 @@ pub fn export_table(table: *mut *const c_void, id: *const CUuuid) -> Result<(), 
 // ---------------------------------------------------------------- CUDART_INTERFACE
 
 /// The runtime registers fatbins through these; the simulator accepts any image
-/// (its kernels are built in), as `cuModuleLoadData` does.
+/// (its kernels are built in), as `cuModuleLoadData` does, without charging module
+/// memory (the runtime's modules are not seen by a shim; see `api::module_load`).
 extern "C" fn module_from_fatbin(module: *mut CUmodule, fatbin: *const c_void) -> CUresult {
-    guard(|| module_load(module, fatbin))
+    guard(|| module_load(module, fatbin, false))
 }
 
 extern "C" fn module_from_fatbin_ext(
@@ -146,7 +147,7 @@ extern "C" fn module_from_fatbin_ext(
     _b: *mut c_void,
     _c: u32,
 ) -> CUresult {
-    guard(|| module_load(module, fatbin))
+    guard(|| module_load(module, fatbin, false))
 }
 
 extern "C" fn module_from_fatbin_header(
@@ -156,7 +157,7 @@ extern "C" fn module_from_fatbin_header(
     _b: *mut c_void,
     _c: u32,
 ) -> CUresult {
-    guard(|| module_load(module, fatbin))
+    guard(|| module_load(module, fatbin, false))
 }
 
 /// The primary context of a device without taking a reference (the runtime retains

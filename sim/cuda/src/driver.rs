@@ -16,6 +16,14 @@ use crate::abi::*;
 use crate::exec::{Context, Event, Op, Stream};
 use crate::memory::Memory;
 
+/// A loaded module: the context it was loaded into and the device memory it was
+/// charged there (given back when it is unloaded or its context goes).
+pub struct Module {
+    pub ctx: usize,
+    pub gpu: u32,
+    pub charged: u64,
+}
+
 pub struct Primary {
     pub ctx: Option<Arc<Context>>,
     pub refs: u32,
@@ -45,7 +53,13 @@ pub struct Driver {
     pub contexts: RwLock<HashMap<usize, Arc<Context>>>,
     pub streams: RwLock<HashMap<usize, Arc<Stream>>>,
     pub events: RwLock<HashMap<usize, Arc<Event>>>,
-    pub modules: Mutex<HashMap<usize, u64>>,
+    pub modules: Mutex<HashMap<usize, Module>>,
+    /// Device memory each driver-API module load costs (`KIWI_SIM_MODULE_MEMORY`).
+    pub module_memory: u64,
+    /// `KIWI_SIM_FAIL_MEMCREATE` (fault injection, see `kiwi_sim_core::knobs`) and
+    /// the process's `cuMemCreate` calls so far.
+    pub fail_memcreate_every: u64,
+    pub memcreate_calls: AtomicU64,
     /// Captured graphs and their instantiations: handle → operations.
     pub graphs: RwLock<HashMap<usize, Arc<Vec<Op>>>>,
     pub graph_execs: RwLock<HashMap<usize, Arc<Vec<Op>>>>,
@@ -109,6 +123,9 @@ fn init_driver() -> Result<Driver, CUresult> {
         streams: RwLock::new(HashMap::new()),
         events: RwLock::new(HashMap::new()),
         modules: Mutex::new(HashMap::new()),
+        module_memory: cfg.module_memory,
+        fail_memcreate_every: cfg.fail_memcreate_every,
+        memcreate_calls: AtomicU64::new(0),
         graphs: RwLock::new(HashMap::new()),
         graph_execs: RwLock::new(HashMap::new()),
         next_module: AtomicU64::new(1),
@@ -198,16 +215,35 @@ impl Driver {
             .ok_or(CUDA_ERROR_INVALID_CONTEXT)
     }
 
-    /// The module id for a `CUmodule` handle.
-    pub fn new_module(&self) -> usize {
+    /// A module loaded into context `ctx` (on `gpu`), costing `charge` bytes of device
+    /// memory there ([`Driver::module_memory`] for a driver-API load, 0 for the
+    /// runtime's private path); out of memory when the charge does not fit, as
+    /// `cuModuleLoad` on the real driver.
+    pub fn new_module(&self, ctx: usize, gpu: u32, charge: u64) -> Result<usize, CUresult> {
+        if charge > 0 {
+            self.machine.reserve(gpu, charge).map_err(|e| match e {
+                MachineError::OutOfMemory { .. } | MachineError::TooManyProcesses(_) => {
+                    CUDA_ERROR_OUT_OF_MEMORY
+                }
+                MachineError::NoSuchGpu { .. } => CUDA_ERROR_INVALID_DEVICE,
+                _ => CUDA_ERROR_OPERATING_SYSTEM,
+            })?;
+        }
         let id = self.next_module.fetch_add(1, Ordering::Relaxed);
         // Handles are small non-zero integers wearing a pointer type.
         let h = (id as usize) << 4;
         self.modules
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(h, id);
-        h
+            .insert(
+                h,
+                Module {
+                    ctx,
+                    gpu,
+                    charged: charge,
+                },
+            );
+        Ok(h)
     }
 
     pub fn has_module(&self, h: usize) -> bool {
@@ -217,12 +253,46 @@ impl Driver {
             .contains_key(&h)
     }
 
+    /// `KIWI_SIM_FAIL_MEMCREATE`: out of memory for every Nth `cuMemCreate`.
+    pub fn inject_memcreate_failure(&self) -> Result<(), CUresult> {
+        let n = self.memcreate_calls.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.fail_memcreate_every > 0 && n.is_multiple_of(self.fail_memcreate_every) {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        Ok(())
+    }
+
+    /// Unloads a module, giving back its device memory.
     pub fn drop_module(&self, h: usize) -> bool {
-        self.modules
+        let m = self
+            .modules
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&h)
-            .is_some()
+            .remove(&h);
+        match m {
+            Some(m) => {
+                if m.charged > 0 {
+                    self.machine.release(m.gpu, m.charged);
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Unloads every module of context `ctx` (destroyed or reset), giving back their
+    /// device memory.
+    pub fn drop_modules_of(&self, ctx: usize) {
+        let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        modules.retain(|_, m| {
+            if m.ctx != ctx {
+                return true;
+            }
+            if m.charged > 0 {
+                self.machine.release(m.gpu, m.charged);
+            }
+            false
+        });
     }
 
     /// The stream for a `CUstream` argument. NULL means the legacy stream, or the

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use kiwi_sim_core::{dma, monotonic_ns, TraceRecord};
+use kiwi_sim_core::{dma, monotonic_ns, LinkDir, TraceRecord};
 
 use crate::abi::*;
 use crate::driver::Driver;
@@ -599,6 +599,7 @@ impl Context {
                 let start = monotonic_ns();
                 match d.mem.resolve(dst, n, true, self.device) {
                     Ok(pieces) => {
+                        let end = self.link(LinkDir::HostToDevice, start, n as f64);
                         let mut at = src;
                         for p in pieces {
                             // SAFETY: host range validated by the caller's contract;
@@ -612,7 +613,7 @@ impl Context {
                             };
                             at += p.len as usize;
                         }
-                        pace(start, n as f64 / d.pcie_bps);
+                        pace_until(end);
                     }
                     Err(_) => self.fail(CUDA_ERROR_ILLEGAL_ADDRESS),
                 }
@@ -621,6 +622,7 @@ impl Context {
                 let start = monotonic_ns();
                 match d.mem.resolve(src, n, false, self.device) {
                     Ok(pieces) => {
+                        let end = self.link(LinkDir::DeviceToHost, start, n as f64);
                         let mut at = dst;
                         for p in pieces {
                             // SAFETY: as for HtoD, in the other direction.
@@ -629,7 +631,7 @@ impl Context {
                             };
                             at += p.len as usize;
                         }
-                        pace(start, n as f64 / d.pcie_bps);
+                        pace_until(end);
                     }
                     Err(_) => self.fail(CUDA_ERROR_ILLEGAL_ADDRESS),
                 }
@@ -693,6 +695,14 @@ impl Context {
                 height,
             } => {
                 let start = monotonic_ns();
+                let bytes = (width * height) as f64;
+                // A copy with a host side crosses the link (reserved before it
+                // starts, as for HtoD/DtoH); device to device stays in HBM.
+                let end = match (src.device, dst.device) {
+                    (false, true) => Some(self.link(LinkDir::HostToDevice, start, bytes)),
+                    (true, false) => Some(self.link(LinkDir::DeviceToHost, start, bytes)),
+                    _ => None,
+                };
                 let ok = (0..height).all(|row| {
                     copy_row(
                         d,
@@ -706,13 +716,11 @@ impl Context {
                     .is_ok()
                 });
                 if ok {
-                    let bytes = (width * height) as f64;
-                    let secs = if src.device && dst.device {
-                        2.0 * bytes / d.hbm_bps
-                    } else {
-                        bytes / d.pcie_bps
-                    };
-                    pace(start, secs);
+                    match end {
+                        Some(end) => pace_until(end),
+                        None if src.device => pace(start, 2.0 * bytes / d.hbm_bps),
+                        None => pace(start, bytes / d.pcie_bps),
+                    }
                 } else {
                     self.fail(CUDA_ERROR_ILLEGAL_ADDRESS);
                 }
@@ -733,6 +741,18 @@ impl Context {
             }
             Op::Nop => {}
         }
+    }
+
+    /// Reserves this GPU's PCIe link in direction `dir` for `bytes` (at the link rate)
+    /// for a copy ready at `start_ns`, behind every copy already queued in that
+    /// direction by any process; returns when the copy ends (see
+    /// `Machine::link_reserve`).
+    fn link(&self, dir: LinkDir, start_ns: u64, bytes: f64) -> u64 {
+        let d = self.driver;
+        let ns = (bytes / d.pcie_bps * 1e9) as u64;
+        d.machine
+            .link_reserve(self.device, dir, start_ns, ns)
+            .unwrap_or(start_ns + ns)
     }
 
     /// Runs a built-in kernel holding the device exclusively (across processes) for
@@ -791,10 +811,14 @@ fn bytes_of(words: u64) -> Result<u64, Fault> {
 
 /// Sleeps until `seconds` of wall time have passed since `start_ns`.
 fn pace(start_ns: u64, seconds: f64) {
-    let target = start_ns + (seconds * 1e9) as u64;
+    pace_until(start_ns + (seconds * 1e9) as u64);
+}
+
+/// Sleeps until `CLOCK_MONOTONIC` reads `target_ns`.
+fn pace_until(target_ns: u64) {
     let now = monotonic_ns();
-    if target > now {
-        std::thread::sleep(Duration::from_nanos(target - now));
+    if target_ns > now {
+        std::thread::sleep(Duration::from_nanos(target_ns - now));
     }
 }
 

@@ -128,6 +128,9 @@ exports! {
     cuPointerGetAttribute(data: *mut c_void, attribute: i32, ptr: CUdeviceptr) = 4000;
     cuPointerGetAttributes(n: u32, attributes: *const i32, data: *mut *mut c_void, ptr: CUdeviceptr) = 7000;
     cuIpcGetMemHandle(handle: *mut [u8; 64], ptr: CUdeviceptr) = 4010;
+    cuIpcOpenMemHandle(pdptr: *mut CUdeviceptr, handle: CUipcMemHandle, flags: u32) = 4010;
+    cuIpcOpenMemHandle_v2(pdptr: *mut CUdeviceptr, handle: CUipcMemHandle, flags: u32) = 11000;
+    cuIpcCloseMemHandle(ptr: CUdeviceptr) = 4010;
     cuMemAdvise(ptr: CUdeviceptr, n: usize, advice: i32, device: CUdevice) = 8000;
     cuMemAdvise_v2(ptr: CUdeviceptr, n: usize, advice: i32, loc: CUmemLocation) = 12020;
 
@@ -174,6 +177,8 @@ exports! {
     cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: CUmemGenericAllocationHandle, flags: u64) = 10020;
     cuMemUnmap(ptr: CUdeviceptr, size: usize) = 10020;
     cuMemSetAccess(ptr: CUdeviceptr, size: usize, desc: *const CUmemAccessDesc, count: usize) = 10020;
+    cuMemExportToShareableHandle(shareable: *mut c_void, handle: CUmemGenericAllocationHandle, handle_type: i32, flags: u64) = 10020;
+    cuMemImportFromShareableHandle(handle: *mut CUmemGenericAllocationHandle, os_handle: *mut c_void, handle_type: i32) = 10020;
 
     // streams and events
     cuStreamCreate(ph: *mut CUstream, flags: u32) = 2000;

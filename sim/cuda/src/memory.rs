@@ -17,8 +17,15 @@
 //! - VMM: reserve VA, create physical (2 MiB granularity), map at offset 0, set
 //!   access (required after every map), unmap exactly whole mappings; a physical
 //!   allocation is freed when neither its handle nor any mapping is left.
+//! - Shareable VMM memory (`cuMemCreate` asking for
+//!   `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`) lives in a `memfd` mapped shared:
+//!   `cuMemExportToShareableHandle` hands out a duplicate of that fd, and another
+//!   process that received it (`SCM_RIGHTS`) imports it with
+//!   `cuMemImportFromShareableHandle` and maps the same bytes. The capacity stays
+//!   accounted to the exporter (as a real GPU counts an allocation once).
 
 use std::collections::{BTreeMap, HashMap};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -39,16 +46,45 @@ pub const SMALL_ALIGN: u64 = 512;
 /// GPU memory from `cuMemCreate` is uninitialized anyway, so stale bytes are fine.
 struct BackingPool {
     by_len: BTreeMap<usize, Vec<usize>>,
+    /// Shareable backing never exported (so no other process maps it): (GPU, length)
+    /// → (memfd, its shared mapping).
+    shareable: BTreeMap<(u32, usize), Vec<(OwnedFd, usize)>>,
     bytes: usize,
 }
+
+/// Name prefix of the memfd holding shareable memory: `kiwi-sim:<machine>:gpu<N>`.
+const MEMFD_PREFIX: &str = "kiwi-sim:";
 
 /// Most bytes the pool keeps; beyond it freed backing goes back to the kernel.
 const POOL_MAX_BYTES: usize = 4 << 30;
 
 static POOL: Mutex<BackingPool> = Mutex::new(BackingPool {
     by_len: BTreeMap::new(),
+    shareable: BTreeMap::new(),
     bytes: 0,
 });
+
+fn pool_take_shareable(gpu: u32, len: usize) -> Option<(OwnedFd, *mut u8)> {
+    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    let (fd, addr) = p.shareable.get_mut(&(gpu, len))?.pop()?;
+    p.bytes -= len;
+    Some((fd, addr as *mut u8))
+}
+
+/// Keeps a never-exported memfd and its mapping for reuse; gives them back when the
+/// pool is full (the caller unmaps; the fd closes).
+fn pool_put_shareable(gpu: u32, fd: OwnedFd, ptr: *mut u8, len: usize) -> Option<OwnedFd> {
+    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    if p.bytes + len > POOL_MAX_BYTES {
+        return Some(fd);
+    }
+    p.bytes += len;
+    p.shareable
+        .entry((gpu, len))
+        .or_default()
+        .push((fd, ptr as usize));
+    None
+}
 
 fn pool_take(len: usize) -> Option<*mut libc::c_void> {
     let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
@@ -80,6 +116,13 @@ pub struct Phys {
     /// Managed memory: the host mapping sits at the device address, inside the
     /// device window, and goes back to `PROT_NONE` when freed.
     in_window: bool,
+    /// Shareable memory: the memfd holding the bytes (mapped shared at `host`).
+    fd: Option<OwnedFd>,
+    /// Whether this process accounted the capacity (false for imported memory, which
+    /// the exporter accounts).
+    accounted: bool,
+    /// Whether its memfd was ever handed out (then it is never reused).
+    exported: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: `host` is a private mapping owned by this Phys; concurrent access to the
@@ -127,7 +170,136 @@ impl Phys {
             map_len,
             machine,
             in_window: false,
+            fd: None,
+            accounted: true,
+            exported: false.into(),
         }))
+    }
+
+    /// Shareable memory: accounts `size` bytes on `gpu` and keeps them in a memfd
+    /// named after the machine and the GPU (so an importer can tell where they live).
+    pub fn new_shareable(
+        machine: &'static Machine,
+        gpu: u32,
+        size: u64,
+    ) -> Result<Arc<Phys>, CUresult> {
+        machine.reserve(gpu, size).map_err(|e| match e {
+            MachineError::OutOfMemory { .. } | MachineError::TooManyProcesses(_) => {
+                CUDA_ERROR_OUT_OF_MEMORY
+            }
+            MachineError::NoSuchGpu { .. } => CUDA_ERROR_INVALID_DEVICE,
+            _ => CUDA_ERROR_OPERATING_SYSTEM,
+        })?;
+        let fail = |e| {
+            machine.release(gpu, size);
+            Err(e)
+        };
+        let shareable = |fd, host| {
+            Ok(Arc::new(Phys {
+                gpu,
+                size,
+                host,
+                map_len: size as usize,
+                machine,
+                in_window: false,
+                fd: Some(fd),
+                accounted: true,
+                exported: false.into(),
+            }))
+        };
+        // Reused backing is already faulted in (see BackingPool).
+        if let Some((fd, host)) = pool_take_shareable(gpu, size as usize) {
+            return shareable(fd, host);
+        }
+        let name = std::ffi::CString::new(format!("{MEMFD_PREFIX}{}:gpu{gpu}", machine.name()))
+            .expect("machine names hold no NUL");
+        // SAFETY: a NUL-terminated name; creates a new anonymous file.
+        let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return fail(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        // SAFETY: memfd_create just returned this descriptor, owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: a valid fd we own.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } != 0 {
+            return fail(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        match Self::map_shared(&fd, size) {
+            Some(host) => shareable(fd, host),
+            None => fail(CUDA_ERROR_OUT_OF_MEMORY),
+        }
+    }
+
+    /// Imports shareable memory another process exported: `fd` must be a simulator
+    /// memfd of this machine; it is duplicated (the caller keeps its own).
+    pub fn import(machine: &'static Machine, fd: RawFd) -> Result<Arc<Phys>, CUresult> {
+        let link = std::fs::read_link(format!("/proc/self/fd/{fd}"))
+            .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+        let link = link.to_string_lossy();
+        let gpu = link
+            .strip_prefix("/memfd:")
+            .and_then(|l| l.strip_prefix(MEMFD_PREFIX))
+            .map(|l| l.trim_end_matches(" (deleted)"))
+            .and_then(|l| l.rsplit_once(":gpu"))
+            .filter(|(name, _)| *name == machine.name())
+            .and_then(|(_, g)| g.parse::<u32>().ok())
+            .filter(|&g| g < machine.settings().gpus)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        // SAFETY: fcntl on a descriptor number; an invalid one fails with EBADF.
+        let raw = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+        if raw < 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: fcntl just made this descriptor; we own it.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let size = std::fs::File::from(fd.try_clone().map_err(|_| CUDA_ERROR_INVALID_VALUE)?)
+            .metadata()
+            .map_err(|_| CUDA_ERROR_INVALID_VALUE)?
+            .len();
+        if size == 0 || !size.is_multiple_of(GRANULARITY) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let host = Self::map_shared(&fd, size).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        Ok(Arc::new(Phys {
+            gpu,
+            size,
+            host,
+            map_len: size as usize,
+            machine,
+            in_window: false,
+            fd: Some(fd),
+            accounted: false,
+            exported: true.into(),
+        }))
+    }
+
+    fn map_shared(fd: &OwnedFd, size: u64) -> Option<*mut u8> {
+        // SAFETY: a shared mapping of a file we hold open, of its whole length.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        (p != libc::MAP_FAILED).then_some(p.cast())
+    }
+
+    /// A new descriptor of shareable memory's memfd (`cuMemExportToShareableHandle`);
+    /// `None` for memory created without the POSIX fd handle type.
+    pub fn export(&self) -> Option<Result<RawFd, CUresult>> {
+        let fd = self.fd.as_ref()?;
+        self.exported.store(true, Ordering::Relaxed);
+        // SAFETY: duplicating a descriptor we own; the copy is the caller's.
+        let raw = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+        Some(if raw < 0 {
+            Err(CUDA_ERROR_OUT_OF_MEMORY)
+        } else {
+            Ok(raw)
+        })
     }
 
     /// Managed memory: accounts `size` bytes on `gpu` and maps them read-write at
@@ -166,6 +338,9 @@ impl Phys {
             map_len,
             machine,
             in_window: true,
+            fd: None,
+            accounted: true,
+            exported: false.into(),
         }))
     }
 
@@ -192,11 +367,20 @@ impl Drop for Phys {
                     0,
                 )
             };
+        } else if let Some(fd) = self.fd.take() {
+            // Shareable: reused only if no other process could have it mapped.
+            let keep = !self.exported.load(Ordering::Relaxed) && self.accounted;
+            if !keep || pool_put_shareable(self.gpu, fd, self.host, self.map_len).is_some() {
+                // SAFETY: unmapping our own mapping; no references to it outlive self.
+                unsafe { libc::munmap(self.host.cast(), self.map_len) };
+            }
         } else if !pool_put(self.host.cast(), self.map_len) {
             // SAFETY: unmapping our own mapping; no references to it outlive self.
             unsafe { libc::munmap(self.host.cast(), self.map_len) };
         }
-        self.machine.release(self.gpu, self.size);
+        if self.accounted {
+            self.machine.release(self.gpu, self.size);
+        }
     }
 }
 
@@ -600,21 +784,51 @@ impl Memory {
         Ok(())
     }
 
-    /// `cuMemCreate`: physical memory on `gpu`, returned as a handle.
-    pub fn create(&self, gpu: u32, size: u64) -> Result<u64, CUresult> {
+    /// `cuMemCreate`: physical memory on `gpu`, returned as a handle; `shareable`
+    /// when the POSIX fd handle type was requested.
+    pub fn create(&self, gpu: u32, size: u64, shareable: bool) -> Result<u64, CUresult> {
         if size == 0 || !size.is_multiple_of(GRANULARITY) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         if size > self.len {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
-        let phys = Phys::new(self.machine, gpu, size)?;
+        let phys = if shareable {
+            Phys::new_shareable(self.machine, gpu, size)?
+        } else {
+            Phys::new(self.machine, gpu, size)?
+        };
+        Ok(self.add_handle(phys))
+    }
+
+    fn add_handle(&self, phys: Arc<Phys>) -> u64 {
         let h = self.next_handle.fetch_add(1, Ordering::Relaxed);
         self.handles
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(h, phys);
-        Ok(h)
+        h
+    }
+
+    /// `cuMemExportToShareableHandle` with the POSIX fd type: a new descriptor of
+    /// the handle's memory. A handle created without that type is
+    /// `CUDA_ERROR_INVALID_VALUE`, as is an unknown handle.
+    pub fn export_fd(&self, handle: u64) -> Result<RawFd, CUresult> {
+        let phys = self
+            .handles
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&handle)
+            .cloned()
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        phys.export().ok_or(CUDA_ERROR_INVALID_VALUE)?
+    }
+
+    /// `cuMemImportFromShareableHandle` with the POSIX fd type: a new handle of the
+    /// memory behind `fd` (which stays the caller's).
+    pub fn import_fd(&self, fd: RawFd) -> Result<u64, CUresult> {
+        let phys = Phys::import(self.machine, fd)?;
+        Ok(self.add_handle(phys))
     }
 
     /// `cuMemRelease`: drops the handle; memory lives on while mapped.

@@ -1,0 +1,69 @@
+/* A reset primary context, then work in another context (driver API, NVIDIA's
+ * cuda.h), as a library that calls cudaDeviceReset and then makes its own context.
+ * Usage:
+ *   reset_then_work MIB BURSTS
+ * Retains the primary context, works in it (a memset of 1 MiB), frees, resets it
+ * (cuDevicePrimaryCtxReset) and releases it; then creates a context (cuCtxCreate),
+ * allocates MIB MiB there and runs BURSTS bursts: a memset to a new value, every
+ * byte copied back and checked, 50 ms apart (another program over capacity forces
+ * drops meanwhile). Prints "OK"; exits 2 on a failed call, 3 on a wrong byte. */
+#include <cuda.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#define CHECK(call)                                                            \
+    do {                                                                       \
+        CUresult r_ = (call);                                                  \
+        if (r_ != CUDA_SUCCESS) {                                              \
+            const char *n_ = "?";                                              \
+            cuGetErrorName(r_, &n_);                                           \
+            printf("FAIL %s:%d %s -> %d %s\n", __FILE__, __LINE__, #call,      \
+                   (int)r_, n_);                                               \
+            fflush(stdout);                                                    \
+            exit(2);                                                           \
+        }                                                                      \
+    } while (0)
+
+int main(int argc, char **argv) {
+    if (argc != 3) {
+        fprintf(stderr, "usage: reset_then_work MIB BURSTS\n");
+        return 1;
+    }
+    size_t n = (size_t)atoi(argv[1]) << 20;
+    int bursts = atoi(argv[2]);
+    CUdevice dev;
+    CUcontext p, c;
+    CUdeviceptr d;
+    CHECK(cuInit(0));
+    CHECK(cuDeviceGet(&dev, 0));
+    CHECK(cuDevicePrimaryCtxRetain(&p, dev));
+    CHECK(cuCtxSetCurrent(p));
+    CHECK(cuMemAlloc(&d, 1 << 20));
+    CHECK(cuMemsetD8(d, 1, 1 << 20));
+    CHECK(cuMemFree(d));
+    CHECK(cuCtxSynchronize());
+    CHECK(cuDevicePrimaryCtxReset(dev));
+    CHECK(cuDevicePrimaryCtxRelease(dev));
+    CHECK(cuCtxCreate(&c, 0, dev));
+    unsigned char *h = malloc(n);
+    if (!h) return 1;
+    CHECK(cuMemAlloc(&d, n));
+    for (int b = 0; b < bursts; b++) {
+        unsigned char v = (unsigned char)(b * 13 + 5);
+        CHECK(cuMemsetD8(d, v, n));
+        CHECK(cuCtxSynchronize());
+        usleep(50000);
+        CHECK(cuMemcpyDtoH(h, d, n));
+        for (size_t i = 0; i < n; i++)
+            if (h[i] != v) {
+                printf("burst %d: byte %zu is %u, want %u\n", b, i, h[i], v);
+                return 3;
+            }
+    }
+    CHECK(cuMemFree(d));
+    CHECK(cuCtxDestroy(c));
+    printf("OK\n");
+    fflush(stdout);
+    return 0;
+}

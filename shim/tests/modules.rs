@@ -1,0 +1,105 @@
+//! Loaded modules' device memory counts as memory no swap frees (#13 item 2), with
+//! real processes on the strict GPU simulator (each `cuModuleLoad*` costs its context
+//! `KIWI_SIM_MODULE_MEMORY`) under a real `kiwi-arbiter`.
+//!
+//! Needs the workspace built (`cargo build --workspace --all-targets`).
+
+mod common;
+use common::*;
+
+use std::process::Command;
+use std::time::Duration;
+
+use kiwi_protocol::EventKind;
+use kiwi_sim_core::harness::SimMachine;
+use kiwi_tests::{bin, Arbiter};
+
+/// Two programs on a 1 GiB GPU: A's module takes 256 MiB, A works on 300 MiB and B
+/// on 400 MiB. Counting contexts only (2 × 48 MiB, under the arbiter's 128 MiB
+/// reserve), the arbiter sees 700 MiB of working sets in 896 MiB of room and lets
+/// both run at once, while only 1024 − 96 − 256 = 672 MiB are there: B's memory
+/// cannot all be backed, and B waits for room nobody is asked to make (it never
+/// finished within the limit). With the module measured and reported, the GPU is
+/// oversubscribed: they take turns, swap, and keep every byte.
+#[test]
+fn a_modules_memory_is_counted_so_programs_take_turns_and_verify() {
+    let m = SimMachine::new("modules", 1, 1 << 30).unwrap();
+    let arb = Arbiter::start(&["--tq", "0.3"]);
+    let burst = |mem: &str, bursts: &str| {
+        let mut c = Command::new(bin("gpuburst"));
+        c.args([
+            "--mem", mem, "--bursts", bursts, "--gpu-ms", "100", "--cpu-ms", "20", "--verify",
+        ]);
+        c
+    };
+    // A runs long enough to overlap all of B.
+    let mut a = burst("300MiB", "16");
+    let a = under_kiwi_on(a.env("KIWI_SIM_MODULE_MEMORY", "256MiB"), &m, &arb)
+        .spawn()
+        .expect("spawn gpuburst A");
+    std::thread::sleep(Duration::from_millis(500));
+    let mut b = burst("400MiB", "4");
+    let b = under_kiwi_on(&mut b, &m, &arb)
+        .spawn()
+        .expect("spawn gpuburst B");
+    let pa = a.id();
+    let (oa, ob) = (finish_within(a, 60), finish_within(b, 60));
+    assert_eq!(
+        oa.status.code(),
+        Some(0),
+        "A\n{}\nB\n{}",
+        text(&oa),
+        text(&ob)
+    );
+    assert_eq!(
+        ob.status.code(),
+        Some(0),
+        "B\n{}\nA\n{}",
+        text(&ob),
+        text(&oa)
+    );
+    // They took turns: A's memory went out for B.
+    let events = arb.events();
+    let ca = events
+        .iter()
+        .find_map(|e| match e.kind {
+            EventKind::Register { pid, .. } if pid == pa => e.client,
+            _ => None,
+        })
+        .expect("A registered");
+    let out: u64 = events
+        .iter()
+        .filter(|e| e.client == Some(ca))
+        .filter_map(|e| match e.kind {
+            EventKind::SwapOut { bytes, .. } => Some(bytes),
+            _ => None,
+        })
+        .sum();
+    assert!(out > 0, "A never swapped out\n{}\n{}", text(&oa), text(&ob));
+    // Nobody waited for room the arbiter did not know was taken.
+    for o in [&oa, &ob] {
+        assert!(
+            !String::from_utf8_lossy(&o.stderr).contains("no room to swap in"),
+            "{}",
+            text(o)
+        );
+    }
+}
+
+/// [`finish`] with a shorter limit: a program that waits for room nobody makes is a
+/// failure of this test, not a hang.
+fn finish_within(child: std::process::Child, secs: u64) -> std::process::Output {
+    let pid = child.id() as i32;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(Duration::from_secs(secs)) {
+        Ok(o) => o.expect("wait for child"),
+        Err(_) => {
+            // SAFETY: kill(2) on our own child's pid.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            rx.recv().expect("killed child").expect("wait for child")
+        }
+    }
+}

@@ -1,0 +1,77 @@
+/* Each module loaded through the driver API costs its context device memory
+ * (KIWI_SIM_MODULE_MEMORY) until it is unloaded or its context goes: cuMemGetInfo
+ * shows it, a load that does not fit is CUDA_ERROR_OUT_OF_MEMORY, and unloading or
+ * destroying the context gives it back. Every check fails on a simulator whose
+ * modules cost nothing.
+ *
+ * usage: module_memory <module MiB>   prints "OK" or names the failure
+ * Compiled against NVIDIA's cuda.h, linked with -lcuda; one GPU. */
+#include <cuda.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "driver_check.h"
+
+static size_t free_now(void) {
+    size_t f, t;
+    CHECK(cuMemGetInfo(&f, &t));
+    return f;
+}
+
+#define EXPECT_FREE(want)                                                      \
+    do {                                                                       \
+        size_t f_ = free_now();                                                \
+        if (f_ != (size_t)(want)) {                                            \
+            fprintf(stderr, "FAIL %s:%d free %zu bytes, want %zu\n", __FILE__, \
+                    __LINE__, f_, (size_t)(want));                             \
+            exit(1);                                                           \
+        }                                                                      \
+    } while (0)
+
+int main(int argc, char **argv) {
+    if (argc != 2 || atol(argv[1]) <= 0) {
+        fprintf(stderr, "usage: module_memory MIB\n");
+        return 2;
+    }
+    const size_t mod = (size_t)atol(argv[1]) << 20;
+    CUdevice dev;
+    CUcontext primary, extra;
+    CUmodule m1, m2, m3, m4;
+    CUfunction f;
+    CUdeviceptr big;
+    CHECK(cuInit(0));
+    CHECK(cuDeviceGet(&dev, 0));
+    CHECK(cuDevicePrimaryCtxRetain(&primary, dev));
+    CHECK(cuCtxSetCurrent(primary));
+    const size_t free0 = free_now();
+
+    CHECK(cuModuleLoadData(&m1, "kiwi"));
+    EXPECT_FREE(free0 - mod);
+    CHECK(cuModuleLoadDataEx(&m2, "kiwi", 0, NULL, NULL));
+    EXPECT_FREE(free0 - 2 * mod);
+    CHECK(cuModuleGetFunction(&f, m2, "kiwi_fill"));
+    CHECK(cuModuleUnload(m1));
+    EXPECT_FREE(free0 - mod);
+    EXPECT(cuModuleUnload(m1), CUDA_ERROR_INVALID_HANDLE);
+    EXPECT_FREE(free0 - mod);
+
+    /* A module that does not fit. */
+    CHECK(cuMemAlloc(&big, free0 - mod - mod / 2));
+    EXPECT(cuModuleLoadData(&m3, "kiwi"), CUDA_ERROR_OUT_OF_MEMORY);
+    CHECK(cuMemFree(big));
+    EXPECT_FREE(free0 - mod);
+
+    /* Destroying a context unloads its modules. */
+    CHECK(cuCtxCreate(&extra, 0, dev));
+    const size_t free1 = free_now();
+    CHECK(cuModuleLoadData(&m4, "kiwi"));
+    EXPECT_FREE(free1 - mod);
+    CHECK(cuCtxDestroy(extra));
+    CHECK(cuCtxSetCurrent(primary));
+    EXPECT_FREE(free0 - mod);
+
+    CHECK(cuModuleUnload(m2));
+    EXPECT_FREE(free0);
+    printf("OK\n");
+    return 0;
+}
