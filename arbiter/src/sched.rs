@@ -896,13 +896,17 @@ impl GpuScheduler {
             return;
         };
         // A swap-out is still under way (its client drained): only a client that takes
-        // part in pipelined hand-offs starts its swap-in beside it, and beside one
-        // swap-out at most. Others wait for the release, as before.
+        // part in pipelined hand-offs and has memory to swap in starts that swap-in
+        // beside it, and beside one swap-out at most. Others wait for the release, as
+        // before: one with nothing swapped out would open its gate at once and its new
+        // allocations and module loads meet a GPU still full of the drainer's memory.
         let pipelined = !self.draining.is_empty();
         if pipelined
             && (self.draining.len() > 1
                 || self.draining.contains_key(&next)
-                || !self.clients.get(&next).is_some_and(|c| c.info.pipelined))
+                || !self.clients.get(&next).is_some_and(|c| {
+                    c.info.pipelined && c.usage.working_set_bytes > c.usage.resident_bytes
+                }))
         {
             return;
         }

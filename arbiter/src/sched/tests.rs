@@ -1544,3 +1544,22 @@ fn a_client_that_does_not_report_swaps_has_its_quantum_from_the_grant() {
     s.request(0, 2);
     assert!(dropped(&s.tick(100 * MS), 1).is_some());
 }
+
+#[test]
+fn a_client_with_nothing_swapped_out_is_granted_at_the_release_not_at_drained() {
+    // B has no memory out (nothing allocated yet, it wants to run work): granted
+    // beside A's swap-out, its gate would open at once and its first allocations meet
+    // a GPU still full of A's memory.
+    let mut s = sched(1000 * MIB, 1, 5_000);
+    reg_pipelined(&mut s, 0, 1, 700 * MIB, true);
+    reg_pipelined(&mut s, 0, 2, 0, true);
+    reg_pipelined(&mut s, 0, 3, 700 * MIB, true);
+    s.request(0, 1);
+    s.usage(0, 1, usage(700 * MIB, 700 * MIB));
+    s.request(0, 2);
+    assert!(dropped(&s.tick(2 * MS), 1).is_some());
+    let outs = s.drained(2 * MS, 1);
+    assert_eq!(grant_msg(&outs, 2), None, "{outs:?}");
+    let outs = s.release(3 * MS, 1, usage(700 * MIB, 0));
+    assert_eq!(grant_msg(&outs, 2), Some((true, false)), "{outs:?}");
+}
