@@ -14,7 +14,7 @@
 use std::ffi::{c_int, c_void};
 
 use crate::cuda::*;
-use crate::hooks::{app_context, current_device, device_of, with_allocation, with_device_memory};
+use crate::devices::{app_context, current_device, device_of, with_allocation, with_device_memory};
 
 type Real<A> = A;
 
@@ -60,7 +60,9 @@ unsafe fn answer(
             IS_MANAGED => *data.cast::<u32>() = 0,
             DEVICE_ORDINAL => *data.cast::<c_int>() = d as c_int,
             // The shim serves cuIpcGetMemHandle for its allocations (crate::ipc).
-            IS_LEGACY_CUDA_IPC_CAPABLE => *data.cast::<u32>() = u32::from(crate::ipc::exportable()),
+            IS_LEGACY_CUDA_IPC_CAPABLE => {
+                *data.cast::<u32>() = u32::from(crate::devices::exportable())
+            }
             RANGE_START_ADDR => *data.cast::<u64>() = base,
             RANGE_SIZE => *data.cast::<usize>() = size as usize,
             // The application's view: its memory is there, swapped out or not.

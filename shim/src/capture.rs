@@ -25,7 +25,8 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::cuda::*;
-use crate::exports::{original, Sym};
+use crate::real::original_of;
+use crate::symbols::Sym;
 
 pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CUresult = 900;
 pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CUresult = 901;
@@ -141,7 +142,7 @@ pub fn launch_config_stream(config: Opaque, per_thread: bool) -> Option<StreamAr
 
 macro_rules! real {
     ($sym:ident : fn($($ty:ty),*) ($($arg:expr),*)) => {{
-        let p = original(Sym::$sym);
+        let p = original_of(Sym::$sym);
         if p.is_null() {
             Err(CUDA_ERROR_NOT_FOUND)
         } else {

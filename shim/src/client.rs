@@ -350,6 +350,22 @@ impl Turn {
         )
     }
 
+    /// Logs the wait line ([`crate::status::explain_wait`]) when it is shown.
+    fn explain_wait(&self) {
+        if crate::log::explain_enabled() {
+            let (v, _, _) = self.view();
+            crate::status::explain_wait(self.info.ordinal, &self.info.uuid, &v);
+        }
+    }
+
+    /// Logs the grant line ([`crate::status::explain_grant`]) when it is shown.
+    fn explain_grant(&self, waited: Duration) {
+        if crate::log::explain_enabled() {
+            let (v, _, _) = self.view();
+            crate::status::explain_grant(self.info.ordinal, &self.info.uuid, &v, waited);
+        }
+    }
+
     /// Reports a finished swap to the arbiter (and the counters).
     fn report_swap(&self, direction: SwapDirection, s: Swap) {
         if s.bytes == 0 {
@@ -914,7 +930,7 @@ impl Client {
         };
         if let Some((k, since)) = st.explained.take() {
             if result.is_ok() {
-                crate::status::explain_grant(&st.slots[k].turn, since.elapsed());
+                st.slots[k].turn.explain_grant(since.elapsed());
             }
         }
         st.want -= 1;
@@ -930,7 +946,7 @@ impl Client {
             .iter()
             .copied()
             .find(|&k| st.slots[k].turn.claimed() && st.slots[k].ts.phase != Phase::Holding)?;
-        crate::status::explain_wait(&st.slots[k].turn);
+        st.slots[k].turn.explain_wait();
         Some((k, since))
     }
 
@@ -1756,7 +1772,7 @@ pub fn on_init(has_gpu: impl FnOnce() -> Result<(), CUresult>) -> CUresult {
     }
     // SAFETY: registering a plain extern "C" handler.
     unsafe { pthread_atfork(None, None, Some(after_fork_in_child)) };
-    crate::stats::register_exit_hook();
+    crate::stats::register_exit_hook(|| (crate::gate::GATE.submissions(), mode_name()));
     let env = ShimEnv::from_env();
     if let Err(e) = has_gpu() {
         crate::kwarn!("no GPU to manage (CUDA error {e}); running unmanaged");

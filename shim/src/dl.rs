@@ -28,8 +28,10 @@ use std::ptr::null_mut;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Once;
 
-use crate::exports::{lookup, wrapper, REAL};
+use crate::exports::wrapper;
 use crate::real::real_dlsym;
+use crate::real::REAL;
+use crate::symbols::lookup;
 
 /// At most this many driver-side objects are told apart (a driver and a proxy or two).
 const MAX_SPANS: usize = 8;

@@ -1,75 +1,36 @@
-//! Every symbol `libkiwi.so` exports in the driver's name, generated from the one
-//! declaration list below: its C signature and its gate class.
+//! Every symbol `libkiwi.so` exports in the driver's name: the `extern "C"` wrappers,
+//! generated from the declaration list of [`crate::symbols`] (its C signature and
+//! gate class), and Kiwi's own C functions (`kiwi_status_json`, `kiwi_explain`).
 //!
-//! - `pass`: forwarded unchanged (exported so lookups resolve consistently, and so the
-//!   shim has the original at hand).
+//! - `pass`: forwarded unchanged to the original ([`crate::real`]).
 //! - `submit`: work submission; waits for this process's turn and for its memory to be
-//!   resident ([`crate::gate::submit`]).
-//! - `hook`: a function of [`crate::hooks`] decides (allocation, info, lookup).
-//! - `driver`: not exported: the application reaches the driver's own function. Listed
-//!   so that every `cuda.h` function taking device memory, an array, a stream, an
-//!   executable graph or a VMM handle is classified here (`exports_coverage.rs` checks
-//!   it against the real `cuda.h`).
-//!
-//! Every `pass` and `driver` entry says why in its doc comment (kept as
-//! [`SymInfo::reason`]): nothing passes the gate without a written reason.
+//!   resident ([`crate::submit`]).
+//! - `hook`: a function of the hooked behaviour decides (allocation, info, lookup).
+//! - `driver`: no wrapper: the application reaches the driver's own function.
 //!
 //! `dlsym` ([`crate::dl`]) and `cuGetProcAddress` ([`crate::procaddr`]) map names and
-//! original pointers to these wrappers through [`SYMBOLS`] and [`REAL`], so all three
-//! paths into the driver meet the same code.
+//! original pointers to these wrappers through [`crate::symbols::SYMBOLS`] and
+//! [`wrapper`], so all three paths into the driver meet the same code. This is the top
+//! layer: nothing in the shim uses it but the C ABI's own modules.
 
 #![allow(non_snake_case, clippy::too_many_arguments)]
 
 use std::ffi::{c_char, c_int, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::ptr::null_mut;
-use std::sync::atomic::AtomicPtr;
+use std::time::Instant;
 
 use crate::cuda::*;
-use crate::hooks;
 use crate::ipc::CUipcMemHandle;
+use crate::symbols::{Sym, ALL};
+// The hook paths of the declaration list resolve here.
+use crate::{attrs, capture, hooks, ipc};
 
 /// `CUarray`: an opaque driver handle.
 type CUarray = *mut c_void;
 /// `CUdeviceptr_v1`: the 32-bit device pointer of the legacy (CUDA < 3.2) entry points.
 #[allow(non_camel_case_types)]
 type CUdeviceptr_v1 = u32;
-
-/// How an export treats its call.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Class {
-    Pass,
-    Submit,
-    Hook,
-    /// Not exported: the driver's own function answers.
-    Driver,
-}
-
-/// One entry of the list: its NUL-terminated name, gate class and reason.
-#[derive(Debug)]
-pub struct SymInfo {
-    name: &'static str,
-    pub class: Class,
-    /// Why a `pass` or `driver` entry needs no gate (its doc comment).
-    pub reason: &'static str,
-    /// The declared parameter types (`stringify!`ed), checked against `cuda.h`.
-    pub params: &'static [&'static str],
-}
-
-impl SymInfo {
-    /// The name without the trailing NUL.
-    pub fn name(&self) -> &'static str {
-        &self.name[..self.name.len() - 1]
-    }
-
-    pub fn cname(&self) -> &'static std::ffi::CStr {
-        std::ffi::CStr::from_bytes_with_nul(self.name.as_bytes()).expect("names end in NUL")
-    }
-
-    /// Whether `libkiwi.so` exports a wrapper of this name.
-    pub fn exported(&self) -> bool {
-        self.class != Class::Driver
-    }
-}
 
 macro_rules! exports {
     (@fn driver $name:ident) => {};
@@ -111,7 +72,7 @@ macro_rules! exports {
             }
             // SAFETY: the caller's arguments, forwarded unchanged once admitted (or at once
             // when recorded into a capture).
-            crate::gate::submit(
+            crate::submit::submit(
                 stringify!($name),
                 || exports!(@stream $name ($($arg)*)),
                 // SAFETY: as above.
@@ -157,29 +118,6 @@ macro_rules! exports {
         }
     };
     ($( $(#[doc = $doc:literal])* $class:ident $name:ident $(( $($arg:ident : $ty:ty),* ))? $(=> $hook:path)? ; )*) => {
-        /// Index of every export into [`SYMBOLS`] and [`REAL`].
-        #[allow(non_camel_case_types)]
-        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-        pub enum Sym { $($name),* }
-
-        pub const COUNT: usize = [$(stringify!($name)),*].len();
-
-        /// Every export, in [`Sym`] order.
-        pub static SYMBOLS: [SymInfo; COUNT] = [
-            $( SymInfo {
-                name: concat!(stringify!($name), "\0"),
-                class: exports!(@class $class),
-                reason: concat!($($doc),*),
-                params: &[$($(stringify!($ty)),*)?],
-            } ),*
-        ];
-
-        /// The real driver's function behind each export (null until loaded, or when the
-        /// driver lacks it).
-        pub static REAL: [AtomicPtr<c_void>; COUNT] = [const { AtomicPtr::new(null_mut()) }; COUNT];
-
-        const ALL: [Sym; COUNT] = [$(Sym::$name),*];
-
         /// The shim's wrapper for export `index` (null for a `driver` entry, which has none).
         pub fn wrapper(index: usize) -> *mut c_void {
             match ALL[index] {
@@ -191,554 +129,170 @@ macro_rules! exports {
     };
     (@wrapper driver $name:ident) => { null_mut() };
     (@wrapper $class:ident $name:ident) => { $name as *mut c_void };
-    (@class driver) => { Class::Driver };
-    (@class pass) => { Class::Pass };
-    (@class submit) => { Class::Submit };
-    (@class hook) => { Class::Hook };
 }
 
-exports! {
-    // --- initialisation and lookup
-    hook cuInit(flags: Uint) => hooks::init;
-    hook cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, cuda_version: c_int, flags: u64) => hooks::get_proc_address;
-    hook cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, cuda_version: c_int, flags: u64, status: *mut c_int) => hooks::get_proc_address_v2;
+crate::symbols::for_each_export!(exports);
 
-    // --- contexts: a context on a device gives the process a turn on that GPU
-    hook cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) => hooks::primary_ctx_retain;
-    hook cuCtxCreate_v2(pctx: *mut CUcontext, flags: Uint, dev: CUdevice) => hooks::ctx_create_v2;
-    hook cuCtxCreate_v3(pctx: *mut CUcontext, params: Opaque, num_params: c_int, flags: Uint, dev: CUdevice) => hooks::ctx_create_v3;
-    hook cuCtxCreate_v4(pctx: *mut CUcontext, params: Opaque, flags: Uint, dev: CUdevice) => hooks::ctx_create_v4;
+/// The `cuGetProcAddress*` hooks: the driver answers, then its function is swapped
+/// for the shim's wrapper ([`crate::procaddr::resolve`]). They hand out this module's
+/// wrappers, so they live with them.
+mod proc_address {
+    use std::ffi::{c_char, c_int, c_void, CStr};
+    use std::sync::atomic::Ordering;
 
-    // --- allocation: VMM-backed, swappable, never waits for the GPU
-    hook cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => hooks::mem_alloc;
-    hook cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, elem: Uint) => hooks::mem_alloc_pitch;
-    hook cuMemFree_v2(dptr: CUdeviceptr) => hooks::mem_free;
-    hook cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => hooks::mem_alloc_async;
-    hook cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => hooks::mem_alloc_async;
-    hook cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => hooks::mem_alloc_from_pool;
-    hook cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => hooks::mem_alloc_from_pool;
-    hook cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) => hooks::mem_free_async;
-    hook cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) => hooks::mem_free_async_ptsz;
-    hook cuMemGetInfo_v2(free: *mut usize, total: *mut usize) => hooks::mem_get_info;
-    hook cuMemGetAddressRange_v2(pbase: *mut CUdeviceptr, psize: *mut usize, dptr: CUdeviceptr) => hooks::mem_get_address_range;
-    // The application's own VMM: passed through, its physical bytes counted.
-    hook cuMemCreate(handle: *mut CUmemGenericAllocationHandle, size: usize, prop: *const CUmemAllocationProp, flags: u64) => hooks::app_mem_create;
-    hook cuMemRelease(handle: CUmemGenericAllocationHandle) => hooks::app_mem_release;
+    use super::wrapper;
+    use crate::cuda::{CUresult, CUDA_SUCCESS};
+    use crate::procaddr::{resolve, Resolution};
 
-    // --- modules: their device memory is counted as memory no swap frees
-    hook cuModuleLoad(module: *mut *mut c_void, fname: *const c_char) => hooks::module_load;
-    hook cuModuleLoadData(module: *mut *mut c_void, image: *const c_void) => hooks::module_load_data;
-    hook cuModuleLoadDataEx(module: *mut *mut c_void, image: *const c_void, n: Uint, options: *mut c_int, values: *mut *mut c_void) => hooks::module_load_data_ex;
-    hook cuModuleLoadFatBinary(module: *mut *mut c_void, image: *const c_void) => hooks::module_load_data;
-    hook cuModuleUnload(module: *mut c_void) => hooks::module_unload;
-    hook cuLibraryLoadData(library: *mut *mut c_void, code: *const c_void, jit_options: *mut c_int, jit_values: *mut *mut c_void, n_jit: Uint, lib_options: *mut c_int, lib_values: *mut *mut c_void, n_lib: Uint) => hooks::library_load;
-    hook cuLibraryLoadFromFile(library: *mut *mut c_void, file: *const c_void, jit_options: *mut c_int, jit_values: *mut *mut c_void, n_jit: Uint, lib_options: *mut c_int, lib_values: *mut *mut c_void, n_lib: Uint) => hooks::library_load;
-    hook cuLibraryUnload(library: *mut c_void) => hooks::module_unload;
-
-    // --- originals the shim itself uses
-    /// Waits for the context's queued work (the shim drains with it); runs no work of its own.
-    pass cuCtxSynchronize();
-    /// Waits for a stream's queued work (the shim's swap copies use it); runs no work of its own.
-    pass cuStreamSynchronize(stream: CUstream);
-    /// Waits for a stream's queued work (per-thread default stream); runs no work of its own.
-    pass cuStreamSynchronize_ptsz(stream: CUstream);
-    /// Sets the calling thread's capture mode (the shim's own threads go `RELAXED` around
-    /// swap work, so they never invalidate a capture); runs no work.
-    pass cuThreadExchangeStreamCaptureMode(mode: *mut Uint);
-    /// Reads the calling thread's context; runs no work.
-    pass cuCtxGetCurrent(pctx: *mut CUcontext);
-    /// Sets the calling thread's context (the shim switches for swaps); runs no work.
-    pass cuCtxSetCurrent(ctx: CUcontext);
-    /// Reads the current context's device; runs no work.
-    pass cuCtxGetDevice(dev: *mut CUdevice);
-    /// Names a device; runs no work.
-    pass cuDeviceGet(dev: *mut CUdevice, ordinal: c_int);
-    /// Counts devices; runs no work.
-    pass cuDeviceGetCount(count: *mut c_int);
-    /// Reads a device's UUID (the arbiter's GPU key); runs no work.
-    pass cuDeviceGetUuid(uuid: *mut CUuuid, dev: CUdevice);
-    /// Reads a device's UUID (the arbiter's GPU key); runs no work.
-    pass cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice);
-    /// Reads a device's memory size; runs no work.
-    pass cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice);
-    /// The application's own VMM (PyTorch expandable segments, NCCL): reserves addresses, runs no work.
-    pass cuMemAddressReserve(ptr: *mut CUdeviceptr, size: usize, align: usize, addr: CUdeviceptr, flags: u64);
-    /// The application's own VMM: frees an address range, runs no work.
-    pass cuMemAddressFree(ptr: CUdeviceptr, size: usize);
-    /// The application's own VMM: maps its handle (counted through cuMemCreate, not swapped); runs no work.
-    pass cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: CUmemGenericAllocationHandle, flags: u64);
-    /// The application's own VMM: unmaps its handle; runs no work.
-    pass cuMemUnmap(ptr: CUdeviceptr, size: usize);
-    /// Access to a mapping: on a shim allocation recorded and re-applied after every swap-in (`attrs.rs`), on the application's own VMM passed through; runs no work.
-    hook cuMemSetAccess(ptr: CUdeviceptr, size: usize, desc: *const CUmemAccessDesc, count: usize) => crate::attrs::mem_set_access;
-    /// Peer access: the shim's mappings on the peer's device grant the current device access, now and after every swap-in (`attrs.rs`); runs no work.
-    hook cuCtxEnablePeerAccess(peer: CUcontext, flags: Uint) => crate::attrs::ctx_enable_peer_access;
-    /// Peer access: the grant is withdrawn from the shim's mappings (`attrs.rs`); runs no work.
-    hook cuCtxDisablePeerAccess(peer: CUcontext) => crate::attrs::ctx_disable_peer_access;
-    /// Reads the VMM granularity; runs no work.
-    pass cuMemGetAllocationGranularity(granularity: *mut usize, prop: *const CUmemAllocationProp, option: c_int);
-    /// Pinned host memory: lives in host RAM, never swapped; runs no work.
-    pass cuMemAllocHost_v2(pp: *mut *mut c_void, size: usize);
-    /// Frees pinned host memory; runs no work.
-    pass cuMemFreeHost(p: *mut c_void);
-
-    // --- work submission: kernels, graphs, host functions
-    submit cuLaunchKernel(f: CUfunction, gx: Uint, gy: Uint, gz: Uint, bx: Uint, by: Uint, bz: Uint, shared: Uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void);
-    submit cuLaunchKernel_ptsz(f: CUfunction, gx: Uint, gy: Uint, gz: Uint, bx: Uint, by: Uint, bz: Uint, shared: Uint, stream: CUstream, params: *mut *mut c_void, extra: *mut *mut c_void);
-    submit cuLaunchKernelEx(config: Opaque, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void);
-    submit cuLaunchKernelEx_ptsz(config: Opaque, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void);
-    submit cuLaunchCooperativeKernel(f: CUfunction, gx: Uint, gy: Uint, gz: Uint, bx: Uint, by: Uint, bz: Uint, shared: Uint, stream: CUstream, params: *mut *mut c_void);
-    submit cuLaunchCooperativeKernel_ptsz(f: CUfunction, gx: Uint, gy: Uint, gz: Uint, bx: Uint, by: Uint, bz: Uint, shared: Uint, stream: CUstream, params: *mut *mut c_void);
-    submit cuLaunchHostFunc(stream: CUstream, func: CUhostFn, data: *mut c_void);
-    submit cuLaunchHostFunc_ptsz(stream: CUstream, func: CUhostFn, data: *mut c_void);
-    submit cuGraphLaunch(exec: CUgraphExec, stream: CUstream);
-    submit cuGraphLaunch_ptsz(exec: CUgraphExec, stream: CUstream);
-    submit cuGraphUpload(exec: CUgraphExec, stream: CUstream);
-    submit cuGraphUpload_ptsz(exec: CUgraphExec, stream: CUstream);
-
-    // --- launches of the legacy execution control API (block shape and parameters set
-    // beforehand with cuFuncSetBlockShape / cuParamSet*), and multi-device launches
-    submit cuLaunch(f: CUfunction);
-    submit cuLaunchGrid(f: CUfunction, grid_width: c_int, grid_height: c_int);
-    submit cuLaunchGridAsync(f: CUfunction, grid_width: c_int, grid_height: c_int, stream: CUstream);
-    submit cuLaunchCooperativeKernelMultiDevice(list: Opaque, num_devices: Uint, flags: Uint);
-
-    // --- host callbacks, external semaphores, graphics interop and sparse mappings:
-    // stream operations the GPU executes in order with the application's work
-    submit cuStreamAddCallback(stream: CUstream, callback: *mut c_void, data: *mut c_void, flags: Uint);
-    submit cuStreamAddCallback_ptsz(stream: CUstream, callback: *mut c_void, data: *mut c_void, flags: Uint);
-    submit cuSignalExternalSemaphoresAsync(sems: Opaque, params: Opaque, num: Uint, stream: CUstream);
-    submit cuSignalExternalSemaphoresAsync_ptsz(sems: Opaque, params: Opaque, num: Uint, stream: CUstream);
-    submit cuWaitExternalSemaphoresAsync(sems: Opaque, params: Opaque, num: Uint, stream: CUstream);
-    submit cuWaitExternalSemaphoresAsync_ptsz(sems: Opaque, params: Opaque, num: Uint, stream: CUstream);
-    submit cuGraphicsMapResources(count: Uint, resources: *mut *mut c_void, stream: CUstream);
-    submit cuGraphicsMapResources_ptsz(count: Uint, resources: *mut *mut c_void, stream: CUstream);
-    submit cuGraphicsUnmapResources(count: Uint, resources: *mut *mut c_void, stream: CUstream);
-    submit cuGraphicsUnmapResources_ptsz(count: Uint, resources: *mut *mut c_void, stream: CUstream);
-    submit cuMemMapArrayAsync(list: Opaque, count: Uint, stream: CUstream);
-    submit cuMemMapArrayAsync_ptsz(list: Opaque, count: Uint, stream: CUstream);
-    // With CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD it uploads the graph on a stream.
-    submit cuGraphInstantiateWithParams(exec: *mut CUgraphExec, graph: *mut c_void, params: *mut c_void);
-    submit cuGraphInstantiateWithParams_ptsz(exec: *mut CUgraphExec, graph: *mut c_void, params: *mut c_void);
-
-    // --- copies
-    submit cuMemcpy(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
-    submit cuMemcpy_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
-    submit cuMemcpyAsync(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: CUstream);
-    submit cuMemcpyAsync_ptsz(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: CUstream);
-    submit cuMemcpyPeer(dst: CUdeviceptr, dctx: CUcontext, src: CUdeviceptr, sctx: CUcontext, n: usize);
-    submit cuMemcpyPeer_ptds(dst: CUdeviceptr, dctx: CUcontext, src: CUdeviceptr, sctx: CUcontext, n: usize);
-    submit cuMemcpyPeerAsync(dst: CUdeviceptr, dctx: CUcontext, src: CUdeviceptr, sctx: CUcontext, n: usize, stream: CUstream);
-    submit cuMemcpyPeerAsync_ptsz(dst: CUdeviceptr, dctx: CUcontext, src: CUdeviceptr, sctx: CUcontext, n: usize, stream: CUstream);
-    submit cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, n: usize);
-    submit cuMemcpyHtoD_v2_ptds(dst: CUdeviceptr, src: *const c_void, n: usize);
-    submit cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, n: usize);
-    submit cuMemcpyDtoH_v2_ptds(dst: *mut c_void, src: CUdeviceptr, n: usize);
-    submit cuMemcpyDtoD_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
-    submit cuMemcpyDtoD_v2_ptds(dst: CUdeviceptr, src: CUdeviceptr, n: usize);
-    submit cuMemcpyHtoDAsync_v2(dst: CUdeviceptr, src: *const c_void, n: usize, stream: CUstream);
-    submit cuMemcpyHtoDAsync_v2_ptsz(dst: CUdeviceptr, src: *const c_void, n: usize, stream: CUstream);
-    submit cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: CUstream);
-    submit cuMemcpyDtoHAsync_v2_ptsz(dst: *mut c_void, src: CUdeviceptr, n: usize, stream: CUstream);
-    submit cuMemcpyDtoDAsync_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: CUstream);
-    submit cuMemcpyDtoDAsync_v2_ptsz(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: CUstream);
-    submit cuMemcpy2D_v2(p: Opaque);
-    submit cuMemcpy2D_v2_ptds(p: Opaque);
-    submit cuMemcpy2DUnaligned_v2(p: Opaque);
-    submit cuMemcpy2DUnaligned_v2_ptds(p: Opaque);
-    submit cuMemcpy2DAsync_v2(p: Opaque, stream: CUstream);
-    submit cuMemcpy2DAsync_v2_ptsz(p: Opaque, stream: CUstream);
-    submit cuMemcpy3D_v2(p: Opaque);
-    submit cuMemcpy3D_v2_ptds(p: Opaque);
-    submit cuMemcpy3DAsync_v2(p: Opaque, stream: CUstream);
-    submit cuMemcpy3DAsync_v2_ptsz(p: Opaque, stream: CUstream);
-    submit cuMemcpy3DPeer(p: Opaque);
-    submit cuMemcpy3DPeer_ptds(p: Opaque);
-    submit cuMemcpy3DPeerAsync(p: Opaque, stream: CUstream);
-    submit cuMemcpy3DPeerAsync_ptsz(p: Opaque, stream: CUstream);
-    submit cuMemcpyBatchAsync(dsts: *mut CUdeviceptr, srcs: *mut CUdeviceptr, sizes: *mut usize, count: usize, attrs: Opaque, attrs_idxs: *mut usize, num_attrs: usize, fail_idx: *mut usize, stream: CUstream);
-    submit cuMemcpyBatchAsync_ptsz(dsts: *mut CUdeviceptr, srcs: *mut CUdeviceptr, sizes: *mut usize, count: usize, attrs: Opaque, attrs_idxs: *mut usize, num_attrs: usize, fail_idx: *mut usize, stream: CUstream);
-    submit cuMemcpy3DBatchAsync(num_ops: usize, ops: Opaque, fail_idx: *mut usize, flags: u64, stream: CUstream);
-    submit cuMemcpy3DBatchAsync_ptsz(num_ops: usize, ops: Opaque, fail_idx: *mut usize, flags: u64, stream: CUstream);
-    submit cuMemBatchDecompressAsync(params: Opaque, count: usize, flags: Uint, error_index: *mut usize, stream: CUstream);
-    submit cuMemBatchDecompressAsync_ptsz(params: Opaque, count: usize, flags: Uint, error_index: *mut usize, stream: CUstream);
-
-    // --- array copies
-    submit cuMemcpyHtoA_v2(dst: CUarray, dst_offset: usize, src: *const c_void, n: usize);
-    submit cuMemcpyHtoA_v2_ptds(dst: CUarray, dst_offset: usize, src: *const c_void, n: usize);
-    submit cuMemcpyAtoH_v2(dst: *mut c_void, src: CUarray, src_offset: usize, n: usize);
-    submit cuMemcpyAtoH_v2_ptds(dst: *mut c_void, src: CUarray, src_offset: usize, n: usize);
-    submit cuMemcpyDtoA_v2(dst: CUarray, dst_offset: usize, src: CUdeviceptr, n: usize);
-    submit cuMemcpyDtoA_v2_ptds(dst: CUarray, dst_offset: usize, src: CUdeviceptr, n: usize);
-    submit cuMemcpyAtoD_v2(dst: CUdeviceptr, src: CUarray, src_offset: usize, n: usize);
-    submit cuMemcpyAtoD_v2_ptds(dst: CUdeviceptr, src: CUarray, src_offset: usize, n: usize);
-    submit cuMemcpyAtoA_v2(dst: CUarray, dst_offset: usize, src: CUarray, src_offset: usize, n: usize);
-    submit cuMemcpyAtoA_v2_ptds(dst: CUarray, dst_offset: usize, src: CUarray, src_offset: usize, n: usize);
-    submit cuMemcpyHtoAAsync_v2(dst: CUarray, dst_offset: usize, src: *const c_void, n: usize, stream: CUstream);
-    submit cuMemcpyHtoAAsync_v2_ptsz(dst: CUarray, dst_offset: usize, src: *const c_void, n: usize, stream: CUstream);
-    submit cuMemcpyAtoHAsync_v2(dst: *mut c_void, src: CUarray, src_offset: usize, n: usize, stream: CUstream);
-    submit cuMemcpyAtoHAsync_v2_ptsz(dst: *mut c_void, src: CUarray, src_offset: usize, n: usize, stream: CUstream);
-
-    // --- the legacy 32-bit entry points (CUDA < 3.2 ABI) the driver still exports
-    submit cuMemcpyHtoD(dst: CUdeviceptr_v1, src: *const c_void, n: Uint);
-    submit cuMemcpyDtoH(dst: *mut c_void, src: CUdeviceptr_v1, n: Uint);
-    submit cuMemcpyDtoD(dst: CUdeviceptr_v1, src: CUdeviceptr_v1, n: Uint);
-    submit cuMemcpyHtoDAsync(dst: CUdeviceptr_v1, src: *const c_void, n: Uint, stream: CUstream);
-    submit cuMemcpyDtoHAsync(dst: *mut c_void, src: CUdeviceptr_v1, n: Uint, stream: CUstream);
-    submit cuMemcpyDtoDAsync(dst: CUdeviceptr_v1, src: CUdeviceptr_v1, n: Uint, stream: CUstream);
-    submit cuMemcpyHtoA(dst: CUarray, dst_offset: Uint, src: *const c_void, n: Uint);
-    submit cuMemcpyAtoH(dst: *mut c_void, src: CUarray, src_offset: Uint, n: Uint);
-    submit cuMemcpyDtoA(dst: CUarray, dst_offset: Uint, src: CUdeviceptr_v1, n: Uint);
-    submit cuMemcpyAtoD(dst: CUdeviceptr_v1, src: CUarray, src_offset: Uint, n: Uint);
-    submit cuMemcpyAtoA(dst: CUarray, dst_offset: Uint, src: CUarray, src_offset: Uint, n: Uint);
-    submit cuMemcpyHtoAAsync(dst: CUarray, dst_offset: Uint, src: *const c_void, n: Uint, stream: CUstream);
-    submit cuMemcpyAtoHAsync(dst: *mut c_void, src: CUarray, src_offset: Uint, n: Uint, stream: CUstream);
-    submit cuMemcpy2D(p: Opaque);
-    submit cuMemcpy2DUnaligned(p: Opaque);
-    submit cuMemcpy2DAsync(p: Opaque, stream: CUstream);
-    submit cuMemcpy3D(p: Opaque);
-    submit cuMemcpy3DAsync(p: Opaque, stream: CUstream);
-    submit cuMemsetD8(dst: CUdeviceptr_v1, v: u8, n: Uint);
-    submit cuMemsetD16(dst: CUdeviceptr_v1, v: u16, n: Uint);
-    submit cuMemsetD32(dst: CUdeviceptr_v1, v: Uint, n: Uint);
-    submit cuMemsetD2D8(dst: CUdeviceptr_v1, pitch: Uint, v: u8, w: Uint, h: Uint);
-    submit cuMemsetD2D16(dst: CUdeviceptr_v1, pitch: Uint, v: u16, w: Uint, h: Uint);
-    submit cuMemsetD2D32(dst: CUdeviceptr_v1, pitch: Uint, v: Uint, w: Uint, h: Uint);
-
-    // --- memsets
-    submit cuMemsetD8_v2(dst: CUdeviceptr, v: u8, n: usize);
-    submit cuMemsetD8_v2_ptds(dst: CUdeviceptr, v: u8, n: usize);
-    submit cuMemsetD16_v2(dst: CUdeviceptr, v: u16, n: usize);
-    submit cuMemsetD16_v2_ptds(dst: CUdeviceptr, v: u16, n: usize);
-    submit cuMemsetD32_v2(dst: CUdeviceptr, v: Uint, n: usize);
-    submit cuMemsetD32_v2_ptds(dst: CUdeviceptr, v: Uint, n: usize);
-    submit cuMemsetD8Async(dst: CUdeviceptr, v: u8, n: usize, stream: CUstream);
-    submit cuMemsetD8Async_ptsz(dst: CUdeviceptr, v: u8, n: usize, stream: CUstream);
-    submit cuMemsetD16Async(dst: CUdeviceptr, v: u16, n: usize, stream: CUstream);
-    submit cuMemsetD16Async_ptsz(dst: CUdeviceptr, v: u16, n: usize, stream: CUstream);
-    submit cuMemsetD32Async(dst: CUdeviceptr, v: Uint, n: usize, stream: CUstream);
-    submit cuMemsetD32Async_ptsz(dst: CUdeviceptr, v: Uint, n: usize, stream: CUstream);
-    submit cuMemsetD2D8_v2(dst: CUdeviceptr, pitch: usize, v: u8, w: usize, h: usize);
-    submit cuMemsetD2D8_v2_ptds(dst: CUdeviceptr, pitch: usize, v: u8, w: usize, h: usize);
-    submit cuMemsetD2D16_v2(dst: CUdeviceptr, pitch: usize, v: u16, w: usize, h: usize);
-    submit cuMemsetD2D16_v2_ptds(dst: CUdeviceptr, pitch: usize, v: u16, w: usize, h: usize);
-    submit cuMemsetD2D32_v2(dst: CUdeviceptr, pitch: usize, v: Uint, w: usize, h: usize);
-    submit cuMemsetD2D32_v2_ptds(dst: CUdeviceptr, pitch: usize, v: Uint, w: usize, h: usize);
-    submit cuMemsetD2D8Async(dst: CUdeviceptr, pitch: usize, v: u8, w: usize, h: usize, stream: CUstream);
-    submit cuMemsetD2D8Async_ptsz(dst: CUdeviceptr, pitch: usize, v: u8, w: usize, h: usize, stream: CUstream);
-    submit cuMemsetD2D16Async(dst: CUdeviceptr, pitch: usize, v: u16, w: usize, h: usize, stream: CUstream);
-    submit cuMemsetD2D16Async_ptsz(dst: CUdeviceptr, pitch: usize, v: u16, w: usize, h: usize, stream: CUstream);
-    submit cuMemsetD2D32Async(dst: CUdeviceptr, pitch: usize, v: Uint, w: usize, h: usize, stream: CUstream);
-    submit cuMemsetD2D32Async_ptsz(dst: CUdeviceptr, pitch: usize, v: Uint, w: usize, h: usize, stream: CUstream);
-
-    // --- prefetches and stream memory operations
-    submit cuMemPrefetchAsync(ptr: CUdeviceptr, n: usize, dev: CUdevice, stream: CUstream);
-    submit cuMemPrefetchAsync_ptsz(ptr: CUdeviceptr, n: usize, dev: CUdevice, stream: CUstream);
-    submit cuMemPrefetchAsync_v2(ptr: CUdeviceptr, n: usize, loc: CUmemLocation, flags: Uint, stream: CUstream);
-    submit cuMemPrefetchAsync_v2_ptsz(ptr: CUdeviceptr, n: usize, loc: CUmemLocation, flags: Uint, stream: CUstream);
-    submit cuStreamWaitValue32(stream: CUstream, addr: CUdeviceptr, value: u32, flags: Uint);
-    submit cuStreamWaitValue32_ptsz(stream: CUstream, addr: CUdeviceptr, value: u32, flags: Uint);
-    submit cuStreamWaitValue32_v2(stream: CUstream, addr: CUdeviceptr, value: u32, flags: Uint);
-    submit cuStreamWaitValue32_v2_ptsz(stream: CUstream, addr: CUdeviceptr, value: u32, flags: Uint);
-    submit cuStreamWaitValue64(stream: CUstream, addr: CUdeviceptr, value: u64, flags: Uint);
-    submit cuStreamWaitValue64_ptsz(stream: CUstream, addr: CUdeviceptr, value: u64, flags: Uint);
-    submit cuStreamWaitValue64_v2(stream: CUstream, addr: CUdeviceptr, value: u64, flags: Uint);
-    submit cuStreamWaitValue64_v2_ptsz(stream: CUstream, addr: CUdeviceptr, value: u64, flags: Uint);
-    submit cuStreamWriteValue32(stream: CUstream, addr: CUdeviceptr, value: u32, flags: Uint);
-    submit cuStreamWriteValue32_ptsz(stream: CUstream, addr: CUdeviceptr, value: u32, flags: Uint);
-    submit cuStreamWriteValue32_v2(stream: CUstream, addr: CUdeviceptr, value: u32, flags: Uint);
-    submit cuStreamWriteValue32_v2_ptsz(stream: CUstream, addr: CUdeviceptr, value: u32, flags: Uint);
-    submit cuStreamWriteValue64(stream: CUstream, addr: CUdeviceptr, value: u64, flags: Uint);
-    submit cuStreamWriteValue64_ptsz(stream: CUstream, addr: CUdeviceptr, value: u64, flags: Uint);
-    submit cuStreamWriteValue64_v2(stream: CUstream, addr: CUdeviceptr, value: u64, flags: Uint);
-    submit cuStreamWriteValue64_v2_ptsz(stream: CUstream, addr: CUdeviceptr, value: u64, flags: Uint);
-    submit cuStreamBatchMemOp(stream: CUstream, count: Uint, params: Opaque, flags: Uint);
-    submit cuStreamBatchMemOp_ptsz(stream: CUstream, count: Uint, params: Opaque, flags: Uint);
-    submit cuStreamBatchMemOp_v2(stream: CUstream, count: Uint, params: Opaque, flags: Uint);
-    submit cuStreamBatchMemOp_v2_ptsz(stream: CUstream, count: Uint, params: Opaque, flags: Uint);
-
-    // --- left to the driver (not exported): each runs no work the gate must hold back
-    /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
-    driver cuArray3DCreate;
-    /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
-    driver cuArray3DCreate_v2;
-    /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
-    driver cuArray3DGetDescriptor;
-    /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
-    driver cuArray3DGetDescriptor_v2;
-    /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
-    driver cuArrayCreate;
-    /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
-    driver cuArrayCreate_v2;
-    /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
-    driver cuArrayDestroy;
-    /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
-    driver cuArrayGetDescriptor;
-    /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
-    driver cuArrayGetDescriptor_v2;
-    /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
-    driver cuArrayGetMemoryRequirements;
-    /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
-    driver cuArrayGetPlane;
-    /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
-    driver cuArrayGetSparseProperties;
-    /// Marks a point in the stream; runs no work and touches no memory.
-    driver cuEventRecord;
-    /// Marks a point in the stream; runs no work and touches no memory.
-    driver cuEventRecordWithFlags;
-    /// Marks a point in the stream; runs no work and touches no memory.
-    driver cuEventRecordWithFlags_ptsz;
-    /// Marks a point in the stream; runs no work and touches no memory.
-    driver cuEventRecord_ptsz;
-    /// Maps imported external memory: the driver's, not swappable; runs no work.
-    driver cuExternalMemoryGetMappedBuffer;
-    /// Builds or reads a graph node; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphAddMemFreeNode;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphExecBatchMemOpNodeSetParams;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphExecChildGraphNodeSetParams;
-    /// Destroys or reads an executable graph; runs no work.
-    driver cuGraphExecDestroy;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphExecEventRecordNodeSetEvent;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphExecEventWaitNodeSetEvent;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphExecExternalSemaphoresSignalNodeSetParams;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphExecExternalSemaphoresWaitNodeSetParams;
-    /// Destroys or reads an executable graph; runs no work.
-    driver cuGraphExecGetFlags;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphExecHostNodeSetParams;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphExecKernelNodeSetParams;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphExecKernelNodeSetParams_v2;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphExecMemcpyNodeSetParams;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphExecMemsetNodeSetParams;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphExecNodeSetParams;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphExecUpdate;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphExecUpdate_v2;
-    /// Builds an executable graph without uploading it (only the WithParams variant can upload: gated); runs no work.
-    driver cuGraphInstantiate;
-    /// Builds an executable graph without uploading it (only the WithParams variant can upload: gated); runs no work.
-    driver cuGraphInstantiateWithFlags;
-    /// Builds an executable graph without uploading it (only the WithParams variant can upload: gated); runs no work.
-    driver cuGraphInstantiate_v2;
-    /// Builds or reads a graph node; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphMemFreeNodeGetParams;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphNodeGetEnabled;
-    /// Edits an executable graph; runs nothing until cuGraphLaunch (gated).
-    driver cuGraphNodeSetEnabled;
-    /// Reads a mapped graphics resource; runs no work.
-    driver cuGraphicsResourceGetMappedPointer_v2;
-    /// Reads a mapped graphics resource; runs no work.
-    driver cuGraphicsSubResourceGetMappedArray;
-    /// Green contexts are not hooked (docs/shim.md, Limits); creates a stream, runs no work.
-    driver cuGreenCtxStreamCreate;
-    /// IPC of the shim's allocations ([`crate::ipc`]); other handles go to the driver.
-    hook cuIpcCloseMemHandle(dptr: CUdeviceptr) => crate::ipc::close_mem_handle;
-    /// IPC of the shim's allocations ([`crate::ipc`]); other memory goes to the driver.
-    hook cuIpcGetMemHandle(handle: *mut CUipcMemHandle, dptr: CUdeviceptr) => crate::ipc::get_mem_handle;
-    /// IPC of the shim's allocations ([`crate::ipc`]); other handles go to the driver.
-    hook cuIpcOpenMemHandle(pdptr: *mut CUdeviceptr, handle: CUipcMemHandle, flags: Uint) => crate::ipc::open_mem_handle;
-    /// IPC of the shim's allocations ([`crate::ipc`]); other handles go to the driver.
-    hook cuIpcOpenMemHandle_v2(pdptr: *mut CUdeviceptr, handle: CUipcMemHandle, flags: Uint) => crate::ipc::open_mem_handle;
-    /// A module's globals live in the context's module memory, never swapped; runs no work.
-    driver cuLibraryGetGlobal;
-    /// A module's globals live in the context's module memory, never swapped; runs no work.
-    driver cuLibraryGetManaged;
-    /// Managed memory, paged by the driver (not swapped by Kiwi); a hint or a query, runs no work.
-    driver cuMemAdvise;
-    /// Managed memory, paged by the driver (not swapped by Kiwi); a hint or a query, runs no work.
-    driver cuMemAdvise_v2;
-    /// Managed memory, paged by the driver itself (docs/shim.md); runs no work.
-    driver cuMemAllocManaged;
-    /// The application's own VMM handles and mappings, passed through and not swapped; runs no work.
-    driver cuMemExportToShareableHandle;
-    /// The application's own VMM handles and mappings, passed through and not swapped; runs no work.
-    driver cuMemGetAccess;
-    /// The application's own VMM handles and mappings, passed through and not swapped; runs no work.
-    driver cuMemGetAllocationPropertiesFromHandle;
-    /// The application's own VMM handles and mappings, passed through and not swapped; runs no work.
-    driver cuMemGetHandleForAddressRange;
-    /// Mapped host memory: lives in host RAM, never swapped; runs no work.
-    driver cuMemHostGetDevicePointer_v2;
-    /// The application's own VMM handles and mappings, passed through and not swapped; runs no work.
-    driver cuMemImportFromShareableHandle;
-    /// Sharing a pool allocation between processes: left to the driver (#13 items 6, 7); runs no work.
-    driver cuMemPoolExportPointer;
-    /// Sharing a pool allocation between processes: left to the driver (#13 items 6, 7); runs no work.
-    driver cuMemPoolImportPointer;
-    /// Managed memory, paged by the driver (not swapped by Kiwi); a hint or a query, runs no work.
-    driver cuMemRangeGetAttribute;
-    /// Managed memory, paged by the driver (not swapped by Kiwi); a hint or a query, runs no work.
-    driver cuMemRangeGetAttributes;
-    /// The application's own VMM handles and mappings, passed through and not swapped; runs no work.
-    driver cuMemRetainAllocationHandle;
-    /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
-    driver cuMipmappedArrayGetLevel;
-    /// A module's globals live in the context's module memory, never swapped; runs no work.
-    driver cuModuleGetGlobal_v2;
-    /// NVLink multicast objects over the application's own VMM memory, not swapped; runs no work.
-    driver cuMulticastAddDevice;
-    /// NVLink multicast objects over the application's own VMM memory, not swapped; runs no work.
-    driver cuMulticastBindAddr;
-    /// NVLink multicast objects over the application's own VMM memory, not swapped; runs no work.
-    driver cuMulticastBindMem;
-    /// NVLink multicast objects over the application's own VMM memory, not swapped; runs no work.
-    driver cuMulticastCreate;
-    /// NVLink multicast objects over the application's own VMM memory, not swapped; runs no work.
-    driver cuMulticastUnbind;
-    /// Pointer attributes: the shim answers for its own allocations (their own range, device and type, swapped out or not: `attrs.rs`); runs no work.
-    hook cuPointerGetAttribute(data: *mut c_void, attribute: c_int, ptr: CUdeviceptr) => crate::attrs::pointer_get_attribute;
-    /// Pointer attributes: the shim answers for its own allocations (their own range, device and type, swapped out or not: `attrs.rs`); runs no work.
-    hook cuPointerGetAttributes(n: Uint, attributes: *mut c_int, data: *mut *mut c_void, ptr: CUdeviceptr) => crate::attrs::pointer_get_attributes;
-    /// Pointer attributes: answered by the driver for now (#13 item 6); runs no work.
-    driver cuPointerSetAttribute;
-    /// Attaches managed memory (paged by the driver) to a stream; runs no work.
-    driver cuStreamAttachMemAsync;
-    /// Attaches managed memory (paged by the driver) to a stream; runs no work.
-    driver cuStreamAttachMemAsync_ptsz;
-    /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-    hook cuStreamBeginCapture(stream: CUstream) => crate::capture::begin_v1;
-    /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-    hook cuStreamBeginCaptureToGraph(stream: CUstream, graph: *mut c_void, deps: Opaque, dep_data: Opaque, n: usize, mode: Uint) => crate::capture::begin_to_graph;
-    /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-    hook cuStreamBeginCaptureToGraph_ptsz(stream: CUstream, graph: *mut c_void, deps: Opaque, dep_data: Opaque, n: usize, mode: Uint) => crate::capture::begin_to_graph_ptsz;
-    /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-    hook cuStreamBeginCapture_ptsz(stream: CUstream) => crate::capture::begin_v1_ptsz;
-    /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-    hook cuStreamBeginCapture_v2(stream: CUstream, mode: Uint) => crate::capture::begin;
-    /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-    hook cuStreamBeginCapture_v2_ptsz(stream: CUstream, mode: Uint) => crate::capture::begin_ptsz;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamCopyAttributes;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamCopyAttributes_ptsz;
-    /// Creates or destroys a stream; runs no work.
-    driver cuStreamCreate;
-    /// Creates or destroys a stream; runs no work.
-    driver cuStreamCreateWithPriority;
-    /// Creates or destroys a stream; runs no work.
-    driver cuStreamDestroy;
-    /// Creates or destroys a stream; runs no work.
-    driver cuStreamDestroy_v2;
-    /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-    hook cuStreamEndCapture(stream: CUstream, graph: *mut *mut c_void) => crate::capture::end;
-    /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-    hook cuStreamEndCapture_ptsz(stream: CUstream, graph: *mut *mut c_void) => crate::capture::end_ptsz;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamGetAttribute;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamGetAttribute_ptsz;
-    /// Stream capture: records work, runs none (#13 item 1 tracks capture).
-    driver cuStreamGetCaptureInfo;
-    /// Stream capture: records work, runs none (#13 item 1 tracks capture).
-    driver cuStreamGetCaptureInfo_ptsz;
-    /// Stream capture: records work, runs none (#13 item 1 tracks capture).
-    driver cuStreamGetCaptureInfo_v2;
-    /// Stream capture: records work, runs none (#13 item 1 tracks capture).
-    driver cuStreamGetCaptureInfo_v2_ptsz;
-    /// Stream capture: records work, runs none (#13 item 1 tracks capture).
-    driver cuStreamGetCaptureInfo_v3;
-    /// Stream capture: records work, runs none (#13 item 1 tracks capture).
-    driver cuStreamGetCaptureInfo_v3_ptsz;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamGetCtx;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamGetCtx_ptsz;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamGetCtx_v2;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamGetCtx_v2_ptsz;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamGetDevice;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamGetDevice_ptsz;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamGetFlags;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamGetFlags_ptsz;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamGetGreenCtx;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamGetId;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamGetId_ptsz;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamGetPriority;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamGetPriority_ptsz;
-    /// Stream capture: records work, runs none (#13 item 1 tracks capture).
-    driver cuStreamIsCapturing;
-    /// Stream capture: records work, runs none (#13 item 1 tracks capture).
-    driver cuStreamIsCapturing_ptsz;
-    /// Asks whether a stream's work is done; runs no work.
-    driver cuStreamQuery;
-    /// Asks whether a stream's work is done; runs no work.
-    driver cuStreamQuery_ptsz;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamSetAttribute;
-    /// Reads or sets a stream's properties; runs no work.
-    driver cuStreamSetAttribute_ptsz;
-    /// Stream capture: records work, runs none (#13 item 1 tracks capture).
-    driver cuStreamUpdateCaptureDependencies;
-    /// Stream capture: records work, runs none (#13 item 1 tracks capture).
-    driver cuStreamUpdateCaptureDependencies_ptsz;
-    /// Stream capture: records work, runs none (#13 item 1 tracks capture).
-    driver cuStreamUpdateCaptureDependencies_v2;
-    /// Stream capture: records work, runs none (#13 item 1 tracks capture).
-    driver cuStreamUpdateCaptureDependencies_v2_ptsz;
-    /// Orders one stream after an event; runs no work and touches no memory.
-    driver cuStreamWaitEvent;
-    /// Orders one stream after an event; runs no work and touches no memory.
-    driver cuStreamWaitEvent_ptsz;
-    /// Legacy texture and surface references: bind memory, run no work.
-    driver cuSurfRefGetArray;
-    /// Legacy texture and surface references: bind memory, run no work.
-    driver cuSurfRefSetArray;
-    /// Legacy texture and surface references: bind memory, run no work.
-    driver cuTexRefGetAddress_v2;
-    /// Legacy texture and surface references: bind memory, run no work.
-    driver cuTexRefGetArray;
-    /// Legacy texture and surface references: bind memory, run no work.
-    driver cuTexRefSetAddress2D_v2;
-    /// Legacy texture and surface references: bind memory, run no work.
-    driver cuTexRefSetAddress2D_v3;
-    /// Legacy texture and surface references: bind memory, run no work.
-    driver cuTexRefSetAddress_v2;
-    /// Legacy texture and surface references: bind memory, run no work.
-    driver cuTexRefSetArray;
-
-}
-
-/// Kiwi's own C functions, for the Python package (`python/kiwi`) and other
-/// callers that find them with `dlsym(RTLD_DEFAULT, …)`; documented in
-/// `docs/shim.md`. Defined in [`crate::status`].
-pub use crate::status::{kiwi_explain, kiwi_status_json};
-
-/// The export named `name`, if any (never a `driver` entry: the shim has no wrapper).
-pub fn lookup(name: &[u8]) -> Option<usize> {
-    if !name.starts_with(b"cu") {
-        return None;
+    fn map_proc(symbol: *const c_char, pfn: *mut *mut c_void, flags: u64) {
+        if symbol.is_null() || pfn.is_null() {
+            return;
+        }
+        // SAFETY: pfn is the caller's out-pointer, just written by the driver.
+        let driver_fn = unsafe { *pfn };
+        // SAFETY: the caller passed a NUL-terminated symbol name.
+        let name = unsafe { CStr::from_ptr(symbol) }.to_string_lossy();
+        crate::real::load();
+        if let Resolution::Wrapper(i) = resolve(&name, driver_fn, flags, crate::real::original) {
+            crate::stats::PROCADDR_WRAPPED.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: as above.
+            unsafe { *pfn = wrapper(i) };
+        }
     }
-    SYMBOLS
-        .iter()
-        .position(|s| s.exported() && s.name().as_bytes() == name)
+
+    /// # Safety
+    /// `real` is the driver's original of this entry point; the other arguments are the
+    /// application's, valid as `cuda.h` documents them.
+    pub unsafe fn get_proc_address(
+        real: unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64) -> CUresult,
+        symbol: *const c_char,
+        pfn: *mut *mut c_void,
+        cuda_version: c_int,
+        flags: u64,
+    ) -> CUresult {
+        // SAFETY: forwarding the caller's arguments.
+        let r = unsafe { real(symbol, pfn, cuda_version, flags) };
+        if r == CUDA_SUCCESS {
+            map_proc(symbol, pfn, flags);
+        }
+        r
+    }
+
+    /// # Safety
+    /// `real` is the driver's original of this entry point; the other arguments are the
+    /// application's, valid as `cuda.h` documents them.
+    pub unsafe fn get_proc_address_v2(
+        real: unsafe extern "C" fn(
+            *const c_char,
+            *mut *mut c_void,
+            c_int,
+            u64,
+            *mut c_int,
+        ) -> CUresult,
+        symbol: *const c_char,
+        pfn: *mut *mut c_void,
+        cuda_version: c_int,
+        flags: u64,
+        status: *mut c_int,
+    ) -> CUresult {
+        // SAFETY: forwarding the caller's arguments.
+        let r = unsafe { real(symbol, pfn, cuda_version, flags, status) };
+        if r == CUDA_SUCCESS {
+            map_proc(symbol, pfn, flags);
+        }
+        r
+    }
 }
 
-/// The real driver's function behind export `s` (loading the driver if needed).
-pub fn original(s: Sym) -> *mut c_void {
-    crate::real::original(s as usize)
+// ---------------------------------------------------------------------------------
+// Kiwi's own C functions, for the Python package (`python/kiwi`) and other callers
+// that find them with `dlsym(RTLD_DEFAULT, …)`; documented in `docs/shim.md`. The
+// wording is [`crate::status`]'s.
+
+/// This process's GPUs as JSON (see `docs/shim.md`).
+pub fn status_json() -> String {
+    let now = Instant::now();
+    let gpus: Vec<serde_json::Value> = crate::client::global()
+        .map(|c| {
+            c.turns()
+                .map(|t| {
+                    let (v, working_set, resident) = t.view();
+                    let info = t.info();
+                    crate::status::gpu_json(
+                        info.ordinal,
+                        &info.uuid,
+                        &v,
+                        working_set,
+                        resident,
+                        now,
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    serde_json::json!({
+        "kiwi": crate::status::STATUS_VERSION,
+        "pid": std::process::id(),
+        "mode": crate::client::mode_name(),
+        "gpus": gpus,
+    })
+    .to_string()
+}
+
+/// Copies `json` into `buf` (`len` bytes) with a NUL when it fits whole; else writes
+/// an empty string (when `len > 0`). Returns `json`'s length, without the NUL.
+///
+/// # Safety
+/// `buf` is null or valid for writes of `len` bytes.
+unsafe fn copy_out(json: &str, buf: *mut c_char, len: usize) -> isize {
+    let n = json.len();
+    if buf.is_null() || len == 0 {
+        return n as isize;
+    }
+    if n < len {
+        // SAFETY: the caller's buffer holds `len` > n bytes: the JSON and its NUL fit.
+        unsafe {
+            std::ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), n);
+            *buf.add(n) = 0;
+        }
+    } else {
+        // SAFETY: `len` ≥ 1: the first byte is the caller's.
+        unsafe { *buf = 0 };
+    }
+    n as isize
+}
+
+/// `ssize_t kiwi_status_json(char *buf, size_t len)`: writes this process's GPUs as
+/// JSON, NUL-terminated, into `buf` when it fits (`return value < len`); returns the
+/// JSON's length in bytes without the NUL (call again with a larger buffer when it is
+/// `>= len`; `buf` may be NULL to ask the length), or -1 on an internal error. Never
+/// blocks behind a swap; thread-safe.
+///
+/// # Safety
+/// `buf` is NULL or valid for writes of `len` bytes.
+#[cfg_attr(not(test), no_mangle)]
+pub unsafe extern "C" fn kiwi_status_json(buf: *mut c_char, len: usize) -> isize {
+    match catch_unwind(AssertUnwindSafe(status_json)) {
+        // SAFETY: the caller's promise about `buf`, passed on.
+        Ok(json) => unsafe { copy_out(&json, buf, len) },
+        Err(_) => -1,
+    }
+}
+
+/// `int kiwi_explain(int on)`: shows (`on` ≠ 0) or silences the shim's two lines
+/// that explain a wait on stderr, whatever `KIWI_LOG` said (`on` < 0: leaves it as
+/// it is). Returns 1 when they were shown, 0 when not. `%load_ext kiwi` silences
+/// them while its own live line is on.
+#[cfg_attr(not(test), no_mangle)]
+pub extern "C" fn kiwi_explain(on: std::ffi::c_int) -> std::ffi::c_int {
+    let was = catch_unwind(|| {
+        if on < 0 {
+            crate::log::explain_enabled()
+        } else {
+            crate::log::set_explain(on != 0)
+        }
+    });
+    std::ffi::c_int::from(was.unwrap_or(false))
 }
 
 #[cfg(test)]
@@ -748,6 +302,7 @@ mod coverage;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::symbols::{lookup, Class, Sym, COUNT, SYMBOLS};
 
     #[test]
     fn names_are_unique_and_match_the_enum() {
@@ -823,5 +378,22 @@ mod tests {
         assert_eq!(SYMBOLS[Sym::cuStreamQuery as usize].class, Class::Driver);
         assert_eq!(lookup(b"cuStreamQuery"), None);
         assert!(wrapper(Sym::cuStreamQuery as usize).is_null());
+    }
+
+    #[test]
+    fn status_copies_whole_or_not_at_all() {
+        let json = r#"{"kiwi":1}"#;
+        let mut buf = [0x55 as c_char; 16];
+        // SAFETY: buf is 16 bytes long.
+        assert_eq!(unsafe { copy_out(json, buf.as_mut_ptr(), 16) }, 10);
+        assert_eq!(buf[10], 0);
+        // SAFETY: as above; a short length leaves an empty string.
+        assert_eq!(unsafe { copy_out(json, buf.as_mut_ptr(), 10) }, 10);
+        assert_eq!(buf[0], 0);
+        // SAFETY: NULL asks the length.
+        assert_eq!(unsafe { copy_out(json, std::ptr::null_mut(), 0) }, 10);
+        let v: serde_json::Value = serde_json::from_str(&status_json()).unwrap();
+        assert_eq!(v["kiwi"], 1);
+        assert_eq!(v["gpus"], serde_json::json!([]));
     }
 }

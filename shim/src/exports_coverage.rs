@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
-use super::{lookup, Class, SYMBOLS};
+use crate::symbols::{lookup, Class, SYMBOLS};
 
 /// The kinds of argument that reach device memory or queued work.
 const KINDS: [&str; 5] = [

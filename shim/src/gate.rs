@@ -1,12 +1,11 @@
-//! The gate every work submission passes. While this process may run work (it holds
-//! the GPU, or the arbiter said everyone fits, or it runs unmanaged) and its memory is
-//! resident, the gate is open and a submission costs two atomic operations (and, while
-//! a GPU is held, the queue bound's count: one more add): no lock, no allocation, no
-//! system call. Otherwise the submitting thread goes to the client
-//! ([`crate::client`]) and waits for its turn.
-//! A submission into a capturing stream ([`crate::capture`]) is recorded by the
-//! driver, not run: on the slow path it goes straight through, and the queue bound
-//! never synchronizes while a stream captures.
+//! The gate's state: open or closed (for all GPUs or some), the submission counters,
+//! and the queue bound. While this process may run work (it holds the GPU, or the
+//! arbiter said everyone fits, or it runs unmanaged) and its memory is resident, the
+//! gate is open and [`Gate::try_enter`] costs two atomic operations (and, while a GPU
+//! is held, the queue bound's count: one more add): no lock, no allocation, no system
+//! call. What a submission does when the gate is closed (ask the client for the turn,
+//! look at captures) is the hooked behaviour's: [`crate::submit`]. The gate uses no
+//! other module of the shim: the client opens and closes it.
 //!
 //! Closing is a two-sided handshake: the closer clears `open`, then waits until no
 //! submission is between its check and its driver call (`inflight` = 0); a submitter
@@ -14,8 +13,6 @@
 //! least one of them sees the other.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-
-use crate::cuda::CUresult;
 
 /// Low 32 bits: submissions in flight. High 32 bits: submissions so far (wrapping).
 const ENTER: u64 = (1 << 32) | 1;
@@ -162,27 +159,6 @@ pub static GATE: Gate = Gate::new();
 /// however long the application's kernels are and however much it queued at once.
 pub static THROTTLE: AtomicBool = AtomicBool::new(false);
 
-/// Runs the driver call `f` once this process may submit work.
-/// `stream` names the stream the work goes to (read only on the slow path: a
-/// submission into a capturing stream is recorded by the driver, so it neither waits
-/// for the turn nor counts toward the queue bound).
-#[inline(always)]
-pub fn submit(
-    name: &'static str,
-    stream: impl FnOnce() -> Option<crate::capture::StreamArg>,
-    f: impl FnOnce() -> CUresult,
-) -> CUresult {
-    if GATE.try_enter() {
-        let r = f();
-        GATE.exit();
-        if THROTTLE.load(Ordering::Relaxed) {
-            QUEUE_BOUND.after_submit();
-        }
-        return r;
-    }
-    submit_slow(name, stream, f)
-}
-
 /// The adaptive bound on queued work while holding a GPU: after every `limit`
 /// submissions the submitting thread waits for the queue to empty. The wait is
 /// timed: longer than the target halves the limit, much shorter doubles it, so the
@@ -227,26 +203,25 @@ impl QueueBound {
         self.target_us.swap(us, Ordering::Relaxed) != us
     }
 
-    /// Counts a submission; every `limit`-th waits (out of line: the launch path while
-    /// holding a GPU pays one atomic add and a compare).
+    /// Counts a submission; every `limit`-th waits for the queue with `sync` (out of
+    /// line: the launch path while holding a GPU pays one atomic add and a compare).
+    /// `sync` says whether it waited (false: it could not, the wait is not timed);
+    /// the caller ([`crate::submit`]) knows how to wait.
     #[inline(always)]
-    fn after_submit(&self) {
+    pub fn after_submit(&self, sync: impl FnOnce() -> bool) {
         let n = self.since_sync.fetch_add(1, Ordering::Relaxed) + 1;
         if n >= self.limit.load(Ordering::Relaxed) {
-            self.wait_for_queue();
+            self.wait_for_queue(sync);
         }
     }
 
     #[cold]
     #[inline(never)]
-    fn wait_for_queue(&self) {
+    fn wait_for_queue(&self, sync: impl FnOnce() -> bool) {
         self.since_sync.store(0, Ordering::Relaxed);
         let t = std::time::Instant::now();
         self.syncing.fetch_add(1, Ordering::SeqCst);
-        // An error here (a broken context) reaches the application on its own next
-        // synchronizing call; the bound only waits. Never while a stream captures:
-        // the driver would refuse and invalidate the capture (the bound resumes after).
-        if crate::capture::sync_unless_capturing(crate::hooks::synchronize_current).is_none() {
+        if !sync() {
             self.syncing.fetch_sub(1, Ordering::SeqCst);
             return;
         }
@@ -286,48 +261,6 @@ impl Default for QueueBound {
 
 /// The process's queue bound.
 pub static QUEUE_BOUND: QueueBound = QueueBound::new();
-
-#[cold]
-#[inline(never)]
-fn submit_slow(
-    name: &'static str,
-    stream: impl FnOnce() -> Option<crate::capture::StreamArg>,
-    f: impl FnOnce() -> CUresult,
-) -> CUresult {
-    // Only over resident memory: the driver checks a copy's or memset's pointers when
-    // it records them, so a capture over swapped-out memory waits for the turn.
-    if crate::capture::is_captured(stream()) && crate::hooks::all_resident() {
-        // Recorded into a capture, not run: nothing reaches the GPU, so no turn is
-        // needed (a drop waits for the capture to end) and the queue does not grow.
-        return crate::ffi::guarded(name, f);
-    }
-    crate::ffi::guarded(name, || loop {
-        // Open for some GPUs only (the process has contexts on GPUs it does not use):
-        // the work goes to the calling thread's current context's device.
-        // No current context: it needs every turn ([`crate::client::ANY_DEVICE`]).
-        let device = GATE
-            .partial()
-            .then(|| crate::hooks::current_device().unwrap_or(crate::client::ANY_DEVICE));
-        if device.is_some_and(|d| GATE.try_enter_device(d)) {
-            let r = f();
-            GATE.exit();
-            if THROTTLE.load(Ordering::Relaxed) {
-                QUEUE_BOUND.after_submit();
-            }
-            return r;
-        }
-        crate::stats::SLOW_SUBMITS.fetch_add(1, Ordering::Relaxed);
-        if let Err(code) = crate::client::acquire(&GATE, device) {
-            crate::kdebug!("{name}: refused with CUDA error {code}");
-            return code;
-        }
-        if GATE.try_enter() || device.is_some_and(|d| GATE.try_enter_device(d)) {
-            let r = f();
-            GATE.exit();
-            return r;
-        }
-    })
-}
 
 #[cfg(test)]
 mod tests {

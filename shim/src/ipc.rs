@@ -3,7 +3,7 @@
 //! which every shim allocation is, so the shim does it over VMM's own sharing.
 //!
 //! - Every shim allocation's physical handles are created asking for
-//!   `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` ([`alloc_prop`]; a driver that refuses
+//!   `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` ([`crate::devices::alloc_prop`]; a driver that refuses
 //!   that type gets plain handles, and the shim's IPC is then off).
 //! - **Exporter**: `cuIpcGetMemHandle(ptr)` pins the allocation holding `ptr` (taking
 //!   the turn first, as a submission would, if it is swapped out): a pinned segment is
@@ -47,13 +47,14 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::cuda::*;
-use crate::exports::{original, Sym};
+use crate::devices::{exportable, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR};
 use crate::mem::PinError;
+use crate::real::original_of;
+use crate::symbols::Sym;
 
 /// `CUipcMemHandle`: 64 opaque bytes, passed by value.
 #[repr(C)]
@@ -66,9 +67,7 @@ const CUDA_ERROR_MAP_FAILED: CUresult = 205;
 const CUDA_ERROR_OPERATING_SYSTEM: CUresult = 304;
 const CUDA_ERROR_INVALID_HANDLE: CUresult = 400;
 const CUDA_ERROR_TOO_MANY_PEERS: CUresult = 711;
-const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
 const CUDA_ERROR_TIMEOUT: CUresult = 909;
-const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: c_int = 1;
 const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: Uint = 1;
 
 /// First bytes of a handle the shim made.
@@ -158,7 +157,7 @@ fn random_bytes<const N: usize>() -> [u8; N] {
 
 macro_rules! call {
     ($sym:ident : fn($($ty:ty),*) ($($arg:expr),*)) => {{
-        let p = original(Sym::$sym);
+        let p = original_of(Sym::$sym);
         if p.is_null() {
             Err(crate::cuda::CUDA_ERROR_NOT_FOUND)
         } else {
@@ -171,46 +170,6 @@ macro_rules! call {
             }
         }
     }};
-}
-
-/// Whether the shim's physical handles are created exportable: 0 untried, 1 yes,
-/// 2 the driver refused the POSIX fd type (IPC of shim memory is off).
-static EXPORTABLE: AtomicU8 = AtomicU8::new(0);
-
-/// The properties of the shim's physical allocations on `device`: exportable as a
-/// POSIX fd unless the driver refused that once.
-pub fn alloc_prop(device: CUdevice) -> CUmemAllocationProp {
-    let mut p = CUmemAllocationProp::device(device);
-    if EXPORTABLE.load(Ordering::Relaxed) != 2 {
-        p.requested_handle_types = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    }
-    p
-}
-
-/// `cuMemCreate` with `prop` failed with `e`: whether to retry without the
-/// shareable type (the driver does not support it here; said once).
-pub fn create_refused(prop: &CUmemAllocationProp, e: CUresult) -> bool {
-    if prop.requested_handle_types == 0
-        || !matches!(e, CUDA_ERROR_INVALID_VALUE | CUDA_ERROR_NOT_SUPPORTED)
-    {
-        return false;
-    }
-    if EXPORTABLE.swap(2, Ordering::Relaxed) != 2 {
-        crate::kwarn!(
-            "the driver refuses exportable (POSIX fd) memory (CUDA error {e}): CUDA IPC of the shim's allocations is off"
-        );
-    }
-    true
-}
-
-/// A physical handle was created exportable.
-pub fn created_exportable() {
-    let _ = EXPORTABLE.compare_exchange(0, 1, Ordering::Relaxed, Ordering::Relaxed);
-}
-
-/// Whether shim allocations can be shared (`IS_LEGACY_CUDA_IPC_CAPABLE`).
-pub fn exportable() -> bool {
-    EXPORTABLE.load(Ordering::Relaxed) != 2
 }
 
 fn current_device() -> Result<CUdevice, CUresult> {
@@ -268,7 +227,7 @@ fn pin_lock() -> MutexGuard<'static, ()> {
 /// out, waits for the turn as a submission to `d` would and pins it during it.
 fn pin_in_turn(d: usize, base: u64, id: u64, first: bool) -> Result<(), CUresult> {
     let try_pin = || {
-        crate::hooks::with_device_memory(d, |m| m.pin_shared(base, id, first))
+        crate::devices::with_device_memory(d, |m| m.pin_shared(base, id, first))
             .unwrap_or(Err(PinError::Stale))
     };
     let gate = &crate::gate::GATE;
@@ -295,7 +254,7 @@ fn pin_in_turn(d: usize, base: u64, id: u64, first: bool) -> Result<(), CUresult
 }
 
 fn unpin(s: &Share) {
-    crate::hooks::with_device_memory(s.device, |m| m.unpin_shared(s.base, s.id));
+    crate::devices::with_device_memory(s.device, |m| m.unpin_shared(s.base, s.id));
 }
 
 /// `cuIpcGetMemHandle`.
@@ -307,8 +266,9 @@ pub unsafe fn get_mem_handle(
     handle: *mut CUipcMemHandle,
     dptr: CUdeviceptr,
 ) -> CUresult {
-    let found =
-        crate::hooks::with_allocation(dptr, |d, (base, size), m| (d, base, size, m.share_id(base)));
+    let found = crate::devices::with_allocation(dptr, |d, (base, size), m| {
+        (d, base, size, m.share_id(base))
+    });
     let Some((d, base, size, mem_id)) = found else {
         // SAFETY: forwarding the caller's arguments.
         return unsafe { real(handle, dptr) };
@@ -387,7 +347,7 @@ pub unsafe fn get_mem_handle(
 fn prune(ex: &mut Exports) {
     ex.by_token.retain(|_, s| {
         s.conns > 0
-            || crate::hooks::with_device_memory(s.device, |m| m.share_id(s.base) == Some(s.id))
+            || crate::devices::with_device_memory(s.device, |m| m.share_id(s.base) == Some(s.id))
                 .unwrap_or(false)
     });
 }
@@ -627,7 +587,7 @@ fn answer(s: &UnixStream, req: &[u8]) -> Result<[u8; 16], CUresult> {
 
 fn send_layout(s: &UnixStream, share: &Share) -> Result<(), CUresult> {
     let layout =
-        crate::hooks::with_device_memory(share.device, |m| m.shared_layout(share.base, share.id))
+        crate::devices::with_device_memory(share.device, |m| m.shared_layout(share.base, share.id))
             .flatten()
             .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
     let mut fds = Vec::with_capacity(layout.segments.len());

@@ -5,8 +5,12 @@
 //! points ([`exports`]), its own `dlsym` ([`dl`]) and `cuGetProcAddress`
 //! ([`procaddr`]), so every path into the driver meets the shim. Allocations are
 //! VMM-backed and swappable at stable addresses ([`mem`]); submissions pass a gate
-//! ([`gate`]) that is open only while this process holds the GPU and its memory is
-//! resident; the arbiter conversation lives in [`client`].
+//! ([`gate`], its slow path [`submit`]) that is open only while this process holds
+//! the GPU and its memory is resident; the arbiter conversation lives in [`client`].
+//!
+//! The modules form one-way layers: the C ABI → the hooked behaviour → the
+//! mechanisms (gate, memory, turns) → the real driver, with leaves anyone may use
+//! (`docs/shim.md` draws them; a unit test, `layers.rs`, enforces them).
 //!
 //! ## Environment (what `kiwictl run` sets)
 //!
@@ -27,6 +31,7 @@ pub mod attrs;
 pub mod capture;
 pub mod client;
 pub mod cuda;
+pub mod devices;
 pub mod dl;
 pub mod env;
 pub mod exports;
@@ -34,9 +39,13 @@ pub mod ffi;
 pub mod gate;
 pub mod hooks;
 pub mod ipc;
+#[cfg(test)]
+mod layers;
 pub mod log;
 pub mod mem;
 pub mod procaddr;
 pub mod real;
 pub mod stats;
 pub mod status;
+pub mod submit;
+pub mod symbols;

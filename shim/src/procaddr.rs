@@ -5,11 +5,13 @@
 //! function, found by address. When the address is unknown (a driver handing out
 //! internal entry points), the wrapper is chosen by name: the requested base name, the
 //! `_ptsz`/`_ptds` variant when the per-thread flag is set, the newest `_vN`.
+//! Owns the rule ([`resolve`]); the hook bodies that apply it live with the wrappers
+//! they hand out, in [`crate::exports`].
 
 use std::ffi::c_void;
 
 use crate::cuda::CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
-use crate::exports::{Class, SYMBOLS};
+use crate::symbols::{Class, SYMBOLS};
 
 /// Which function a lookup should hand out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,7 +98,7 @@ pub fn resolve(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::exports::{lookup, Sym, COUNT};
+    use crate::symbols::{lookup, Sym, COUNT};
 
     fn fake_originals() -> Vec<usize> {
         (0..COUNT).map(|i| 0x1000 + i * 16).collect()
@@ -183,7 +185,7 @@ mod tests {
         // unknown address must not be served the legacy wrapper.
         let o = fake_originals();
         let only_legacy = |i: usize| {
-            if crate::exports::SYMBOLS[i].name().ends_with("_ptsz") {
+            if crate::symbols::SYMBOLS[i].name().ends_with("_ptsz") {
                 std::ptr::null_mut()
             } else {
                 o[i] as *mut c_void

@@ -1,5 +1,7 @@
 //! The real driver: glibc's own `dlsym`, the `libcuda.so.1` handle, and the original
-//! function pointers behind every export, resolved once. Owns nothing else.
+//! function pointers behind every entry of the declaration list ([`crate::symbols`]),
+//! resolved once ([`REAL`]). Owns nothing else. The bottom layer: it uses only the
+//! list and the leaves.
 
 use std::ffi::{c_char, c_void, CStr};
 use std::ptr::null_mut;
@@ -7,13 +9,17 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::Once;
 
 use crate::cuda::{CUresult, CUDA_ERROR_NOT_FOUND};
-use crate::exports::{REAL, SYMBOLS};
+use crate::symbols::{Sym, COUNT, SYMBOLS};
 
 type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
 
 /// glibc's `dlsym`. Read by the `dlsym` trampoline in [`crate::dl`], so it must stay a
 /// plain pointer-sized static.
 pub static REAL_DLSYM: AtomicPtr<c_void> = AtomicPtr::new(null_mut());
+
+/// The real driver's function behind each export (null until loaded, or when the
+/// driver lacks it), in [`Sym`] order.
+pub static REAL: [AtomicPtr<c_void>; COUNT] = [const { AtomicPtr::new(null_mut()) }; COUNT];
 
 static LIBCUDA: AtomicPtr<c_void> = AtomicPtr::new(null_mut());
 static LOAD: Once = Once::new();
@@ -100,6 +106,11 @@ pub fn original(index: usize) -> *mut c_void {
     }
     load();
     REAL[index].load(Ordering::Acquire)
+}
+
+/// The real driver's function behind export `s` (loading the driver if needed).
+pub fn original_of(s: Sym) -> *mut c_void {
+    original(s as usize)
 }
 
 /// A driver function the shim calls but does not export (`cuCtxDestroy_v2` for its

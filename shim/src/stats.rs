@@ -1,5 +1,7 @@
 //! Debug counters, written as `key value` lines to the file named by `KIWI_STATS` when
-//! the process exits. Tests use them to prove a path went through the shim.
+//! the process exits. Tests use them to prove a path went through the shim. A leaf:
+//! the two figures that are not counters here (submissions, the client's mode) come
+//! from whoever registers the exit hook ([`register_exit_hook`]).
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,14 +21,20 @@ pub static GPUS: AtomicU64 = AtomicU64::new(0);
 /// Pinned swap buffers allocated ahead of a drop (off the release's critical path).
 pub static PINNED_AHEAD_BYTES: AtomicU64 = AtomicU64::new(0);
 
-/// The counters as text.
-pub fn render() -> String {
+/// What the exit report reads besides the counters: the gate's submissions so far and
+/// the client's mode.
+pub type Figures = fn() -> (u32, &'static str);
+
+static FIGURES: std::sync::OnceLock<Figures> = std::sync::OnceLock::new();
+
+/// The counters as text, with `submissions` and `mode`.
+pub fn render(submissions: u32, mode: &str) -> String {
     let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
     format!(
         "submissions {}\nslow_submits {}\ngrants {}\nreleases {}\nearly_releases {}\n\
          swap_out_bytes {}\nswap_in_bytes {}\nallocs {}\ndlsym_wrapped {}\n\
          procaddr_wrapped {}\nreconnects {}\ngpus {}\npinned_ahead_bytes {}\nmode {}\n",
-        crate::gate::GATE.submissions(),
+        submissions,
         g(&SLOW_SUBMITS),
         g(&GRANTS),
         g(&RELEASES),
@@ -39,7 +47,7 @@ pub fn render() -> String {
         g(&RECONNECTS),
         g(&GPUS),
         g(&PINNED_AHEAD_BYTES),
-        crate::client::mode_name(),
+        mode,
     )
 }
 
@@ -49,15 +57,18 @@ extern "C" fn write_at_exit() {
     };
     let _ = std::panic::catch_unwind(|| {
         if let Ok(mut f) = std::fs::File::create(&path) {
-            let _ = f.write_all(render().as_bytes());
+            let (submissions, mode) = FIGURES.get().map_or((0, "unstarted"), |f| f());
+            let _ = f.write_all(render(submissions, mode).as_bytes());
         }
     });
 }
 
-/// Registers the exit hook once (when `KIWI_STATS` is set).
-pub fn register_exit_hook() {
+/// Registers the exit hook once (when `KIWI_STATS` is set); `figures` gives the
+/// report's submissions and mode.
+pub fn register_exit_hook(figures: Figures) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
+        let _ = FIGURES.set(figures);
         if std::env::var_os("KIWI_STATS").is_some() {
             // SAFETY: registering a plain extern "C" function with no arguments.
             unsafe { libc::atexit(write_at_exit) };

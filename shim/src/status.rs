@@ -1,19 +1,16 @@
 //! What a person sees of the turns: the two log lines that explain a wait (who holds
 //! the GPU, the place in the queue, the holder's time left; then how long the wait was
-//! and what came back in), and `kiwi_status_json`, the C function the Python package
-//! (`python/kiwi`) reads this process's GPUs through.
+//! and what came back in), and each GPU's entry of the JSON that `kiwi_status_json`
+//! (a C export of [`crate::exports`]) gives the Python package (`python/kiwi`).
 //!
 //! This module owns each turn's [`View`] (kept up to date by [`crate::client`] at each
-//! change of phase and each `waiting` message) and the wording. Nothing here runs on
+//! change of phase and each `waiting` message) and the wording; it takes plain data
+//! (a view, a device's ordinal and UUID) and uses no other module but the log. Nothing here runs on
 //! the submission fast path: the wait line is written from the waiting thread's slow
 //! path, and the status is read by whoever asks, without the turn's state lock or an
 //! allocator's lock (it never waits behind a swap).
 
-use std::ffi::c_char;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
-
-use crate::client::Turn;
 
 /// Version of the JSON `kiwi_status_json` writes (its `kiwi` field).
 pub const STATUS_VERSION: u32 = 1;
@@ -139,36 +136,28 @@ pub fn reason(why: Option<&Why>, now: Instant) -> String {
 }
 
 /// The wait line: "waiting for GPU 0 (GPU-1234abcd): nb-a holds it, ~12 s left, 1
-/// ahead of you".
-pub fn explain_wait(turn: &Turn) {
-    if !crate::log::explain_enabled() {
-        return;
-    }
-    let (v, _, _) = turn.view();
-    let info = turn.info();
+/// ahead of you", for GPU `ordinal` (`uuid`) whose turn shows `v`. The caller checks
+/// [`crate::log::explain_enabled`] first (reading a view costs a lock).
+pub fn explain_wait(ordinal: usize, uuid: &str, v: &View) {
     crate::log::explain(format_args!(
         "waiting for GPU {} ({}): {}",
-        info.ordinal,
-        short_uuid(&info.uuid),
+        ordinal,
+        short_uuid(uuid),
         reason(v.why.as_ref(), Instant::now())
     ));
 }
 
 /// The grant line: how long the wait was and what came back in, in how long.
-pub fn explain_grant(turn: &Turn, waited: Duration) {
-    if !crate::log::explain_enabled() {
-        return;
-    }
-    let (v, _, _) = turn.view();
-    let info = turn.info();
+/// The caller checks [`crate::log::explain_enabled`] first.
+pub fn explain_grant(ordinal: usize, uuid: &str, v: &View, waited: Duration) {
     let swapped = match v.last_swap_in {
         Some((n, d)) if n > 0 => format!("swapped in {} in {:.2} s", bytes(n), d.as_secs_f64()),
         _ => "nothing to swap in".into(),
     };
     crate::log::explain(format_args!(
         "GPU {} ({}) is ours after waiting {:.1} s; {swapped}",
-        info.ordinal,
-        short_uuid(&info.uuid),
+        ordinal,
+        short_uuid(uuid),
         waited.as_secs_f64()
     ));
 }
@@ -177,10 +166,16 @@ fn secs(d: Duration) -> f64 {
     (d.as_secs_f64() * 1000.0).round() / 1000.0
 }
 
-/// One GPU's entry of the status JSON.
-pub fn gpu_json(turn: &Turn, now: Instant) -> serde_json::Value {
-    let (v, working_set, resident) = turn.view();
-    let info = turn.info();
+/// One GPU's entry of the status JSON: GPU `ordinal` (`uuid`) whose turn shows `v`,
+/// with its working set and resident bytes.
+pub fn gpu_json(
+    ordinal: usize,
+    uuid: &str,
+    v: &View,
+    working_set: u64,
+    resident: u64,
+    now: Instant,
+) -> serde_json::Value {
     let wait = v
         .waiting_since
         .map_or(Duration::ZERO, |w| now.saturating_duration_since(w));
@@ -189,8 +184,8 @@ pub fn gpu_json(turn: &Turn, now: Instant) -> serde_json::Value {
         .map_or(Duration::ZERO, |h| now.saturating_duration_since(h));
     let why = v.why.as_ref().filter(|_| v.waiting_since.is_some());
     serde_json::json!({
-        "index": info.ordinal,
-        "uuid": info.uuid,
+        "index": ordinal,
+        "uuid": uuid,
         "holding": v.holding_since.is_some(),
         "exclusive": v.holding_since.is_some() && v.exclusive,
         "waiting": v.waiting_since.is_some(),
@@ -212,77 +207,6 @@ pub fn gpu_json(turn: &Turn, now: Instant) -> serde_json::Value {
         "last_swap_in_bytes": v.last_swap_in.map(|(n, _)| n),
         "last_swap_in_s": v.last_swap_in.map(|(_, d)| secs(d)),
     })
-}
-
-/// This process's GPUs as JSON (see `docs/shim.md`).
-pub fn status_json() -> String {
-    let now = Instant::now();
-    let gpus: Vec<serde_json::Value> = crate::client::global()
-        .map(|c| c.turns().map(|t| gpu_json(t, now)).collect())
-        .unwrap_or_default();
-    serde_json::json!({
-        "kiwi": STATUS_VERSION,
-        "pid": std::process::id(),
-        "mode": crate::client::mode_name(),
-        "gpus": gpus,
-    })
-    .to_string()
-}
-
-/// Copies `json` into `buf` (`len` bytes) with a NUL when it fits whole; else writes
-/// an empty string (when `len > 0`). Returns `json`'s length, without the NUL.
-///
-/// # Safety
-/// `buf` is null or valid for writes of `len` bytes.
-unsafe fn copy_out(json: &str, buf: *mut c_char, len: usize) -> isize {
-    let n = json.len();
-    if buf.is_null() || len == 0 {
-        return n as isize;
-    }
-    if n < len {
-        // SAFETY: the caller's buffer holds `len` > n bytes: the JSON and its NUL fit.
-        unsafe {
-            std::ptr::copy_nonoverlapping(json.as_ptr(), buf.cast::<u8>(), n);
-            *buf.add(n) = 0;
-        }
-    } else {
-        // SAFETY: `len` ≥ 1: the first byte is the caller's.
-        unsafe { *buf = 0 };
-    }
-    n as isize
-}
-
-/// `ssize_t kiwi_status_json(char *buf, size_t len)`: writes this process's GPUs as
-/// JSON, NUL-terminated, into `buf` when it fits (`return value < len`); returns the
-/// JSON's length in bytes without the NUL (call again with a larger buffer when it is
-/// `>= len`; `buf` may be NULL to ask the length), or -1 on an internal error. Never
-/// blocks behind a swap; thread-safe.
-///
-/// # Safety
-/// `buf` is NULL or valid for writes of `len` bytes.
-#[cfg_attr(not(test), no_mangle)]
-pub unsafe extern "C" fn kiwi_status_json(buf: *mut c_char, len: usize) -> isize {
-    match catch_unwind(AssertUnwindSafe(status_json)) {
-        // SAFETY: the caller's promise about `buf`, passed on.
-        Ok(json) => unsafe { copy_out(&json, buf, len) },
-        Err(_) => -1,
-    }
-}
-
-/// `int kiwi_explain(int on)`: shows (`on` ≠ 0) or silences the shim's two lines
-/// that explain a wait on stderr, whatever `KIWI_LOG` said (`on` < 0: leaves it as
-/// it is). Returns 1 when they were shown, 0 when not. `%load_ext kiwi` silences
-/// them while its own live line is on.
-#[cfg_attr(not(test), no_mangle)]
-pub extern "C" fn kiwi_explain(on: std::ffi::c_int) -> std::ffi::c_int {
-    let was = catch_unwind(|| {
-        if on < 0 {
-            crate::log::explain_enabled()
-        } else {
-            crate::log::set_explain(on != 0)
-        }
-    });
-    std::ffi::c_int::from(was.unwrap_or(false))
 }
 
 #[cfg(test)]
@@ -324,23 +248,6 @@ mod tests {
         assert_eq!(short_uuid("GPU-12"), "GPU-12");
         assert_eq!(bytes(700 << 20), "700 MiB");
         assert_eq!(bytes(3 << 29), "1.5 GiB");
-    }
-
-    #[test]
-    fn status_copies_whole_or_not_at_all() {
-        let json = r#"{"kiwi":1}"#;
-        let mut buf = [0x55 as c_char; 16];
-        // SAFETY: buf is 16 bytes long.
-        assert_eq!(unsafe { copy_out(json, buf.as_mut_ptr(), 16) }, 10);
-        assert_eq!(buf[10], 0);
-        // SAFETY: as above; a short length leaves an empty string.
-        assert_eq!(unsafe { copy_out(json, buf.as_mut_ptr(), 10) }, 10);
-        assert_eq!(buf[0], 0);
-        // SAFETY: NULL asks the length.
-        assert_eq!(unsafe { copy_out(json, std::ptr::null_mut(), 0) }, 10);
-        let v: serde_json::Value = serde_json::from_str(&status_json()).unwrap();
-        assert_eq!(v["kiwi"], 1);
-        assert_eq!(v["gpus"], serde_json::json!([]));
     }
 
     #[test]

@@ -1,0 +1,673 @@
+//! The process's per-device state: each device's allocator ([`crate::mem`] over the
+//! real driver, [`RealDriver`]), the application's context on it, the device's
+//! identity and turn registration with the client, whether its physical memory is
+//! created exportable (CUDA IPC), and the accessors the hooked behaviour shares
+//! (`hooks`, `attrs`, `ipc`): by pointer, by device, the current device.
+//! Also the [`Residency`] the client swaps and drains through.
+
+use std::ffi::{c_int, c_void};
+use std::ptr::null_mut;
+use std::sync::atomic::{AtomicPtr, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::client::{self, DeviceInfo, Residency};
+use crate::cuda::*;
+use crate::mem::{Driver, Figures, Memory, Swap};
+use crate::real::original_of;
+use crate::symbols::Sym;
+
+macro_rules! call {
+    ($sym:ident : fn($($ty:ty),*) ($($arg:expr),*)) => {{
+        let p = original_of(Sym::$sym);
+        if p.is_null() {
+            Err(CUDA_ERROR_NOT_FOUND)
+        } else {
+            // SAFETY: the driver's own symbol of this name, with cuda.h's signature.
+            let f = unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ty),*) -> CUresult>(p) };
+            // SAFETY: arguments valid per cuda.h (pointers to live locals or buffers).
+            match unsafe { f($($arg),*) } {
+                CUDA_SUCCESS => Ok(()),
+                e => Err(e),
+            }
+        }
+    }};
+}
+
+/// The real driver, for one device, through the originals.
+#[derive(Clone, Copy)]
+pub struct RealDriver {
+    device: CUdevice,
+}
+
+impl Driver for RealDriver {
+    fn granularity(&self) -> Result<u64, CUresult> {
+        let prop = CUmemAllocationProp::device(self.device);
+        let mut g: usize = 0;
+        call!(cuMemGetAllocationGranularity: fn(*mut usize, *const CUmemAllocationProp, c_int)
+            (&mut g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM))?;
+        Ok(g as u64)
+    }
+    fn reserve(&self, size: u64, align: u64) -> Result<u64, CUresult> {
+        let mut va: CUdeviceptr = 0;
+        call!(cuMemAddressReserve: fn(*mut CUdeviceptr, usize, usize, CUdeviceptr, u64)
+            (&mut va, size as usize, align as usize, 0, 0))?;
+        Ok(va)
+    }
+    fn free_va(&self, va: u64, size: u64) -> Result<(), CUresult> {
+        call!(cuMemAddressFree: fn(CUdeviceptr, usize)(va, size as usize))
+    }
+    fn create(&self, size: u64) -> Result<u64, CUresult> {
+        // Exportable (POSIX fd), for CUDA IPC ([`crate::ipc`]), unless the driver refuses.
+        let mut prop = alloc_prop(self.device);
+        let mut h: CUmemGenericAllocationHandle = 0;
+        let mut create = |prop: &CUmemAllocationProp| {
+            call!(cuMemCreate: fn(*mut CUmemGenericAllocationHandle, usize, *const CUmemAllocationProp, u64)
+            (&mut h, size as usize, prop, 0))
+        };
+        match create(&prop) {
+            Err(e) if create_refused(&prop, e) => {
+                prop.requested_handle_types = 0;
+                create(&prop)?;
+            }
+            r => {
+                r?;
+                if prop.requested_handle_types != 0 {
+                    created_exportable();
+                }
+            }
+        }
+        Ok(h)
+    }
+    fn release(&self, handle: u64) -> Result<(), CUresult> {
+        call!(cuMemRelease: fn(CUmemGenericAllocationHandle)(handle))
+    }
+    fn map(&self, va: u64, size: u64, handle: u64) -> Result<(), CUresult> {
+        call!(cuMemMap: fn(CUdeviceptr, usize, usize, CUmemGenericAllocationHandle, u64)
+            (va, size as usize, 0, handle, 0))?;
+        let desc = CUmemAccessDesc {
+            location: CUmemLocation {
+                type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.device,
+            },
+            flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        let r = call!(cuMemSetAccess: fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize)
+            (va, size as usize, &desc, 1));
+        if r.is_err() {
+            let _ = self.unmap(va, size);
+        }
+        r
+    }
+    fn unmap(&self, va: u64, size: u64) -> Result<(), CUresult> {
+        call!(cuMemUnmap: fn(CUdeviceptr, usize)(va, size as usize))
+    }
+    fn set_access(&self, va: u64, size: u64, grants: &[crate::mem::Grant]) -> Result<(), CUresult> {
+        let descs: Vec<CUmemAccessDesc> = grants
+            .iter()
+            .map(|&(id, flags)| CUmemAccessDesc {
+                location: CUmemLocation {
+                    type_: CU_MEM_LOCATION_TYPE_DEVICE,
+                    id,
+                },
+                flags,
+            })
+            .collect();
+        call!(cuMemSetAccess: fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize)
+            (va, size as usize, descs.as_ptr(), descs.len()))
+    }
+    fn host_alloc(&self, size: u64) -> Result<*mut u8, CUresult> {
+        let mut p: *mut c_void = null_mut();
+        call!(cuMemAllocHost_v2: fn(*mut *mut c_void, usize)(&mut p, size as usize))?;
+        Ok(p as *mut u8)
+    }
+    fn host_free(&self, p: *mut u8) {
+        let _ = call!(cuMemFreeHost: fn(*mut c_void)(p as *mut c_void));
+    }
+    unsafe fn to_host(&self, dst: *mut u8, src: u64, n: u64) -> Result<(), CUresult> {
+        call!(cuMemcpyDtoH_v2: fn(*mut c_void, CUdeviceptr, usize)(dst as *mut c_void, src, n as usize))
+    }
+    unsafe fn to_device(&self, dst: u64, src: *const u8, n: u64) -> Result<(), CUresult> {
+        call!(cuMemcpyHtoD_v2: fn(CUdeviceptr, *const c_void, usize)(dst, src as *const c_void, n as usize))
+    }
+    // Swap copies run on the context's legacy default stream: the application's work is
+    // drained and the gate closed while the shim swaps, so nothing else is queued there,
+    // and the copy engine moves one segment while the shim maps or pins the next.
+    unsafe fn to_host_async(&self, dst: *mut u8, src: u64, n: u64) -> Result<(), CUresult> {
+        call!(cuMemcpyDtoHAsync_v2: fn(*mut c_void, CUdeviceptr, usize, CUstream)
+            (dst as *mut c_void, src, n as usize, null_mut()))
+    }
+    unsafe fn to_device_async(&self, dst: u64, src: *const u8, n: u64) -> Result<(), CUresult> {
+        call!(cuMemcpyHtoDAsync_v2: fn(CUdeviceptr, *const c_void, usize, CUstream)
+            (dst, src as *const c_void, n as usize, null_mut()))
+    }
+    fn wait_copies(&self) -> Result<(), CUresult> {
+        call!(cuStreamSynchronize: fn(CUstream)(null_mut()))
+    }
+    fn copies_done(&self) -> Option<bool> {
+        // CUDA_ERROR_NOT_READY (600): still copying.
+        match call!(cuStreamQuery: fn(CUstream)(null_mut())) {
+            Ok(()) => Some(true),
+            Err(600) => Some(false),
+            Err(_) => None,
+        }
+    }
+    // A free waits for the work that may still use the memory: a stream-ordered free
+    // for its own stream only ([`FREE_STREAM`]), any other free for the context, never
+    // while a stream captures (the driver would refuse and invalidate the capture;
+    // frees during a capture are deferred before they get here, see `hooks::mem_free`).
+    fn sync(&self) -> Result<(), CUresult> {
+        if let Some(s) = FREE_STREAM.get() {
+            return call!(cuStreamSynchronize: fn(CUstream)(s.handle_for_legacy_entry()));
+        }
+        crate::capture::sync_unless_capturing(|| call!(cuCtxSynchronize: fn()()))
+            .unwrap_or(Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED))
+    }
+}
+
+thread_local! {
+    /// The stream a stream-ordered free on this thread waits for ([`crate::hooks::mem_free_async`]).
+    pub(crate) static FREE_STREAM: std::cell::Cell<Option<crate::capture::StreamArg>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// Most device ordinals the shim manages (one allocator and one turn each).
+pub(crate) const MAX_DEVICES: usize = client::MAX_TURNS;
+
+/// Each device's allocator (created when the process first gets a context or
+/// allocates on it).
+static MEMS: [Mutex<Option<Memory<RealDriver>>>; MAX_DEVICES] =
+    [const { Mutex::new(None) }; MAX_DEVICES];
+/// The application's context on each device, made current on the shim's own threads
+/// before they swap or drain.
+pub(crate) static APP_CTX: [AtomicPtr<c_void>; MAX_DEVICES] =
+    [const { AtomicPtr::new(null_mut()) }; MAX_DEVICES];
+/// Devices with an allocator (bit per ordinal), so lookups by pointer visit only those.
+static DEVICES_SEEN: AtomicU64 = AtomicU64::new(0);
+/// Devices whose VMM is unavailable (bit per ordinal): their allocations pass through.
+static VMM_UNAVAILABLE: AtomicU64 = AtomicU64::new(0);
+
+pub(crate) fn mem_lock(d: usize) -> MutexGuard<'static, Option<Memory<RealDriver>>> {
+    MEMS[d].lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Ordinals of the devices that have an allocator.
+pub(crate) fn seen_devices() -> impl Iterator<Item = usize> {
+    let bits = DEVICES_SEEN.load(Ordering::Acquire);
+    (0..MAX_DEVICES).filter(move |d| bits & (1 << d) != 0)
+}
+
+pub(crate) fn current_context() -> CUcontext {
+    let mut ctx: CUcontext = null_mut();
+    let _ = call!(cuCtxGetCurrent: fn(*mut CUcontext)(&mut ctx));
+    ctx
+}
+
+/// The device of the calling thread's current context (where its next launch goes).
+pub(crate) fn current_device() -> Option<usize> {
+    let mut d: CUdevice = 0;
+    call!(cuCtxGetDevice: fn(*mut CUdevice)(&mut d)).ok()?;
+    usize::try_from(d).ok().filter(|&d| d < MAX_DEVICES)
+}
+
+/// Whether every allocation of every device is resident (slow paths only: it takes
+/// each allocator's lock).
+pub(crate) fn all_resident() -> bool {
+    seen_devices().all(|d| mem_lock(d).as_ref().is_none_or(|m| m.all_resident()))
+}
+
+/// Waits for the work queued on the calling thread's current context: the queue
+/// bound ([`crate::gate::QueueBound`]) calls it from the submitting thread, without
+/// switching that thread's context.
+pub fn synchronize_current() -> Result<(), CUresult> {
+    crate::ffi::inside(|| call!(cuCtxSynchronize: fn()()))
+}
+
+/// The application's context on a device, current on this thread until dropped; then
+/// the thread's own context is current again. Swaps and drains run on the shim's
+/// threads and on application threads waiting for their turn: an application thread
+/// must find the context it had (its next launch goes to that context's device).
+struct AppContext {
+    previous: CUcontext,
+    switched: bool,
+}
+
+impl AppContext {
+    /// `None` when the device has no context yet.
+    fn enter(d: usize) -> Option<AppContext> {
+        let ctx = APP_CTX[d].load(Ordering::Acquire);
+        if ctx.is_null() {
+            return None;
+        }
+        let previous = current_context();
+        if previous == ctx {
+            return Some(AppContext {
+                previous,
+                switched: false,
+            });
+        }
+        if call!(cuCtxSetCurrent: fn(CUcontext)(ctx)).is_ok() {
+            return Some(AppContext {
+                previous,
+                switched: true,
+            });
+        }
+        // The application destroyed that context (`cuCtxDestroy`) and made none on
+        // this device since: its work there is gone with it, and the shim's memory
+        // (VMM, not owned by a context) is reached through the device's primary
+        // context, retained once for the shim.
+        let mut primary: CUcontext = null_mut();
+        call!(cuDevicePrimaryCtxRetain: fn(*mut CUcontext, CUdevice)(&mut primary, d as CUdevice))
+            .ok()?;
+        crate::kwarn!(
+            "GPU {d}: the application's context is gone; swapping through the primary context"
+        );
+        let _ = APP_CTX[d].compare_exchange(ctx, primary, Ordering::AcqRel, Ordering::Acquire);
+        let switched = call!(cuCtxSetCurrent: fn(CUcontext)(primary)).is_ok();
+        Some(AppContext { previous, switched })
+    }
+}
+
+impl Drop for AppContext {
+    fn drop(&mut self) {
+        if self.switched {
+            let _ = call!(cuCtxSetCurrent: fn(CUcontext)(self.previous));
+        }
+    }
+}
+
+/// The identity the arbiter knows device `d` by.
+fn device_info(d: usize) -> Result<DeviceInfo, CUresult> {
+    let dev = d as CUdevice;
+    let mut uuid = CUuuid::default();
+    call!(cuDeviceGetUuid_v2: fn(*mut CUuuid, CUdevice)(&mut uuid, dev))
+        .or_else(|_| call!(cuDeviceGetUuid: fn(*mut CUuuid, CUdevice)(&mut uuid, dev)))?;
+    let mut total: usize = 0;
+    call!(cuDeviceTotalMem_v2: fn(*mut usize, CUdevice)(&mut total, dev))?;
+    Ok(DeviceInfo {
+        ordinal: d,
+        uuid: format_uuid(&uuid),
+        total_memory: total as u64,
+        context_bytes: 0,
+    })
+}
+
+/// Device memory free now, as the driver sees it from the calling thread's context.
+pub(crate) fn free_memory() -> Option<u64> {
+    let (mut free, mut total) = (0usize, 0usize);
+    call!(cuMemGetInfo_v2: fn(*mut usize, *mut usize)(&mut free, &mut total)).ok()?;
+    Some(free as u64)
+}
+
+/// What a context costs on device `d`, where the application has context `ctx`:
+/// the drop in free memory (`cuMemGetInfo`) while the shim holds a context of its own
+/// there, made and destroyed at once. Other processes allocating or freeing
+/// meanwhile (their own probes, swaps) move free memory too, so it tries until two
+/// measurements agree within 1 MiB (at most 6 tries, else their median). The
+/// application's own context was made
+/// before the shim could look (the CUDA runtime makes its primary context through a
+/// private entry point), so its cost is measured on a twin. 0 when it cannot be
+/// measured (no room for a second context: the arbiter's reserve then covers it).
+fn context_cost(d: usize, ctx: CUcontext) -> u64 {
+    let destroy = crate::real::lookup(c"cuCtxDestroy_v2");
+    if ctx.is_null() || destroy.is_null() {
+        return 0;
+    }
+    // SAFETY: the driver's cuCtxDestroy_v2, with cuda.h's signature.
+    let destroy = unsafe {
+        std::mem::transmute::<*mut c_void, unsafe extern "C" fn(CUcontext) -> CUresult>(destroy)
+    };
+    crate::ffi::inside(|| {
+        let previous = current_context();
+        if call!(cuCtxSetCurrent: fn(CUcontext)(ctx)).is_err() {
+            return 0;
+        }
+        let mut seen: Vec<u64> = Vec::new();
+        let mut agreed = None;
+        for _ in 0..6 {
+            let Some(before) = free_memory() else { break };
+            let mut twin: CUcontext = null_mut();
+            if call!(cuCtxCreate_v2: fn(*mut CUcontext, Uint, CUdevice)(&mut twin, 0, d as CUdevice))
+                .is_err()
+            {
+                break;
+            }
+            let after = free_memory();
+            // SAFETY: destroying the context made just above (it pops it: `ctx` is
+            // current again).
+            unsafe { destroy(twin) };
+            let _ = call!(cuCtxSetCurrent: fn(CUcontext)(ctx));
+            let Some(after) = after else { break };
+            let cost = before.saturating_sub(after);
+            if seen.iter().any(|&c| c.abs_diff(cost) <= 1 << 20) {
+                agreed = Some(cost);
+                break;
+            }
+            seen.push(cost);
+        }
+        let _ = call!(cuCtxSetCurrent: fn(CUcontext)(previous));
+        seen.sort_unstable();
+        let cost = agreed.or_else(|| seen.get(seen.len() / 2).copied());
+        let Some(cost) = cost else {
+            crate::kinfo!("GPU {d}: could not measure what a context costs; counting none");
+            return 0;
+        };
+        crate::kdebug!(
+            "GPU {d}: a context costs {cost} bytes ({} tries)",
+            seen.len() + 1
+        );
+        cost
+    })
+}
+
+/// Creates device `d`'s allocator. Managed processes create it with backing not
+/// allowed: nothing is backed before the device's turn is held.
+fn create_mem(d: usize, ctx: CUcontext, backing_allowed: bool) -> bool {
+    let mut guard = mem_lock(d);
+    if guard.is_some() {
+        return true;
+    }
+    match Memory::new(RealDriver {
+        device: d as CUdevice,
+    }) {
+        Ok(mut m) => {
+            m.set_backing_allowed(backing_allowed);
+            *guard = Some(m);
+            if !ctx.is_null() {
+                let _ = APP_CTX[d].compare_exchange(
+                    null_mut(),
+                    ctx,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+            }
+            DEVICES_SEEN.fetch_or(1 << d, Ordering::AcqRel);
+            true
+        }
+        Err(e) => {
+            if VMM_UNAVAILABLE.fetch_or(1 << d, Ordering::AcqRel) & (1 << d) == 0 {
+                crate::kwarn!(
+                    "GPU {d}: VMM unavailable (CUDA error {e}); its allocations pass through unswappable"
+                );
+            }
+            false
+        }
+    }
+}
+
+/// Makes sure device `d` (where the process has context `ctx`) has its allocator and,
+/// when managed, its turn. False when the shim does not manage the device's memory.
+pub(crate) fn ensure_device(d: usize, ctx: CUcontext) -> bool {
+    if !client::allocator_enabled() || VMM_UNAVAILABLE.load(Ordering::Acquire) & (1 << d) != 0 {
+        return false;
+    }
+    if mem_lock(d).is_some() {
+        return true;
+    }
+    let Some(c) = client::global() else {
+        return create_mem(d, ctx, true);
+    };
+    let mut info = match device_info(d) {
+        Ok(i) => i,
+        Err(e) => {
+            crate::kwarn!("GPU {d}: cannot identify it (CUDA error {e}); not managed");
+            return false;
+        }
+    };
+    info.context_bytes = context_cost(d, ctx);
+    let added = c.add_device(info, || {
+        create_mem(d, ctx, false).then(|| Box::new(DeviceResidency(d)) as Box<dyn Residency>)
+    });
+    if added == client::Added::Unmanaged {
+        if let Some(m) = mem_lock(d).as_mut() {
+            m.set_backing_allowed(true);
+        }
+    }
+    mem_lock(d).is_some()
+}
+
+/// The current context's device, when the shim manages its memory: its allocator
+/// (and, managed, its turn) is created on first use. `None`: no context, allocator
+/// disabled, VMM unavailable.
+pub(crate) fn current_mem_device() -> Option<usize> {
+    if !client::allocator_enabled() {
+        return None;
+    }
+    let ctx = current_context();
+    if ctx.is_null() {
+        return None;
+    }
+    let d = current_device()?;
+    ensure_device(d, ctx).then_some(d)
+}
+
+/// Runs `f` on the allocator whose allocation contains `ptr` (any byte of it), with
+/// its device and the allocation's (base, size); `None` when no allocation of the
+/// shim's holds `ptr`. For [`crate::attrs`].
+pub(crate) fn with_allocation<T>(
+    ptr: CUdeviceptr,
+    f: impl FnOnce(usize, (u64, u64), &mut Memory<RealDriver>) -> T,
+) -> Option<T> {
+    if !client::allocator_enabled() {
+        return None;
+    }
+    for d in seen_devices() {
+        let mut guard = mem_lock(d);
+        if let Some(m) = guard.as_mut() {
+            if let Some(range) = m.range_of(ptr) {
+                return Some(crate::ffi::inside(|| f(d, range, m)));
+            }
+        }
+    }
+    None
+}
+
+/// Runs `f` on device `d`'s allocator, if it has one. For [`crate::attrs`].
+pub(crate) fn with_device_memory<T>(
+    d: usize,
+    f: impl FnOnce(&mut Memory<RealDriver>) -> T,
+) -> Option<T> {
+    if d >= MAX_DEVICES {
+        return None;
+    }
+    mem_lock(d).as_mut().map(|m| crate::ffi::inside(|| f(m)))
+}
+
+/// The application's context on device `d` (null when it has none). For
+/// [`crate::attrs`].
+pub(crate) fn app_context(d: usize) -> CUcontext {
+    APP_CTX
+        .get(d)
+        .map_or(null_mut(), |c| c.load(Ordering::Acquire))
+}
+
+/// The device of context `ctx`: made current for the question, the thread's own
+/// context restored after. For [`crate::attrs`].
+pub(crate) fn device_of(ctx: CUcontext) -> Option<usize> {
+    let previous = current_context();
+    if previous == ctx {
+        return current_device();
+    }
+    call!(cuCtxSetCurrent: fn(CUcontext)(ctx)).ok()?;
+    let d = current_device();
+    let _ = call!(cuCtxSetCurrent: fn(CUcontext)(previous));
+    d
+}
+
+/// Runs `f` on the allocator that owns `ptr` (an allocation base).
+pub(crate) fn with_owner<T>(
+    ptr: CUdeviceptr,
+    f: impl FnOnce(&mut Memory<RealDriver>) -> T,
+) -> Option<T> {
+    for d in seen_devices() {
+        let mut guard = mem_lock(d);
+        if let Some(m) = guard.as_mut().filter(|m| m.owns(ptr)) {
+            return Some(f(m));
+        }
+    }
+    None
+}
+
+/// [`Residency`] over device `.0`'s allocator; drives the driver from the shim's thread.
+struct DeviceResidency(usize);
+
+impl DeviceResidency {
+    fn with<T>(&self, default: T, f: impl FnOnce(&mut Memory<RealDriver>) -> T) -> T {
+        let mut guard = mem_lock(self.0);
+        match guard.as_mut() {
+            Some(m) => crate::ffi::inside(|| {
+                let _ctx = AppContext::enter(self.0);
+                // Pinning swap buffers is a potentially unsafe call: relaxed, it never
+                // invalidates the application's captures.
+                let _relaxed = crate::capture::Relaxed::enter();
+                f(m)
+            }),
+            None => default,
+        }
+    }
+}
+
+impl Residency for DeviceResidency {
+    fn figures(&self) -> Figures {
+        mem_lock(self.0)
+            .as_ref()
+            .map(|m| m.figures())
+            .unwrap_or_default()
+    }
+    fn set_limit(&self, limit: u64) {
+        if let Some(m) = mem_lock(self.0).as_mut() {
+            m.set_limit(limit);
+        }
+    }
+    fn set_backing_allowed(&self, allowed: bool) {
+        if let Some(m) = mem_lock(self.0).as_mut() {
+            m.set_backing_allowed(allowed);
+        }
+    }
+    fn all_resident(&self) -> bool {
+        mem_lock(self.0).as_ref().is_none_or(|m| m.all_resident())
+    }
+    // Swap copies run on the legacy stream, which a capture on a blocking stream
+    // forbids: they wait for such captures to end (the swap is refused, never forced
+    // through a capture, when one outlasts the wait).
+    fn swap_in_all(&self) -> Result<Swap, CUresult> {
+        if !crate::capture::legacy_usable(crate::capture::CAPTURE_WAIT) {
+            return Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
+        self.with(Ok(Swap::default()), |m| m.swap_in_all())
+    }
+    fn swap_in_waiting(&self, until: std::time::Instant) -> Result<Swap, CUresult> {
+        if !crate::capture::legacy_usable(crate::capture::CAPTURE_WAIT) {
+            return Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
+        self.with(Ok(Swap::default()), |m| m.swap_in_until(Some(until)))
+    }
+    fn evict(&self, need: u64) -> Result<Swap, CUresult> {
+        if !crate::capture::legacy_usable(crate::capture::CAPTURE_WAIT) {
+            return Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
+        self.with(Ok(Swap::default()), |m| m.evict(need))
+    }
+    /// Pins outside the allocator's lock (page-locking runs at a few GB/s): a swap,
+    /// an allocation or a release never waits behind it.
+    fn prepare_swap_out(&self, need: u64, budget: u64) -> Result<u64, CUresult> {
+        let Some((drv, missing)) = mem_lock(self.0)
+            .as_ref()
+            .map(|m| (*m.driver(), m.swap_out_shortfall(need)))
+        else {
+            return Ok(0);
+        };
+        let mut done = 0;
+        for size in missing {
+            if done > 0 && done + size > budget {
+                break;
+            }
+            let p = crate::ffi::inside(|| {
+                let _ctx = AppContext::enter(self.0);
+                let _relaxed = crate::capture::Relaxed::enter();
+                drv.host_alloc(size)
+            })?;
+            match mem_lock(self.0).as_mut() {
+                // SAFETY: `p` is a fresh buffer of `size` bytes from this allocator's
+                // driver, owned by nobody else.
+                Some(m) => unsafe { m.add_spare(p, size) },
+                None => drv.host_free(p),
+            }
+            done += size;
+        }
+        Ok(done)
+    }
+    fn trim_spare_buffers(&self) -> u64 {
+        self.with(0, |m| m.release_spares())
+    }
+    fn locked(&self, f: &mut dyn FnMut(bool) -> bool) -> bool {
+        let guard = mem_lock(self.0);
+        f(guard.as_ref().is_none_or(|m| m.all_resident()))
+    }
+    /// Waits for the context's queued work. While a stream captures the driver refuses
+    /// that (and invalidates the capture), so a drain waits for the captures to end
+    /// first: a drop that arrives during a capture is answered when it ends, within
+    /// [`crate::capture::CAPTURE_WAIT`]. The idle detector drains with the gate open:
+    /// for it a capture in progress is work in progress, and the drain returns after
+    /// [`crate::capture::IDLE_PROBE`], which it reads as busy.
+    fn drain(&self) -> Result<(), CUresult> {
+        crate::ffi::inside(|| match AppContext::enter(self.0) {
+            Some(_ctx) => {
+                let probing = crate::gate::GATE.is_open();
+                let patience = if probing {
+                    crate::capture::IDLE_PROBE
+                } else {
+                    crate::capture::CAPTURE_WAIT
+                };
+                let sync = || call!(cuCtxSynchronize: fn()());
+                match crate::capture::sync_when_quiet(patience, sync) {
+                    Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) if probing => Ok(()),
+                    r => r,
+                }
+            }
+            None => Ok(()),
+        })
+    }
+}
+
+/// `CUmemAllocationHandleType`: a POSIX file descriptor.
+pub(crate) const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: c_int = 1;
+
+/// Whether the shim's physical handles are created exportable: 0 untried, 1 yes,
+/// 2 the driver refused the POSIX fd type (IPC of shim memory is off).
+static EXPORTABLE: AtomicU8 = AtomicU8::new(0);
+
+/// The properties of the shim's physical allocations on `device`: exportable as a
+/// POSIX fd unless the driver refused that once.
+pub fn alloc_prop(device: CUdevice) -> CUmemAllocationProp {
+    let mut p = CUmemAllocationProp::device(device);
+    if EXPORTABLE.load(Ordering::Relaxed) != 2 {
+        p.requested_handle_types = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    }
+    p
+}
+
+/// `cuMemCreate` with `prop` failed with `e`: whether to retry without the
+/// shareable type (the driver does not support it here; said once).
+pub fn create_refused(prop: &CUmemAllocationProp, e: CUresult) -> bool {
+    if prop.requested_handle_types == 0
+        || !matches!(e, CUDA_ERROR_INVALID_VALUE | CUDA_ERROR_NOT_SUPPORTED)
+    {
+        return false;
+    }
+    if EXPORTABLE.swap(2, Ordering::Relaxed) != 2 {
+        crate::kwarn!(
+            "the driver refuses exportable (POSIX fd) memory (CUDA error {e}): CUDA IPC of the shim's allocations is off"
+        );
+    }
+    true
+}
+
+/// A physical handle was created exportable.
+pub fn created_exportable() {
+    let _ = EXPORTABLE.compare_exchange(0, 1, Ordering::Relaxed, Ordering::Relaxed);
+}
+
+/// Whether shim allocations can be shared (`IS_LEGACY_CUDA_IPC_CAPABLE`).
+pub fn exportable() -> bool {
+    EXPORTABLE.load(Ordering::Relaxed) != 2
+}
