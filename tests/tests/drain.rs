@@ -157,8 +157,12 @@ fn a_sharer_dropped_when_a_newcomer_no_longer_fits_drains_quickly() {
     let sim_dir = kiwi_sim_core::ensure_sim_dir(&profile_dir()).expect("simulator libraries");
     let sim = format!("kiwi-drain-share-{}", std::process::id());
     let arb = Arbiter::start(&["--tq", "0.5", "--grace-ms", "3000"]);
-    let a = deep_queuer(&arb, &sim, &sim_dir, "100MiB", "1");
-    let b = deep_queuer(&arb, &sim, &sim_dir, "100MiB", "2");
+    // 90 MiB each, not 100: the newcomer's context and module must find the GPU's
+    // memory before its allocations make the working sets stop fitting. Two sharers
+    // of 100 MiB (plus their contexts and modules) leave exactly nothing, and its
+    // module load fails with out of memory, as on a real GPU that full.
+    let a = deep_queuer(&arb, &sim, &sim_dir, "90MiB", "1");
+    let b = deep_queuer(&arb, &sim, &sim_dir, "90MiB", "2");
     // Both registered, granted shared and queueing their first burst.
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     while shared_grants(&arb.events()) < 2 {
@@ -166,7 +170,7 @@ fn a_sharer_dropped_when_a_newcomer_no_longer_fits_drains_quickly() {
         std::thread::sleep(Duration::from_millis(10));
     }
     std::thread::sleep(Duration::from_millis(300));
-    let c = deep_queuer(&arb, &sim, &sim_dir, "100MiB", "3");
+    let c = deep_queuer(&arb, &sim, &sim_dir, "90MiB", "3");
     let stderr = finish_all(vec![a, b, c]);
     let _ = kiwi_sim_core::machine::reset(&sim);
     let ev = arb.events();
