@@ -362,6 +362,11 @@ fn alloc(size: u64) -> Option<Result<u64, CUresult>> {
             m.set_backing_allowed(false);
             let r = m.alloc(size);
             m.set_backing_allowed(true);
+            if r.is_ok() {
+                crate::kdebug!(
+                    "GPU {d}: {size} bytes left unbacked until the next turn (the GPU is full)"
+                );
+            }
             r
         }
         r => r,

@@ -107,9 +107,12 @@ fn memcreate_out_of_memory_under_turns_never_exposes_unbacked_memory() {
         "A never swapped: no turns were taken\n{}",
         text(&oa)
     );
-    // The faults were met: a swap-in stopped short of room at least once.
+    // The faults were met: an allocation was left unbacked, or a swap-in stopped
+    // short of room, at least once (which one depends on where the fourth
+    // `cuMemCreate` falls; a swap-in may also absorb one by retrying).
+    let err = String::from_utf8_lossy(&oa.stderr);
     assert!(
-        String::from_utf8_lossy(&oa.stderr).contains("no room to swap in yet"),
+        err.contains("left unbacked until the next turn") || err.contains("no room to swap in yet"),
         "{}",
         text(&oa)
     );
