@@ -139,6 +139,9 @@ struct Hold {
     drop_sent: Option<Nanos>,
     /// Bytes its drop asked it to evict (what a drainer is freeing).
     drop_need: u64,
+    /// It gives the GPU back early (idle while others wait), not for a drop: its
+    /// `drained` came first, its release is an early one.
+    early: bool,
     /// When its quantum started: at the grant, or, for a `pipelined` client that had
     /// memory to swap in, when it reported that memory resident (`None` until then).
     /// A quantum spent swapping in would leave a short-TQ holder no time to work.
@@ -463,6 +466,7 @@ impl GpuScheduler {
                 id,
                 ArbiterMsg::Pressure {
                     oversubscribed: true,
+                    idle_evict_ms: self.idle_evict_ns / 1_000_000,
                 },
             );
         }
@@ -484,6 +488,7 @@ impl GpuScheduler {
                         exclusive,
                         drop_sent: None,
                         drop_need: 0,
+                        early: false,
                         // It was working already: its quantum runs from now.
                         quantum_from: Some(now),
                     },
@@ -568,7 +573,7 @@ impl GpuScheduler {
             self.log(
                 Some(id),
                 EventKind::Release {
-                    early: h.drop_sent.is_none(),
+                    early: h.early || h.drop_sent.is_none(),
                     resident_bytes: usage.resident_bytes,
                 },
             );
@@ -642,8 +647,12 @@ impl GpuScheduler {
             Some("this client did not register with `pipelined`")
         } else if self.draining.contains_key(&id) {
             Some("this client said it already after its drop")
-        } else if self.holders.get(&id).is_none_or(|h| h.drop_sent.is_none()) {
-            Some("this client was not asked to give the GPU back (no drop outstanding)")
+        } else if self
+            .holders
+            .get(&id)
+            .is_none_or(|h| h.drop_sent.is_none() && !(h.exclusive && !self.queue.is_empty()))
+        {
+            Some("this client was not asked to give the GPU back and nobody waits for it")
         } else {
             None
         };
@@ -657,7 +666,14 @@ impl GpuScheduler {
             );
             return std::mem::take(&mut self.out);
         }
-        let h = self.holders.remove(&id).expect("checked above");
+        let mut h = self.holders.remove(&id).expect("checked above");
+        if h.drop_sent.is_none() {
+            // An early release starting (idle while others wait): its swap-out makes
+            // the room the first in line needs, within the grace as after a drop.
+            h.early = true;
+            h.drop_sent = Some(now);
+            h.drop_need = self.queue.front().map_or(0, |&n| self.need_for(n));
+        }
         self.draining.insert(id, h);
         self.finish(now)
     }
@@ -855,6 +871,7 @@ impl GpuScheduler {
                 exclusive,
                 drop_sent: None,
                 drop_need: 0,
+                early: false,
                 quantum_from,
             },
         );
@@ -1058,6 +1075,7 @@ impl GpuScheduler {
                 id,
                 ArbiterMsg::Pressure {
                     oversubscribed: over,
+                    idle_evict_ms: self.idle_evict_ns / 1_000_000,
                 },
             );
         }

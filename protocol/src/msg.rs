@@ -107,6 +107,10 @@ pub struct Register {
     pub pipelined: bool,
 }
 
+fn is_zero_u64(n: &u64) -> bool {
+    *n == 0
+}
+
 fn is_false(b: &bool) -> bool {
     !*b
 }
@@ -287,6 +291,13 @@ pub enum ArbiterMsg {
     /// (page-lock its host buffers) so no swap pays for that while someone waits.
     Pressure {
         oversubscribed: bool,
+        /// `arbiter.idle_evict_seconds` in ms (0: off). A client holding the GPU alone
+        /// on an oversubscribed GPU, idle this long, gives it back and swaps out
+        /// everything on its own (the arbiter cannot tell a busy holder from an idle
+        /// one: a holder's work sends it nothing), so the next notebook that asks
+        /// pays only its own swap-in.
+        #[serde(default, skip_serializing_if = "is_zero_u64")]
+        idle_evict_ms: u64,
     },
     /// Scheduler settings changed (`kiwictl -S/-T`), sent to every client of the GPU.
     Settings(Settings),

@@ -143,6 +143,9 @@ struct TurnState {
     /// When the quantum of the current grant ends (the arbiter then drops us): an
     /// early release can only come before it.
     quantum_end: Option<Instant>,
+    /// The arbiter's idle eviction delay while the GPU is oversubscribed
+    /// ([`ArbiterMsg::Pressure`]); `None`: not oversubscribed, or eviction off.
+    idle_evict: Option<Duration>,
 }
 
 /// One GPU's turn: its connection, its allocator and what the arbiter lets it use.
@@ -858,6 +861,7 @@ impl Client {
                 last_unswappable: reports.then_some(unswappable),
                 work_done: None,
                 quantum_end: None,
+                idle_evict: None,
             },
         });
         let mut order: Vec<usize> = (0..st.slots.len()).collect();
@@ -1130,7 +1134,10 @@ impl Client {
         let turn = st.slots[k].turn.clone();
         let _swapping = Swapping::enter(&turn);
         turn.res.set_backing_allowed(false);
-        let announce = dropped && turn.pipelined.load(Ordering::Relaxed);
+        // Dropped, or releasing early while others wait: the next holder's swap-in may
+        // start beside this swap-out.
+        let announce = (dropped || (early && st.slots[k].ts.contended > 0))
+            && turn.pipelined.load(Ordering::Relaxed);
         // The idle detector saw the queued work done and nothing was submitted since
         // (the gate is closed now): no drain needed.
         let done = st.slots[k].ts.work_done.map(|w| w.0) == Some(self.gate.submissions())
@@ -1349,7 +1356,13 @@ impl Client {
             // Oversubscribed: a swap-out of this client may come at any time (a drop, a
             // reclaim, an idle eviction), whether it holds the GPU or not; its pinned
             // buffers are prepared in the background. No longer: the spares go back.
-            ArbiterMsg::Pressure { oversubscribed } => {
+            ArbiterMsg::Pressure {
+                oversubscribed,
+                idle_evict_ms,
+            } => {
+                lock(&self.state).slots[turn.slot].ts.idle_evict = (oversubscribed
+                    && idle_evict_ms > 0)
+                    .then(|| Duration::from_millis(idle_evict_ms));
                 crate::kdebug!(
                     "GPU {}: {}oversubscribed",
                     turn.info.ordinal,
@@ -1440,6 +1453,25 @@ impl Client {
                 drop(st);
                 self.cv.notify_all();
                 return;
+            }
+            // Alone on an oversubscribed GPU and idle past the arbiter's idle eviction
+            // delay: give it back with everything swapped out, while nobody waits, so
+            // the next notebook that asks pays only its own swap-in.
+            if let Some(evict_after) = ts.idle_evict {
+                if ts.contended == 0
+                    && st.want == 0
+                    && mark == self.gate.submissions()
+                    && idle >= evict_after
+                {
+                    crate::kinfo!(
+                        "GPU {}: idle for {idle:?} on an oversubscribed GPU: swapping out and giving it back ahead of the next request",
+                        turn.info.ordinal
+                    );
+                    self.give_back(&mut st, k, u64::MAX, true, false);
+                    drop(st);
+                    self.cv.notify_all();
+                    return;
+                }
             }
         }
         Self::report(&turn, &mut st.slots[k].ts);

@@ -62,9 +62,10 @@ fn an_idle_resident_client_is_asked_to_swap_out_when_oversubscribed() {
     assert_eq!(
         pressure,
         Some(ArbiterMsg::Pressure {
-            oversubscribed: true
+            oversubscribed: true,
+            idle_evict_ms: 500,
         }),
-        "B registered pipelined: it hears the GPU became oversubscribed"
+        "B registered pipelined: it hears the GPU became oversubscribed, and the delay"
     );
     let (need, at) = reclaim(&mut b, Duration::from_secs(5)).expect("B is evicted");
     assert_eq!(need, 200 * MIB, "all it has resident");

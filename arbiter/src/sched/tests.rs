@@ -1242,20 +1242,23 @@ fn a_bad_drained_is_an_error_reply_and_never_a_grant() {
     assert_eq!(s.holders(), vec![1], "nothing changed");
     assert!(logged(&outs).is_empty());
 
-    // From a holder that was not dropped, and from a waiter.
+    // From a holder that was not dropped and that nobody waits for, and from a waiter.
     let mut s = sched(1000 * MIB, 1_000, 500);
     reg_pipelined(&mut s, 0, 1, 700 * MIB, true);
     reg_pipelined(&mut s, 0, 2, 700 * MIB, true);
     s.request(0, 1);
+    let outs = s.drained(MS, 1);
+    assert!(
+        error_to(&outs, 1).unwrap().contains("nobody waits"),
+        "{outs:?}"
+    );
     s.request(MS, 2);
-    for id in [1, 2] {
-        let outs = s.drained(2 * MS, id);
-        assert!(
-            error_to(&outs, id).unwrap().contains("no drop outstanding"),
-            "{outs:?}"
-        );
-        assert_eq!(grant_msg(&outs, 2), None);
-    }
+    let outs = s.drained(2 * MS, 2);
+    assert!(
+        error_to(&outs, 2).unwrap().contains("nobody waits"),
+        "{outs:?}"
+    );
+    assert_eq!(grant_msg(&outs, 2), None);
     assert!(s.drained(2 * MS, 99).is_empty(), "unknown client: nothing");
 
     // Twice: the second is refused and grants nobody else.
@@ -1312,7 +1315,7 @@ fn pressure(outs: &[Output], to: ClientId) -> Vec<bool> {
     sent(outs, to)
         .iter()
         .filter_map(|m| match m {
-            ArbiterMsg::Pressure { oversubscribed } => Some(*oversubscribed),
+            ArbiterMsg::Pressure { oversubscribed, .. } => Some(*oversubscribed),
             _ => None,
         })
         .collect()
@@ -1562,4 +1565,33 @@ fn a_client_with_nothing_swapped_out_is_granted_at_the_release_not_at_drained() 
     assert_eq!(grant_msg(&outs, 2), None, "{outs:?}");
     let outs = s.release(3 * MS, 1, usage(700 * MIB, 0));
     assert_eq!(grant_msg(&outs, 2), Some((true, false)), "{outs:?}");
+}
+
+#[test]
+fn an_early_release_that_says_drained_hands_over_at_once_and_is_logged_early() {
+    // A holder idle while B waits releases early; saying `drained` first, B (memory
+    // to swap in) is granted beside its swap-out, and its release is an early one.
+    let mut s = sched(1000 * MIB, 60_000, 500);
+    reg_pipelined(&mut s, 0, 1, 700 * MIB, true);
+    reg_pipelined(&mut s, 0, 2, 700 * MIB, true);
+    s.request(0, 1);
+    s.usage(0, 1, usage(700 * MIB, 700 * MIB));
+    s.request(MS, 2);
+    let outs = s.drained(2 * MS, 1);
+    assert_eq!(grant_msg(&outs, 2), Some((true, true)), "{outs:?}");
+    let outs = s.release(3 * MS, 1, usage(700 * MIB, 0));
+    assert!(
+        logged(&outs)
+            .iter()
+            .any(|(_, k)| matches!(k, EventKind::Release { early: true, .. })),
+        "{outs:?}"
+    );
+    // Its grace runs from the `drained`, as from a drop.
+    let mut s = sched(1000 * MIB, 60_000, 500);
+    reg_pipelined(&mut s, 0, 1, 700 * MIB, true);
+    reg_pipelined(&mut s, 0, 2, 700 * MIB, true);
+    s.request(0, 1);
+    s.request(MS, 2);
+    s.drained(2 * MS, 1);
+    assert_eq!(s.next_deadline(), Some(502 * MS));
 }
