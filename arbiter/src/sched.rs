@@ -650,7 +650,7 @@ impl GpuScheduler {
         } else if self
             .holders
             .get(&id)
-            .is_none_or(|h| h.drop_sent.is_none() && !(h.exclusive && !self.queue.is_empty()))
+            .is_none_or(|h| h.drop_sent.is_none() && (!h.exclusive || self.queue.is_empty()))
         {
             Some("this client was not asked to give the GPU back and nobody waits for it")
         } else {
