@@ -95,6 +95,9 @@ pub struct Sim {
     pub memory: u64,
     /// Where its kernels are traced (`KIWI_SIM_TRACE`), if anywhere.
     pub trace: Option<PathBuf>,
+    /// The PCIe link's rate per direction, GB/s: [`COSTS`]' unless a scenario picks
+    /// another.
+    pub pcie_gbps: f64,
 }
 
 impl Sim {
@@ -105,6 +108,7 @@ impl Sim {
             name: format!("kiwi-bench-{tag}-{}-{n}", std::process::id()),
             memory,
             trace: None,
+            pcie_gbps: COSTS.pcie_gbps,
         }
     }
 
@@ -119,7 +123,7 @@ impl Sim {
                 COSTS.memcreate_us_per_2mib.to_string(),
             )
             .env("KIWI_SIM_PIN_GBPS", COSTS.pin_gbps.to_string())
-            .env("KIWI_SIM_PCIE_GBPS", COSTS.pcie_gbps.to_string())
+            .env("KIWI_SIM_PCIE_GBPS", self.pcie_gbps.to_string())
             .env("KIWI_SIM_HBM_GBPS", COSTS.hbm_gbps.to_string());
         match &self.trace {
             Some(t) => cmd.env("KIWI_SIM_TRACE", t),

@@ -25,7 +25,7 @@ use kiwi_protocol::blocking::Connection;
 use kiwi_protocol::{ArbiterMsg, ClientMsg, Event, EventKind, Register, Usage, PROTOCOL_VERSION};
 use kiwi_sim_core::TraceRecord;
 
-use crate::jobs::{job_mem, Build, Sim, GPU};
+use crate::jobs::{job_mem, Build, Sim, COSTS, GPU};
 use crate::procs::{monotonic_ns, ArbiterProc};
 use crate::report::{percentile, Figure};
 use crate::shimbench::arbiter_events;
@@ -266,8 +266,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// A's swap-out and swap-in, each alone on the link, in ms (medians, the first
 /// swap-out and swap-in left out: those are cold), and the MiB moved.
-fn swaps_alone(b: &Build, mem: u64, cycles: u32) -> Result<(f64, f64, f64)> {
-    let sim = Sim::new("alone", GPU);
+fn swaps_alone(b: &Build, mem: u64, cycles: u32, pcie_gbps: f64) -> Result<(f64, f64, f64)> {
+    let mut sim = Sim::new("alone", GPU);
+    sim.pcie_gbps = pcie_gbps;
     // A TQ well above a swap, so each of A's turns runs work after its swap-in.
     let arb = ArbiterProc::start(1.0, &[])?;
     let gpu_ms = 1500 * u64::from(cycles) + 2000;
@@ -341,51 +342,128 @@ fn swaps_alone(b: &Build, mem: u64, cycles: u32) -> Result<(f64, f64, f64)> {
     ))
 }
 
-pub fn handoff_swap(quick: bool) -> Result<Vec<Figure>> {
-    let b = Build::find()?;
-    let mem = job_mem(70);
-    let (out_alone, in_alone, mib) = swaps_alone(&b, mem, if quick { 3 } else { 5 })?;
+/// One run of two notebooks always wanting the GPU, with the link at `pcie_gbps`.
+struct Handoffs {
+    /// B's start-up hand-off, the cold one, the steady median, ms.
+    first: f64,
+    cold: f64,
+    steady: f64,
+    /// Each side's swap-out and swap-in alone (medians), MiB per hand-off.
+    out_alone: f64,
+    in_alone: f64,
+    mib: f64,
+    /// The slowest first swap-out of a notebook, and the later ones' median, ms.
+    first_out: f64,
+    steady_out: f64,
+    n: usize,
+}
+
+fn measure_handoffs(b: &Build, mem: u64, quick: bool, pcie_gbps: f64) -> Result<Handoffs> {
+    let (out_alone, in_alone, mib) = swaps_alone(b, mem, if quick { 3 } else { 5 }, pcie_gbps)?;
     // A and B always want the GPU: every hand-off is a drop at the end of a TQ. B
     // starts once A runs, so the first hand-off is the first ever: A's first
     // swap-out, B's first turn.
     let dir = tempfile::tempdir()?;
-    let sim = traced_sim("handoff", dir.path());
+    let mut sim = traced_sim("handoff", dir.path());
+    sim.pcie_gbps = pcie_gbps;
     // A TQ well above a swap (with the costs on, a cold one takes a second), so
     // every turn runs work: the TQ counts from the grant, swap-in included.
     let arb = ArbiterProc::start(2.0, &[])?;
     let gpu_ms: u64 = if quick { 3000 } else { 7000 };
     let script = format!("gpu:{gpu_ms}");
     let deadline = Instant::now() + Duration::from_millis(3 * 2 * gpu_ms + 60_000);
-    let mut a = Job::ready(&b, &sim, &arb, mem, &script, 1)?;
+    let mut a = Job::ready(b, &sim, &arb, mem, &script, 1)?;
     a.go(monotonic_ns())?;
     std::thread::sleep(Duration::from_millis(200));
-    let mut bj = Job::ready(&b, &sim, &arb, mem, &script, 2)?;
+    let mut bj = Job::ready(b, &sim, &arb, mem, &script, 2)?;
     bj.go(monotonic_ns())?;
     a.finish(deadline)?;
     bj.finish(deadline)?;
-    let handoffs = Observed::collect(&arb, &sim)?.handoffs_after_drops();
+    let seen = Observed::collect(&arb, &sim)?;
+    let handoffs = seen.handoffs_after_drops();
     if handoffs.len() < 3 {
         bail!("only {} hand-offs were measured", handoffs.len());
     }
-    let cold = handoffs[0];
-    // The first two hand-offs are each side's first swap-out: steady is the rest.
-    let steady = median(handoffs[2..].to_vec());
-    let alone = out_alone.max(in_alone);
+    // The first hand-off is B's start-up: its memory is allocated then for the first
+    // time (on the simulator, fresh simulated memory also costs the host's page
+    // population, which a real GPU does not pay), A swaps out for the first time.
+    // The second is the first ever between two ready notebooks: B's first swap-out,
+    // A's first swap-in. That one is the cold hand-off; steady is the rest.
+    // Each notebook's first swap-out is also compared with its later ones: what
+    // pinning ahead is for (it used to page-lock its buffers on the critical path).
+    let (mut first_outs, mut later_outs) = (Vec::new(), Vec::new());
+    let mut seen_out = std::collections::HashSet::new();
+    for e in &seen.events {
+        if let EventKind::SwapOut { duration_ns, .. } = e.kind {
+            if seen_out.insert(e.client) {
+                first_outs.push(duration_ns as f64 / 1e6);
+            } else {
+                later_outs.push(duration_ns as f64 / 1e6);
+            }
+        }
+    }
+    if first_outs.is_empty() || later_outs.is_empty() {
+        bail!("no swap-outs to compare");
+    }
+    Ok(Handoffs {
+        first: handoffs[0],
+        cold: handoffs[1],
+        steady: median(handoffs[2..].to_vec()),
+        out_alone,
+        in_alone,
+        mib,
+        first_out: first_outs.iter().copied().fold(0.0, f64::max),
+        steady_out: median(later_outs),
+        n: handoffs.len(),
+    })
+}
+
+/// The link rate at which the simulator's own copies (host `memcpy`, on this
+/// machine's cores) stay below the modelled time even with one copy each way at once,
+/// so the hand-off measures Kiwi's pipelining, not the host's memory bandwidth.
+const MODEL_BOUND_PCIE_GBPS: f64 = 4.0;
+
+pub fn handoff_swap(quick: bool) -> Result<Vec<Figure>> {
+    let b = Build::find()?;
+    let mem = job_mem(70);
+    let h = measure_handoffs(&b, mem, quick, COSTS.pcie_gbps)?;
+    let m = measure_handoffs(&b, mem, quick, MODEL_BOUND_PCIE_GBPS)?;
     let scen = "handoff-swap";
+    let pcie = COSTS.pcie_gbps;
+    let slow = MODEL_BOUND_PCIE_GBPS;
     Ok(vec![
-        Figure::new(scen, "cold_handoff", cold, "ms")
-            .against(steady, "a steady hand-off (median)")
-            .goal("ratio <= 1.2"),
-        Figure::new(scen, "steady_handoff", steady, "ms")
+        Figure::new(scen, "cold_handoff", h.cold, "ms")
             .against(
-                alone,
-                "max(swap-out alone, swap-in alone), median, same run",
+                h.steady,
+                "a steady hand-off (median); cold: the first between two ready notebooks",
             )
             .goal("ratio <= 1.2"),
-        Figure::new(scen, "swap_out_alone", out_alone, "ms"),
-        Figure::new(scen, "swap_in_alone", in_alone, "ms"),
-        Figure::new(scen, "swapped_per_handoff", mib, "MiB"),
-        Figure::new(scen, "handoffs_measured", handoffs.len() as f64, "n"),
+        Figure::new(scen, "first_swap_out", h.first_out, "ms")
+            .against(h.steady_out, "a later swap-out (median), same notebooks")
+            .goal("ratio <= 1.2"),
+        Figure::new(scen, "handoff_at_newcomer_start", h.first, "ms").against(
+            h.steady,
+            "a steady hand-off (median); includes the newcomer's first allocation",
+        ),
+        Figure::new(scen, "steady_handoff", h.steady, "ms")
+            .against(
+                h.out_alone.max(h.in_alone),
+                &format!("max(swap-out alone, swap-in alone), median, same run; PCIe {pcie} GB/s: the host's memcpy, not the link, sets the pace"),
+            )
+            .goal("ratio <= 1.2"),
+        Figure::new(scen, "steady_handoff_model_bound", m.steady, "ms")
+            .against(
+                m.out_alone.max(m.in_alone),
+                &format!("max(swap-out alone, swap-in alone), median, same run; PCIe {slow} GB/s: the modelled link sets the pace"),
+            )
+            .goal("ratio <= 1.2"),
+        Figure::new(scen, "cold_handoff_model_bound", m.cold, "ms")
+            .against(m.steady, &format!("a steady hand-off (median), PCIe {slow} GB/s"))
+            .goal("ratio <= 1.2"),
+        Figure::new(scen, "swap_out_alone", h.out_alone, "ms"),
+        Figure::new(scen, "swap_in_alone", h.in_alone, "ms"),
+        Figure::new(scen, "swapped_per_handoff", h.mib, "MiB"),
+        Figure::new(scen, "handoffs_measured", (h.n + m.n) as f64, "n"),
     ])
 }
 
