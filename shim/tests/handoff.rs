@@ -79,35 +79,6 @@ impl Stepped {
     }
 }
 
-/// Processes that keep every core busy; killed on drop.
-struct Load(Vec<Child>);
-
-impl Load {
-    fn every_core() -> Load {
-        let n = std::thread::available_parallelism().map_or(2, |n| n.get());
-        Load(
-            (0..n)
-                .map(|_| {
-                    Command::new("sh")
-                        .args(["-c", "while :; do :; done"])
-                        .stdin(Stdio::null())
-                        .spawn()
-                        .expect("spawn a busy loop")
-                })
-                .collect(),
-        )
-    }
-}
-
-impl Drop for Load {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 fn client_of(events: &[Event], host_pid: u32) -> Option<u64> {
     events.iter().find_map(|e| match e.kind {
         EventKind::Register { host_pid: p, .. } if p == host_pid => e.client,
@@ -231,7 +202,7 @@ fn an_idle_holder_releases_within_idle_ms_on_a_loaded_machine() {
     let spin_ms = 80u64;
     let m = SimMachine::new("idlerel", 1, 1 << 30).unwrap();
     let arb = Arbiter::start(&["--tq", "30"]);
-    let _load = Load::every_core();
+    let _load = kiwi_tests::BusyLoad::every_core();
     let spawn = || {
         let mut c = Command::new(&exe);
         c.args(["700", &spin_ms.to_string()]);

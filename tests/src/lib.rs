@@ -378,3 +378,33 @@ pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     }
     panic!("timed out waiting for {what}");
 }
+
+/// Processes that keep every core busy, as other tenants of a shared machine would,
+/// until dropped: for tests whose timing must hold on a loaded machine.
+pub struct BusyLoad(Vec<Child>);
+
+impl BusyLoad {
+    pub fn every_core() -> BusyLoad {
+        let n = std::thread::available_parallelism().map_or(2, |n| n.get());
+        BusyLoad(
+            (0..n)
+                .map(|_| {
+                    Command::new("sh")
+                        .args(["-c", "while :; do :; done"])
+                        .stdin(Stdio::null())
+                        .spawn()
+                        .expect("spawn a busy loop")
+                })
+                .collect(),
+        )
+    }
+}
+
+impl Drop for BusyLoad {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}

@@ -2,40 +2,10 @@
 //! simulator, replaying the seed's story; the SVG is parsed and checked.
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 
 use kiwi_tests::bin;
 use serde_json::Value;
-
-/// Keeps every core busy with spinning processes of their own, as other tenants on a
-/// shared machine would, until dropped.
-struct Load(Vec<Child>);
-
-impl Load {
-    fn all_cores() -> Load {
-        let n = std::thread::available_parallelism().map_or(2, |n| n.get());
-        Load(
-            (0..n)
-                .map(|_| {
-                    Command::new("sh")
-                        .args(["-c", "while :; do :; done"])
-                        .stdin(Stdio::null())
-                        .spawn()
-                        .expect("spawn a busy loop")
-                })
-                .collect(),
-        )
-    }
-}
-
-impl Drop for Load {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 /// What `--keep` left behind: the arbiter's events and each notebook's JSON lines.
 struct Kept {
@@ -148,7 +118,7 @@ fn demo_replays_the_seed_story_on_a_busy_machine() {
     const MS: u64 = 1_000_000;
     let dir = tempfile::tempdir().unwrap();
     let svg = dir.path().join("demo.svg");
-    let load = Load::all_cores();
+    let load = kiwi_tests::BusyLoad::every_core();
     // A smaller simulated GPU keeps swaps quick in a debug build.
     let out = Command::new(bin("kiwictl"))
         .env_remove("KIWI_CONFIG")

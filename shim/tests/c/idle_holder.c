@@ -17,18 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define CHECK(call)                                                            \
-    do {                                                                       \
-        CUresult r_ = (call);                                                  \
-        if (r_ != CUDA_SUCCESS) {                                              \
-            const char *n_ = "?";                                              \
-            cuGetErrorName(r_, &n_);                                           \
-            printf("FAIL %s:%d %s -> %d %s\n", __FILE__, __LINE__, #call,      \
-                   (int)r_, n_);                                               \
-            fflush(stdout);                                                    \
-            exit(2);                                                           \
-        }                                                                      \
-    } while (0)
+#include "check.h"
 
 static unsigned long long now_ns(void) {
     struct timespec t;

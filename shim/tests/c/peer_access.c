@@ -12,18 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define CHECK(call)                                                            \
-    do {                                                                       \
-        CUresult r_ = (call);                                                  \
-        if (r_ != CUDA_SUCCESS) {                                              \
-            const char *n_ = "?";                                              \
-            cuGetErrorName(r_, &n_);                                           \
-            printf("FAIL %s:%d %s -> %d %s\n", __FILE__, __LINE__, #call,      \
-                   (int)r_, n_);                                               \
-            fflush(stdout);                                                    \
-            exit(2);                                                           \
-        }                                                                      \
-    } while (0)
+#include "check.h"
 
 #define PIECE (4u << 20)
 
