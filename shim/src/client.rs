@@ -143,6 +143,11 @@ struct TurnState {
     /// When the quantum of the current grant ends (the arbiter then drops us): an
     /// early release can only come before it.
     quantum_end: Option<Instant>,
+    /// The current grant's TQ, and whether its quantum waits for the swap-in: the
+    /// arbiter starts a `pipelined` client's quantum when its memory is in, if it
+    /// had memory out at the grant.
+    tq: Duration,
+    quantum_waits_for_swap_in: bool,
     /// The arbiter's idle eviction delay while the GPU is oversubscribed
     /// ([`ArbiterMsg::Pressure`]); `None`: not oversubscribed, or eviction off.
     idle_evict: Option<Duration>,
@@ -861,6 +866,8 @@ impl Client {
                 last_unswappable: reports.then_some(unswappable),
                 work_done: None,
                 quantum_end: None,
+                tq: Duration::ZERO,
+                quantum_waits_for_swap_in: false,
                 idle_evict: None,
             },
         });
@@ -965,7 +972,10 @@ impl Client {
             }
             match st.slots[k].ts.phase {
                 Phase::Holding => match st.slots[k].turn.make_resident() {
-                    Ok(()) => st.slots[k].ts.short_since = None,
+                    Ok(()) => {
+                        st.slots[k].ts.short_since = None;
+                        Self::memory_in(&mut st.slots[k].ts);
+                    }
                     Err(CUDA_ERROR_OUT_OF_MEMORY) => {
                         // Others' memory is still in the way: the turn waits (never the
                         // application's call failing) while the arbiter makes room.
@@ -1033,6 +1043,7 @@ impl Client {
         let turn = st.slots[k].turn.clone();
         match turn.make_resident() {
             Ok(()) => {
+                Self::memory_in(&mut st.slots[k].ts);
                 if let Some((since, true)) = st.slots[k].ts.short_since {
                     crate::kinfo!(
                         "GPU {}: room made after {:?}; swapped in",
@@ -1169,7 +1180,11 @@ impl Client {
         stats::GRANTS.fetch_add(1, Ordering::Relaxed);
         lock(&st.slots[k].turn.view).granted(Instant::now(), exclusive);
         {
+            let waits = st.slots[k].turn.pipelined.load(Ordering::Relaxed)
+                && !st.slots[k].turn.res.all_resident();
             let ts = &mut st.slots[k].ts;
+            ts.tq = Duration::from_millis(tq_ms);
+            ts.quantum_waits_for_swap_in = waits;
             ts.phase = Phase::Holding;
             ts.exclusive = exclusive;
             ts.contended = waiting;
@@ -1221,6 +1236,7 @@ impl Client {
             match turn.make_resident() {
                 Ok(()) => {
                     st.slots[k].ts.short_since = None;
+                    Self::memory_in(&mut st.slots[k].ts);
                     self.open_gate(&st);
                 }
                 // The room is still being made (the previous holder or idle clients
@@ -1231,6 +1247,15 @@ impl Client {
         }
         drop(st);
         self.cv.notify_all();
+    }
+
+    /// The turn's memory is all in after a grant: a quantum that waited for the
+    /// swap-in starts now, as the arbiter counts it (the early-release detector works
+    /// only before the quantum ends).
+    fn memory_in(ts: &mut TurnState) {
+        if std::mem::take(&mut ts.quantum_waits_for_swap_in) {
+            ts.quantum_end = Instant::now().checked_add(ts.tq);
+        }
     }
 
     fn on_drop(&self, k: usize, need: u64) {

@@ -81,6 +81,28 @@ impl Kept {
             .sum()
     }
 
+    /// The event log, one line per event, for failure messages.
+    fn summary(&self) -> String {
+        let t0 = self
+            .events
+            .first()
+            .and_then(|e| e["t_ns"].as_u64())
+            .unwrap_or(0);
+        self.events
+            .iter()
+            .map(|e| {
+                let t = e["t_ns"].as_u64().unwrap_or(0).saturating_sub(t0);
+                format!(
+                    "{:9.1} ms client {} {}",
+                    t as f64 / 1e6,
+                    e["client"],
+                    e["kind"]
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
     /// (start, end) of `label`'s `n`th phase of `kind`.
     fn phase(&self, label: &str, kind: &str, n: usize) -> (u64, u64) {
         let p = self
@@ -188,7 +210,9 @@ fn demo_replays_the_seed_story_on_a_busy_machine() {
     let (t2, x2) = mark("T2");
     let (t3, x3) = mark("T3");
     let (t4, _) = mark("T4");
-    assert!(t1 < t2 && t2 < t3 && t3 < t4, "marks in order");
+    let kept = Kept::read(&stdout);
+    let log = kept.summary();
+    assert!(t1 < t2 && t2 < t3 && t3 < t4, "marks in order\n{log}");
     // T3 is A's quantum after T1 (plus the drop's drain and swap, well under 2 s).
     let q = (t3 - t1) as f64 / 1e9;
     assert!((1.5..3.5).contains(&q), "T3 - T1 = {q} s");
@@ -196,7 +220,7 @@ fn demo_replays_the_seed_story_on_a_busy_machine() {
     let b_turn = (t4 - t3) as f64 / 1e9;
     assert!(
         b_turn < 1.5,
-        "B held the GPU {b_turn} s: an early release, not a TQ"
+        "B held the GPU {b_turn} s: an early release, not a TQ\n{log}"
     );
     // B waits from T2 to T3, and A runs GPU work and CPU work.
     let b_waits = blocks(lane("B"), "block waiting");
@@ -211,7 +235,6 @@ fn demo_replays_the_seed_story_on_a_busy_machine() {
     assert!(!blocks(lane("B"), "block gpu").is_empty());
 
     // The timings, from the arbiter's event log and the notebooks' own phase lines.
-    let kept = Kept::read(&stdout);
     let (t0, _) = mark("T0");
     let (a, b) = (kept.client("A"), kept.client("B"));
     let ms = |ns: u64| ns as f64 / 1e6;
