@@ -12,7 +12,6 @@ use common::*;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::SimMachine;
 use kiwi_tests::{bin, Arbiter};
 
@@ -22,25 +21,6 @@ fn gpuburst(mem: &str, bursts: &str) -> Command {
         "--mem", mem, "--bursts", bursts, "--gpu-ms", "40", "--cpu-ms", "20", "--verify",
     ]);
     c
-}
-
-/// Bytes the arbiter's event log says the process `pid` swapped out.
-fn swapped_out(arb: &Arbiter, pid: u32) -> u64 {
-    let events = arb.events();
-    let Some(id) = events.iter().find_map(|e| match e.kind {
-        EventKind::Register { pid: p, .. } if p == pid => e.client,
-        _ => None,
-    }) else {
-        return 0;
-    };
-    events
-        .iter()
-        .filter(|e| e.client == Some(id))
-        .filter_map(|e| match e.kind {
-            EventKind::SwapOut { bytes, .. } => Some(bytes),
-            _ => None,
-        })
-        .sum()
 }
 
 fn no_illegal_address(o: &Output) {

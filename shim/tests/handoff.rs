@@ -9,8 +9,7 @@
 mod common;
 use common::*;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Output, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kiwi_protocol::{Event, EventKind};
@@ -22,61 +21,6 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A program of `tests/c` driven through stdin/stdout.
-struct Stepped {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    stdout: BufReader<ChildStdout>,
-    seen: String,
-}
-
-impl Stepped {
-    fn spawn(cmd: &mut Command) -> Stepped {
-        let mut child = cmd.stdin(Stdio::piped()).spawn().expect("spawn");
-        let stdin = child.stdin.take();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
-        Stepped {
-            child,
-            stdin,
-            stdout,
-            seen: String::new(),
-        }
-    }
-
-    /// Reads stdout until a line starting with `want`; returns the line.
-    fn wait_for(&mut self, want: &str) -> String {
-        loop {
-            let mut line = String::new();
-            let n = self.stdout.read_line(&mut line).expect("read stdout");
-            self.seen.push_str(&line);
-            if n == 0 {
-                let mut err = String::new();
-                let _ = self.child.stderr.take().unwrap().read_to_string(&mut err);
-                panic!("no {want:?}: stdout\n{}--- stderr\n{err}", self.seen);
-            }
-            if line.starts_with(want) {
-                return line.trim().to_string();
-            }
-        }
-    }
-
-    fn go(&mut self) {
-        let w = self.stdin.as_mut().expect("stdin open");
-        writeln!(w, "go").expect("write stdin");
-        w.flush().unwrap();
-    }
-
-    fn finish(mut self) -> Output {
-        drop(self.stdin.take());
-        let mut rest = String::new();
-        let _ = self.stdout.read_to_string(&mut rest);
-        let mut o = finish(self.child);
-        self.seen.push_str(&rest);
-        o.stdout = self.seen.into_bytes();
-        o
-    }
 }
 
 fn client_of(events: &[Event], host_pid: u32) -> Option<u64> {

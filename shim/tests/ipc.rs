@@ -9,88 +9,15 @@
 mod common;
 use common::*;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Output, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::SimMachine;
-use kiwi_tests::{bin, Arbiter};
-
-/// A program that prints a line when it is ready for the next step and waits for a
-/// line on stdin to go on.
-struct Stepped {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    seen: String,
-}
-
-impl Stepped {
-    fn spawn(cmd: &mut Command) -> Stepped {
-        let mut child = cmd.stdin(Stdio::piped()).spawn().expect("spawn");
-        let stdin = child.stdin.take().unwrap();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
-        Stepped {
-            child,
-            stdin,
-            stdout,
-            seen: String::new(),
-        }
-    }
-
-    /// Reads stdout until a line starting with `want`; returns it.
-    fn wait_for(&mut self, want: &str) -> String {
-        loop {
-            let mut line = String::new();
-            let n = self.stdout.read_line(&mut line).expect("read stdout");
-            self.seen.push_str(&line);
-            if n == 0 {
-                let mut err = String::new();
-                let _ = self.child.stderr.take().unwrap().read_to_string(&mut err);
-                panic!("no {want:?}: stdout\n{}--- stderr\n{err}", self.seen);
-            }
-            if line.trim().starts_with(want) {
-                return line.trim().to_string();
-            }
-        }
-    }
-
-    fn go(&mut self) {
-        writeln!(self.stdin, "go").expect("write stdin");
-    }
-
-    fn finish(mut self) -> Output {
-        let mut rest = String::new();
-        let _ = self.stdout.read_to_string(&mut rest);
-        let mut o = finish(self.child);
-        self.seen.push_str(&rest);
-        o.stdout = self.seen.into_bytes();
-        o
-    }
-}
-
-/// Bytes of each swap-out of process `pid` (arbiter's log).
-fn swap_outs(arb: &Arbiter, pid: u32) -> Vec<u64> {
-    let events = arb.events();
-    let clients: Vec<u64> = events
-        .iter()
-        .filter_map(|e| match e.kind {
-            EventKind::Register { pid: p, .. } if p == pid => e.client,
-            _ => None,
-        })
-        .collect();
-    events
-        .iter()
-        .filter(|e| e.client.is_some_and(|c| clients.contains(&c)))
-        .filter_map(|e| match e.kind {
-            EventKind::SwapOut { bytes, .. } => Some(bytes),
-            _ => None,
-        })
-        .collect()
-}
+use kiwi_tests::Arbiter;
 
 /// `(working set, resident)` of each usage report of process `pid` (arbiter's log).
 fn usages(arb: &Arbiter, pid: u32) -> Vec<(u64, u64)> {
@@ -113,27 +40,6 @@ fn usages(arb: &Arbiter, pid: u32) -> Vec<(u64, u64)> {
             _ => None,
         })
         .collect()
-}
-
-fn gpuburst(m: &SimMachine, arb: &Arbiter, mib: u32) -> Child {
-    let mut b = Command::new(bin("gpuburst"));
-    under_kiwi_on(
-        b.args([
-            "--mem",
-            &format!("{mib}MiB"),
-            "--bursts",
-            "2",
-            "--gpu-ms",
-            "50",
-            "--cpu-ms",
-            "20",
-            "--verify",
-        ]),
-        m,
-        arb,
-    )
-    .spawn()
-    .expect("spawn gpuburst")
 }
 
 /// An exporter shares 128 MiB of its `cuMemAlloc` memory with a second process and
@@ -160,7 +66,7 @@ fn cuda_ipc_of_a_shim_allocation_works_and_it_stays_resident_while_open() {
     e.wait_for("READY");
     let pid = e.child.id();
     eprintln!("ready at {:?}", t0.elapsed());
-    let b = gpuburst(&m, &arb, 300);
+    let b = notebook(&m, &arb, 300);
     // The private memory goes out for the notebook; the shared memory may not.
     let deadline = Instant::now() + Duration::from_secs(30);
     while swap_outs(&arb, pid).iter().sum::<u64>() < 64 << 20 {
@@ -177,7 +83,7 @@ fn cuda_ipc_of_a_shim_allocation_works_and_it_stays_resident_while_open() {
     let while_open = swap_outs(&arb, pid);
     // Closed by its importer: now it may go too. A notebook that needs all of the
     // GPU makes the exporter give up everything it has.
-    let c = gpuburst(&m, &arb, 400);
+    let c = notebook(&m, &arb, 400);
     let deadline = Instant::now() + Duration::from_secs(30);
     // Shared, its 64 MiB were reported apart (memory no swap frees); closed, they are
     // in the working set again, and more than the 128 MiB private memory is out.

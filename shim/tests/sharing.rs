@@ -9,90 +9,12 @@
 mod common;
 use common::*;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Output, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::SimMachine;
-use kiwi_tests::{bin, Arbiter};
-
-/// A program of `tests/c` that talks on stdin/stdout: it prints a line when it is
-/// ready for the next step and waits for a line to go on.
-struct Stepped {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    seen: String,
-}
-
-impl Stepped {
-    fn spawn(cmd: &mut Command) -> Stepped {
-        let mut child = cmd.stdin(Stdio::piped()).spawn().expect("spawn");
-        let stdin = child.stdin.take().unwrap();
-        let stdout = BufReader::new(child.stdout.take().unwrap());
-        Stepped {
-            child,
-            stdin,
-            stdout,
-            seen: String::new(),
-        }
-    }
-
-    /// Reads stdout until the line `want`; panics (with what it printed) otherwise.
-    fn wait_for(&mut self, want: &str) {
-        loop {
-            let mut line = String::new();
-            let n = self.stdout.read_line(&mut line).expect("read stdout");
-            self.seen.push_str(&line);
-            if n == 0 {
-                let mut err = String::new();
-                let _ = self.child.stderr.take().unwrap().read_to_string(&mut err);
-                panic!("no {want:?}: stdout\n{}--- stderr\n{err}", self.seen);
-            }
-            if line.trim() == want {
-                return;
-            }
-        }
-    }
-
-    fn go(&mut self) {
-        writeln!(self.stdin, "go").expect("write stdin");
-    }
-
-    fn finish(mut self) -> Output {
-        let mut rest = String::new();
-        let _ = self.stdout.read_to_string(&mut rest);
-        let mut o = finish(self.child);
-        self.seen.push_str(&rest);
-        o.stdout = self.seen.into_bytes();
-        o
-    }
-}
-
-/// The arbiter's clients registered by process `pid` (one per GPU).
-fn clients_of(arb: &Arbiter, pid: u32) -> Vec<u64> {
-    arb.events()
-        .iter()
-        .filter_map(|e| match e.kind {
-            EventKind::Register { pid: p, .. } if p == pid => e.client,
-            _ => None,
-        })
-        .collect()
-}
-
-/// Bytes process `pid` swapped out so far (arbiter's log).
-fn swapped_out(arb: &Arbiter, pid: u32) -> u64 {
-    let clients = clients_of(arb, pid);
-    arb.events()
-        .iter()
-        .filter(|e| e.client.is_some_and(|c| clients.contains(&c)))
-        .filter_map(|e| match e.kind {
-            EventKind::SwapOut { bytes, .. } => Some(bytes),
-            _ => None,
-        })
-        .sum()
-}
+use kiwi_tests::Arbiter;
 
 /// Waits (up to 30 s) until `pid` swapped out at least `bytes`.
 fn wait_swapped_out(arb: &Arbiter, pid: u32, bytes: u64) {
@@ -105,28 +27,6 @@ fn wait_swapped_out(arb: &Arbiter, pid: u32, bytes: u64) {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-/// A notebook over capacity with the program under test: it takes the GPU from it.
-fn gpuburst(m: &SimMachine, arb: &Arbiter, mib: u32) -> Child {
-    let mut b = Command::new(bin("gpuburst"));
-    under_kiwi_on(
-        b.args([
-            "--mem",
-            &format!("{mib}MiB"),
-            "--bursts",
-            "2",
-            "--gpu-ms",
-            "50",
-            "--cpu-ms",
-            "20",
-            "--verify",
-        ]),
-        m,
-        arb,
-    )
-    .spawn()
-    .expect("spawn gpuburst")
 }
 
 /// `cuPointerGetAttribute(s)` and `cuMemGetAddressRange` answer for a shim allocation
@@ -144,7 +44,7 @@ fn pointer_attributes_are_the_allocations_own_even_swapped_out() {
     let mut a = Command::new(&exe);
     let mut a = Stepped::spawn(under_kiwi_on(a.arg("400"), &m, &arb));
     a.wait_for("READY");
-    let b = gpuburst(&m, &arb, 600);
+    let b = notebook(&m, &arb, 600);
     // The 2 MiB chunk and the first 64 MiB segment go first (least recently mapped).
     wait_swapped_out(&arb, a.child.id(), 66 << 20);
     a.go();
@@ -171,7 +71,7 @@ fn another_gpus_access_survives_a_swap() {
     let mut a = Stepped::spawn(under_kiwi_on(a.arg("400"), &m, &arb));
     a.wait_for("READY");
     // gpuburst works on GPU 0 by default: over capacity with the program there.
-    let b = gpuburst(&m, &arb, 500);
+    let b = notebook(&m, &arb, 500);
     // Its first 64 MiB segment goes first (least recently mapped).
     wait_swapped_out(&arb, a.child.id(), 64 << 20);
     a.go();
@@ -208,7 +108,7 @@ fn a_failed_drain_does_not_evict() {
     let mut a = Stepped::spawn(a);
     a.wait_for("QUEUED");
     std::fs::write(&fail, b"").unwrap();
-    let b = gpuburst(&m, &arb, 500);
+    let b = notebook(&m, &arb, 500);
     let ob = finish(b);
     let pid = a.child.id();
     a.go();

@@ -3,11 +3,13 @@
 //! waiting for them with a limit.
 #![allow(dead_code)]
 
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Output, Stdio};
 use std::time::Duration;
 
-use kiwi_tests::{profile_dir, require_tool, Arbiter};
+use kiwi_protocol::EventKind;
+use kiwi_tests::{bin, profile_dir, require_tool, Arbiter};
 
 pub fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -93,4 +95,115 @@ pub fn under_kiwi_on<'a>(
     arb: &Arbiter,
 ) -> &'a mut Command {
     under_kiwi(m.apply(c), arb)
+}
+
+/// A program of `tests/c` driven through stdin/stdout: it prints a line when it
+/// reaches a step and waits for `go` on stdin before the next.
+pub struct Stepped {
+    pub child: Child,
+    stdin: Option<ChildStdin>,
+    stdout: BufReader<ChildStdout>,
+    seen: String,
+}
+
+impl Stepped {
+    pub fn spawn(cmd: &mut Command) -> Stepped {
+        let mut child = cmd.stdin(Stdio::piped()).spawn().expect("spawn");
+        let stdin = child.stdin.take();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        Stepped {
+            child,
+            stdin,
+            stdout,
+            seen: String::new(),
+        }
+    }
+
+    /// Reads stdout until a line starting with `want`; returns the line (trimmed).
+    /// Panics with what the program printed if it ends first.
+    pub fn wait_for(&mut self, want: &str) -> String {
+        loop {
+            let mut line = String::new();
+            let n = self.stdout.read_line(&mut line).expect("read stdout");
+            self.seen.push_str(&line);
+            if n == 0 {
+                let mut err = String::new();
+                let _ = self.child.stderr.take().unwrap().read_to_string(&mut err);
+                panic!("no {want:?}: stdout\n{}--- stderr\n{err}", self.seen);
+            }
+            if line.trim().starts_with(want) {
+                return line.trim().to_string();
+            }
+        }
+    }
+
+    pub fn go(&mut self) {
+        let w = self.stdin.as_mut().expect("stdin open");
+        writeln!(w, "go").expect("write stdin");
+        w.flush().unwrap();
+    }
+
+    /// Closes stdin, waits for the program (with [`finish`]'s limit); its output is
+    /// all it printed.
+    pub fn finish(mut self) -> Output {
+        drop(self.stdin.take());
+        let mut rest = String::new();
+        let _ = self.stdout.read_to_string(&mut rest);
+        let mut o = finish(self.child);
+        self.seen.push_str(&rest);
+        o.stdout = self.seen.into_bytes();
+        o
+    }
+}
+
+/// The arbiter's clients registered by process `pid` (one per GPU).
+pub fn clients_of(arb: &Arbiter, pid: u32) -> Vec<u64> {
+    arb.events()
+        .iter()
+        .filter_map(|e| match e.kind {
+            EventKind::Register { pid: p, .. } if p == pid => e.client,
+            _ => None,
+        })
+        .collect()
+}
+
+/// Bytes of each swap-out of process `pid` (arbiter's log).
+pub fn swap_outs(arb: &Arbiter, pid: u32) -> Vec<u64> {
+    let clients = clients_of(arb, pid);
+    arb.events()
+        .iter()
+        .filter(|e| e.client.is_some_and(|c| clients.contains(&c)))
+        .filter_map(|e| match e.kind {
+            EventKind::SwapOut { bytes, .. } => Some(bytes),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Bytes process `pid` swapped out so far (arbiter's log).
+pub fn swapped_out(arb: &Arbiter, pid: u32) -> u64 {
+    swap_outs(arb, pid).iter().sum()
+}
+
+/// A gpuburst notebook of `mib` MiB under Kiwi on `m` (2 short bursts, verified):
+/// over capacity with the program under test, it takes the GPU from it.
+pub fn notebook(m: &kiwi_sim_core::harness::SimMachine, arb: &Arbiter, mib: u32) -> Child {
+    let mut b = Command::new(bin("gpuburst"));
+    under_kiwi_on(
+        b.args([
+            "--mem",
+            &format!("{mib}MiB"),
+            "--bursts",
+            "2",
+            "--gpu-ms",
+            "50",
+            "--cpu-ms",
+            "20",
+            "--verify",
+        ]),
+        m,
+        arb,
+    )
+    .spawn()
+    .expect("spawn gpuburst")
 }
