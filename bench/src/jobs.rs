@@ -169,10 +169,11 @@ pub fn spawn_job(b: &Build, sim: &Sim, job: Job, seed: u64, kiwi: Option<&Path>)
         &seed.to_string(),
         "--kernel-us",
         &job.kernel_us.to_string(),
+        "--json",
     ])
     .env_remove("LD_PRELOAD")
     .stdin(Stdio::null())
-    .stdout(Stdio::null())
+    .stdout(Stdio::piped())
     .stderr(Stdio::piped());
     sim.apply(b, &mut cmd);
     if let Some(dir) = kiwi {
@@ -197,17 +198,31 @@ impl Job {
 /// still running then (turns that make no progress) are killed and the run is an
 /// error, so a benchmark never hangs.
 pub fn wait_all(children: Vec<Child>, deadline: Instant) -> Result<(bool, String)> {
+    let (ok, why, _) = wait_all_reports(children, deadline)?;
+    Ok((ok, why))
+}
+
+/// [`wait_all`], and what each job printed on its standard output (its `--json`
+/// report), in order.
+pub fn wait_all_reports(
+    children: Vec<Child>,
+    deadline: Instant,
+) -> Result<(bool, String, Vec<String>)> {
     let mut kids = Vec::new();
     let mut readers = Vec::new();
-    for mut c in children {
-        let err = c.stderr.take();
-        readers.push(std::thread::spawn(move || {
+    let mut outs = Vec::new();
+    let slurp = |r: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
             let mut s = String::new();
-            if let Some(mut e) = err {
-                let _ = e.read_to_string(&mut s);
+            if let Some(mut r) = r {
+                let _ = r.read_to_string(&mut s);
             }
             s
-        }));
+        })
+    };
+    for mut c in children {
+        readers.push(slurp(c.stderr.take().map(|e| Box::new(e) as _)));
+        outs.push(slurp(c.stdout.take().map(|o| Box::new(o) as _)));
         kids.push(c);
     }
     let mut status = vec![None; kids.len()];
@@ -232,6 +247,10 @@ pub fn wait_all(children: Vec<Child>, deadline: Instant) -> Result<(bool, String
         .into_iter()
         .map(|h| h.join().unwrap_or_default())
         .collect();
+    let outs: Vec<String> = outs
+        .into_iter()
+        .map(|h| h.join().unwrap_or_default())
+        .collect();
     if late {
         bail!("the jobs had not finished by their deadline and were killed (turns that make no progress?)");
     }
@@ -243,7 +262,7 @@ pub fn wait_all(children: Vec<Child>, deadline: Instant) -> Result<(bool, String
             why = err.lines().last().unwrap_or("").to_string();
         }
     }
-    Ok((ok, why))
+    Ok((ok, why, outs))
 }
 
 /// Makespan of two jobs at once, under Kiwi with `tq` (or the scheduler off).
@@ -273,20 +292,82 @@ pub fn together_under_kiwi(
     Ok(t0.elapsed())
 }
 
-/// Makespan of the two jobs one after the other, without Kiwi.
-pub fn serial(b: &Build, job: Job, gpu: u64) -> Result<Duration> {
+/// What a job's `--json` report says of its run alone: how long it took to be ready
+/// (start-up: context, allocation, filling), its GPU phases, and its tail (from the
+/// end of its last GPU phase to its end: verification, exit).
+#[derive(Clone, Debug, Default)]
+pub struct Alone {
+    pub startup: Duration,
+    pub gpu: Vec<Duration>,
+    pub tail: Duration,
+}
+
+impl Alone {
+    /// Parses gpuburst's `--json` lines (`ready`, `phase`, `end`).
+    pub fn parse(report: &str) -> Result<Alone> {
+        let mut a = Alone::default();
+        let (mut t0_ns, mut last_gpu_end_ns, mut ready_ms, mut end_ms) = (None, None, None, None);
+        for line in report.lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            match v["event"].as_str() {
+                Some("ready") => ready_ms = v["t_ms"].as_f64(),
+                Some("phase") if v["kind"] == "gpu" => {
+                    let (s, e) = (v["start_ns"].as_u64(), v["end_ns"].as_u64());
+                    let (Some(s), Some(e)) = (s, e) else { continue };
+                    a.gpu.push(Duration::from_nanos(e.saturating_sub(s)));
+                    t0_ns.get_or_insert(s);
+                    last_gpu_end_ns = Some(e);
+                }
+                Some("end") => end_ms = v["total_ms"].as_f64(),
+                _ => {}
+            }
+        }
+        let (Some(ready), Some(end), Some(first), Some(last)) =
+            (ready_ms, end_ms, t0_ns, last_gpu_end_ns)
+        else {
+            bail!("a job's report lacks its ready, phase or end lines: {report:?}");
+        };
+        a.startup = Duration::from_secs_f64(ready / 1e3);
+        // The phases' clock is CLOCK_MONOTONIC and the report's is the job's own; the
+        // first GPU phase starts when the job is ready.
+        let last_end_ms = ready + (last - first) as f64 / 1e6;
+        a.tail = Duration::from_secs_f64((end - last_end_ms).max(0.0) / 1e3);
+        Ok(a)
+    }
+}
+
+/// The shortest any schedule of jobs that each ran `alone` (as measured) can take
+/// on one GPU whose memory holds one job at a time: every start-up and every GPU
+/// phase back to back, then the quickest tail. A start-up fills the job's memory on
+/// the GPU, so it cannot overlap another job's GPU phase (their memories do not fit
+/// together); every CPU phase can overlap another job's GPU phase when it is no
+/// longer than that, as here. Swaps cost nothing in it.
+pub fn ideal_interleave(alone: &[Alone]) -> Duration {
+    let startups: Duration = alone.iter().map(|a| a.startup).sum();
+    let tail = alone.iter().map(|a| a.tail).min().unwrap_or_default();
+    let gpu: Duration = alone.iter().flat_map(|a| a.gpu.iter()).sum();
+    startups + gpu + tail
+}
+
+/// Makespan of the two jobs one after the other, without Kiwi, and what each job's
+/// report says of its run.
+pub fn serial(b: &Build, job: Job, gpu: u64) -> Result<(Duration, Vec<Alone>)> {
     let sim = Sim::new("serial", gpu);
     let t0 = Instant::now();
+    let mut alone = Vec::new();
     for seed in [1, 2] {
-        let (ok, why) = wait_all(
+        let (ok, why, outs) = wait_all_reports(
             vec![spawn_job(b, &sim, job, seed, None)?],
             Instant::now() + job.limit(),
         )?;
         if !ok {
             bail!("a job failed on its own: {why}");
         }
+        alone.push(Alone::parse(&outs[0])?);
     }
-    Ok(t0.elapsed())
+    Ok((t0.elapsed(), alone))
 }
 
 /// Both at once without Kiwi: whether both finished, and the makespan.
@@ -314,24 +395,48 @@ pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
         kernel_us: 5000,
     };
     let tq = 5.0;
-    let serial_t = serial(&b, job, GPU)?.as_secs_f64();
+    let (serial_d, alone) = serial(&b, job, GPU)?;
+    let serial_t = serial_d.as_secs_f64();
     let kiwi_t = together_under_kiwi(&b, job, GPU, tq, true)?.as_secs_f64();
     let (nok, nt, why) = together_without_kiwi(&b, job, GPU)?;
-    // The best any interleaving can do: both jobs' GPU time back to back, plus the
-    // one CPU phase that cannot overlap another job's GPU time (the last job's
-    // before its last burst). 22 s for 5 x (2 s GPU + 2 s CPU).
-    let ideal = (2 * u64::from(job.bursts) * job.gpu_ms + job.cpu_ms) as f64 / 1e3;
+    // The best any interleaving can do, from the jobs' own runs alone in this run:
+    // both start-ups, every GPU phase back to back, one tail (see `ideal_interleave`).
+    let ideal = ideal_interleave(&alone).as_secs_f64();
+    let gpu_s: f64 = alone
+        .iter()
+        .flat_map(|a| a.gpu.iter())
+        .map(Duration::as_secs_f64)
+        .sum();
+    let startup_s: Duration = alone.iter().map(|a| a.startup).sum();
+    // The issue's formula, from the nominal phases: both jobs' GPU time (2 x 5 x 2 s)
+    // plus one CPU phase. gpuburst has no CPU phase after its last burst, and a GPU
+    // phase of 2 s takes longer on the simulator (its kernels over the job's memory
+    // really compute, on the host), so the measured bound above is the one to meet.
+    let nominal = (2 * u64::from(job.bursts) * job.gpu_ms + job.cpu_ms) as f64 / 1e3;
     let mut figs = vec![
         Figure::new("oversub", "makespan_kiwi", kiwi_t, "s")
             .against(
                 ideal,
-                "ideal interleave: both jobs' GPU time + one CPU phase",
+                &format!(
+                    "ideal interleave of these jobs as measured alone in this run, swaps free: both start-ups {:.2} s + all {} GPU phases back to back {gpu_s:.2} s + the quickest tail",
+                    startup_s.as_secs_f64(),
+                    alone.iter().map(|a| a.gpu.len()).sum::<usize>(),
+                ),
             )
             .goal("within 5% (ratio <= 1.05)"),
+        Figure::new("oversub", "makespan_kiwi_vs_nominal", kiwi_t, "s")
+            .against(
+                nominal,
+                "nominal: 2 x 5 x 2 s of GPU + one 2 s CPU phase (the phases as asked, not as run)",
+            ),
         Figure::new("oversub", "makespan_kiwi_vs_serial", kiwi_t, "s")
             .against(serial_t, "the two jobs one after the other")
-            .goal("ratio <= 0.6 (ideal: 22/38 = 0.58)"),
+            .goal("ratio <= 0.6"),
         Figure::new("oversub", "speedup_vs_serial", serial_t / kiwi_t, "x")
+            .against(
+                serial_t / ideal,
+                "the most any interleave of these jobs could gain (serial / ideal)",
+            )
             .goal(">= 1.65x (nvshare reports 1.35x)"),
         Figure::new(
             "oversub",
@@ -381,4 +486,41 @@ pub fn fit(quick: bool) -> Result<Vec<Figure>> {
     Ok(vec![Figure::new("fit", "makespan_kiwi", on, "s")
         .against(off, "scheduler off")
         .goal("within 3% (ratio <= 1.03)")])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const REPORT: &str = r#"{"event":"ready","name":"g","pid":1,"mem_bytes":1,"allocations":1,"t_ms":500.0,"devices":1,"device_ordinals":[0]}
+{"event":"burst","name":"g","index":0,"start_ms":500.0,"duration_ms":2100.0,"wait_ms":0.1,"device_wait_ms":[0.1]}
+{"event":"phase","name":"g","kind":"gpu","start_ns":1000000000,"end_ns":3100000000}
+{"event":"phase","name":"g","kind":"cpu","start_ns":3100000000,"end_ns":5100000000}
+{"event":"phase","name":"g","kind":"gpu","start_ns":5100000000,"end_ns":7300000000}
+{"event":"verify","name":"g","ok":true,"allocations":1,"devices":1}
+{"event":"end","name":"g","total_ms":6900.0}"#;
+
+    #[test]
+    fn a_report_gives_start_up_gpu_phases_and_tail() {
+        let a = Alone::parse(REPORT).unwrap();
+        assert_eq!(a.startup, Duration::from_millis(500));
+        assert_eq!(
+            a.gpu,
+            vec![Duration::from_millis(2100), Duration::from_millis(2200)]
+        );
+        // The last GPU phase ends 6.3 s after the first began, at 6800 ms of the job.
+        assert_eq!(a.tail.as_millis(), 100);
+        let b = Alone {
+            startup: Duration::from_millis(400),
+            gpu: vec![Duration::from_secs(2)],
+            tail: Duration::from_millis(300),
+        };
+        assert_eq!(ideal_interleave(&[a, b]).as_millis(), 900 + 6300 + 100);
+    }
+
+    #[test]
+    fn a_report_without_its_phases_is_an_error() {
+        assert!(Alone::parse("{\"event\":\"end\",\"total_ms\":1}").is_err());
+        assert!(Alone::parse("not json").is_err());
+    }
 }

@@ -105,6 +105,28 @@ fn num(v: f64) -> String {
     }
 }
 
+/// What a reader needs to know to judge some of the figures.
+const NOTES: &[&str] = &[
+    "**oversub**: the ideal is what no scheduler can beat with these jobs on this machine, \
+     swaps free: both jobs' start-ups, then all their GPU phases back to back, then the \
+     quickest tail, each as the job took it alone in the same run. Both start-ups count \
+     because each fills its job's memory on the GPU and the two memories do not fit \
+     together. The nominal 22 s (2 × 5 × 2 s of GPU + one 2 s CPU phase) is printed for \
+     comparison; it cannot be met here: gpuburst has no CPU phase after its last burst, \
+     a 2 s GPU phase takes about 2.13 s on the simulator (its kernels over the job's \
+     1 GB really run, on the host's CPU) and a start-up about 0.5 s (the host faults \
+     in the job's memory). `speedup_vs_serial` is printed beside the most any \
+     interleave of these jobs could gain.",
+    "**early-release**: a holder releases after its idle threshold, at most \
+     `KIWI_IDLE_MS`, shorter once its own pauses between pieces of work are known \
+     (`shim/src/idle.rs`): the p50 shows the learned threshold, the p99 the first \
+     releases, before 8 pauses were seen.",
+    "**handoff-swap at 25 GB/s**: the simulator's copy engine is the host's memcpy \
+     (about 10 GB/s here), so a swap-out and a swap-in at once share the host's memory \
+     bandwidth and 2 cores, which a GPU's copy engines do not; at 4 GB/s the modelled \
+     link, not the host, sets the pace.",
+];
+
 /// The document.
 pub fn render(figures: &[Figure], errors: &[(String, String)], command: &str) -> String {
     let mut s = String::new();
@@ -153,6 +175,10 @@ pub fn render(figures: &[Figure], errors: &[(String, String)], command: &str) ->
             ratio,
             goal
         );
+    }
+    let _ = writeln!(s, "\n## Reading the figures\n");
+    for n in NOTES {
+        let _ = writeln!(s, "- {n}");
     }
     if !errors.is_empty() {
         let _ = writeln!(s, "\n## Scenarios that failed in this run\n");

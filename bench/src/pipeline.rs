@@ -9,7 +9,8 @@
 //! - `idle-partner`: request-to-first-work of a notebook whose only partner idles
 //!   past `idle_evict_seconds`, against its own swap-in;
 //! - `early-release`: a holder that goes idle while another waits, from its last
-//!   kernel's end to the waiter's grant, less `KIWI_IDLE_MS`.
+//!   kernel's end to the waiter's grant, against `KIWI_IDLE_MS` (the most a holder
+//!   waits; one whose pauses are short waits less, `shim/src/idle.rs`).
 //!
 //! Times come from the arbiter's event log and the simulator's kernel trace, both on
 //! CLOCK_MONOTONIC.
@@ -207,8 +208,7 @@ impl Observed {
     }
 
     /// Each hand-off from `from_ns` on that no drop caused (an idle holder let a
-    /// waiter go): from the holder's last kernel's end to the waiter's grant, less
-    /// [`IDLE_MS`], in ms.
+    /// waiter go): from the holder's last kernel's end to the waiter's grant, in ms.
     fn idle_handoffs(&self, from_ns: u64) -> Vec<f64> {
         let mut lat = Vec::new();
         let mut holder: Option<(Option<u64>, bool)> = None; // (client, dropped since its grant)
@@ -230,7 +230,7 @@ impl Observed {
                         if let (true, Some(done), Some(since)) = (x != e.client, done, waited_since)
                         {
                             if e.t_ns >= from_ns && since < done {
-                                lat.push(ms(e.t_ns - done) - IDLE_MS as f64);
+                                lat.push(ms(e.t_ns - done));
                             }
                         }
                     }
@@ -554,20 +554,14 @@ pub fn early_release(quick: bool) -> Result<Vec<Figure>> {
     let n = lat.len();
     let scen = "early-release";
     Ok(vec![
-        Figure::new(
-            scen,
-            "idle_to_grant_minus_idle_ms_p99",
-            percentile(&mut lat, 99.0),
-            "ms",
-        )
-        .against(IDLE_MS as f64, "KIWI_IDLE_MS, subtracted")
-        .goal("<= 20 ms"),
-        Figure::new(
-            scen,
-            "idle_to_grant_minus_idle_ms_p50",
-            percentile(&mut lat, 50.0),
-            "ms",
-        ),
+        Figure::new(scen, "idle_to_grant_p99", percentile(&mut lat, 99.0), "ms")
+            .against(
+                IDLE_MS as f64,
+                "KIWI_IDLE_MS: the most a holder idles before releasing; its learned threshold is shorter",
+            )
+            .goal("<= KIWI_IDLE_MS + 20 ms"),
+        Figure::new(scen, "idle_to_grant_p50", percentile(&mut lat, 50.0), "ms")
+            .against(IDLE_MS as f64, "KIWI_IDLE_MS"),
         Figure::new(scen, "early_releases_measured", n as f64, "n"),
     ])
 }
@@ -712,10 +706,7 @@ mod tests {
         );
         let lat = seen.idle_handoffs(0);
         assert_eq!(lat.len(), 1, "{lat:?}");
-        assert!(
-            (lat[0] - (310.0 - 200.0 - IDLE_MS as f64)).abs() < 1e-9,
-            "{lat:?}"
-        );
+        assert!((lat[0] - (310.0 - 200.0)).abs() < 1e-9, "{lat:?}");
         assert!(seen.idle_handoffs(400 * MS).is_empty());
     }
 }

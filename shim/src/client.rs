@@ -34,6 +34,7 @@ use crate::cuda::{
 };
 use crate::env::ShimEnv;
 use crate::gate::Gate;
+use crate::idle::IdleLearner;
 use crate::mem::{Figures, Swap};
 use crate::stats;
 
@@ -447,8 +448,13 @@ struct State {
     /// The process's submission count ([`Gate::submissions`]) at the last look: the
     /// idle detector drains only once it stopped moving.
     idle_mark: u32,
-    /// When it last moved.
-    quiet_since: Instant,
+    /// The process's pauses between pieces of work, which set how long a contended
+    /// holder stays idle before releasing early.
+    pauses: IdleLearner,
+    /// An early release on idleness: the submission count then and when the work was
+    /// seen done. If the process submits again sooner than `KIWI_IDLE_MS` after that,
+    /// the release came too soon, and that pause is learned.
+    released_idle: Option<(u32, Instant)>,
     slots: Vec<Slot>,
     /// Slots in acquisition order: by GPU UUID, the same order in every process.
     order: Vec<usize>,
@@ -466,6 +472,9 @@ impl State {
         self.order.iter().position(|&i| i == k).unwrap_or(0)
     }
 }
+
+/// A drain that took this long waited for work: the queue ran dry as it returned.
+const MIN_WAITED_DRAIN: Duration = Duration::from_millis(1);
 
 /// The process's connection to its arbiter: one turn per GPU it uses.
 pub struct Client {
@@ -739,7 +748,8 @@ impl Client {
             state: Mutex::new(State {
                 want: 0,
                 idle_mark: 0,
-                quiet_since: Instant::now(),
+                pauses: IdleLearner::default(),
+                released_idle: None,
                 slots: Vec::new(),
                 order: Vec::new(),
                 explained: None,
@@ -909,6 +919,9 @@ impl Client {
         }
         st.want += 1;
         let started = Instant::now();
+        // Wanted again after an early release: the pause ends here, not when the
+        // submission gets through.
+        self.learn_after_release(&mut st, started);
         let result = loop {
             let admitted = match device {
                 Some(d) => self.gate.is_open() || self.gate.admits(d),
@@ -1419,30 +1432,26 @@ impl Client {
         let moved = subs != st.idle_mark || crate::gate::QUEUE_BOUND.syncing();
         st.idle_mark = subs;
         if moved {
-            st.quiet_since = Instant::now();
+            self.learn_pauses(&mut st, subs, Instant::now(), false);
         }
         if st.slots[k].ts.phase == Phase::Holding && st.slots[k].ts.short_since.is_some() {
             self.retry_short(&mut st, k);
         }
         let turn = st.slots[k].turn.clone();
         let ts = &st.slots[k].ts;
-        // Drained while others wait and an early release can still come before the
-        // quantum ends (it is due once the work is done), and, nobody waiting, once
-        // quiet for the idle period (so that a holder idle long before anyone asks
-        // releases at once when someone does).
-        let before_quantum_end = ts
-            .quantum_end
-            .is_none_or(|end| Instant::now() + self.env.idle < end);
+        // Once the submission count stopped moving, a drain says whether the work is
+        // done, and when: the idle clock of an early release runs from there, and the
+        // pause that follows is learned (see `learn_pauses`).
+        let threshold = self.idle_threshold(&st);
         if ts.phase == Phase::Holding
             && ts.short_since.is_none()
             && !moved
             && ts.work_done.map(|w| w.0) != Some(subs)
-            && ((ts.contended > 0 && before_quantum_end)
-                || st.quiet_since.elapsed() >= self.env.idle)
         {
             // Not under the state lock: a drop or a waiting thread must not wait for it.
             drop(st);
             let capturing = crate::capture::active();
+            let start = Instant::now();
             let r = turn.res.drain();
             let end = Instant::now();
             st = lock(&self.state);
@@ -1458,6 +1467,20 @@ impl Client {
                 && !crate::capture::active();
             if quiet && st.slots[k].ts.phase == Phase::Holding {
                 st.slots[k].ts.work_done = Some((subs, end));
+                // Learn to the microsecond when this pause ends.
+                self.gate.pause();
+            } else if r.is_ok()
+                && st.slots[k].ts.phase == Phase::Holding
+                && self.gate.submissions() != subs
+                && end - start >= MIN_WAITED_DRAIN
+            {
+                // The drain waited for the work, so the queue ran dry as it returned,
+                // and the process had submitted again by now: a pause of at most this
+                // (a loop that resubmits at once is seen here, not by the gate).
+                let now = Instant::now();
+                let gap = now - end;
+                crate::kdebug!("a pause of at most {gap:?} ended");
+                st.pauses.pause(gap, now);
             }
         }
         let ts = &st.slots[k].ts;
@@ -1466,14 +1489,15 @@ impl Client {
             if ts.contended > 0
                 && st.want == 0
                 && mark == self.gate.submissions()
-                && idle >= self.env.idle
+                && idle >= threshold
             {
                 crate::kinfo!(
-                    "GPU {}: idle for {idle:?} while {} wait: releasing early",
+                    "GPU {}: idle for {idle:?} (threshold {threshold:?}) while {} wait: releasing early",
                     turn.info.ordinal,
                     ts.contended
                 );
                 let need = ts.contended_need;
+                st.released_idle = Some((mark, done));
                 self.give_back(&mut st, k, need, true, false);
                 drop(st);
                 self.cv.notify_all();
@@ -1502,13 +1526,68 @@ impl Client {
         Self::report(&turn, &mut st.slots[k].ts);
     }
 
+    /// How long a contended holder must be idle before it releases early: learned
+    /// from the process's pauses (`crate::idle`), between `KIWI_IDLE_MIN_MS` and
+    /// `KIWI_IDLE_MS`.
+    fn idle_threshold(&self, st: &State) -> Duration {
+        st.pauses
+            .threshold(Instant::now(), self.env.idle_min, self.env.idle)
+    }
+
+    /// The submission count moved to `subs` at `now`: a pause ended. If a holder's
+    /// queued work had been seen done, it lasted from then until now, to the
+    /// microsecond when the paused gate says so (`exact`), and to the millisecond when
+    /// a tick saw it while others wait (the thread then looks every millisecond); a
+    /// tick's look at other times (every 20 ms) says too little to learn from. So does
+    /// one that followed an early release (see [`Client::learn_after_release`]).
+    fn learn_pauses(&self, st: &mut State, subs: u32, now: Instant, exact: bool) {
+        let mut longest: Option<Duration> = None;
+        for slot in &mut st.slots {
+            if slot.ts.phase != Phase::Holding {
+                continue;
+            }
+            if let Some((mark, done)) = slot.ts.work_done {
+                if mark != subs {
+                    slot.ts.work_done = None;
+                    if exact || slot.ts.contended > 0 {
+                        let gap = now.saturating_duration_since(done);
+                        longest = Some(longest.map_or(gap, |l| l.max(gap)));
+                    }
+                }
+            }
+        }
+        if let Some(gap) = longest {
+            crate::kdebug!("a pause of {gap:?} ended");
+            st.pauses.pause(gap, now);
+        }
+        if st.released_idle.is_some_and(|(mark, _)| mark != subs) {
+            self.learn_after_release(st, now);
+        }
+    }
+
+    /// The process wants the GPU again (`now`) after an early release on idleness: if
+    /// sooner than `KIWI_IDLE_MS` after its work was seen done, the release came too
+    /// soon (a fixed threshold would not have made it), and that pause is learned.
+    fn learn_after_release(&self, st: &mut State, now: Instant) {
+        let Some((_, done)) = st.released_idle.take() else {
+            return;
+        };
+        let gap = now.saturating_duration_since(done);
+        if gap < self.env.idle {
+            crate::kinfo!(
+                "wanted the GPU {gap:?} after its work was done, having released it early: waiting longer before the next early release"
+            );
+            st.pauses.pause(gap, now);
+        }
+    }
+
     /// How long turn `k`'s thread may wait for a message before its next tick: the
     /// regular tick (usage reports), 1 ms while others wait and the holder's queued
     /// work is not yet seen done, and until the end of its idle period once it is.
     fn next_tick(&self, k: usize) -> Duration {
-        let idle = self.env.idle;
-        let base = (idle / 4).clamp(Duration::from_millis(1), Duration::from_millis(20));
+        let base = (self.env.idle / 4).clamp(Duration::from_millis(1), Duration::from_millis(20));
         let st = lock(&self.state);
+        let idle = self.idle_threshold(&st);
         let ts = &st.slots[k].ts;
         if ts.phase != Phase::Holding {
             return base;
@@ -1518,10 +1597,13 @@ impl Client {
             return base;
         }
         match ts.work_done {
+            // Idle while others wait: every millisecond until the idle period ends, so
+            // that a pause that ends in it is measured to the millisecond (see
+            // `learn_pauses`).
             Some((mark, done)) if mark == self.gate.submissions() => {
                 let left = (done + idle).saturating_duration_since(now);
                 if ts.contended > 0 && !left.is_zero() {
-                    left.min(base)
+                    left.min(Duration::from_millis(1))
                 } else {
                     base
                 }
@@ -1868,6 +1950,17 @@ pub fn on_init(has_gpu: impl FnOnce() -> Result<(), CUresult>) -> CUresult {
 
 /// The submission slow path: waits for this process's turn(s); `device` as in
 /// [`Client::acquire`].
+/// The gate was paused ([`Gate::pause`]) and a submission of this process just
+/// reopened it: the process's pause ended now.
+pub fn resumed() {
+    let now = Instant::now();
+    if let Some(c) = CLIENT.get() {
+        let mut st = lock(&c.state);
+        let subs = c.gate.submissions();
+        c.learn_pauses(&mut st, subs.wrapping_add(1), now, true);
+    }
+}
+
 pub fn acquire(gate: &Gate, device: Option<usize>) -> Result<(), CUresult> {
     loop {
         match MODE.load(Ordering::Acquire) {

@@ -13,8 +13,12 @@ pub struct ShimEnv {
     pub arbiter_timeout: Duration,
     /// `KIWI_REQUIRE_ARBITER=1`: fail `cuInit` instead of running unmanaged.
     pub require_arbiter: bool,
-    /// `KIWI_IDLE_MS` (default 100 ms): idle time after which a contended holder releases.
+    /// `KIWI_IDLE_MS` (default 100 ms): the longest a contended holder stays idle
+    /// before it releases (sooner once its own pauses are known, see `crate::idle`).
     pub idle: Duration,
+    /// `KIWI_IDLE_MIN_MS` (default 10 ms): the shortest; at or above `KIWI_IDLE_MS`,
+    /// the threshold is `KIWI_IDLE_MS`, whatever the pauses.
+    pub idle_min: Duration,
     /// `KIWI_REAL_LIBCUDA`: path of the real driver (default `libcuda.so.1`).
     pub real_libcuda: Option<String>,
     /// `KIWI_STATS`: file the shim writes its counters to at exit.
@@ -68,6 +72,7 @@ impl ShimEnv {
             arbiter_timeout: dur("KIWI_ARBITER_TIMEOUT", 1000.0, Duration::from_secs(30)),
             require_arbiter: flag(get("KIWI_REQUIRE_ARBITER")),
             idle: dur("KIWI_IDLE_MS", 1.0, Duration::from_millis(100)),
+            idle_min: dur("KIWI_IDLE_MIN_MS", 1.0, Duration::from_millis(10)),
             real_libcuda: get("KIWI_REAL_LIBCUDA").filter(|s| !s.is_empty()),
             stats_file: get("KIWI_STATS")
                 .filter(|s| !s.is_empty())

@@ -7,19 +7,29 @@
 //! look at captures) is the hooked behaviour's: [`crate::submit`]. The gate uses no
 //! other module of the shim: the client opens and closes it.
 //!
-//! Closing is a two-sided handshake: the closer clears `open`, then waits until no
-//! submission is between its check and its driver call (`inflight` = 0); a submitter
-//! announces itself in `inflight`, then re-checks `open`. Both sides use SeqCst, so at
-//! least one of them sees the other.
+//! Closing is a two-sided handshake: the closer sets `state` closed, then waits until
+//! no submission is between its check and its driver call (`inflight` = 0); a
+//! submitter announces itself in `inflight`, then re-checks `state`. Both sides use
+//! SeqCst, so at least one of them sees the other. A paused gate ([`Gate::pause`]) is
+//! open to everything but the fast path: the next submission reopens it.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 
 /// Low 32 bits: submissions in flight. High 32 bits: submissions so far (wrapping).
 const ENTER: u64 = (1 << 32) | 1;
 const INFLIGHT_MASK: u64 = 0xffff_ffff;
 
+/// `Gate::state`: closed (for all GPUs, or open for some: `devices`).
+const CLOSED: u8 = 0;
+/// Open: the fast path admits.
+const OPEN: u8 = 1;
+/// Open, but the next submission takes the slow path once, which reopens the gate and
+/// tells the client when the pause of the process ended ([`Gate::pause`]).
+const PAUSED: u8 = 2;
+
 pub struct Gate {
-    open: AtomicBool,
+    /// [`CLOSED`], [`OPEN`] or [`PAUSED`].
+    state: AtomicU8,
     /// Devices (bit per ordinal) whose work may run while `open` is false: set when the
     /// process holds the turns it needs but has contexts on GPUs it does not use
     /// ([`Gate::open_devices`]). Only the slow path reads it.
@@ -36,7 +46,7 @@ impl Default for Gate {
 impl Gate {
     pub const fn new() -> Self {
         Self {
-            open: AtomicBool::new(false),
+            state: AtomicU8::new(CLOSED),
             devices: AtomicU64::new(0),
             counter: AtomicU64::new(0),
         }
@@ -45,11 +55,11 @@ impl Gate {
     /// Enters if open; the caller must [`Gate::exit`] after its driver call.
     #[inline(always)]
     pub fn try_enter(&self) -> bool {
-        if !self.open.load(Ordering::SeqCst) {
+        if self.state.load(Ordering::SeqCst) != OPEN {
             return false;
         }
         self.counter.fetch_add(ENTER, Ordering::SeqCst);
-        if self.open.load(Ordering::SeqCst) {
+        if self.state.load(Ordering::SeqCst) == OPEN {
             return true;
         }
         self.counter.fetch_sub(1, Ordering::SeqCst);
@@ -61,25 +71,45 @@ impl Gate {
         self.counter.fetch_sub(1, Ordering::Release);
     }
 
+    /// Open (paused included: every submission is admitted).
     pub fn is_open(&self) -> bool {
-        self.open.load(Ordering::SeqCst)
+        self.state.load(Ordering::SeqCst) != CLOSED
     }
 
     pub fn open(&self) {
         self.devices.store(u64::MAX, Ordering::SeqCst);
-        self.open.store(true, Ordering::SeqCst);
+        self.state.store(OPEN, Ordering::SeqCst);
+    }
+
+    /// An open gate sends the next submission through the slow path once, which
+    /// calls [`Gate::resume`]: the process's queued work was seen done, and the
+    /// client wants to know to the microsecond when the process submits again (its
+    /// pauses set how long it may idle before releasing early, `crate::idle`)
+    /// without a clock read on the fast path. False if the gate was not open.
+    pub fn pause(&self) -> bool {
+        self.state
+            .compare_exchange(OPEN, PAUSED, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+
+    /// Reopens a paused gate; true for the one caller that did it. A gate closed
+    /// since the pause stays closed.
+    pub fn resume(&self) -> bool {
+        self.state
+            .compare_exchange(PAUSED, OPEN, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
     }
 
     /// Opens for the work of the devices in `mask` only: the fast path stays closed
     /// and a submission enters through [`Gate::try_enter_device`].
     pub fn open_devices(&self, mask: u64) {
-        self.open.store(false, Ordering::SeqCst);
+        self.state.store(CLOSED, Ordering::SeqCst);
         self.devices.store(mask, Ordering::SeqCst);
     }
 
     /// Whether the gate is open for only some devices (submissions must say which).
     pub fn partial(&self) -> bool {
-        self.devices.load(Ordering::SeqCst) != 0 && !self.open.load(Ordering::SeqCst)
+        self.devices.load(Ordering::SeqCst) != 0 && self.state.load(Ordering::SeqCst) == CLOSED
     }
 
     /// Whether work on device `d` may run now.
@@ -103,7 +133,7 @@ impl Gate {
 
     /// Stops admitting and waits for submissions already past the check.
     pub fn close_and_wait(&self) {
-        self.open.store(false, Ordering::SeqCst);
+        self.state.store(CLOSED, Ordering::SeqCst);
         self.devices.store(0, Ordering::SeqCst);
         let mut spins = 0u32;
         while self.counter.load(Ordering::SeqCst) & INFLIGHT_MASK != 0 {
@@ -119,7 +149,7 @@ impl Gate {
     /// Stops admitting without waiting (memory became non-resident: the next submission
     /// must take the slow path).
     pub fn close(&self) {
-        self.open.store(false, Ordering::SeqCst);
+        self.state.store(CLOSED, Ordering::SeqCst);
         self.devices.store(0, Ordering::SeqCst);
     }
 
@@ -127,7 +157,7 @@ impl Gate {
     /// used yet) and waits for submissions already past the check; the others' work
     /// goes on through [`Gate::try_enter_device`].
     pub fn exclude_and_wait(&self, d: usize) {
-        let was_open = self.open.swap(false, Ordering::SeqCst);
+        let was_open = self.state.swap(CLOSED, Ordering::SeqCst) != CLOSED;
         let bit = 1u64 << (d & 63);
         if was_open {
             self.devices.store(!bit, Ordering::SeqCst);
@@ -313,6 +343,24 @@ mod tests {
         g.close_and_wait();
         assert!(!g.try_enter());
         assert_eq!(g.submissions(), 2);
+    }
+
+    #[test]
+    fn a_paused_gate_sends_one_submission_the_slow_way_and_a_close_wins() {
+        let g = Gate::new();
+        assert!(!g.pause(), "a closed gate does not pause");
+        g.open();
+        assert!(g.pause());
+        assert!(g.is_open() && !g.partial(), "paused is open, not partly");
+        assert!(!g.try_enter(), "the fast path refuses while paused");
+        assert!(g.resume(), "the first submission reopens it");
+        assert!(!g.resume(), "only once");
+        assert!(g.try_enter());
+        g.exit();
+        assert!(g.pause());
+        g.close();
+        assert!(!g.resume(), "closed since the pause: stays closed");
+        assert!(!g.is_open() && !g.try_enter());
     }
 
     #[test]

@@ -16,7 +16,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         &["gate", "mem", "client", "status", "capture", "devices"],
     ),
     ("4 real driver", &["real", "symbols", "ffi"]),
-    ("5 leaves", &["cuda", "log", "env", "stats"]),
+    ("5 leaves", &["cuda", "log", "env", "stats", "idle"]),
 ];
 
 /// Files that are not modules of their own: the crate root, this test, and a test

@@ -38,6 +38,7 @@ pub mod exports;
 pub mod ffi;
 pub mod gate;
 pub mod hooks;
+pub mod idle;
 pub mod ipc;
 #[cfg(test)]
 mod layers;

@@ -46,6 +46,11 @@ fn submit_slow(
         return crate::ffi::guarded(name, f);
     }
     crate::ffi::guarded(name, || loop {
+        // The first submission after a pause the client watches (`Gate::pause`).
+        if GATE.resume() {
+            crate::client::resumed();
+            continue;
+        }
         // Open for some GPUs only (the process has contexts on GPUs it does not use):
         // the work goes to the calling thread's current context's device.
         // No current context: it needs every turn ([`crate::client::ANY_DEVICE`]).

@@ -8,7 +8,9 @@
  * stdin toggles between working and idling: going idle it prints "IDLE <ns>", the
  * CLOCK_MONOTONIC time (the arbiter's clock) at which its last work was done. At the
  * end of its input it checks every byte on the GPU and prints "OK". Exits 2 on a
- * failed call, 3 on a wrong checksum. */
+ * failed call, 3 on a wrong checksum. With PAUSE_MS set in its environment, it
+ * pauses that long (on the CPU, the GPU idle) after each burst, as a training loop
+ * that loads its next batch. */
 #define _GNU_SOURCE
 #include <cuda.h>
 #include <poll.h>
@@ -69,6 +71,8 @@ int main(int argc, char **argv) {
     void *fill_args[] = {&d, &value, &words};
     CHECK(cuLaunchKernel(fill, 64, 1, 1, 256, 1, 1, 0, NULL, fill_args, NULL));
     unsigned long long bursts = 0, done = 0;
+    const char *pause_env = getenv("PAUSE_MS");
+    unsigned long long pause_ns = pause_env ? strtoull(pause_env, NULL, 10) * 1000000ULL : 0;
     for (;;) {
         unsigned int one = 1;
         void *add_args[] = {&d, &one, &touched};
@@ -80,6 +84,11 @@ int main(int argc, char **argv) {
         if (bursts++ == 0) {
             printf("RUNNING\n");
             fflush(stdout);
+        }
+        if (pause_ns) {
+            unsigned long long until = now_ns() + pause_ns;
+            while (now_ns() < until) {
+            }
         }
         if (!line_waiting())
             continue;
