@@ -153,7 +153,20 @@ pub struct Job {
 
 /// Starts one job; `kiwi`: preloaded shim talking to the arbiter on `socket_dir`.
 pub fn spawn_job(b: &Build, sim: &Sim, job: Job, seed: u64, kiwi: Option<&Path>) -> Result<Child> {
+    spawn_job_with(b, sim, job, seed, kiwi, &[])
+}
+
+/// [`spawn_job`] with more environment (`KIWI_*` knobs of the shim).
+pub fn spawn_job_with(
+    b: &Build,
+    sim: &Sim,
+    job: Job,
+    seed: u64,
+    kiwi: Option<&Path>,
+    env: &[(&str, &str)],
+) -> Result<Child> {
     let mut cmd = Command::new(&b.gpuburst);
+    cmd.envs(env.iter().copied());
     cmd.args([
         "--mem",
         &job.mem.to_string(),

@@ -14,7 +14,7 @@ use anyhow::{bail, Result};
 use kiwi_protocol::blocking::Connection;
 use kiwi_protocol::{ControlReply, ControlRequest, Event, EventKind};
 
-use crate::jobs::{job_mem, spawn_job, wait_all, Build, Job, Sim, GPU};
+use crate::jobs::{job_mem, spawn_job_with, wait_all, Build, Job, Sim, GPU};
 use crate::procs::ArbiterProc;
 use crate::report::{percentile, Figure};
 
@@ -303,13 +303,13 @@ pub fn arbiter_events(arb: &ArbiterProc) -> Result<Vec<Event>> {
     }
 }
 
-/// Two apps of 70% of the GPU under Kiwi, taking turns; the arbiter's log.
-fn contend(b: &Build, job: Job, tq: f64) -> Result<Vec<Event>> {
+/// Two apps of 70% of the GPU under Kiwi, taking turns, with `env`; the arbiter's log.
+fn contend(b: &Build, job: Job, tq: f64, env: &[(&str, &str)]) -> Result<Vec<Event>> {
     let sim = Sim::new("swap", GPU);
     let arb = ArbiterProc::start(tq, &[])?;
     let kids = vec![
-        spawn_job(b, &sim, job, 1, Some(arb.socket_dir()))?,
-        spawn_job(b, &sim, job, 2, Some(arb.socket_dir()))?,
+        spawn_job_with(b, &sim, job, 1, Some(arb.socket_dir()), env)?,
+        spawn_job_with(b, &sim, job, 2, Some(arb.socket_dir()), env)?,
     ];
     let (ok, why) = wait_all(kids, std::time::Instant::now() + job.limit())?;
     if !ok {
@@ -337,7 +337,11 @@ pub fn swap(quick: bool) -> Result<Vec<Figure>> {
         idle_ms: 300,
         kernel_us: 5000,
     };
-    let events = contend(&b, job, 5.0)?;
+    // Not pipelined: each swap has the link (and the host's memory bandwidth, which
+    // the simulator's copies are bound by) to itself, so the figure is the swap
+    // path's rate. A pipelined hand-off overlaps a swap-out with a swap-in, each then
+    // slower, the whole faster: `handoff-swap` measures that.
+    let events = contend(&b, job, 5.0, &[("KIWI_PIPELINED", "0")])?;
     let after = copy_bw()?;
     let pooled = |x: f64, y: f64| 2.0 / (1.0 / x + 1.0 / y);
     let (d2h, h2d) = (pooled(before.0, after.0), pooled(before.1, after.1));
@@ -404,7 +408,7 @@ pub fn drop_latency(quick: bool) -> Result<Vec<Figure>> {
         idle_ms: 0,
         kernel_us: 20,
     };
-    let events = contend(&b, job, 1.0)?;
+    let events = contend(&b, job, 1.0, &[])?;
     // Drop → the same client's release, less the swap-out it reported in between.
     let mut lat = Vec::new();
     let mut swaps = Vec::new();

@@ -448,6 +448,8 @@ struct State {
     /// The process's submission count ([`Gate::submissions`]) at the last look: the
     /// idle detector drains only once it stopped moving.
     idle_mark: u32,
+    /// When it last moved.
+    quiet_since: Instant,
     /// The process's pauses between pieces of work, which set how long a contended
     /// holder stays idle before releasing early.
     pauses: IdleLearner,
@@ -567,7 +569,7 @@ fn register(
     resume: Option<Resume>,
 ) -> Result<Registration, StartError> {
     let u = Some(unswappable);
-    let mut r = register_once(env, info, slot, figures, resume, true, u, true);
+    let mut r = register_once(env, info, slot, figures, resume, true, u, env.pipelined);
     if let Err(StartError::Predates(m)) = &r {
         crate::kdebug!("the arbiter does not know `pipelined` ({m}); registering without it");
         r = register_once(env, info, slot, figures, resume, true, u, false);
@@ -748,6 +750,7 @@ impl Client {
             state: Mutex::new(State {
                 want: 0,
                 idle_mark: 0,
+                quiet_since: Instant::now(),
                 pauses: IdleLearner::default(),
                 released_idle: None,
                 slots: Vec::new(),
@@ -1432,7 +1435,9 @@ impl Client {
         let moved = subs != st.idle_mark || crate::gate::QUEUE_BOUND.syncing();
         st.idle_mark = subs;
         if moved {
-            self.learn_pauses(&mut st, subs, Instant::now(), false);
+            let now = Instant::now();
+            st.quiet_since = now;
+            self.learn_pauses(&mut st, subs, now, false);
         }
         if st.slots[k].ts.phase == Phase::Holding && st.slots[k].ts.short_since.is_some() {
             self.retry_short(&mut st, k);
@@ -1441,12 +1446,24 @@ impl Client {
         let ts = &st.slots[k].ts;
         // Once the submission count stopped moving, a drain says whether the work is
         // done, and when: the idle clock of an early release runs from there, and the
-        // pause that follows is learned (see `learn_pauses`).
+        // pause that follows is learned (see `learn_pauses`). Whoever waits, while the
+        // threshold is learned; with a fixed one (`KIWI_IDLE_MIN_MS` at or above
+        // `KIWI_IDLE_MS`), only while others wait and an early release can still come
+        // before the quantum ends, and, nobody waiting, once quiet for the idle period
+        // (so that a holder idle long before anyone asks releases at once when
+        // someone does).
         let threshold = self.idle_threshold(&st);
+        let learning = self.env.idle_min < self.env.idle;
+        let before_quantum_end = ts
+            .quantum_end
+            .is_none_or(|end| Instant::now() + threshold < end);
         if ts.phase == Phase::Holding
             && ts.short_since.is_none()
             && !moved
             && ts.work_done.map(|w| w.0) != Some(subs)
+            && (learning
+                || (ts.contended > 0 && before_quantum_end)
+                || st.quiet_since.elapsed() >= self.env.idle)
         {
             // Not under the state lock: a drop or a waiting thread must not wait for it.
             drop(st);

@@ -19,6 +19,10 @@ pub struct ShimEnv {
     /// `KIWI_IDLE_MIN_MS` (default 10 ms): the shortest; at or above `KIWI_IDLE_MS`,
     /// the threshold is `KIWI_IDLE_MS`, whatever the pauses.
     pub idle_min: Duration,
+    /// `KIWI_PIPELINED` (default on; `0` turns it off): register for pipelined
+    /// hand-offs, where the next holder's swap-in runs beside this one's swap-out.
+    /// Off, each swap has the link to itself (the swap benchmark measures that).
+    pub pipelined: bool,
     /// `KIWI_REAL_LIBCUDA`: path of the real driver (default `libcuda.so.1`).
     pub real_libcuda: Option<String>,
     /// `KIWI_STATS`: file the shim writes its counters to at exit.
@@ -73,6 +77,8 @@ impl ShimEnv {
             require_arbiter: flag(get("KIWI_REQUIRE_ARBITER")),
             idle: dur("KIWI_IDLE_MS", 1.0, Duration::from_millis(100)),
             idle_min: dur("KIWI_IDLE_MIN_MS", 1.0, Duration::from_millis(10)),
+            pipelined: !get("KIWI_PIPELINED")
+                .is_some_and(|v| matches!(v.trim(), "0" | "false" | "no" | "off")),
             real_libcuda: get("KIWI_REAL_LIBCUDA").filter(|s| !s.is_empty()),
             stats_file: get("KIWI_STATS")
                 .filter(|s| !s.is_empty())
@@ -97,6 +103,8 @@ mod tests {
         assert_eq!(e.socket_dir, PathBuf::from("/run/kiwi"));
         assert_eq!(e.arbiter_timeout, Duration::from_secs(30));
         assert_eq!(e.idle, Duration::from_millis(100));
+        assert_eq!(e.idle_min, Duration::from_millis(10));
+        assert!(e.pipelined);
         assert!(!e.require_arbiter);
         assert_eq!(
             e.client_socket(),
@@ -107,12 +115,16 @@ mod tests {
             ("KIWI_SOCKET_DIR", "/tmp/k"),
             ("KIWI_ARBITER_TIMEOUT", "2.5"),
             ("KIWI_IDLE_MS", "250"),
+            ("KIWI_IDLE_MIN_MS", "40"),
+            ("KIWI_PIPELINED", "0"),
             ("KIWI_REQUIRE_ARBITER", "1"),
         ]
         .into();
         let e = ShimEnv::from_lookup(|k| m.get(k).map(|s| s.to_string()));
         assert_eq!(e.arbiter_timeout, Duration::from_millis(2500));
         assert_eq!(e.idle, Duration::from_millis(250));
+        assert_eq!(e.idle_min, Duration::from_millis(40));
+        assert!(!e.pipelined);
         assert!(e.require_arbiter);
         assert_eq!(
             e.client_socket(),

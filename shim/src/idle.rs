@@ -45,7 +45,7 @@ impl IdleLearner {
     pub fn longest_at(&self, now: Instant) -> Option<Duration> {
         let (d, at) = self.longest?;
         let halvings = now.saturating_duration_since(at).as_secs_f64() / HALF_LIFE.as_secs_f64();
-        Some(d.mul_f64(0.5f64.powf(halvings)))
+        Some(d.mul_f64(half_to_the(halvings)))
     }
 
     /// How long to be idle before releasing early: [`MARGIN`] × the longest recent
@@ -56,6 +56,18 @@ impl IdleLearner {
             _ => max,
         }
     }
+}
+
+/// 0.5 to the power `x` (≥ 0), exact at whole numbers and linear between them:
+/// `f64::powf` would make the shim need libm, which the smallest container images
+/// lack (the shim is injected into any container).
+fn half_to_the(x: f64) -> f64 {
+    if x.is_nan() || x >= 64.0 {
+        return 0.0;
+    }
+    let whole = x as u32;
+    let frac = x - f64::from(whole);
+    (1.0 - frac / 2.0) / (1u64 << whole) as f64
 }
 
 #[cfg(test)]
@@ -122,6 +134,22 @@ mod tests {
             "{th:?}"
         );
         assert_eq!(l.threshold(t + HALF_LIFE * 10, MIN, MAX), MIN);
+    }
+
+    #[test]
+    fn halving_is_exact_at_whole_numbers_and_never_rises() {
+        assert_eq!(half_to_the(0.0), 1.0);
+        assert_eq!(half_to_the(1.0), 0.5);
+        assert_eq!(half_to_the(3.0), 0.125);
+        assert_eq!(half_to_the(0.5), 0.75);
+        assert_eq!(half_to_the(100.0), 0.0);
+        assert_eq!(half_to_the(f64::NAN), 0.0);
+        let mut last = 2.0;
+        for i in 0..700 {
+            let v = half_to_the(f64::from(i) / 10.0);
+            assert!(v <= last, "{i}");
+            last = v;
+        }
     }
 
     #[test]

@@ -103,8 +103,10 @@ fn a_failed_drain_does_not_evict() {
     let mut a = Command::new(&exe);
     let a = under_kiwi_on(a.arg("400"), &m, &arb)
         .env("KIWI_SIM_FAIL_SYNC", &fail)
-        // No early release: its idle probe would meet the armed failure first.
-        .env("KIWI_IDLE_MS", "600000");
+        // No early release, and a fixed threshold (nothing to learn): its idle probe
+        // would meet the armed failure first.
+        .env("KIWI_IDLE_MS", "600000")
+        .env("KIWI_IDLE_MIN_MS", "600000");
     let mut a = Stepped::spawn(a);
     a.wait_for("QUEUED");
     std::fs::write(&fail, b"").unwrap();
