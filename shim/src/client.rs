@@ -569,7 +569,7 @@ fn register(
     resume: Option<Resume>,
 ) -> Result<Registration, StartError> {
     let u = Some(unswappable);
-    let mut r = register_once(env, info, slot, figures, resume, true, u, env.pipelined);
+    let mut r = register_once(env, info, slot, figures, resume, true, u, true);
     if let Err(StartError::Predates(m)) = &r {
         crate::kdebug!("the arbiter does not know `pipelined` ({m}); registering without it");
         r = register_once(env, info, slot, figures, resume, true, u, false);
@@ -1164,7 +1164,8 @@ impl Client {
         // Dropped, or releasing early while others wait: the next holder's swap-in may
         // start beside this swap-out.
         let announce = (dropped || (early && st.slots[k].ts.contended > 0))
-            && turn.pipelined.load(Ordering::Relaxed);
+            && turn.pipelined.load(Ordering::Relaxed)
+            && self.env.pipelined;
         // The idle detector saw the queued work done and nothing was submitted since
         // (the gate is closed now): no drain needed.
         let done = st.slots[k].ts.work_done.map(|w| w.0) == Some(self.gate.submissions())

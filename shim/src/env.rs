@@ -19,9 +19,10 @@ pub struct ShimEnv {
     /// `KIWI_IDLE_MIN_MS` (default 10 ms): the shortest; at or above `KIWI_IDLE_MS`,
     /// the threshold is `KIWI_IDLE_MS`, whatever the pauses.
     pub idle_min: Duration,
-    /// `KIWI_PIPELINED` (default on; `0` turns it off): register for pipelined
-    /// hand-offs, where the next holder's swap-in runs beside this one's swap-out.
-    /// Off, each swap has the link to itself (the swap benchmark measures that).
+    /// `KIWI_PIPELINED` (default on; `0` turns it off): say `drained` when dropped or
+    /// releasing early, so that the next holder's swap-in runs beside this one's
+    /// swap-out. Off, each swap has the link to itself (the swap benchmark measures
+    /// that); buffers are still pinned ahead on `pressure`.
     pub pipelined: bool,
     /// `KIWI_REAL_LIBCUDA`: path of the real driver (default `libcuda.so.1`).
     pub real_libcuda: Option<String>,
