@@ -117,7 +117,8 @@ const NOTES: &[&str] = &[
      1 GB really run, on the host's CPU) and a start-up about 0.5 s (the host faults \
      in the job's memory). `speedup_vs_serial` is printed beside the most any \
      interleave of these jobs could gain.",
-    "**early-release**: a holder releases after its idle threshold, at most \
+"**swap**: each swap alone on the link (`KIWI_PIPELINED=0`: no hand-off overlaps a swap-out with a swap-in), so the figures are the swap path's rate. `swap_out_all` counts each notebook's first swap-out, which pins what its pin-ahead had not pinned yet: here a notebook's first turn leaves little time for it (its 1 GB takes the host ~0.7 s to fault in before pinning starts), and pinning beside a swap-out slows both; `handoff-swap`'s `first_swap_out` measures the cold swap-out between two ready notebooks.",
+        "**early-release**: a holder releases after its idle threshold, at most \
      `KIWI_IDLE_MS`, shorter once its own pauses between pieces of work are known \
      (`shim/src/idle.rs`): the p50 shows the learned threshold, the p99 the first \
      releases, before 8 pauses were seen.",
