@@ -25,8 +25,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::cuda::*;
-use crate::real::original_of;
-use crate::symbols::Sym;
+use crate::real::call_real as real;
 
 pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CUresult = 900;
 pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CUresult = 901;
@@ -138,23 +137,6 @@ pub fn launch_config_stream(config: Opaque, per_thread: bool) -> Option<StreamAr
     // driver reads the same field of the same struct in this call.
     let h = unsafe { *(config.cast::<u8>().add(32).cast::<CUstream>()) };
     Some(StreamArg::new(h, per_thread))
-}
-
-macro_rules! real {
-    ($sym:ident : fn($($ty:ty),*) ($($arg:expr),*)) => {{
-        let p = original_of(Sym::$sym);
-        if p.is_null() {
-            Err(CUDA_ERROR_NOT_FOUND)
-        } else {
-            // SAFETY: the driver's own symbol of this name, with cuda.h's signature.
-            let f = unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ty),*) -> CUresult>(p) };
-            // SAFETY: arguments valid per cuda.h (pointers to live locals).
-            match unsafe { f($($arg),*) } {
-                CUDA_SUCCESS => Ok(()),
-                e => Err(e),
-            }
-        }
-    }};
 }
 
 /// Whether `s` is capturing now, as the driver says.

@@ -13,25 +13,7 @@ use std::sync::{Mutex, MutexGuard};
 use crate::client::{self, DeviceInfo, Residency};
 use crate::cuda::*;
 use crate::mem::{Driver, Figures, Memory, Swap};
-use crate::real::original_of;
-use crate::symbols::Sym;
-
-macro_rules! call {
-    ($sym:ident : fn($($ty:ty),*) ($($arg:expr),*)) => {{
-        let p = original_of(Sym::$sym);
-        if p.is_null() {
-            Err(CUDA_ERROR_NOT_FOUND)
-        } else {
-            // SAFETY: the driver's own symbol of this name, with cuda.h's signature.
-            let f = unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ty),*) -> CUresult>(p) };
-            // SAFETY: arguments valid per cuda.h (pointers to live locals or buffers).
-            match unsafe { f($($arg),*) } {
-                CUDA_SUCCESS => Ok(()),
-                e => Err(e),
-            }
-        }
-    }};
-}
+use crate::real::call_real as call;
 
 /// The real driver, for one device, through the originals.
 #[derive(Clone, Copy)]

@@ -14,25 +14,9 @@ use crate::devices::{
     current_context, current_device, current_mem_device, ensure_device, free_memory, mem_lock,
     seen_devices, with_owner, APP_CTX, FREE_STREAM, MAX_DEVICES,
 };
+use crate::real::call_real as call;
 use crate::real::original_of;
 use crate::symbols::Sym;
-
-macro_rules! call {
-    ($sym:ident : fn($($ty:ty),*) ($($arg:expr),*)) => {{
-        let p = original_of(Sym::$sym);
-        if p.is_null() {
-            Err(CUDA_ERROR_NOT_FOUND)
-        } else {
-            // SAFETY: the driver's own symbol of this name, with cuda.h's signature.
-            let f = unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ty),*) -> CUresult>(p) };
-            // SAFETY: arguments valid per cuda.h (pointers to live locals or buffers).
-            match unsafe { f($($arg),*) } {
-                CUDA_SUCCESS => Ok(()),
-                e => Err(e),
-            }
-        }
-    }};
-}
 
 // ---------------------------------------------------------------------------------
 // Hooks. Each receives the original and the caller's arguments.

@@ -109,6 +109,32 @@ pub fn original(index: usize) -> *mut c_void {
 }
 
 /// The real driver's function behind export `s` (loading the driver if needed).
+/// Calls the driver's own `$sym` (cuda.h's signature given) and turns its result into
+/// `Result<(), CUresult>`; `CUDA_ERROR_NOT_FOUND` if the driver lacks it. The shim's
+/// own driver calls (not the application's) go through it.
+macro_rules! call_real {
+    ($sym:ident : fn($($ty:ty),*) ($($arg:expr),*)) => {{
+        let p = $crate::real::original_of($crate::symbols::Sym::$sym);
+        if p.is_null() {
+            Err($crate::cuda::CUDA_ERROR_NOT_FOUND)
+        } else {
+            // SAFETY: the driver's own symbol of this name, with cuda.h's signature.
+            let f = unsafe {
+                std::mem::transmute::<
+                    *mut std::ffi::c_void,
+                    unsafe extern "C" fn($($ty),*) -> $crate::cuda::CUresult,
+                >(p)
+            };
+            // SAFETY: arguments valid per cuda.h (pointers to live locals or buffers).
+            match unsafe { f($($arg),*) } {
+                $crate::cuda::CUDA_SUCCESS => Ok(()),
+                e => Err(e),
+            }
+        }
+    }};
+}
+pub(crate) use call_real;
+
 pub fn original_of(s: Sym) -> *mut c_void {
     original(s as usize)
 }
