@@ -106,6 +106,17 @@ fn pool_put(ptr: *mut libc::c_void, len: usize) -> bool {
     true
 }
 
+/// Accounts `size` bytes on `gpu` of `machine`, as CUDA errors.
+fn reserve(machine: &Machine, gpu: u32, size: u64) -> Result<(), CUresult> {
+    machine.reserve(gpu, size).map_err(|e| match e {
+        MachineError::OutOfMemory { .. } | MachineError::TooManyProcesses(_) => {
+            CUDA_ERROR_OUT_OF_MEMORY
+        }
+        MachineError::NoSuchGpu { .. } => CUDA_ERROR_INVALID_DEVICE,
+        _ => CUDA_ERROR_OPERATING_SYSTEM,
+    })
+}
+
 /// Physical device memory: one `cuMemAlloc` or one `cuMemCreate`.
 pub struct Phys {
     pub gpu: u32,
@@ -134,13 +145,7 @@ unsafe impl Sync for Phys {}
 impl Phys {
     /// Accounts `size` bytes on `gpu` and allocates their backing store.
     pub fn new(machine: &'static Machine, gpu: u32, size: u64) -> Result<Arc<Phys>, CUresult> {
-        machine.reserve(gpu, size).map_err(|e| match e {
-            MachineError::OutOfMemory { .. } | MachineError::TooManyProcesses(_) => {
-                CUDA_ERROR_OUT_OF_MEMORY
-            }
-            MachineError::NoSuchGpu { .. } => CUDA_ERROR_INVALID_DEVICE,
-            _ => CUDA_ERROR_OPERATING_SYSTEM,
-        })?;
+        reserve(machine, gpu, size)?;
         let map_len = (size.max(1) as usize).next_multiple_of(4096);
         let p = match pool_take(map_len) {
             Some(p) => p,
@@ -183,30 +188,12 @@ impl Phys {
         gpu: u32,
         size: u64,
     ) -> Result<Arc<Phys>, CUresult> {
-        machine.reserve(gpu, size).map_err(|e| match e {
-            MachineError::OutOfMemory { .. } | MachineError::TooManyProcesses(_) => {
-                CUDA_ERROR_OUT_OF_MEMORY
-            }
-            MachineError::NoSuchGpu { .. } => CUDA_ERROR_INVALID_DEVICE,
-            _ => CUDA_ERROR_OPERATING_SYSTEM,
-        })?;
+        reserve(machine, gpu, size)?;
         let fail = |e| {
             machine.release(gpu, size);
             Err(e)
         };
-        let shareable = |fd, host| {
-            Ok(Arc::new(Phys {
-                gpu,
-                size,
-                host,
-                map_len: size as usize,
-                machine,
-                in_window: false,
-                fd: Some(fd),
-                accounted: true,
-                exported: false.into(),
-            }))
-        };
+        let shareable = |fd, host| Ok(Self::over_fd(machine, gpu, size, host, fd, false));
         // Reused backing is already faulted in (see BackingPool).
         if let Some((fd, host)) = pool_take_shareable(gpu, size as usize) {
             return shareable(fd, host);
@@ -260,7 +247,20 @@ impl Phys {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let host = Self::map_shared(&fd, size).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
-        Ok(Arc::new(Phys {
+        Ok(Self::over_fd(machine, gpu, size, host, fd, true))
+    }
+
+    /// Shareable memory mapped at `host` from its memfd: this process's own (accounted
+    /// here, never exported yet) or `imported` (the exporter accounts it).
+    fn over_fd(
+        machine: &'static Machine,
+        gpu: u32,
+        size: u64,
+        host: *mut u8,
+        fd: OwnedFd,
+        imported: bool,
+    ) -> Arc<Phys> {
+        Arc::new(Phys {
             gpu,
             size,
             host,
@@ -268,9 +268,9 @@ impl Phys {
             machine,
             in_window: false,
             fd: Some(fd),
-            accounted: false,
-            exported: true.into(),
-        }))
+            accounted: !imported,
+            exported: imported.into(),
+        })
     }
 
     fn map_shared(fd: &OwnedFd, size: u64) -> Option<*mut u8> {
