@@ -13,15 +13,7 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use kiwi_sim_core::harness::SimMachine;
-use kiwi_tests::{bin, Arbiter};
-
-fn gpuburst(mem: &str, bursts: &str) -> Command {
-    let mut c = Command::new(bin("gpuburst"));
-    c.args([
-        "--mem", mem, "--bursts", bursts, "--gpu-ms", "40", "--cpu-ms", "20", "--verify",
-    ]);
-    c
-}
+use kiwi_tests::Arbiter;
 
 fn no_illegal_address(o: &Output) {
     let all = format!(
@@ -59,7 +51,7 @@ fn memcreate_out_of_memory_under_turns_never_exposes_unbacked_memory() {
         .spawn()
         .expect("spawn alloc_churn");
     std::thread::sleep(Duration::from_millis(300));
-    let mut b = gpuburst("300MiB", "8");
+    let mut b = gpuburst("300MiB", 8, 40);
     let b = under_kiwi_on(&mut b, &m, &arb)
         .spawn()
         .expect("spawn gpuburst");
@@ -115,7 +107,7 @@ fn a_reset_primary_context_then_forced_drops_swaps_in_the_live_context() {
         .spawn()
         .expect("spawn reset_then_work");
     std::thread::sleep(Duration::from_millis(300));
-    let mut b = gpuburst("300MiB", "6");
+    let mut b = gpuburst("300MiB", 6, 40);
     let b = under_kiwi_on(&mut b, &m, &arb)
         .spawn()
         .expect("spawn gpuburst");

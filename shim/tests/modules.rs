@@ -7,12 +7,10 @@
 mod common;
 use common::*;
 
-use std::process::Command;
 use std::time::Duration;
 
-use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::SimMachine;
-use kiwi_tests::{bin, Arbiter};
+use kiwi_tests::Arbiter;
 
 /// Two programs on a 1 GiB GPU: A's module takes 256 MiB, A works on 300 MiB and B
 /// on 400 MiB. Counting contexts only (2 × 48 MiB, under the arbiter's 128 MiB
@@ -25,25 +23,20 @@ use kiwi_tests::{bin, Arbiter};
 fn a_modules_memory_is_counted_so_programs_take_turns_and_verify() {
     let m = SimMachine::new("modules", 1, 1 << 30).unwrap();
     let arb = Arbiter::start(&["--tq", "0.3"]);
-    let burst = |mem: &str, bursts: &str| {
-        let mut c = Command::new(bin("gpuburst"));
-        c.args([
-            "--mem", mem, "--bursts", bursts, "--gpu-ms", "100", "--cpu-ms", "20", "--verify",
-        ]);
-        c
-    };
     // A runs long enough to overlap all of B.
-    let mut a = burst("300MiB", "16");
+    let mut a = gpuburst("300MiB", 16, 100);
     let a = under_kiwi_on(a.env("KIWI_SIM_MODULE_MEMORY", "256MiB"), &m, &arb)
         .spawn()
         .expect("spawn gpuburst A");
     std::thread::sleep(Duration::from_millis(500));
-    let mut b = burst("400MiB", "4");
+    let mut b = gpuburst("400MiB", 4, 100);
     let b = under_kiwi_on(&mut b, &m, &arb)
         .spawn()
         .expect("spawn gpuburst B");
     let pa = a.id();
-    let (oa, ob) = (finish_within(a, 60), finish_within(b, 60));
+    // A program that waits for room nobody makes fails this test rather than hangs.
+    let within = |c| wait_within(c, 60).unwrap_or_else(|o| o);
+    let (oa, ob) = (within(a), within(b));
     assert_eq!(
         oa.status.code(),
         Some(0),
@@ -59,22 +52,7 @@ fn a_modules_memory_is_counted_so_programs_take_turns_and_verify() {
         text(&oa)
     );
     // They took turns: A's memory went out for B.
-    let events = arb.events();
-    let ca = events
-        .iter()
-        .find_map(|e| match e.kind {
-            EventKind::Register { pid, .. } if pid == pa => e.client,
-            _ => None,
-        })
-        .expect("A registered");
-    let out: u64 = events
-        .iter()
-        .filter(|e| e.client == Some(ca))
-        .filter_map(|e| match e.kind {
-            EventKind::SwapOut { bytes, .. } => Some(bytes),
-            _ => None,
-        })
-        .sum();
+    let out = swapped_out(&arb, pa);
     assert!(out > 0, "A never swapped out\n{}\n{}", text(&oa), text(&ob));
     // Nobody waited for room the arbiter did not know was taken.
     for o in [&oa, &ob] {
@@ -83,23 +61,5 @@ fn a_modules_memory_is_counted_so_programs_take_turns_and_verify() {
             "{}",
             text(o)
         );
-    }
-}
-
-/// [`finish`] with a shorter limit: a program that waits for room nobody makes is a
-/// failure of this test, not a hang.
-fn finish_within(child: std::process::Child, secs: u64) -> std::process::Output {
-    let pid = child.id() as i32;
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(child.wait_with_output());
-    });
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(o) => o.expect("wait for child"),
-        Err(_) => {
-            // SAFETY: kill(2) on our own child's pid.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            rx.recv().expect("killed child").expect("wait for child")
-        }
     }
 }

@@ -10,9 +10,8 @@ use common::*;
 use std::process::Command;
 use std::time::Duration;
 
-use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::SimMachine;
-use kiwi_tests::{bin, Arbiter};
+use kiwi_tests::Arbiter;
 
 /// A program that destroyed a context before working is dropped for a program over
 /// capacity with it: the shim swaps and drains in the live context, so both take
@@ -31,37 +30,16 @@ fn context_churn_then_forced_drops(mode: &str) {
         .spawn()
         .expect("spawn ctx_churn");
     std::thread::sleep(Duration::from_millis(300));
-    let mut b = Command::new(bin("gpuburst"));
-    let b = under_kiwi_on(
-        b.args([
-            "--mem", "500MiB", "--bursts", "4", "--gpu-ms", "100", "--cpu-ms", "20", "--verify",
-        ]),
-        &m,
-        &arb,
-    )
-    .spawn()
-    .expect("spawn gpuburst");
+    let mut b = gpuburst("500MiB", 4, 100);
+    let b = under_kiwi_on(&mut b, &m, &arb)
+        .spawn()
+        .expect("spawn gpuburst");
     let pa = a.id();
     let (oa, ob) = (finish(a), finish(b));
     assert_eq!(oa.status.code(), Some(0), "{}", text(&oa));
     assert!(String::from_utf8_lossy(&oa.stdout).contains("OK"));
     assert_eq!(ob.status.code(), Some(0), "{}", text(&ob));
-    let events = arb.events();
-    let ca = events
-        .iter()
-        .find_map(|e| match e.kind {
-            EventKind::Register { pid, .. } if pid == pa => e.client,
-            _ => None,
-        })
-        .expect("the program registered");
-    let out: u64 = events
-        .iter()
-        .filter(|e| e.client == Some(ca))
-        .filter_map(|e| match e.kind {
-            EventKind::SwapOut { bytes, .. } => Some(bytes),
-            _ => None,
-        })
-        .sum();
+    let out = swapped_out(&arb, pa);
     assert!(
         out >= 100 << 20,
         "the program swapped out {out} bytes\n{}\n{}",

@@ -52,17 +52,24 @@ pub fn compile(name: &str, dir: &Path) -> Option<PathBuf> {
 }
 
 pub fn finish(child: Child) -> Output {
+    let pid = child.id();
+    wait_within(child, 120).unwrap_or_else(|_| panic!("pid {pid} hung for 120 s"))
+}
+
+/// The child's output once it exits within `secs`; else it is killed, and `Err`
+/// holds what it wrote until then.
+pub fn wait_within(child: Child, secs: u64) -> Result<Output, Output> {
     let pid = child.id() as i32;
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let _ = tx.send(child.wait_with_output());
     });
-    match rx.recv_timeout(Duration::from_secs(120)) {
-        Ok(o) => o.expect("wait for child"),
+    match rx.recv_timeout(Duration::from_secs(secs)) {
+        Ok(o) => Ok(o.expect("wait for child")),
         Err(_) => {
             // SAFETY: kill(2) on our own child's pid.
             unsafe { libc::kill(pid, libc::SIGKILL) };
-            panic!("pid {pid} hung for 120 s");
+            Err(rx.recv().expect("killed child").expect("wait for child"))
         }
     }
 }
@@ -185,25 +192,26 @@ pub fn swapped_out(arb: &Arbiter, pid: u32) -> u64 {
     swap_outs(arb, pid).iter().sum()
 }
 
-/// A gpuburst notebook of `mib` MiB under Kiwi on `m` (2 short bursts, verified):
-/// over capacity with the program under test, it takes the GPU from it.
-pub fn notebook(m: &kiwi_sim_core::harness::SimMachine, arb: &Arbiter, mib: u32) -> Child {
-    let mut b = Command::new(bin("gpuburst"));
-    under_kiwi_on(
-        b.args([
-            "--mem",
-            &format!("{mib}MiB"),
-            "--bursts",
-            "2",
+/// gpuburst with `mem` of memory, `bursts` GPU bursts of `gpu_ms` each with 20 ms of
+/// CPU between them, verifying every byte (not yet under Kiwi).
+pub fn gpuburst(mem: &str, bursts: u32, gpu_ms: u32) -> Command {
+    let mut c = Command::new(bin("gpuburst"));
+    c.args(["--mem", mem, "--bursts", &bursts.to_string()])
+        .args([
             "--gpu-ms",
-            "50",
+            &gpu_ms.to_string(),
             "--cpu-ms",
             "20",
             "--verify",
-        ]),
-        m,
-        arb,
-    )
-    .spawn()
-    .expect("spawn gpuburst")
+        ]);
+    c
+}
+
+/// A gpuburst notebook of `mib` MiB under Kiwi on `m` (2 short bursts, verified):
+/// over capacity with the program under test, it takes the GPU from it.
+pub fn notebook(m: &kiwi_sim_core::harness::SimMachine, arb: &Arbiter, mib: u32) -> Child {
+    let mut b = gpuburst(&format!("{mib}MiB"), 2, 50);
+    under_kiwi_on(&mut b, m, arb)
+        .spawn()
+        .expect("spawn gpuburst")
 }
