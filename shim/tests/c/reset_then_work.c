@@ -38,18 +38,8 @@ int main(int argc, char **argv) {
     unsigned char *h = malloc(n);
     if (!h) return 1;
     CHECK(cuMemAlloc(&d, n));
-    for (int b = 0; b < bursts; b++) {
-        unsigned char v = (unsigned char)(b * 13 + 5);
-        CHECK(cuMemsetD8(d, v, n));
-        CHECK(cuCtxSynchronize());
-        usleep(50000);
-        CHECK(cuMemcpyDtoH(h, d, n));
-        for (size_t i = 0; i < n; i++)
-            if (h[i] != v) {
-                printf("burst %d: byte %zu is %u, want %u\n", b, i, h[i], v);
-                return 3;
-            }
-    }
+    int bad = memset_bursts_verify(d, h, n, bursts);
+    if (bad) return bad;
     CHECK(cuMemFree(d));
     CHECK(cuCtxDestroy(c));
     printf("OK\n");
