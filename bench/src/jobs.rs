@@ -357,11 +357,28 @@ impl Alone {
 /// the GPU, so it cannot overlap another job's GPU phase (their memories do not fit
 /// together); every CPU phase can overlap another job's GPU phase when it is no
 /// longer than that, as here. Swaps cost nothing in it.
-pub fn ideal_interleave(alone: &[Alone]) -> Duration {
-    let startups: Duration = alone.iter().map(|a| a.startup).sum();
-    let tail = alone.iter().map(|a| a.tail).min().unwrap_or_default();
-    let gpu: Duration = alone.iter().flat_map(|a| a.gpu.iter()).sum();
-    startups + gpu + tail
+pub fn ideal_interleave(alone: &[Alone]) -> Ideal {
+    Ideal {
+        startups: alone.iter().map(|a| a.startup).sum(),
+        gpu: alone.iter().flat_map(|a| a.gpu.iter()).sum(),
+        gpu_phases: alone.iter().map(|a| a.gpu.len()).sum(),
+        tail: alone.iter().map(|a| a.tail).min().unwrap_or_default(),
+    }
+}
+
+/// [`ideal_interleave`]'s parts.
+#[derive(Clone, Copy, Debug)]
+pub struct Ideal {
+    pub startups: Duration,
+    pub gpu: Duration,
+    pub gpu_phases: usize,
+    pub tail: Duration,
+}
+
+impl Ideal {
+    pub fn total(&self) -> Duration {
+        self.startups + self.gpu + self.tail
+    }
 }
 
 /// Makespan of the two jobs one after the other, without Kiwi, and what each job's
@@ -414,13 +431,8 @@ pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
     let (nok, nt, why) = together_without_kiwi(&b, job, GPU)?;
     // The best any interleaving can do, from the jobs' own runs alone in this run:
     // both start-ups, every GPU phase back to back, one tail (see `ideal_interleave`).
-    let ideal = ideal_interleave(&alone).as_secs_f64();
-    let gpu_s: f64 = alone
-        .iter()
-        .flat_map(|a| a.gpu.iter())
-        .map(Duration::as_secs_f64)
-        .sum();
-    let startup_s: Duration = alone.iter().map(|a| a.startup).sum();
+    let parts = ideal_interleave(&alone);
+    let ideal = parts.total().as_secs_f64();
     // The formula, from the nominal phases: both jobs' GPU time (2 x 5 x 2 s)
     // plus one CPU phase. gpuburst has no CPU phase after its last burst, and a GPU
     // phase of 2 s takes longer on the simulator (its kernels over the job's memory
@@ -431,16 +443,22 @@ pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
             .against(
                 ideal,
                 &format!(
-                    "ideal interleave of these jobs as measured alone in this run, swaps free: both start-ups {:.2} s + all {} GPU phases back to back {gpu_s:.2} s + the quickest tail",
-                    startup_s.as_secs_f64(),
-                    alone.iter().map(|a| a.gpu.len()).sum::<usize>(),
+                    "ideal interleave of these jobs as measured alone in this run, swaps free: both start-ups {:.2} s + all {} GPU phases back to back {:.2} s + the quickest tail",
+                    parts.startups.as_secs_f64(),
+                    parts.gpu_phases,
+                    parts.gpu.as_secs_f64(),
                 ),
             )
             .goal("within 5% (ratio <= 1.05)"),
         Figure::new("oversub", "makespan_kiwi_vs_nominal", kiwi_t, "s")
             .against(
                 nominal,
-                "nominal: 2 x 5 x 2 s of GPU + one 2 s CPU phase (the phases as asked, not as run)",
+                &format!(
+                    "nominal: 2 x {} x {} s of GPU + one {} s CPU phase (the phases as asked, not as run)",
+                    job.bursts,
+                    job.gpu_ms as f64 / 1e3,
+                    job.cpu_ms as f64 / 1e3
+                ),
             ),
         Figure::new("oversub", "makespan_kiwi_vs_serial", kiwi_t, "s")
             .against(serial_t, "the two jobs one after the other")
@@ -528,7 +546,10 @@ mod tests {
             gpu: vec![Duration::from_secs(2)],
             tail: Duration::from_millis(300),
         };
-        assert_eq!(ideal_interleave(&[a, b]).as_millis(), 900 + 6300 + 100);
+        assert_eq!(
+            ideal_interleave(&[a, b]).total().as_millis(),
+            900 + 6300 + 100
+        );
     }
 
     #[test]

@@ -1966,19 +1966,20 @@ pub fn on_init(has_gpu: impl FnOnce() -> Result<(), CUresult>) -> CUresult {
     }
 }
 
-/// The submission slow path: waits for this process's turn(s); `device` as in
-/// [`Client::acquire`].
 /// The gate was paused ([`Gate::pause`]) and a submission of this process just
 /// reopened it: the process's pause ended now.
 pub fn resumed() {
     let now = Instant::now();
     if let Some(c) = CLIENT.get() {
         let mut st = lock(&c.state);
-        let subs = c.gate.submissions();
-        c.learn_pauses(&mut st, subs.wrapping_add(1), now, true);
+        // The submission that reopened the gate is not counted yet: count it.
+        let subs = c.gate.submissions().wrapping_add(1);
+        c.learn_pauses(&mut st, subs, now, true);
     }
 }
 
+/// The submission slow path: waits for this process's turn(s); `device` as in
+/// [`Client::acquire`].
 pub fn acquire(gate: &Gate, device: Option<usize>) -> Result<(), CUresult> {
     loop {
         match MODE.load(Ordering::Acquire) {

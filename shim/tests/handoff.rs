@@ -60,6 +60,8 @@ struct IdleRelease {
     early: bool,
     /// The holder's releases while the waiter waited, before it went idle.
     releases_before_idle: usize,
+    /// The waiter was granted before the holder's release (a pipelined hand-off).
+    granted_before_release: bool,
 }
 
 /// Measures the release of `holder` (host pid), idle since `idle_at` (its clock), to
@@ -111,6 +113,7 @@ fn idle_release(arb: &Arbiter, holder: u32, waiter: u32, idle_at: u64) -> IdleRe
         swap_ms: swap_ns as f64 / 1e6,
         early: matches!(release.kind, EventKind::Release { early: true, .. }),
         releases_before_idle: 0,
+        granted_before_release: grant.seq < release.seq,
     }
 }
 
@@ -214,6 +217,26 @@ fn a_holder_that_pauses_between_steps_keeps_its_turn_through_them() {
             (200.0..=420.0).contains(&less_swap),
             "{who}: granted {less_swap:.1} ms after the holder went idle (less its swap-out); its pauses of 60 ms make the threshold 240 ms"
         );
+    }
+}
+
+/// `KIWI_PIPELINED=0` (for measuring a swap alone on the link): the early release
+/// says no `drained`, so the waiter is granted only at the release, after the whole
+/// swap-out; by default it is granted before it (pipelined).
+#[test]
+fn without_pipelining_the_waiter_is_granted_at_the_release() {
+    for (env, pipelined) in [(&[][..], true), (&[("KIWI_PIPELINED", "0")][..], false)] {
+        let Some((first, second)) = two_idle_releases(Pair::learning("nopipe", env)) else {
+            return;
+        };
+        for (who, r) in [("A → B", &first), ("B → A", &second)] {
+            assert!(r.early, "{who}: the release was not early");
+            assert_eq!(
+                r.granted_before_release, pipelined,
+                "{who}: {env:?}: granted before the release: {}",
+                r.granted_before_release
+            );
+        }
     }
 }
 
