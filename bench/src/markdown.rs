@@ -113,11 +113,9 @@ const NOTES: &[&str] = &[
      because each fills its job's memory on the GPU and the two memories do not fit \
      together. The nominal 22 s (2 × 5 × 2 s of GPU + one 2 s CPU phase) is printed for \
      comparison; it cannot be met here: gpuburst has no CPU phase after its last burst, \
-     a 2 s GPU phase takes about 2.13 s on the simulator (its kernels over the job's \
-     1 GB really run, on the host's CPU) and a start-up about 0.5 s (the host faults \
-     in the job's memory). `speedup_vs_serial` is printed beside the most any \
+     a 2 s GPU phase takes longer on the simulator (its kernels over the job's 1 GB really run, on the host's CPU; the ideal's text gives the measured total) and so does a start-up (the host faults in the job's memory). `speedup_vs_serial` is printed beside the most any \
      interleave of these jobs could gain.",
-"**swap**: each swap alone on the link (`KIWI_PIPELINED=0`: no hand-off overlaps a swap-out with a swap-in), so the figures are the swap path's rate. `swap_out_all` counts each notebook's first swap-out, which pins what its pin-ahead had not pinned yet: here a notebook's first turn leaves little time for it (its 1 GB takes the host ~0.7 s to fault in before pinning starts), and pinning beside a swap-out slows both; `handoff-swap`'s `first_swap_out` measures the cold swap-out between two ready notebooks.",
+"**swap**: each swap alone on the link (`KIWI_PIPELINED=0`: no hand-off overlaps a swap-out with a swap-in), so the figures are the swap path's rate. `swap_out_all` counts each notebook's first swap-out, which pins what its pin-ahead had not pinned yet: here a notebook's first turn leaves little time for it (the host first faults in its fresh memory), and pinning beside a swap-out slows both; `handoff-swap`'s `first_swap_out` measures the cold swap-out between two ready notebooks.",
         "**early-release**: a holder releases after its idle threshold, at most \
      `KIWI_IDLE_MS`, shorter once its own pauses between pieces of work are known \
      (`shim/src/idle.rs`): the p50 shows the learned threshold, the p99 the first \
