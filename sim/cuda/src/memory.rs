@@ -18,11 +18,17 @@
 //!   access (required after every map), unmap exactly whole mappings; a physical
 //!   allocation is freed when neither its handle nor any mapping is left.
 //! - Shareable VMM memory (`cuMemCreate` asking for
-//!   `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`) lives in a `memfd` mapped shared:
-//!   `cuMemExportToShareableHandle` hands out a duplicate of that fd, and another
-//!   process that received it (`SCM_RIGHTS`) imports it with
-//!   `cuMemImportFromShareableHandle` and maps the same bytes. The capacity stays
-//!   accounted to the exporter (as a real GPU counts an allocation once).
+//!   `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`) lives in private memory like any
+//!   other until its first `cuMemExportToShareableHandle`, which moves its bytes into
+//!   a `memfd` mapped shared at the same address (waiting for the copies and kernels
+//!   touching it to finish their part, holding new ones off meanwhile) and hands out
+//!   a duplicate of that fd. Another process that received it (`SCM_RIGHTS`) imports
+//!   it with `cuMemImportFromShareableHandle` and maps the same bytes. The capacity
+//!   stays accounted to the exporter (as a real GPU counts an allocation once).
+//!   Faulting in a memfd's pages costs this kind of host ~1.7 times what private
+//!   pages cost; every allocation of the Kiwi shim asks for the shareable type, so
+//!   backing it with a memfd from the start made a start-up filling 1 GiB ~0.3 s
+//!   slower than without the shim, a cost no GPU has.
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -46,44 +52,32 @@ pub const SMALL_ALIGN: u64 = 512;
 /// GPU memory from `cuMemCreate` is uninitialized anyway, so stale bytes are fine.
 struct BackingPool {
     by_len: BTreeMap<usize, Vec<usize>>,
-    /// Shareable backing never exported (so no other process maps it): (GPU, length)
-    /// → (memfd, its shared mapping).
-    shareable: BTreeMap<(u32, usize), Vec<(OwnedFd, usize)>>,
     bytes: usize,
 }
 
 /// Name prefix of the memfd holding shareable memory: `kiwi-sim:<machine>:gpu<N>`.
 const MEMFD_PREFIX: &str = "kiwi-sim:";
 
+/// `madvise` advice (Linux 5.14): fault the range in writable now.
+const MADV_POPULATE_WRITE: libc::c_int = 23;
+
 /// Most bytes the pool keeps; beyond it freed backing goes back to the kernel.
 const POOL_MAX_BYTES: usize = 4 << 30;
 
 static POOL: Mutex<BackingPool> = Mutex::new(BackingPool {
     by_len: BTreeMap::new(),
-    shareable: BTreeMap::new(),
     bytes: 0,
 });
 
-fn pool_take_shareable(gpu: u32, len: usize) -> Option<(OwnedFd, *mut u8)> {
-    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    let (fd, addr) = p.shareable.get_mut(&(gpu, len))?.pop()?;
-    p.bytes -= len;
-    Some((fd, addr as *mut u8))
-}
+/// [`Phys::users`]: a move into a memfd waits for the pieces alive to go; new ones
+/// wait, except on threads that hold pieces already (they must go on to drop them).
+const MOVE_PENDING: u64 = 1 << 62;
+/// [`Phys::users`]: the bytes are moving into a memfd; no piece may be made.
+const MOVE_RUNNING: u64 = 1 << 63;
 
-/// Keeps a never-exported memfd and its mapping for reuse; gives them back when the
-/// pool is full (the caller unmaps; the fd closes).
-fn pool_put_shareable(gpu: u32, fd: OwnedFd, ptr: *mut u8, len: usize) -> Option<OwnedFd> {
-    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    if p.bytes + len > POOL_MAX_BYTES {
-        return Some(fd);
-    }
-    p.bytes += len;
-    p.shareable
-        .entry((gpu, len))
-        .or_default()
-        .push((fd, ptr as usize));
-    None
+thread_local! {
+    /// Pieces of shareable memory this thread holds (see [`MOVE_PENDING`]).
+    static HELD: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 fn pool_take(len: usize) -> Option<*mut libc::c_void> {
@@ -127,13 +121,20 @@ pub struct Phys {
     /// Managed memory: the host mapping sits at the device address, inside the
     /// device window, and goes back to `PROT_NONE` when freed.
     in_window: bool,
-    /// Shareable memory: the memfd holding the bytes (mapped shared at `host`).
-    fd: Option<OwnedFd>,
+    /// Created asking for the POSIX fd handle type (or imported): exportable.
+    shareable: bool,
+    /// The memfd holding the bytes, mapped shared at `host`: imported memory's from
+    /// the start; this process's own shareable memory's from its first export
+    /// ([`Phys::share`]; see the module docs for why not before).
+    fd: std::sync::OnceLock<OwnedFd>,
+    /// Shareable memory: pieces alive (low bits) and the move's flags
+    /// ([`MOVE_PENDING`], [`MOVE_RUNNING`]).
+    users: AtomicU64,
+    /// Serializes moves into a memfd.
+    moving: Mutex<()>,
     /// Whether this process accounted the capacity (false for imported memory, which
     /// the exporter accounts).
     accounted: bool,
-    /// Whether its memfd was ever handed out (then it is never reused).
-    exported: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: `host` is a private mapping owned by this Phys; concurrent access to the
@@ -143,8 +144,14 @@ unsafe impl Send for Phys {}
 unsafe impl Sync for Phys {}
 
 impl Phys {
-    /// Accounts `size` bytes on `gpu` and allocates their backing store.
-    pub fn new(machine: &'static Machine, gpu: u32, size: u64) -> Result<Arc<Phys>, CUresult> {
+    /// Accounts `size` bytes on `gpu` and allocates their backing store, private
+    /// memory (moved into a memfd when first exported, if `shareable`).
+    pub fn new(
+        machine: &'static Machine,
+        gpu: u32,
+        size: u64,
+        shareable: bool,
+    ) -> Result<Arc<Phys>, CUresult> {
         reserve(machine, gpu, size)?;
         let map_len = (size.max(1) as usize).next_multiple_of(4096);
         let p = match pool_take(map_len) {
@@ -175,46 +182,31 @@ impl Phys {
             map_len,
             machine,
             in_window: false,
-            fd: None,
+            shareable,
+            fd: Default::default(),
+            users: AtomicU64::new(0),
+            moving: Mutex::new(()),
             accounted: true,
-            exported: false.into(),
         }))
     }
 
-    /// Shareable memory: accounts `size` bytes on `gpu` and keeps them in a memfd
-    /// named after the machine and the GPU (so an importer can tell where they live).
-    pub fn new_shareable(
-        machine: &'static Machine,
-        gpu: u32,
-        size: u64,
-    ) -> Result<Arc<Phys>, CUresult> {
-        reserve(machine, gpu, size)?;
-        let fail = |e| {
-            machine.release(gpu, size);
-            Err(e)
-        };
-        let shareable = |fd, host| Ok(Self::over_fd(machine, gpu, size, host, fd, false));
-        // Reused backing is already faulted in (see BackingPool).
-        if let Some((fd, host)) = pool_take_shareable(gpu, size as usize) {
-            return shareable(fd, host);
-        }
+    /// A new memfd of `size` bytes named after the machine and the GPU (so an
+    /// importer can tell where the memory lives).
+    fn memfd(machine: &Machine, gpu: u32, size: u64) -> Result<OwnedFd, CUresult> {
         let name = std::ffi::CString::new(format!("{MEMFD_PREFIX}{}:gpu{gpu}", machine.name()))
             .expect("machine names hold no NUL");
         // SAFETY: a NUL-terminated name; creates a new anonymous file.
         let raw = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
         if raw < 0 {
-            return fail(CUDA_ERROR_OUT_OF_MEMORY);
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         // SAFETY: memfd_create just returned this descriptor, owned by nobody else.
         let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         // SAFETY: a valid fd we own.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) } != 0 {
-            return fail(CUDA_ERROR_OUT_OF_MEMORY);
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
-        match Self::map_shared(&fd, size) {
-            Some(host) => shareable(fd, host),
-            None => fail(CUDA_ERROR_OUT_OF_MEMORY),
-        }
+        Ok(fd)
     }
 
     /// Imports shareable memory another process exported: `fd` must be a simulator
@@ -247,18 +239,17 @@ impl Phys {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let host = Self::map_shared(&fd, size).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
-        Ok(Self::over_fd(machine, gpu, size, host, fd, true))
+        Ok(Self::imported(machine, gpu, size, host, fd))
     }
 
-    /// Shareable memory mapped at `host` from its memfd: this process's own (accounted
-    /// here, never exported yet) or `imported` (the exporter accounts it).
-    fn over_fd(
+    /// Memory another process exported, mapped at `host` from its memfd (the exporter
+    /// accounts it).
+    fn imported(
         machine: &'static Machine,
         gpu: u32,
         size: u64,
         host: *mut u8,
         fd: OwnedFd,
-        imported: bool,
     ) -> Arc<Phys> {
         Arc::new(Phys {
             gpu,
@@ -267,39 +258,162 @@ impl Phys {
             map_len: size as usize,
             machine,
             in_window: false,
-            fd: Some(fd),
-            accounted: !imported,
-            exported: imported.into(),
+            shareable: true,
+            fd: fd.into(),
+            users: AtomicU64::new(0),
+            moving: Mutex::new(()),
+            accounted: false,
         })
     }
 
+    /// Maps all of `fd` shared, its pages populated writable. `MAP_POPULATE` alone
+    /// maps a shared file's pages read-only (the kernel does not dirty them for
+    /// nothing), so the first store to each page would fault again; a fill of fresh
+    /// shareable memory then cost ~10% more than the same fill of private memory.
     fn map_shared(fd: &OwnedFd, size: u64) -> Option<*mut u8> {
+        let len = size as usize;
         // SAFETY: a shared mapping of a file we hold open, of its whole length.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                size as usize,
+                len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
+                libc::MAP_SHARED,
                 fd.as_raw_fd(),
                 0,
             )
         };
-        (p != libc::MAP_FAILED).then_some(p.cast())
+        if p == libc::MAP_FAILED {
+            return None;
+        }
+        // SAFETY: advice on the mapping just made.
+        if unsafe { libc::madvise(p, len, MADV_POPULATE_WRITE) } != 0 {
+            // Kernels before 5.14 refuse it (EINVAL): populate read-only, mapping the
+            // file again over the same range.
+            // SAFETY: replaces exactly the mapping made above, of the same file.
+            let q = unsafe {
+                libc::mmap(
+                    p,
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_POPULATE | libc::MAP_FIXED,
+                    fd.as_raw_fd(),
+                    0,
+                )
+            };
+            if q == libc::MAP_FAILED {
+                // SAFETY: unmapping the mapping made above, which nothing references.
+                unsafe { libc::munmap(p, len) };
+                return None;
+            }
+        }
+        Some(p.cast())
     }
 
     /// A new descriptor of shareable memory's memfd (`cuMemExportToShareableHandle`);
     /// `None` for memory created without the POSIX fd handle type.
     pub fn export(&self) -> Option<Result<RawFd, CUresult>> {
-        let fd = self.fd.as_ref()?;
-        self.exported.store(true, Ordering::Relaxed);
-        // SAFETY: duplicating a descriptor we own; the copy is the caller's.
-        let raw = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
-        Some(if raw < 0 {
-            Err(CUDA_ERROR_OUT_OF_MEMORY)
-        } else {
-            Ok(raw)
-        })
+        if !self.shareable {
+            return None;
+        }
+        Some(self.share().and_then(|fd| {
+            // SAFETY: duplicating a descriptor we own; the copy is the caller's.
+            let raw = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) };
+            if raw < 0 {
+                Err(CUDA_ERROR_OUT_OF_MEMORY)
+            } else {
+                Ok(raw)
+            }
+        }))
+    }
+
+    /// The memfd holding this shareable memory, moving the bytes into one first if
+    /// they still live in private memory. The move waits until no piece of this
+    /// memory is alive (every copy and kernel touching it finished its part) and
+    /// holds new ones off meanwhile, so no store is lost to it; it replaces the
+    /// private mapping at the same address, so `host` stays valid.
+    fn share(&self) -> Result<&OwnedFd, CUresult> {
+        if let Some(fd) = self.fd.get() {
+            return Ok(fd);
+        }
+        let _one = self.moving.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(fd) = self.fd.get() {
+            return Ok(fd);
+        }
+        self.users.fetch_or(MOVE_PENDING, Ordering::SeqCst);
+        while self
+            .users
+            .compare_exchange(
+                MOVE_PENDING,
+                MOVE_PENDING | MOVE_RUNNING,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            )
+            .is_err()
+        {
+            std::thread::sleep(std::time::Duration::from_micros(20));
+        }
+        let moved = self.move_to_memfd();
+        // Nobody could take a piece while it ran: clearing both flags is all.
+        self.users
+            .fetch_and(!(MOVE_PENDING | MOVE_RUNNING), Ordering::SeqCst);
+        let fd = moved?;
+        Ok(self.fd.get_or_init(|| fd))
+    }
+
+    /// Copies the bytes into a new memfd and maps it over the private mapping.
+    fn move_to_memfd(&self) -> Result<OwnedFd, CUresult> {
+        let fd = Self::memfd(self.machine, self.gpu, self.map_len as u64)?;
+        let tmp = Self::map_shared(&fd, self.map_len as u64).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        // SAFETY: both mappings are map_len long and distinct; no piece of this
+        // memory is alive, so nothing writes `host` meanwhile (see `share`).
+        unsafe { kiwi_sim_core::dma::copy(tmp, self.host, self.map_len) };
+        // SAFETY: moves our own new mapping onto the range of our own private one,
+        // which MREMAP_FIXED unmaps in the same step (the address stays mapped).
+        let at = unsafe {
+            libc::mremap(
+                tmp.cast(),
+                self.map_len,
+                self.map_len,
+                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                self.host.cast::<libc::c_void>(),
+            )
+        };
+        if at != self.host.cast() {
+            // SAFETY: the new mapping is still ours alone (the move failed).
+            unsafe { libc::munmap(tmp.cast(), self.map_len) };
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        Ok(fd)
+    }
+
+    /// Counts a new piece of this memory, waiting while its bytes move.
+    fn enter(&self) {
+        if !self.shareable {
+            return;
+        }
+        let held = HELD.get();
+        loop {
+            let s = self.users.load(Ordering::SeqCst);
+            let held_off = s & MOVE_RUNNING != 0 || (s & MOVE_PENDING != 0 && held == 0);
+            if held_off {
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            } else if self
+                .users
+                .compare_exchange_weak(s, s + 1, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                break;
+            }
+        }
+        HELD.set(held + 1);
+    }
+
+    fn leave(&self) {
+        if self.shareable {
+            self.users.fetch_sub(1, Ordering::SeqCst);
+            HELD.set(HELD.get() - 1);
+        }
     }
 
     /// Managed memory: accounts `size` bytes on `gpu` and maps them read-write at
@@ -338,9 +452,11 @@ impl Phys {
             map_len,
             machine,
             in_window: true,
-            fd: None,
+            shareable: false,
+            fd: Default::default(),
+            users: AtomicU64::new(0),
+            moving: Mutex::new(()),
             accounted: true,
-            exported: false.into(),
         }))
     }
 
@@ -367,14 +483,8 @@ impl Drop for Phys {
                     0,
                 )
             };
-        } else if let Some(fd) = self.fd.take() {
-            // Shareable: reused only if no other process could have it mapped.
-            let keep = !self.exported.load(Ordering::Relaxed) && self.accounted;
-            if !keep || pool_put_shareable(self.gpu, fd, self.host, self.map_len).is_some() {
-                // SAFETY: unmapping our own mapping; no references to it outlive self.
-                unsafe { libc::munmap(self.host.cast(), self.map_len) };
-            }
-        } else if !pool_put(self.host.cast(), self.map_len) {
+        } else if self.fd.get().is_some() || !pool_put(self.host.cast(), self.map_len) {
+            // Memory in a memfd is never reused: another process may map it.
             // SAFETY: unmapping our own mapping; no references to it outlive self.
             unsafe { libc::munmap(self.host.cast(), self.map_len) };
         }
@@ -429,11 +539,36 @@ struct Region {
 }
 
 /// A piece of a resolved device range.
+///
+/// While a piece of shareable memory is alive its bytes stay where they are (see
+/// [`Phys::share`]); it is dropped on the thread that made it (it is not `Send`).
 pub struct Piece {
     pub phys: Arc<Phys>,
     pub offset: u64,
     pub len: u64,
+    _this_thread: std::marker::PhantomData<*const ()>,
 }
+
+impl Piece {
+    fn new((phys, offset, len): Found) -> Piece {
+        phys.enter();
+        Piece {
+            phys,
+            offset,
+            len,
+            _this_thread: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for Piece {
+    fn drop(&mut self) {
+        self.phys.leave();
+    }
+}
+
+/// What [`Memory::resolve`] finds before making pieces: (memory, offset, length).
+type Found = (Arc<Phys>, u64, u64);
 
 /// Why a device range could not be used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -569,7 +704,7 @@ impl Memory {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         let accounted = round_up(size, SMALL_ALIGN);
-        let phys = Phys::new(self.machine, gpu, accounted)?;
+        let phys = Phys::new(self.machine, gpu, accounted, false)?;
         let align = if accounted >= GRANULARITY {
             GRANULARITY
         } else {
@@ -793,11 +928,7 @@ impl Memory {
         if size > self.len {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
-        let phys = if shareable {
-            Phys::new_shareable(self.machine, gpu, size)?
-        } else {
-            Phys::new(self.machine, gpu, size)?
-        };
+        let phys = Phys::new(self.machine, gpu, size, shareable)?;
         Ok(self.add_handle(phys))
     }
 
@@ -969,6 +1100,15 @@ impl Memory {
     /// Resolves `[addr, addr+len)` for an access by device `dev` (`write` for
     /// stores).
     pub fn resolve(&self, addr: u64, len: u64, write: bool, dev: u32) -> Result<Vec<Piece>, Fault> {
+        // Pieces are made after the VA lock is let go: making one may wait for a move
+        // into a memfd, which waits for pieces held elsewhere.
+        let found = self.find(addr, len, write, dev)?;
+        Ok(found.into_iter().map(Piece::new).collect())
+    }
+
+    /// The physical memory behind `[addr, addr+len)`: (memory, offset, length) of
+    /// each piece.
+    fn find(&self, addr: u64, len: u64, write: bool, dev: u32) -> Result<Vec<Found>, Fault> {
         let va = self.read();
         let (&start, r) = va
             .regions
@@ -980,11 +1120,7 @@ impl Memory {
             return Err(Fault::Unmapped);
         }
         match &r.kind {
-            RegionKind::Linear { phys, .. } => Ok(vec![Piece {
-                phys: phys.clone(),
-                offset: addr - start,
-                len,
-            }]),
+            RegionKind::Linear { phys, .. } => Ok(vec![(phys.clone(), addr - start, len)]),
             RegionKind::Reserved { mappings } => {
                 let mut pieces = Vec::new();
                 let mut at = addr;
@@ -1006,11 +1142,7 @@ impl Memory {
                         return Err(Fault::NoAccess);
                     }
                     let take = (ms + m.size).min(end) - at;
-                    pieces.push(Piece {
-                        phys: m.phys.clone(),
-                        offset: at - ms,
-                        len: take,
-                    });
+                    pieces.push((m.phys.clone(), at - ms, take));
                     at += take;
                     if at == end {
                         break;

@@ -101,6 +101,54 @@ static CUcontext setup(void) {
     return c;
 }
 
+static const char ptx[] = ".version 7.0\n.target sm_52\n.address_size 64\n"
+                          ".visible .entry kiwi_fill() { ret; }\n";
+
+/* Exported while a stream's kernels keep adding to it: every addition lands (the
+ * export changes nothing of the memory), and later ones reach an importer's view
+ * of the same bytes (here, a second mapping of the same export). */
+static void exported_while_kernels_run(CUmemAllocationProp posix, size_t gran) {
+    enum { ADDS = 200 };
+    size_t size = 4 * gran;
+    CUmodule mod;
+    CUfunction fill, add;
+    CHECK(cuModuleLoadData(&mod, ptx));
+    CHECK(cuModuleGetFunction(&fill, mod, "kiwi_fill"));
+    CHECK(cuModuleGetFunction(&add, mod, "kiwi_add"));
+    CUmemGenericAllocationHandle h;
+    CHECK(cuMemCreate(&h, size, &posix, 0));
+    CUdeviceptr va = map_rw(h, size);
+    CUstream s;
+    CHECK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING));
+    unsigned int zero = 0, one = 1;
+    unsigned long long words = WORDS(size);
+    void *fill_args[] = {&va, &zero, &words};
+    void *add_args[] = {&va, &one, &words};
+    CHECK(cuLaunchKernel(fill, 64, 1, 1, 256, 1, 1, 0, s, fill_args, NULL));
+    for (int i = 0; i < ADDS; i++) CHECK(cuLaunchKernel(add, 64, 1, 1, 256, 1, 1, 0, s, add_args, NULL));
+    int fd = -1;
+    CHECK(cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    ASSERT(cuStreamQuery(s) == CUDA_ERROR_NOT_READY); /* it did run alongside */
+    CUmemGenericAllocationHandle imported;
+    CHECK(cuMemImportFromShareableHandle(&imported, (void *)(uintptr_t)fd,
+                                         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+    close(fd);
+    CUdeviceptr view = map_rw(imported, size);
+    CHECK(cuMemRelease(imported));
+    CHECK(cuStreamSynchronize(s));
+    uint32_t *w = malloc(size);
+    CHECK(cuMemcpyDtoH(w, view, size));
+    for (size_t i = 0; i < WORDS(size); i++) ASSERT(w[i] == ADDS);
+    free(w);
+    CHECK(cuMemUnmap(view, size));
+    CHECK(cuMemAddressFree(view, size));
+    CHECK(cuMemUnmap(va, size));
+    CHECK(cuMemAddressFree(va, size));
+    CHECK(cuMemRelease(h));
+    CHECK(cuStreamDestroy(s));
+    CHECK(cuModuleUnload(mod));
+}
+
 /* The second process: imports, checks the exporter's bytes, writes its own. */
 static int importer(int sock) {
     setup();
@@ -155,10 +203,13 @@ int main(int argc, char **argv) {
            CUDA_ERROR_INVALID_VALUE);
     EXPECT(cuMemExportToShareableHandle(NULL, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
            CUDA_ERROR_INVALID_VALUE);
-    CHECK(cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
-    ASSERT(fd >= 0);
+    /* Written before its first export: the bytes are there for the importer. */
     CUdeviceptr va = map_rw(h, size);
     fill_words(va, size, 0x1111);
+    CHECK(cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    ASSERT(fd >= 0);
+    check_words(va, size, 0x1111);
+    exported_while_kernels_run(posix, gran);
 
     /* A descriptor that is not exported device memory is refused. */
     CUmemGenericAllocationHandle bad;
