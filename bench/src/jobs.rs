@@ -265,7 +265,18 @@ pub fn wait_all_reports(
         .map(|h| h.join().unwrap_or_default())
         .collect();
     if late {
-        bail!("the jobs had not finished by their deadline and were killed (turns that make no progress?)");
+        // What each job said last, to tell where it was stuck.
+        let last = |s: &str| s.lines().rev().take(3).collect::<Vec<_>>().join(" | ");
+        let said: Vec<String> = errs
+            .iter()
+            .zip(&outs)
+            .enumerate()
+            .map(|(i, (e, o))| format!("job {}: stderr: {}; report: {}", i + 1, last(e), last(o)))
+            .collect();
+        bail!(
+            "the jobs had not finished by their deadline and were killed (turns that make no progress?); {}",
+            said.join("; ")
+        );
     }
     let mut ok = true;
     let mut why = String::new();
@@ -279,13 +290,15 @@ pub fn wait_all_reports(
 }
 
 /// Makespan of two jobs at once, under Kiwi with `tq` (or the scheduler off).
+/// Both jobs at once under Kiwi: the makespan, and what each job's `--json` report
+/// says (in order).
 pub fn together_under_kiwi(
     b: &Build,
     job: Job,
     gpu: u64,
     tq: f64,
     scheduler_on: bool,
-) -> Result<Duration> {
+) -> Result<(Duration, Vec<String>)> {
     let sim = Sim::new("kiwi", gpu);
     let extra: Vec<&str> = if scheduler_on {
         vec![]
@@ -298,11 +311,69 @@ pub fn together_under_kiwi(
         spawn_job(b, &sim, job, 1, Some(arb.socket_dir()))?,
         spawn_job(b, &sim, job, 2, Some(arb.socket_dir()))?,
     ];
-    let (ok, why) = wait_all(kids, Instant::now() + job.limit())?;
+    let (ok, why, reports) = wait_all_reports(kids, Instant::now() + job.limit())?;
     if !ok {
         bail!("a job failed under Kiwi: {why}");
     }
-    Ok(t0.elapsed())
+    Ok((t0.elapsed(), reports))
+}
+
+/// Where jobs that shared a GPU under Kiwi spent its time, from their reports: each
+/// burst's work (its GPU phase less what it waited for the GPU, which holds the
+/// wait for the grant and the swap-in), and the hand-offs between jobs (from one
+/// job's last work to the next job's first: the holder's idle threshold, its
+/// swap-out and the next one's swap-in), each job's first turn left out.
+#[derive(Clone, Debug, Default)]
+pub struct Shared {
+    pub work: Duration,
+    pub handoffs: Vec<Duration>,
+}
+
+impl Shared {
+    /// Parses gpuburst's `--json` lines: each `burst` (its `wait_ms`) and the GPU
+    /// `phase` after it (its clock: `start_ns`, `end_ns`).
+    pub fn parse(reports: &[String]) -> Result<Shared> {
+        // (work start, work end, job), in ns.
+        let mut work: Vec<(u64, u64, usize)> = Vec::new();
+        for (j, report) in reports.iter().enumerate() {
+            let mut wait_ns = None;
+            for line in report.lines() {
+                let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                    continue;
+                };
+                match v["event"].as_str() {
+                    Some("burst") => wait_ns = v["wait_ms"].as_f64().map(|w| (w * 1e6) as u64),
+                    Some("phase") if v["kind"] == "gpu" => {
+                        let (Some(s), Some(e), Some(w)) =
+                            (v["start_ns"].as_u64(), v["end_ns"].as_u64(), wait_ns.take())
+                        else {
+                            bail!("a GPU phase without its burst line: {line}");
+                        };
+                        work.push(((s + w).min(e), e, j));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if work.is_empty() {
+            bail!("no GPU phase in the jobs' reports");
+        }
+        work.sort_unstable();
+        // A job's first turn starts with its start-up (filling its memory), which the
+        // ideal counts already: only hand-offs to a job that worked before count.
+        let handoffs = work
+            .windows(2)
+            .filter(|w| w[0].2 != w[1].2 && work.iter().any(|x| x.2 == w[1].2 && x.0 < w[1].0))
+            .map(|w| Duration::from_nanos(w[1].0.saturating_sub(w[0].1)))
+            .collect();
+        Ok(Shared {
+            work: work
+                .iter()
+                .map(|&(s, e, _)| Duration::from_nanos(e - s))
+                .sum(),
+            handoffs,
+        })
+    }
 }
 
 /// What a job's `--json` report says of its run alone: how long it took to be ready
@@ -427,7 +498,8 @@ pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
     let tq = 5.0;
     let (serial_d, alone) = serial(&b, job, GPU)?;
     let serial_t = serial_d.as_secs_f64();
-    let kiwi_t = together_under_kiwi(&b, job, GPU, tq, true)?.as_secs_f64();
+    let (kiwi_d, reports) = together_under_kiwi(&b, job, GPU, tq, true)?;
+    let kiwi_t = kiwi_d.as_secs_f64();
     let (nok, nt, why) = together_without_kiwi(&b, job, GPU)?;
     // The best any interleaving can do, from the jobs' own runs alone in this run:
     // both start-ups, every GPU phase back to back, one tail (see `ideal_interleave`).
@@ -438,6 +510,8 @@ pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
     // phase of 2 s takes longer on the simulator (its kernels over the job's memory
     // really compute, on the host), so the measured bound above is the one to meet.
     let nominal = (2 * u64::from(job.bursts) * job.gpu_ms + job.cpu_ms) as f64 / 1e3;
+    let shared = Shared::parse(&reports)?;
+    let handoff_total: f64 = shared.handoffs.iter().map(Duration::as_secs_f64).sum();
     let mut figs = vec![
         Figure::new("oversub", "makespan_kiwi", kiwi_t, "s")
             .against(
@@ -469,6 +543,18 @@ pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
                 "the most any interleave of these jobs could gain (serial / ideal)",
             )
             .goal(">= 1.65x (nvshare reports 1.35x)"),
+        Figure::new("oversub", "handoffs", handoff_total, "s").against(
+            kiwi_t - ideal,
+            &format!(
+                "makespan - ideal, what sharing added: {} hand-offs (first turns left out), mean {:.0} ms from one job's last GPU work to the next's first (idle threshold, swap-out, swap-in)",
+                shared.handoffs.len(),
+                handoff_total * 1e3 / shared.handoffs.len().max(1) as f64,
+            ),
+        ),
+        Figure::new("oversub", "gpu_work_shared", shared.work.as_secs_f64(), "s").against(
+            parts.gpu.as_secs_f64(),
+            "the same GPU phases alone: shared, the other job's CPU phase and the swaps take host CPU the simulated GPU also runs on",
+        ),
         Figure::new(
             "oversub",
             if nok {
@@ -493,7 +579,7 @@ pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
     // shorter turns do little else.
     let sweep: &[f64] = if quick { &[1.0] } else { &[1.0, 3.0, 30.0] };
     for &t in sweep {
-        let m = together_under_kiwi(&b, job, GPU, t, true)?.as_secs_f64();
+        let m = together_under_kiwi(&b, job, GPU, t, true)?.0.as_secs_f64();
         figs.push(
             Figure::new("oversub", &format!("makespan_tq_{t}s"), m, "s")
                 .against(serial_t, "serial"),
@@ -512,8 +598,12 @@ pub fn fit(quick: bool) -> Result<Vec<Figure>> {
         idle_ms: 0,
         kernel_us: 5000,
     };
-    let off = together_under_kiwi(&b, job, GPU, 30.0, false)?.as_secs_f64();
-    let on = together_under_kiwi(&b, job, GPU, 30.0, true)?.as_secs_f64();
+    let off = together_under_kiwi(&b, job, GPU, 30.0, false)?
+        .0
+        .as_secs_f64();
+    let on = together_under_kiwi(&b, job, GPU, 30.0, true)?
+        .0
+        .as_secs_f64();
     Ok(vec![Figure::new("fit", "makespan_kiwi", on, "s")
         .against(off, "scheduler off")
         .goal("within 3% (ratio <= 1.03)")])
@@ -549,6 +639,48 @@ mod tests {
         assert_eq!(
             ideal_interleave(&[a, b]).total().as_millis(),
             900 + 6300 + 100
+        );
+    }
+
+    /// One job's report: `(wait_ms, start_ns, end_ns)` of each burst's GPU phase.
+    fn shared_report(bursts: &[(f64, u64, u64)]) -> String {
+        bursts
+            .iter()
+            .map(|&(w, s, e)| {
+                format!(
+                    "{{\"event\":\"burst\",\"wait_ms\":{w}}}\n{{\"event\":\"phase\",\"kind\":\"gpu\",\"start_ns\":{s},\"end_ns\":{e}}}\n{{\"event\":\"phase\",\"kind\":\"cpu\",\"start_ns\":{e},\"end_ns\":{}}}",
+                    e + 1
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    #[test]
+    fn shared_runs_split_into_work_and_hand_offs() {
+        const MS: u64 = 1_000_000;
+        // A works 0-2000 ms and 2500-4500 ms; B waits from 100 ms for its first turn
+        // (work from 2100 ms to 4000 ms: a burst that began waiting at 100 ms and got
+        // the GPU 2000 ms later), then asks at 4200 ms and works from 4600 ms.
+        let a = shared_report(&[(0.0, 0, 2000 * MS), (0.0, 2500 * MS, 4500 * MS)]);
+        let b = shared_report(&[(2000.0, 100 * MS, 2400 * MS), (400.0, 4200 * MS, 6000 * MS)]);
+        let s = Shared::parse(&[a, b]).unwrap();
+        assert_eq!(s.work.as_millis(), 2000 + 2000 + 300 + 1400);
+        // A→B at 2000→2100 is B's first turn (its start-up); B→A at 2400→2500 and
+        // A→B at 4500→4600 are hand-offs.
+        assert_eq!(
+            s.handoffs,
+            vec![Duration::from_millis(100); 2],
+            "{:?}",
+            s.handoffs
+        );
+        assert!(Shared::parse(&["not json".into()]).is_err());
+        assert!(
+            Shared::parse(&[
+                "{\"event\":\"phase\",\"kind\":\"gpu\",\"start_ns\":1,\"end_ns\":2}".into()
+            ])
+            .is_err(),
+            "a phase without its burst line"
         );
     }
 

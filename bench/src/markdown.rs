@@ -114,7 +114,10 @@ const NOTES: &[&str] = &[
      together. The nominal 22 s (2 × 5 × 2 s of GPU + one 2 s CPU phase) is printed for \
      comparison; it cannot be met here: gpuburst has no CPU phase after its last burst, \
      a 2 s GPU phase takes longer on the simulator (its kernels over the job's 1 GB really run, on the host's CPU; the ideal's text gives the measured total) and so does a start-up (the host faults in the job's memory). `speedup_vs_serial` is printed beside the most any \
-     interleave of these jobs could gain.",
+     interleave of these jobs could gain. `handoffs` and `gpu_work_shared` say where \
+     the makespan beyond the ideal went, from the jobs' own reports: the hand-offs \
+     (each job's first turn left out: it holds the job's start-up, which the ideal \
+     counts) and the GPU phases as they ran shared.",
 "**swap**: each swap alone on the link (`KIWI_PIPELINED=0`: no hand-off overlaps a swap-out with a swap-in), so the figures are the swap path's rate. `swap_out_all` counts each notebook's first swap-out, which pins what its pin-ahead had not pinned yet: here a notebook's first turn leaves little time for it (the host first faults in its fresh memory), and pinning beside a swap-out slows both; `handoff-swap`'s `first_swap_out` measures the cold swap-out between two ready notebooks.",
         "**early-release**: a holder releases after its idle threshold, at most \
      `KIWI_IDLE_MS`, shorter once its own pauses between pieces of work are known \
