@@ -118,13 +118,13 @@ const NOTES: &[&str] = &[
      the makespan beyond the ideal went, from the jobs' own reports: the hand-offs \
      (each job's first turn left out: it holds the job's start-up, which the ideal \
      counts) and the GPU phases as they ran shared.",
-"**swap**: each swap alone on the link (`KIWI_PIPELINED=0`: no hand-off overlaps a swap-out with a swap-in), so the figures are the swap path's rate. `swap_out_all` counts each notebook's first swap-out, which pins what its pin-ahead had not pinned yet: here a notebook's first turn leaves little time for it (the host first faults in its fresh memory), and pinning beside a swap-out slows both; `handoff-swap`'s `first_swap_out` measures the cold swap-out between two ready notebooks.",
+"**swap**: each swap alone on the link (`KIWI_PIPELINED=0`: no hand-off overlaps a swap-out with a swap-in), so the figures are the swap path's rate. `swap_out_all` also counts each notebook's first swap-out, whose buffers were pinned ahead while it held the GPU; `handoff-swap`'s `first_swap_out` measures the cold swap-out between two ready notebooks.",
         "**early-release**: a holder releases after its idle threshold, at most \
      `KIWI_IDLE_MS`, shorter once its own pauses between pieces of work are known \
      (`shim/src/idle.rs`): the p50 shows the learned threshold, the p99 the first \
      releases, before 8 pauses were seen.",
     "**handoff-swap at 25 GB/s**: the simulator's copy engine is the host's memcpy \
-     (about 10 GB/s here), so a swap-out and a swap-in at once share the host's memory \
+     (the `swap` scenario's pinned copy is its rate), so a swap-out and a swap-in at once share the host's memory \
      bandwidth and 2 cores, which a GPU's copy engines do not; at 4 GB/s the modelled \
      link, not the host, sets the pace.",
 ];
