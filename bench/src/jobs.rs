@@ -289,9 +289,8 @@ pub fn wait_all_reports(
     Ok((ok, why, outs))
 }
 
-/// Makespan of two jobs at once, under Kiwi with `tq` (or the scheduler off).
-/// Both jobs at once under Kiwi: the makespan, and what each job's `--json` report
-/// says (in order).
+/// Both jobs at once under Kiwi with `tq` (or the scheduler off): the makespan, and
+/// what each job's `--json` report says (in order).
 pub fn together_under_kiwi(
     b: &Build,
     job: Job,
@@ -337,17 +336,14 @@ impl Shared {
         let mut work: Vec<(u64, u64, usize)> = Vec::new();
         for (j, report) in reports.iter().enumerate() {
             let mut wait_ns = None;
-            for line in report.lines() {
-                let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
-                    continue;
-                };
+            for v in report_events(report) {
                 match v["event"].as_str() {
                     Some("burst") => wait_ns = v["wait_ms"].as_f64().map(|w| (w * 1e6) as u64),
                     Some("phase") if v["kind"] == "gpu" => {
                         let (Some(s), Some(e), Some(w)) =
                             (v["start_ns"].as_u64(), v["end_ns"].as_u64(), wait_ns.take())
                         else {
-                            bail!("a GPU phase without its burst line: {line}");
+                            bail!("a GPU phase without its burst line: {v}");
                         };
                         work.push(((s + w).min(e), e, j));
                     }
@@ -361,11 +357,15 @@ impl Shared {
         work.sort_unstable();
         // A job's first turn starts with its start-up (filling its memory), which the
         // ideal counts already: only hand-offs to a job that worked before count.
-        let handoffs = work
-            .windows(2)
-            .filter(|w| w[0].2 != w[1].2 && work.iter().any(|x| x.2 == w[1].2 && x.0 < w[1].0))
-            .map(|w| Duration::from_nanos(w[1].0.saturating_sub(w[0].1)))
-            .collect();
+        let mut worked = vec![false; reports.len()];
+        let mut handoffs = Vec::new();
+        for w in work.windows(2) {
+            let ((_, end, from), (start, _, to)) = (w[0], w[1]);
+            worked[from] = true;
+            if from != to && worked[to] {
+                handoffs.push(Duration::from_nanos(start.saturating_sub(end)));
+            }
+        }
         Ok(Shared {
             work: work
                 .iter()
@@ -374,6 +374,13 @@ impl Shared {
             handoffs,
         })
     }
+}
+
+/// The JSON lines of a job's `--json` report (anything else it printed skipped).
+fn report_events(report: &str) -> impl Iterator<Item = serde_json::Value> + '_ {
+    report
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
 }
 
 /// What a job's `--json` report says of its run alone: how long it took to be ready
@@ -391,10 +398,7 @@ impl Alone {
     pub fn parse(report: &str) -> Result<Alone> {
         let mut a = Alone::default();
         let (mut t0_ns, mut last_gpu_end_ns, mut ready_ms, mut end_ms) = (None, None, None, None);
-        for line in report.lines() {
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
-                continue;
-            };
+        for v in report_events(report) {
             match v["event"].as_str() {
                 Some("ready") => ready_ms = v["t_ms"].as_f64(),
                 Some("phase") if v["kind"] == "gpu" => {
@@ -659,9 +663,9 @@ mod tests {
     #[test]
     fn shared_runs_split_into_work_and_hand_offs() {
         const MS: u64 = 1_000_000;
-        // A works 0-2000 ms and 2500-4500 ms; B waits from 100 ms for its first turn
-        // (work from 2100 ms to 4000 ms: a burst that began waiting at 100 ms and got
-        // the GPU 2000 ms later), then asks at 4200 ms and works from 4600 ms.
+        // A works 0-2000 ms and 2500-4500 ms; B's first burst began waiting at 100 ms
+        // and got the GPU 2000 ms later (work 2100-2400 ms); its second asked at
+        // 4200 ms and works from 4600 ms.
         let a = shared_report(&[(0.0, 0, 2000 * MS), (0.0, 2500 * MS, 4500 * MS)]);
         let b = shared_report(&[(2000.0, 100 * MS, 2400 * MS), (400.0, 4200 * MS, 6000 * MS)]);
         let s = Shared::parse(&[a, b]).unwrap();
