@@ -199,6 +199,9 @@ pub struct Turn {
     pressure: AtomicBool,
     /// The pressure ended: the pinning thread frees the spare buffers.
     pin_trim: AtomicBool,
+    /// The pinning thread pinned some buffers ahead and has not yet found all it
+    /// needs prepared (then it says so once, in the log).
+    pinning: AtomicBool,
     /// The node's swap budget the arbiter announced (`u64::MAX`: none).
     swap_budget: AtomicU64,
     /// A release or a swap of this turn is under way: the pinning thread starts no
@@ -860,6 +863,7 @@ impl Client {
             pin_target: AtomicU64::new(0),
             pressure: AtomicBool::new(false),
             pin_trim: AtomicBool::new(false),
+            pinning: AtomicBool::new(false),
             swap_budget: AtomicU64::new(budget.unwrap_or(u64::MAX)),
             swapping: AtomicU32::new(0),
         });
@@ -1744,8 +1748,17 @@ impl Client {
         }
         let t = Instant::now();
         match turn.res.prepare_swap_out(target, PIN_STEP) {
-            Ok(0) => false,
+            Ok(0) => {
+                if turn.pinning.swap(false, Ordering::Relaxed) {
+                    crate::kdebug!(
+                        "GPU {}: pinning ahead done: the next swap-out's buffers are ready",
+                        turn.info.ordinal
+                    );
+                }
+                false
+            }
             Ok(n) => {
+                turn.pinning.store(true, Ordering::Relaxed);
                 crate::kdebug!(
                     "GPU {}: pinned {n} bytes ahead in {:?}",
                     turn.info.ordinal,

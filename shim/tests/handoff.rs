@@ -346,7 +346,8 @@ fn releases_between(arb: &Arbiter, pid: u32, from_ns: u64, to_ns: u64) -> usize 
 ///
 /// And no swap pays for pinning (item 1): each program's first swap-out ever (cold)
 /// takes at most 1.2 × its steady one, because its buffers were pinned in the
-/// background once the GPU became oversubscribed (`pressure`), before anyone asked.
+/// background once the GPU became oversubscribed (`pressure`), before anyone asked
+/// (the test waits for the shim to say so).
 /// A shim that pinned them once others waited (or on the swap-out) took ~1.5 × as
 /// long (pinning at 0.5 GB/s next to a 2 GB/s link).
 #[test]
@@ -372,12 +373,18 @@ fn hand_offs_pipelined_or_cold_cost_about_one_steady_swap() {
         if wait {
             c.arg("wait");
         }
-        under_kiwi_on(&mut c, &m, &arb).env("KIWI_IDLE_MS", "50");
-        if let Ok(l) = std::env::var("HLOG") {
-            c.env("KIWI_LOG", l);
-        }
+        under_kiwi_on(&mut c, &m, &arb)
+            .env("KIWI_IDLE_MS", "50")
+            // Debug: the test waits for the line that says the pinning ahead is done.
+            .env("KIWI_LOG", "debug");
         Stepped::spawn(&mut c)
     };
+    // The premise of "no swap pays for pinning": the buffers are pinned before
+    // anyone asks. Page-locking takes as long as the host takes to fault pages in
+    // (at 0.5 GB/s or slower: on a fresh VM that is reclaiming its page cache, 64
+    // MiB took 190 ms here), so the test waits for the shim to say it is done
+    // rather than for a fixed time; it must be done long before anyone asks.
+    let pinned_ahead = |p: &Stepped| p.wait_stderr("pinning ahead done", Duration::from_secs(30));
     let mut a = spawn(false);
     a.wait_for("RUNNING");
     // B allocates (the GPU is oversubscribed from now on) and asks only a second
@@ -385,6 +392,7 @@ fn hand_offs_pipelined_or_cold_cost_about_one_steady_swap() {
     let mut b = spawn(true);
     b.wait_for("ALLOCATED");
     std::thread::sleep(Duration::from_secs(2));
+    pinned_ahead(&a);
     b.go();
     let (pa, pb) = (a.child.id(), b.child.id());
     let mut last = wait_request(&arb, pb, 0).seq;
@@ -396,6 +404,7 @@ fn hand_offs_pipelined_or_cold_cost_about_one_steady_swap() {
     // the seq of the swap-in; the waiter then works, the holder waits for a line.
     let early = |holder: &mut Stepped, ch: u64, cw: u64, after: u64| {
         std::thread::sleep(Duration::from_secs(2));
+        pinned_ahead(holder);
         holder.go();
         holder.wait_for("IDLE ");
         let swap_in = wait_event(

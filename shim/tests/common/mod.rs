@@ -6,6 +6,7 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kiwi_protocol::EventKind;
@@ -111,6 +112,28 @@ pub struct Stepped {
     stdin: Option<ChildStdin>,
     stdout: BufReader<ChildStdout>,
     seen: String,
+    /// Its stderr (when piped), read as it comes by a thread: a chatty log never
+    /// fills the pipe, and a test can wait for a line of it.
+    stderr: Arc<Mutex<Vec<u8>>>,
+    stderr_reader: Option<std::thread::JoinHandle<()>>,
+    _dump: DumpOnPanic,
+}
+
+/// Prints a program's stderr when its test panics before [`Stepped::finish`]: what
+/// the shim logged is what explains a wait that never ended.
+struct DumpOnPanic(u32, Arc<Mutex<Vec<u8>>>);
+
+impl Drop for DumpOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let err = self.1.lock().unwrap_or_else(|p| p.into_inner());
+            eprintln!(
+                "--- stderr of pid {} (test panicked)\n{}",
+                self.0,
+                String::from_utf8_lossy(&err)
+            );
+        }
+    }
 }
 
 impl Stepped {
@@ -118,11 +141,43 @@ impl Stepped {
         let mut child = cmd.stdin(Stdio::piped()).spawn().expect("spawn");
         let stdin = child.stdin.take();
         let stdout = BufReader::new(child.stdout.take().unwrap());
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        let stderr_reader = child.stderr.take().map(|mut pipe| {
+            let buf = stderr.clone();
+            std::thread::spawn(move || {
+                let mut chunk = [0u8; 8192];
+                while let Ok(n @ 1..) = pipe.read(&mut chunk) {
+                    buf.lock().unwrap().extend_from_slice(&chunk[..n]);
+                }
+            })
+        });
         Stepped {
+            _dump: DumpOnPanic(child.id(), stderr.clone()),
             child,
             stdin,
             stdout,
             seen: String::new(),
+            stderr,
+            stderr_reader,
+        }
+    }
+
+    /// What it wrote to stderr so far.
+    pub fn stderr_text(&self) -> String {
+        String::from_utf8_lossy(&self.stderr.lock().unwrap()).into_owned()
+    }
+
+    /// Waits (up to `limit`) until its stderr has a line containing `want`; panics
+    /// with what it wrote otherwise.
+    pub fn wait_stderr(&self, want: &str, limit: Duration) {
+        let deadline = std::time::Instant::now() + limit;
+        while !self.stderr_text().lines().any(|l| l.contains(want)) {
+            // Its stderr follows, from [`DumpOnPanic`].
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no {want:?} on stderr in {limit:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 
@@ -134,9 +189,11 @@ impl Stepped {
             let n = self.stdout.read_line(&mut line).expect("read stdout");
             self.seen.push_str(&line);
             if n == 0 {
-                let mut err = String::new();
-                let _ = self.child.stderr.take().unwrap().read_to_string(&mut err);
-                panic!("no {want:?}: stdout\n{}--- stderr\n{err}", self.seen);
+                if let Some(t) = self.stderr_reader.take() {
+                    let _ = t.join();
+                }
+                // Its stderr follows, from [`DumpOnPanic`].
+                panic!("no {want:?}: stdout\n{}", self.seen);
             }
             if line.trim().starts_with(want) {
                 return line.trim().to_string();
@@ -157,8 +214,12 @@ impl Stepped {
         let mut rest = String::new();
         let _ = self.stdout.read_to_string(&mut rest);
         let mut o = finish(self.child);
+        if let Some(t) = self.stderr_reader.take() {
+            let _ = t.join();
+        }
         self.seen.push_str(&rest);
         o.stdout = self.seen.into_bytes();
+        o.stderr = std::mem::take(&mut *self.stderr.lock().unwrap());
         o
     }
 }
