@@ -350,12 +350,29 @@ fn releases_between(arb: &Arbiter, pid: u32, from_ns: u64, to_ns: u64) -> usize 
 /// (the test waits for the shim to say so).
 /// A shim that pinned them once others waited (or on the swap-out) took ~1.5 × as
 /// long (pinning at 0.5 GB/s next to a 2 GB/s link).
+///
+/// The bounds are on single swaps of a few hundred milliseconds, and on these VMs one
+/// swap now and then takes 100–400 ms longer than its neighbours, with nothing in
+/// either shim's log to account for it (4 runs in 18 on a quiet machine, then none in
+/// 22; once in CI): a failed run is run once more, never a third time. A shim that
+/// pins on the critical path, or does not pipeline, misses the bounds in every run.
 #[test]
 fn hand_offs_pipelined_or_cold_cost_about_one_steady_swap() {
     let _serial = serial();
+    if let Err(first) = pipelined_and_cold_hand_offs() {
+        eprintln!("the first run missed: {first}; running it once more");
+        if let Err(second) = pipelined_and_cold_hand_offs() {
+            panic!("{second} (the first run: {first})");
+        }
+    }
+}
+
+/// One run of [`hand_offs_pipelined_or_cold_cost_about_one_steady_swap`]: `Err` says
+/// which bound was missed (a broken premise panics).
+fn pipelined_and_cold_hand_offs() -> Result<(), String> {
     let dir = tempfile::tempdir().unwrap();
     let Some(exe) = compile("idle_holder", dir.path()) else {
-        return;
+        return Ok(());
     };
     // A slow link (2 GB/s each way): the link, which the simulator models per
     // direction, not the host's memcpy, sets the swaps' pace, as on hardware.
@@ -517,24 +534,19 @@ fn hand_offs_pipelined_or_cold_cost_about_one_steady_swap() {
     let ob = b.finish();
     assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
     assert_eq!(ob.status.code(), Some(0), "B: {}", text(&ob));
+    // Every check is made; on a failure both programs' logs (debug) and the
+    // arbiter's events of the hand-offs are printed: what a slow swap was doing.
+    let mut failed = Vec::new();
     for (name, cold, steady) in cold {
         let (cold, steady) = (cold as f64 / 1e6, steady as f64 / 1e6);
         eprintln!("{name}: first swap-out {cold:.1} ms, steady {steady:.1} ms");
-        assert!(
-            cold <= 1.2 * steady,
-            "{name}'s first swap-out took {cold:.1} ms, its steady one {steady:.1} ms: more than 1.2 ×"
-        );
-    }
-    let ev = arb.events();
-    if std::env::var_os("HLOG").is_some() {
-        eprintln!("A: {}\nB: {}", text(&oa), text(&ob));
-        for e in ev
-            .iter()
-            .filter(|e| e.seq > last && !matches!(e.kind, EventKind::Usage { .. }))
-        {
-            eprintln!("EV {} {:?} {:?}", e.t_ns / 1000, e.client, e.kind);
+        if cold > 1.2 * steady {
+            failed.push(format!(
+                "{name}'s first swap-out took {cold:.1} ms, its steady one {steady:.1} ms: more than 1.2 ×"
+            ));
         }
     }
+    let ev = arb.events();
     let trace = m.read_trace();
     for (from, to, to_pid, after, alone) in [
         (ca, cb, pb, last, a_out.max(b_in)),
@@ -562,15 +574,31 @@ fn hand_offs_pipelined_or_cold_cost_about_one_steady_swap() {
             (grant.t_ns - drop.t_ns) as f64 / 1e6,
             (release.t_ns - drop.t_ns) as f64 / 1e6,
         );
-        assert!(
-            grant.seq < release.seq,
-            "{name} was not pipelined: granted after the release"
-        );
-        assert!(
-            handoff_ms <= 1.2 * alone_ms,
-            "{name} took {handoff_ms:.1} ms; 1.2 × the longer swap alone is {:.1} ms",
-            1.2 * alone_ms
-        );
+        if grant.seq > release.seq {
+            failed.push(format!(
+                "{name} was not pipelined: granted after the release"
+            ));
+        }
+        if handoff_ms > 1.2 * alone_ms {
+            failed.push(format!(
+                "{name} took {handoff_ms:.1} ms; 1.2 × the longer swap alone is {:.1} ms",
+                1.2 * alone_ms
+            ));
+        }
+    }
+    if !failed.is_empty() || std::env::var_os("HLOG").is_some() {
+        eprintln!("A: {}\nB: {}", text(&oa), text(&ob));
+        for e in ev
+            .iter()
+            .filter(|e| e.seq > last && !matches!(e.kind, EventKind::Usage { .. }))
+        {
+            eprintln!("EV {} {:?} {:?}", e.t_ns / 1000, e.client, e.kind);
+        }
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(failed.join("; "))
     }
 }
 
