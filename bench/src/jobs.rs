@@ -502,6 +502,14 @@ pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
     let tq = 5.0;
     let (serial_d, alone) = serial(&b, job, GPU)?;
     let serial_t = serial_d.as_secs_f64();
+    // The first run of the two together touches ~2 GB more host memory than the
+    // serial runs (one job at a time, no pinned buffers) ever held. The simulator's
+    // device memory is the host's, and a host slow to fault in fresh pages (0.5 GB/s on
+    // these VMs some days, where `cuMemCreate` is modelled at ~20 GB/s) then charges
+    // the second job's first backing seconds that no GPU would. That run is reported
+    // on its own (`makespan_kiwi_first_run`); the figures are from the next one, on
+    // host memory as recently used as the serial runs'.
+    let (first_d, _) = together_under_kiwi(&b, job, GPU, tq, true)?;
     let (kiwi_d, reports) = together_under_kiwi(&b, job, GPU, tq, true)?;
     let kiwi_t = kiwi_d.as_secs_f64();
     let (nok, nt, why) = together_without_kiwi(&b, job, GPU)?;
@@ -528,6 +536,16 @@ pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
                 ),
             )
             .goal("within 5% (ratio <= 1.05)"),
+        Figure::new(
+            "oversub",
+            "makespan_kiwi_first_run",
+            first_d.as_secs_f64(),
+            "s",
+        )
+        .against(
+            ideal,
+            "the ideal above; the first run of the two together, on host memory no earlier run had used",
+        ),
         Figure::new("oversub", "makespan_kiwi_vs_nominal", kiwi_t, "s")
             .against(
                 nominal,
