@@ -117,7 +117,11 @@ const NOTES: &[&str] = &[
      interleave of these jobs could gain. `handoffs` and `gpu_work_shared` say where \
      the makespan beyond the ideal went, from the jobs' own reports: the hand-offs \
      (each job's first turn left out: it holds the job's start-up, which the ideal \
-     counts) and the GPU phases as they ran shared. The figures come from the second run      of the two jobs together; the first is printed on its own      (`makespan_kiwi_first_run`): it uses ~2 GB more host memory than the serial runs      held, and the simulator's device memory is the host's, so a host slow to fault in      fresh pages charges the second job's first backing seconds that no GPU would.",
+     counts) and the GPU phases as they ran shared. The figures come from the second run \
+     of the two jobs together; the first is printed on its own \
+     (`makespan_kiwi_first_run`): it uses ~2 GB more host memory than the serial runs \
+     held, and the simulator's device memory is the host's, so a host slow to fault in \
+     fresh pages charges the second job's first backing seconds that no GPU would.",
 "**swap**: each swap alone on the link (`KIWI_PIPELINED=0`: no hand-off overlaps a swap-out with a swap-in), so the figures are the swap path's rate. `swap_out_all` also counts each notebook's first swap-out, whose buffers were pinned ahead while it held the GPU; `handoff-swap`'s `first_swap_out` measures the cold swap-out between two ready notebooks.",
         "**early-release**: a holder releases after its idle threshold, at most \
      `KIWI_IDLE_MS`, shorter once its own pauses between pieces of work are known \

@@ -353,9 +353,10 @@ fn releases_between(arb: &Arbiter, pid: u32, from_ns: u64, to_ns: u64) -> usize 
 ///
 /// The bounds are on single swaps of a few hundred milliseconds, and on these VMs one
 /// swap now and then takes 100–400 ms longer than its neighbours, with nothing in
-/// either shim's log to account for it (4 runs in 18 on a quiet machine, then none in
-/// 22; once in CI): a failed run is run once more, never a third time. A shim that
-/// pins on the critical path, or does not pipeline, misses the bounds in every run.
+/// either shim's log to account for it (4 of 14 runs on a quiet machine, then none in
+/// 24; once in a local `.ci/run`): a failed run is run once more, never a third time.
+/// A shim that pins on the critical path, or does not pipeline, misses the bounds in
+/// every run (with `KIWI_PIPELINED=0`: both runs miss).
 #[test]
 fn hand_offs_pipelined_or_cold_cost_about_one_steady_swap() {
     let _serial = serial();
@@ -397,10 +398,10 @@ fn pipelined_and_cold_hand_offs() -> Result<(), String> {
         Stepped::spawn(&mut c)
     };
     // The premise of "no swap pays for pinning": the buffers are pinned before
-    // anyone asks. Page-locking takes as long as the host takes to fault pages in
-    // (at 0.5 GB/s or slower: on a fresh VM that is reclaiming its page cache, 64
-    // MiB took 190 ms here), so the test waits for the shim to say it is done
-    // rather than for a fixed time; it must be done long before anyone asks.
+    // anyone asks. Page-locking takes at least as long as the host takes to fault
+    // the pages in (0.5 GB/s modelled here; 64 MiB of fresh memory took 26 to 194 ms
+    // to fault in on these VMs), so the test waits for the shim to say it is done
+    // rather than for a fixed time.
     let pinned_ahead = |p: &Stepped| p.wait_stderr("pinning ahead done", Duration::from_secs(30));
     let mut a = spawn(false);
     a.wait_for("RUNNING");
