@@ -126,7 +126,8 @@ const NOTES: &[&str] = &[
         "**early-release**: a holder releases after its idle threshold, at most \
      `KIWI_IDLE_MS`, shorter once its own pauses between pieces of work are known \
      (`shim/src/idle.rs`): the p50 shows the learned threshold, the p99 the first \
-     releases, before 8 pauses were seen.",
+     releases, with few pauses seen (the threshold falls from `KIWI_IDLE_MS` by an \
+     eighth of the way with each of the first 8).",
     "**handoff-swap at 25 GB/s**: the simulator's copy engine is the host's memcpy \
      (the `swap` scenario's pinned copy is its rate), so a swap-out and a swap-in at once share the host's memory \
      bandwidth and 2 cores, which a GPU's copy engines do not; at 4 GB/s the modelled \

@@ -8,9 +8,14 @@
 //! submitted again, the time in between was a pause that was not the end of its work.
 //! [`IdleLearner`] keeps the longest recent pause (halving every [`HALF_LIFE`], so one
 //! long pause is remembered for minutes, not forever), and the threshold is
-//! [`MARGIN`] times that, between `KIWI_IDLE_MIN_MS` and `KIWI_IDLE_MS`. Until
-//! [`MIN_PAUSES`] pauses are seen it is `KIWI_IDLE_MS`: one quick resubmission says
-//! little about the next pause. A pause that ended after the process had already
+//! [`MARGIN`] times that, between `KIWI_IDLE_MIN_MS` and `KIWI_IDLE_MS`. Trust in it
+//! grows with the pauses seen: before any it is `KIWI_IDLE_MS`; after `n` of them it
+//! lies `n / MIN_PAUSES` of the way from `KIWI_IDLE_MS` down to the learned value,
+//! which it reaches after [`MIN_PAUSES`]: one quick resubmission says little about
+//! the next pause, yet a notebook whose work shows one or two pauses a turn should
+//! not wait the whole `KIWI_IDLE_MS` for four turns (it did: in a run of `kiwi-bench
+//! oversub`'s two jobs by hand, one released at 100 ms in each of its four turns, the
+//! other at 10 to 15 ms from its second, its start-up having shown enough pauses). A pause that ended after the process had already
 //! released early counts too, so a wrong guess raises the threshold.
 
 use std::time::{Duration, Instant};
@@ -18,7 +23,7 @@ use std::time::{Duration, Instant};
 /// How many times the longest recent pause the holder waits before releasing.
 pub const MARGIN: u32 = 4;
 
-/// Pauses seen before the threshold may drop below `KIWI_IDLE_MS`.
+/// Pauses seen before the threshold is the learned one (it falls towards it with each).
 pub const MIN_PAUSES: u32 = 8;
 
 /// The remembered longest pause halves every this long.
@@ -49,12 +54,15 @@ impl IdleLearner {
     }
 
     /// How long to be idle before releasing early: [`MARGIN`] × the longest recent
-    /// pause, within `[min, max]`; `max` until [`MIN_PAUSES`] pauses were seen.
+    /// pause, within `[min, max]`, once [`MIN_PAUSES`] pauses were seen; `max` before
+    /// any, and in between the share of the way down that the pauses seen give.
     pub fn threshold(&self, now: Instant, min: Duration, max: Duration) -> Duration {
-        match self.longest_at(now) {
-            Some(d) if self.seen >= MIN_PAUSES => (d * MARGIN).clamp(min.min(max), max),
-            _ => max,
-        }
+        let Some(d) = self.longest_at(now) else {
+            return max;
+        };
+        let learned = (d * MARGIN).clamp(min.min(max), max);
+        let unseen = MIN_PAUSES - self.seen.min(MIN_PAUSES);
+        learned + (max - learned) * unseen / MIN_PAUSES
     }
 }
 
@@ -78,16 +86,45 @@ mod tests {
     const MAX: Duration = Duration::from_millis(100);
 
     #[test]
-    fn unlearned_waits_the_whole_idle_period() {
+    fn trust_grows_with_each_pause_seen() {
         let mut l = IdleLearner::default();
         let t = Instant::now();
-        assert_eq!(l.threshold(t, MIN, MAX), MAX);
-        for _ in 1..MIN_PAUSES {
+        assert_eq!(
+            l.threshold(t, MIN, MAX),
+            MAX,
+            "no pause seen: the idle period"
+        );
+        let mut last = MAX;
+        for n in 1..=MIN_PAUSES {
             l.pause(Duration::from_micros(50), t);
-            assert_eq!(l.threshold(t, MIN, MAX), MAX, "too few pauses to go by");
+            let th = l.threshold(t, MIN, MAX);
+            // 100 ms down to 10 ms in eighths: 88.75, 77.5, ... 21.25, 10.
+            let want = MIN + (MAX - MIN) * (MIN_PAUSES - n) / MIN_PAUSES;
+            assert_eq!(th, want, "after {n} pauses");
+            assert!(th < last, "after {n} pauses: {th:?}, not below {last:?}");
+            last = th;
         }
+        assert_eq!(last, MIN);
         l.pause(Duration::from_micros(50), t);
-        assert_eq!(l.threshold(t, MIN, MAX), MIN);
+        assert_eq!(
+            l.threshold(t, MIN, MAX),
+            MIN,
+            "past MIN_PAUSES it stays learned"
+        );
+    }
+
+    #[test]
+    fn a_long_pause_among_few_is_never_undercut() {
+        // One pause of 20 ms: the learned value (80 ms) is the floor of the way down.
+        let mut l = IdleLearner::default();
+        let t = Instant::now();
+        l.pause(Duration::from_millis(20), t);
+        let th = l.threshold(t, MIN, MAX);
+        assert!(th >= Duration::from_millis(80) && th < MAX, "{th:?}");
+        assert_eq!(
+            th,
+            Duration::from_millis(80) + Duration::from_millis(20) * 7 / 8
+        );
     }
 
     fn learned(gap: Duration, t: Instant) -> IdleLearner {
