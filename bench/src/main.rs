@@ -87,7 +87,18 @@ enum Scenario {
     #[command(name = "__launch-overhead", hide = true)]
     LaunchOverheadRole { shim: PathBuf },
     #[command(name = "__copy-bandwidth", hide = true)]
-    CopyBandwidthRole { bytes: usize },
+    CopyBandwidthRole {
+        bytes: usize,
+        /// One way only: `d2h` or `h2d`, from `--start-ns` to `--end-ns`.
+        #[arg(long)]
+        dir: Option<String>,
+        #[arg(long, default_value_t = 0)]
+        start_ns: u64,
+        #[arg(long, default_value_t = 0)]
+        end_ns: u64,
+    },
+    #[command(name = "__create-rate", hide = true)]
+    CreateRateRole { bytes: usize, segment: usize },
     #[command(name = "__handoff-client", hide = true)]
     HandoffClient {
         #[arg(long)]
@@ -131,7 +142,23 @@ fn run(cli: Cli) -> Result<()> {
         Scenario::Swap => shimbench::swap(cli.quick)?,
         Scenario::DropLatency => shimbench::drop_latency(cli.quick)?,
         Scenario::LaunchOverheadRole { shim } => return shimbench::launch_overhead_role(&shim),
-        Scenario::CopyBandwidthRole { bytes } => return shimbench::copy_bandwidth_role(bytes),
+        Scenario::CopyBandwidthRole {
+            bytes,
+            dir,
+            start_ns,
+            end_ns,
+        } => {
+            let one_way = match dir.as_deref() {
+                None => None,
+                Some("d2h") => Some((true, start_ns, end_ns)),
+                Some("h2d") => Some((false, start_ns, end_ns)),
+                Some(d) => anyhow::bail!("--dir: d2h or h2d, not {d:?}"),
+            };
+            return shimbench::copy_bandwidth_role(bytes, one_way);
+        }
+        Scenario::CreateRateRole { bytes, segment } => {
+            return shimbench::create_rate_role(bytes, segment)
+        }
         Scenario::Fit => jobs::fit(cli.quick)?,
         Scenario::HandoffSwap => pipeline::handoff_swap(cli.quick)?,
         Scenario::IdlePartner => pipeline::idle_partner(cli.quick)?,

@@ -122,7 +122,7 @@ const NOTES: &[&str] = &[
      (`makespan_kiwi_first_run`): it uses ~2 GB more host memory than the serial runs \
      held, and the simulator's device memory is the host's, so a host slow to fault in \
      fresh pages charges the second job's first backing seconds that no GPU would.",
-"**swap**: each swap alone on the link (`KIWI_PIPELINED=0`: no hand-off overlaps a swap-out with a swap-in), so the figures are the swap path's rate. `swap_out_all` also counts each notebook's first swap-out, whose buffers were pinned ahead while it held the GPU; `handoff-swap`'s `first_swap_out` measures the cold swap-out between two ready notebooks.",
+"**swap**: each swap alone on the link (`KIWI_PIPELINED=0`: no hand-off overlaps a swap-out with a swap-in), so the figures are the swap path's rate. `swap_out_all` also counts each notebook's first swap-out, whose buffers were pinned ahead while it held the GPU; `handoff-swap`'s `first_swap_out` measures the cold swap-out between two ready notebooks. A swap-in makes the memory it copies into (until the grant it was the previous holder's), each 64 MiB segment's while the segment before is copied; `cuMemCreate` at the modelled 100 µs per 2 MiB (~21 GB/s, `swap_in_vs_creation`'s baseline gives the rate measured) is about as fast as this host's copy, so the swap-in waits for the first segment's creation and then for whichever of the two is slower, segment by segment. On a GPU whose link is faster than its `cuMemCreate` (an H100's PCIe 5 against 100 to 200 µs per 2 MiB), creation would set the pace.",
         "**early-release**: a holder releases after its idle threshold, at most \
      `KIWI_IDLE_MS`, shorter once its own pauses between pieces of work are known \
      (`shim/src/idle.rs`): the p50 shows the learned threshold, the p99 the first \
@@ -131,7 +131,10 @@ const NOTES: &[&str] = &[
     "**handoff-swap at 25 GB/s**: the simulator's copy engine is the host's memcpy \
      (the `swap` scenario's pinned copy is its rate), so a swap-out and a swap-in at once share the host's memory \
      bandwidth and 2 cores, which a GPU's copy engines do not; at 4 GB/s the modelled \
-     link, not the host, sets the pace.",
+     link, not the host, sets the pace. `steady_handoff_vs_duplex` measures that \
+     sharing in the same run (two processes copying one way each for the same 600 ms) \
+     and gives the time the hand-off's bytes take at those rates: the most a pipelined \
+     hand-off can overlap on this host.",
 ];
 
 /// The document.

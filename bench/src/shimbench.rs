@@ -164,16 +164,137 @@ pub fn launch_overhead_role(shim: &Path) -> Result<()> {
 /// Copies of `bytes` each way the copy-bandwidth baseline times (after one warm-up).
 const BASELINE_ROUNDS: usize = 4;
 
-/// Child role: pinned device↔host copy bandwidth (GB/s) on the simulator, with the
-/// host buffer touched once first (as the shim's reused swap buffers are). Prints the
+/// A context, `bytes` of device memory and as much pinned host memory, touched once
+/// (as the shim's reused swap buffers are), and the copy entry points.
+struct CopyRig {
+    dtoh: unsafe extern "C" fn(*mut c_void, u64, usize) -> c_int,
+    htod: unsafe extern "C" fn(u64, *const c_void, usize) -> c_int,
+    dev: u64,
+    host: *mut c_void,
+    bytes: usize,
+}
+
+impl CopyRig {
+    fn new(bytes: usize) -> Result<CopyRig> {
+        let cuda = open(c"libcuda.so.1", libc::RTLD_NOW | libc::RTLD_GLOBAL)?;
+        // SAFETY: cuda.h's types for these entry points.
+        let (init, dev_get, ctx_create, alloc, host_alloc, dtoh, htod) = unsafe {
+            (
+                sym::<unsafe extern "C" fn(c_uint) -> c_int>(cuda, c"cuInit")?,
+                sym::<unsafe extern "C" fn(*mut c_int, c_int) -> c_int>(cuda, c"cuDeviceGet")?,
+                sym::<unsafe extern "C" fn(*mut *mut c_void, c_uint, c_int) -> c_int>(
+                    cuda,
+                    c"cuCtxCreate_v2",
+                )?,
+                sym::<unsafe extern "C" fn(*mut u64, usize) -> c_int>(cuda, c"cuMemAlloc_v2")?,
+                sym::<unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int>(
+                    cuda,
+                    c"cuMemAllocHost_v2",
+                )?,
+                sym::<unsafe extern "C" fn(*mut c_void, u64, usize) -> c_int>(
+                    cuda,
+                    c"cuMemcpyDtoH_v2",
+                )?,
+                sym::<unsafe extern "C" fn(u64, *const c_void, usize) -> c_int>(
+                    cuda,
+                    c"cuMemcpyHtoD_v2",
+                )?,
+            )
+        };
+        let (mut ordinal, mut ctx, mut dev, mut host) =
+            (0, std::ptr::null_mut(), 0u64, std::ptr::null_mut());
+        // SAFETY: driver calls with valid out-pointers and a buffer of `bytes` both sides.
+        unsafe {
+            check(init(0), "cuInit")?;
+            check(dev_get(&mut ordinal, 0), "cuDeviceGet")?;
+            check(ctx_create(&mut ctx, 0, ordinal), "cuCtxCreate")?;
+            check(alloc(&mut dev, bytes), "cuMemAlloc")?;
+            check(host_alloc(&mut host, bytes), "cuMemAllocHost")?;
+            check(dtoh(host, dev, bytes), "cuMemcpyDtoH")?;
+        }
+        Ok(CopyRig {
+            dtoh,
+            htod,
+            dev,
+            host,
+            bytes,
+        })
+    }
+
+    /// One copy of all the bytes, device to host or host to device; its seconds.
+    fn copy(&self, to_host: bool) -> Result<f64> {
+        let t = Instant::now();
+        // SAFETY: both buffers hold `bytes` (made in `new`).
+        unsafe {
+            if to_host {
+                check((self.dtoh)(self.host, self.dev, self.bytes), "cuMemcpyDtoH")?;
+            } else {
+                check((self.htod)(self.dev, self.host, self.bytes), "cuMemcpyHtoD")?;
+            }
+        }
+        Ok(t.elapsed().as_secs_f64())
+    }
+}
+
+/// Child role: pinned device↔host copy bandwidth (GB/s) on the simulator. Prints the
 /// bytes over the time of [`BASELINE_ROUNDS`] copies each way (alternating): one
 /// 256 MiB copy takes ~20 ms, a single sample on a machine whose copy rate wanders by
 /// ±30% from one to the next, while the swap figures it is compared with add up
 /// twenty swaps of ~600 MiB each.
-pub fn copy_bandwidth_role(bytes: usize) -> Result<()> {
+///
+/// With `one_way` (`to_host`, start and end on CLOCK_MONOTONIC): copies in that
+/// direction only, from `start_ns` until `end_ns`, and prints that direction's GB/s.
+/// Two of these at once, one each way in two processes, measure what this host's
+/// copies give both directions together (a pipelined hand-off's case).
+pub fn copy_bandwidth_role(bytes: usize, one_way: Option<(bool, u64, u64)>) -> Result<()> {
+    let rig = CopyRig::new(bytes)?;
+    if let Some((to_host, start_ns, end_ns)) = one_way {
+        let now = crate::procs::monotonic_ns();
+        if now >= start_ns {
+            bail!(
+                "ready {} ms after the agreed start",
+                (now - start_ns) / 1_000_000
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_nanos(start_ns - now));
+        let (mut n, mut secs) = (0usize, 0.0);
+        while crate::procs::monotonic_ns() < end_ns {
+            secs += rig.copy(to_host)?;
+            n += 1;
+        }
+        println!("{}", (n * bytes) as f64 / secs / 1e9);
+        return Ok(());
+    }
+    let (mut a, mut b) = (0.0, 0.0);
+    for _ in 0..BASELINE_ROUNDS {
+        a += rig.copy(true)?;
+        b += rig.copy(false)?;
+    }
+    let total = (bytes * BASELINE_ROUNDS) as f64;
+    println!("{} {}", total / a / 1e9, total / b / 1e9);
+    Ok(())
+}
+
+/// What `cuMemCreate`'s `prop` holds (cuda.h's `CUmemAllocationProp`): pinned device
+/// memory on device 0, no shareable handle type.
+#[repr(C)]
+struct AllocationProp {
+    kind: c_int,
+    handle_types: c_int,
+    location_type: c_int,
+    location_id: c_int,
+    win32_metadata: *mut c_void,
+    alloc_flags: [u8; 8],
+}
+
+/// Child role: the rate (GB/s) at which `cuMemCreate` makes physical memory in
+/// handles of `segment` bytes, `bytes` in all (after one round to warm up, released
+/// each time; releases not timed): what a swap-in pays for the memory it copies into,
+/// as the shim makes it (`shim/src/mem.rs`, `SEGMENT_MAX`).
+pub fn create_rate_role(bytes: usize, segment: usize) -> Result<()> {
     let cuda = open(c"libcuda.so.1", libc::RTLD_NOW | libc::RTLD_GLOBAL)?;
     // SAFETY: cuda.h's types for these entry points.
-    let (init, dev_get, ctx_create, alloc, host_alloc, dtoh, htod) = unsafe {
+    let (init, dev_get, ctx_create, create, release) = unsafe {
         (
             sym::<unsafe extern "C" fn(c_uint) -> c_int>(cuda, c"cuInit")?,
             sym::<unsafe extern "C" fn(*mut c_int, c_int) -> c_int>(cuda, c"cuDeviceGet")?,
@@ -181,44 +302,99 @@ pub fn copy_bandwidth_role(bytes: usize) -> Result<()> {
                 cuda,
                 c"cuCtxCreate_v2",
             )?,
-            sym::<unsafe extern "C" fn(*mut u64, usize) -> c_int>(cuda, c"cuMemAlloc_v2")?,
-            sym::<unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int>(
+            sym::<unsafe extern "C" fn(*mut u64, usize, *const AllocationProp, u64) -> c_int>(
                 cuda,
-                c"cuMemAllocHost_v2",
+                c"cuMemCreate",
             )?,
-            sym::<unsafe extern "C" fn(*mut c_void, u64, usize) -> c_int>(
-                cuda,
-                c"cuMemcpyDtoH_v2",
-            )?,
-            sym::<unsafe extern "C" fn(u64, *const c_void, usize) -> c_int>(
-                cuda,
-                c"cuMemcpyHtoD_v2",
-            )?,
+            sym::<unsafe extern "C" fn(u64) -> c_int>(cuda, c"cuMemRelease")?,
         )
     };
-    let (mut dev, mut ctx, mut d, mut h) = (0, std::ptr::null_mut(), 0u64, std::ptr::null_mut());
-    // SAFETY: driver calls with valid out-pointers and a buffer of `bytes` both sides.
-    let (t_dtoh, t_htod) = unsafe {
-        check(init(0), "cuInit")?;
-        check(dev_get(&mut dev, 0), "cuDeviceGet")?;
-        check(ctx_create(&mut ctx, 0, dev), "cuCtxCreate")?;
-        check(alloc(&mut d, bytes), "cuMemAlloc")?;
-        check(host_alloc(&mut h, bytes), "cuMemAllocHost")?;
-        check(dtoh(h, d, bytes), "cuMemcpyDtoH")?;
-        let (mut a, mut b) = (0.0, 0.0);
-        for _ in 0..BASELINE_ROUNDS {
-            let t = Instant::now();
-            check(dtoh(h, d, bytes), "cuMemcpyDtoH")?;
-            a += t.elapsed().as_secs_f64();
-            let t = Instant::now();
-            check(htod(d, h, bytes), "cuMemcpyHtoD")?;
-            b += t.elapsed().as_secs_f64();
-        }
-        (a, b)
+    let prop = AllocationProp {
+        kind: 1,          // CU_MEM_ALLOCATION_TYPE_PINNED
+        handle_types: 0,  // CU_MEM_HANDLE_TYPE_NONE
+        location_type: 1, // CU_MEM_LOCATION_TYPE_DEVICE
+        location_id: 0,
+        win32_metadata: std::ptr::null_mut(),
+        alloc_flags: [0; 8],
     };
-    let total = (bytes * BASELINE_ROUNDS) as f64;
-    println!("{} {}", total / t_dtoh / 1e9, total / t_htod / 1e9);
+    let (mut ordinal, mut ctx) = (0, std::ptr::null_mut());
+    // SAFETY: driver calls with valid out-pointers.
+    unsafe {
+        check(init(0), "cuInit")?;
+        check(dev_get(&mut ordinal, 0), "cuDeviceGet")?;
+        check(ctx_create(&mut ctx, 0, ordinal), "cuCtxCreate")?;
+    }
+    let n = (bytes / segment).max(1);
+    let mut secs = 0.0;
+    for round in 0..2 {
+        let mut handles = Vec::with_capacity(n);
+        for _ in 0..n {
+            let mut h = 0u64;
+            let t = Instant::now();
+            // SAFETY: a valid out-pointer and a prop laid out as cuda.h's.
+            check(unsafe { create(&mut h, segment, &prop, 0) }, "cuMemCreate")?;
+            if round == 1 {
+                secs += t.elapsed().as_secs_f64();
+            }
+            handles.push(h);
+        }
+        for h in handles {
+            // SAFETY: a handle cuMemCreate just made, released once.
+            check(unsafe { release(h) }, "cuMemRelease")?;
+        }
+    }
+    println!("{}", (n * segment) as f64 / secs / 1e9);
     Ok(())
+}
+
+/// GB/s of `cuMemCreate` on `sim`, in the shim's segments (see [`create_rate_role`]).
+pub fn create_rate(b: &Build, sim: &Sim) -> Result<f64> {
+    let out = child(
+        &["__create-rate", "268435456", &SEGMENT_BYTES.to_string()],
+        b,
+        sim,
+    )?;
+    out.parse()
+        .map_err(|_| anyhow::anyhow!("unexpected output {out:?}"))
+}
+
+/// The shim's largest segment (`shim/src/mem.rs`, `SEGMENT_MAX`): the unit a swap-in
+/// creates memory in.
+const SEGMENT_BYTES: u64 = 64 << 20;
+
+/// The pinned copy rates (GB/s: device to host, host to device) on `sim` with one
+/// copy each way at once, in two processes, for the same 600 ms.
+pub fn duplex_copy_rates(b: &Build, sim: &Sim) -> Result<(f64, f64)> {
+    // Time for both to start (a context, 256 MiB of each memory, pinning included).
+    let start = crate::procs::monotonic_ns() + 3_000_000_000;
+    let end = start + 600_000_000;
+    let spawn = |dir: &str| -> Result<std::process::Child> {
+        let mut cmd = Command::new(std::env::current_exe()?);
+        sim.apply(b, &mut cmd);
+        Ok(cmd
+            .args(["__copy-bandwidth", "268435456", "--dir", dir])
+            .args([
+                "--start-ns",
+                &start.to_string(),
+                "--end-ns",
+                &end.to_string(),
+            ])
+            .env_remove("LD_PRELOAD")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()?)
+    };
+    let (out, inn) = (spawn("d2h")?, spawn("h2d")?);
+    let rate = |c: std::process::Child, dir: &str| -> Result<f64> {
+        let o = c.wait_with_output()?;
+        let s = String::from_utf8_lossy(&o.stdout).trim().to_string();
+        if !o.status.success() {
+            bail!("kiwi-bench __copy-bandwidth --dir {dir} failed");
+        }
+        s.parse()
+            .map_err(|_| anyhow::anyhow!("unexpected output {s:?}"))
+    };
+    Ok((rate(out, "d2h")?, rate(inn, "h2d")?))
 }
 
 fn child(role: &[&str], b: &Build, sim: &Sim) -> Result<String> {
@@ -326,6 +502,7 @@ pub fn swap(quick: bool) -> Result<Vec<Figure>> {
     // stretch of time as the swaps do.
     let copy_bw = || two_numbers(&child(&["__copy-bandwidth", "268435456"], &b, &sim)?);
     let before = copy_bw()?;
+    let create = create_rate(&b, &sim)?;
     // Between bursts the notebooks sit idle (sleep) rather than compute: the simulator's
     // copy engine is a CPU copy, and on a 2-core machine an application computing beside
     // it slows it down, which no DMA engine suffers; the figure is about the swap path.
@@ -384,6 +561,18 @@ pub fn swap(quick: bool) -> Result<Vec<Figure>> {
         Figure::new("swap", "swap_in", gbps(ib, id), "GB/s")
             .against(h2d, "pinned host-to-device copy")
             .goal(">= 95% of the copy bandwidth"),
+    );
+    // A swap-in makes the memory it copies into (the previous holder's until it
+    // left), each segment's while the one before is copied: at best the slower of
+    // the two rates.
+    figs.push(
+        Figure::new("swap", "swap_in_vs_creation", gbps(ib, id), "GB/s").against(
+            h2d.min(create),
+            &format!(
+                "the slower of the pinned host-to-device copy and cuMemCreate in {} MiB handles ({create:.1} GB/s), same run",
+                SEGMENT_BYTES >> 20
+            ),
+        ),
     );
     figs.push(Figure::new(
         "swap",

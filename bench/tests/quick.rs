@@ -84,3 +84,32 @@ fn launch_overhead_quick_json() {
         .as_f64()
         .is_some());
 }
+
+/// The swap figures, and the swap-in against the slower of the copy and `cuMemCreate`
+/// (both measured by child processes on the simulator, in the same run).
+#[test]
+fn swap_quick_json() {
+    let figs = run(&["swap", "--quick", "--json"]);
+    let copy = figure(&figs, "swap_in")["baseline"].as_f64().unwrap();
+    let f = figure(&figs, "swap_in_vs_creation");
+    let bound = f["baseline"].as_f64().unwrap();
+    assert!(
+        bound > 0.0 && bound <= copy,
+        "the creation bound {bound} GB/s against the copy {copy} GB/s"
+    );
+    assert_eq!(f["value"], figure(&figs, "swap_in")["value"]);
+}
+
+#[test]
+fn a_copy_direction_must_be_one_of_two() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kiwi-bench"))
+        .args(["__copy-bandwidth", "1048576", "--dir", "sideways"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--dir: d2h or h2d"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
