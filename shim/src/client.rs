@@ -1434,10 +1434,16 @@ impl Client {
     /// A submission during the drain, a thread waiting in the queue bound or a capture
     /// in progress means busy. No timing threshold: a drain that a loaded machine slows
     /// down only starts the clock as much later, and it is taken once per quiet period.
+    /// A submission still in its driver call (counted, its work perhaps not queued)
+    /// means busy too: a drain then could return before that work exists, and the
+    /// release that followed skipped its drain and swapped out memory under it (a
+    /// runtime program's graph launch, `tests/tests/cudart.rs`, failed with
+    /// `cudaErrorIllegalAddress` about once in 16 runs).
     fn tick(&self, k: usize) {
         let mut st = lock(&self.state);
         let subs = self.gate.submissions();
-        let moved = subs != st.idle_mark || crate::gate::QUEUE_BOUND.syncing();
+        let moved =
+            subs != st.idle_mark || self.gate.in_flight() || crate::gate::QUEUE_BOUND.syncing();
         st.idle_mark = subs;
         if moved {
             let now = Instant::now();
@@ -1484,6 +1490,7 @@ impl Client {
             }
             let quiet = r.is_ok()
                 && self.gate.submissions() == subs
+                && !self.gate.in_flight()
                 && !crate::gate::QUEUE_BOUND.syncing()
                 && !capturing
                 && !crate::capture::active();

@@ -176,8 +176,17 @@ impl Gate {
     }
 
     /// Submissions so far (wrapping at 2^32): the idle detector watches it change.
+    /// A submission counts from the moment it enters, before its driver call has
+    /// queued its work: see [`Gate::in_flight`].
     pub fn submissions(&self) -> u32 {
         (self.counter.load(Ordering::Relaxed) >> 32) as u32
+    }
+
+    /// Whether a submission is between entering and its driver call's return: its
+    /// work may not be queued yet, so a drain now could return before it and see the
+    /// process idle while that work is about to run.
+    pub fn in_flight(&self) -> bool {
+        self.counter.load(Ordering::SeqCst) & INFLIGHT_MASK != 0
     }
 }
 
@@ -329,6 +338,20 @@ mod tests {
         assert_eq!(b.limit(), 4);
     }
     use std::sync::Arc;
+
+    #[test]
+    fn a_submission_is_in_flight_until_it_exits() {
+        let g = Gate::new();
+        g.open();
+        assert!(!g.in_flight());
+        assert!(g.try_enter());
+        // Counted at once, its work not yet queued.
+        assert_eq!(g.submissions(), 1);
+        assert!(g.in_flight());
+        g.exit();
+        assert!(!g.in_flight());
+        assert_eq!(g.submissions(), 1);
+    }
 
     #[test]
     fn closed_gate_refuses_and_counts_nothing() {
