@@ -356,21 +356,10 @@ struct Handoffs {
     first_out: f64,
     steady_out: f64,
     n: usize,
-    /// A's swap-out and B's swap-in of `mib` each at the rates this host's copies
-    /// reach one each way at once (two processes), ms: the most a pipelined hand-off
-    /// could overlap them here.
-    duplex: f64,
 }
 
 fn measure_handoffs(b: &Build, mem: u64, quick: bool, pcie_gbps: f64) -> Result<Handoffs> {
     let (out_alone, in_alone, mib) = swaps_alone(b, mem, if quick { 3 } else { 5 }, pcie_gbps)?;
-    let duplex = {
-        let mut sim = Sim::new("duplex", GPU);
-        sim.pcie_gbps = pcie_gbps;
-        let (d2h, h2d) = crate::shimbench::duplex_copy_rates(b, &sim)?;
-        let bytes = mib * (1u64 << 20) as f64;
-        (bytes / d2h).max(bytes / h2d) / 1e6
-    };
     // A and B always want the GPU: every hand-off is a drop at the end of a TQ. B
     // starts once A runs, so the first hand-off is the first ever: A's first
     // swap-out, B's first turn.
@@ -426,7 +415,6 @@ fn measure_handoffs(b: &Build, mem: u64, quick: bool, pcie_gbps: f64) -> Result<
         first_out: first_outs.iter().copied().fold(0.0, f64::max),
         steady_out: median(later_outs),
         n: handoffs.len(),
-        duplex,
     })
 }
 
@@ -440,6 +428,15 @@ pub fn handoff_swap(quick: bool) -> Result<Vec<Figure>> {
     let mem = job_mem(70);
     let h = measure_handoffs(&b, mem, quick, COSTS.pcie_gbps)?;
     let m = measure_handoffs(&b, mem, quick, MODEL_BOUND_PCIE_GBPS)?;
+    // A's swap-out and B's swap-in at the rates this host's copies reach one each
+    // way at once (two processes), ms: the most a pipelined hand-off could overlap
+    // them at 25 GB/s, where the host, not the modelled link, sets the pace.
+    let duplex = {
+        let sim = Sim::new("duplex", GPU);
+        let (d2h, h2d) = crate::shimbench::duplex_copy_rates(&b, &sim)?;
+        let bytes = h.mib * (1u64 << 20) as f64;
+        (bytes / d2h).max(bytes / h2d) / 1e6
+    };
     let scen = "handoff-swap";
     let pcie = COSTS.pcie_gbps;
     let slow = MODEL_BOUND_PCIE_GBPS;
@@ -464,7 +461,7 @@ pub fn handoff_swap(quick: bool) -> Result<Vec<Figure>> {
             )
             .goal("ratio <= 1.2"),
         Figure::new(scen, "steady_handoff_vs_duplex", h.steady, "ms").against(
-            h.duplex,
+            duplex,
             &format!("the same swaps at the rates this host copies one way each at once (two processes, same run); PCIe {pcie} GB/s"),
         ),
         Figure::new(scen, "steady_handoff_model_bound", m.steady, "ms")

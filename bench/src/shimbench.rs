@@ -164,6 +164,31 @@ pub fn launch_overhead_role(shim: &Path) -> Result<()> {
 /// Copies of `bytes` each way the copy-bandwidth baseline times (after one warm-up).
 const BASELINE_ROUNDS: usize = 4;
 
+/// Opens the simulator's `libcuda.so.1` and makes a context on device 0 current on
+/// this thread: what every driver-side child role starts with.
+fn driver_with_context() -> Result<*mut c_void> {
+    let cuda = open(c"libcuda.so.1", libc::RTLD_NOW | libc::RTLD_GLOBAL)?;
+    // SAFETY: cuda.h's types for these entry points.
+    let (init, dev_get, ctx_create) = unsafe {
+        (
+            sym::<unsafe extern "C" fn(c_uint) -> c_int>(cuda, c"cuInit")?,
+            sym::<unsafe extern "C" fn(*mut c_int, c_int) -> c_int>(cuda, c"cuDeviceGet")?,
+            sym::<unsafe extern "C" fn(*mut *mut c_void, c_uint, c_int) -> c_int>(
+                cuda,
+                c"cuCtxCreate_v2",
+            )?,
+        )
+    };
+    let (mut ordinal, mut ctx) = (0, std::ptr::null_mut());
+    // SAFETY: driver calls with valid out-pointers.
+    unsafe {
+        check(init(0), "cuInit")?;
+        check(dev_get(&mut ordinal, 0), "cuDeviceGet")?;
+        check(ctx_create(&mut ctx, 0, ordinal), "cuCtxCreate")?;
+    }
+    Ok(cuda)
+}
+
 /// A context, `bytes` of device memory and as much pinned host memory, touched once
 /// (as the shim's reused swap buffers are), and the copy entry points.
 struct CopyRig {
@@ -176,16 +201,10 @@ struct CopyRig {
 
 impl CopyRig {
     fn new(bytes: usize) -> Result<CopyRig> {
-        let cuda = open(c"libcuda.so.1", libc::RTLD_NOW | libc::RTLD_GLOBAL)?;
+        let cuda = driver_with_context()?;
         // SAFETY: cuda.h's types for these entry points.
-        let (init, dev_get, ctx_create, alloc, host_alloc, dtoh, htod) = unsafe {
+        let (alloc, host_alloc, dtoh, htod) = unsafe {
             (
-                sym::<unsafe extern "C" fn(c_uint) -> c_int>(cuda, c"cuInit")?,
-                sym::<unsafe extern "C" fn(*mut c_int, c_int) -> c_int>(cuda, c"cuDeviceGet")?,
-                sym::<unsafe extern "C" fn(*mut *mut c_void, c_uint, c_int) -> c_int>(
-                    cuda,
-                    c"cuCtxCreate_v2",
-                )?,
                 sym::<unsafe extern "C" fn(*mut u64, usize) -> c_int>(cuda, c"cuMemAlloc_v2")?,
                 sym::<unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int>(
                     cuda,
@@ -201,13 +220,9 @@ impl CopyRig {
                 )?,
             )
         };
-        let (mut ordinal, mut ctx, mut dev, mut host) =
-            (0, std::ptr::null_mut(), 0u64, std::ptr::null_mut());
+        let (mut dev, mut host) = (0u64, std::ptr::null_mut());
         // SAFETY: driver calls with valid out-pointers and a buffer of `bytes` both sides.
         unsafe {
-            check(init(0), "cuInit")?;
-            check(dev_get(&mut ordinal, 0), "cuDeviceGet")?;
-            check(ctx_create(&mut ctx, 0, ordinal), "cuCtxCreate")?;
             check(alloc(&mut dev, bytes), "cuMemAlloc")?;
             check(host_alloc(&mut host, bytes), "cuMemAllocHost")?;
             check(dtoh(host, dev, bytes), "cuMemcpyDtoH")?;
@@ -292,16 +307,10 @@ struct AllocationProp {
 /// each time; releases not timed): what a swap-in pays for the memory it copies into,
 /// as the shim makes it (`shim/src/mem.rs`, `SEGMENT_MAX`).
 pub fn create_rate_role(bytes: usize, segment: usize) -> Result<()> {
-    let cuda = open(c"libcuda.so.1", libc::RTLD_NOW | libc::RTLD_GLOBAL)?;
+    let cuda = driver_with_context()?;
     // SAFETY: cuda.h's types for these entry points.
-    let (init, dev_get, ctx_create, create, release) = unsafe {
+    let (create, release) = unsafe {
         (
-            sym::<unsafe extern "C" fn(c_uint) -> c_int>(cuda, c"cuInit")?,
-            sym::<unsafe extern "C" fn(*mut c_int, c_int) -> c_int>(cuda, c"cuDeviceGet")?,
-            sym::<unsafe extern "C" fn(*mut *mut c_void, c_uint, c_int) -> c_int>(
-                cuda,
-                c"cuCtxCreate_v2",
-            )?,
             sym::<unsafe extern "C" fn(*mut u64, usize, *const AllocationProp, u64) -> c_int>(
                 cuda,
                 c"cuMemCreate",
@@ -317,13 +326,6 @@ pub fn create_rate_role(bytes: usize, segment: usize) -> Result<()> {
         win32_metadata: std::ptr::null_mut(),
         alloc_flags: [0; 8],
     };
-    let (mut ordinal, mut ctx) = (0, std::ptr::null_mut());
-    // SAFETY: driver calls with valid out-pointers.
-    unsafe {
-        check(init(0), "cuInit")?;
-        check(dev_get(&mut ordinal, 0), "cuDeviceGet")?;
-        check(ctx_create(&mut ctx, 0, ordinal), "cuCtxCreate")?;
-    }
     let n = (bytes / segment).max(1);
     let mut secs = 0.0;
     for round in 0..2 {

@@ -480,6 +480,9 @@ impl State {
 
 /// A drain that took this long waited for work: the queue ran dry as it returned.
 const MIN_WAITED_DRAIN: Duration = Duration::from_millis(1);
+/// How long the idle detector waits for a submission's driver call to return before
+/// its drain; longer, it looks again at the next tick.
+const SETTLE_MAX: Duration = Duration::from_millis(5);
 
 /// The process's connection to its arbiter: one turn per GPU it uses.
 pub struct Client {
@@ -1434,16 +1437,18 @@ impl Client {
     /// A submission during the drain, a thread waiting in the queue bound or a capture
     /// in progress means busy. No timing threshold: a drain that a loaded machine slows
     /// down only starts the clock as much later, and it is taken once per quiet period.
-    /// A submission still in its driver call (counted, its work perhaps not queued)
-    /// means busy too: a drain then could return before that work exists, and the
-    /// release that followed skipped its drain and swapped out memory under it (a
-    /// runtime program's graph launch, `tests/tests/cudart.rs`, failed with
-    /// `cudaErrorIllegalAddress` about once in 16 runs).
+    /// The drain starts only once no submission is in its driver call (counted on
+    /// entry, its work perhaps not queued yet): a drain started before could return
+    /// before that work exists, and the release that followed skipped its drain and
+    /// swapped out memory under it (a runtime program's graph launch,
+    /// `tests/tests/cudart.rs`, failed with `cudaErrorIllegalAddress` in 3 of 33 local
+    /// runs). It waits for such a call to return rather than give up the look
+    /// (treating it as busy cost the learner pauses: `handoff.rs`'s
+    /// `a_holder_with_short_pauses_releases_before_idle_ms` then failed 2 runs of 5).
     fn tick(&self, k: usize) {
         let mut st = lock(&self.state);
         let subs = self.gate.submissions();
-        let moved =
-            subs != st.idle_mark || self.gate.in_flight() || crate::gate::QUEUE_BOUND.syncing();
+        let moved = subs != st.idle_mark || crate::gate::QUEUE_BOUND.syncing();
         st.idle_mark = subs;
         if moved {
             let now = Instant::now();
@@ -1478,6 +1483,7 @@ impl Client {
         {
             // Not under the state lock: a drop or a waiting thread must not wait for it.
             drop(st);
+            let settled = self.gate.wait_no_call_in_flight(SETTLE_MAX);
             let capturing = crate::capture::active();
             let start = Instant::now();
             let r = turn.res.drain();
@@ -1488,9 +1494,9 @@ impl Client {
                 // fails too, see drain_then_evict).
                 crate::kwarn!("draining an idle holder failed with CUDA error {e}");
             }
-            let quiet = r.is_ok()
+            let quiet = settled
+                && r.is_ok()
                 && self.gate.submissions() == subs
-                && !self.gate.in_flight()
                 && !crate::gate::QUEUE_BOUND.syncing()
                 && !capturing
                 && !crate::capture::active();
@@ -1498,7 +1504,8 @@ impl Client {
                 st.slots[k].ts.work_done = Some((subs, end));
                 // Learn to the microsecond when this pause ends.
                 self.gate.pause();
-            } else if r.is_ok()
+            } else if settled
+                && r.is_ok()
                 && st.slots[k].ts.phase == Phase::Holding
                 && self.gate.submissions() != subs
                 && end - start >= MIN_WAITED_DRAIN

@@ -188,6 +188,19 @@ impl Gate {
     pub fn in_flight(&self) -> bool {
         self.counter.load(Ordering::SeqCst) & INFLIGHT_MASK != 0
     }
+
+    /// Waits, at most `limit`, until no submission is in its driver call; false if
+    /// one still was. Submissions keep entering meanwhile (the gate stays open).
+    pub fn wait_no_call_in_flight(&self, limit: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + limit;
+        while self.in_flight() {
+            if std::time::Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+        true
+    }
 }
 
 /// The process's gate.
@@ -348,8 +361,10 @@ mod tests {
         // Counted at once, its work not yet queued.
         assert_eq!(g.submissions(), 1);
         assert!(g.in_flight());
+        assert!(!g.wait_no_call_in_flight(std::time::Duration::from_millis(2)));
         g.exit();
         assert!(!g.in_flight());
+        assert!(g.wait_no_call_in_flight(std::time::Duration::ZERO));
         assert_eq!(g.submissions(), 1);
     }
 

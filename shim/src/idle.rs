@@ -15,8 +15,9 @@
 //! the next pause, yet a notebook whose work shows one or two pauses a turn should
 //! not wait the whole `KIWI_IDLE_MS` for four turns (it did: in a run of `kiwi-bench
 //! oversub`'s two jobs by hand, one released at 100 ms in each of its four turns, the
-//! other at 10 to 15 ms from its second, its start-up having shown enough pauses). A pause that ended after the process had already
-//! released early counts too, so a wrong guess raises the threshold.
+//! other at 10 to 15 ms from its second, its start-up having shown enough pauses). A
+//! pause that ended after the process had already released early counts too, so a
+//! wrong guess raises the threshold.
 
 use std::time::{Duration, Instant};
 
@@ -61,7 +62,8 @@ impl IdleLearner {
             return max;
         };
         let learned = (d * MARGIN).clamp(min.min(max), max);
-        let unseen = MIN_PAUSES - self.seen.min(MIN_PAUSES);
+        // `seen` stops at MIN_PAUSES (`pause`).
+        let unseen = MIN_PAUSES - self.seen;
         learned + (max - learned) * unseen / MIN_PAUSES
     }
 }
