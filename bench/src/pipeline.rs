@@ -369,7 +369,7 @@ fn measure_handoffs(b: &Build, mem: u64, quick: bool, pcie_gbps: f64) -> Result<
     // A TQ well above a swap (with the costs on, a cold one takes a second), so
     // every turn runs work: the TQ counts from the grant, swap-in included.
     let arb = ArbiterProc::start(2.0, &[])?;
-    let gpu_ms: u64 = if quick { 3000 } else { 7000 };
+    let gpu_ms: u64 = if quick { 4500 } else { 7000 };
     let script = format!("gpu:{gpu_ms}");
     let deadline = Instant::now() + Duration::from_millis(3 * 2 * gpu_ms + 60_000);
     let mut a = Job::ready(b, &sim, &arb, mem, &script, 1)?;
