@@ -146,6 +146,10 @@ struct Hold {
     /// memory to swap in, when it reported that memory resident (`None` until then).
     /// A quantum spent swapping in would leave a short-TQ holder no time to work.
     quantum_from: Option<Nanos>,
+    /// Its `no_room` taught the scheduler memory it cannot see: later reports in the
+    /// same hold only reclaim (one may cross the reclaim's answer, and the room it saw
+    /// taken would be counted twice).
+    learned: bool,
 }
 
 /// One GPU's scheduler.
@@ -184,6 +188,12 @@ pub struct GpuScheduler {
     /// first, last, shown holder, holders, quantum end): unchanged, nobody's
     /// [`ArbiterMsg::Waiting`] can have changed, and the pass over the queue is skipped.
     waiters_seen: Option<WaitersSeen>,
+    /// GPU memory no client accounts for (a process outside Kiwi, a context measured
+    /// short), learned from a holder's `no_room` and counted as fixed, and when it
+    /// was last learned: forgotten [`UNSEEN_TTL_NS`] later (that memory may be gone;
+    /// if not, the next `no_room` learns it again).
+    unseen: u64,
+    unseen_at: Nanos,
     out: Vec<Output>,
 }
 
@@ -195,6 +205,9 @@ type WaitersSeen = (
     usize,
     Option<Nanos>,
 );
+
+/// How long memory learned from `no_room` ([`GpuScheduler::no_room`]) is counted.
+pub const UNSEEN_TTL_NS: u64 = 60_000_000_000;
 
 /// Longest wait for a resumed holder to re-register after an arbiter restart.
 const RESUME_WINDOW_NS: u64 = 2_000_000_000;
@@ -230,6 +243,8 @@ impl GpuScheduler {
             granted_own: false,
             swap_budget: None,
             waiters_seen: None,
+            unseen: 0,
+            unseen_at: 0,
             out: Vec::new(),
         }
     }
@@ -293,6 +308,7 @@ impl GpuScheduler {
             .fold(0u64, u64::saturating_add);
         reported
             .max(self.total.saturating_sub(self.capacity))
+            .saturating_add(self.unseen)
             .min(self.total)
     }
 
@@ -491,6 +507,7 @@ impl GpuScheduler {
                         early: false,
                         // It was working already: its quantum runs from now.
                         quantum_from: Some(now),
+                        learned: false,
                     },
                 );
                 self.log(
@@ -675,6 +692,58 @@ impl GpuScheduler {
             h.drop_need = self.queue.front().map_or(0, |&n| self.need_for(n));
         }
         self.draining.insert(id, h);
+        self.finish(now)
+    }
+
+    /// A holder found no room for `missing` bytes of its working set
+    /// ([`kiwi_protocol::ClientMsg::NoRoom`]), though this scheduler counted on room
+    /// for it: memory it cannot see (a process outside Kiwi, a context measured short)
+    /// takes the rest. Before, the holder waited with its gate closed until its TQ ran
+    /// out, and so did every holder after it; on a GPU believed to fit, every sharer
+    /// waited for good.
+    ///
+    /// When nothing is on its way out of GPU memory, the room this scheduler believed
+    /// free (its room less what clients report resident) is in fact taken (the
+    /// holder's driver found less than the segment it tried, at most 64 MiB): it is
+    /// counted as fixed from now on, for [`UNSEEN_TTL_NS`], so later hand-offs evict
+    /// enough at once and a GPU that no longer fits takes turns. Then what the holder
+    /// still lacks (at most its working set) is reclaimed from clients that do not
+    /// hold the GPU, beyond what is already on its way out. Silently ignored from a
+    /// client that does not hold the GPU or was dropped: a report that crossed its
+    /// drop or revoke is no error.
+    pub fn no_room(&mut self, now: Nanos, id: ClientId, missing: u64) -> Vec<Output> {
+        let Some(c) = self.clients.get_mut(&id) else {
+            return Vec::new();
+        };
+        c.last_seen = now;
+        let missing = missing.min(c.usage.working_set_bytes);
+        let (holding, learned) = self
+            .holders
+            .get(&id)
+            .map_or((false, false), |h| (h.drop_sent.is_none(), h.learned));
+        if !holding || missing == 0 {
+            return Vec::new();
+        }
+        let settled = self.draining.is_empty() && self.freeing() == 0;
+        if settled && !learned {
+            if let Some(h) = self.holders.get_mut(&id) {
+                h.learned = true;
+            }
+            let believed_free = self.room().saturating_sub(self.resident());
+            self.unseen = self.unseen.saturating_add(believed_free).min(self.total);
+            self.unseen_at = now;
+        }
+        self.log(
+            Some(id),
+            EventKind::NoRoom {
+                missing_bytes: missing,
+                unseen_bytes: self.unseen,
+            },
+        );
+        if self.holders.get(&id).is_some_and(|h| h.exclusive) {
+            let need = missing.saturating_sub(self.freeing());
+            self.reclaim_bytes(now, id, need);
+        }
         self.finish(now)
     }
 
@@ -873,6 +942,7 @@ impl GpuScheduler {
                 drop_need: 0,
                 early: false,
                 quantum_from,
+                learned: false,
             },
         );
         let waiting = self.queue.len() as u32;
@@ -953,7 +1023,13 @@ impl GpuScheduler {
     /// still lacks to be all resident, less what reclaims already asked and not yet
     /// answered will free: least recently active first.
     fn reclaim_for(&mut self, now: Nanos, next: ClientId) {
-        let mut need = self.need_for(next).saturating_sub(self.freeing());
+        let need = self.need_for(next).saturating_sub(self.freeing());
+        self.reclaim_bytes(now, next, need);
+    }
+
+    /// Reclaims `need` bytes from clients other than `next` (none of them holding or
+    /// draining), least recently active first, less what each was already asked.
+    fn reclaim_bytes(&mut self, now: Nanos, next: ClientId, mut need: u64) {
         if need == 0 {
             return;
         }
@@ -1099,6 +1175,9 @@ impl GpuScheduler {
     fn schedule(&mut self, now: Nanos) {
         if self.quiet_until.is_some_and(|q| now >= q) {
             self.quiet_until = None;
+        }
+        if self.unseen > 0 && now >= self.unseen_at.saturating_add(UNSEEN_TTL_NS) {
+            self.unseen = 0;
         }
         // Grace: a drainer whose release does not come loses the GPU like a holder.
         let expired: Vec<ClientId> = self

@@ -1211,6 +1211,7 @@ fn handle_client_msg(
                     duration_ns,
                 } => s.swapped(now, id, direction, bytes, duration_ns),
                 ClientMsg::Drained => s.drained(now, id),
+                ClientMsg::NoRoom { missing_bytes } => s.no_room(now, id, missing_bytes),
                 ClientMsg::Register(_) | ClientMsg::Ping { .. } | ClientMsg::Admit { .. } => {
                     Vec::new()
                 }

@@ -203,6 +203,19 @@ pub enum ClientMsg {
     /// swap-in then runs while this swap-out frees memory, on the other PCIe
     /// direction. Sent only by clients that registered with `pipelined`.
     Drained,
+    /// The holder's swap-in (or an allocation it must back) found no room on the GPU:
+    /// `missing_bytes` of its working set are still not resident, though the arbiter
+    /// counted on room for it. Memory the arbiter cannot see takes the rest (a
+    /// process outside Kiwi, a context measured short): the arbiter counts it from
+    /// then on, and reclaims up to `missing_bytes` (never more than the working set
+    /// it knows), beyond what is already on its way out, from clients that do not
+    /// hold the GPU.
+    /// Sent when the shortage starts and again, at most every 250 ms, while it lasts;
+    /// ignored from a client that does not hold the GPU, or was dropped. Sent
+    /// only by clients that registered with `pipelined`.
+    NoRoom {
+        missing_bytes: u64,
+    },
 }
 
 impl ClientMsg {
@@ -584,6 +597,13 @@ pub enum EventKind {
     Usage {
         working_set_bytes: u64,
         resident_bytes: u64,
+    },
+    /// A holder found no room for `missing_bytes` of its working set
+    /// ([`ClientMsg::NoRoom`]); `unseen_bytes`: the GPU memory no client accounts
+    /// for that the arbiter counts from now on. The reclaims it caused follow.
+    NoRoom {
+        missing_bytes: u64,
+        unseen_bytes: u64,
     },
     Exit,
     Scheduler {

@@ -54,11 +54,17 @@ const ADMIT_WAIT: Duration = Duration::from_secs(10);
 /// pressure ending) is seen soon.
 const PIN_STEP: u64 = 64 << 20;
 /// How long a swap-in after a pipelined grant retries, at short intervals, for the
-/// memory the previous holder frees segment by segment; after that it waits as any
-/// short-of-room turn does (a retry per tick). Under the arbiter's grace (5 s).
+/// memory the previous holder frees segment by segment (and no longer than
+/// [`crate::mem::ROOM_STALL`] with none coming); after that it waits as any
+/// short-of-room turn does (a retry per tick, `no_room` to the arbiter). Under the
+/// arbiter's grace (5 s).
 const PIPELINED_WAIT: Duration = Duration::from_secs(2);
 /// How often the pinning thread looks again while a turn wants buffers ready.
 const PIN_RECHECK: Duration = Duration::from_millis(200);
+/// How often a held turn short of room tells the arbiter again ([`ClientMsg::NoRoom`]):
+/// a reclaim answered without freeing enough (memory outside Kiwi grew meanwhile) is
+/// then made again.
+const NO_ROOM_RESEND: Duration = Duration::from_millis(250);
 /// A submission that waited this long says why, once ([`Client::acquire`]).
 pub const EXPLAIN_AFTER: Duration = Duration::from_secs(1);
 /// The device of a submission from a thread with no current context: it needs the
@@ -134,6 +140,8 @@ struct TurnState {
     /// Since when a held turn has found no room to swap in (it waits, the arbiter
     /// makes room), and whether that was logged.
     short_since: Option<(Instant, bool)>,
+    /// When `no_room` was last sent for this shortage.
+    no_room_sent: Option<Instant>,
     last_usage: Option<Usage>,
     /// The non-swappable bytes last reported.
     last_unswappable: Option<u64>,
@@ -882,6 +890,7 @@ impl Client {
                 contended: 0,
                 contended_need: 0,
                 short_since: None,
+                no_room_sent: None,
                 last_usage: None,
                 last_unswappable: reports.then_some(unswappable),
                 work_done: None,
@@ -1032,7 +1041,8 @@ impl Client {
     fn short_of_room(&self, st: &mut State, k: usize) {
         let turn = st.slots[k].turn.clone();
         let ts = &mut st.slots[k].ts;
-        if ts.short_since.is_none() {
+        let starts = ts.short_since.is_none();
+        if starts {
             ts.short_since = Some((Instant::now(), false));
             crate::kdebug!(
                 "GPU {}: no room to swap in yet; waiting for the arbiter to make room",
@@ -1040,6 +1050,34 @@ impl Client {
             );
         }
         Self::report(&turn, ts);
+        Self::tell_no_room(&turn, ts, starts);
+    }
+
+    /// Tells the arbiter (`no_room`) what this held turn still lacks, when a shortage
+    /// starts and then at most every [`NO_ROOM_RESEND`] while it lasts: the arbiter
+    /// made the room it counted on, so memory it cannot see (a process outside Kiwi,
+    /// a context measured short) holds the rest, and only this report lets it reclaim
+    /// that from the clients that do not hold the GPU. Sent after the usage report,
+    /// so the arbiter knows the working set it bounds the reclaim by.
+    fn tell_no_room(turn: &Turn, ts: &mut TurnState, starts: bool) {
+        if !turn.pipelined.load(Ordering::Relaxed) {
+            return;
+        }
+        if !starts
+            && ts
+                .no_room_sent
+                .is_some_and(|t| t.elapsed() < NO_ROOM_RESEND)
+        {
+            return;
+        }
+        let f = turn.figures();
+        let missing = f.working_set.saturating_sub(f.resident);
+        if missing > 0 {
+            turn.send(&ClientMsg::NoRoom {
+                missing_bytes: missing,
+            });
+            ts.no_room_sent = Some(Instant::now());
+        }
     }
 
     /// Sends this turn's non-swappable bytes and usage where they changed since last
@@ -1093,6 +1131,7 @@ impl Client {
                     }
                 }
                 Self::report(&turn, ts);
+                Self::tell_no_room(&turn, ts, false);
             }
             Err(e) => {
                 crate::kerror!(

@@ -36,6 +36,12 @@ use crate::cuda::{CUresult, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY};
 pub const SEGMENT_MAX: u64 = 64 << 20;
 /// Alignment of small allocations (what `cuMemAlloc` guarantees).
 pub const SMALL_ALIGN: u64 = 256;
+/// How long a swap-in waiting for room ([`Memory::swap_in_until`]) goes on with no
+/// segment finding any. A previous holder's swap-out frees a segment every few ms
+/// (64 MiB at 4 GB/s: 16 ms) once its queue drained (tens of ms); room that does not
+/// come for this long is held by memory the arbiter cannot see, and the caller tells
+/// it so ([`crate::client`]'s `no_room`) rather than wait out the whole deadline.
+pub const ROOM_STALL: Duration = Duration::from_millis(200);
 
 /// The driver calls the allocator needs. Device, context and access flags are the
 /// implementation's business.
@@ -731,8 +737,9 @@ impl<D: Driver> Memory<D> {
     /// [`Memory::swap_in_all`] for a swap-in that runs while another process frees
     /// the memory it needs, segment by segment (a pipelined hand-off): a segment whose
     /// physical memory cannot be created yet (out of memory) is tried again after a
-    /// short pause (0.5 ms, doubling to 2 ms) until `deadline`; then the error is
-    /// returned as by `swap_in_all`. `None`: one try.
+    /// short pause (0.5 ms, doubling to 2 ms) until `deadline`, or until no room came
+    /// for [`ROOM_STALL`]; then the error is returned as by `swap_in_all`. `None`: one
+    /// try.
     pub fn swap_in_until(&mut self, deadline: Option<Instant>) -> Result<Swap, CUresult> {
         let start = Instant::now();
         self.epoch += 1;
@@ -741,6 +748,8 @@ impl<D: Driver> Memory<D> {
             .collect();
         let mut bytes = 0;
         for (k, &i) in todo.iter().enumerate() {
+            // Each segment that found room restarts the stall window.
+            let deadline = deadline.map(|d| d.min(Instant::now() + ROOM_STALL));
             // Mapped during the previous copy, unless there was no room yet.
             self.map_fresh_until(i, deadline)?;
             let next = todo.get(k + 1).copied();
@@ -1726,6 +1735,24 @@ mod tests {
         m.driver().st.borrow_mut().physical_limit = 1 << 30;
         assert_eq!(m.swap_in_until(None).unwrap().bytes, 64 << 20);
         assert_eq!(m.driver().peek(p, data.len()).unwrap(), data);
+    }
+
+    /// Room that never comes stops the wait after ROOM_STALL, not at the deadline.
+    #[test]
+    fn a_swap_in_waiting_for_room_that_never_comes_stops_after_the_stall() {
+        let mut m = Memory::new(FakeDriver::new(1 << 30)).unwrap();
+        m.alloc(128 << 20).unwrap();
+        m.evict(u64::MAX).unwrap();
+        m.driver().st.borrow_mut().physical_limit = 64 << 20;
+        let t = Instant::now();
+        let deadline = Some(t + Duration::from_secs(5));
+        assert_eq!(m.swap_in_until(deadline), Err(CUDA_ERROR_OUT_OF_MEMORY));
+        let took = t.elapsed();
+        assert!(
+            took >= ROOM_STALL && took < ROOM_STALL * 5,
+            "waited {took:?} with no room coming (stall {ROOM_STALL:?}, deadline 5 s)"
+        );
+        assert_eq!(m.figures().resident, 64 << 20, "what fitted came in");
     }
 
     #[test]

@@ -1595,3 +1595,92 @@ fn an_early_release_that_says_drained_hands_over_at_once_and_is_logged_early() {
     s.drained(2 * MS, 1);
     assert_eq!(s.next_deadline(), Some(502 * MS));
 }
+
+fn reclaimed_bytes(outs: &[Output], to: ClientId) -> Option<u64> {
+    sent(outs, to).iter().find_map(|m| match m {
+        ArbiterMsg::Reclaim { need_bytes } => Some(*need_bytes),
+        _ => None,
+    })
+}
+
+/// Memory the scheduler cannot see (a process outside Kiwi holds 300 MiB of this
+/// 1000 MiB GPU): B, granted with room for all 700 MiB as far as the scheduler knows,
+/// finds room for only 400. Its `no_room` makes A (released, 700 MiB resident)
+/// evict what B lacks, and from then on the 300 MiB count as fixed, so the next
+/// drop asks for enough at once; forgotten after UNSEEN_TTL_NS.
+#[test]
+fn no_room_reclaims_what_the_holder_lacks_and_counts_the_unseen_memory() {
+    let mut s = sched(1000 * MIB, 1_000, 500);
+    reg(&mut s, 0, 1, 700 * MIB);
+    reg(&mut s, 0, 2, 700 * MIB);
+    assert_eq!(granted(&s.request(0, 1), 1), Some(true));
+    s.usage(0, 1, usage(700 * MIB, 700 * MIB));
+    s.request(MS, 2);
+    let outs = s.tick(SEC);
+    assert_eq!(dropped(&outs, 1), Some(400 * MIB));
+    let outs = s.release(SEC + 10 * MS, 1, usage(700 * MIB, 300 * MIB));
+    assert_eq!(granted(&outs, 2), Some(true));
+    // B swapped in what fitted: 400 of its 700 MiB (the scheduler believed 700 fit).
+    let t = SEC + 50 * MS;
+    s.usage(t, 2, usage(700 * MIB, 400 * MIB));
+    let outs = s.no_room(t, 2, 300 * MIB);
+    assert_eq!(reclaimed_bytes(&outs, 1), Some(300 * MIB), "{outs:?}");
+    // The believed free room (1000 − 300 − 400 = 300 MiB) is taken.
+    assert_eq!(s.fixed(), 300 * MIB);
+    // Answered, and B's next report crossed it (B has not swapped in yet): it asks
+    // again, but learns nothing more within this hold (the room it saw was freed
+    // since), and A has nothing resident left to give.
+    s.reclaimed(t + 20 * MS, 1, usage(700 * MIB, 0));
+    let outs = s.no_room(t + 30 * MS, 2, 300 * MIB);
+    assert_eq!(reclaimed_bytes(&outs, 1), None, "{outs:?}");
+    assert_eq!(s.fixed(), 300 * MIB);
+    s.usage(t + 40 * MS, 2, usage(700 * MIB, 700 * MIB));
+    // A asks again: B's drop now asks for all 700 MiB (A's 700 need 700 of the 700
+    // left beside the unseen 300).
+    s.request(t + 50 * MS, 1);
+    let outs = s.tick(t + 50 * MS + SEC);
+    assert_eq!(dropped(&outs, 2), Some(700 * MIB), "{outs:?}");
+    let outs = s.release(t + 60 * MS + SEC, 2, usage(700 * MIB, 0));
+    assert_eq!(granted(&outs, 1), Some(true));
+    // Forgotten a TTL after it was learned.
+    s.tick(t + UNSEEN_TTL_NS);
+    assert_eq!(s.fixed(), 0);
+}
+
+/// A report from a client that does not hold the GPU, or was dropped, changes
+/// nothing: it may have crossed the drop or the revoke.
+#[test]
+fn no_room_from_a_non_holder_or_a_dropped_holder_is_ignored() {
+    let mut s = sched(1000 * MIB, 1_000, 500);
+    reg(&mut s, 0, 1, 700 * MIB);
+    reg(&mut s, 0, 2, 700 * MIB);
+    s.request(0, 1);
+    s.usage(0, 1, usage(700 * MIB, 700 * MIB));
+    s.request(MS, 2);
+    assert!(s.no_room(2 * MS, 2, 700 * MIB).is_empty(), "a waiter");
+    assert!(s.no_room(2 * MS, 9, 700 * MIB).is_empty(), "unknown");
+    assert!(dropped(&s.tick(SEC), 1).is_some());
+    assert!(s.no_room(SEC + MS, 1, 100 * MIB).is_empty(), "dropped");
+    assert_eq!(s.fixed(), 0);
+}
+
+/// On a GPU believed to fit, sharers that find no room would wait for good: one
+/// `no_room` makes the scheduler count the memory it cannot see, the GPU no longer
+/// fits, and the sharers take turns (the one holding longest keeps it).
+#[test]
+fn no_room_while_sharing_turns_a_gpu_that_no_longer_fits_into_turns() {
+    let mut s = sched(1000 * MIB, 1_000, 500);
+    reg(&mut s, 0, 1, 400 * MIB);
+    reg(&mut s, 0, 2, 400 * MIB);
+    assert_eq!(granted(&s.request(0, 1), 1), Some(false));
+    assert_eq!(granted(&s.request(MS, 2), 2), Some(false));
+    s.usage(2 * MS, 1, usage(400 * MIB, 400 * MIB));
+    s.usage(2 * MS, 2, usage(400 * MIB, 100 * MIB));
+    let outs = s.no_room(3 * MS, 2, 300 * MIB);
+    // 1000 MiB less the 500 resident was believed free, and is taken.
+    assert_eq!(s.fixed(), 500 * MIB);
+    assert!(s.oversubscribed(), "{outs:?}");
+    // A, holding longest, keeps the GPU; B gives it back (its 100 MiB fit beside A).
+    assert_eq!(dropped(&outs, 2), Some(0), "{outs:?}");
+    assert_eq!(dropped(&outs, 1), None);
+}
