@@ -655,7 +655,13 @@ impl GpuScheduler {
     /// A dropped holder's queued work is done and its swap-out starts
     /// ([`kiwi_protocol::ClientMsg::Drained`]): the next in line may start its
     /// swap-in now. Refused with an error reply (and nothing else) from a client that
-    /// did not register `pipelined`, is not a dropped holder, or said it already.
+    /// did not register `pipelined`, does not hold the GPU, or said it already.
+    ///
+    /// From a holder that was not dropped and that nobody waits for any more, it is
+    /// ignored: an early release that crossed the waiter's grant elsewhere or the GPU
+    /// starting to fit (the shim saw someone waiting when it went idle). Its
+    /// `release` follows and is taken as an early one; an error reply there only put
+    /// a warning about a race into the application's stderr.
     pub fn drained(&mut self, now: Nanos, id: ClientId) -> Vec<Output> {
         let Some(c) = self.clients.get(&id) else {
             return Vec::new();
@@ -664,15 +670,19 @@ impl GpuScheduler {
             Some("this client did not register with `pipelined`")
         } else if self.draining.contains_key(&id) {
             Some("this client said it already after its drop")
-        } else if self
-            .holders
-            .get(&id)
-            .is_none_or(|h| h.drop_sent.is_none() && (!h.exclusive || self.queue.is_empty()))
-        {
-            Some("this client was not asked to give the GPU back and nobody waits for it")
+        } else if !self.holders.contains_key(&id) {
+            Some("this client does not hold the GPU")
         } else {
             None
         };
+        if problem.is_none()
+            && self
+                .holders
+                .get(&id)
+                .is_some_and(|h| h.drop_sent.is_none() && (!h.exclusive || self.queue.is_empty()))
+        {
+            return Vec::new();
+        }
         if let Some(problem) = problem {
             self.send(
                 id,
