@@ -283,12 +283,12 @@ pub(crate) fn free_memory() -> Option<u64> {
 /// What a context costs on device `d`, where the application has context `ctx`:
 /// the drop in free memory (`cuMemGetInfo`) while the shim holds a context of its own
 /// there, made and destroyed at once. Other processes allocating or freeing
-/// meanwhile (their own probes, swaps) move free memory too, so it tries until two
-/// measurements agree within 1 MiB (at most 6 tries, else their median). The
-/// application's own context was made
-/// before the shim could look (the CUDA runtime makes its primary context through a
-/// private entry point), so its cost is measured on a twin. 0 when it cannot be
-/// measured (no room for a second context: the arbiter's reserve then covers it).
+/// meanwhile (their own probes, swaps) move free memory too: see [`settle_cost`]
+/// for which of at most [`COST_TRIES`] tries count. The application's own context
+/// was made before the shim could look (the CUDA runtime makes its primary context
+/// through a private entry point), so its cost is measured on a twin. 0 when it
+/// cannot be measured (no room for a second context: the arbiter's reserve then
+/// covers it).
 fn context_cost(d: usize, ctx: CUcontext) -> u64 {
     let destroy = crate::real::lookup(c"cuCtxDestroy_v2");
     if ctx.is_null() || destroy.is_null() {
@@ -303,9 +303,8 @@ fn context_cost(d: usize, ctx: CUcontext) -> u64 {
         if call!(cuCtxSetCurrent: fn(CUcontext)(ctx)).is_err() {
             return 0;
         }
-        let mut seen: Vec<u64> = Vec::new();
-        let mut agreed = None;
-        for _ in 0..6 {
+        let mut tries: Vec<CostTry> = Vec::new();
+        while tries.len() < COST_TRIES {
             let Some(before) = free_memory() else { break };
             let mut twin: CUcontext = null_mut();
             if call!(cuCtxCreate_v2: fn(*mut CUcontext, Uint, CUdevice)(&mut twin, 0, d as CUdevice))
@@ -313,32 +312,87 @@ fn context_cost(d: usize, ctx: CUcontext) -> u64 {
             {
                 break;
             }
-            let after = free_memory();
+            let with_twin = free_memory();
             // SAFETY: destroying the context made just above (it pops it: `ctx` is
             // current again).
             unsafe { destroy(twin) };
             let _ = call!(cuCtxSetCurrent: fn(CUcontext)(ctx));
-            let Some(after) = after else { break };
-            let cost = before.saturating_sub(after);
-            if seen.iter().any(|&c| c.abs_diff(cost) <= 1 << 20) {
-                agreed = Some(cost);
+            let (Some(with_twin), Some(after)) = (with_twin, free_memory()) else {
+                break;
+            };
+            tries.push(CostTry {
+                before,
+                with_twin,
+                after,
+            });
+            if settle_cost(&tries).is_some_and(|(_, agreed)| agreed) {
                 break;
             }
-            seen.push(cost);
         }
         let _ = call!(cuCtxSetCurrent: fn(CUcontext)(previous));
-        seen.sort_unstable();
-        let cost = agreed.or_else(|| seen.get(seen.len() / 2).copied());
-        let Some(cost) = cost else {
+        let Some((cost, agreed)) = settle_cost(&tries) else {
             crate::kinfo!("GPU {d}: could not measure what a context costs; counting none");
             return 0;
         };
         crate::kdebug!(
-            "GPU {d}: a context costs {cost} bytes ({} tries)",
-            seen.len() + 1
+            "GPU {d}: a context costs {cost} bytes ({} tries{})",
+            tries.len(),
+            if agreed {
+                ""
+            } else {
+                ", no two undisturbed ones agreed: the largest"
+            }
         );
         cost
     })
+}
+
+/// Most twin contexts [`context_cost`] makes.
+const COST_TRIES: usize = 6;
+
+/// Free device memory around one twin context: before making it, while it lived,
+/// after destroying it.
+#[derive(Debug, Clone, Copy)]
+struct CostTry {
+    before: u64,
+    with_twin: u64,
+    after: u64,
+}
+
+/// The context cost the tries show, and whether two agreed.
+///
+/// - A try is undisturbed when free memory came back to where it was (within 1 MiB)
+///   once the twin was destroyed: nobody else allocated or freed meanwhile. A try
+///   during another process's swap-out (64 MiB freed every few ms) measured the cost
+///   short by what was freed, down to 0; two such tries agreed, and the arbiter then
+///   counted room that was not there.
+/// - Two undisturbed tries within 1 MiB of each other settle it.
+/// - Else the largest undisturbed try: counting too much costs a swap now and then,
+///   counting too little leaves a holder short of room.
+/// - Else the smallest bound the disturbed tries give: others that only freed (or
+///   only allocated) meanwhile moved free memory one way, so the larger of the drop
+///   with the twin measured from before and from after (`max(before, after) −
+///   with_twin`) is at least what the twin took.
+fn settle_cost(tries: &[CostTry]) -> Option<(u64, bool)> {
+    const NEAR: u64 = 1 << 20;
+    let cost = |t: &CostTry| t.before.saturating_sub(t.with_twin);
+    let calm: Vec<u64> = tries
+        .iter()
+        .filter(|t| t.after.abs_diff(t.before) <= NEAR)
+        .map(cost)
+        .collect();
+    for (i, &c) in calm.iter().enumerate() {
+        if calm[..i].iter().any(|&o| o.abs_diff(c) <= NEAR) {
+            return Some((c, true));
+        }
+    }
+    let bound = |t: &CostTry| t.before.max(t.after).saturating_sub(t.with_twin);
+    let best = calm
+        .iter()
+        .copied()
+        .max()
+        .or_else(|| tries.iter().map(bound).min())?;
+    Some((best, false))
 }
 
 /// Creates device `d`'s allocator. Managed processes create it with backing not
@@ -652,4 +706,60 @@ pub fn created_exportable() {
 /// Whether shim allocations can be shared (`IS_LEGACY_CUDA_IPC_CAPABLE`).
 pub fn exportable() -> bool {
     EXPORTABLE.load(Ordering::Relaxed) != 2
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    /// A try with `ctx` MiB for the twin, others freeing `freed` MiB while it lived
+    /// (negative: allocating).
+    fn try_(ctx: u64, freed: i64) -> CostTry {
+        let before = 1000 * MIB;
+        let others = |b: u64| b.saturating_add_signed(freed * MIB as i64);
+        CostTry {
+            before,
+            with_twin: others(before - ctx * MIB),
+            after: others(before),
+        }
+    }
+
+    #[test]
+    fn two_calm_tries_that_agree_settle_the_cost() {
+        let tries = [try_(300, 128), try_(300, 0), try_(300, 0)];
+        assert_eq!(settle_cost(&tries[..2]), Some((300 * MIB, false)));
+        assert_eq!(settle_cost(&tries), Some((300 * MIB, true)));
+    }
+
+    /// Another process swapping out freed more than the context costs during both
+    /// tries: each measured 0, and the two zeros used to agree.
+    #[test]
+    fn tries_disturbed_by_frees_never_agree_on_a_short_cost() {
+        let tries = [try_(300, 320), try_(300, 384)];
+        assert_eq!(tries[0].before.saturating_sub(tries[0].with_twin), 0);
+        // No calm try: the bound from after the twin, never short.
+        assert_eq!(settle_cost(&tries), Some((300 * MIB, false)));
+        // Freed half before and half after free memory was read with the twin.
+        let split = CostTry {
+            before: 1000 * MIB,
+            with_twin: (1000 - 300 + 64) * MIB,
+            after: (1000 + 128) * MIB,
+        };
+        assert_eq!(settle_cost(&[split]), Some((364 * MIB, false)));
+        // Others allocating meanwhile: measured from before, also never short.
+        assert_eq!(settle_cost(&[try_(300, -64)]), Some((364 * MIB, false)));
+        let tries = [try_(300, 320), try_(300, 384), try_(300, 0)];
+        assert_eq!(settle_cost(&tries), Some((300 * MIB, false)));
+    }
+
+    /// Without agreement, the largest calm try: counting too much costs a swap now
+    /// and then, too little leaves a holder short of room.
+    #[test]
+    fn without_agreement_the_largest_calm_try_counts() {
+        let tries = [try_(300, -64), try_(310, 0), try_(290, 0)];
+        assert_eq!(settle_cost(&tries), Some((310 * MIB, false)));
+        assert_eq!(settle_cost(&[]), None);
+    }
 }
