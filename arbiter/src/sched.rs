@@ -670,19 +670,14 @@ impl GpuScheduler {
             Some("this client did not register with `pipelined`")
         } else if self.draining.contains_key(&id) {
             Some("this client said it already after its drop")
-        } else if !self.holders.contains_key(&id) {
-            Some("this client does not hold the GPU")
-        } else {
+        } else if let Some(h) = self.holders.get(&id) {
+            if h.drop_sent.is_none() && (!h.exclusive || self.queue.is_empty()) {
+                return Vec::new();
+            }
             None
+        } else {
+            Some("this client does not hold the GPU")
         };
-        if problem.is_none()
-            && self
-                .holders
-                .get(&id)
-                .is_some_and(|h| h.drop_sent.is_none() && (!h.exclusive || self.queue.is_empty()))
-        {
-            return Vec::new();
-        }
         if let Some(problem) = problem {
             self.send(
                 id,

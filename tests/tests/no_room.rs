@@ -102,15 +102,19 @@ fn log(ev: &[kiwi_protocol::Event], stderr: &str) -> String {
         + stderr
 }
 
+/// Where the first `no_room` is in the log (the test fails without one).
+fn first_no_room(ev: &[kiwi_protocol::Event], why: &str) -> usize {
+    ev.iter()
+        .position(|e| matches!(e.kind, EventKind::NoRoom { .. }))
+        .unwrap_or_else(|| panic!("no `no_room` was reported:\n{why}"))
+}
+
 #[test]
 fn memory_outside_kiwi_neither_stalls_turns_nor_sharers() {
     // Taking turns: a holder short of room gets it from the other notebook at once.
     let (ev, stderr, took) = run("noroom-turns", "800MiB");
     let why = log(&ev, &stderr);
-    let no_room = ev
-        .iter()
-        .position(|e| matches!(e.kind, EventKind::NoRoom { .. }))
-        .unwrap_or_else(|| panic!("no `no_room` was reported:\n{why}"));
+    let no_room = first_no_room(&ev, &why);
     let EventKind::NoRoom { unseen_bytes, .. } = ev[no_room].kind else {
         unreachable!()
     };
@@ -142,10 +146,7 @@ fn memory_outside_kiwi_neither_stalls_turns_nor_sharers() {
     // Believed to fit: the sharers find no room; one report turns them into turns.
     let (ev, stderr, took) = run("noroom-shared", "600MiB");
     let why = log(&ev, &stderr);
-    let no_room = ev
-        .iter()
-        .position(|e| matches!(e.kind, EventKind::NoRoom { .. }))
-        .unwrap_or_else(|| panic!("no `no_room` was reported:\n{why}"));
+    let no_room = first_no_room(&ev, &why);
     assert!(
         ev[no_room..].iter().any(|e| matches!(
             e.kind,
