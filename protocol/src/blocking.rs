@@ -4,11 +4,11 @@
 //! `Connection<ClientMsg, ArbiterMsg>` for a client, `Connection<ControlRequest,
 //! ControlReply>` for kiwictl.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::marker::PhantomData;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -76,10 +76,17 @@ impl<S: Serialize, R: DeserializeOwned> Connection<S, R> {
         if let Some(m) = self.try_decode()? {
             return Ok(Some(m));
         }
+        let deadline = Instant::now() + timeout;
         let old = self.stream.read_timeout()?;
-        self.stream
-            .set_read_timeout(Some(timeout.max(Duration::from_micros(1))))?;
-        let res = self.fill();
+        let res = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            self.stream
+                .set_read_timeout(Some(left.max(Duration::from_micros(1))))?;
+            match self.read_once() {
+                Err(ProtocolError::Io(e)) if e.kind() == ErrorKind::Interrupted => continue,
+                other => break other,
+            }
+        };
         self.stream.set_read_timeout(old)?;
         match res {
             Ok(()) => self.try_decode(),
@@ -99,7 +106,20 @@ impl<S: Serialize, R: DeserializeOwned> Connection<S, R> {
         self.recv()
     }
 
+    /// Reads what is there, retrying reads that a signal interrupted. On Linux a
+    /// socket with a read timeout returns `EINTR` even without a signal handler when
+    /// the process is stopped and continued (`SIGSTOP`/`SIGCONT`, a cgroup freeze: a
+    /// notebook suspended with Ctrl-Z): that is no reason to drop the connection.
     fn fill(&mut self) -> Result<(), ProtocolError> {
+        loop {
+            match self.read_once() {
+                Err(ProtocolError::Io(e)) if e.kind() == ErrorKind::Interrupted => continue,
+                other => return other,
+            }
+        }
+    }
+
+    fn read_once(&mut self) -> Result<(), ProtocolError> {
         let mut buf = [0u8; 16 * 1024];
         let n = self.stream.read(&mut buf)?;
         if n == 0 {
@@ -112,8 +132,57 @@ impl<S: Serialize, R: DeserializeOwned> Connection<S, R> {
 
 /// A read that ran into the socket's timeout (`SO_RCVTIMEO` reports `EAGAIN`).
 fn is_timeout(e: &std::io::Error) -> bool {
-    matches!(
-        e.kind(),
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-    )
+    matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::msg::ClientMsg;
+
+    extern "C" fn ignore(_: libc::c_int) {}
+
+    /// A read timeout and a signal whose handler does not ask for `SA_RESTART`: the
+    /// read fails with `EINTR`, as after a stop and continue.
+    #[test]
+    fn a_read_interrupted_by_a_signal_is_retried() {
+        // SAFETY: a zeroed sigaction with an empty mask and no flags, and a handler
+        // that does nothing; SIGUSR2 is used by no other test of this crate.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = ignore as extern "C" fn(libc::c_int) as usize;
+            libc::sigemptyset(&mut sa.sa_mask);
+            assert_eq!(libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut()), 0);
+        }
+        for timed in [false, true] {
+            let (a, b) = UnixStream::pair().unwrap();
+            a.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let (tx, rx) = std::sync::mpsc::channel();
+            let reader = std::thread::spawn(move || {
+                let mut conn: Connection<ClientMsg, ClientMsg> = Connection::new(a);
+                // SAFETY: pthread_self has no preconditions.
+                tx.send(unsafe { libc::pthread_self() }).unwrap();
+                if timed {
+                    conn.recv_timeout(Duration::from_secs(10))
+                        .map(|m| m.expect("a message, not a timeout"))
+                } else {
+                    conn.recv()
+                }
+            });
+            let thread = rx.recv().unwrap();
+            for _ in 0..10 {
+                std::thread::sleep(Duration::from_millis(10));
+                // SAFETY: the reader thread is alive until it receives the message,
+                // which is sent only after the last signal.
+                assert_eq!(unsafe { libc::pthread_kill(thread, libc::SIGUSR2) }, 0);
+            }
+            let mut writer: Connection<ClientMsg, ClientMsg> = Connection::new(b);
+            writer.send(&ClientMsg::Request).unwrap();
+            let got = reader.join().unwrap();
+            assert!(
+                matches!(got, Ok(ClientMsg::Request)),
+                "timed {timed}: {got:?}"
+            );
+        }
+    }
 }
