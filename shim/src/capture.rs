@@ -298,6 +298,9 @@ fn begin_with(s: StreamArg, mode: Uint, f: impl FnOnce() -> CUresult) -> CUresul
             std::thread::sleep(Duration::from_micros(200));
         }
     }
+    // Asked before the capture begins: the real driver invalidates a capture whose
+    // stream is asked for its flags (seen on an H100, driver 580; docs/gpu-validation.md).
+    let blocking = blocking(s);
     let r = f();
     let mut g = seqs();
     if r == CUDA_SUCCESS {
@@ -305,7 +308,7 @@ fn begin_with(s: StreamArg, mode: Uint, f: impl FnOnce() -> CUresult) -> CUresul
             stream: s.normalized(),
             thread: thread_id(),
             owned: mode != CU_STREAM_CAPTURE_MODE_RELAXED,
-            blocking: blocking(s),
+            blocking,
         });
         crate::kdebug!("capture begun on stream {:#x}", s.normalized());
     } else {
