@@ -30,7 +30,9 @@
 //!   `draining` until its release. The next in line is granted at once
 //!   (`grant {pipelined}`) if it registered `pipelined` too and no other swap-out is
 //!   under way; otherwise at the release, as before. The drainer's memory still counts
-//!   until its release (with what its drop asked freed), and the grace still applies.
+//!   until its release (with what its drop asked freed), and the grace still applies,
+//!   plus the time its swap-out may take at 1 GB/s (a first swap-out page-locks as it
+//!   copies). A `drained` that crosses the drainer's revocation is ignored.
 //! - Idle eviction (`idle_evict`): on an oversubscribed GPU, a client that neither
 //!   holds nor waits, has memory resident and has sent nothing for the idle time is
 //!   asked to reclaim all of it, one at a time, least recently seen first, only while
@@ -130,6 +132,9 @@ struct Client {
     /// Last time it asked for the GPU, got or gave it back, or changed its memory:
     /// what idle eviction measures.
     last_seen: Nanos,
+    /// Its turn was revoked and it has not been granted since: a `drained` that
+    /// crossed the revocation is ignored, not answered with an error.
+    revoked: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -150,7 +155,18 @@ struct Hold {
     /// same hold only reclaim (one may cross the reclaim's answer, and the room it saw
     /// taken would be counted twice).
     learned: bool,
+    /// Time past the grace a drainer has to swap out ([`SLOWEST_SWAP_OUT_NS_PER_BYTE`]
+    /// for what it has resident when it says `drained`); 0 for a holder.
+    swap_allowance: Nanos,
 }
+
+/// How slow a swap-out may be before its drainer loses its turn: 1 ns a byte, 1 GB/s.
+/// A first swap-out page-locks its host buffers as it copies; on an H100 (driver 580)
+/// 18 GiB of them ran at 1.1–2.0 GB/s and took up to 17 s, where a grace of 5 s
+/// revoked turns that were making progress (docs/gpu-validation.md). Revoking a
+/// drainer frees nothing anyway: the next holder is already granted, and the
+/// drainer's memory is only freed by its swap-out.
+pub const SLOWEST_SWAP_OUT_NS_PER_BYTE: u64 = 1;
 
 /// One GPU's scheduler.
 #[derive(Debug, Clone)]
@@ -464,6 +480,7 @@ impl GpuScheduler {
                 reclaim_pending: 0,
                 reclaim_sent: None,
                 last_seen: now,
+                revoked: false,
             },
         );
         self.send(
@@ -508,6 +525,7 @@ impl GpuScheduler {
                         // It was working already: its quantum runs from now.
                         quantum_from: Some(now),
                         learned: false,
+                        swap_allowance: 0,
                     },
                 );
                 self.log(
@@ -675,6 +693,9 @@ impl GpuScheduler {
                 return Vec::new();
             }
             None
+        } else if c.revoked {
+            // It was told `revoked` while its swap-out began: the message crossed it.
+            return Vec::new();
         } else {
             Some("this client does not hold the GPU")
         };
@@ -696,6 +717,12 @@ impl GpuScheduler {
             h.drop_sent = Some(now);
             h.drop_need = self.queue.front().map_or(0, |&n| self.need_for(n));
         }
+        // What it says it has resident, at most the GPU: a lie buys a hostile client no
+        // more than a GPU's worth of swap-out time, once per turn.
+        let resident = self.clients.get(&id).map_or(0, |c| c.usage.resident_bytes);
+        h.swap_allowance = resident
+            .min(self.total)
+            .saturating_mul(SLOWEST_SWAP_OUT_NS_PER_BYTE);
         self.draining.insert(id, h);
         self.finish(now)
     }
@@ -858,8 +885,8 @@ impl GpuScheduler {
             }
         }
         for h in self.draining.values() {
-            if let Some(sent) = h.drop_sent {
-                at(sent + self.grace_ns);
+            if let Some(end) = self.grace_end(h) {
+                at(end);
             }
         }
         if let (Some(free), Some((due, _))) = (self.link_free_at(), self.idle_candidate()) {
@@ -948,8 +975,10 @@ impl GpuScheduler {
                 early: false,
                 quantum_from,
                 learned: false,
+                swap_allowance: 0,
             },
         );
+        c.revoked = false;
         let waiting = self.queue.len() as u32;
         self.log(
             Some(id),
@@ -1184,11 +1213,12 @@ impl GpuScheduler {
         if self.unseen > 0 && now >= self.unseen_at.saturating_add(UNSEEN_TTL_NS) {
             self.unseen = 0;
         }
-        // Grace: a drainer whose release does not come loses the GPU like a holder.
+        // Grace: a drainer whose release does not come in the grace plus the time its
+        // swap-out may take loses the GPU like a holder.
         let expired: Vec<ClientId> = self
             .draining
             .iter()
-            .filter(|(_, h)| h.drop_sent.is_some_and(|s| now >= s + self.grace_ns))
+            .filter(|(_, h)| self.grace_end(h).is_some_and(|end| now >= end))
             .map(|(id, _)| *id)
             .collect();
         for id in expired {
@@ -1318,12 +1348,23 @@ impl GpuScheduler {
         self.notify_contention();
     }
 
+    /// When a hold that was asked to let go loses the GPU: the grace after its drop,
+    /// plus a drainer's swap allowance.
+    fn grace_end(&self, h: &Hold) -> Option<Nanos> {
+        let sent = h.drop_sent?;
+        Some(
+            sent.saturating_add(self.grace_ns)
+                .saturating_add(h.swap_allowance),
+        )
+    }
+
     /// Takes the GPU from a holder (or drainer) that ignored its drop past the grace.
     fn revoke(&mut self, now: Nanos, id: ClientId, h: Hold) {
         if let Some(c) = self.clients.get_mut(&id) {
             c.held_ns += now.saturating_sub(h.since);
             c.last_active = now;
             c.last_seen = now;
+            c.revoked = true;
         }
         self.log(Some(id), EventKind::Revoke);
         self.send(
@@ -1331,7 +1372,7 @@ impl GpuScheduler {
             ArbiterMsg::Revoked {
                 reason: format!(
                     "did not release the GPU within {} ms of being asked",
-                    self.grace_ns / 1_000_000
+                    (self.grace_ns + h.swap_allowance) / 1_000_000
                 ),
             },
         );

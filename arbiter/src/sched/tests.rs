@@ -1272,19 +1272,60 @@ fn a_bad_drained_is_an_error_reply_and_never_a_grant() {
 }
 
 #[test]
-fn a_drainer_that_never_releases_is_revoked_after_the_grace() {
+fn a_drainer_that_never_releases_is_revoked_after_the_grace_and_its_swap_out_time() {
     let (mut s, t) = dropped_a(true, true);
     s.drained(t + MS, 1);
-    assert_eq!(s.next_deadline(), Some(t + 500 * MS), "the drop's grace");
-    let outs = s.tick(t + 500 * MS);
+    // A has 700 MiB resident: a swap-out at 1 GB/s may take 734 ms past the grace.
+    let allowance = 700 * MIB * SLOWEST_SWAP_OUT_NS_PER_BYTE;
+    let end = t + 500 * MS + allowance;
+    assert_eq!(
+        s.next_deadline(),
+        Some(end),
+        "the drop's grace and the allowance"
+    );
+    assert!(
+        !revoked(&s.tick(t + 500 * MS), 1),
+        "a slow swap-out keeps its turn"
+    );
+    assert!(!revoked(&s.tick(end - 1), 1));
+    let outs = s.tick(end);
     assert!(revoked(&outs, 1), "{outs:?}");
     assert!(logged(&outs)
         .iter()
         .any(|(id, k)| *id == Some(1) && *k == EventKind::Revoke));
+    assert!(
+        sent(&outs, 1).iter().any(
+            |m| matches!(m, ArbiterMsg::Revoked { reason } if reason.contains("within 1234 ms"))
+        ),
+        "{outs:?}"
+    );
     // Its late release is still taken, and changes nothing for B.
-    let outs = s.release(t + 600 * MS, 1, usage(700 * MIB, 300 * MIB));
+    let outs = s.release(end + 100 * MS, 1, usage(700 * MIB, 300 * MIB));
     assert_eq!(grant_msg(&outs, 2), None);
     assert_eq!(s.holders(), vec![2]);
+}
+
+#[test]
+fn a_drained_that_crossed_the_revocation_is_ignored() {
+    // A holder that ignores its drop past the grace is revoked; its `drained` sent
+    // meanwhile arrives after: no error (it would land in the application's stderr),
+    // and nothing changes. A grant clears it: a later stray `drained` is refused.
+    let (mut s, t) = dropped_a(true, true);
+    let outs = s.tick(t + 500 * MS);
+    assert!(revoked(&outs, 1), "{outs:?}");
+    assert_eq!(grant_msg(&outs, 2), Some((true, false)), "{outs:?}");
+    let outs = s.drained(t + 501 * MS, 1);
+    assert!(outs.is_empty(), "{outs:?}");
+    assert_eq!(s.holders(), vec![2]);
+    s.request(t + 600 * MS, 1);
+    s.release(t + 700 * MS, 2, usage(700 * MIB, 0));
+    assert_eq!(s.holders(), vec![1]);
+    s.release(t + 800 * MS, 1, usage(700 * MIB, 0));
+    let outs = s.drained(t + 900 * MS, 1);
+    assert!(
+        error_to(&outs, 1).unwrap().contains("does not hold"),
+        "{outs:?}"
+    );
 }
 
 #[test]
