@@ -54,8 +54,10 @@ pub trait Driver: Send {
     /// Maps `handle` at `va` and grants read-write access.
     fn map(&self, va: u64, size: u64, handle: u64) -> Result<(), CUresult>;
     fn unmap(&self, va: u64, size: u64) -> Result<(), CUresult>;
+    /// A page-locked host buffer of `size` bytes, for swap copies.
     fn host_alloc(&self, size: u64) -> Result<*mut u8, CUresult>;
-    fn host_free(&self, p: *mut u8);
+    /// Frees a buffer [`Driver::host_alloc`] returned for `size` bytes.
+    fn host_free(&self, p: *mut u8, size: u64);
     /// Copies `n` bytes of device memory at `src` to the host.
     ///
     /// # Safety
@@ -498,7 +500,7 @@ impl<D: Driver> Memory<D> {
                 break;
             };
             let b = self.spare.swap_remove(k);
-            self.drv.host_free(b.ptr);
+            self.drv.host_free(b.ptr, b.cap);
             self.host_bytes -= b.cap;
         }
     }
@@ -909,7 +911,7 @@ impl<D: Driver> Memory<D> {
     pub fn release_spares(&mut self) -> u64 {
         let mut freed = 0;
         for b in std::mem::take(&mut self.spare) {
-            self.drv.host_free(b.ptr);
+            self.drv.host_free(b.ptr, b.cap);
             self.host_bytes -= b.cap;
             freed += b.cap;
         }
@@ -1356,10 +1358,11 @@ pub mod fake {
             st.host.insert(p as usize, size as usize);
             Ok(p)
         }
-        fn host_free(&self, p: *mut u8) {
+        fn host_free(&self, p: *mut u8, size: u64) {
             let mut st = self.st.borrow_mut();
             assert!(st.pending.is_empty(), "pinned buffer freed under a copy");
             let len = st.host.remove(&(p as usize)).expect("double or bad free");
+            assert_eq!(len as u64, size, "freed with another size than allocated");
             st.host_used -= len as u64;
             // SAFETY: `p` came from host_alloc's Box<[u8]> of `len` bytes, freed once.
             drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, len)) });

@@ -971,6 +971,15 @@ pub(crate) fn cuMemHostRegister_v2(
     }
     let start = std::time::Instant::now();
     d.mem.host_add(p as usize, size, false)?;
+    // The real driver page-locks the range, populating every page now, inside the
+    // charged time, not at the first copy into it (its cost with fresh memory,
+    // docs/gpu-validation.md).
+    let page = 4096;
+    let from = p as usize / page * page;
+    let len = (p as usize + size).next_multiple_of(page) - from;
+    // SAFETY: advice on the caller's own range, which it asks to page-lock; populating
+    // for write keeps its contents.
+    unsafe { libc::madvise(from as *mut c_void, len, libc::MADV_POPULATE_WRITE) };
     take_time(start, pin_seconds(d, size));
     Ok(())
 }
