@@ -57,7 +57,9 @@ impl Build {
 pub struct Costs {
     /// Device memory each context costs (`KIWI_SIM_CONTEXT_MEMORY`), bytes.
     pub context_memory: u64,
-    /// `cuMemCreate`, µs per 2 MiB (`KIWI_SIM_MEMCREATE_US_PER_2MIB`).
+    /// `cuMemCreate`, µs a call (`KIWI_SIM_MEMCREATE_US`).
+    pub memcreate_us: f64,
+    /// `cuMemCreate`, µs per 2 MiB on top (`KIWI_SIM_MEMCREATE_US_PER_2MIB`).
     pub memcreate_us_per_2mib: f64,
     /// Page-locking host memory, GB/s (`KIWI_SIM_PIN_GBPS`).
     pub pin_gbps: f64,
@@ -72,6 +74,7 @@ pub struct Costs {
 /// `docs/simulator.md` for their sources).
 pub const COSTS: Costs = Costs {
     context_memory: kiwi_sim_core::knobs::DEFAULT_CONTEXT_MEMORY,
+    memcreate_us: kiwi_sim_core::knobs::DEFAULT_MEMCREATE_US,
     memcreate_us_per_2mib: kiwi_sim_core::knobs::DEFAULT_MEMCREATE_US_PER_2MIB,
     pin_gbps: kiwi_sim_core::knobs::DEFAULT_PIN_GBPS,
     pcie_gbps: 25.0,
@@ -118,6 +121,7 @@ impl Sim {
             .env("KIWI_SIM_NAME", &self.name)
             .env("KIWI_SIM_MEMORY", self.memory.to_string())
             .env("KIWI_SIM_CONTEXT_MEMORY", COSTS.context_memory.to_string())
+            .env("KIWI_SIM_MEMCREATE_US", COSTS.memcreate_us.to_string())
             .env(
                 "KIWI_SIM_MEMCREATE_US_PER_2MIB",
                 COSTS.memcreate_us_per_2mib.to_string(),

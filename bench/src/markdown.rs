@@ -18,8 +18,17 @@ pub fn costs() -> Vec<String> {
             mib(COSTS.context_memory)
         ),
         format!(
-            "`cuMemCreate`: {} µs per 2 MiB page (`KIWI_SIM_MEMCREATE_US_PER_2MIB`)",
-            COSTS.memcreate_us_per_2mib
+            "`cuMemCreate`: {} µs a call (`KIWI_SIM_MEMCREATE_US`) plus {} µs per 2 MiB \
+             (`KIWI_SIM_MEMCREATE_US_PER_2MIB`); `cuMemMap` {} µs, `cuMemSetAccess` {} µs, \
+             `cuMemUnmap` {} µs, `cuMemRelease` {} µs plus {} µs per 2 MiB (measured on an \
+             H100, `docs/gpu-validation.md`)",
+            COSTS.memcreate_us,
+            COSTS.memcreate_us_per_2mib,
+            kiwi_sim_core::knobs::VMM_MAP_US,
+            kiwi_sim_core::knobs::VMM_SET_ACCESS_US,
+            kiwi_sim_core::knobs::VMM_UNMAP_US,
+            kiwi_sim_core::knobs::VMM_RELEASE_US,
+            kiwi_sim_core::knobs::VMM_RELEASE_US_PER_2MIB
         ),
         format!(
             "page-locking host memory (`cuMemHostAlloc`, `cuMemAllocHost`, \
@@ -122,7 +131,7 @@ const NOTES: &[&str] = &[
      (`makespan_kiwi_first_run`): it uses ~2 GB more host memory than the serial runs \
      held, and the simulator's device memory is the host's, so a host slow to fault in \
      fresh pages charges the second job's first backing seconds that no GPU would.",
-"**swap**: each swap alone on the link (`KIWI_PIPELINED=0`: no hand-off overlaps a swap-out with a swap-in), so the figures are the swap path's rate. `swap_out_all` also counts each notebook's first swap-out, whose buffers were pinned ahead while it held the GPU; `handoff-swap`'s `first_swap_out` measures the cold swap-out between two ready notebooks. A swap-in makes the memory it copies into (until the grant it was the previous holder's), each 64 MiB segment's while the segment before is copied; `cuMemCreate` at the modelled 100 µs per 2 MiB (~21 GB/s, `swap_in_vs_creation`'s baseline gives the rate measured) is about as fast as this host's copy, so the swap-in waits for the first segment's creation and then for whichever of the two is slower, segment by segment. On a GPU whose link is faster than its `cuMemCreate` (an H100's PCIe 5 against 100 to 200 µs per 2 MiB), creation would set the pace.",
+"**swap**: each swap alone on the link (`KIWI_PIPELINED=0`: no hand-off overlaps a swap-out with a swap-in), so the figures are the swap path's rate. `swap_out_all` also counts each notebook's first swap-out, whose buffers were pinned ahead while it held the GPU; `handoff-swap`'s `first_swap_out` measures the cold swap-out between two ready notebooks. A swap-in makes the memory it copies into (until the grant it was the previous holder's), each 64 MiB segment's while the segment before is copied; `cuMemCreate` costs about 15 µs a call whatever the size (measured on an H100, `docs/gpu-validation.md`; `swap_in_vs_creation`'s baseline gives the rate measured), so the copy sets the pace.",
         "**early-release**: a holder releases after its idle threshold, at most \
      `KIWI_IDLE_MS`, shorter once its own pauses between pieces of work are known \
      (`shim/src/idle.rs`): the p50 shows the learned threshold, the p99 the first \

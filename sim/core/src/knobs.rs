@@ -38,8 +38,11 @@ pub struct SimConfig {
     /// `KIWI_SIM_CONTEXT_MEMORY` in bytes: device memory each context costs, never
     /// the application's to free or swap. Default [`DEFAULT_CONTEXT_MEMORY`].
     pub context_memory: u64,
-    /// `KIWI_SIM_MEMCREATE_US_PER_2MIB`: wall time `cuMemCreate` takes per 2 MiB,
-    /// in microseconds. Default [`DEFAULT_MEMCREATE_US_PER_2MIB`].
+    /// `KIWI_SIM_MEMCREATE_US`: wall time each `cuMemCreate` call takes, in
+    /// microseconds, whatever its size. Default [`DEFAULT_MEMCREATE_US`].
+    pub memcreate_us: f64,
+    /// `KIWI_SIM_MEMCREATE_US_PER_2MIB`: wall time `cuMemCreate` takes per 2 MiB on
+    /// top of the call's, in microseconds. Default [`DEFAULT_MEMCREATE_US_PER_2MIB`].
     pub memcreate_us_per_2mib: f64,
     /// `KIWI_SIM_PIN_GBPS`: how fast host memory is page-locked (`cuMemHostAlloc`,
     /// `cuMemAllocHost`, `cuMemHostRegister`), GB/s. Default [`DEFAULT_PIN_GBPS`];
@@ -69,11 +72,24 @@ pub struct SimConfig {
 /// memory, printf FIFO, malloc heap, loaded module code). The figure issue #12 gives;
 /// not measured here (no GPU).
 pub const DEFAULT_CONTEXT_MEMORY: u64 = 300 << 20;
-/// `cuMemCreate` costs about 100 µs per 2 MiB page (the figure issue #12 gives from
-/// published VMM measurements: physical allocation is linear in 2 MiB pages, which is
-/// why NVIDIA's "Introducing Low-Level GPU Virtual Memory Management" advises keeping
-/// physical allocations and remapping them). Not measured here.
-pub const DEFAULT_MEMCREATE_US_PER_2MIB: f64 = 100.0;
+/// `cuMemCreate` costs about 15 µs a call, nearly whatever its size: measured on an
+/// H100 (driver 580.159.04, `scripts/gpu-costs.py`, `docs/gpu-validation.md`), 18.9 µs
+/// a call in 2 MiB handles, 12 µs in 64 MiB handles, 31 µs in 1 GiB handles. (The
+/// figure first used, 100 µs per 2 MiB page, came from published A100 measurements;
+/// it made every swap-in creation-bound, which it is not on the H100.)
+pub const DEFAULT_MEMCREATE_US: f64 = 15.0;
+/// What `cuMemCreate` takes per 2 MiB on top of the call: 0.04 µs (the 1 GiB handle
+/// above, less the call).
+pub const DEFAULT_MEMCREATE_US_PER_2MIB: f64 = 0.04;
+/// The other VMM calls, a call each, measured on the same H100 (per call, in 2 MiB to
+/// 64 MiB handles): `cuMemMap` 5 µs, `cuMemSetAccess` 35 µs, `cuMemUnmap` 20 µs,
+/// `cuMemRelease` 12 µs plus 0.8 µs per 2 MiB. Charged whenever `cuMemCreate` costs
+/// time (`KIWI_SIM_MEMCREATE_US` not 0).
+pub const VMM_MAP_US: f64 = 5.0;
+pub const VMM_SET_ACCESS_US: f64 = 35.0;
+pub const VMM_UNMAP_US: f64 = 20.0;
+pub const VMM_RELEASE_US: f64 = 12.0;
+pub const VMM_RELEASE_US_PER_2MIB: f64 = 0.8;
 /// Page-locking host memory: about 2 GB/s (`cudaHostAlloc`/`cudaHostRegister` pin
 /// every page through the kernel; the figure issue #12 gives). Not measured here.
 pub const DEFAULT_PIN_GBPS: f64 = 2.0;
@@ -94,6 +110,7 @@ impl Default for SimConfig {
             hbm_gbps: 1000.0,
             trace: None,
             context_memory: DEFAULT_CONTEXT_MEMORY,
+            memcreate_us: DEFAULT_MEMCREATE_US,
             memcreate_us_per_2mib: DEFAULT_MEMCREATE_US_PER_2MIB,
             pin_gbps: DEFAULT_PIN_GBPS,
             fail_sync: None,
@@ -183,6 +200,7 @@ impl SimConfig {
         }
         // Time costs: 0 turns one off (tests whose subject is not that cost).
         for (var, slot) in [
+            ("KIWI_SIM_MEMCREATE_US", &mut c.memcreate_us),
             (
                 "KIWI_SIM_MEMCREATE_US_PER_2MIB",
                 &mut c.memcreate_us_per_2mib,
@@ -242,7 +260,8 @@ mod tests {
         assert_eq!(c.hbm_gbps, 1000.0);
         assert_eq!(c.trace, None);
         assert_eq!(c.context_memory, 300 << 20);
-        assert_eq!(c.memcreate_us_per_2mib, 100.0);
+        assert_eq!(c.memcreate_us, 15.0);
+        assert_eq!(c.memcreate_us_per_2mib, 0.04);
         assert_eq!(c.pin_gbps, 2.0);
         assert_eq!(c.fail_sync, None);
         assert_eq!(c.module_memory, 2 << 20);
@@ -258,6 +277,7 @@ mod tests {
             ("KIWI_SIM_PCIE_GBPS", "1.5"),
             ("KIWI_SIM_TRACE", "/tmp/x"),
             ("KIWI_SIM_CONTEXT_MEMORY", "48MiB"),
+            ("KIWI_SIM_MEMCREATE_US", "7.5"),
             ("KIWI_SIM_MEMCREATE_US_PER_2MIB", "0"),
             ("KIWI_SIM_PIN_GBPS", "0.5"),
             ("KIWI_SIM_FAIL_SYNC", "/tmp/fail"),
@@ -269,6 +289,7 @@ mod tests {
         assert_eq!(c.module_memory, 8 << 20);
         assert_eq!(c.fail_sync, Some(PathBuf::from("/tmp/fail")));
         assert_eq!(c.context_memory, 48 << 20);
+        assert_eq!(c.memcreate_us, 7.5);
         assert_eq!(c.memcreate_us_per_2mib, 0.0);
         assert_eq!(c.pin_gbps, 0.5);
         assert_eq!(c.gpus, 2);
@@ -294,6 +315,7 @@ mod tests {
             ("KIWI_SIM_MODULE_MEMORY", "-1"),
             ("KIWI_SIM_FAIL_MEMCREATE", "often"),
             ("KIWI_SIM_MEMCREATE_US_PER_2MIB", "-5"),
+            ("KIWI_SIM_MEMCREATE_US", "soon"),
             ("KIWI_SIM_PIN_GBPS", "fast"),
         ] {
             let e = cfg(&[(k, v)]).unwrap_err();

@@ -230,13 +230,13 @@ fn mem_create_and_pinning_take_the_modelled_time() {
     };
     let m = SimMachine::new("timecost", 1, 256 << 20).unwrap_or_else(|e| panic!("{e}"));
     let exe = build(&include, &m, "time_costs.c");
-    let times = |knob: &str, value: &str, args: &[&str]| -> Vec<f64> {
-        let run = m
-            .apply(&mut Command::new(&exe))
-            .env(knob, value)
-            .args(args)
-            .output()
-            .unwrap();
+    let times_with = |knobs: &[(&str, &str)], args: &[&str]| -> Vec<f64> {
+        let mut cmd = Command::new(&exe);
+        m.apply(&mut cmd);
+        for (k, v) in knobs {
+            cmd.env(k, v);
+        }
+        let run = cmd.args(args).output().unwrap();
         let out = String::from_utf8_lossy(&run.stdout).to_string();
         assert!(
             run.status.success(),
@@ -247,13 +247,20 @@ fn mem_create_and_pinning_take_the_modelled_time() {
             .map(|t| t.parse().unwrap_or_else(|_| panic!("not a time: {out}")))
             .collect()
     };
+    let times = |knob: &str, value: &str, args: &[&str]| times_with(&[(knob, value)], args);
     // 8 MiB = 4 pages of 2 MiB at 5 ms each.
     let on = times(
         "KIWI_SIM_MEMCREATE_US_PER_2MIB",
         "5000",
         &["memcreate", "8"],
     );
-    let off = times("KIWI_SIM_MEMCREATE_US_PER_2MIB", "0", &["memcreate", "8"]);
+    let off = times_with(
+        &[
+            ("KIWI_SIM_MEMCREATE_US_PER_2MIB", "0"),
+            ("KIWI_SIM_MEMCREATE_US", "0"),
+        ],
+        &["memcreate", "8"],
+    );
     eprintln!("cuMemCreate of 8 MiB: {on:?} ms modelled, {off:?} ms without the cost");
     assert!(on[0] >= 20.0, "cuMemCreate took {} ms, not 20", on[0]);
     assert!(
@@ -261,6 +268,15 @@ fn mem_create_and_pinning_take_the_modelled_time() {
         "without its cost cuMemCreate took {} ms",
         off[0]
     );
+    // And the call's own cost, whatever the size: 8 ms for the one call.
+    let call = times_with(
+        &[
+            ("KIWI_SIM_MEMCREATE_US_PER_2MIB", "0"),
+            ("KIWI_SIM_MEMCREATE_US", "8000"),
+        ],
+        &["memcreate", "8"],
+    );
+    assert!(call[0] >= 8.0, "cuMemCreate took {} ms, not 8", call[0]);
     // 16 MiB at 0.5 GB/s: 33.6 ms for each way of pinning.
     let want = 16.0 * 1048576.0 / 0.5e9 * 1e3;
     let on = times("KIWI_SIM_PIN_GBPS", "0.5", &["pin", "16"]);

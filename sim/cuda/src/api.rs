@@ -10,7 +10,7 @@ use std::ffi::{c_char, c_void};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use kiwi_sim_core::{ident, GRANULARITY};
+use kiwi_sim_core::{ident, knobs, GRANULARITY};
 
 use crate::abi::*;
 use crate::capture;
@@ -890,10 +890,22 @@ pub(crate) fn take_time(start: std::time::Instant, seconds: f64) {
         return;
     }
     let want = std::time::Duration::from_secs_f64(seconds);
-    if let Some(left) = want.checked_sub(start.elapsed()) {
+    let Some(left) = want.checked_sub(start.elapsed()) else {
+        return;
+    };
+    if left >= SLEEP_AT_LEAST {
         std::thread::sleep(left);
+        return;
+    }
+    // A sleep overshoots by the timer slack (50 µs by default): a VMM call's tens
+    // of µs are waited out yielding instead.
+    while start.elapsed() < want {
+        std::thread::yield_now();
     }
 }
+
+/// Waits shorter than this yield rather than sleep.
+const SLEEP_AT_LEAST: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// Seconds page-locking `bytes` of host memory takes.
 fn pin_seconds(d: &Driver, bytes: usize) -> f64 {
@@ -1561,12 +1573,20 @@ pub(crate) fn cuMemCreate(
     let start = std::time::Instant::now();
     let h = d.mem.create(g, size as u64, shareable)?;
     out(handle, h)?;
-    // Physical allocation is linear in 2 MiB pages (KIWI_SIM_MEMCREATE_US_PER_2MIB).
+    // Mostly the call, little per page (KIWI_SIM_MEMCREATE_US, _PER_2MIB).
     take_time(
         start,
-        (size as u64 / GRANULARITY) as f64 * d.memcreate_s_per_2mib,
+        d.memcreate_s + (size as u64 / GRANULARITY) as f64 * d.memcreate_s_per_2mib,
     );
     Ok(())
+}
+
+/// Charges a VMM call's measured cost (`kiwi_sim_core::knobs::VMM_*`), when
+/// `cuMemCreate`'s is on.
+fn vmm_call(d: &Driver, start: std::time::Instant, us: f64) {
+    if d.memcreate_s > 0.0 {
+        take_time(start, us * 1e-6);
+    }
 }
 
 /// `cuMemExportToShareableHandle`: the POSIX fd type only (others are
@@ -1615,7 +1635,15 @@ pub(crate) fn cuMemImportFromShareableHandle(
 }
 
 pub(crate) fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> Result<(), CUresult> {
-    driver()?.mem.release(handle)
+    let start = std::time::Instant::now();
+    let d = driver()?;
+    let pages = d.mem.release(handle)? / GRANULARITY;
+    vmm_call(
+        d,
+        start,
+        knobs::VMM_RELEASE_US + pages as f64 * knobs::VMM_RELEASE_US_PER_2MIB,
+    );
+    Ok(())
 }
 
 pub(crate) fn cuMemMap(
@@ -1625,15 +1653,22 @@ pub(crate) fn cuMemMap(
     handle: CUmemGenericAllocationHandle,
     flags: u64,
 ) -> Result<(), CUresult> {
+    let start = std::time::Instant::now();
     let d = driver()?;
     if flags != 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    d.mem.map(ptr, size as u64, offset as u64, handle)
+    d.mem.map(ptr, size as u64, offset as u64, handle)?;
+    vmm_call(d, start, knobs::VMM_MAP_US);
+    Ok(())
 }
 
 pub(crate) fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> Result<(), CUresult> {
-    driver()?.mem.unmap(ptr, size as u64)
+    let start = std::time::Instant::now();
+    let d = driver()?;
+    d.mem.unmap(ptr, size as u64)?;
+    vmm_call(d, start, knobs::VMM_UNMAP_US);
+    Ok(())
 }
 
 pub(crate) fn cuMemSetAccess(
@@ -1642,6 +1677,7 @@ pub(crate) fn cuMemSetAccess(
     desc: *const CUmemAccessDesc,
     count: usize,
 ) -> Result<(), CUresult> {
+    let start = std::time::Instant::now();
     let d = driver()?;
     if desc.is_null() || count == 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
@@ -1665,7 +1701,9 @@ pub(crate) fn cuMemSetAccess(
         };
         grants.push((dev, access));
     }
-    d.mem.set_access(ptr, size as u64, &grants)
+    d.mem.set_access(ptr, size as u64, &grants)?;
+    vmm_call(d, start, knobs::VMM_SET_ACCESS_US);
+    Ok(())
 }
 
 // ---------------------------------------------------------------- streams and events

@@ -41,7 +41,10 @@ pub struct Driver {
     pub hbm_bps: f64,
     /// Device memory each context costs (the machine's `KIWI_SIM_CONTEXT_MEMORY`).
     pub context_memory: u64,
-    /// Wall time `cuMemCreate` takes per 2 MiB, in seconds (0: free).
+    /// Wall time each `cuMemCreate` call takes, in seconds (0: free, and the other
+    /// VMM calls' costs off too).
+    pub memcreate_s: f64,
+    /// Wall time `cuMemCreate` takes per 2 MiB on top of the call's, in seconds.
     pub memcreate_s_per_2mib: f64,
     /// How fast host memory is page-locked, bytes/s (0: free).
     pub pin_bps: f64,
@@ -105,6 +108,7 @@ fn init_driver() -> Result<Driver, CUresult> {
         pcie_bps: settings.pcie_gbps * 1e9,
         hbm_bps: settings.hbm_gbps * 1e9,
         context_memory: settings.context_memory,
+        memcreate_s: cfg.memcreate_us * 1e-6,
         memcreate_s_per_2mib: cfg.memcreate_us_per_2mib * 1e-6,
         pin_bps: cfg.pin_gbps * 1e9,
         trace,

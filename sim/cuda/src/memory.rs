@@ -962,16 +962,16 @@ impl Memory {
         Ok(self.add_handle(phys))
     }
 
-    /// `cuMemRelease`: drops the handle; memory lives on while mapped.
-    pub fn release(&self, handle: u64) -> Result<(), CUresult> {
+    /// `cuMemRelease`: drops the handle (memory lives on while mapped); returns the
+    /// handle's size.
+    pub fn release(&self, handle: u64) -> Result<u64, CUresult> {
         let p = self
             .handles
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&handle)
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        drop(p);
-        Ok(())
+        Ok(p.size)
     }
 
     /// `cuMemMap(ptr, size, 0, handle, 0)`.
