@@ -66,6 +66,29 @@ for huge in (False, True):
         ok(cu.cuMemHostUnregister(V(addr)), "cuMemHostUnregister")
         del addr
         m.close()
+# The shim pins its swap buffers one 64 MiB segment at a time.
+SEG = 64 << 20
+for huge in (False, True):
+    m, addr = anon(size, huge)
+    t = now()
+    for off in range(0, size, SEG):
+        ok(cu.cuMemHostRegister_v2(V(addr + off), SZ(SEG), 0), "cuMemHostRegister")
+    dt = now() - t
+    line(f"pin: cuMemHostRegister {'THP' if huge else '4 KiB'}, 64 MiB pieces", size / dt / 1e9, "GB/s")
+    for off in range(0, size, SEG):
+        ok(cu.cuMemHostUnregister(V(addr + off)), "cuMemHostUnregister")
+    del addr
+    m.close()
+ps = []
+t = now()
+for _ in range(0, size, SEG):
+    q = V()
+    ok(cu.cuMemHostAlloc(ctypes.byref(q), SZ(SEG), 0), "cuMemHostAlloc")
+    ps.append(q)
+dt = now() - t
+line("pin: cuMemHostAlloc, 64 MiB pieces", size / dt / 1e9, "GB/s")
+for q in ps:
+    ok(cu.cuMemFreeHost(q), "cuMemFreeHost")
 with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
     print("transparent_hugepage:", f.read().strip())
 
