@@ -1528,10 +1528,17 @@ impl Client {
             let r = turn.res.drain();
             let end = Instant::now();
             st = lock(&self.state);
-            if let Err(e) = &r {
+            match r {
+                // The application destroyed its context, or the driver is shutting
+                // down (at exit): nothing is left to drain, and nothing to say.
+                Err(
+                    crate::cuda::CUDA_ERROR_CONTEXT_IS_DESTROYED
+                    | crate::cuda::CUDA_ERROR_DEINITIALIZED,
+                ) => {}
                 // Not seen done: the release drains again (and evicts nothing if that
                 // fails too, see drain_then_evict).
-                crate::kwarn!("draining an idle holder failed with CUDA error {e}");
+                Err(e) => crate::kwarn!("draining an idle holder failed with CUDA error {e}"),
+                Ok(()) => {}
             }
             let quiet = settled
                 && r.is_ok()
