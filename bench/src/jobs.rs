@@ -127,6 +127,14 @@ impl Sim {
                 COSTS.memcreate_us_per_2mib.to_string(),
             )
             .env("KIWI_SIM_PIN_GBPS", COSTS.pin_gbps.to_string())
+            .env(
+                "KIWI_SIM_PAGEABLE_H2D_GBPS",
+                kiwi_sim_core::knobs::DEFAULT_PAGEABLE_H2D_GBPS.to_string(),
+            )
+            .env(
+                "KIWI_SIM_PAGEABLE_D2H_GBPS",
+                kiwi_sim_core::knobs::DEFAULT_PAGEABLE_D2H_GBPS.to_string(),
+            )
             .env("KIWI_SIM_PCIE_GBPS", self.pcie_gbps.to_string())
             .env("KIWI_SIM_HBM_GBPS", COSTS.hbm_gbps.to_string());
         match &self.trace {

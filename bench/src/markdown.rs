@@ -43,6 +43,13 @@ pub fn costs() -> Vec<String> {
             COSTS.pcie_gbps
         ),
         format!(
+            "copies with pageable host memory: {} GB/s host to device, {} GB/s device to \
+             host, at most the link's rate (`KIWI_SIM_PAGEABLE_H2D_GBPS`, `_D2H_GBPS`; \
+             measured on an H100)",
+            kiwi_sim_core::knobs::DEFAULT_PAGEABLE_H2D_GBPS,
+            kiwi_sim_core::knobs::DEFAULT_PAGEABLE_D2H_GBPS
+        ),
+        format!(
             "device memory (kernels, memsets, device-to-device copies): {} GB/s \
              (`KIWI_SIM_HBM_GBPS`)",
             COSTS.hbm_gbps
@@ -226,7 +233,8 @@ mod tests {
         assert!(md.contains("## Machine"));
         assert!(md.contains("## What the simulator charges"), "{md}");
         assert!(md.contains("every context costs 300 MiB"), "{md}");
-        assert!(md.contains("`cuMemCreate`: 100 µs per 2 MiB page"), "{md}");
+        assert!(md.contains("`cuMemCreate`: 15 µs a call"), "{md}");
+        assert!(md.contains("7.5 GB/s host to device"), "{md}");
         assert!(md.contains("2 GB/s (`KIWI_SIM_PIN_GBPS`)"), "{md}");
         assert!(md.contains("25 GB/s per direction"), "{md}");
         assert!(

@@ -48,6 +48,12 @@ pub struct SimConfig {
     /// `cuMemAllocHost`, `cuMemHostRegister`), GB/s. Default [`DEFAULT_PIN_GBPS`];
     /// 0 turns the cost off.
     pub pin_gbps: f64,
+    /// `KIWI_SIM_PAGEABLE_H2D_GBPS` / `_D2H_GBPS`: how fast a copy between pageable
+    /// (neither allocated pinned nor registered) host memory and a device runs, GB/s,
+    /// at most the link's rate. Defaults [`DEFAULT_PAGEABLE_H2D_GBPS`],
+    /// [`DEFAULT_PAGEABLE_D2H_GBPS`]; 0 turns the cost off (the link's rate).
+    pub pageable_h2d_gbps: f64,
+    pub pageable_d2h_gbps: f64,
     /// `KIWI_SIM_FAIL_SYNC`: fault injection for tests. While this file exists, the
     /// process's next `cuCtxSynchronize` deletes it and fails with
     /// `CUDA_ERROR_UNKNOWN` at once, without waiting for the context's work (which
@@ -93,6 +99,12 @@ pub const VMM_RELEASE_US_PER_2MIB: f64 = 0.8;
 /// Page-locking host memory: about 2 GB/s (`cudaHostAlloc`/`cudaHostRegister` pin
 /// every page through the kernel; the figure issue #12 gives). Not measured here.
 pub const DEFAULT_PIN_GBPS: f64 = 2.0;
+/// Copies from and to pageable host memory (the driver stages them through its own
+/// pinned buffers): measured on an H100 (driver 580, `scripts/gpu-costs.py`) at
+/// 7.0–8.0 GB/s host to device and 12.1–12.9 GB/s device to host, against 55 GB/s
+/// pinned each way.
+pub const DEFAULT_PAGEABLE_H2D_GBPS: f64 = 7.5;
+pub const DEFAULT_PAGEABLE_D2H_GBPS: f64 = 12.5;
 /// Device memory a loaded module costs: its code and constant banks go into the
 /// context's device memory, which the driver takes in 2 MiB pages, so a small module
 /// costs one page; libraries of many kernels (cuBLAS, cuDNN, Triton's compiled
@@ -113,6 +125,8 @@ impl Default for SimConfig {
             memcreate_us: DEFAULT_MEMCREATE_US,
             memcreate_us_per_2mib: DEFAULT_MEMCREATE_US_PER_2MIB,
             pin_gbps: DEFAULT_PIN_GBPS,
+            pageable_h2d_gbps: DEFAULT_PAGEABLE_H2D_GBPS,
+            pageable_d2h_gbps: DEFAULT_PAGEABLE_D2H_GBPS,
             fail_sync: None,
             module_memory: DEFAULT_MODULE_MEMORY,
             fail_memcreate_every: 0,
@@ -206,6 +220,8 @@ impl SimConfig {
                 &mut c.memcreate_us_per_2mib,
             ),
             ("KIWI_SIM_PIN_GBPS", &mut c.pin_gbps),
+            ("KIWI_SIM_PAGEABLE_H2D_GBPS", &mut c.pageable_h2d_gbps),
+            ("KIWI_SIM_PAGEABLE_D2H_GBPS", &mut c.pageable_d2h_gbps),
         ] {
             if let Some(v) = get(var) {
                 let g: f64 = v
@@ -263,6 +279,8 @@ mod tests {
         assert_eq!(c.memcreate_us, 15.0);
         assert_eq!(c.memcreate_us_per_2mib, 0.04);
         assert_eq!(c.pin_gbps, 2.0);
+        assert_eq!(c.pageable_h2d_gbps, 7.5);
+        assert_eq!(c.pageable_d2h_gbps, 12.5);
         assert_eq!(c.fail_sync, None);
         assert_eq!(c.module_memory, 2 << 20);
         assert_eq!(c.fail_memcreate_every, 0);
@@ -280,6 +298,8 @@ mod tests {
             ("KIWI_SIM_MEMCREATE_US", "7.5"),
             ("KIWI_SIM_MEMCREATE_US_PER_2MIB", "0"),
             ("KIWI_SIM_PIN_GBPS", "0.5"),
+            ("KIWI_SIM_PAGEABLE_H2D_GBPS", "0"),
+            ("KIWI_SIM_PAGEABLE_D2H_GBPS", "3"),
             ("KIWI_SIM_FAIL_SYNC", "/tmp/fail"),
             ("KIWI_SIM_MODULE_MEMORY", "8MiB"),
             ("KIWI_SIM_FAIL_MEMCREATE", "7"),
@@ -292,6 +312,8 @@ mod tests {
         assert_eq!(c.memcreate_us, 7.5);
         assert_eq!(c.memcreate_us_per_2mib, 0.0);
         assert_eq!(c.pin_gbps, 0.5);
+        assert_eq!(c.pageable_h2d_gbps, 0.0);
+        assert_eq!(c.pageable_d2h_gbps, 3.0);
         assert_eq!(c.gpus, 2);
         assert_eq!(c.memory, 1 << 30);
         assert_eq!(c.name, "t-1");
@@ -317,6 +339,7 @@ mod tests {
             ("KIWI_SIM_MEMCREATE_US_PER_2MIB", "-5"),
             ("KIWI_SIM_MEMCREATE_US", "soon"),
             ("KIWI_SIM_PIN_GBPS", "fast"),
+            ("KIWI_SIM_PAGEABLE_D2H_GBPS", "-2"),
         ] {
             let e = cfg(&[(k, v)]).unwrap_err();
             assert!(e.to_string().starts_with(k), "{e}");

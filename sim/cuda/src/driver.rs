@@ -48,6 +48,9 @@ pub struct Driver {
     pub memcreate_s_per_2mib: f64,
     /// How fast host memory is page-locked, bytes/s (0: free).
     pub pin_bps: f64,
+    /// Copies with pageable host memory, bytes/s each way (0: at the link's rate).
+    pub pageable_h2d_bps: f64,
+    pub pageable_d2h_bps: f64,
     pub trace: Option<TraceWriter>,
     /// `KIWI_SIM_FAIL_SYNC` (fault injection, see `kiwi_sim_core::knobs`).
     pub fail_sync: Option<std::path::PathBuf>,
@@ -111,6 +114,8 @@ fn init_driver() -> Result<Driver, CUresult> {
         memcreate_s: cfg.memcreate_us * 1e-6,
         memcreate_s_per_2mib: cfg.memcreate_us_per_2mib * 1e-6,
         pin_bps: cfg.pin_gbps * 1e9,
+        pageable_h2d_bps: cfg.pageable_h2d_gbps * 1e9,
+        pageable_d2h_bps: cfg.pageable_d2h_gbps * 1e9,
         trace,
         fail_sync: cfg.fail_sync.clone(),
         mem,

@@ -600,6 +600,7 @@ impl Context {
                 match d.mem.resolve(dst, n, true, self.device) {
                     Ok(pieces) => {
                         let end = self.link(LinkDir::HostToDevice, start, n as f64);
+                        let end = pageable_end(d, src, n, start, end, d.pageable_h2d_bps);
                         let mut at = src;
                         for p in pieces {
                             // SAFETY: host range validated by the caller's contract;
@@ -623,6 +624,7 @@ impl Context {
                 match d.mem.resolve(src, n, false, self.device) {
                     Ok(pieces) => {
                         let end = self.link(LinkDir::DeviceToHost, start, n as f64);
+                        let end = pageable_end(d, dst, n, start, end, d.pageable_d2h_bps);
                         let mut at = dst;
                         for p in pieces {
                             // SAFETY: as for HtoD, in the other direction.
@@ -964,4 +966,26 @@ fn copy_row(
         }
     }
     Ok(())
+}
+
+/// When a host↔device copy of `n` bytes at host address `host`, started at `start`
+/// and done on the link by `link_end`, ends: then, for pinned (allocated or
+/// registered) host memory; no sooner than at `pageable_bps` for pageable memory,
+/// which the driver stages through its own pinned buffers.
+fn pageable_end(
+    d: &Driver,
+    host: usize,
+    n: u64,
+    start: u64,
+    link_end: u64,
+    pageable_bps: f64,
+) -> u64 {
+    let pinned = d
+        .mem
+        .host_range(host)
+        .is_some_and(|(s, l)| host.saturating_add(n as usize) <= s + l);
+    if pinned || pageable_bps <= 0.0 {
+        return link_end;
+    }
+    link_end.max(start + (n as f64 / pageable_bps * 1e9) as u64)
 }
