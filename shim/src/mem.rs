@@ -216,6 +216,10 @@ pub struct Memory<D: Driver> {
     peers: Vec<Grant>,
     /// Pinned host buffers no segment holds, for the next swap-out.
     spare: Vec<HostBuf>,
+    /// Bytes of pinned buffers the swap-out under way allocated on its critical path
+    /// (none spare), and the time that took: logged at its end (`KIWI_LOG=debug`).
+    pinned_now: u64,
+    pinning_time: Duration,
     /// Bytes of every pinned host buffer (held and spare).
     host_bytes: u64,
     /// Allocations shared through IPC ([`crate::ipc`]): base → share.
@@ -248,6 +252,8 @@ impl<D: Driver> Memory<D> {
             external_bytes: 0,
             peers: Vec::new(),
             spare: Vec::new(),
+            pinned_now: 0,
+            pinning_time: Duration::ZERO,
             host_bytes: 0,
             shared: HashMap::new(),
             pinned: 0,
@@ -487,8 +493,11 @@ impl<D: Driver> Memory<D> {
     }
 
     fn new_host_buf(&mut self, size: u64) -> Result<HostBuf, CUresult> {
+        let t = Instant::now();
         let ptr = self.drv.host_alloc(size)?;
         self.host_bytes += size;
+        self.pinned_now += size;
+        self.pinning_time += t.elapsed();
         Ok(HostBuf { ptr, cap: size })
     }
 
@@ -838,10 +847,20 @@ impl<D: Driver> Memory<D> {
         for k in self.largest_first(&victims) {
             bufs[k] = self.take_spare(self.size_of(victims[k]));
         }
+        let spared = bufs.iter().flatten().map(|b| b.cap).sum::<u64>();
+        (self.pinned_now, self.pinning_time) = (0, Duration::ZERO);
         let r = self.evict_planned(&victims, &mut bufs);
         // Buffers prepared for segments that were not reached.
         self.spare.extend(bufs.into_iter().flatten());
         self.trim_spare();
+        crate::kdebug!(
+            "swap-out of {} MiB in {:?}: {} MiB into buffers pinned ahead, {} MiB pinned now in {:?}",
+            r.as_ref().map_or(0, |b| b >> 20),
+            start.elapsed(),
+            spared >> 20,
+            self.pinned_now >> 20,
+            self.pinning_time
+        );
         Ok(Swap {
             bytes: r?,
             duration: start.elapsed(),
