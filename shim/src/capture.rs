@@ -12,9 +12,16 @@
 //! - A submission into a capturing stream is recorded by the driver, not run: it
 //!   neither waits in the gate nor counts toward the queue bound ([`is_captured`], asked
 //!   only on the gate's slow path and only while [`active`]).
-//! - The shim's own potentially unsafe calls (pinning swap buffers) run in the
-//!   `RELAXED` capture mode ([`Relaxed`]), so they never invalidate the application's
-//!   captures.
+//! - The shim's own potentially unsafe calls (pinning swap buffers, waiting for a
+//!   stream that does not capture: the real driver refuses both during another
+//!   stream's `GLOBAL` capture and invalidates it, measured on an H100, driver 580,
+//!   `docs/gpu-validation.md`) run in the `RELAXED` capture mode, so they never
+//!   invalidate the application's captures: the shim's own threads are `RELAXED` for
+//!   good ([`relax_this_thread`]), an application thread while it runs the shim's
+//!   work ([`Relaxed`]). The calls that break a capture in every mode (querying,
+//!   synchronizing or asking the flags of the capturing stream, the legacy stream
+//!   while a blocking stream captures, `cuCtxSynchronize`) stay avoided while
+//!   captures are in progress, as above.
 //!
 //! Nothing here is on the launch hot path: [`active`] is one atomic load, read on slow
 //! paths only.
@@ -221,19 +228,31 @@ pub fn legacy_usable(patience: Duration) -> bool {
     quiesce(patience) || !blocked()
 }
 
+/// Puts the calling thread, one of the shim's own, in the `RELAXED` capture mode for
+/// good (called once, at its start): its potentially unsafe calls then never
+/// invalidate the application's captures, whenever those begin.
+pub fn relax_this_thread() {
+    let mut mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    if let Err(e) = real!(cuThreadExchangeStreamCaptureMode: fn(*mut Uint)(&mut mode)) {
+        crate::kwarn!("cannot put a shim thread in the relaxed capture mode (CUDA error {e})");
+    }
+}
+
 /// The calling thread in the `RELAXED` capture mode until dropped: the shim's own
-/// potentially unsafe calls (`cuMemAllocHost_v2` for swap buffers) then never
-/// invalidate the application's captures. Only switched while a capture is active.
+/// potentially unsafe calls on an application thread (pinning swap buffers, waiting
+/// for a stream) then never invalidate the application's captures. Switched whether
+/// or not a capture is in progress: one may begin on another thread meanwhile.
 pub struct Relaxed(Option<Uint>);
 
 impl Relaxed {
     pub fn enter() -> Relaxed {
-        if !active() {
-            return Relaxed(None);
-        }
         let mut mode = CU_STREAM_CAPTURE_MODE_RELAXED;
         let ok = real!(cuThreadExchangeStreamCaptureMode: fn(*mut Uint)(&mut mode)).is_ok();
-        Relaxed(ok.then_some(mode))
+        // Already relaxed (a shim thread): nothing to restore.
+        Relaxed(
+            ok.then_some(mode)
+                .filter(|&m| m != CU_STREAM_CAPTURE_MODE_RELAXED),
+        )
     }
 }
 

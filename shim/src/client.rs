@@ -1701,6 +1701,8 @@ impl Client {
     }
 
     fn run(self: Arc<Self>, turn: Arc<Turn>, reader: Option<Conn>) {
+        // Its swaps, pins and waits never invalidate the application's captures.
+        crate::capture::relax_this_thread();
         let k = turn.slot;
         let mut conn = match reader {
             Some(c) => c,
@@ -1753,6 +1755,9 @@ impl Client {
     /// While some turn has a target it looks again every [`PIN_RECHECK`]: the working
     /// set grows, a swap-in turns buffers back into spares.
     fn pin_loop(&self) {
+        // Pinning is a potentially unsafe call: relaxed, it never invalidates the
+        // application's captures.
+        crate::capture::relax_this_thread();
         loop {
             let busy = self.turns().any(|t| {
                 t.pressure.load(Ordering::Relaxed) || t.pin_target.load(Ordering::Relaxed) > 0

@@ -571,6 +571,10 @@ unsafe fn free_async(
         );
         return CUDA_SUCCESS;
     }
+    // Waiting for a stream that does not capture is a potentially unsafe call: while
+    // another stream captures in GLOBAL mode the driver would refuse it and invalidate
+    // that capture, where the application's own stream-ordered free is allowed.
+    let _relaxed = crate::capture::Relaxed::enter();
     if let Err(e) = call!(cuStreamSynchronize: fn(CUstream)(s.handle_for_legacy_entry())) {
         return e;
     }

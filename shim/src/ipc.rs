@@ -404,6 +404,7 @@ impl Conn {
 /// The broker's loop: accepts importers, serves their requests, and releases a pin
 /// when its connection closes.
 fn serve(l: UnixListener) {
+    crate::capture::relax_this_thread();
     let mut conns: Vec<Conn> = Vec::new();
     loop {
         let mut fds = Vec::with_capacity(conns.len() + 1);

@@ -265,7 +265,11 @@ fn run_alone(
 /// stream only, so right after it returns the other stream is still busy, and it
 /// takes a fraction of the other stream's time (printed). Every byte checked. On the
 /// shim before this, the free of a large allocation synchronized the whole context
-/// and so waited for the other stream's copy.
+/// and so waited for the other stream's copy. Then a `cudaMallocAsync` and
+/// `cudaFreeAsync` on that stream while a blocking stream captures in `GLOBAL` mode:
+/// the capture survives. Before the shim waited for the free's stream in the
+/// `RELAXED` capture mode, the driver refused that wait (900, a potentially unsafe
+/// call; measured on an H100) and invalidated the capture.
 #[test]
 fn a_stream_ordered_free_waits_for_its_own_stream_only() {
     let Some(rt) = CudaRuntime::fetch_or_skip("cudaFreeAsync under Kiwi") else {
@@ -276,6 +280,7 @@ fn a_stream_ordered_free_waits_for_its_own_stream_only() {
     let (o, t) = run_alone(&rt, "free-async", &exe, &["128"], dir.path());
     assert_eq!(o.status.code(), Some(0), "{t}");
     let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("global capture OK"), "{t}");
     assert_eq!(out.lines().last(), Some("OK"), "{t}");
     let rounds: Vec<(f64, f64)> = out
         .lines()

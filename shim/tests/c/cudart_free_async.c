@@ -14,7 +14,10 @@
  * Built with -DPER_THREAD (cudart_free_async_ptsz.c) it also frees on the per-thread
  * stream (stream 0, the runtime calls cuMemFreeAsync_ptsz) while a blocking stream
  * is being captured: the free must wait for the per-thread stream, not the legacy
- * one (which a capture on a blocking stream forbids), and the capture survives. */
+ * one (which a capture on a blocking stream forbids), and the capture survives.
+ *
+ * Then (both builds) a cudaMallocAsync / cudaFreeAsync on `s` while a blocking
+ * stream captures in GLOBAL mode: the capture survives the shim's wait for `s`. */
 #include "../../../sim/core/tests/c/cudart_common.h"
 
 #include <pthread.h>
@@ -131,6 +134,38 @@ int main(int argc, char **argv) {
     CHECK(cudaStreamDestroy(c));
     puts("per-thread OK");
 #endif
+
+    /* A stream-ordered allocation and free on a stream that does not capture while
+     * a blocking stream captures in the default GLOBAL mode: stream-ordered calls,
+     * which the simulator allows (the driver's answer is not measured), and the
+     * shim's wait for the free's stream (a potentially unsafe call, refused and
+     * invalidating in GLOBAL mode) must not invalidate the capture. */
+    {
+        cudaStream_t g_s;
+        CHECK(cudaStreamCreate(&g_s));
+        CHECK(cudaMemset(x, 0, MIB));
+        CHECK(cudaStreamBeginCapture(g_s, cudaStreamCaptureModeGlobal));
+        CHECK(cudaMemsetAsync(x, 0x22, MIB, g_s));
+        unsigned char *q = NULL;
+        CHECK(cudaMallocAsync((void **)&q, n, s));
+        CHECK(cudaMemsetAsync(q, 0x5D, n, s));
+        CHECK(cudaFreeAsync(q, s));
+        CHECK(cudaMemsetAsync(x + MIB / 2, 0x33, MIB / 2, g_s));
+        cudaGraph_t g = NULL;
+        CHECK(cudaStreamEndCapture(g_s, &g));
+        ASSERT(g != NULL);
+        cudaGraphExec_t ge;
+        CHECK(cudaGraphInstantiate(&ge, g, 0));
+        CHECK(cudaGraphLaunch(ge, g_s));
+        CHECK(cudaStreamSynchronize(g_s));
+        CHECK(cudaMemcpy(h, x, MIB, cudaMemcpyDeviceToHost));
+        ASSERT(check_value(h, MIB / 2, 0x22) == MIB / 2);
+        ASSERT(check_value(h + MIB / 2, MIB / 2, 0x33) == MIB / 2);
+        CHECK(cudaGraphExecDestroy(ge));
+        CHECK(cudaGraphDestroy(g));
+        CHECK(cudaStreamDestroy(g_s));
+        puts("global capture OK");
+    }
 
     CHECK(cudaStreamDestroy(s));
     CHECK(cudaStreamDestroy(other));

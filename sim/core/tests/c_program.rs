@@ -110,6 +110,61 @@ fn stream_capture_refuses_what_the_driver_refuses() {
     build_and_run(&include, &m, "capture_rules.c");
 }
 
+/// The rows of the first table in `docs/gpu-validation.md` that follows `after`:
+/// every line from its header (`| call |`) to its last row.
+fn doc_table(doc: &str, after: &str) -> Vec<String> {
+    let from = doc
+        .find(after)
+        .unwrap_or_else(|| panic!("docs/gpu-validation.md has no {after:?}"));
+    doc[from..]
+        .lines()
+        .skip_while(|l| !l.starts_with("| call |"))
+        .take_while(|l| l.starts_with('|'))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The simulator refuses and invalidates during a stream capture exactly what the
+/// real driver does: `tests/c/capture_table.c`, `scripts/gpu-capture-rules.py` in C
+/// (the same 23 calls in the same four places: the capturing thread in a `GLOBAL`
+/// and in a `THREAD_LOCAL` capture, another thread in `GLOBAL` and in `RELAXED`
+/// mode), prints the table measured on an H100 (driver 580.159.04) and kept in
+/// `docs/gpu-validation.md`, cell for cell: the call's result, the capture's status
+/// after it, `cuStreamEndCapture`'s result.
+#[test]
+fn stream_capture_rules_match_the_table_measured_on_an_h100() {
+    let Some(include) = cuda_include() else {
+        return;
+    };
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let doc = std::fs::read_to_string(root.join("docs/gpu-validation.md")).unwrap();
+    let want = doc_table(&doc, "Calls made during a stream capture");
+    assert_eq!(want.len(), 2 + 23, "the measured table: {want:#?}");
+    let m = SimMachine::new("capture-table", 1, 256 << 20).unwrap_or_else(|e| panic!("{e}"));
+    let exe = build(&include, &m, "capture_table.c");
+    let run = m.apply(&mut Command::new(&exe)).output().unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout).to_string();
+    let all = format!("{stdout}{}", String::from_utf8_lossy(&run.stderr));
+    assert!(run.status.success(), "{all}");
+    let got: Vec<String> = stdout
+        .lines()
+        .filter(|l| l.starts_with('|'))
+        .map(str::to_string)
+        .collect();
+    let differ: Vec<String> = want
+        .iter()
+        .zip(&got)
+        .filter(|(w, g)| w != g)
+        .map(|(w, g)| format!("  driver:    {w}\n  simulator: {g}"))
+        .collect();
+    assert!(
+        differ.is_empty() && got.len() == want.len(),
+        "the simulator differs from the driver in {} rows:\n{}\n--- its output\n{all}",
+        differ.len(),
+        differ.join("\n")
+    );
+}
+
 /// VMM mappings are reachable only from devices granted by `cuMemSetAccess`; IPC
 /// refuses VMM memory; a non-blocking stream is not ordered with the legacy
 /// stream (`tests/c/strict_rules.c`, each check failing on a lenient simulator).

@@ -51,6 +51,7 @@ pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
 pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CUresult = 900;
 pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CUresult = 901;
 pub const CUDA_ERROR_STREAM_CAPTURE_UNJOINED: CUresult = 904;
+pub const CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: CUresult = 906;
 pub const CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD: CUresult = 908;
 pub const CUDA_ERROR_UNKNOWN: CUresult = 999;
 
@@ -156,6 +157,11 @@ pub const ERRORS: &[(CUresult, &std::ffi::CStr, &std::ffi::CStr)] = &[
         CUDA_ERROR_STREAM_CAPTURE_UNJOINED,
         c"CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
         c"capture sequence contains a fork that was not joined to the primary stream",
+    ),
+    (
+        CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+        c"CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+        c"operation would make the legacy stream depend on a capturing blocking stream",
     ),
     (
         CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD,

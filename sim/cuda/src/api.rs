@@ -978,6 +978,7 @@ pub(crate) fn cuMemHostRegister_v2(
 ) -> Result<(), CUresult> {
     let d = driver()?;
     driver::current()?;
+    capture::refuse_unsafe()?;
     if p.is_null() || size == 0 || flags & !0xf != 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -997,7 +998,9 @@ pub(crate) fn cuMemHostRegister_v2(
 }
 
 pub(crate) fn cuMemHostUnregister(p: *mut c_void) -> Result<(), CUresult> {
-    driver()?.mem.host_remove(p as usize, false).map(|_| ())
+    let d = driver()?;
+    capture::refuse_unsafe()?;
+    d.mem.host_remove(p as usize, false).map(|_| ())
 }
 
 // ---------------------------------------------------------------- copies and memsets
@@ -1755,11 +1758,7 @@ fn stream_sync(s: CUstream, pt: bool) -> Result<(), CUresult> {
     let d = driver()?;
     let legacy = s.is_null() && !pt || s as usize == CU_STREAM_LEGACY;
     let st = d.stream(s, pt)?;
-    if legacy {
-        capture::refuse_legacy(&st.ctx)?;
-    } else {
-        capture::refuse_stream_use(&st)?;
-    }
+    capture::refuse_stream_wait(&st)?;
     // The legacy stream waits for all work of the blocking streams of the context
     // (its lane, in submission order), not for non-blocking streams.
     let seq = if legacy {
@@ -1779,11 +1778,7 @@ fn stream_query(s: CUstream, pt: bool) -> Result<(), CUresult> {
     let d = driver()?;
     let st = d.stream(s, pt)?;
     st.ctx.check()?;
-    if st.legacy {
-        capture::refuse_legacy(&st.ctx)?;
-    } else {
-        capture::refuse_stream_use(&st)?;
-    }
+    capture::refuse_stream_wait(&st)?;
     if st.ctx.is_done(st.lane, st.last_seq.load(Ordering::Acquire)) {
         Ok(())
     } else {
@@ -1863,7 +1858,11 @@ pub(crate) fn cuStreamAddCallback(
 }
 
 pub(crate) fn cuStreamGetFlags(s: CUstream, flags: *mut u32) -> Result<(), CUresult> {
-    out(flags, driver()?.stream(s, false)?.flags)
+    let st = driver()?.stream(s, false)?;
+    // Refused on a capturing stream, and the capture invalidated (capture rule 1,
+    // measured on an H100).
+    capture::refuse_stream_use(&st)?;
+    out(flags, st.flags)
 }
 
 pub(crate) fn cuStreamGetPriority(s: CUstream, prio: *mut i32) -> Result<(), CUresult> {
@@ -1967,10 +1966,25 @@ pub(crate) fn cuEventRecordWithFlags(
     event_record(e, s, pt)
 }
 
+/// The capture rules of querying or synchronizing `ev`: rule 5 when its last record
+/// was captured, else rule 4 (it waits for work that is not captured).
+fn refuse_event_wait(ev: &Event) -> Result<(), CUresult> {
+    if !capture::active() {
+        return Ok(());
+    }
+    let id = ev
+        .state
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .capture_id;
+    capture::refuse_captured_event(id)?;
+    capture::refuse_unsafe()
+}
+
 pub(crate) fn cuEventQuery(e: CUevent) -> Result<(), CUresult> {
     let ev = driver()?.event(e)?;
+    refuse_event_wait(&ev)?;
     let g = ev.state.lock().unwrap_or_else(|e| e.into_inner());
-    capture::refuse_captured_event(g.capture_id)?;
     match &g.ctx {
         None => Ok(()),
         Some(_) if g.time_ns != 0 => Ok(()),
@@ -1981,9 +1995,9 @@ pub(crate) fn cuEventQuery(e: CUevent) -> Result<(), CUresult> {
 
 pub(crate) fn cuEventSynchronize(e: CUevent) -> Result<(), CUresult> {
     let ev = driver()?.event(e)?;
+    refuse_event_wait(&ev)?;
     let (ctx, lane, seq) = {
         let g = ev.state.lock().unwrap_or_else(|e| e.into_inner());
-        capture::refuse_captured_event(g.capture_id)?;
         let seq = g.ctx.as_ref().map(|c| event_seq(&g, c)).unwrap_or(0);
         (g.ctx.clone(), g.lane, seq)
     };
@@ -2092,6 +2106,9 @@ pub(crate) fn cuStreamEndCapture(
 
 fn is_capturing(s: CUstream, status: *mut i32, pt: bool) -> Result<(), CUresult> {
     let st = driver()?.stream(s, pt)?;
+    if st.legacy {
+        capture::legacy_status_implicit(&st.ctx)?;
+    }
     out(status, capture::status(&st).0)
 }
 
@@ -2111,6 +2128,9 @@ fn capture_info(
     pt: bool,
 ) -> Result<(), CUresult> {
     let st = driver()?.stream(s, pt)?;
+    if st.legacy {
+        capture::legacy_status_implicit(&st.ctx)?;
+    }
     capture::info(&st, status, id, graph, deps, edges, count)
 }
 

@@ -2,31 +2,54 @@
 //! capture sequences in progress, each thread's capture mode, and the rules that
 //! refuse calls during a capture.
 //!
-//! Sources: CUDA C++ Programming Guide, "CUDA Graphs" → "Stream Capture" →
-//! "Prohibited and Unhandled Operations" and "Invalidation"; Driver API reference,
-//! `cuStreamBeginCapture`, `cuThreadExchangeStreamCaptureMode`,
-//! `cuStreamEndCapture`, `cuStreamGetCaptureInfo`. The rules:
+//! Sources: **measured** on an H100, driver 580.159.04, with
+//! `scripts/gpu-capture-rules.py` (the table in `docs/gpu-validation.md`; a capture
+//! begun on a blocking stream, one call made from the capturing thread in `GLOBAL`
+//! or `THREAD_LOCAL` capture, or from another thread in `GLOBAL` or `RELAXED` mode);
+//! where the table has no row, CUDA C++ Programming Guide, "CUDA Graphs" → "Stream
+//! Capture" → "Prohibited and Unhandled Operations" and "Invalidation", and the
+//! Driver API reference of `cuStreamBeginCapture`, `cuThreadExchangeStreamCaptureMode`,
+//! `cuStreamEndCapture`, `cuStreamIsCapturing`, `cuStreamGetCaptureInfo`. The rules:
 //!
-//! 1. Synchronizing or querying a stream being captured is invalid (Guide).
-//! 2. Synchronizing or querying a broader handle that encompasses a capture (the
-//!    context: `cuCtxSynchronize`) is invalid (Guide).
+//! 1. Querying, synchronizing or asking the flags of a stream being captured
+//!    (`cuStreamQuery`, `cuStreamSynchronize`, `cuStreamGetFlags`) is refused in
+//!    every mode, from every thread (measured: `cuStreamQuery`, `cuStreamGetFlags`;
+//!    synchronizing: Guide). Its priority, context and capture status may be asked.
+//! 2. Synchronizing a broader handle that encompasses a capture, the context
+//!    (`cuCtxSynchronize`), is refused in every mode (measured; Guide: also while
+//!    only a non-blocking stream of the context captures).
 //! 3. While a stream not created `CU_STREAM_NON_BLOCKING` is captured, any use of
-//!    its context's legacy stream is invalid: enqueuing to it, synchronizing or
-//!    querying it, and so every synchronous call (`cuMemcpy*`, `cuMemset*`), which
-//!    runs on it (Guide).
-//! 4. "Potentially unsafe API calls" (memory allocation and freeing, which may
-//!    synchronize implicitly) are prohibited by the thread's capture mode
-//!    (`cuThreadExchangeStreamCaptureMode`): in `GLOBAL` mode (the default) while
-//!    this thread has a capture not begun `RELAXED` or any thread has a `GLOBAL`
-//!    one; in `THREAD_LOCAL` mode only by this thread's own; never in `RELAXED`.
-//! 5. Querying or synchronizing an event last recorded inside a capture is invalid
+//!    its context's legacy stream is refused with `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`
+//!    in every mode: enqueuing to it (`cuMemcpyHtoDAsync(.., NULL)`), querying it,
+//!    and so every synchronous call (`cuMemcpyDtoH`), which runs on it (measured);
+//!    synchronizing it (Guide). `cuStreamIsCapturing` / `cuStreamGetCaptureInfo` of
+//!    the legacy stream then fail with that error too but invalidate nothing (Driver
+//!    API reference).
+//! 4. "Potentially unsafe API calls" are prohibited by the calling thread's capture
+//!    mode (`cuThreadExchangeStreamCaptureMode`): in `GLOBAL` mode (the default)
+//!    while this thread has a capture not begun `RELAXED` or any thread has a
+//!    `GLOBAL` one; in `THREAD_LOCAL` mode only by this thread's own; never in
+//!    `RELAXED` mode. Measured: `cuMemAlloc`, `cuMemHostAlloc`, and querying or
+//!    synchronizing work that is not being captured (`cuStreamQuery` and
+//!    `cuStreamSynchronize` of a stream that does not capture, `cuEventQuery`). By
+//!    extension (not measured): `cuEventSynchronize`, `cuMemAllocPitch`,
+//!    `cuMemAllocManaged`, `cuMemAllocHost`, `cuMemHostRegister`, and freeing
+//!    (`cuMemFree`, `cuMemFreeHost`, `cuMemHostUnregister`; Guide).
+//! 5. Querying or synchronizing an event last recorded inside a capture is refused
 //!    in every mode (the reference of `cuThreadExchangeStreamCaptureMode`).
 //!
-//! Each refused call returns `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` and
-//! invalidates the captures it conflicts with ("Invalidation"): further work on
-//! their streams fails with `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`, and
-//! `cuStreamEndCapture` ends them with that error and a NULL graph. Captured work
-//! never runs until the graph is launched.
+//! Allowed in every mode (measured): `cuStreamGetPriority`, `cuStreamGetCtx`,
+//! `cuStreamIsCapturing` of the capturing stream; `cuStreamGetFlags` of another;
+//! `cuEventRecord` and async copies on a non-blocking stream that does not capture;
+//! `cuCtxGetCurrent`, `cuCtxSetCurrent`, `cuCtxGetDevice`, `cuMemGetInfo`,
+//! `cuMemCreate`, `cuMemAddressReserve`.
+//!
+//! Each refused call returns `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` (rule 3:
+//! `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`) and invalidates the captures it conflicts
+//! with ("Invalidation"; measured: the capture's status is `INVALIDATED` after the
+//! call): further work on their streams fails with
+//! `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`, and `cuStreamEndCapture` ends them with
+//! that error and a NULL graph. Captured work never runs until the graph is launched.
 
 use std::cell::Cell;
 use std::ffi::c_void;
@@ -62,16 +85,16 @@ fn capturing() -> std::sync::MutexGuard<'static, Vec<Arc<Stream>>> {
     CAPTURING.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Invalidates the captures of `streams` and refuses the call.
-fn refuse(streams: &[Arc<Stream>]) -> Result<(), CUresult> {
+/// Invalidates the captures of `streams` and refuses the call with `code`.
+fn refuse(streams: &[Arc<Stream>], code: CUresult) -> Result<(), CUresult> {
     for s in streams {
         s.with_capture(|c| c.invalidated = true);
     }
-    Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+    Err(code)
 }
 
-/// The captures matching `f`, refused if there is any.
-fn refuse_if(f: impl Fn(&Stream) -> bool) -> Result<(), CUresult> {
+/// The captures matching `f`, refused with `code` if there is any.
+fn refuse_if(code: CUresult, f: impl Fn(&Stream) -> bool) -> Result<(), CUresult> {
     if !active() {
         return Ok(());
     }
@@ -79,7 +102,7 @@ fn refuse_if(f: impl Fn(&Stream) -> bool) -> Result<(), CUresult> {
     if hit.is_empty() {
         Ok(())
     } else {
-        refuse(&hit)
+        refuse(&hit, code)
     }
 }
 
@@ -87,34 +110,76 @@ fn same_context(s: &Stream, ctx: &Context) -> bool {
     std::ptr::eq(Arc::as_ptr(&s.ctx), ctx)
 }
 
-/// Rule 1: synchronizing or querying `st` while it is captured.
+/// Rule 1: synchronizing, querying or asking the flags of `st` while it is captured.
 pub fn refuse_stream_use(st: &Arc<Stream>) -> Result<(), CUresult> {
     if st.is_capturing() {
-        return refuse(std::slice::from_ref(st));
+        return refuse(
+            std::slice::from_ref(st),
+            CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+        );
     }
     Ok(())
 }
 
+/// Querying or synchronizing `st` (`cuStreamQuery`, `cuStreamSynchronize`): rule 1
+/// when it captures; otherwise rule 3 when it is the legacy stream, and rule 4 (it
+/// waits for work that is not captured).
+pub fn refuse_stream_wait(st: &Arc<Stream>) -> Result<(), CUresult> {
+    if !active() {
+        return Ok(());
+    }
+    refuse_stream_use(st)?;
+    if st.legacy {
+        refuse_legacy(&st.ctx)?;
+    }
+    refuse_unsafe()
+}
+
 /// Rule 2: a call that waits for the whole context.
 pub fn refuse_context_wide(ctx: &Context) -> Result<(), CUresult> {
-    refuse_if(|s| same_context(s, ctx))
+    refuse_if(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, |s| {
+        same_context(s, ctx)
+    })
+}
+
+/// Whether `s` is a blocking stream of `ctx` that captures (rule 3's condition).
+fn blocks_legacy(s: &Stream, ctx: &Context) -> bool {
+    same_context(s, ctx) && s.flags & CU_STREAM_NON_BLOCKING == 0
 }
 
 /// Rule 3: using the legacy stream of `ctx`.
 pub fn refuse_legacy(ctx: &Context) -> Result<(), CUresult> {
-    refuse_if(|s| same_context(s, ctx) && s.flags & CU_STREAM_NON_BLOCKING == 0)
+    refuse_if(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, |s| {
+        blocks_legacy(s, ctx)
+    })
 }
 
-/// Rule 4: a potentially unsafe call (allocation, freeing) on this thread.
+/// Rule 3 for the capture-status queries of the legacy stream of `ctx`
+/// (`cuStreamIsCapturing`, `cuStreamGetCaptureInfo`): refused, nothing invalidated
+/// (Driver API reference, `cuStreamIsCapturing`).
+pub fn legacy_status_implicit(ctx: &Context) -> Result<(), CUresult> {
+    if active() && capturing().iter().any(|s| blocks_legacy(s, ctx)) {
+        return Err(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+    }
+    Ok(())
+}
+
+/// Rule 4: a potentially unsafe call (allocation, freeing, waiting for work that is
+/// not captured) on this thread.
 pub fn refuse_unsafe() -> Result<(), CUresult> {
+    if !active() {
+        return Ok(());
+    }
     let me = thread_id();
     match THREAD_MODE.with(Cell::get) {
         CU_STREAM_CAPTURE_MODE_RELAXED => Ok(()),
-        CU_STREAM_CAPTURE_MODE_THREAD_LOCAL => refuse_if(|s| {
-            s.with_capture(|c| c.thread == me && c.mode != CU_STREAM_CAPTURE_MODE_RELAXED)
-                .unwrap_or(false)
-        }),
-        _ => refuse_if(|s| {
+        CU_STREAM_CAPTURE_MODE_THREAD_LOCAL => {
+            refuse_if(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, |s| {
+                s.with_capture(|c| c.thread == me && c.mode != CU_STREAM_CAPTURE_MODE_RELAXED)
+                    .unwrap_or(false)
+            })
+        }
+        _ => refuse_if(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, |s| {
             s.with_capture(|c| {
                 (c.thread == me && c.mode != CU_STREAM_CAPTURE_MODE_RELAXED)
                     || (c.thread != me && c.mode == CU_STREAM_CAPTURE_MODE_GLOBAL)
@@ -129,7 +194,9 @@ pub fn refuse_captured_event(id: u64) -> Result<(), CUresult> {
     if id == 0 {
         return Ok(());
     }
-    refuse_if(|s| s.with_capture(|c| c.id == id).unwrap_or(false))
+    refuse_if(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, |s| {
+        s.with_capture(|c| c.id == id).unwrap_or(false)
+    })
 }
 
 /// The capture id of `st` if it is capturing (for event records).

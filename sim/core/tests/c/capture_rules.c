@@ -1,8 +1,11 @@
 /* The simulator refuses, during stream capture, what the real driver refuses
- * (CUDA Programming Guide, "Stream Capture" -> "Prohibited and Unhandled
- * Operations" and "Invalidation"; Driver API reference, cuStreamBeginCapture,
- * cuThreadExchangeStreamCaptureMode, cuStreamEndCapture). Each section below is
- * one rule, and each fails on a simulator that lets the call through. Compiled
+ * (measured on an H100, driver 580.159.04: scripts/gpu-capture-rules.py, whose
+ * table capture_table.c checks cell for cell; beyond it, CUDA Programming Guide,
+ * "Stream Capture" -> "Prohibited and Unhandled Operations" and "Invalidation";
+ * Driver API reference, cuStreamBeginCapture, cuThreadExchangeStreamCaptureMode,
+ * cuStreamEndCapture, cuStreamIsCapturing). Each section below is one rule of
+ * sim/cuda/src/capture.rs, and each fails on a simulator that lets the call
+ * through. Compiled
  * against NVIDIA's cuda.h, linked with -lcuda. Prints "OK" and exits 0, or names
  * the failing check and exits 1. */
 #include <cuda.h>
@@ -119,6 +122,19 @@ int main(void) {
     CHECK(cuStreamBeginCapture(nonblocking, CU_STREAM_CAPTURE_MODE_GLOBAL));
     EXPECT(cuStreamQuery(nonblocking), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
     end_invalidated(nonblocking);
+    /* ... and asking it for its flags, even in a RELAXED capture (measured). */
+    unsigned int flags;
+    CHECK(cuStreamBeginCapture(nonblocking, CU_STREAM_CAPTURE_MODE_RELAXED));
+    EXPECT(cuStreamGetFlags(nonblocking, &flags), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    end_invalidated(nonblocking);
+    /* Its priority and context may be asked. */
+    int prio;
+    CUcontext c;
+    CHECK(cuStreamBeginCapture(nonblocking, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CHECK(cuStreamGetPriority(nonblocking, &prio));
+    CHECK(cuStreamGetCtx(nonblocking, &c));
+    ASSERT(c == ctx);
+    end_valid(nonblocking);
 
     /* Rule 2: cuCtxSynchronize encompasses every capture of the context, even one
      * on a non-blocking stream. */
@@ -126,21 +142,33 @@ int main(void) {
     EXPECT(cuCtxSynchronize(), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
     end_invalidated(nonblocking);
 
-    /* Rule 3: the legacy stream while a blocking stream captures: synchronizing
-     * it, and synchronous calls (which run on it). */
+    /* Rule 3: the legacy stream while a blocking stream captures, refused with
+     * CUDA_ERROR_STREAM_CAPTURE_IMPLICIT in every mode: synchronizing it, and
+     * synchronous calls (which run on it). */
     CHECK(cuStreamBeginCapture(blocking, CU_STREAM_CAPTURE_MODE_GLOBAL));
-    EXPECT(cuStreamSynchronize(CU_STREAM_LEGACY), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    EXPECT(cuStreamSynchronize(CU_STREAM_LEGACY), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     end_invalidated(blocking);
     CHECK(cuStreamBeginCapture(blocking, CU_STREAM_CAPTURE_MODE_RELAXED));
-    EXPECT(cuMemcpyHtoD(buf, host, 64), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    EXPECT(cuMemcpyHtoD(buf, host, 64), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     end_invalidated(blocking);
     CHECK(cuStreamBeginCapture(blocking, CU_STREAM_CAPTURE_MODE_RELAXED));
-    EXPECT(cuMemsetD8Async(buf, 0, 64, 0), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    EXPECT(cuMemsetD8Async(buf, 0, 64, 0), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
     end_invalidated(blocking);
+    /* Its capture status cannot be asked either, but asking invalidates nothing
+     * (Driver API reference, cuStreamIsCapturing). */
+    CHECK(cuStreamBeginCapture(blocking, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    EXPECT(cuStreamIsCapturing(CU_STREAM_LEGACY, &st), CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+    EXPECT(cuStreamGetCaptureInfo(CU_STREAM_LEGACY, &st, &id2, NULL, NULL, NULL),
+           CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+    CHECK(cuStreamIsCapturing(blocking, &st));
+    ASSERT(st == CU_STREAM_CAPTURE_STATUS_ACTIVE);
+    end_valid(blocking);
     /* ... but a non-blocking stream's capture does not involve the legacy stream. */
     CHECK(cuStreamBeginCapture(nonblocking, CU_STREAM_CAPTURE_MODE_RELAXED));
     CHECK(cuMemcpyHtoD(buf, host, 64));
     CHECK(cuStreamSynchronize(CU_STREAM_LEGACY));
+    CHECK(cuStreamIsCapturing(CU_STREAM_LEGACY, &st));
+    ASSERT(st == CU_STREAM_CAPTURE_STATUS_NONE);
     end_valid(nonblocking);
 
     /* Rule 4: potentially unsafe calls, by the thread's capture mode. */
@@ -151,6 +179,49 @@ int main(void) {
     CHECK(cuStreamBeginCapture(nonblocking, CU_STREAM_CAPTURE_MODE_GLOBAL));
     EXPECT(cuMemFree(buf), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
     end_invalidated(nonblocking);
+    /* Pinning host memory, every way (cuMemHostAlloc measured, the others by
+     * extension), and unpinning it. */
+    void *pinned = NULL;
+    CHECK(cuStreamBeginCapture(nonblocking, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    EXPECT(cuMemAllocHost(&pinned, 4096), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    end_invalidated(nonblocking);
+    void *page = aligned_alloc(4096, 4096);
+    ASSERT(page != NULL);
+    CHECK(cuStreamBeginCapture(nonblocking, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    EXPECT(cuMemHostRegister(page, 4096, 0), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    end_invalidated(nonblocking);
+    CHECK(cuMemHostRegister(page, 4096, 0));
+    CHECK(cuStreamBeginCapture(nonblocking, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    EXPECT(cuMemHostUnregister(page), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    end_invalidated(nonblocking);
+    CHECK(cuMemHostUnregister(page));
+    free(page);
+    /* Waiting for work outside the capture: a stream that does not capture (the
+     * capture here is the blocking stream's), an event recorded outside it
+     * (cuStreamQuery, cuStreamSynchronize, cuEventQuery measured;
+     * cuEventSynchronize by extension). */
+    CUevent done;
+    CHECK(cuEventCreate(&done, CU_EVENT_DEFAULT));
+    CHECK(cuEventRecord(done, nonblocking));
+    CHECK(cuStreamBeginCapture(blocking, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL));
+    EXPECT(cuEventSynchronize(done), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    end_invalidated(blocking);
+    CHECK(cuStreamBeginCapture(blocking, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    EXPECT(cuStreamSynchronize(nonblocking), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    end_invalidated(blocking);
+    /* ... which a RELAXED thread may do (as it may allocate, below). */
+    CUstreamCaptureMode relaxed = CU_STREAM_CAPTURE_MODE_RELAXED;
+    CHECK(cuThreadExchangeStreamCaptureMode(&relaxed));
+    CHECK(cuStreamBeginCapture(blocking, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    CHECK(cuEventSynchronize(done));
+    CHECK(cuEventQuery(done));
+    CHECK(cuStreamSynchronize(nonblocking));
+    CHECK(cuStreamQuery(nonblocking));
+    CHECK(cuMemAllocHost(&pinned, 4096));
+    CHECK(cuMemFreeHost(pinned));
+    end_valid(blocking);
+    CHECK(cuThreadExchangeStreamCaptureMode(&relaxed));
+    CHECK(cuEventDestroy(done));
     /* A thread in RELAXED mode may allocate during its own capture. */
     CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
     CHECK(cuThreadExchangeStreamCaptureMode(&mode));
