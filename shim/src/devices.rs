@@ -762,21 +762,19 @@ mod tests {
     }
 }
 
-/// Page-locked host memory for swap buffers: anonymous memory aligned to 2 MiB,
-/// transparent huge pages asked for (`MADV_HUGEPAGE`), then registered with the
-/// driver (`cuMemHostRegister`). Page-locking is bound by populating the pages, and
-/// huge pages populate faster: on an H100 (driver 580) registering fresh huge-page
-/// memory ran at 7.5 GB/s, fresh 4 KiB pages at 3.7 GB/s, and `cuMemHostAlloc` at
-/// 2.6 GB/s (`docs/gpu-validation.md`). Where huge pages are off it is 4 KiB pages,
-/// registered, still faster than `cuMemHostAlloc`.
+/// Page-locked host memory for swap buffers: anonymous memory registered with the
+/// driver (`cuMemHostRegister`). On an H100 host (driver 580) registering fresh
+/// memory in the shim's 64 MiB pieces ran at 3.3 GB/s, `cuMemHostAlloc` at 2.3 GB/s
+/// (`docs/gpu-validation.md`). Transparent huge pages registered faster still there
+/// (6.1 GB/s alone), but not inside the notebooks (1.6–1.8 GB/s either way), and on
+/// this project's VMs faulting them in at times stalled for compaction, which made
+/// the timing of pinning ahead unpredictable: not asked for.
 mod pinned {
     use std::ffi::{c_uint, c_void};
     use std::ptr::null_mut;
     use std::sync::OnceLock;
 
     use crate::cuda::*;
-
-    const HUGE: usize = 2 << 20;
 
     type Register = unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CUresult;
     type Unregister = unsafe extern "C" fn(*mut c_void) -> CUresult;
@@ -805,44 +803,28 @@ mod pinned {
     pub fn alloc(size: u64) -> Result<*mut u8, CUresult> {
         let (register, _) = entry_points().ok_or(CUDA_ERROR_NOT_FOUND)?;
         let len = mapped_len(size);
-        let span = len.checked_add(HUGE).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
         // SAFETY: a fresh anonymous private mapping; no existing memory is affected.
-        let raw = unsafe {
+        let p = unsafe {
             libc::mmap(
                 null_mut(),
-                span,
+                len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
                 0,
             )
         };
-        if raw == libc::MAP_FAILED {
+        if p == libc::MAP_FAILED {
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
-        let start = (raw as usize).next_multiple_of(HUGE);
-        let head = start - raw as usize;
-        let tail = span - head - len;
-        // SAFETY: the unaligned head and the tail of the mapping just made, which
-        // nothing uses; the aligned `len` bytes from `start` stay mapped.
-        unsafe {
-            if head > 0 {
-                libc::munmap(raw, head);
-            }
-            if tail > 0 {
-                libc::munmap((start + len) as *mut c_void, tail);
-            }
-            // Best effort: with huge pages off, 4 KiB pages it is.
-            libc::madvise(start as *mut c_void, len, libc::MADV_HUGEPAGE);
-        }
-        // SAFETY: `start` is `len` bytes of this process's memory, mapped above.
-        let r = unsafe { register(start as *mut c_void, len, 0) };
+        // SAFETY: `p` is `len` bytes of this process's memory, mapped above.
+        let r = unsafe { register(p, len, 0) };
         if r != CUDA_SUCCESS {
             // SAFETY: the mapping made above, not registered, used by nobody.
-            unsafe { libc::munmap(start as *mut c_void, len) };
+            unsafe { libc::munmap(p, len) };
             return Err(r);
         }
-        Ok(start as *mut u8)
+        Ok(p.cast())
     }
 
     pub fn free(p: *mut u8, size: u64) {
