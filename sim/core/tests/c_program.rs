@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use kiwi_sim_core::harness::{in_ci, SimMachine};
+use kiwi_sim_core::knobs;
 
 fn skip_or_fail(why: &str) {
     if in_ci() {
@@ -332,6 +333,34 @@ fn mem_create_and_pinning_take_the_modelled_time() {
         &["memcreate", "8"],
     );
     assert!(call[0] >= 8.0, "cuMemCreate took {} ms, not 8", call[0]);
+    // The other VMM calls, 100 of each on 2 MiB handles, at their measured costs per
+    // call (knobs::VMM_*), and free with cuMemCreate's cost off.
+    let on = times_with(&[], &["vmm", "100"]);
+    let off = times_with(&[("KIWI_SIM_MEMCREATE_US", "0")], &["vmm", "100"]);
+    eprintln!("100 x (map, set-access, unmap, release): {on:?} ms modelled, {off:?} ms without");
+    let want = [
+        knobs::VMM_MAP_US,
+        knobs::VMM_SET_ACCESS_US,
+        knobs::VMM_UNMAP_US,
+        knobs::VMM_RELEASE_US + knobs::VMM_RELEASE_US_PER_2MIB,
+    ]
+    .map(|us| 100.0 * us / 1e3);
+    for (i, call) in ["cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemRelease"]
+        .iter()
+        .enumerate()
+    {
+        assert!(
+            on[i] >= want[i],
+            "100 {call} took {} ms, not {}",
+            on[i],
+            want[i]
+        );
+    }
+    assert!(
+        off[1] < want[1],
+        "without the costs 100 cuMemSetAccess took {} ms",
+        off[1]
+    );
     // 16 MiB at 0.5 GB/s: 33.6 ms for each way of pinning.
     let want = 16.0 * 1048576.0 / 0.5e9 * 1e3;
     let on = times("KIWI_SIM_PIN_GBPS", "0.5", &["pin", "16"]);
@@ -344,6 +373,8 @@ fn mem_create_and_pinning_take_the_modelled_time() {
         assert!(on[i] >= want, "{call} took {} ms, not {want}", on[i]);
         assert!(off[i] < want, "without its cost {call} took {} ms", off[i]);
     }
+    // Registering never-touched memory page-locks it: all of it resident.
+    assert_eq!(on[3], 1.0, "share of registered memory resident: {}", on[3]);
 }
 
 /// Each simulated GPU has one PCIe link, full duplex, shared by every process
