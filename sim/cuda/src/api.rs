@@ -898,13 +898,14 @@ pub(crate) fn take_time(start: std::time::Instant, seconds: f64) {
         return;
     }
     // A sleep overshoots by the timer slack (50 µs by default): a VMM call's tens
-    // of µs are waited out yielding instead.
+    // of µs are spun instead, as the driver spends them working. Not yielding: on a
+    // loaded machine a yield can hand the core away for a whole time slice.
     while start.elapsed() < want {
-        std::thread::yield_now();
+        std::hint::spin_loop();
     }
 }
 
-/// Waits shorter than this yield rather than sleep.
+/// Waits shorter than this spin rather than sleep.
 const SLEEP_AT_LEAST: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// Seconds page-locking `bytes` of host memory takes.
