@@ -877,8 +877,8 @@ impl GpuScheduler {
         }
         if self.settings.scheduler_on && !self.fits() {
             for h in self.holders.values() {
-                match h.drop_sent {
-                    Some(sent) => at(sent + self.grace_ns),
+                match self.grace_end(h) {
+                    Some(end) => at(end),
                     None if !self.queue.is_empty() => at(self.quantum_end(h)),
                     None => {}
                 }
@@ -1302,7 +1302,7 @@ impl GpuScheduler {
         let expired: Vec<ClientId> = self
             .holders
             .iter()
-            .filter(|(_, h)| h.drop_sent.is_some_and(|s| now >= s + self.grace_ns))
+            .filter(|(_, h)| self.grace_end(h).is_some_and(|end| now >= end))
             .map(|(id, _)| *id)
             .collect();
         for id in expired {
@@ -1349,7 +1349,8 @@ impl GpuScheduler {
     }
 
     /// When a hold that was asked to let go loses the GPU: the grace after its drop,
-    /// plus a drainer's swap allowance.
+    /// plus a drainer's swap allowance (none for a holder). Every revocation deadline
+    /// is this one.
     fn grace_end(&self, h: &Hold) -> Option<Nanos> {
         let sent = h.drop_sent?;
         Some(

@@ -25,6 +25,16 @@ static double now_ms(void) {
     return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
+/* Pinned device memory on `dev`, no shareable handle types. */
+static CUmemAllocationProp device_prop(CUdevice dev) {
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = dev;
+    return prop;
+}
+
 int main(int argc, char **argv) {
     CUdevice dev;
     CUcontext ctx;
@@ -39,11 +49,7 @@ int main(int argc, char **argv) {
     CHECK(cuCtxSetCurrent(ctx));
 
     if (strcmp(argv[1], "memcreate") == 0) {
-        CUmemAllocationProp prop;
-        memset(&prop, 0, sizeof prop);
-        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-        prop.location.id = dev;
+        CUmemAllocationProp prop = device_prop(dev);
         CUmemGenericAllocationHandle h;
         double t = now_ms();
         CHECK(cuMemCreate(&h, bytes, &prop, 0));
@@ -51,11 +57,7 @@ int main(int argc, char **argv) {
         CHECK(cuMemRelease(h));
     } else if (strcmp(argv[1], "vmm") == 0) {
         const size_t n = (size_t)atol(argv[2]), page = 2 << 20;
-        CUmemAllocationProp prop;
-        memset(&prop, 0, sizeof prop);
-        prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-        prop.location.id = dev;
+        CUmemAllocationProp prop = device_prop(dev);
         CUmemAccessDesc acc;
         memset(&acc, 0, sizeof acc);
         acc.location = prop.location;
