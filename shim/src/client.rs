@@ -387,8 +387,11 @@ impl Turn {
     }
 
     /// Reports a finished swap to the arbiter (and the counters).
+    /// A swap that moved memory without copying a byte (all of it dead,
+    /// `kiwiMemDiscard`) is reported too: the arbiter starts a quantum that waited for
+    /// the swap-in when it hears of it.
     fn report_swap(&self, direction: SwapDirection, s: Swap) {
-        if s.bytes == 0 {
+        if s.bytes == 0 && s.moved == 0 {
             return;
         }
         let counter = match direction {
@@ -401,8 +404,9 @@ impl Turn {
             bytes: s.bytes,
             duration_ns: s.duration.as_nanos() as u64,
         });
+        let dead = s.moved.saturating_sub(s.bytes);
         crate::kinfo!(
-            "GPU {}: swapped {} {} bytes in {:?}",
+            "GPU {}: swapped {} {} bytes in {:?}{}",
             self.info.ordinal,
             if direction == SwapDirection::Out {
                 "out"
@@ -410,7 +414,12 @@ impl Turn {
                 "in"
             },
             s.bytes,
-            s.duration
+            s.duration,
+            if dead > 0 {
+                format!(" ({dead} dead bytes moved without a copy)")
+            } else {
+                String::new()
+            }
         );
     }
 
@@ -733,6 +742,7 @@ impl Client {
     /// `KIWI_ARBITER_TIMEOUT` (a log line every 10 s). GPUs register later, as the
     /// process gets a context on each ([`Client::add_device`]).
     pub fn start(env: ShimEnv, gate: &'static Gate) -> Result<Arc<Client>, StartError> {
+        crate::hint::set_wait(env.hint_wait);
         let started = Instant::now();
         let mut next_log = started;
         loop {

@@ -495,6 +495,23 @@ pub(crate) fn with_allocation<T>(
     None
 }
 
+/// `kiwiMemDiscard`: declares `[ptr, ptr + bytes)` of one of the shim's allocations
+/// dead until the process's next submission ([`Memory::discard`], [`crate::hint`]).
+/// `CUDA_ERROR_INVALID_VALUE` for a range outside the shim's allocations (null,
+/// overflow, past the allocation's end); a provider's late answer is accepted and
+/// ignored.
+pub(crate) fn discard(ptr: CUdeviceptr, bytes: u64) -> CUresult {
+    let token = crate::hint::discard_token(crate::gate::GATE.token());
+    if ptr == 0 || bytes == 0 {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    match with_allocation(ptr, |_, _, m| m.discard(ptr, bytes, token)) {
+        Some(Ok(_)) => CUDA_SUCCESS,
+        Some(Err(e)) => e,
+        None => CUDA_ERROR_INVALID_VALUE,
+    }
+}
+
 /// Runs `f` on device `d`'s allocator, if it has one. For [`crate::attrs`].
 pub(crate) fn with_device_memory<T>(
     d: usize,
@@ -595,11 +612,20 @@ impl Residency for DeviceResidency {
         }
         self.with(Ok(Swap::default()), |m| m.swap_in_until(Some(until)))
     }
+    /// Asks the application which of its memory is dead first ([`crate::hint`]), when
+    /// the gate is closed (its work drained, nothing new can run): bytes it declared
+    /// dead since its last submission are not copied.
     fn evict(&self, need: u64) -> Result<Swap, CUresult> {
         if !crate::capture::legacy_usable(crate::capture::CAPTURE_WAIT) {
             return Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
         }
-        self.with(Ok(Swap::default()), |m| m.evict(need))
+        let gate = &crate::gate::GATE;
+        if need > 0 && !gate.is_open() {
+            crate::hint::request(gate.token(), crate::hint::wait());
+        }
+        self.with(Ok(Swap::default()), |m| {
+            m.evict_live(need, Some(gate.token()))
+        })
     }
     /// Pins outside the allocator's lock (page-locking runs at a few GB/s): a swap,
     /// an allocation or a release never waits behind it.

@@ -28,6 +28,10 @@ pub struct ShimEnv {
     pub real_libcuda: Option<String>,
     /// `KIWI_STATS`: file the shim writes its counters to at exit.
     pub stats_file: Option<PathBuf>,
+    /// `KIWI_HINT_WAIT_MS` (default 10 ms): how long a swap-out waits for the
+    /// application's answer to which of its memory is dead (`crate::hint`), when a
+    /// thread of it waits for such questions.
+    pub hint_wait: Duration,
 }
 
 /// Parses a duration: plain number = `default_unit`; suffixes `ms`, `s`.
@@ -84,6 +88,7 @@ impl ShimEnv {
             stats_file: get("KIWI_STATS")
                 .filter(|s| !s.is_empty())
                 .map(PathBuf::from),
+            hint_wait: dur("KIWI_HINT_WAIT_MS", 1.0, Duration::from_millis(10)),
         }
     }
 
@@ -107,6 +112,7 @@ mod tests {
         assert_eq!(e.idle_min, Duration::from_millis(10));
         assert!(e.pipelined);
         assert!(!e.require_arbiter);
+        assert_eq!(e.hint_wait, Duration::from_millis(10));
         assert_eq!(
             e.client_socket(),
             PathBuf::from("/run/kiwi/client/arbiter.sock")

@@ -1,6 +1,7 @@
 //! Every symbol `libkiwi.so` exports in the driver's name: the `extern "C"` wrappers,
 //! generated from the declaration list of [`crate::symbols`] (its C signature and
-//! gate class), and Kiwi's own C functions (`kiwi_status_json`, `kiwi_explain`).
+//! gate class), and Kiwi's own C functions (`kiwi_status_json`, `kiwi_explain`,
+//! `kiwiMemDiscard`, `kiwi_hint_wait`, `kiwi_hint_done`).
 //!
 //! - `pass`: forwarded unchanged to the original ([`crate::real`]).
 //! - `submit`: work submission; waits for this process's turn and for its memory to be
@@ -293,6 +294,36 @@ pub extern "C" fn kiwi_explain(on: std::ffi::c_int) -> std::ffi::c_int {
         }
     });
     std::ffi::c_int::from(was.unwrap_or(false))
+}
+
+/// `CUresult kiwiMemDiscard(CUdeviceptr ptr, size_t bytes)`: declares the contents of
+/// `[ptr, ptr + bytes)` dead (issue #26). A swap-out leaves those bytes behind (their
+/// memory comes back uninitialised) until the process's next submission of any kind,
+/// which voids every discard: a stale hint can never lose data. The range must lie
+/// inside one allocation of the shim's, else `CUDA_ERROR_INVALID_VALUE` and nothing
+/// is discarded. Found with `dlsym`: without Kiwi the application skips it.
+#[cfg_attr(not(test), no_mangle)]
+pub extern "C" fn kiwiMemDiscard(ptr: CUdeviceptr, bytes: usize) -> CUresult {
+    crate::ffi::guarded("kiwiMemDiscard", || {
+        crate::devices::discard(ptr, bytes as u64)
+    })
+}
+
+/// `int64_t kiwi_hint_wait(int timeout_ms)`: waits, at most `timeout_ms`, until a
+/// swap-out asks which memory is dead; returns the question's id (> 0), or 0 when
+/// none came. The calling thread then answers with `kiwiMemDiscard` calls and
+/// `kiwi_hint_done(id)`; the swap-out waits `KIWI_HINT_WAIT_MS` (10 ms) at most, and
+/// discards that come later are ignored. For the Python package's thread.
+#[cfg_attr(not(test), no_mangle)]
+pub extern "C" fn kiwi_hint_wait(timeout_ms: c_int) -> i64 {
+    let limit = std::time::Duration::from_millis(timeout_ms.max(0) as u64);
+    catch_unwind(|| crate::hint::provider_wait(limit) as i64).unwrap_or(0)
+}
+
+/// `void kiwi_hint_done(int64_t id)`: the answer to question `id` is complete.
+#[cfg_attr(not(test), no_mangle)]
+pub extern "C" fn kiwi_hint_done(id: i64) {
+    let _ = catch_unwind(|| crate::hint::done(id.max(0) as u64));
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@
 //! SeqCst, so at least one of them sees the other. A paused gate ([`Gate::pause`]) is
 //! open to everything but the fast path: the next submission reopens it.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 
 /// Low 32 bits: submissions in flight. High 32 bits: submissions so far (wrapping).
 const ENTER: u64 = (1 << 32) | 1;
@@ -35,6 +35,9 @@ pub struct Gate {
     /// ([`Gate::open_devices`]). Only the slow path reads it.
     devices: AtomicU64,
     counter: AtomicU64,
+    /// Submissions that took the slow path (counted on entry, before they wait): with
+    /// the fast path's count, [`Gate::token`]. Only the slow path writes it.
+    slow: AtomicU32,
 }
 
 impl Default for Gate {
@@ -49,6 +52,7 @@ impl Gate {
             state: AtomicU8::new(CLOSED),
             devices: AtomicU64::new(0),
             counter: AtomicU64::new(0),
+            slow: AtomicU32::new(0),
         }
     }
 
@@ -180,6 +184,22 @@ impl Gate {
     /// queued its work: see [`Gate::in_flight`].
     pub fn submissions(&self) -> u32 {
         (self.counter.load(Ordering::Relaxed) >> 32) as u32
+    }
+
+    /// A submission took the slow path: it counts for [`Gate::token`] from now on,
+    /// before it waits for the turn (it may run after the next swap-in).
+    #[inline]
+    pub fn note_slow(&self) {
+        self.slow.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// The submission token: changes with every submission the application tries,
+    /// through the fast path or the slow one, run or still waiting. A discard
+    /// (`kiwiMemDiscard`, [`crate::live`]) holds while the token is the one it was
+    /// made at: any kernel or copy since could have written the range.
+    pub fn token(&self) -> u64 {
+        let fast = self.counter.load(Ordering::SeqCst) >> 32;
+        (fast << 32) | u64::from(self.slow.load(Ordering::SeqCst))
     }
 
     /// Whether a submission is between entering and its driver call's return: its

@@ -13,10 +13,12 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("2 hooked behaviour", &["hooks", "attrs", "ipc", "submit"]),
     (
         "3 mechanisms",
-        &["gate", "mem", "client", "status", "capture", "devices"],
+        &[
+            "gate", "mem", "client", "status", "capture", "devices", "hint",
+        ],
     ),
     ("4 real driver", &["real", "symbols", "ffi"]),
-    ("5 leaves", &["cuda", "log", "env", "stats", "idle"]),
+    ("5 leaves", &["cuda", "log", "env", "stats", "idle", "live"]),
 ];
 
 /// Files that are not modules of their own: the crate root, this test, and a test

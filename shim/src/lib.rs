@@ -25,6 +25,7 @@
 //! | `KIWI_LOG` | `error`, `warn` (default), `info`, `debug`; the two lines explaining a wait show unless it is `warn` or `error` |
 //! | `KIWI_IPC_TIMEOUT_MS` | how long `cuIpcOpenMemHandle` waits for the exporter (default 30000) |
 //! | `KIWI_STATS` | file the shim writes its counters to at exit |
+//! | `KIWI_HINT_WAIT_MS` | how long a swap-out waits for the application to say which memory is dead (default 10) |
 //! | `KIWI_POD_NAME`, `KIWI_POD_NAMESPACE`, `KIWI_CONTAINER_ID` | shown by `kiwictl status` |
 
 pub mod attrs;
@@ -37,11 +38,13 @@ pub mod env;
 pub mod exports;
 pub mod ffi;
 pub mod gate;
+pub mod hint;
 pub mod hooks;
 pub mod idle;
 pub mod ipc;
 #[cfg(test)]
 mod layers;
+pub mod live;
 pub mod log;
 pub mod mem;
 pub mod procaddr;

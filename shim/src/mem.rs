@@ -31,6 +31,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use crate::cuda::{CUresult, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OUT_OF_MEMORY};
+use crate::live::Dead;
 
 /// Largest physical handle a large allocation is split into.
 pub const SEGMENT_MAX: u64 = 64 << 20;
@@ -157,6 +158,12 @@ struct Segment {
     access: Vec<Grant>,
     /// Pins of shared (IPC) allocations this segment holds: never evicted while > 0.
     pins: u32,
+    /// The ranges the application declared dead (`kiwiMemDiscard`): a swap-out
+    /// copies only the rest.
+    dead: Dead,
+    /// While swapped out: the pieces (offset, length) the host buffer holds, when
+    /// not the whole segment (dead bytes were left behind).
+    pieces: Option<Vec<(u64, u64)>>,
 }
 
 enum Alloc {
@@ -175,8 +182,12 @@ enum Alloc {
 /// Outcome of a swap.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Swap {
+    /// Bytes copied (dead bytes, `kiwiMemDiscard`, are not).
     pub bytes: u64,
     pub duration: Duration,
+    /// Bytes of GPU memory released (swap-out) or backed (swap-in): at least `bytes`,
+    /// more when dead bytes moved without a copy.
+    pub moved: u64,
 }
 
 /// Working set and residency, as reported to the arbiter.
@@ -568,6 +579,8 @@ impl<D: Driver> Memory<D> {
                 chunk: None,
                 access: Vec::new(),
                 pins: 0,
+                dead: Dead::default(),
+                pieces: None,
             });
             segs.push(i);
             off += len;
@@ -635,6 +648,8 @@ impl<D: Driver> Memory<D> {
             }),
             access: Vec::new(),
             pins: 0,
+            dead: Dead::default(),
+            pieces: None,
         });
         self.working_set += self.gran;
         if self.backing_allowed {
@@ -737,6 +752,44 @@ impl<D: Driver> Memory<D> {
         (ptr < base + size).then_some((base, size))
     }
 
+    /// Declares `[ptr, ptr + bytes)` dead at submission token `token`
+    /// (`kiwiMemDiscard`): a swap-out while the token is unchanged copies none of it
+    /// (only whole bytes of the segments it covers are affected; a segment's dead and
+    /// live parts are told apart to the byte), and a swap-in gives it back with
+    /// undefined contents. The range must lie inside one allocation of this
+    /// allocator, else `CUDA_ERROR_INVALID_VALUE` and nothing is marked. Returns the
+    /// bytes marked (a segment whose list of ranges is full ignores the rest: a
+    /// discard ignored is always safe). `None`: the range is checked, nothing marked.
+    pub fn discard(&mut self, ptr: u64, bytes: u64, token: Option<u64>) -> Result<u64, CUresult> {
+        let end = ptr.checked_add(bytes).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let (base, size) = self.range_of(ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if bytes == 0 || end > base + size {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let Some(token) = token else {
+            return Ok(0);
+        };
+        let segs: Vec<usize> = match &self.allocs[&base] {
+            Alloc::Large { segs, .. } => segs.clone(),
+            Alloc::Small { seg, .. } => vec![*seg],
+        };
+        let mut marked = 0;
+        for i in segs {
+            let s = self.seg(i);
+            let (from, to) = (ptr.max(s.va), end.min(s.va + s.size));
+            if from < to && s.dead.add(token, from - s.va, to - from) {
+                marked += to - from;
+            }
+        }
+        Ok(marked)
+    }
+
+    /// The pieces of segment `i` a swap-out at `token` copies.
+    fn live_pieces(&self, i: usize, token: Option<u64>) -> Vec<(u64, u64)> {
+        let s = self.segs[i].as_ref().expect("live segment");
+        s.dead.live_pieces(token, s.size)
+    }
+
     /// Brings every segment back into GPU memory at its own address. While one
     /// segment's contents are copied in, the next one's physical memory is created and
     /// mapped. On error the segments done so far stay resident and the rest stay out,
@@ -753,6 +806,7 @@ impl<D: Driver> Memory<D> {
     /// try.
     pub fn swap_in_until(&mut self, deadline: Option<Instant>) -> Result<Swap, CUresult> {
         let start = Instant::now();
+        let resident_before = self.resident;
         self.epoch += 1;
         let todo: Vec<usize> = (0..self.segs.len())
             .filter(|&i| self.segs[i].as_ref().is_some_and(|s| s.handle.is_none()))
@@ -764,16 +818,25 @@ impl<D: Driver> Memory<D> {
             // Mapped during the previous copy, unless there was no room yet.
             self.map_fresh_until(i, deadline)?;
             let next = todo.get(k + 1).copied();
-            let (va, size, host) = {
+            let (va, host, pieces) = {
                 let s = self.seg(i);
-                (s.va, s.size, s.host.as_ref().map(|b| b.ptr))
+                let pieces = s.pieces.clone().unwrap_or_else(|| vec![(0, s.size)]);
+                (s.va, s.host.as_ref().map(|b| b.ptr), pieces)
             };
             if let Some(host) = host {
-                // SAFETY: the segment's host buffer holds at least its size; it stays
-                // in the segment, untouched, until the copy is waited for below.
-                if let Err(e) = unsafe { self.drv.to_device_async(va, host, size) } {
-                    self.unmap_fresh(i);
-                    return Err(e);
+                for &(off, len) in &pieces {
+                    // SAFETY: the segment's host buffer holds at least its size (the
+                    // pieces lie inside it); it stays in the segment, untouched,
+                    // until the copy is waited for below.
+                    let r = unsafe {
+                        self.drv
+                            .to_device_async(va + off, host.add(off as usize), len)
+                    };
+                    if let Err(e) = r {
+                        let _ = self.drv.wait_copies();
+                        self.unmap_fresh(i);
+                        return Err(e);
+                    }
                 }
             }
             // While the copy runs: the next segment's memory. Waiting for room, it is
@@ -788,9 +851,11 @@ impl<D: Driver> Memory<D> {
                     }
                     return Err(e);
                 }
-                let b = self.seg(i).host.take().expect("checked above");
+                let s = self.seg(i);
+                let b = s.host.take().expect("checked above");
+                s.pieces = None;
                 self.spare.push(b);
-                bytes += size;
+                bytes += pieces.iter().map(|p| p.1).sum::<u64>();
             }
             match mapped_next {
                 Some(Err(CUDA_ERROR_OUT_OF_MEMORY)) | Some(Ok(())) | None => {}
@@ -800,6 +865,7 @@ impl<D: Driver> Memory<D> {
         Ok(Swap {
             bytes,
             duration: start.elapsed(),
+            moved: self.resident - resident_before,
         })
     }
 
@@ -839,17 +905,33 @@ impl<D: Driver> Memory<D> {
     /// is copied out, the next one's pinned buffer is allocated (when no spare fits).
     /// On error the segments done so far stay out and the rest stay resident.
     pub fn evict(&mut self, need: u64) -> Result<Swap, CUresult> {
+        self.evict_live(need, None)
+    }
+
+    /// [`Memory::evict`] at submission token `token`: the bytes declared dead at that
+    /// token ([`Memory::discard`]) are not copied, and segments with no live byte go
+    /// first (they cost no copy and no host buffer). `None`: every byte is copied.
+    /// [`Swap::bytes`] counts the bytes copied.
+    pub fn evict_live(&mut self, need: u64, token: Option<u64>) -> Result<Swap, CUresult> {
         let start = Instant::now();
-        let victims = self.victims(need);
+        let resident_before = self.resident;
+        let victims = self.victims(need, token);
+        let pieces: Vec<Vec<(u64, u64)>> = victims
+            .iter()
+            .map(|&i| self.live_pieces(i, token))
+            .collect();
         // Spare buffers first, largest segments first (so a large spare is not taken by
-        // a small segment while a large one goes without); new ones while copying.
+        // a small segment while a large one goes without); new ones while copying. A
+        // segment with nothing live needs none.
         let mut bufs: Vec<Option<HostBuf>> = victims.iter().map(|_| None).collect();
         for k in self.largest_first(&victims) {
-            bufs[k] = self.take_spare(self.size_of(victims[k]));
+            if !pieces[k].is_empty() {
+                bufs[k] = self.take_spare(self.size_of(victims[k]));
+            }
         }
         let spared = bufs.iter().flatten().map(|b| b.cap).sum::<u64>();
         (self.pinned_now, self.pinning_time) = (0, Duration::ZERO);
-        let r = self.evict_planned(&victims, &mut bufs);
+        let r = self.evict_planned(&victims, &pieces, &mut bufs);
         // Buffers prepared for segments that were not reached.
         self.spare.extend(bufs.into_iter().flatten());
         self.trim_spare();
@@ -864,6 +946,7 @@ impl<D: Driver> Memory<D> {
         Ok(Swap {
             bytes: r?,
             duration: start.elapsed(),
+            moved: resident_before - self.resident,
         })
     }
 
@@ -892,7 +975,7 @@ impl<D: Driver> Memory<D> {
     /// runs at a few GB/s) allocates them through its own driver handle and hands
     /// them over with [`Memory::add_spare`].
     pub fn swap_out_shortfall(&self, need: u64) -> Vec<u64> {
-        let victims = self.victims(need);
+        let victims = self.victims(need, None);
         let mut caps: Vec<u64> = self.spare.iter().map(|b| b.cap).collect();
         let mut missing = Vec::new();
         for k in self.largest_first(&victims) {
@@ -937,23 +1020,23 @@ impl<D: Driver> Memory<D> {
         freed
     }
 
-    /// The resident segments `evict(need)` takes: least recently used first, until
-    /// `need` bytes.
-    fn victims(&self, need: u64) -> Vec<usize> {
-        let mut order: Vec<(u64, usize)> = self
+    /// The resident segments `evict(need)` takes: those with nothing live at `token`
+    /// first, then least recently used first, until `need` bytes.
+    fn victims(&self, need: u64, token: Option<u64>) -> Vec<usize> {
+        let mut order: Vec<(bool, u64, usize)> = self
             .segs
             .iter()
             .enumerate()
             .filter_map(|(i, s)| {
                 s.as_ref()
                     .filter(|s| s.handle.is_some() && s.pins == 0)
-                    .map(|s| (s.touch, i))
+                    .map(|s| (s.dead.live_bytes(token, s.size) > 0, s.touch, i))
             })
             .collect();
         order.sort_unstable();
         let mut victims = Vec::new();
         let mut planned = 0;
-        for (_, i) in order {
+        for (_, _, i) in order {
             if planned >= need {
                 break;
             }
@@ -970,51 +1053,72 @@ impl<D: Driver> Memory<D> {
         by_size
     }
 
+    /// Copies out and releases each victim, `pieces[k]` of victim `k` (none: nothing
+    /// live, released without a copy or a buffer). Returns the bytes copied.
     fn evict_planned(
         &mut self,
         victims: &[usize],
+        pieces: &[Vec<(u64, u64)>],
         bufs: &mut [Option<HostBuf>],
     ) -> Result<u64, CUresult> {
         let mut bytes = 0;
+        let needs_buf = |k: usize| pieces.get(k).is_some_and(|p| !p.is_empty());
         if let (Some(&first), Some(slot @ None)) = (victims.first(), bufs.first_mut()) {
-            *slot = Some(self.new_host_buf(self.size_of(first))?);
+            if needs_buf(0) {
+                *slot = Some(self.new_host_buf(self.size_of(first))?);
+            }
         }
         for (k, &i) in victims.iter().enumerate() {
             let (va, size, handle) = {
                 let s = self.seg(i);
                 (s.va, s.size, s.handle.expect("victims are resident"))
             };
-            let buf = bufs[k].take().expect("prepared in the previous step");
-            // SAFETY: the buffer holds at least `size` bytes; it is kept aside, untouched,
-            // until the copy is waited for below.
-            if let Err(e) = unsafe { self.drv.to_host_async(buf.ptr, va, size) } {
-                let _ = self.drv.wait_copies();
-                self.spare.push(buf);
-                return Err(e);
+            let buf = bufs[k].take();
+            debug_assert_eq!(buf.is_some(), needs_buf(k), "prepared in the previous step");
+            let give_back = |m: &mut Self, buf: Option<HostBuf>| m.spare.extend(buf);
+            if let Some(b) = &buf {
+                for &(off, len) in &pieces[k] {
+                    // SAFETY: the buffer holds at least `size` bytes (the pieces lie
+                    // inside the segment); it is kept aside, untouched, until the copy
+                    // is waited for below.
+                    let r = unsafe {
+                        self.drv
+                            .to_host_async(b.ptr.add(off as usize), va + off, len)
+                    };
+                    if let Err(e) = r {
+                        let _ = self.drv.wait_copies();
+                        give_back(self, buf);
+                        return Err(e);
+                    }
+                }
             }
             // While the copy runs: the next segment's buffer, if no spare fit.
             let mut next_err = None;
             if let Some(slot @ None) = bufs.get_mut(k + 1) {
-                match self.new_host_buf(self.size_of(victims[k + 1])) {
-                    Ok(b) => *slot = Some(b),
-                    Err(e) => next_err = Some(e),
+                if needs_buf(k + 1) {
+                    match self.new_host_buf(self.size_of(victims[k + 1])) {
+                        Ok(b) => *slot = Some(b),
+                        Err(e) => next_err = Some(e),
+                    }
                 }
             }
             if let Err(e) = self.drv.wait_copies() {
-                self.spare.push(buf);
+                give_back(self, buf);
                 return Err(e);
             }
-            // Unmapped only now: the copy has read every byte.
+            // Unmapped only now: the copy has read every live byte.
             if let Err(e) = self.drv.unmap(va, size) {
-                self.spare.push(buf);
+                give_back(self, buf);
                 return Err(e);
             }
             let _ = self.drv.release(handle);
+            let copied: u64 = pieces[k].iter().map(|p| p.1).sum();
             let s = self.seg(i);
             s.handle = None;
-            s.host = Some(buf);
+            s.pieces = (buf.is_some() && copied < size).then(|| pieces[k].clone());
+            s.host = buf;
             self.resident -= size;
-            bytes += size;
+            bytes += copied;
             if let Some(e) = next_err {
                 return Err(e);
             }
@@ -1509,6 +1613,95 @@ mod tests {
             assert!(m.all_resident());
             assert_eq!(m.driver().peek(big, data.len()).unwrap(), data);
             assert_eq!(m.driver().peek(small, 4096).unwrap(), pattern(9, 4096));
+        }
+    }
+
+    /// A discard at the current token: the swap-out copies only the live bytes, a
+    /// wholly dead segment needs no copy and no host buffer, the live bytes come back
+    /// intact; at another token (a submission since) every byte is copied.
+    #[test]
+    fn discarded_bytes_are_not_copied_while_the_token_holds() {
+        for d in drivers(1 << 30) {
+            let mut m = Memory::new(d).unwrap();
+            // 150 MiB: segments of 64, 64 and 22 MiB.
+            let big = m.alloc(150 << 20).unwrap();
+            let data = pattern(3, 150 << 20);
+            m.driver().poke(big, &data).unwrap();
+            // Live: the first 10 MiB; dead: the rest (one whole segment and a half).
+            assert_eq!(
+                m.discard(big + (10 << 20), 140 << 20, Some(5)),
+                Ok(140 << 20)
+            );
+            let out = m.evict_live(u64::MAX, Some(5)).unwrap();
+            assert_eq!(out.bytes, 10 << 20, "only the live bytes were copied");
+            assert_eq!(
+                m.host_buffer_bytes(),
+                64 << 20,
+                "one buffer: the live segment's"
+            );
+            assert_eq!(m.driver().st.borrow().physical_used, 0);
+            let back = m.swap_in_all().unwrap();
+            assert_eq!(back.bytes, 10 << 20);
+            assert_eq!(
+                m.driver().peek(big, 10 << 20).unwrap(),
+                data[..10 << 20].to_vec()
+            );
+
+            // Another token: the marks are stale, everything is copied and kept.
+            m.driver().poke(big, &data).unwrap();
+            assert_eq!(m.discard(big, 150 << 20, Some(6)), Ok(150 << 20));
+            let out = m.evict_live(u64::MAX, Some(7)).unwrap();
+            assert_eq!(out.bytes, 150 << 20);
+            m.swap_in_all().unwrap();
+            assert_eq!(m.driver().peek(big, data.len()).unwrap(), data);
+            // Without a token (a caller that cannot tell) too.
+            assert_eq!(m.discard(big, 150 << 20, Some(8)), Ok(150 << 20));
+            assert_eq!(m.evict(u64::MAX).unwrap().bytes, 150 << 20);
+            m.swap_in_all().unwrap();
+            assert_eq!(m.driver().peek(big, data.len()).unwrap(), data);
+        }
+    }
+
+    /// A partial eviction takes the wholly dead segments first: they free GPU memory
+    /// without a copy.
+    #[test]
+    fn partial_eviction_takes_dead_segments_first() {
+        for d in drivers(1 << 30) {
+            let mut m = Memory::new(d).unwrap();
+            let old = m.alloc(64 << 20).unwrap();
+            m.epoch += 5;
+            let newer = m.alloc(64 << 20).unwrap();
+            m.driver().poke(old, &[9; 64]).unwrap();
+            m.discard(newer, 64 << 20, Some(1)).unwrap();
+            let out = m.evict_live(10 << 20, Some(1)).unwrap();
+            assert_eq!(out.bytes, 0, "the dead segment went, uncopied");
+            assert_eq!(m.driver().peek(newer, 1), Err(700));
+            assert_eq!(m.driver().peek(old, 64).unwrap(), vec![9; 64]);
+            assert_eq!(m.figures().resident, 64 << 20);
+        }
+    }
+
+    /// Small allocations share a chunk: discarding one leaves its neighbours' bytes
+    /// copied. Bad ranges are refused and mark nothing.
+    #[test]
+    fn discards_inside_a_chunk_and_bad_ranges() {
+        for d in drivers(1 << 30) {
+            let mut m = Memory::new(d).unwrap();
+            let a = m.alloc(4096).unwrap();
+            let b = m.alloc(4096).unwrap();
+            m.driver().poke(a, &pattern(1, 4096)).unwrap();
+            m.driver().poke(b, &pattern(2, 4096)).unwrap();
+            let inval = Err(CUDA_ERROR_INVALID_VALUE);
+            assert_eq!(m.discard(a, 4097, Some(1)), inval, "past the allocation");
+            assert_eq!(m.discard(a, 0, Some(1)), inval);
+            assert_eq!(m.discard(u64::MAX - 1, 10, Some(1)), inval, "overflow");
+            assert_eq!(m.discard(12345, 10, Some(1)), inval, "not the shim's");
+            assert_eq!(m.discard(a, 4096, None), Ok(0), "checked, not marked");
+            assert_eq!(m.discard(a, 4096, Some(1)), Ok(4096));
+            let out = m.evict_live(u64::MAX, Some(1)).unwrap();
+            assert_eq!(out.bytes, GRAN - 4096);
+            m.swap_in_all().unwrap();
+            assert_eq!(m.driver().peek(b, 4096).unwrap(), pattern(2, 4096));
         }
     }
 

@@ -38,6 +38,9 @@ fn submit_slow(
     stream: impl FnOnce() -> Option<crate::capture::StreamArg>,
     f: impl FnOnce() -> CUresult,
 ) -> CUresult {
+    // Any submission voids the application's discards (it may write the range), even
+    // one that only waits now: it runs after the swap-in, and must find its bytes.
+    GATE.note_slow();
     // Only over resident memory: the driver checks a copy's or memset's pointers when
     // it records them, so a capture over swapped-out memory waits for the turn.
     if crate::capture::is_captured(stream()) && crate::devices::all_resident() {

@@ -23,34 +23,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn client_of(events: &[Event], host_pid: u32) -> Option<u64> {
-    events.iter().find_map(|e| match e.kind {
-        EventKind::Register { host_pid: p, .. } if p == host_pid => e.client,
-        _ => None,
-    })
-}
-
-/// Polls the arbiter's log (up to `limit`) until `f` finds an event; returns it.
-fn wait_event(
-    arb: &Arbiter,
-    what: &str,
-    limit: Duration,
-    f: impl Fn(&[Event]) -> Option<Event>,
-) -> Event {
-    let deadline = Instant::now() + limit;
-    loop {
-        let ev = arb.events();
-        if let Some(e) = f(&ev) {
-            return e;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what} not seen in {limit:?}: {ev:#?}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 /// What one early release took, from the arbiter's log and the idle program's clock.
 struct IdleRelease {
     /// B's grant after A's last work was done, in ms.
@@ -115,17 +87,6 @@ fn idle_release(arb: &Arbiter, holder: u32, waiter: u32, idle_at: u64) -> IdleRe
         releases_before_idle: 0,
         granted_before_release: grant.seq < release.seq,
     }
-}
-
-fn wait_request(arb: &Arbiter, pid: u32, after_seq: u64) -> Event {
-    wait_event(arb, "a request", Duration::from_secs(30), |ev| {
-        let c = client_of(ev, pid)?;
-        ev.iter()
-            .find(|e| {
-                e.client == Some(c) && e.seq > after_seq && matches!(e.kind, EventKind::Request)
-            })
-            .cloned()
-    })
 }
 
 /// A holder whose queued work is done releases within `KIWI_IDLE_MS` + 20 ms when

@@ -7,9 +7,9 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use kiwi_protocol::EventKind;
+use kiwi_protocol::{Event, EventKind};
 use kiwi_tests::{bin, profile_dir, require_tool, Arbiter};
 
 pub fn root() -> PathBuf {
@@ -275,4 +275,45 @@ pub fn notebook(m: &kiwi_sim_core::harness::SimMachine, arb: &Arbiter, mib: u32)
     under_kiwi_on(&mut b, m, arb)
         .spawn()
         .expect("spawn gpuburst")
+}
+
+/// The arbiter's client id of the process with host pid `host_pid`.
+pub fn client_of(events: &[Event], host_pid: u32) -> Option<u64> {
+    events.iter().find_map(|e| match e.kind {
+        EventKind::Register { host_pid: p, .. } if p == host_pid => e.client,
+        _ => None,
+    })
+}
+
+/// Polls the arbiter's log (up to `limit`) until `f` finds an event; returns it.
+pub fn wait_event(
+    arb: &Arbiter,
+    what: &str,
+    limit: Duration,
+    f: impl Fn(&[Event]) -> Option<Event>,
+) -> Event {
+    let deadline = Instant::now() + limit;
+    loop {
+        let ev = arb.events();
+        if let Some(e) = f(&ev) {
+            return e;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what} not seen in {limit:?}: {ev:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The process's first `request` after event `after_seq`, waited for (30 s).
+pub fn wait_request(arb: &Arbiter, pid: u32, after_seq: u64) -> Event {
+    wait_event(arb, "a request", Duration::from_secs(30), |ev| {
+        let c = client_of(ev, pid)?;
+        ev.iter()
+            .find(|e| {
+                e.client == Some(c) && e.seq > after_seq && matches!(e.kind, EventKind::Request)
+            })
+            .cloned()
+    })
 }

@@ -1,0 +1,215 @@
+//! Asking the application which of its memory is dead before a swap-out (issue #26).
+//!
+//! A framework knows bytes the shim cannot see are dead: PyTorch's cached free
+//! blocks, CuPy's pool. A *provider* (the Python package's thread, or any thread of
+//! the application) waits in `kiwi_hint_wait`; before a swap-out, with the gate
+//! closed and the process's work drained, the swapping thread opens a *request* and
+//! waits at most `KIWI_HINT_WAIT_MS` (10 ms) for the provider's answer: its `kiwiMemDiscard` calls, then
+//! `kiwi_hint_done`. Then it swaps, leaving the dead bytes behind; a late answer
+//! changes nothing (its discards are ignored), so a slow provider costs at most the
+//! wait, and a process without a provider waits not at all.
+//!
+//! Discards made for a request carry the submission token of the moment the request
+//! opened, not of their own call: the provider's view (a snapshot of the framework's
+//! allocator) is taken after that moment, and any submission the application tried
+//! since (even one still waiting at the closed gate) changes the token and voids them
+//! all ([`crate::live`]). So a block the application took from its cache and wrote
+//! after the snapshot is never lost.
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// How long a swap-out waits for an answer, in µs (`KIWI_HINT_WAIT_MS`, set when the
+/// client starts).
+static WAIT_US: AtomicU64 = AtomicU64::new(10_000);
+
+/// Sets how long a swap-out waits for a provider's answer.
+pub fn set_wait(limit: Duration) {
+    WAIT_US.store(limit.as_micros() as u64, Ordering::Relaxed);
+}
+
+/// How long a swap-out waits for a provider's answer.
+pub fn wait() -> Duration {
+    Duration::from_micros(WAIT_US.load(Ordering::Relaxed))
+}
+
+#[derive(Default)]
+struct State {
+    /// Provider threads waiting in [`provider_wait`] now.
+    providers: u32,
+    /// The last request's id (ids start at 1).
+    last: u64,
+    /// The open request: its id and the submission token it opened at.
+    open: Option<(u64, u64)>,
+    /// The highest request id answered.
+    answered: u64,
+}
+
+static STATE: Mutex<State> = Mutex::new(State {
+    providers: 0,
+    last: 0,
+    open: None,
+    answered: 0,
+});
+/// Wakes providers (a request opened) and the requester (an answer came).
+static CHANGED: Condvar = Condvar::new();
+
+thread_local! {
+    /// The request this provider thread is answering (0: none).
+    static ANSWERING: Cell<u64> = const { Cell::new(0) };
+    /// The last request this provider thread was given (not given twice).
+    static GIVEN: Cell<u64> = const { Cell::new(0) };
+}
+
+fn state() -> MutexGuard<'static, State> {
+    STATE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Opens a request at submission token `token` and waits, at most `limit`, for a
+/// provider to answer it. Returns at once (false) when no provider is waiting.
+/// Called by the swapping thread with the gate closed and the work drained; one
+/// request at a time (a second caller waits for the open one's answer).
+pub fn request(token: u64, limit: Duration) -> bool {
+    let mut st = state();
+    if st.providers == 0 && st.open.is_none() {
+        return false;
+    }
+    let id = match st.open {
+        Some((id, _)) => id,
+        None => {
+            st.last += 1;
+            st.open = Some((st.last, token));
+            CHANGED.notify_all();
+            st.last
+        }
+    };
+    let deadline = Instant::now() + limit;
+    while st.answered < id {
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        st = CHANGED
+            .wait_timeout(st, deadline - now)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+    }
+    let answered = st.answered >= id;
+    if st.open.is_some_and(|(o, _)| o == id) {
+        st.open = None;
+    }
+    answered
+}
+
+/// A provider waits, at most `limit`, for a request; returns its id (0: none came).
+/// The calling thread answers it from then on: its discards carry the request's token
+/// until [`done`].
+pub fn provider_wait(limit: Duration) -> u64 {
+    let mut st = state();
+    st.providers += 1;
+    let seen = GIVEN.with(|a| a.get());
+    let deadline = Instant::now() + limit;
+    let id = loop {
+        match st.open {
+            Some((id, _)) if id > seen.max(st.answered) => break id,
+            _ => {}
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            break 0;
+        }
+        st = CHANGED
+            .wait_timeout(st, deadline - now)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+    };
+    st.providers -= 1;
+    if id != 0 {
+        ANSWERING.with(|a| a.set(id));
+        GIVEN.with(|a| a.set(id));
+    }
+    id
+}
+
+/// The provider answered request `id` (its discards are all made); the calling
+/// thread's later discards are its own again.
+pub fn done(id: u64) {
+    ANSWERING.with(|a| a.set(0));
+    let mut st = state();
+    if id > st.answered && id <= st.last {
+        st.answered = id;
+        CHANGED.notify_all();
+    }
+}
+
+/// The token a discard from the calling thread is made at, given the current one:
+/// a provider's discards carry their request's token while it is open, and are
+/// ignored (`None`) once it closed (a late answer); anyone else's, the current token.
+pub fn discard_token(current: u64) -> Option<u64> {
+    let answering = ANSWERING.with(|a| a.get());
+    if answering == 0 {
+        return Some(current);
+    }
+    let st = state();
+    match st.open {
+        Some((id, token)) if id == answering && st.answered < id => Some(token),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    // One test: the state is process-wide.
+    #[test]
+    fn requests_reach_providers_and_late_answers_are_ignored() {
+        // No provider: no wait at all.
+        let t = Instant::now();
+        assert!(!request(5, Duration::from_secs(5)));
+        assert!(t.elapsed() < Duration::from_secs(1));
+        assert_eq!(
+            discard_token(9),
+            Some(9),
+            "not a provider: the current token"
+        );
+
+        // A provider that answers: its discards carry the request's token.
+        let seen = Arc::new(AtomicU64::new(u64::MAX));
+        let s = seen.clone();
+        let provider = std::thread::spawn(move || {
+            let id = provider_wait(Duration::from_secs(10));
+            s.store(discard_token(1234).unwrap_or(0), Ordering::SeqCst);
+            done(id);
+            id
+        });
+        while state().providers == 0 {
+            std::thread::yield_now();
+        }
+        assert!(request(77, Duration::from_secs(10)));
+        assert!(provider.join().unwrap() > 0);
+        assert_eq!(seen.load(Ordering::SeqCst), 77);
+
+        // A late provider: the request closed before it answered; its discards are
+        // ignored.
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let late = std::thread::spawn(move || {
+            let id = provider_wait(Duration::from_secs(10));
+            rx.recv().unwrap();
+            let token = discard_token(1);
+            done(id);
+            (id, token)
+        });
+        while state().providers == 0 {
+            std::thread::yield_now();
+        }
+        assert!(!request(88, Duration::from_millis(20)));
+        tx.send(()).unwrap();
+        let (id, token) = late.join().unwrap();
+        assert!(id > 0);
+        assert_eq!(token, None, "a late answer's discards are ignored");
+    }
+}
