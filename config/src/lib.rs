@@ -30,6 +30,17 @@ pub const CONTAINER_CLIENT_DIR: &str = "/run/kiwi/client";
 /// Where containers see the shim.
 pub const CONTAINER_SHIM_PATH: &str = "/usr/lib/kiwi/libkiwi.so";
 
+/// The environment Kiwi gives a claimed container's process (kiwi-runtime, the CDI
+/// spec) and a program under `kiwictl run`, unless that variable is already set there:
+/// the image's, the pod's or the user's value always wins. Kiwi tells every process the
+/// whole GPU is free, and without these JAX preallocates 75% of it and TensorFlow all
+/// of it, so every notebook would hold, and swap at each hand-off, the whole GPU.
+/// `[hook] framework_defaults = false` turns them off. The one list every path uses.
+pub const FRAMEWORK_ENV_DEFAULTS: &[(&str, &str)] = &[
+    ("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
+    ("TF_FORCE_GPU_ALLOW_GROWTH", "true"),
+];
+
 /// Errors reading the configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -55,6 +66,7 @@ pub struct Config {
     pub socket_dir: PathBuf,
     pub arbiter: ArbiterConfig,
     pub runtime: RuntimeConfig,
+    pub hook: HookConfig,
     pub device_plugin: DevicePluginConfig,
     /// Where this configuration was read from; `None` for built-in defaults.
     #[serde(skip)]
@@ -67,6 +79,7 @@ impl Default for Config {
             socket_dir: PathBuf::from(DEFAULT_SOCKET_DIR),
             arbiter: ArbiterConfig::default(),
             runtime: RuntimeConfig::default(),
+            hook: HookConfig::default(),
             device_plugin: DevicePluginConfig::default(),
             source: None,
         }
@@ -204,6 +217,34 @@ impl Default for RuntimeConfig {
             device_root: PathBuf::from("/dev"),
             driver_files: Vec::new(),
             log_path: None,
+        }
+    }
+}
+
+/// `[hook]`: what a claimed container's process (and `kiwictl run`'s program) is given.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HookConfig {
+    /// Set [`FRAMEWORK_ENV_DEFAULTS`] where the process does not set them itself.
+    pub framework_defaults: bool,
+}
+
+impl Default for HookConfig {
+    fn default() -> Self {
+        Self {
+            framework_defaults: true,
+        }
+    }
+}
+
+impl HookConfig {
+    /// The framework variables to set where unset: [`FRAMEWORK_ENV_DEFAULTS`], or none
+    /// when `framework_defaults` is off.
+    pub fn framework_env(&self) -> &'static [(&'static str, &'static str)] {
+        if self.framework_defaults {
+            FRAMEWORK_ENV_DEFAULTS
+        } else {
+            &[]
         }
     }
 }
@@ -561,6 +602,37 @@ vgpus_per_gpu = 4
         for bad in ["-1", "abc", "", "nan", "inf", "1e9"] {
             assert!(parse_idle_evict_arg(bad).is_err(), "{bad} accepted");
         }
+    }
+
+    #[test]
+    fn framework_defaults_on_by_default_off_by_key_and_bools_only() {
+        let c = Config::from_str_at("", Path::new("c")).unwrap();
+        assert!(c.hook.framework_defaults);
+        assert_eq!(c.hook.framework_env(), FRAMEWORK_ENV_DEFAULTS);
+        assert!(FRAMEWORK_ENV_DEFAULTS.contains(&("XLA_PYTHON_CLIENT_PREALLOCATE", "false")));
+        assert!(FRAMEWORK_ENV_DEFAULTS.contains(&("TF_FORCE_GPU_ALLOW_GROWTH", "true")));
+        let c =
+            Config::from_str_at("[hook]\nframework_defaults = false\n", Path::new("c")).unwrap();
+        assert!(!c.hook.framework_defaults);
+        assert!(c.hook.framework_env().is_empty());
+        for bad in ["\"false\"", "0", "no"] {
+            let e = Config::from_str_at(
+                &format!("socket_dir = \"/x\"\n[hook]\nframework_defaults = {bad}\n"),
+                Path::new("/etc/kiwi/k.toml"),
+            )
+            .unwrap_err();
+            // As every binary prints it.
+            let e = one_line(&e);
+            assert!(
+                e.starts_with("config file /etc/kiwi/k.toml, line 3: "),
+                "{e}"
+            );
+            assert_eq!(e.lines().count(), 1, "{e}");
+        }
+        let e = Config::from_str_at("[hook]\nframework_default = false\n", Path::new("c"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 2"), "{e}");
     }
 
     #[test]

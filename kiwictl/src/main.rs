@@ -84,7 +84,9 @@ enum Command {
     },
     /// Replay the seed's two-notebook story for real and draw its timeline.
     Demo(demo::DemoArgs),
-    /// Run a program under Kiwi on this machine (preloads the shim).
+    /// Run a program under Kiwi on this machine (preloads the shim; sets
+    /// XLA_PYTHON_CLIENT_PREALLOCATE=false and TF_FORCE_GPU_ALLOW_GROWTH=true where
+    /// unset, unless [hook] framework_defaults = false).
     Run {
         /// The GPU (index or UUID) the program may use (sets CUDA_VISIBLE_DEVICES).
         #[arg(long)]

@@ -1,6 +1,8 @@
 //! `kiwictl run [--gpu G] -- CMD...`: runs a program under Kiwi on this machine.
 //!
-//! Sets up the environment the shim needs and execs the program; starts nothing
+//! Sets up the environment the shim needs (and the frameworks' memory defaults,
+//! `kiwi_config::FRAMEWORK_ENV_DEFAULTS`, where the caller's environment does not set
+//! them and `[hook] framework_defaults` is on) and execs the program; starts nothing
 //! else (the node's arbiter must be running). The shim is found at `--shim`, then
 //! `$KIWI_SHIM`, then the config's `runtime.shim_path`, then `libkiwi.so` next to
 //! this executable (an in-tree build).
@@ -73,6 +75,13 @@ pub fn run(cfg: &Config, socket_dir: &Path, gpu: Option<&str>, args: RunArgs) ->
         .env("KIWI_SOCKET_DIR", socket_dir);
     if let Some(g) = gpu {
         cmd.env("CUDA_VISIBLE_DEVICES", g);
+    }
+    // Frameworks are told not to hoard the whole GPU Kiwi reports free; a variable the
+    // caller's environment sets (even empty) is passed on as it is.
+    for (key, value) in cfg.hook.framework_env() {
+        if std::env::var_os(key).is_none() {
+            cmd.env(key, value);
+        }
     }
     let err = cmd.exec();
     bail!("cannot run {}: {err}", Path::new(program).display())

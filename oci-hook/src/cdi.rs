@@ -3,9 +3,15 @@
 //! per GPU by index and by UUID, plus `all`.
 //!
 //! Each device sets the claim (`KIWI_VISIBLE_DEVICES`) and adds its GPU's node; the
-//! spec-wide edits add the control nodes and `kiwi-hook` as a `createRuntime` hook,
-//! which then does in the container what it does for kiwi-runtime. This module builds
-//! and prints the spec; it does not install it.
+//! spec-wide edits add the control nodes, the frameworks' memory defaults
+//! ([`kiwi_config::FRAMEWORK_ENV_DEFAULTS`], unless `[hook] framework_defaults = false`)
+//! and `kiwi-hook` as a `createRuntime` hook, which then does in the container what it
+//! does for kiwi-runtime. This module builds and prints the spec; it does not install it.
+//!
+//! Unlike kiwi-runtime, a CDI spec cannot leave a variable the container already sets
+//! alone: engines (through CDI's library) write the spec's `env` over the image's and
+//! the user's (podman 4.3 does, `tests/podman_cdi.rs` checks it). docs/containers.md
+//! says so.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -164,7 +170,13 @@ pub fn generate_cdi_spec(gpus: &[GpuInfo], cfg: &Config) -> Result<CdiSpec, GpuE
         kind: CDI_KIND.into(),
         devices: out,
         container_edits: ContainerEdits {
-            env: vec![],
+            // `env` is in CDI's first versions: it never raises `cdiVersion`.
+            env: cfg
+                .hook
+                .framework_env()
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect(),
             device_nodes: control.iter().map(CdiDeviceNode::from).collect(),
             hooks: vec![CdiHook {
                 hook_name: "createRuntime".into(),
@@ -240,6 +252,62 @@ mod tests {
                 .collect(),
             container_edits: ContainerEdits::default(),
         }
+    }
+
+    /// A device root with `nvidia0`, `nvidiactl` and `nvidia-uvm` (links to /dev/null:
+    /// character devices without mknod).
+    fn config_with_gpu0() -> (tempfile::TempDir, Config) {
+        let dir = tempfile::tempdir().unwrap();
+        for n in ["nvidia0", "nvidiactl", "nvidia-uvm"] {
+            std::os::unix::fs::symlink("/dev/null", dir.path().join(n)).unwrap();
+        }
+        let mut cfg = Config::default();
+        cfg.runtime.device_root = dir.path().to_path_buf();
+        (dir, cfg)
+    }
+
+    const GPU0: GpuInfo = GpuInfo {
+        index: 0,
+        uuid: None,
+        minor: 0,
+    };
+
+    #[test]
+    fn spec_wide_edits_carry_the_framework_defaults_unless_turned_off() {
+        let (_dev, mut cfg) = config_with_gpu0();
+        let spec = generate_cdi_spec(&[GPU0], &cfg).unwrap();
+        assert_eq!(
+            spec.container_edits.env,
+            [
+                "XLA_PYTHON_CLIENT_PREALLOCATE=false",
+                "TF_FORCE_GPU_ALLOW_GROWTH=true"
+            ]
+        );
+        // In the JSON engines read, next to the claim of each device.
+        let json = serde_json::to_value(&spec).unwrap();
+        assert_eq!(
+            json["containerEdits"]["env"][0],
+            "XLA_PYTHON_CLIENT_PREALLOCATE=false"
+        );
+        assert_eq!(
+            json["devices"][0]["containerEdits"]["env"][0],
+            "KIWI_VISIBLE_DEVICES=0"
+        );
+        // env needs no newer CDI: still the version the device names ask for.
+        assert_eq!(spec.cdi_version, "0.5.0");
+        assert_eq!(generate_cdi_spec(&[], &cfg).unwrap().cdi_version, "0.3.0");
+
+        cfg.hook.framework_defaults = false;
+        let off = generate_cdi_spec(&[GPU0], &cfg).unwrap();
+        assert!(off.container_edits.env.is_empty());
+        let json = serde_json::to_value(&off).unwrap();
+        assert!(json["containerEdits"].get("env").is_none(), "{json}");
+        assert!(!json.to_string().contains("XLA_PYTHON"), "{json}");
+        assert_eq!(
+            off.container_edits.device_nodes,
+            spec.container_edits.device_nodes
+        );
+        assert_eq!(off.devices, spec.devices);
     }
 
     #[test]

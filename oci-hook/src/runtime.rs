@@ -1,7 +1,8 @@
 //! What `kiwi-runtime` does before it `exec`s the real runtime: pick that runtime, and
 //! for `create`/`run` of a claimed container, edit `config.json` (device nodes, allow
-//! rules, driver files or `NVIDIA_VISIBLE_DEVICES`, the `kiwi-hook` prestart hook with
-//! the driver libraries' directories for the container's ld cache).
+//! rules, driver files or `NVIDIA_VISIBLE_DEVICES`, the frameworks' memory defaults
+//! where the process does not set them, the `kiwi-hook` prestart hook with the driver
+//! libraries' directories for the container's ld cache).
 //!
 //! An unclaimed container's spec is never written. A claimed one that Kiwi cannot serve
 //! is refused before anything is written, so a failed create leaves the bundle as it
@@ -199,6 +200,14 @@ pub fn edit_spec(
             &nvidia_visible_devices(claim),
         );
     }
+    // Frameworks are told not to hoard the whole GPU Kiwi reports free; a value the
+    // image or the user set stays.
+    let mut framework_env = Vec::new();
+    for (key, value) in cfg.hook.framework_env() {
+        if spec.set_env_default(key, value) {
+            framework_env.push(format!("{key}={value}"));
+        }
+    }
     for f in &files {
         spec.add_ro_bind(&f.source, &f.destination);
     }
@@ -213,12 +222,13 @@ pub fn edit_spec(
     hook.args.extend(stage);
     spec.add_hook(HOOK_STAGE, &hook);
     log.info(&format!(
-        "{}: claim {} -> {} device node(s), {} driver file(s), hook {}",
+        "{}: claim {} -> {} device node(s), {} driver file(s), hook {}, env [{}]",
         spec.path().display(),
         nvidia_visible_devices(claim),
         nodes.len(),
         files.len(),
-        cfg.runtime.hook_path.display()
+        cfg.runtime.hook_path.display(),
+        framework_env.join(" ")
     ));
     Ok(())
 }
@@ -290,6 +300,144 @@ mod tests {
         cfg.source = Some(PathBuf::from("/etc/other.toml"));
         let h = hook_entry(&cfg, Path::new("/s"));
         assert_eq!(h.args[1..3], ["--config", "/etc/other.toml"]);
+    }
+
+    /// A host with everything a claim on GPU 0 needs: the shim, an executable hook,
+    /// `nvidia0`, `nvidiactl` and `nvidia-uvm` (links to /dev/null, a character device,
+    /// so no mknod and no root), and one listed driver file.
+    fn host() -> (tempfile::TempDir, Config) {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path();
+        std::fs::create_dir(p.join("dev")).unwrap();
+        for n in ["nvidia0", "nvidiactl", "nvidia-uvm"] {
+            std::os::unix::fs::symlink("/dev/null", p.join("dev").join(n)).unwrap();
+        }
+        std::fs::write(p.join("libkiwi.so"), "shim").unwrap();
+        std::fs::write(p.join("kiwi-hook"), "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(p.join("kiwi-hook"), std::fs::Permissions::from_mode(0o755))
+            .unwrap();
+        std::fs::write(p.join("libcuda.so.1"), "driver").unwrap();
+        let mut cfg = Config::default();
+        cfg.runtime.shim_path = p.join("libkiwi.so");
+        cfg.runtime.hook_path = p.join("kiwi-hook");
+        cfg.runtime.device_root = p.join("dev");
+        cfg.runtime.driver_files = vec![p.join("libcuda.so.1")];
+        (dir, cfg)
+    }
+
+    /// Runs `prepare_create` on a bundle whose process env is `env`; returns whether it
+    /// wrote, the bytes before, and the resulting spec.
+    fn create_with_env(cfg: &Config, env: &[&str]) -> (bool, Vec<u8>, Vec<u8>) {
+        let bundle = tempfile::tempdir().unwrap();
+        let text = serde_json::json!({
+            "ociVersion": "1.0.2",
+            "process": {"args": ["sh"], "env": env},
+            "root": {"path": "rootfs"},
+        });
+        let before = serde_json::to_vec_pretty(&text).unwrap();
+        std::fs::write(bundle.path().join("config.json"), &before).unwrap();
+        let cmd = RuncCommand {
+            subcommand: Some("create".into()),
+            bundle: Some(bundle.path().to_path_buf()),
+            log: None,
+            log_format: None,
+        };
+        let log = Logger::new("test", None);
+        let wrote = prepare_create(&cmd, cfg, Path::new("/usr/sbin/runc"), &log).unwrap();
+        let after = std::fs::read(bundle.path().join("config.json")).unwrap();
+        (wrote, before, after)
+    }
+
+    fn env_of(spec: &[u8]) -> Vec<String> {
+        let v: serde_json::Value = serde_json::from_slice(spec).unwrap();
+        v["process"]["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e.as_str().unwrap().to_string())
+            .collect()
+    }
+
+    #[test]
+    fn claimed_spec_gets_the_framework_defaults_once() {
+        let (_host, cfg) = host();
+        let (wrote, _, after) = create_with_env(&cfg, &["PATH=/bin", "KIWI_VISIBLE_DEVICES=0"]);
+        assert!(wrote);
+        let env = env_of(&after);
+        assert_eq!(
+            env,
+            [
+                "PATH=/bin",
+                "KIWI_VISIBLE_DEVICES=0",
+                "XLA_PYTHON_CLIENT_PREALLOCATE=false",
+                "TF_FORCE_GPU_ALLOW_GROWTH=true"
+            ]
+        );
+        // Every default of the one list, in order.
+        let added: Vec<String> = kiwi_config::FRAMEWORK_ENV_DEFAULTS
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        assert_eq!(env[2..], added[..]);
+        // The spec as written is edited again (a retried create): still once each.
+        let mut spec = Spec::parse(&after, Path::new("c.json")).unwrap();
+        let log = Logger::new("test", None);
+        let claim = spec.claim().unwrap();
+        edit_spec(
+            &mut spec,
+            &claim,
+            &cfg,
+            Path::new("/s"),
+            false,
+            || panic!(),
+            &log,
+        )
+        .unwrap();
+        assert_eq!(spec.env().collect::<Vec<_>>(), env);
+    }
+
+    #[test]
+    fn the_containers_own_value_wins_and_is_not_duplicated() {
+        let (_host, cfg) = host();
+        let (wrote, _, after) = create_with_env(
+            &cfg,
+            &[
+                "XLA_PYTHON_CLIENT_PREALLOCATE=true",
+                "KIWI_VISIBLE_DEVICES=0",
+                "TF_FORCE_GPU_ALLOW_GROWTH=",
+            ],
+        );
+        assert!(wrote);
+        assert_eq!(
+            env_of(&after),
+            [
+                "XLA_PYTHON_CLIENT_PREALLOCATE=true",
+                "KIWI_VISIBLE_DEVICES=0",
+                "TF_FORCE_GPU_ALLOW_GROWTH="
+            ],
+            "both set by the container: nothing added, nothing changed"
+        );
+    }
+
+    #[test]
+    fn framework_defaults_off_adds_nothing() {
+        let (_host, mut cfg) = host();
+        cfg.hook.framework_defaults = false;
+        let (wrote, _, after) = create_with_env(&cfg, &["KIWI_VISIBLE_DEVICES=0"]);
+        assert!(wrote, "the rest of the claim is still served");
+        assert_eq!(env_of(&after), ["KIWI_VISIBLE_DEVICES=0"]);
+        let v: serde_json::Value = serde_json::from_slice(&after).unwrap();
+        assert_eq!(v["linux"]["devices"].as_array().unwrap().len(), 3);
+    }
+
+    #[test]
+    fn unclaimed_spec_is_not_written_and_gets_no_defaults() {
+        let (_host, cfg) = host();
+        for env in [&["PATH=/bin"][..], &["KIWI_VISIBLE_DEVICES=none"], &[]] {
+            let (wrote, before, after) = create_with_env(&cfg, env);
+            assert!(!wrote, "{env:?}");
+            assert_eq!(after, before, "{env:?}: byte for byte");
+        }
     }
 
     #[test]

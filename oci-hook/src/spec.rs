@@ -312,6 +312,24 @@ impl Spec {
         env.push(Value::String(format!("{key}={value}")));
     }
 
+    /// Whether the process environment assigns `key` (any value, empty included).
+    pub fn has_env(&self, key: &str) -> bool {
+        self.env()
+            .any(|kv| kv.split_once('=').map_or(kv, |(k, _)| k) == key)
+    }
+
+    /// Sets `KEY=value` only where the process environment does not assign `key`
+    /// already: the image's, the pod's or the user's value wins. Returns whether it
+    /// was added.
+    pub fn set_env_default(&mut self, key: &str, value: &str) -> bool {
+        if self.has_env(key) {
+            return false;
+        }
+        self.array_at(&["process", "env"])
+            .push(Value::String(format!("{key}={value}")));
+        true
+    }
+
     /// Adds a read-only bind mount of a host file unless something is already mounted
     /// at `destination`.
     pub fn add_ro_bind(&mut self, source: &Path, destination: &Path) {
@@ -446,6 +464,25 @@ mod tests {
         assert_eq!(s.mount_destinations(), ["/b"]);
         assert_eq!(s.hooks("prestart").len(), 1);
         assert!(s.env().any(|e| e == "A=1"));
+    }
+
+    #[test]
+    fn env_defaults_never_replace_an_assignment() {
+        let mut s = spec(r#"{"process":{"env":["A=1","B=","C"]}}"#);
+        assert!(!s.set_env_default("A", "2"));
+        assert!(!s.set_env_default("B", "2"), "an empty value is a value");
+        assert!(!s.set_env_default("C", "2"));
+        assert!(!s.set_env_default("A", "3"));
+        assert!(s.set_env_default("AB", "x"));
+        assert!(!s.set_env_default("AB", "y"), "added once");
+        assert_eq!(
+            s.env().collect::<Vec<_>>(),
+            ["A=1", "B=", "C", "AB=x"],
+            "existing entries kept as they were, in order"
+        );
+        let mut s = spec(r#"{"process":{"env":null}}"#);
+        assert!(s.set_env_default("A", "1"));
+        assert_eq!(s.env().collect::<Vec<_>>(), ["A=1"]);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! A real engine reads the CDI spec: Debian's podman (4.3) runs a busybox image with
 //! `--device kiwi.dev/gpu=<n>` from the spec `kiwictl cdi generate` writes, and
 //! kiwi-hook, run by podman as the spec's `createRuntime` hook, injects the shim, the
-//! preload and the socket. Podman 4.3 refuses a spec that declares a newer `cdiVersion`
+//! preload and the socket; the spec's framework defaults reach the process, over the
+//! user's `-e` and the image's ENV (the engine's rule, which docs/containers.md states). Podman 4.3 refuses a spec that declares a newer `cdiVersion`
 //! than it knows ("unresolvable CDI devices"), so this also proves the declared version.
 //!
 //! Podman runs with a private root, run root and config (vfs storage, no network); the
@@ -126,28 +127,48 @@ fn podman_runs_a_claimed_container_from_the_generated_cdi_spec() {
         .output()
         .unwrap();
     assert!(out.status.success(), "podman import: {:?}", text(&out));
+    // The same image with its own ENV for JAX.
+    let out = podman()
+        .args([
+            "import",
+            "--change",
+            "ENV XLA_PYTHON_CLIENT_PREALLOCATE=image",
+        ])
+        .arg(&tar)
+        .arg("localhost/kiwi-busybox:env")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "podman import: {:?}", text(&out));
 
     let script = "echo CLAIM=$KIWI_VISIBLE_DEVICES; echo SHIM=$(cat /usr/lib/kiwi/libkiwi.so); \
         echo PRELOAD=$(cat /etc/ld.so.preload | tr '\\n' ' '); \
-        /bin/uconnect /run/kiwi/client/arbiter.sock podman; echo DONE";
+        /bin/uconnect /run/kiwi/client/arbiter.sock podman; \
+        echo FRAMEWORK_ENV=$(env | grep -cE '^(XLA_PYTHON_CLIENT_PREALLOCATE|TF_FORCE_GPU_ALLOW_GROWTH)=') \
+        [$XLA_PYTHON_CLIENT_PREALLOCATE] [$TF_FORCE_GPU_ALLOW_GROWTH]; echo DONE";
+    let run = |extra: &[&str], image: &str| {
+        podman()
+            .args(["run", "--rm", "--network", "none"])
+            // Podman raises the nofile and nproc limits by default; without
+            // CAP_SYS_RESOURCE (as in some CI sandboxes) runc may not raise them: ask
+            // for modest ones.
+            .args([
+                "--ulimit",
+                "nofile=1024:1024",
+                "--ulimit",
+                "nproc=4096:4096",
+            ])
+            // No AppArmor profile (loading one needs apparmor_parser and securityfs).
+            .arg("--security-opt=apparmor=unconfined")
+            .args(["--device", "kiwi.dev/gpu=0"])
+            .args(extra)
+            .args([image, "/bin/sh", "-c", script])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
     let t0 = std::time::Instant::now();
-    let out = podman()
-        .args(["run", "--rm", "--network", "none"])
-        // Podman raises the nofile and nproc limits by default; without CAP_SYS_RESOURCE
-        // (as in some CI sandboxes) runc may not raise them: ask for modest ones.
-        .args([
-            "--ulimit",
-            "nofile=1024:1024",
-            "--ulimit",
-            "nproc=4096:4096",
-        ])
-        // No AppArmor profile (loading one needs apparmor_parser and securityfs).
-        .arg("--security-opt=apparmor=unconfined")
-        .args(["--device", "kiwi.dev/gpu=0"])
-        .args(["localhost/kiwi-busybox:test", "/bin/sh", "-c", script])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let out = run(&[], "localhost/kiwi-busybox:test");
+    let took = t0.elapsed();
     let (stdout, stderr) = text(&out);
     assert!(out.status.success(), "podman run: {stderr}\n{stdout}");
     assert!(stdout.contains(&format!("CLAIM={UUID0}")), "{stdout}");
@@ -157,8 +178,32 @@ fn podman_runs_a_claimed_container_from_the_generated_cdi_spec() {
         "{stdout}"
     );
     assert!(stdout.contains("UCONNECT-REPLY:ok"), "{stdout}");
+    // The spec's framework defaults reach the process.
+    assert!(
+        stdout.contains("FRAMEWORK_ENV=2 [false] [true]"),
+        "{stdout}"
+    );
     // The lowest version for this content (GPU indexes as device names): podman 4.3
     // refuses anything above 0.5.0.
     assert_eq!(cdi.cdi_version, "0.5.0");
-    eprintln!("podman run with the CDI device took {:?}", t0.elapsed());
+    eprintln!("podman run with the CDI device took {took:?}");
+
+    // What docs/containers.md says of CDI: the engine writes the spec's env over the
+    // user's `-e` and over the image's ENV (one entry each, the spec's value). If an
+    // engine ever lets them win, this fails and the docs need changing.
+    for (extra, image) in [
+        (
+            &["-e", "XLA_PYTHON_CLIENT_PREALLOCATE=true"][..],
+            "localhost/kiwi-busybox:test",
+        ),
+        (&[][..], "localhost/kiwi-busybox:env"),
+    ] {
+        let out = run(extra, image);
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "podman run: {stderr}\n{stdout}");
+        assert!(
+            stdout.contains("FRAMEWORK_ENV=2 [false] [true]"),
+            "{extra:?} {image}: {stdout}"
+        );
+    }
 }

@@ -20,6 +20,7 @@ if [ -d /run/kiwi/client ]; then echo SOCKDIR=present; else echo SOCKDIR=absent;
 if [ -e /usr/lib/kiwi/libkiwi.so ]; then echo SHIMFILE=present; else echo SHIMFILE=absent; fi
 /bin/uconnect /run/kiwi/client/arbiter.sock container 2>&1
 echo "DRIVER=$(cat {driver} 2>&1)"
+echo "FRAMEWORK_ENV=[$XLA_PYTHON_CLIENT_PREALLOCATE] [$TF_FORCE_GPU_ALLOW_GROWTH]"
 echo DONE
 "#
     )
@@ -90,6 +91,8 @@ fn claimed_container_gets_shim_preload_socket_and_devices() {
         vec!["hello from container"]
     );
     assert_eq!(line(&stdout, "DRIVER="), DRIVER_CONTENT);
+    // Frameworks are told not to hoard the GPU.
+    assert_eq!(line(&stdout, "FRAMEWORK_ENV="), "[false] [true]");
 
     // The image itself was not modified: the preload list is a bind, not a write.
     let image_preload = std::fs::read_to_string(bundle.join("rootfs/etc/ld.so.preload")).unwrap();
@@ -138,6 +141,42 @@ fn claim_by_index_and_all() {
 }
 
 #[test]
+fn the_containers_own_framework_env_wins_and_the_key_turns_the_defaults_off() {
+    if !require(&["runc", "busybox", "gcc"]) {
+        return;
+    }
+    let fx = Fixture::new();
+    let _arbiter = FakeArbiter::start(&fx.socket_dir);
+    let script = "env | grep -E '^(XLA_PYTHON_CLIENT_PREALLOCATE|TF_FORCE_GPU_ALLOW_GROWTH)=' | sort; echo DONE";
+    let b = fx.bundle(
+        "ownenv",
+        script,
+        &[
+            "XLA_PYTHON_CLIENT_PREALLOCATE=true",
+            "KIWI_VISIBLE_DEVICES=0",
+        ],
+    );
+    let out = fx.run_container(&b);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(
+        stdout, "TF_FORCE_GPU_ALLOW_GROWTH=true\nXLA_PYTHON_CLIENT_PREALLOCATE=true\nDONE\n",
+        "the spec's own value, once; the other default added"
+    );
+
+    // `[hook] framework_defaults = false`: the claim is served, nothing is added.
+    fx.write_config("\n[hook]\nframework_defaults = false");
+    let b = fx.bundle("noenv", script, &["KIWI_VISIBLE_DEVICES=0"]);
+    let out = fx.run_container(&b);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(stdout, "DONE\n");
+    let spec: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(b.join("config.json")).unwrap()).unwrap();
+    assert_eq!(spec["hooks"]["prestart"][0]["path"], HOOK, "still claimed");
+}
+
+#[test]
 fn unclaimed_container_is_untouched() {
     if !require(&["runc", "busybox", "gcc"]) {
         return;
@@ -172,6 +211,7 @@ fn unclaimed_container_is_untouched() {
             line(&stdout, "DRIVER=").contains("No such file"),
             "{stdout}"
         );
+        assert_eq!(line(&stdout, "FRAMEWORK_ENV="), "[] []");
         assert!(
             !bundle.join("rootfs/usr/lib/kiwi").exists(),
             "nothing created in the image"

@@ -1,4 +1,5 @@
-//! kiwictl against a real arbiter: control commands, status, and refused input.
+//! kiwictl against a real arbiter: control commands, status, and refused input; and
+//! the environment `kiwictl run` gives its program.
 
 use std::process::{Command, Output};
 
@@ -158,5 +159,68 @@ fn install_and_uninstall_through_kiwictl() {
     assert_eq!(
         std::fs::read_to_string(&cfg).unwrap(),
         "version = 2\n[plugins\n"
+    );
+}
+
+/// `kiwictl run -- sh -c 'echo $XLA_PYTHON_CLIENT_PREALLOCATE $TF_FORCE_GPU_ALLOW_GROWTH'`
+/// with `config` as the config file and `env` added to kiwictl's environment. No arbiter
+/// is needed (kiwictl only warns); the shim is a stand-in file, which the loader skips
+/// with a line on stderr, so `sh` runs without it.
+fn run_echo_framework_env(config: &str, env: &[(&str, &str)]) -> Output {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("kiwi.toml");
+    std::fs::write(&cfg, config).unwrap();
+    let shim = dir.path().join("libkiwi.so");
+    std::fs::write(&shim, "not a library").unwrap();
+    let mut c = Command::new(bin("kiwictl"));
+    c.env("KIWI_CONFIG", &cfg)
+        .env_remove("KIWI_SOCKET_DIR")
+        .env_remove("KIWI_SHIM")
+        .env_remove("LD_PRELOAD")
+        .env_remove("XLA_PYTHON_CLIENT_PREALLOCATE")
+        .env_remove("TF_FORCE_GPU_ALLOW_GROWTH")
+        .envs(env.iter().copied())
+        .arg("--socket-dir")
+        .arg(dir.path())
+        .args(["run", "--shim"])
+        .arg(&shim)
+        .args([
+            "--",
+            "sh",
+            "-c",
+            "echo $XLA_PYTHON_CLIENT_PREALLOCATE $TF_FORCE_GPU_ALLOW_GROWTH",
+        ]);
+    c.output().expect("run kiwictl")
+}
+
+#[test]
+fn run_tells_frameworks_not_to_hoard_unless_the_caller_says_otherwise() {
+    let stdout = |o: &Output| {
+        assert!(o.status.success(), "{}", text(o));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    // Defaults: JAX does not preallocate, TensorFlow grows.
+    let o = run_echo_framework_env("", &[]);
+    assert_eq!(stdout(&o), "false true\n");
+    // The caller's value wins and is the only one the program sees.
+    let o = run_echo_framework_env("", &[("XLA_PYTHON_CLIENT_PREALLOCATE", "true")]);
+    assert_eq!(stdout(&o), "true true\n");
+    let o = run_echo_framework_env(
+        "[hook]\nframework_defaults = true\n",
+        &[("TF_FORCE_GPU_ALLOW_GROWTH", "false")],
+    );
+    assert_eq!(stdout(&o), "false false\n");
+    // Turned off in the config file: nothing set.
+    let o = run_echo_framework_env("[hook]\nframework_defaults = false\n", &[]);
+    assert_eq!(stdout(&o), "\n");
+    // A value that is not a bool: one line naming the file and the line; nothing runs.
+    let o = run_echo_framework_env("[hook]\nframework_defaults = \"no\"\n", &[]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(o.stdout.is_empty(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("[ERROR] config file ") && err.contains("kiwi.toml, line 2: "),
+        "{err}"
     );
 }
