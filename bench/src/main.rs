@@ -3,6 +3,7 @@
 
 mod handoff;
 mod jobs;
+mod livebytes;
 mod markdown;
 mod pipeline;
 mod procs;
@@ -72,6 +73,9 @@ enum Scenario {
     /// A holder that goes idle while another waits: its last work's completion to
     /// the waiter's grant, minus KIWI_IDLE_MS.
     EarlyRelease,
+    /// Two JAX-like programs (75% of free preallocated, 5% used) with and without
+    /// the discard hint, against the same programs allocating only what they use.
+    LiveBytes,
     #[command(name = "__arbiter", hide = true)]
     Arbiter {
         #[arg(long)]
@@ -163,6 +167,7 @@ fn run(cli: Cli) -> Result<()> {
         Scenario::HandoffSwap => pipeline::handoff_swap(cli.quick)?,
         Scenario::IdlePartner => pipeline::idle_partner(cli.quick)?,
         Scenario::EarlyRelease => pipeline::early_release(cli.quick)?,
+        Scenario::LiveBytes => livebytes::live_bytes(cli.quick)?,
         Scenario::Arbiter {
             socket_dir,
             tq,
@@ -199,6 +204,7 @@ fn run_all(quick: bool, json: bool, markdown: Option<PathBuf>) -> Result<()> {
         ("handoff-swap", Box::new(pipeline::handoff_swap)),
         ("idle-partner", Box::new(pipeline::idle_partner)),
         ("early-release", Box::new(pipeline::early_release)),
+        ("live-bytes", Box::new(livebytes::live_bytes)),
         ("oversub", Box::new(jobs::oversub)),
         ("fit", Box::new(jobs::fit)),
     ];

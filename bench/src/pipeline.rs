@@ -36,7 +36,7 @@ const IDLE_MS: u64 = 100;
 
 /// A gpuburst under Kiwi, ready (its memory allocated and filled), waiting for its
 /// start time on standard input.
-struct Job {
+pub(crate) struct Job {
     child: Child,
     pid: u32,
     stdin: ChildStdin,
@@ -53,6 +53,19 @@ impl Job {
         script: &str,
         seed: u64,
     ) -> Result<Job> {
+        Self::ready_with(b, sim, arb, mem, script, seed, &[])
+    }
+
+    /// [`Job::ready`] with more gpuburst arguments.
+    pub(crate) fn ready_with(
+        b: &Build,
+        sim: &Sim,
+        arb: &ArbiterProc,
+        mem: u64,
+        script: &str,
+        seed: u64,
+        extra: &[&str],
+    ) -> Result<Job> {
         let stderr = tempfile::NamedTempFile::new()?;
         let mut cmd = Command::new(&b.gpuburst);
         sim.apply(b, &mut cmd);
@@ -63,6 +76,7 @@ impl Job {
             // hand-off measures Kiwi, not the application's queue depth.
             .args(["--kernel-us", "1000", "--queue-ms", "5"])
             .args(["--json", "--start-on-stdin"])
+            .args(extra)
             .env("LD_PRELOAD", &b.shim)
             .env("KIWI_SOCKET_DIR", arb.socket_dir())
             .env("KIWI_REQUIRE_ARBITER", "1")
@@ -102,14 +116,14 @@ impl Job {
     }
 
     /// Lets the job start its script at `at_ns` (CLOCK_MONOTONIC).
-    fn go(&mut self, at_ns: u64) -> Result<()> {
+    pub(crate) fn go(&mut self, at_ns: u64) -> Result<()> {
         writeln!(self.stdin, "{at_ns}")?;
         Ok(())
     }
 
     /// Waits for the job to exit, at most until `deadline` (then it is killed: turns
     /// that make no progress must not hang the benchmark).
-    fn finish(mut self, deadline: Instant) -> Result<()> {
+    pub(crate) fn finish(mut self, deadline: Instant) -> Result<()> {
         let st = loop {
             if let Some(st) = self.child.try_wait()? {
                 break st;

@@ -58,6 +58,13 @@ pub struct Options {
     /// as a training loop that reads its loss every step (default 100; 0: queue the
     /// whole burst).
     pub queue_ms: u64,
+    /// `--prealloc 0.75`: allocate, as JAX does, one buffer of this fraction of the
+    /// free memory `cuMemGetInfo` reports (at least `--mem`) and keep the `--mem`
+    /// bytes at its start; the rest is never touched.
+    pub prealloc: Option<f64>,
+    /// `--discard`: answer Kiwi's questions (`kiwi_hint_wait`) with `kiwiMemDiscard`
+    /// of the untouched part of the preallocation: a swap-out then leaves it behind.
+    pub discard: bool,
 }
 
 /// One step of a `--script`.
@@ -141,7 +148,7 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N | --start-on-stdin] [--kernel-us 5000] [--queue-ms 100] [--verify] [--json] [--device 0[,1,...]] [--name LABEL] [--seed 1]";
+pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N | --start-on-stdin] [--kernel-us 5000] [--queue-ms 100] [--prealloc 0.75 [--discard]] [--verify] [--json] [--device 0[,1,...]] [--name LABEL] [--seed 1]";
 
 impl Options {
     /// Parses arguments (without the program name).
@@ -163,6 +170,8 @@ impl Options {
             start_on_stdin: false,
             kernel_us: 5000,
             queue_ms: 100,
+            prealloc: None,
+            discard: false,
         };
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -202,6 +211,16 @@ impl Options {
                 "--start-at-ns" => o.start_at_ns = Some(num(value()?)?),
                 "--start-on-stdin" => o.start_on_stdin = true,
                 "--queue-ms" => o.queue_ms = num(value()?)?,
+                "--prealloc" => {
+                    let v = value()?;
+                    let f = v
+                        .parse::<f64>()
+                        .ok()
+                        .filter(|f| *f > 0.0 && *f <= 1.0)
+                        .ok_or_else(|| format!("--prealloc: a fraction in (0, 1], not {v:?}"))?;
+                    o.prealloc = Some(f);
+                }
+                "--discard" => o.discard = true,
                 "--kernel-us" => {
                     o.kernel_us = num(value()?)?;
                     if o.kernel_us == 0 {
@@ -214,6 +233,12 @@ impl Options {
         }
         if o.gpu_ms < 1 {
             return Err("--gpu-ms must be at least 1".into());
+        }
+        if o.discard && o.prealloc.is_none() {
+            return Err(
+                "--discard needs --prealloc (it discards the preallocation's untouched part)"
+                    .into(),
+            );
         }
         Ok(o)
     }
@@ -432,6 +457,8 @@ struct Device {
     k: Kernels,
     allocs: Vec<Allocation>,
     sums: CUdeviceptr,
+    /// `--prealloc`: the part of the preallocation past `--mem` (never touched).
+    tail: Option<(CUdeviceptr, u64)>,
 }
 
 /// Makes `d`'s context current. With one device it is current from the start
@@ -496,9 +523,33 @@ fn open_device(
         checksum: get(c"kiwi_checksum")?,
         spin: get(c"kiwi_spin")?,
     };
-    let sizes = plan_allocations(o.mem);
-    let mut allocs = Vec::with_capacity(sizes.len());
-    for (i, &bytes) in sizes.iter().enumerate() {
+    let mut tail = None;
+    let pre = match o.prealloc {
+        Some(f) => {
+            let (mut free, mut total) = (0usize, 0usize);
+            cu!(cuda, mem_get_info, "cuMemGetInfo_v2", &mut free, &mut total)?;
+            let size = ((free as f64 * f) as u64 / 256 * 256).max(o.mem);
+            let mut ptr = 0;
+            cu!(cuda, mem_alloc, "cuMemAlloc_v2", &mut ptr, size as usize)?;
+            tail = (size > o.mem).then(|| (ptr + o.mem, size - o.mem));
+            vec![(ptr, o.mem)]
+        }
+        None => Vec::new(),
+    };
+    let planned = if pre.is_empty() {
+        plan_allocations(o.mem)
+    } else {
+        Vec::new()
+    };
+    let mut allocs = Vec::with_capacity(pre.len() + planned.len());
+    for (i, &(ptr, bytes)) in pre.iter().enumerate() {
+        allocs.push(Allocation {
+            ptr,
+            words: bytes / 4,
+            value: mix(o.seed, 0, (first_index + i) as u64),
+        });
+    }
+    for (i, &bytes) in planned.iter().enumerate() {
         let mut ptr = 0;
         cu!(cuda, mem_alloc, "cuMemAlloc_v2", &mut ptr, bytes as usize)?;
         allocs.push(Allocation {
@@ -525,6 +576,7 @@ fn open_device(
         k,
         allocs,
         sums,
+        tail,
     })
 }
 
@@ -616,6 +668,48 @@ fn burst(
 }
 
 /// Runs the whole program; prints as it goes.
+/// `--discard`: a thread that answers Kiwi's questions about dead memory (found with
+/// `dlsym`, as any application would: without Kiwi there is nothing to answer) by
+/// discarding `tails`, the preallocations' untouched parts.
+fn start_discarding(name: &str, tails: Vec<(CUdeviceptr, u64)>) {
+    type Discard = unsafe extern "C" fn(CUdeviceptr, usize) -> i32;
+    type Wait = unsafe extern "C" fn(i32) -> i64;
+    type Done = unsafe extern "C" fn(i64);
+    let sym = |n: &std::ffi::CStr| {
+        // SAFETY: dlsym over the process's global scope with a valid C string.
+        let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, n.as_ptr()) };
+        (!p.is_null()).then_some(p)
+    };
+    let (Some(d), Some(w), Some(f)) = (
+        sym(c"kiwiMemDiscard"),
+        sym(c"kiwi_hint_wait"),
+        sym(c"kiwi_hint_done"),
+    ) else {
+        eprintln!("gpuburst [{name}]: --discard: not running under Kiwi, nothing to discard");
+        return;
+    };
+    // SAFETY: libkiwi.so exports these with these C signatures (docs/shim.md).
+    let (discard, wait, done) = unsafe {
+        (
+            std::mem::transmute::<*mut c_void, Discard>(d),
+            std::mem::transmute::<*mut c_void, Wait>(w),
+            std::mem::transmute::<*mut c_void, Done>(f),
+        )
+    };
+    std::thread::spawn(move || loop {
+        // SAFETY: plain values; the shim checks the ranges.
+        let id = unsafe { wait(1000) };
+        if id > 0 {
+            for &(ptr, bytes) in &tails {
+                // SAFETY: as above. A refusal (the range freed at exit) is harmless.
+                let _ = unsafe { discard(ptr, bytes as usize) };
+            }
+            // SAFETY: as above.
+            unsafe { done(id) };
+        }
+    });
+}
+
 pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
     let rep = Report {
         json: o.json,
@@ -646,6 +740,9 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
     for d in &devs {
         make_current(cuda, &devs, d)?;
         cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
+    }
+    if o.discard {
+        start_discarding(&o.name, devs.iter().filter_map(|d| d.tail).collect());
     }
     let allocations: usize = devs.iter().map(|d| d.allocs.len()).sum();
     let ordinals = o
@@ -800,6 +897,21 @@ mod tests {
         assert_eq!((o.bursts, o.gpu_ms, o.cpu_ms, o.idle_ms), (3, 50, 20, 5));
         assert!(o.verify && o.json);
         assert_eq!((o.name.as_str(), o.seed), ("a", 9));
+        assert_eq!((o.prealloc, o.discard), (None, false));
+    }
+
+    #[test]
+    fn preallocation_options_parse() {
+        let o = Options::parse(&args("--mem 64MiB --prealloc 0.75 --discard")).unwrap();
+        assert_eq!((o.prealloc, o.discard), (Some(0.75), true));
+        for bad in [
+            "--prealloc 0",
+            "--prealloc 1.5",
+            "--prealloc most",
+            "--discard",
+        ] {
+            assert!(Options::parse(&args(bad)).is_err(), "{bad}");
+        }
     }
 
     #[test]
