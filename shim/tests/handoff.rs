@@ -10,9 +10,9 @@ mod common;
 use common::*;
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use kiwi_protocol::{Event, EventKind};
+use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::SimMachine;
 use kiwi_tests::Arbiter;
 
