@@ -89,7 +89,16 @@ fn run_behind_holder(tag: &str, env: &[(&str, &str)]) -> (serde_json::Value, Str
     let arb = Arbiter::start(&["--tq", "2"]);
     let sim = format!("notebook-{tag}-{}", std::process::id());
     let a = holder(&arb, &sim);
-    std::thread::sleep(Duration::from_millis(500));
+    // The holder's memory resident, so its quantum runs (before that, its quantum's
+    // end is only bounded by the arbiter's 5 s grace: a loaded machine backing 700
+    // MiB slowly made the notebook read ~5 s left).
+    kiwi_tests::wait_until("the holder resident", Duration::from_secs(30), || {
+        arb.status().gpus.first().is_some_and(|g| {
+            g.clients
+                .iter()
+                .any(|c| c.working_set_bytes > 0 && c.resident_bytes == c.working_set_bytes)
+        })
+    });
     let o = notebook(&arb, &sim, env).output().unwrap();
     let oa = a.wait_with_output().unwrap();
     let _ = kiwi_sim_core::machine::reset(&sim);

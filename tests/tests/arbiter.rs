@@ -41,22 +41,36 @@ fn stubborn_holder_loses_the_gpu_after_grace() {
         &arb,
         &["--ws", &(700 * MIB).to_string(), "--request", "--stubborn"],
     );
-    let a_granted = FakeClient::time_of(&a.expect("GRANTED"));
+    a.expect("GRANTED");
     let mut b = FakeClient::spawn(&arb, &["--ws", &(700 * MIB).to_string(), "--request"]);
-    let dropped = FakeClient::time_of(&a.expect("DROP"));
-    let revoked = FakeClient::time_of(&a.expect("REVOKED"));
-    let b_granted = FakeClient::time_of(&b.expect("GRANTED"));
+    a.expect("DROP");
+    a.expect("REVOKED");
+    b.expect("GRANTED");
+    // Every instant from the arbiter's own log, one clock at the source: the fake
+    // clients read their messages late on a loaded machine (a late read of the drop
+    // made the grace look 255 ms long).
+    let ev = arb.events();
+    let at = |what: &str, f: &dyn Fn(&EventKind) -> bool| -> u64 {
+        ev.iter()
+            .find(|e| f(&e.kind))
+            .unwrap_or_else(|| panic!("no {what} in the log: {ev:#?}"))
+            .t_ns
+    };
+    let a_granted = at("grant", &|k| matches!(k, EventKind::Grant { .. }));
+    let dropped = at("drop", &|k| matches!(k, EventKind::Drop { .. }));
+    let revoked = at("revocation", &|k| matches!(k, EventKind::Revoke));
+    let b_granted = ev
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::Grant { .. }))
+        .nth(1)
+        .expect("B's grant in the log")
+        .t_ns;
     let grace_ms = (revoked - dropped) as f64 / 1e6;
     assert!(
-        (290.0..600.0).contains(&grace_ms),
+        (295.0..600.0).contains(&grace_ms),
         "revoked {grace_ms:.0} ms after the drop"
     );
-    assert!(b_granted >= revoked - 5_000_000 && b_granted - a_granted < 2_000_000_000);
-    let ev = arb.events();
-    assert!(
-        ev.iter().any(|e| matches!(e.kind, EventKind::Revoke)),
-        "revocation is logged"
-    );
+    assert!(b_granted >= revoked && b_granted - a_granted < 2_000_000_000);
 }
 
 #[test]

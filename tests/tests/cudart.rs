@@ -8,6 +8,7 @@
 //! `pip` (a failure under `CI=true`, a loud skip otherwise).
 
 use std::collections::HashMap;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
@@ -73,6 +74,46 @@ fn spawn(
     socket_dir: Option<&Path>,
     stats: &Path,
 ) -> Child {
+    spawn_cmd(rt, m, exe, args, socket_dir, stats)
+        .spawn()
+        .expect("spawn the runtime program")
+}
+
+/// Reads `child`'s stdout, unbuffered (the rest stays for its output), up to a line
+/// that is `want`; fails the test after 60 s or at the end of its output.
+fn read_until(child: &mut Child, want: &str) {
+    let pid = child.id();
+    let out = child.stdout.as_mut().expect("stdout piped");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut line = Vec::new();
+    let mut byte = [0u8; 1];
+    loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pid {pid}: no {want:?} in 60 s"
+        );
+        match out.read(&mut byte) {
+            Ok(1) if byte[0] == b'\n' => {
+                if line == want.as_bytes() {
+                    return;
+                }
+                line.clear();
+            }
+            Ok(1) => line.push(byte[0]),
+            _ => panic!("pid {pid} ended before {want:?}"),
+        }
+    }
+}
+
+/// [`spawn`]'s command, not started.
+fn spawn_cmd(
+    rt: &CudaRuntime,
+    m: &SimMachine,
+    exe: &Path,
+    args: &[&str],
+    socket_dir: Option<&Path>,
+    stats: &Path,
+) -> Command {
     let mut c = Command::new(exe);
     m.apply_with_runtime(&mut c, rt)
         .args(args)
@@ -92,7 +133,7 @@ fn spawn(
         );
         c.env("LD_PRELOAD", shim).env("KIWI_SOCKET_DIR", d);
     }
-    c.spawn().expect("spawn the runtime program")
+    c
 }
 
 /// Two 640 MiB runtime programs on a 1 GiB simulated GPU: under Kiwi they take
@@ -111,9 +152,21 @@ fn two_runtime_programs_over_capacity_take_turns_under_kiwi() {
     let args = ["640", "3", "100"];
     let arb = Arbiter::start(&["--tq", "0.5"]);
     let (sa, sb) = (dir.path().join("a.stats"), dir.path().join("b.stats"));
-    let a = spawn(&rt, &m, &exe, &args, Some(arb.socket_dir()), &sa);
-    std::thread::sleep(Duration::from_millis(300));
-    let b = spawn(&rt, &m, &exe, &args, Some(arb.socket_dir()), &sb);
+    // A start gate, not a sleep: A fills its memory and waits; B's fill then needs
+    // the GPU A holds (they do not fit together); once B is filled too, both go.
+    let gated = |stats: &Path| {
+        let mut c = spawn_cmd(&rt, &m, &exe, &args, Some(arb.socket_dir()), stats);
+        c.env("KIWI_TEST_GATE", "1").stdin(Stdio::piped());
+        c.spawn().expect("spawn the runtime program")
+    };
+    let mut a = gated(&sa);
+    read_until(&mut a, "READY");
+    let mut b = gated(&sb);
+    read_until(&mut b, "READY");
+    for c in [&mut a, &mut b] {
+        let mut stdin = c.stdin.take().expect("stdin piped");
+        stdin.write_all(b"go\n").expect("open the gate");
+    }
     let (oa, ob) = (finish(a), finish(b));
     for (tag, o) in [("A", &oa), ("B", &ob)] {
         assert_eq!(o.status.code(), Some(0), "{tag}: {}", text(o));
@@ -139,8 +192,8 @@ fn two_runtime_programs_over_capacity_take_turns_under_kiwi() {
             .any(|e| matches!(e.kind, EventKind::Grant { .. })),
         "the arbiter's log records the grants"
     );
-    // They took turns over capacity: one's memory went to host RAM while the other
-    // held the GPU (how much depends on when each one's requests came).
+    // They took turns over capacity: A's memory went to host RAM for B's fill at
+    // least.
     let swapped_out = |s: &HashMap<String, u64>| s.get("swap_out_bytes").copied().unwrap_or(0);
     assert!(
         swapped_out(&sa) + swapped_out(&sb) > 0,

@@ -6,7 +6,9 @@
  * is copied back and compared with the model. Usage:
  *   cudart_notebook MIB ROUNDS CPU_MS
  * Prints "pid <pid>", a line per round, then "OK". Exits 2 on a failed call (its
- * name printed), 3 on a wrong byte. */
+ * name printed), 3 on a wrong byte. With KIWI_TEST_GATE set it prints "READY" once
+ * its memory is filled and waits for a line on stdin before its rounds (a start
+ * gate: a test makes two of them overlap). */
 #include "cudart_common.h"
 
 #include <time.h>
@@ -67,6 +69,13 @@ int main(int argc, char **argv) {
         CHECK(cudaMalloc((void **)&d[c], CHUNK));
         fill_pattern(h, CHUNK, c);
         CHECK(cudaMemcpy(d[c], h, CHUNK, cudaMemcpyHostToDevice));
+    }
+    if (getenv("KIWI_TEST_GATE")) {
+        char line[16];
+        puts("READY");
+        fflush(stdout);
+        if (!fgets(line, sizeof line, stdin))
+            return 1;
     }
     for (int r = 0; r < rounds; r++) {
         for (unsigned c = 0; c < chunks; c++) {
