@@ -1,6 +1,7 @@
 //! The discard hint (issue #26): `kiwiMemDiscard` and the hint questions, end to end.
 //! Real processes (`tests/c/discard.c`, a JAX-like program: one large allocation, a
-//! small part used) on the GPU simulator under a real `kiwi-arbiter`; the bytes each
+//! small part used) under `kiwictl run` on the GPU simulator and a real
+//! `kiwi-arbiter`; the bytes each
 //! swap-out moved come from the arbiter's event log (`swap_out`, what the shim
 //! reported it copied).
 //!
@@ -10,7 +11,6 @@ mod common;
 use common::*;
 
 use std::path::Path;
-use std::process::Command;
 
 use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::SimMachine;
@@ -34,9 +34,8 @@ fn pair(
     let m = SimMachine::new(tag, 1, gpu).unwrap();
     let arb = Arbiter::start(&["--tq", "5"]);
     let spawn = |exe: &Path, (mode, mib, used): (&str, &str, &str)| {
-        let mut c = Command::new(exe);
-        c.args([mode, mib, used, rounds]);
-        under_kiwi_on(&mut c, &m, &arb).env("KIWI_IDLE_MS", "50");
+        let mut c = kiwictl_run(exe, &m, &arb);
+        c.args([mode, mib, used, rounds]).env("KIWI_IDLE_MS", "50");
         Stepped::spawn(&mut c)
     };
     let mut pa = spawn(&exe, a);
@@ -137,9 +136,9 @@ fn bad_ranges_are_refused() {
     };
     let m = SimMachine::new("discard-bad", 1, 1 << 30).unwrap();
     let arb = Arbiter::start(&[]);
-    let mut c = Command::new(&exe);
+    let mut c = kiwictl_run(&exe, &m, &arb);
     c.args(["bad", "100", "0", "0"]);
-    let o = finish(under_kiwi_on(&mut c, &m, &arb).spawn().unwrap());
+    let o = finish(c.spawn().unwrap());
     assert!(
         o.status.success() && String::from_utf8_lossy(&o.stdout).contains("OK"),
         "{}",

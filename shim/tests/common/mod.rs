@@ -96,6 +96,27 @@ pub fn under_kiwi<'a>(c: &'a mut Command, arb: &Arbiter) -> &'a mut Command {
         .stderr(Stdio::piped())
 }
 
+/// `exe` under `kiwictl run` (the shim under test, `arb`'s socket) on the simulated
+/// machine `m`, output piped: the way a user runs a program under Kiwi.
+pub fn kiwictl_run(exe: &Path, m: &kiwi_sim_core::harness::SimMachine, arb: &Arbiter) -> Command {
+    let mut c = Command::new(bin("kiwictl"));
+    c.arg("--socket-dir")
+        .arg(arb.socket_dir())
+        .arg("run")
+        .arg("--shim")
+        .arg(shim())
+        .arg("--")
+        .arg(exe);
+    m.apply(&mut c)
+        .env_remove("LD_PRELOAD")
+        .env("KIWI_REQUIRE_ARBITER", "1")
+        .env("KIWI_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
 /// [`under_kiwi`] on the simulated machine `m`.
 pub fn under_kiwi_on<'a>(
     c: &'a mut Command,
