@@ -21,6 +21,7 @@ import time
 import types
 
 import kiwi
+from simcuda import check, open_context
 
 MIB = 1 << 20
 size, used = int(sys.argv[1]) * MIB, int(sys.argv[2]) * MIB
@@ -56,17 +57,7 @@ def library_of(f):
 alloc_in = library_of(cuda.cuMemAlloc_v2)
 
 
-def check(r, what):
-    if r != 0:
-        sys.exit("%s failed: CUDA error %d" % (what, r))
-
-
-check(cuda.cuInit(0), "cuInit")
-dev = ctypes.c_int()
-check(cuda.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-ctx = ctypes.c_void_p()
-check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+open_context()
 ptr = ctypes.c_uint64()
 check(cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size)), "cuMemAlloc_v2")
 cuda.cuMemcpyHtoD_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t]

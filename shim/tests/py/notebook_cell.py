@@ -12,22 +12,10 @@ import threading
 import time
 
 import kiwi
+from simcuda import check, open_context
 
 out = {"available": kiwi.available(), "before_cuda": kiwi.status()}
-cuda = ctypes.CDLL("libcuda.so.1")
-
-
-def check(r, what):
-    if r != 0:
-        sys.exit("%s failed: CUDA error %d" % (what, r))
-
-
-check(cuda.cuInit(0), "cuInit")
-dev = ctypes.c_int()
-check(cuda.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-ctx = ctypes.c_void_p()
-check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+cuda = open_context()
 size = int(os.environ.get("CELL_MIB", "700")) << 20
 ptr = ctypes.c_uint64()
 check(cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size)), "cuMemAlloc_v2")
