@@ -296,12 +296,13 @@ pub unsafe fn library_load(
     })
 }
 
-/// What this process may hold on device `d` (the arbiter's capacity), or no limit
-/// when unmanaged.
-fn limit_of(d: usize) -> u64 {
+/// The capacity the arbiter schedules GPU `d` against, when the process has a turn
+/// on it; `None`: unmanaged there (no arbiter, or the arbiter refused this GPU), so
+/// nobody will make room on it.
+fn capacity_of(d: usize) -> Option<u64> {
     client::global()
         .and_then(|c| c.turn_for(d))
-        .map_or(u64::MAX, |t| t.capacity())
+        .map(|t| t.capacity())
 }
 
 /// Under a node swap budget, growth of the working set is admitted by the arbiter
@@ -338,8 +339,14 @@ fn alloc(size: u64) -> Option<Result<u64, CUresult>> {
     };
     let mut guard = mem_lock(d);
     let m = guard.as_mut()?;
+    // Unmanaged, nobody makes room: an allocation that cannot be backed fails now
+    // with the driver's error, as it would without Kiwi (left unbacked, it failed
+    // later, at the first kernel or copy, as an invalid value).
+    let capacity = capacity_of(d);
     let r = match m.alloc(size) {
-        Err(CUDA_ERROR_OUT_OF_MEMORY) if m.figures().working_set + size <= limit_of(d) => {
+        Err(CUDA_ERROR_OUT_OF_MEMORY)
+            if capacity.is_some_and(|c| m.figures().working_set + size <= c) =>
+        {
             // Within what this application may use, but the GPU is physically full of
             // others' memory: reserve now, back it at the next turn (the arbiter makes
             // room then).
