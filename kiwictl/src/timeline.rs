@@ -40,6 +40,10 @@ pub enum LaneState {
     Held,
     /// Asked for the GPU and not granted yet.
     Waiting,
+    /// Copying its GPU memory out to host RAM (the arbiter's `swap_out` events).
+    SwapOut,
+    /// Copying its memory back onto the GPU (`swap_in` events).
+    SwapIn,
     /// Working on the CPU (known from the application itself).
     Cpu,
     /// Doing nothing (known from the application itself).
@@ -50,10 +54,12 @@ pub enum LaneState {
 
 impl LaneState {
     /// Every state, in legend order.
-    pub const ALL: [LaneState; 6] = [
+    pub const ALL: [LaneState; 8] = [
         LaneState::Gpu,
         LaneState::Held,
         LaneState::Waiting,
+        LaneState::SwapOut,
+        LaneState::SwapIn,
         LaneState::Cpu,
         LaneState::Idle,
         LaneState::OffGpu,
@@ -65,6 +71,8 @@ impl LaneState {
             LaneState::Gpu => "GPU",
             LaneState::Held => "holds the GPU",
             LaneState::Waiting => "waiting for the GPU",
+            LaneState::SwapOut => "swapping out to host RAM",
+            LaneState::SwapIn => "swapping in",
             LaneState::Cpu => "CPU",
             LaneState::Idle => "idle",
             LaneState::OffGpu => "off GPU (CPU or idle)",
@@ -77,14 +85,21 @@ impl LaneState {
             LaneState::Gpu => "GPU",
             LaneState::Held => "GPU",
             LaneState::Waiting => "waiting",
+            LaneState::SwapOut => "swap out",
+            LaneState::SwapIn => "swap in",
             LaneState::Cpu => "CPU",
             LaneState::Idle => "idle",
             LaneState::OffGpu => "off GPU",
         }
     }
 
+    /// Using the GPU: running on it, holding it, or moving memory to or from it (a
+    /// swap happens within a hold, or while the GPU is reclaimed for another).
     fn on_gpu(self) -> bool {
-        matches!(self, LaneState::Gpu | LaneState::Held)
+        matches!(
+            self,
+            LaneState::Gpu | LaneState::Held | LaneState::SwapOut | LaneState::SwapIn
+        )
     }
 }
 
@@ -162,7 +177,7 @@ impl Timeline {
 pub struct LaneSummary {
     pub name: String,
     pub client: Option<u64>,
-    /// Running on (or holding) the GPU.
+    /// Running on (or holding) the GPU, swaps included.
     pub gpu_ns: u64,
     pub waited_ns: u64,
     pub cpu_ns: u64,
@@ -264,10 +279,62 @@ fn push_interval(v: &mut Vec<Interval>, start_ns: u64, end_ns: u64, state: LaneS
     });
 }
 
+/// Paints `[start, end)` in `state` over a lane's sorted, disjoint intervals: what
+/// it covers is cut away (only within the lane's extent: a swap is not drawn where
+/// the lane did not exist).
+fn overlay(v: &mut Vec<Interval>, start_ns: u64, end_ns: u64, state: LaneState) {
+    let (Some(lo), Some(hi)) = (v.first().map(|i| i.start_ns), v.last().map(|i| i.end_ns)) else {
+        return;
+    };
+    let (s, e) = (start_ns.max(lo), end_ns.min(hi));
+    if e <= s {
+        return;
+    }
+    let mut out = Vec::with_capacity(v.len() + 2);
+    let mut placed = false;
+    for i in v.iter() {
+        if i.end_ns <= s || i.start_ns >= e {
+            if !placed && i.start_ns >= e {
+                out.push(Interval {
+                    start_ns: s,
+                    end_ns: e,
+                    state,
+                });
+                placed = true;
+            }
+            out.push(*i);
+            continue;
+        }
+        if i.start_ns < s {
+            out.push(Interval { end_ns: s, ..*i });
+        }
+        if !placed {
+            out.push(Interval {
+                start_ns: s,
+                end_ns: e,
+                state,
+            });
+            placed = true;
+        }
+        if i.end_ns > e {
+            out.push(Interval { start_ns: e, ..*i });
+        }
+    }
+    if !placed {
+        out.push(Interval {
+            start_ns: s,
+            end_ns: e,
+            state,
+        });
+    }
+    *v = out;
+}
+
 /// A timeline from an arbiter event log (CLOCK_MONOTONIC ns): one lane per client
 /// (named after its Register event: program name, pod or pid). Request→Grant is
 /// Waiting; Grant→Release/Revoke/Exit is Held; the rest is OffGpu (the arbiter
-/// cannot tell CPU work from idleness). The window is `[since, now)`, or from the
+/// cannot tell CPU work from idleness); swaps (`swap_out`, `swap_in`, each logged at
+/// its end with its duration) are drawn over the rest. The window is `[since, now)`, or from the
 /// first event when `since_ns` is `None` or older; states at the window's start come
 /// from the whole log. `gpu` keeps only that GPU's events (when the log names it).
 pub fn from_events(
@@ -293,6 +360,8 @@ pub fn from_events(
         order: usize,
     }
     let mut open: BTreeMap<u64, Open> = BTreeMap::new();
+    // Each client's swaps: `[t - duration, t)` (a swap is logged when it ends).
+    let mut swaps: HashMap<u64, Vec<(u64, u64, LaneState)>> = HashMap::new();
     let mut closed: Vec<(usize, u64, Vec<Interval>, ClientInfo)> = Vec::new();
     let mut next_order = 0;
     let mut gpus: Vec<&str> = Vec::new();
@@ -307,6 +376,18 @@ pub fn from_events(
         }
         let Some(id) = e.client else { continue };
         let t = e.t_ns;
+        if let EventKind::SwapOut { duration_ns, .. } | EventKind::SwapIn { duration_ns, .. } =
+            e.kind
+        {
+            let state = match e.kind {
+                EventKind::SwapOut { .. } => LaneState::SwapOut,
+                _ => LaneState::SwapIn,
+            };
+            swaps
+                .entry(id)
+                .or_default()
+                .push((t.saturating_sub(duration_ns), t, state));
+        }
         let o = open.entry(id).or_insert_with(|| {
             // A client first seen without its Register (the log was truncated): it
             // was holding before when the first event shows it giving the GPU back.
@@ -374,7 +455,10 @@ pub fn from_events(
 
     let lanes: Vec<Lane> = closed
         .into_iter()
-        .filter_map(|(_, id, intervals, info)| {
+        .filter_map(|(_, id, mut intervals, info)| {
+            for &(s, e, state) in swaps.get(&id).map_or(&[][..], |v| v.as_slice()) {
+                overlay(&mut intervals, s, e, state);
+            }
             let clipped: Vec<Interval> = intervals
                 .into_iter()
                 .filter(|i| i.end_ns > t0 && i.start_ns < t1)
@@ -483,18 +567,24 @@ pub fn merge_intervals(spans: &[(u64, u64)], gap_ns: u64) -> Vec<(u64, u64)> {
 }
 
 /// Refines a lane with what the application itself reports: `gpu_busy` intervals
-/// become Gpu and `cpu` intervals Cpu; Waiting stays Waiting (a waiting application
-/// runs nothing, whatever it reports); everything else becomes Idle. The lane keeps
+/// become Gpu and `cpu` intervals Cpu; swaps and Waiting stay (a waiting or swapping
+/// application runs nothing, whatever it reports); everything else becomes Idle. The lane keeps
 /// its extent (extended to cover the reported intervals).
 pub fn refine_lane(lane: &mut Lane, gpu_busy: &[(u64, u64)], cpu: &[(u64, u64)]) {
     let gpu = merge_intervals(gpu_busy, 0);
     let cpu = merge_intervals(cpu, 0);
-    let waiting: Vec<(u64, u64)> = lane
-        .intervals
-        .iter()
-        .filter(|i| i.state == LaneState::Waiting)
-        .map(|i| (i.start_ns, i.end_ns))
-        .collect();
+    let of = |state: LaneState| -> Vec<(u64, u64)> {
+        lane.intervals
+            .iter()
+            .filter(|i| i.state == state)
+            .map(|i| (i.start_ns, i.end_ns))
+            .collect()
+    };
+    let (waiting, swap_out, swap_in) = (
+        of(LaneState::Waiting),
+        of(LaneState::SwapOut),
+        of(LaneState::SwapIn),
+    );
     let starts = lane
         .intervals
         .first()
@@ -514,7 +604,13 @@ pub fn refine_lane(lane: &mut Lane, gpu_busy: &[(u64, u64)], cpu: &[(u64, u64)])
     };
     // Cut the extent at every boundary; each piece has one state.
     let mut cuts: Vec<u64> = vec![lo, hi];
-    for (s, e) in gpu.iter().chain(&cpu).chain(&waiting) {
+    for (s, e) in gpu
+        .iter()
+        .chain(&cpu)
+        .chain(&waiting)
+        .chain(&swap_out)
+        .chain(&swap_in)
+    {
         cuts.push(*s);
         cuts.push(*e);
     }
@@ -525,7 +621,11 @@ pub fn refine_lane(lane: &mut Lane, gpu_busy: &[(u64, u64)], cpu: &[(u64, u64)])
     let mut out = Vec::new();
     for w in cuts.windows(2) {
         let (a, b) = (w[0], w[1]);
-        let state = if inside(&waiting, a, b) {
+        let state = if inside(&swap_out, a, b) {
+            LaneState::SwapOut
+        } else if inside(&swap_in, a, b) {
+            LaneState::SwapIn
+        } else if inside(&waiting, a, b) {
             LaneState::Waiting
         } else if inside(&gpu, a, b) {
             LaneState::Gpu
@@ -694,7 +794,15 @@ pub fn summarize(t: &Timeline, events: &[Event]) -> Summary {
         let mut s = LaneSummary {
             name: l.name.clone(),
             client: l.client,
-            gpu_ns: l.time_in(LaneState::Gpu, t0, t1) + l.time_in(LaneState::Held, t0, t1),
+            gpu_ns: [
+                LaneState::Gpu,
+                LaneState::Held,
+                LaneState::SwapOut,
+                LaneState::SwapIn,
+            ]
+            .iter()
+            .map(|&st| l.time_in(st, t0, t1))
+            .sum(),
             waited_ns: l.time_in(LaneState::Waiting, t0, t1),
             cpu_ns: l.time_in(LaneState::Cpu, t0, t1),
             idle_ns: l.time_in(LaneState::Idle, t0, t1) + l.time_in(LaneState::OffGpu, t0, t1),

@@ -34,12 +34,16 @@ fn glyph(state: LaneState, color: bool) -> (char, &'static str) {
         (LaneState::Gpu, false) => ('#', ""),
         (LaneState::Held, false) => ('=', ""),
         (LaneState::Waiting, false) => ('~', ""),
+        (LaneState::SwapOut, false) => ('v', ""),
+        (LaneState::SwapIn, false) => ('^', ""),
         (LaneState::Cpu, false) => ('+', ""),
         (LaneState::Idle, false) => ('.', ""),
         (LaneState::OffGpu, false) => ('-', ""),
         (LaneState::Gpu, true) => ('█', "\x1b[32m"),
         (LaneState::Held, true) => ('▓', "\x1b[32m"),
         (LaneState::Waiting, true) => ('█', "\x1b[31m"),
+        (LaneState::SwapOut, true) => ('▼', "\x1b[33m"),
+        (LaneState::SwapIn, true) => ('▲', "\x1b[35m"),
         (LaneState::Cpu, true) => ('█', "\x1b[34m"),
         (LaneState::Idle, true) => ('·', "\x1b[90m"),
         (LaneState::OffGpu, true) => ('─', "\x1b[90m"),
@@ -49,7 +53,7 @@ fn glyph(state: LaneState, color: bool) -> (char, &'static str) {
 const RESET: &str = "\x1b[0m";
 
 /// Which state each of `cols` columns shows for a lane: the state covering most of
-/// the column; a Waiting or GPU interval too short to win a column still gets the
+/// the column; a Waiting, GPU or swap interval too short to win a column still gets the
 /// column of its middle (when at least [`ALWAYS_VISIBLE_NS`] long), so a brief wait
 /// is never invisible.
 pub(crate) fn lane_cells(t: &Timeline, lane: &super::Lane, cols: usize) -> Vec<Option<LaneState>> {
@@ -58,7 +62,7 @@ pub(crate) fn lane_cells(t: &Timeline, lane: &super::Lane, cols: usize) -> Vec<O
         let x = (ns.saturating_sub(t.t0_ns)) as f64 / span * cols as f64;
         (x as usize).min(cols - 1)
     };
-    let mut cover: Vec<[u64; 6]> = vec![[0; 6]; cols];
+    let mut cover: Vec<[u64; LaneState::ALL.len()]> = vec![[0; LaneState::ALL.len()]; cols];
     let idx = |s: LaneState| LaneState::ALL.iter().position(|x| *x == s).unwrap_or(0);
     for i in &lane.intervals {
         let (s, e) = (i.start_ns.max(t.t0_ns), i.end_ns.min(t.t1_ns));
@@ -83,17 +87,22 @@ pub(crate) fn lane_cells(t: &Timeline, lane: &super::Lane, cols: usize) -> Vec<O
                 .iter()
                 .enumerate()
                 .max_by_key(|(i, ns)| (**ns, std::cmp::Reverse(*i)))
-                .expect("six states");
+                .expect("every state");
             (*ns > 0).then_some(LaneState::ALL[best])
         })
         .collect();
-    for i in &lane.intervals {
-        if !matches!(
-            i.state,
-            LaneState::Waiting | LaneState::Gpu | LaneState::Held
-        ) {
-            continue;
-        }
+    // Later states win a contested column: a swap is drawn over the grant it falls in.
+    let forced = [
+        LaneState::Held,
+        LaneState::Gpu,
+        LaneState::Waiting,
+        LaneState::SwapIn,
+        LaneState::SwapOut,
+    ];
+    for i in forced
+        .iter()
+        .flat_map(|f| lane.intervals.iter().filter(move |i| i.state == *f))
+    {
         let (s, e) = (i.start_ns.max(t.t0_ns), i.end_ns.min(t.t1_ns));
         if e < s + ALWAYS_VISIBLE_NS {
             continue;
@@ -252,15 +261,23 @@ pub fn render_terminal(t: &Timeline, width: usize, color: bool) -> String {
         labels.iter().collect::<String>().trim_end()
     );
 
-    // Legend: only the states drawn.
+    // Legend: only the states drawn, wrapped at the picture's width.
     let mut legend = String::from("Legend:");
+    let mut used = legend.len();
     for s in t.states_present() {
         let (ch, code) = glyph(s, color);
+        let item = 2 + 2 + 1 + s.label().chars().count();
+        if used + item > width && used > "Legend:".len() {
+            let _ = writeln!(out, "{legend}");
+            legend = " ".repeat("Legend:".len());
+            used = legend.len();
+        }
         if color {
             let _ = write!(legend, "  {code}{ch}{ch}{RESET} {}", s.label());
         } else {
             let _ = write!(legend, "  {ch}{ch} {}", s.label());
         }
+        used += item;
     }
     let _ = writeln!(out, "{legend}");
     for m in &t.marks {

@@ -118,7 +118,10 @@ fn lanes_follow_requests_grants_and_releases() {
         t.lanes[0].intervals,
         vec![
             iv(b, b + S, LaneState::OffGpu),
-            iv(b + S, b + 4050 * MS, LaneState::Held),
+            iv(b + S, b + 4030 * MS, LaneState::Held),
+            // The swap-out logged at 104.04 s, 10 ms long.
+            iv(b + 4030 * MS, b + 4040 * MS, LaneState::SwapOut),
+            iv(b + 4040 * MS, b + 4050 * MS, LaneState::Held),
             iv(b + 4050 * MS, b + 4060 * MS, LaneState::OffGpu),
             iv(b + 4060 * MS, b + 5 * S, LaneState::Waiting),
             iv(b + 5 * S, b + 6 * S, LaneState::Held),
@@ -131,10 +134,72 @@ fn lanes_follow_requests_grants_and_releases() {
         vec![
             iv(b + S / 10, b + 2 * S, LaneState::OffGpu),
             iv(b + 2 * S, b + 4050 * MS, LaneState::Waiting),
-            iv(b + 4050 * MS, b + 5 * S, LaneState::Held),
+            iv(b + 4050 * MS, b + 4065 * MS, LaneState::Held),
+            iv(b + 4065 * MS, b + 4070 * MS, LaneState::SwapIn),
+            iv(b + 4070 * MS, b + 5 * S, LaneState::Held),
             iv(b + 5 * S, now, LaneState::OffGpu),
         ]
     );
+}
+
+/// Swaps are their own band (issue #28): drawn over the grant in both pictures, kept
+/// by the demo's refinement (the application's own report says nothing of them), and
+/// never drawn outside the lane's life.
+#[test]
+fn swaps_are_their_own_band_in_every_picture() {
+    let (mut evs, now) = seed_log();
+    let b = 100 * S;
+    // Stretch the two swaps so they own whole columns of a 100-column picture.
+    for e in &mut evs {
+        match &mut e.kind {
+            EventKind::SwapOut { duration_ns, .. } => *duration_ns = 900 * MS,
+            EventKind::SwapIn { duration_ns, .. } => *duration_ns = 15 * MS,
+            _ => {}
+        }
+    }
+    let mut t = from_events(&evs, None, None, now);
+    assert_eq!(
+        t.lanes[0].time_in(LaneState::SwapOut, b, now),
+        900 * MS,
+        "{:?}",
+        t.lanes[0]
+    );
+    assert_eq!(t.lanes[1].time_in(LaneState::SwapIn, b, now), 15 * MS);
+    let states = t.states_present();
+    assert!(states.contains(&LaneState::SwapOut) && states.contains(&LaneState::SwapIn));
+
+    let ascii = term::render_terminal(&t, 100, false);
+    let a_row = ascii
+        .lines()
+        .find(|l| l.starts_with("A "))
+        .unwrap_or_default();
+    assert!(a_row.contains('v'), "{ascii}");
+    assert!(
+        ascii.contains("swapping out to host RAM"),
+        "legend: {ascii}"
+    );
+    let svg = svg::render_svg(&t);
+    assert!(svg.contains("class=\"block swap-out\"") && svg.contains("class=\"block swap-in\""));
+
+    // The demo refines A with its own GPU and CPU spans: the swap stays.
+    let a = t.lanes[0].client.unwrap();
+    assert!(refine(&mut t, a, &[(b + S, b + 3 * S)], &[]));
+    assert_eq!(t.lanes[0].time_in(LaneState::SwapOut, b, now), 900 * MS);
+
+    // A swap that the log says ended before the lane began is cut to the lane.
+    let mut early = evs.clone();
+    early.push(ev(
+        99,
+        b + S / 10 + MS,
+        Some(2),
+        EventKind::SwapOut {
+            bytes: 1,
+            duration_ns: S,
+        },
+    ));
+    let t = from_events(&early, None, None, now);
+    assert_eq!(t.lanes[1].intervals[0].start_ns, b + S / 10);
+    assert_eq!(t.lanes[1].time_in(LaneState::SwapOut, b, now), MS);
 }
 
 #[test]
@@ -312,7 +377,10 @@ fn refine_turns_held_and_off_gpu_into_gpu_cpu_idle_and_keeps_waiting() {
             iv(b, b + S / 5, LaneState::Idle),
             iv(b + S / 5, b + S, LaneState::Cpu),
             iv(b + S, b + 4 * S, LaneState::Gpu),
-            iv(b + 4 * S, b + 4060 * MS, LaneState::Idle),
+            iv(b + 4 * S, b + 4030 * MS, LaneState::Idle),
+            // The swap-out stays: the application's report does not cover it.
+            iv(b + 4030 * MS, b + 4040 * MS, LaneState::SwapOut),
+            iv(b + 4040 * MS, b + 4060 * MS, LaneState::Idle),
             iv(b + 4060 * MS, b + 5 * S, LaneState::Waiting),
             iv(b + 5 * S, b + 5800 * MS, LaneState::Gpu),
             iv(b + 5800 * MS, now, LaneState::Idle),
@@ -410,7 +478,15 @@ fn terminal_picture_places_states_and_marks_by_column() {
         .unwrap()
         + 1;
     assert_eq!(marks_row.find("T2"), Some(bar_start + at(2.0)), "{out}");
-    assert!(out.contains("Legend:  == holds the GPU  ~~ waiting for the GPU  -- off GPU"));
+    assert!(out.contains("Legend:  == holds the GPU  ~~ waiting for the GPU  vv swapping out"));
+    assert!(
+        out.contains("\n         ^^ swapping in  -- off GPU"),
+        "{out}"
+    );
+    // The swaps, each in the column where it happened (shorter than a column, it
+    // still gets one): A's swap-out at T3, B's swap-in just after.
+    assert_eq!(a[at(4.035)], 'v', "A swaps out as it is dropped:\n{out}");
+    assert_eq!(b[at(4.0675)], '^', "B swaps in after its grant:\n{out}");
     assert!(
         out.contains("T3     4.050 s  A's time quantum is over"),
         "{out}"
@@ -558,15 +634,17 @@ fn refined_timeline_reads_like_the_seed_figure() {
         [
             LaneState::Gpu,
             LaneState::Waiting,
+            LaneState::SwapOut,
+            LaneState::SwapIn,
             LaneState::Cpu,
             LaneState::Idle
         ]
     );
     let text = term::render_terminal(&t, 90, false);
     let a_row = text.lines().find(|l| l.starts_with("A ")).unwrap();
-    assert!(a_row.contains("+#") && a_row.contains("#~") && a_row.contains("~#"));
+    assert!(a_row.contains("+#") && a_row.contains("#v~") && a_row.contains("~#"));
     let svg = svg::render_svg(&t);
-    for class in ["gpu", "waiting", "cpu", "idle"] {
+    for class in ["gpu", "waiting", "swap-out", "swap-in", "cpu", "idle"] {
         assert!(svg.contains(&format!("class=\"block {class}\"")), "{class}");
     }
     assert!(!svg.contains("off GPU"));
