@@ -31,6 +31,21 @@ pub async fn run_daemon(
             return Err(e);
         }
     };
+    let metrics = match &cfg.metrics_addr {
+        None => None,
+        Some(addr) => match tokio::net::TcpListener::bind(addr.as_str()).await {
+            Ok(l) => Some(l),
+            Err(e) => {
+                let _ = std::fs::remove_file(&client_path);
+                let _ = std::fs::remove_file(&control_path);
+                bail!("cannot serve metrics on {addr}: {e}");
+            }
+        },
+    };
+    // Only now that everything is bound: a start that fails says its error alone.
+    for line in &cfg.startup_lines {
+        eprintln!("[INFO] {line}");
+    }
     eprintln!(
         "[INFO] kiwi-arbiter listening on {} (control {}), scheduler {}, TQ {} s, swap budget {}",
         client_path.display(),
@@ -42,20 +57,9 @@ pub async fn run_daemon(
             Some(b) => format!("{} MiB", b >> 20),
         }
     );
-    let metrics = match &cfg.metrics_addr {
-        None => None,
-        Some(addr) => match tokio::net::TcpListener::bind(addr.as_str()).await {
-            Ok(l) => {
-                eprintln!("[INFO] metrics on http://{addr}/metrics");
-                Some(l)
-            }
-            Err(e) => {
-                let _ = std::fs::remove_file(&client_path);
-                let _ = std::fs::remove_file(&control_path);
-                bail!("cannot serve metrics on {addr}: {e}");
-            }
-        },
-    };
+    if let Some(addr) = &cfg.metrics_addr {
+        eprintln!("[INFO] metrics on http://{addr}/metrics");
+    }
     let res = serve(cfg, client, control, metrics, shutdown).await;
     let _ = std::fs::remove_file(&client_path);
     let _ = std::fs::remove_file(&control_path);

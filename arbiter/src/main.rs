@@ -130,7 +130,6 @@ fn run() -> Result<()> {
     let (gpus, gpus_line) = kiwi_arbiter::gpus::load(&nvml).with_context(|| {
         format!("--nvml {nvml_setting}: NVML is unusable; use --nvml off to run without it")
     })?;
-    eprintln!("[INFO] {gpus_line}");
     let server_cfg = ServerConfig {
         scheduler,
         tq_ms: ((tq_s * 1000.0).round() as u64).max(1),
@@ -144,6 +143,7 @@ fn run() -> Result<()> {
         metrics_addr: args.metrics_addr.or(cfg.arbiter.metrics_addr.clone()),
         swap_budget_bytes: (swap_budget_bytes > 0).then_some(swap_budget_bytes),
         gpus,
+        startup_lines: vec![gpus_line],
         ..ServerConfig::default()
     };
     // Each limit: the flag, then the config key, then the arbiter's default; 0 is

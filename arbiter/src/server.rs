@@ -81,6 +81,9 @@ pub struct ServerConfig {
     /// Where each GPU's UUID and size come from: NVML's table, or (without NVML) the
     /// first registration of each GPU (see [`crate::gpus`]).
     pub gpus: gpus::GpuTruth,
+    /// Lines about the start (where the GPUs come from) printed once every socket is
+    /// bound: a start that fails says one line, its error, and nothing before it.
+    pub startup_lines: Vec<String>,
 }
 
 impl Default for ServerConfig {
@@ -103,6 +106,7 @@ impl Default for ServerConfig {
             metrics_addr: None,
             swap_budget_bytes: None,
             gpus: gpus::GpuTruth::Claims,
+            startup_lines: Vec::new(),
         }
     }
 }

@@ -95,3 +95,34 @@ fn an_arbiter_that_never_answers_is_a_timeout_not_eagain() {
     assert!(waited < Duration::from_secs(14), "waited {waited:?}");
     drop(holder);
 }
+
+/// An arbiter that cannot bind says its error alone: no `[INFO]` about NVML or its
+/// sockets before it (issue #27: an unusable socket directory printed two lines).
+#[test]
+fn an_arbiter_that_cannot_start_prints_only_its_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "").unwrap();
+    let under_a_file = file.join("kiwi");
+    let o = Command::new(bin("kiwi-arbiter"))
+        .env_remove("KIWI_CONFIG")
+        .args(["--socket-dir", under_a_file.to_str().unwrap()])
+        .output()
+        .expect("run kiwi-arbiter");
+    let line = one_error_line(&o, "kiwi-arbiter: cannot create socket directory");
+    assert!(line.contains("Not a directory"), "{line}");
+
+    // Its metrics address unusable: the sockets it had bound are gone again, and one
+    // line says why.
+    let sockets = tempfile::tempdir().unwrap();
+    let o = Command::new(bin("kiwi-arbiter"))
+        .env_remove("KIWI_CONFIG")
+        .args(["--socket-dir", sockets.path().to_str().unwrap()])
+        .args(["--metrics-addr", "127.0.0.1:99999"])
+        .output()
+        .expect("run kiwi-arbiter");
+    let line = one_error_line(&o, "kiwi-arbiter: cannot serve metrics on 127.0.0.1:99999");
+    assert!(line.contains("invalid port"), "{line}");
+    assert!(!sockets.path().join("client/arbiter.sock").exists());
+    assert!(!sockets.path().join("control.sock").exists());
+}
