@@ -403,23 +403,52 @@ pub unsafe fn mem_alloc(
 }
 
 /// Stream-ordered allocations are served at once by the shim's allocator (memory usable
-/// now is usable when the stream gets there); what the shim does not manage goes to the
+/// now is usable when the stream gets there), counted for `pool` (`None`: the current
+/// pool of the calling thread's device, which `cuMemAllocAsync` allocates from) in the
+/// pool's statistics ([`crate::pools`]); what the shim does not manage goes to the
 /// original `cuMemAlloc_v2`.
 /// # Safety
 /// `dptr` is the application's out-pointer.
-unsafe fn alloc_now(dptr: *mut CUdeviceptr, size: usize) -> CUresult {
-    let p = original_of(Sym::cuMemAlloc_v2);
-    if p.is_null() {
-        return CUDA_ERROR_NOT_FOUND;
+unsafe fn alloc_now(dptr: *mut CUdeviceptr, size: usize, pool: Option<CUmemoryPool>) -> CUresult {
+    if dptr.is_null() {
+        return CUDA_ERROR_INVALID_VALUE;
     }
-    // SAFETY: the original cuMemAlloc_v2, cuda.h's signature.
-    let real_alloc = unsafe {
-        std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*mut CUdeviceptr, usize) -> CUresult>(
-            p,
-        )
-    };
-    // SAFETY: the caller's out-pointer and size.
-    unsafe { mem_alloc(real_alloc, dptr, size) }
+    match alloc(size as u64) {
+        Some(Ok(ptr)) => {
+            // SAFETY: dptr checked non-null; the caller's out-pointer.
+            unsafe { *dptr = ptr };
+            let pool = pool.unwrap_or_else(current_pool);
+            crate::pools::allocated(pool, ptr, size as u64);
+            CUDA_SUCCESS
+        }
+        Some(Err(e)) => e,
+        None => {
+            let p = original_of(Sym::cuMemAlloc_v2);
+            if p.is_null() {
+                return CUDA_ERROR_NOT_FOUND;
+            }
+            // SAFETY: the original cuMemAlloc_v2, cuda.h's signature; the caller's
+            // out-pointer and size.
+            unsafe {
+                let real = std::mem::transmute::<
+                    *mut c_void,
+                    unsafe extern "C" fn(*mut CUdeviceptr, usize) -> CUresult,
+                >(p);
+                real(dptr, size)
+            }
+        }
+    }
+}
+
+/// The current memory pool of the calling thread's device (null when the driver
+/// cannot say).
+fn current_pool() -> CUmemoryPool {
+    let mut dev: CUdevice = 0;
+    let mut pool: CUmemoryPool = null_mut();
+    if call!(cuCtxGetDevice: fn(*mut CUdevice)(&mut dev)).is_ok() {
+        let _ = call!(cuDeviceGetMemPool: fn(*mut CUmemoryPool, CUdevice)(&mut pool, dev));
+    }
+    pool
 }
 
 /// # Safety
@@ -432,7 +461,7 @@ pub unsafe fn mem_alloc_async(
     _stream: CUstream,
 ) -> CUresult {
     // SAFETY: the caller's arguments.
-    unsafe { alloc_now(dptr, size) }
+    unsafe { alloc_now(dptr, size, None) }
 }
 
 /// # Safety
@@ -442,11 +471,11 @@ pub unsafe fn mem_alloc_from_pool(
     _real: Real<unsafe extern "C" fn(*mut CUdeviceptr, usize, CUmemoryPool, CUstream) -> CUresult>,
     dptr: *mut CUdeviceptr,
     size: usize,
-    _pool: CUmemoryPool,
+    pool: CUmemoryPool,
     _stream: CUstream,
 ) -> CUresult {
     // SAFETY: the caller's arguments; pools are served by the shim's allocator.
-    unsafe { alloc_now(dptr, size) }
+    unsafe { alloc_now(dptr, size, Some(pool)) }
 }
 
 /// # Safety
@@ -490,7 +519,10 @@ fn free_ours(ptr: CUdeviceptr) -> Option<CUresult> {
         return None;
     }
     with_owner(ptr, |m| match m.free(ptr) {
-        Ok(()) => CUDA_SUCCESS,
+        Ok(()) => {
+            crate::pools::freed(ptr);
+            CUDA_SUCCESS
+        }
         Err(e) => e,
     })
 }

@@ -10,7 +10,10 @@ use std::path::Path;
 /// Top (the C ABI) to bottom (the leaves anyone may use).
 const LAYERS: &[(&str, &[&str])] = &[
     ("1 C ABI", &["exports", "dl", "procaddr"]),
-    ("2 hooked behaviour", &["hooks", "attrs", "ipc", "submit"]),
+    (
+        "2 hooked behaviour",
+        &["hooks", "attrs", "ipc", "submit", "pools"],
+    ),
     (
         "3 mechanisms",
         &[

@@ -47,6 +47,7 @@ mod layers;
 pub mod live;
 pub mod log;
 pub mod mem;
+pub mod pools;
 pub mod procaddr;
 pub mod real;
 pub mod stats;

@@ -81,6 +81,10 @@ macro_rules! for_each_export {
             hook cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => hooks::mem_alloc_async;
             hook cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => hooks::mem_alloc_from_pool;
             hook cuMemAllocFromPoolAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => hooks::mem_alloc_from_pool;
+            /// A pool's statistics: the memory the shim serves for it added.
+            hook cuMemPoolGetAttribute(pool: CUmemoryPool, attr: c_int, value: *mut c_void) => pools::get_attribute;
+            /// Resetting a pool's high-water mark resets the shim's too.
+            hook cuMemPoolSetAttribute(pool: CUmemoryPool, attr: c_int, value: *mut c_void) => pools::set_attribute;
             hook cuMemFreeAsync(dptr: CUdeviceptr, stream: CUstream) => hooks::mem_free_async;
             hook cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) => hooks::mem_free_async_ptsz;
             hook cuMemGetInfo_v2(free: *mut usize, total: *mut usize) => hooks::mem_get_info;
@@ -322,6 +326,8 @@ macro_rules! for_each_export {
             submit cuStreamBatchMemOp_v2_ptsz(stream: CUstream, count: Uint, params: Opaque, flags: Uint);
 
             // --- left to the driver (not exported): each runs no work the gate must hold back
+            /// The device's current pool (what cuMemAllocAsync allocates from); runs no work.
+            driver cuDeviceGetMemPool;
             /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
             driver cuArray3DCreate;
             /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.

@@ -258,3 +258,39 @@ fn runtime_graph_launches_compete_with_a_notebook_under_kiwi() {
         );
     }
 }
+
+/// A stream-ordered pool's statistics read the same with and without Kiwi (issue
+/// #24): the shim serves `cudaMallocAsync`'s memory, and the pool's used and reserved
+/// figures (current, high-water mark, its reset; the device's pool and one of the
+/// program's own) count it. They read 0 under Kiwi before.
+#[test]
+fn pool_statistics_are_true_under_kiwi() {
+    let Some(rt) = CudaRuntime::fetch_or_skip("cudart pool statistics") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile(&rt, dir.path(), "cudart_pool_stats.c");
+    let arb = Arbiter::start(&[]);
+    for (tag, socket) in [("alone", None), ("under Kiwi", Some(arb.socket_dir()))] {
+        let m = SimMachine::new(&format!("cudart-pools-{}", socket.is_some()), 1, 1 << 30)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let stats = dir.path().join(format!("{}.stats", socket.is_some()));
+        let o = finish(spawn(&rt, &m, &exe, &[], socket, &stats));
+        assert_eq!(o.status.code(), Some(0), "{tag}: {}", text(&o));
+        assert!(
+            String::from_utf8_lossy(&o.stdout).ends_with("OK\n"),
+            "{tag}: {}",
+            text(&o)
+        );
+        if socket.is_some() {
+            assert_eq!(
+                std::fs::read_to_string(&stats)
+                    .unwrap_or_default()
+                    .lines()
+                    .find(|l| l.starts_with("mode")),
+                Some("mode managed"),
+                "the shim served the pool"
+            );
+        }
+    }
+}
