@@ -35,7 +35,12 @@ fn pair(
     let arb = Arbiter::start(&["--tq", "5"]);
     let spawn = |exe: &Path, (mode, mib, used): (&str, &str, &str)| {
         let mut c = kiwictl_run(exe, &m, &arb);
-        c.args([mode, mib, used, rounds]).env("KIWI_IDLE_MS", "50");
+        c.args([mode, mib, used, rounds])
+            .env("KIWI_IDLE_MS", "50")
+            // The answer must come within the swap-out's wait: 10 ms (the default)
+            // is plenty for the thread alone, but on a loaded 2-core machine a woken
+            // thread can wait longer for a core. The subject here is the mechanism.
+            .env("KIWI_HINT_WAIT_MS", "1000");
         Stepped::spawn(&mut c)
     };
     let mut pa = spawn(&exe, a);
