@@ -406,6 +406,7 @@ impl Conn {
 fn serve(l: UnixListener) {
     crate::capture::relax_this_thread();
     let mut conns: Vec<Conn> = Vec::new();
+    let mut refusals = crate::log::Throttle::new(3);
     loop {
         let mut fds = Vec::with_capacity(conns.len() + 1);
         fds.push(libc::pollfd {
@@ -443,12 +444,14 @@ fn serve(l: UnixListener) {
         }
         conns = keep;
         if fds[0].revents != 0 {
-            accept(&l, &mut conns);
+            accept(&l, &mut conns, &mut refusals);
         }
     }
 }
 
-fn accept(l: &UnixListener, conns: &mut Vec<Conn>) {
+/// Refusals the broker says on stderr: 3 lines per 10 s at most (a connect flood
+/// wrote one line per connection into the exporting application's stderr).
+fn accept(l: &UnixListener, conns: &mut Vec<Conn>, refusals: &mut crate::log::Throttle) {
     loop {
         let s = match l.accept() {
             Ok((s, _)) => s,
@@ -463,7 +466,9 @@ fn accept(l: &UnixListener, conns: &mut Vec<Conn>) {
             .filter(|c| matches!(c, Conn::Pending { .. }))
             .count();
         if conns.len() >= MAX_CONNECTIONS || pending >= MAX_PENDING {
-            crate::kwarn!("IPC broker: too many importers; refusing one");
+            if let Some(note) = refusals.allow() {
+                crate::kwarn!("IPC broker: too many importers; refusing one{note}");
+            }
             let _ = refuse(&s, CUDA_ERROR_TOO_MANY_PEERS);
             continue;
         }
@@ -789,7 +794,21 @@ pub unsafe fn open_mem_handle(
             return CUDA_SUCCESS;
         }
     }
-    match import(&h, ctx) {
+    // A broker full of other importers (CUDA_ERROR_TOO_MANY_PEERS) frees a place
+    // when one is served or times out: asked again, with backoff, until the IPC
+    // timeout (a flood of silent connections made every honest open fail at once).
+    let deadline = Instant::now() + reply_timeout();
+    let mut pause = Duration::from_millis(10);
+    let imported = loop {
+        match import(&h, ctx) {
+            Err((CUDA_ERROR_TOO_MANY_PEERS, _)) if Instant::now() + pause < deadline => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(250));
+            }
+            r => break r,
+        }
+    };
+    match imported {
         Ok(m) => {
             // SAFETY: non-null out-pointer from the caller.
             unsafe { pdptr.write(m.ptr) };

@@ -110,6 +110,51 @@ macro_rules! kinfo { ($($a:tt)*) => { $crate::log::write($crate::log::Level::Inf
 #[macro_export]
 macro_rules! kdebug { ($($a:tt)*) => { $crate::log::write($crate::log::Level::Debug, format_args!($($a)*)) } }
 
+/// At most `burst` lines per 10 s for one kind of warning; the rest are counted and
+/// the count is told in the next line allowed, so a flood of bad peers cannot fill the
+/// application's stderr. Used from one thread (no lock).
+pub struct Throttle {
+    burst: u32,
+    window_start: Option<std::time::Instant>,
+    in_window: u32,
+    suppressed: u64,
+}
+
+impl Throttle {
+    const WINDOW: std::time::Duration = std::time::Duration::from_secs(10);
+
+    pub const fn new(burst: u32) -> Self {
+        Self {
+            burst,
+            window_start: None,
+            in_window: 0,
+            suppressed: 0,
+        }
+    }
+
+    /// `Some(note)` when a line may be written now: the note says how many were left
+    /// out before it (empty when none).
+    pub fn allow(&mut self) -> Option<String> {
+        let now = std::time::Instant::now();
+        if self
+            .window_start
+            .is_none_or(|w| now.duration_since(w) >= Self::WINDOW)
+        {
+            self.window_start = Some(now);
+            self.in_window = 0;
+        }
+        if self.in_window >= self.burst {
+            self.suppressed += 1;
+            return None;
+        }
+        self.in_window += 1;
+        Some(match std::mem::take(&mut self.suppressed) {
+            0 => String::new(),
+            n => format!(" ({n} more like it left out)"),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

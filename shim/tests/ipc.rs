@@ -282,8 +282,11 @@ fn an_exporter_survives_hostile_importers() {
         }
     }
     assert!(refused >= 8, "{refused} of 40 silent connections refused");
-    std::thread::sleep(Duration::from_millis(2500));
     drop(silent);
+    // An honest importer while the broker is full of fresh silent connections:
+    // refused at first, it asks again with backoff until a place frees (they are
+    // dropped at their 2 s deadline). Before, it failed at once with 711.
+    let silent: Vec<UnixStream> = (0..40).map(|_| connect()).collect();
     let mut c = Command::new(&exe);
     let o = finish(
         under_kiwi_on(c.args(["open", &handle]), &m, &arb)
@@ -294,6 +297,22 @@ fn an_exporter_survives_hostile_importers() {
         String::from_utf8_lossy(&o.stdout).contains("RESULT 0 "),
         "{}",
         text(&o)
+    );
+    drop(silent);
+    // A connect flood: every extra connection refused, but the exporting
+    // application's stderr gets a few lines, not one per connection.
+    let flood: Vec<UnixStream> = (0..200).map(|_| connect()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    drop(flood);
+    let refusal_lines = e
+        .stderr_text()
+        .lines()
+        .filter(|l| l.contains("too many importers"))
+        .count();
+    assert!(
+        (1..=3).contains(&refusal_lines),
+        "{refusal_lines} refusal lines:\n{}",
+        e.stderr_text()
     );
     e.go();
     e.wait_for("CLOSED");
