@@ -862,10 +862,18 @@ fn import(h: &Handle, ctx: CUcontext) -> Result<Opened, Failure> {
     req[..8].copy_from_slice(REQUEST_MAGIC);
     req[8..24].copy_from_slice(&h.token);
     req[24..32].copy_from_slice(&h.base.to_le_bytes());
-    (&s).write_all(&req).map_err(io("sending the request"))?;
+    let sent = (&s).write_all(&req);
     let mut head = [0u8; REPLY_LEN];
-    (&s).read_exact(&mut head)
-        .map_err(io("reading the reply"))?;
+    let read = (&s).read_exact(&mut head);
+    // A full broker refuses at accept and closes: the request may then meet a closed
+    // socket (EPIPE) while the refusal waits to be read. The reply, when there is
+    // one, says why.
+    if let Err(e) = sent {
+        if read.is_err() || &head[..8] != REPLY_MAGIC {
+            return Err(io("sending the request")(e));
+        }
+    }
+    read.map_err(io("reading the reply"))?;
     let u32_at = |i: usize| u32::from_le_bytes(head[i..i + 4].try_into().expect("4 bytes"));
     let u64_at = |i: usize| u64::from_le_bytes(head[i..i + 8].try_into().expect("8 bytes"));
     if &head[..8] != REPLY_MAGIC {

@@ -299,8 +299,8 @@ fn an_exporter_survives_hostile_importers() {
         text(&o)
     );
     drop(silent);
-    // A connect flood: every extra connection refused, but the exporting
-    // application's stderr gets a few lines, not one per connection.
+    // A connect flood (200 more, most refused): the exporting application's stderr
+    // gets a few lines, not one per refusal.
     let flood: Vec<UnixStream> = (0..200).map(|_| connect()).collect();
     std::thread::sleep(Duration::from_millis(200));
     drop(flood);
@@ -309,8 +309,9 @@ fn an_exporter_survives_hostile_importers() {
         .lines()
         .filter(|l| l.contains("too many importers"))
         .count();
+    // 3 a 10 s window (a slow run may see a second window): never one per refusal.
     assert!(
-        (1..=3).contains(&refusal_lines),
+        (1..=9).contains(&refusal_lines),
         "{refusal_lines} refusal lines:\n{}",
         e.stderr_text()
     );
