@@ -309,7 +309,7 @@ fn an_exporter_survives_hostile_importers() {
         .lines()
         .filter(|l| l.contains("too many importers"))
         .count();
-    // 3 a 10 s window (a slow run may see a second window): never one per refusal.
+    // 3 per 10 s (a slow run may reach a second window): never one per refusal.
     assert!(
         (1..=9).contains(&refusal_lines),
         "{refusal_lines} refusal lines:\n{}",
