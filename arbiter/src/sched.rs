@@ -466,6 +466,9 @@ impl GpuScheduler {
             },
         );
         let unswappable = info.unswappable.unwrap_or(0).min(self.total);
+        if unswappable > 0 {
+            self.log(Some(id), EventKind::Unswappable { bytes: unswappable });
+        }
         self.clients.insert(
             id,
             Client {
@@ -792,6 +795,7 @@ impl GpuScheduler {
         }
         c.unswappable = bytes;
         c.last_seen = now;
+        self.log(Some(id), EventKind::Unswappable { bytes });
         self.finish(now)
     }
 

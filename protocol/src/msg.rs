@@ -598,6 +598,12 @@ pub enum EventKind {
         working_set_bytes: u64,
         resident_bytes: u64,
     },
+    /// The client's GPU memory no swap frees (contexts, modules, its own VMM
+    /// memory), as it reported at registration (logged when not 0) or changed since:
+    /// it decides with the working sets whether the GPU is shared or taken in turns.
+    Unswappable {
+        bytes: u64,
+    },
     /// A holder found no room for `missing_bytes` of its working set
     /// ([`ClientMsg::NoRoom`]); `unseen_bytes`: the GPU memory no client accounts
     /// for that the arbiter counts from now on. The reclaims it caused follow.

@@ -303,6 +303,7 @@ fn context_cost(d: usize, ctx: CUcontext) -> u64 {
         }
         let mut tries: Vec<CostTry> = Vec::new();
         while tries.len() < COST_TRIES {
+            std::thread::sleep(try_jitter(tries.len()));
             let Some(before) = free_memory() else { break };
             let mut twin: CUcontext = null_mut();
             if call!(cuCtxCreate_v2: fn(*mut CUcontext, Uint, CUdevice)(&mut twin, 0, d as CUdevice))
@@ -338,7 +339,7 @@ fn context_cost(d: usize, ctx: CUcontext) -> u64 {
             if agreed {
                 ""
             } else {
-                ", no two undisturbed ones agreed: the largest"
+                ", not settled: the least"
             }
         );
         cost
@@ -359,14 +360,18 @@ struct CostTry {
 
 /// The context cost the tries show, and whether two agreed.
 ///
-/// - A try is undisturbed when free memory came back to where it was (within 1 MiB)
-///   once the twin was destroyed: nobody else allocated or freed meanwhile. A try
-///   during another process's swap-out (64 MiB freed every few ms) measured the cost
-///   short by what was freed, down to 0; two such tries agreed, and the arbiter then
-///   counted room that was not there.
-/// - Two undisturbed tries within 1 MiB of each other settle it.
-/// - Else the largest undisturbed try: counting too much costs a swap now and then,
-///   counting too little leaves a holder short of room.
+/// - A try is calm when free memory came back to where it was (within 1 MiB) once
+///   the twin was destroyed. A try during another process's swap-out (64 MiB freed
+///   every few ms) is not calm: it measured the cost short by what was freed, down
+///   to 0; two such tries agreed, and the arbiter then counted room that was not
+///   there.
+/// - A calm try can still be disturbed, upward in practice: another process's
+///   short-lived memory — its own twin, when Kiwi processes start together — taken
+///   and given back between this try's reads. Two processes measuring at once on a
+///   loaded machine each counted both twins (600 MiB for a 300 MiB context), and two
+///   notebooks that fit side by side were made to take turns. So the smallest calm
+///   try counts, settled once another calm try agrees with it (within 1 MiB); tries
+///   are spaced by a jitter ([`try_jitter`]) so two processes fall out of step.
 /// - Else the smallest bound the disturbed tries give: others that only freed (or
 ///   only allocated) meanwhile moved free memory one way, so the larger of the drop
 ///   with the twin measured from before and from after (`max(before, after) −
@@ -379,18 +384,26 @@ fn settle_cost(tries: &[CostTry]) -> Option<(u64, bool)> {
         .filter(|t| t.after.abs_diff(t.before) <= NEAR)
         .map(cost)
         .collect();
-    for (i, &c) in calm.iter().enumerate() {
-        if calm[..i].iter().any(|&o| o.abs_diff(c) <= NEAR) {
-            return Some((c, true));
-        }
+    if let Some(least) = calm.iter().copied().min() {
+        let near = calm.iter().filter(|&&c| c.abs_diff(least) <= NEAR).count();
+        return Some((least, near >= 2));
     }
     let bound = |t: &CostTry| t.before.max(t.after).saturating_sub(t.with_twin);
-    let best = calm
-        .iter()
-        .copied()
-        .max()
-        .or_else(|| tries.iter().map(bound).min())?;
-    Some((best, false))
+    Some((tries.iter().map(bound).min()?, false))
+}
+
+/// How long to wait before twin try `n` (none before the first): 1–8 ms, drawn from
+/// the clock and the process id, so two processes measuring at once fall out of step.
+fn try_jitter(n: usize) -> std::time::Duration {
+    if n == 0 {
+        return std::time::Duration::ZERO;
+    }
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let mix = (u64::from(nanos) ^ u64::from(std::process::id()).wrapping_mul(0x9E37_79B9))
+        .wrapping_mul(0x2545_F491_4F6C_DD1D);
+    std::time::Duration::from_micros(1000 + (mix >> 40) % 7000)
 }
 
 /// Creates device `d`'s allocator. Managed processes create it with backing not
@@ -778,13 +791,34 @@ mod tests {
         assert_eq!(settle_cost(&tries), Some((300 * MIB, false)));
     }
 
-    /// Without agreement, the largest calm try: counting too much costs a swap now
-    /// and then, too little leaves a holder short of room.
+    /// Without agreement, the smallest calm try: calm tries are disturbed upward.
     #[test]
-    fn without_agreement_the_largest_calm_try_counts() {
+    fn without_agreement_the_smallest_calm_try_counts() {
         let tries = [try_(300, -64), try_(310, 0), try_(290, 0)];
-        assert_eq!(settle_cost(&tries), Some((310 * MIB, false)));
+        assert_eq!(settle_cost(&tries), Some((290 * MIB, false)));
         assert_eq!(settle_cost(&[]), None);
+    }
+
+    /// Another process's twin, made and destroyed between a try's reads, looks calm
+    /// and doubles the cost; two such tries agreed, and the GPU was believed full.
+    #[test]
+    fn calm_tries_doubled_by_anothers_twin_do_not_settle_the_cost() {
+        let doubled = try_(600, 0);
+        let tries = [doubled, doubled];
+        assert_eq!(settle_cost(&tries), Some((600 * MIB, true)));
+        let tries = [doubled, try_(300, 0), doubled];
+        assert_eq!(settle_cost(&tries), Some((300 * MIB, false)));
+        let tries = [doubled, try_(300, 0), doubled, try_(300, 0)];
+        assert_eq!(settle_cost(&tries), Some((300 * MIB, true)));
+    }
+
+    #[test]
+    fn tries_are_spaced_apart_except_the_first() {
+        assert_eq!(try_jitter(0), std::time::Duration::ZERO);
+        for n in 1..50 {
+            let j = try_jitter(n);
+            assert!((1000..8000).contains(&(j.as_micros() as u64)), "{j:?}");
+        }
     }
 }
 
