@@ -64,7 +64,7 @@ const PIN_RECHECK: Duration = Duration::from_millis(200);
 /// How often a held turn short of room tells the arbiter again ([`ClientMsg::NoRoom`]):
 /// a reclaim answered without freeing enough (memory outside Kiwi grew meanwhile) is
 /// then made again.
-const NO_ROOM_RESEND: Duration = Duration::from_millis(250);
+pub const NO_ROOM_RESEND: Duration = Duration::from_millis(250);
 /// A submission that waited this long says why, once ([`Client::acquire`]).
 pub const EXPLAIN_AFTER: Duration = Duration::from_secs(1);
 /// The device of a submission from a thread with no current context: it needs the
@@ -117,6 +117,10 @@ pub struct DeviceInfo {
     /// Device memory the process's context on it costs (measured when the turn is
     /// made: see `hooks::context_cost`); memory no swap frees.
     pub context_bytes: u64,
+    /// Memory the process needs on this GPU and cannot take yet: a context waiting
+    /// for room ([`crate::room`]). Reported as working set not resident, so the
+    /// arbiter makes room for it as for memory to swap in.
+    pub pending_bytes: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -191,6 +195,8 @@ pub struct Turn {
     claimed: AtomicBool,
     /// Memory of the process's contexts and loaded modules on this GPU (no swap
     /// frees it); the application's own VMM memory is added from the allocator.
+    /// [`DeviceInfo::pending_bytes`], now.
+    pending: AtomicU64,
     context_bytes: AtomicU64,
     /// The arbiter accepted `unswappable_bytes` at registration: usage reports leave
     /// the application's own VMM memory out of the working set, and `unswappable`
@@ -346,6 +352,12 @@ impl Turn {
         self.context_bytes.load(Ordering::Relaxed) + self.res.figures().external
     }
 
+    /// Sets the memory this turn waits for room for ([`DeviceInfo::pending_bytes`]);
+    /// sent with the next usage report.
+    pub fn set_pending(&self, bytes: u64) {
+        self.pending.store(bytes, Ordering::Relaxed);
+    }
+
     fn usage(&self) -> Usage {
         let mut f = self.res.figures();
         if self.reports_unswappable.load(Ordering::Relaxed) {
@@ -353,6 +365,9 @@ impl Turn {
             f.working_set -= f.external;
             f.resident -= f.external;
         }
+        f.working_set = f
+            .working_set
+            .saturating_add(self.pending.load(Ordering::Relaxed));
         let u = usage_of(f);
         self.seen_working_set
             .store(u.working_set_bytes, Ordering::Relaxed);
@@ -824,7 +839,8 @@ impl Client {
             return Added::Unmanaged;
         };
         res.set_backing_allowed(false);
-        let figures = res.figures();
+        let mut figures = res.figures();
+        figures.working_set = figures.working_set.saturating_add(info.pending_bytes);
         let unswappable = info.context_bytes + figures.external;
         let (reader, writer, capacity, budget, reports, pipelined) = match register(
             &self.env,
@@ -864,6 +880,7 @@ impl Client {
         res.set_limit(capacity);
         let ordinal = info.ordinal;
         let context_bytes = info.context_bytes;
+        let pending_bytes = info.pending_bytes;
         let turn = Arc::new(Turn {
             info,
             slot,
@@ -879,6 +896,7 @@ impl Client {
             seen_resident: AtomicU64::new(0),
             claimed: AtomicBool::new(false),
             context_bytes: AtomicU64::new(context_bytes),
+            pending: AtomicU64::new(pending_bytes),
             reports_unswappable: AtomicBool::new(reports),
             pipelined: AtomicBool::new(pipelined),
             pin_target: AtomicU64::new(0),
@@ -2063,6 +2081,42 @@ pub fn resumed() {
         // The submission that reopened the gate is not counted yet: count it.
         let subs = c.gate.submissions().wrapping_add(1);
         c.learn_pauses(&mut st, subs, now, true);
+    }
+}
+
+/// Sends GPU `ordinal`'s figures to the arbiter where they changed (a context's
+/// pending bytes: [`crate::room`]).
+pub fn report_now(ordinal: usize) {
+    let Some(c) = CLIENT.get() else { return };
+    let mut st = lock(&c.state);
+    if let Some(k) = st.slots.iter().position(|s| s.turn.info.ordinal == ordinal) {
+        let turn = st.slots[k].turn.clone();
+        Client::report(&turn, &mut st.slots[k].ts);
+    }
+}
+
+/// A context on GPU `ordinal` that cannot be made while its turn is held
+/// ([`crate::room`]): says `no_room` for its pending bytes (after the usage that
+/// counts them), so the arbiter learns the memory it cannot see and reclaims what
+/// the context lacks from the clients that do not hold the GPU, or turns sharers
+/// into turns. Nothing when the turn is not held (dropped meanwhile: the next wait
+/// asks again).
+pub fn context_short_of_room(ordinal: usize) {
+    let Some(c) = CLIENT.get() else { return };
+    let mut st = lock(&c.state);
+    let Some(k) = st.slots.iter().position(|s| s.turn.info.ordinal == ordinal) else {
+        return;
+    };
+    if !st.holding(k) {
+        return;
+    }
+    let turn = st.slots[k].turn.clone();
+    Client::report(&turn, &mut st.slots[k].ts);
+    let missing = turn.pending.load(Ordering::Relaxed);
+    if missing > 0 && turn.pipelined.load(Ordering::Relaxed) {
+        turn.send(&ClientMsg::NoRoom {
+            missing_bytes: missing,
+        });
     }
 }
 

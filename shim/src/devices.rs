@@ -268,6 +268,7 @@ fn device_info(d: usize) -> Result<DeviceInfo, CUresult> {
         uuid: format_uuid(&uuid),
         total_memory: total as u64,
         context_bytes: 0,
+        pending_bytes: 0,
     })
 }
 
@@ -287,7 +288,7 @@ pub(crate) fn free_memory() -> Option<u64> {
 /// through a private entry point), so its cost is measured on a twin. 0 when it
 /// cannot be measured (no room for a second context: the arbiter's reserve then
 /// covers it).
-fn context_cost(d: usize, ctx: CUcontext) -> u64 {
+pub(crate) fn context_cost(d: usize, ctx: CUcontext) -> u64 {
     let destroy = crate::real::lookup(c"cuCtxDestroy_v2");
     if ctx.is_null() || destroy.is_null() {
         return 0;
@@ -470,6 +471,41 @@ pub(crate) fn ensure_device(d: usize, ctx: CUcontext) -> bool {
         }
     }
     mem_lock(d).is_some()
+}
+
+/// Device `d`'s turn, for a context that cannot be made yet ([`crate::room`]):
+/// registered now, before any context, when the process has none there; either way
+/// with `estimate` bytes pending (reported as working set not resident, so the
+/// arbiter makes room for them). The caller clears them (`set_pending(0)`). `None`
+/// when the shim does not manage the device.
+pub(crate) fn turn_before_context(d: usize, estimate: u64) -> Option<&'static client::Turn> {
+    let c = client::global()?;
+    if VMM_UNAVAILABLE.load(Ordering::Acquire) & (1 << d) != 0 {
+        return None;
+    }
+    if let Some(t) = c.turn_for(d) {
+        t.set_pending(estimate);
+        client::report_now(d);
+        return Some(t);
+    }
+    let mut info = match device_info(d) {
+        Ok(i) => i,
+        Err(e) => {
+            crate::kwarn!("GPU {d}: cannot identify it (CUDA error {e}); not managed");
+            return None;
+        }
+    };
+    info.pending_bytes = estimate;
+    let added = c.add_device(info, || {
+        create_mem(d, null_mut(), false).then(|| Box::new(DeviceResidency(d)) as Box<dyn Residency>)
+    });
+    if added == client::Added::Unmanaged {
+        if let Some(m) = mem_lock(d).as_mut() {
+            m.set_backing_allowed(true);
+        }
+        return None;
+    }
+    c.turn_for(d).map(|t| &**t)
 }
 
 /// The current context's device, when the shim manages its memory: its allocator

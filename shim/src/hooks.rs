@@ -12,10 +12,11 @@ use crate::client;
 use crate::cuda::*;
 use crate::devices::{
     current_context, current_device, current_mem_device, ensure_device, free_memory, mem_lock,
-    seen_devices, with_owner, APP_CTX, FREE_STREAM, MAX_DEVICES,
+    seen_devices, with_owner, FREE_STREAM, MAX_DEVICES,
 };
 use crate::real::call_real as call;
 use crate::real::original_of;
+use crate::room;
 use crate::symbols::Sym;
 
 // ---------------------------------------------------------------------------------
@@ -44,26 +45,11 @@ pub unsafe fn init(real: Real<unsafe extern "C" fn(Uint) -> CUresult>, flags: Ui
     })
 }
 
-/// After the driver made a context on `dev`: the device gets its allocator and turn,
-/// so no work on it runs before the process holds it.
-fn context_created(r: CUresult, pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
-    if r == CUDA_SUCCESS {
-        if let Some(d) = usize::try_from(dev).ok().filter(|&d| d < MAX_DEVICES) {
-            let ctx = if pctx.is_null() {
-                null_mut()
-            } else {
-                // SAFETY: the driver just wrote the context through the caller's pointer.
-                unsafe { *pctx }
-            };
-            ensure_device(d, ctx);
-            // The newest context is the one the shim's threads swap and drain in: an
-            // earlier one may have been destroyed (`cuCtxDestroy`) or reset since.
-            if !ctx.is_null() {
-                APP_CTX[d].store(ctx, Ordering::Release);
-            }
-        }
-    }
-    r
+/// A context creation on `dev` writing through `pctx`: it waits for room when the GPU
+/// is full of others' memory ([`crate::room`]), then the device gets its allocator and
+/// turn.
+fn made(dev: CUdevice, pctx: *mut CUcontext, create: impl FnMut() -> CUresult) -> CUresult {
+    room::context_created(room::create_context(dev, pctx, create), pctx, dev)
 }
 
 /// # Safety
@@ -75,7 +61,7 @@ pub unsafe fn primary_ctx_retain(
     dev: CUdevice,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    context_created(unsafe { real(pctx, dev) }, pctx, dev)
+    made(dev, pctx, || unsafe { real(pctx, dev) })
 }
 
 /// # Safety
@@ -88,7 +74,7 @@ pub unsafe fn ctx_create_v2(
     dev: CUdevice,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    context_created(unsafe { real(pctx, flags, dev) }, pctx, dev)
+    made(dev, pctx, || unsafe { real(pctx, flags, dev) })
 }
 
 /// # Safety
@@ -103,11 +89,9 @@ pub unsafe fn ctx_create_v3(
     dev: CUdevice,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    context_created(
-        unsafe { real(pctx, params, num_params, flags, dev) },
-        pctx,
-        dev,
-    )
+    made(dev, pctx, || unsafe {
+        real(pctx, params, num_params, flags, dev)
+    })
 }
 
 /// # Safety
@@ -121,7 +105,7 @@ pub unsafe fn ctx_create_v4(
     dev: CUdevice,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    context_created(unsafe { real(pctx, params, flags, dev) }, pctx, dev)
+    made(dev, pctx, || unsafe { real(pctx, params, flags, dev) })
 }
 
 // ---------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ pub mod mem;
 pub mod pools;
 pub mod procaddr;
 pub mod real;
+pub mod room;
 pub mod stats;
 pub mod status;
 pub mod submit;

@@ -65,6 +65,7 @@ macro_rules! for_each_export {
             // --- initialisation and lookup
             hook cuInit(flags: Uint) => hooks::init;
             hook cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, cuda_version: c_int, flags: u64) => proc_address::get_proc_address;
+            hook cuGetExportTable(table: *mut *const c_void, id: *const CUuuid) => room::get_export_table;
             hook cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, cuda_version: c_int, flags: u64, status: *mut c_int) => proc_address::get_proc_address_v2;
 
             // --- contexts: a context on a device gives the process a turn on that GPU

@@ -294,3 +294,189 @@ fn pool_statistics_are_true_under_kiwi() {
         }
     }
 }
+
+/// A newcomer beside an idle holder of 86% of the GPU (issue #24, first row): B's
+/// `cudaSetDevice` used to fail at once (`cuDevicePrimaryCtxRetain`: out of memory,
+/// seen by the runtime as `cudaErrorInitializationError`) because A's memory, idle,
+/// was resident. Now B's context asks the arbiter for room and waits its turn: the
+/// arbiter takes the GPU back from idle A, which swaps out what B's context needs;
+/// B runs and verifies every byte; A then finishes and verifies every byte of its
+/// 3.4 GiB. Alone on the GPU, B runs (the control).
+#[test]
+fn a_newcomers_context_gets_room_beside_an_idle_holder() {
+    let Some(rt) = CudaRuntime::fetch_or_skip("a newcomer beside an idle holder") else {
+        return;
+    };
+    // The simulator's default 300 MiB contexts on a 4 GiB GPU.
+    let m = SimMachine::new("cudart-newcomer", 1, 4 << 30)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_env("KIWI_SIM_CONTEXT_MEMORY", &(300u64 << 20).to_string());
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile(&rt, dir.path(), "cudart_notebook.c");
+    let arb = Arbiter::start(&["--tq", "2"]);
+    let (sa, sb) = (dir.path().join("a.stats"), dir.path().join("b.stats"));
+    // A: 55 chunks of 64 MiB (3520 MiB, 86% of the GPU) filled, then idle at its gate.
+    let mut a = spawn_cmd(
+        &rt,
+        &m,
+        &exe,
+        &["3520", "1", "0"],
+        Some(arb.socket_dir()),
+        &sa,
+    );
+    a.env("KIWI_TEST_GATE", "1").stdin(Stdio::piped());
+    let mut a = a.spawn().expect("spawn A");
+    read_until(&mut a, "READY");
+    let b = spawn(
+        &rt,
+        &m,
+        &exe,
+        &["640", "2", "0"],
+        Some(arb.socket_dir()),
+        &sb,
+    );
+    let ob = finish(b);
+    let mut stdin = a.stdin.take().expect("stdin piped");
+    stdin.write_all(b"go\n").expect("open A's gate");
+    drop(stdin);
+    let oa = finish(a);
+    let ev = arb.events();
+    let log = ev
+        .iter()
+        .map(|e| format!("{:?} {:?}", e.client, e.kind))
+        .collect::<Vec<_>>()
+        .join("\n");
+    for (tag, o) in [("B (the newcomer)", &ob), ("A (the idle holder)", &oa)] {
+        assert_eq!(o.status.code(), Some(0), "{tag}: {}\n{log}", text(o));
+        assert_eq!(
+            String::from_utf8_lossy(&o.stdout).lines().last(),
+            Some("OK"),
+            "{tag}: {}",
+            text(o)
+        );
+    }
+    // B's context waited for room, and got it: A swapped out for it.
+    assert!(
+        String::from_utf8_lossy(&ob.stderr).contains("room made for a context"),
+        "B's context did not wait for room: {}",
+        text(&ob)
+    );
+    let sa = stats(&sa);
+    assert!(
+        sa.get("swap_out_bytes").copied().unwrap_or(0) > 0,
+        "A never swapped out: {sa:?}\n{log}"
+    );
+    // B waited as a waiter does: registered before its context with the context's
+    // estimate as memory to bring in (a GPU that no longer fits), then was granted
+    // the GPU exclusively, once A let go of it.
+    let b_pid: u32 = String::from_utf8_lossy(&ob.stdout)
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix("pid "))
+        .and_then(|p| p.parse().ok())
+        .expect("B prints its pid");
+    let registered = ev
+        .iter()
+        .position(|e| matches!(e.kind, EventKind::Register { pid, .. } if pid == b_pid))
+        .unwrap_or_else(|| panic!("B never registered:\n{log}"));
+    let b = ev[registered].client;
+    assert!(
+        matches!(ev[registered].kind, EventKind::Register { working_set_bytes, .. } if working_set_bytes >= 300 << 20),
+        "B registered without its context's need:\n{log}"
+    );
+    let granted = ev
+        .iter()
+        .find(|e| e.client == b && matches!(e.kind, EventKind::Grant { .. }))
+        .unwrap_or_else(|| panic!("B was never granted the GPU:\n{log}"));
+    assert!(
+        matches!(
+            granted.kind,
+            EventKind::Grant {
+                exclusive: true,
+                ..
+            }
+        ),
+        "B's first grant was not exclusive:\n{log}"
+    );
+
+    // Control: B alone on the same GPU runs.
+    let m2 = SimMachine::new("cudart-newcomer-alone", 1, 4 << 30)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_env("KIWI_SIM_CONTEXT_MEMORY", &(300u64 << 20).to_string());
+    let o = finish(spawn(
+        &rt,
+        &m2,
+        &exe,
+        &["640", "2", "0"],
+        None,
+        &dir.path().join("alone.stats"),
+    ));
+    assert_eq!(o.status.code(), Some(0), "B alone: {}", text(&o));
+}
+
+/// A newcomer whose context can never fit (issue #24, item 5): on a 1216 MiB GPU, the
+/// 300 MiB contexts of a process outside Kiwi and of two idle notebooks (64 MiB each)
+/// leave 124 MiB, 252 MiB with both notebooks swapped out: no room for a fourth
+/// context however much is swapped. Its creation waits for room, then fails as
+/// it does without Kiwi beside the same processes (out of memory, which the runtime
+/// reports at its first call), with a line saying what blocks it: it never hangs.
+#[test]
+fn a_context_that_can_never_fit_fails_cleanly() {
+    let Some(rt) = CudaRuntime::fetch_or_skip("a context that can never fit") else {
+        return;
+    };
+    let m = SimMachine::new("cudart-nofit", 1, 1216 << 20)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_env("KIWI_SIM_CONTEXT_MEMORY", &(300u64 << 20).to_string());
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile(&rt, dir.path(), "cudart_notebook.c");
+    let arb = Arbiter::start(&["--tq", "1"]);
+    let gated = |tag: &str, socket: Option<&Path>| {
+        let mut c = spawn_cmd(
+            &rt,
+            &m,
+            &exe,
+            &["64", "1", "0"],
+            socket,
+            &dir.path().join(tag),
+        );
+        c.env("KIWI_TEST_GATE", "1").stdin(Stdio::piped());
+        let mut c = c.spawn().expect("spawn");
+        read_until(&mut c, "READY");
+        c
+    };
+    let kiwi = Some(arb.socket_dir());
+    let idle = [gated("out", None), gated("a", kiwi), gated("b", kiwi)];
+    let newcomer = |socket: Option<&Path>, tag: &str| {
+        finish(spawn(
+            &rt,
+            &m,
+            &exe,
+            &["64", "1", "0"],
+            socket,
+            &dir.path().join(tag),
+        ))
+    };
+    let under_kiwi = newcomer(kiwi, "c.stats");
+    let alone = newcomer(None, "d.stats");
+    for mut p in idle {
+        let mut stdin = p.stdin.take().expect("stdin piped");
+        let _ = stdin.write_all(b"go\n");
+        drop(stdin);
+        let o = finish(p);
+        assert_eq!(o.status.code(), Some(0), "an idle notebook: {}", text(&o));
+    }
+    for (tag, o) in [("without Kiwi", &alone), ("under Kiwi", &under_kiwi)] {
+        assert_eq!(o.status.code(), Some(2), "{tag}: {}", text(o));
+        assert!(
+            String::from_utf8_lossy(&o.stderr).contains("cudaErrorInitializationError"),
+            "{tag}: {}",
+            text(o)
+        );
+    }
+    assert!(
+        String::from_utf8_lossy(&under_kiwi.stderr).contains("no room for a context after"),
+        "under Kiwi: {}",
+        text(&under_kiwi)
+    );
+}

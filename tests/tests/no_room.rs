@@ -162,3 +162,55 @@ fn memory_outside_kiwi_neither_stalls_turns_nor_sharers() {
         "the notebooks took {took:?}:\n{why}"
     );
 }
+
+/// A driver-API newcomer (`cuDevicePrimaryCtxRetain`, as gpuburst makes its context)
+/// beside an idle holder of 86% of a 4 GiB GPU with 300 MiB contexts (issue #24):
+/// its context used to fail with out of memory; now it waits for room, the idle
+/// holder swaps out what it needs, and the newcomer's bursts verify every byte.
+#[test]
+fn a_driver_api_newcomer_gets_room_beside_an_idle_holder() {
+    let m = SimMachine::new("newcomer-driver", 1, 4096 * MIB)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_env("KIWI_SIM_CONTEXT_MEMORY", &(300 * MIB).to_string());
+    let arb = Arbiter::start(&["--tq", "2"]);
+    let under_kiwi = |c: &mut Command| {
+        c.env("LD_PRELOAD", bin("libkiwi.so"))
+            .env("KIWI_SOCKET_DIR", arb.socket_dir())
+            .env("KIWI_REQUIRE_ARBITER", "1")
+            .env("KIWI_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+    };
+    let mut holder = Command::new(bin("gpuburst"));
+    m.apply(&mut holder)
+        .args(["--mem", "3520MiB", "--script", "gpu:100,idle:120000"]);
+    under_kiwi(&mut holder);
+    let mut holder = holder.spawn().expect("spawn the holder");
+    // The holder's memory is on the GPU before the newcomer starts.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !arb.events().iter().any(|e| {
+        matches!(e.kind, EventKind::Usage { resident_bytes, .. } if resident_bytes >= 3520 * MIB)
+    }) {
+        assert!(Instant::now() < deadline, "the holder never became resident");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut newcomer = Command::new(bin("gpuburst"));
+    m.apply(&mut newcomer).args([
+        "--mem", "640MiB", "--bursts", "2", "--gpu-ms", "100", "--cpu-ms", "50", "--verify",
+    ]);
+    under_kiwi(&mut newcomer);
+    let out = newcomer
+        .spawn()
+        .expect("spawn the newcomer")
+        .wait_with_output()
+        .expect("wait for the newcomer");
+    let _ = holder.kill();
+    let _ = holder.wait();
+    let ev = arb.events();
+    let why = log(&ev, &String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the newcomer failed:\n{why}");
+    assert!(
+        why.contains("room made for a context"),
+        "the newcomer's context did not wait for room:\n{why}"
+    );
+}

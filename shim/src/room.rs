@@ -1,0 +1,285 @@
+//! Room for a context (issue #24): a context whose creation finds the GPU full of
+//! other processes' memory asks the arbiter for room and waits for its turn, instead
+//! of failing the application's first CUDA call because an idle tenant's memory is
+//! resident.
+//!
+//! Every way a context is made meets [`create_context`]: `cuDevicePrimaryCtxRetain`,
+//! `cuCtxCreate` (v2–v4) and the private entry point NVIDIA's CUDA runtime makes its
+//! primary context through (slot 2 of the `CUDART_INTERFACE` export table, which
+//! [`get_export_table`] patches in place: the runtime's integrity check hashes the
+//! table's address, so the table cannot be replaced by a copy).
+//!
+//! On `CUDA_ERROR_OUT_OF_MEMORY` from the driver, in a managed process: the device's
+//! turn is registered (before any context: [`crate::devices::turn_before_context`])
+//! with an estimate of the context's cost pending, reported as working set not
+//! resident: to the arbiter the newcomer is a client with memory to bring in, so a
+//! GPU that no longer fits makes it wait its turn like any waiter, and its grant
+//! reclaims from the others the room it needs. The creation is tried again while the
+//! turn is held, every few ms while the others' memory leaves, telling the arbiter
+//! `no_room` for the estimate every 250 ms (memory it cannot see, such as a process
+//! outside Kiwi: the arbiter learns it, and turns sharers into turns or reclaims
+//! more). Once made, the context's measured cost is counted as memory no swap frees
+//! (the estimate where no twin fits to measure it by). An unmanaged process fails
+//! as it would without Kiwi.
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::client;
+use crate::cuda::*;
+use crate::devices::MAX_DEVICES;
+
+/// What a context is counted while it waits for room, before it can be measured: an
+/// H100's contexts cost 300–500 MiB (issue #24); a short estimate costs `no_room`
+/// rounds, a long one an extra segment or two of the idle tenant's memory swapped.
+const CONTEXT_ESTIMATE: u64 = 512 << 20;
+/// How often a held turn tries the creation again while room is being made.
+const RETRY: Duration = Duration::from_millis(5);
+/// How long the creation is tried while the turn is held before it fails with the
+/// driver's out-of-memory: by then every other client's swappable memory was asked
+/// for (a `no_room` every 250 ms), so what blocks it is memory no swap frees.
+const HELD_LIMIT: Duration = Duration::from_secs(10);
+
+/// Runs `create`, a context creation on device `dev` that writes the context through
+/// `pctx`; on out of memory in a managed process, makes room as the module docs say.
+pub(crate) fn create_context(
+    dev: CUdevice,
+    pctx: *mut CUcontext,
+    mut create: impl FnMut() -> CUresult,
+) -> CUresult {
+    let r = create();
+    if r != CUDA_ERROR_OUT_OF_MEMORY || pctx.is_null() {
+        return r;
+    }
+    let Some(d) = usize::try_from(dev).ok().filter(|&d| d < MAX_DEVICES) else {
+        return r;
+    };
+    if client::global().is_none() || !client::allocator_enabled() {
+        return r;
+    }
+    let Some(turn) = crate::devices::turn_before_context(d, CONTEXT_ESTIMATE) else {
+        return r;
+    };
+    crate::kinfo!(
+        "GPU {d}: no room for a context (others' memory is resident): waiting for this GPU's turn while the arbiter makes room"
+    );
+    let started = Instant::now();
+    let mut held = Duration::ZERO;
+    let mut told: Option<Instant> = None;
+    let result = loop {
+        if let Err(e) = client::acquire(&crate::gate::GATE, Some(d)) {
+            crate::kwarn!("GPU {d}: waiting for room for a context failed (CUDA error {e})");
+            break r;
+        }
+        let tried = Instant::now();
+        let r = create();
+        if r != CUDA_ERROR_OUT_OF_MEMORY {
+            break r;
+        }
+        let now = Instant::now();
+        if told.is_none_or(|t| now.duration_since(t) >= client::NO_ROOM_RESEND) {
+            client::context_short_of_room(d);
+            told = Some(now);
+        }
+        std::thread::sleep(RETRY);
+        held += tried.elapsed();
+        if held >= HELD_LIMIT {
+            crate::kerror!(
+                "GPU {d}: no room for a context after holding the GPU for {held:?}: memory no swap frees (other processes' contexts, or memory outside Kiwi) fills it; out of memory"
+            );
+            break r;
+        }
+    };
+    turn.set_pending(0);
+    if result == CUDA_SUCCESS {
+        crate::kinfo!(
+            "GPU {d}: room made for a context in {:?}",
+            started.elapsed()
+        );
+        // SAFETY: the driver just wrote the context through the caller's pointer.
+        let counted = match crate::devices::context_cost(d, unsafe { *pctx }) {
+            // No room for a twin to measure it by (the room made was for one
+            // context): the estimate, never 0, or the arbiter would count room that
+            // is not there.
+            0 => CONTEXT_ESTIMATE,
+            measured => measured,
+        };
+        turn.add_context_bytes(counted as i64);
+    }
+    client::report_now(d);
+    result
+}
+
+/// After the driver made a context on `dev`: the device gets its allocator and turn,
+/// so no work on it runs before the process holds it.
+pub(crate) fn context_created(r: CUresult, pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
+    if r == CUDA_SUCCESS {
+        if let Some(d) = usize::try_from(dev).ok().filter(|&d| d < MAX_DEVICES) {
+            let ctx = if pctx.is_null() {
+                std::ptr::null_mut()
+            } else {
+                // SAFETY: the driver just wrote the context through the caller's pointer.
+                unsafe { *pctx }
+            };
+            crate::devices::ensure_device(d, ctx);
+            // The newest context is the one the shim's threads swap and drain in: an
+            // earlier one may have been destroyed (`cuCtxDestroy`) or reset since.
+            if !ctx.is_null() {
+                crate::devices::APP_CTX[d].store(ctx, Ordering::Release);
+            }
+        }
+    }
+    r
+}
+
+/// The `CUDART_INTERFACE` export table's id (`6bd5fb6c-5bf4-e74a-8987-d93912fd9df9`).
+const CUDART_INTERFACE: [u8; 16] = [
+    0x6b, 0xd5, 0xfb, 0x6c, 0x5b, 0xf4, 0xe7, 0x4a, 0x89, 0x87, 0xd9, 0x39, 0x12, 0xfd, 0x9d, 0xf9,
+];
+/// The table's slot the runtime makes its primary context through: `(CUcontext*,
+/// CUdevice) -> CUresult`, without taking a reference (ZLUDA's `dark_api`).
+const PRIMARY_SLOT: usize = 2;
+/// The driver's function of that slot, before the patch (0: not patched).
+static PRIMARY_ORIGINAL: AtomicUsize = AtomicUsize::new(0);
+
+/// `cuGetExportTable`: the driver's answer; the `CUDART_INTERFACE` table's primary
+/// context slot is patched, once, to go through [`create_context`].
+///
+/// # Safety
+/// `real` is the driver's original of this entry point; the other arguments are the
+/// application's, valid as `cuda.h` documents them.
+pub unsafe fn get_export_table(
+    real: unsafe extern "C" fn(*mut *const c_void, *const CUuuid) -> CUresult,
+    table: *mut *const c_void,
+    id: *const CUuuid,
+) -> CUresult {
+    // SAFETY: forwarding the caller's arguments.
+    let r = unsafe { real(table, id) };
+    if r != CUDA_SUCCESS || table.is_null() || id.is_null() {
+        return r;
+    }
+    // SAFETY: the caller's id, valid as cuda.h says; the table the driver just wrote.
+    let (uuid, start) = unsafe { ((*id).bytes, *table as *mut usize) };
+    if uuid != CUDART_INTERFACE || start.is_null() {
+        return r;
+    }
+    patch_primary_slot(start);
+    r
+}
+
+/// Points slot [`PRIMARY_SLOT`] of the table at `start` (its slot 0: its size in
+/// bytes) at [`primary_context`], keeping the driver's function. Leaves the table as
+/// it is when it looks different from what the runtime 12.x gets, or its page cannot
+/// be made writable.
+fn patch_primary_slot(start: *mut usize) {
+    let ours = primary_context as *const () as usize;
+    // SAFETY: the driver's table: slot 0 holds its size in bytes (every CUDART_INTERFACE
+    // table the runtime 12.x uses), read before any other slot.
+    let size = unsafe { start.read() };
+    let word = std::mem::size_of::<usize>();
+    if !(((PRIMARY_SLOT + 1) * word)..=4096).contains(&size) {
+        crate::kdebug!("CUDART_INTERFACE table of {size} bytes: not patched");
+        return;
+    }
+    // SAFETY: within the table's size, checked above.
+    let slot = unsafe { start.add(PRIMARY_SLOT) };
+    // SAFETY: as above.
+    let current = unsafe { slot.read() };
+    if current == ours || current == 0 {
+        return;
+    }
+    if PRIMARY_ORIGINAL
+        .compare_exchange(0, current, Ordering::AcqRel, Ordering::Acquire)
+        .is_err_and(|was| was != current)
+    {
+        crate::kdebug!("a second CUDART_INTERFACE table with another function: not patched");
+        return;
+    }
+    if let Err(e) = write_word(slot, ours) {
+        crate::kdebug!(
+            "cannot patch the CUDART_INTERFACE table ({e}): contexts it makes do not wait for room"
+        );
+    }
+}
+
+/// Writes `value` at `at`, in a page that may be read-only (the driver's relocated
+/// tables): it is made writable for the write and given its protection back.
+fn write_word(at: *mut usize, value: usize) -> std::io::Result<()> {
+    let prot = protection_of(at as usize)?;
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+    let base = (at as usize) & !(page - 1);
+    let writable = prot & libc::PROT_WRITE != 0;
+    if !writable {
+        // SAFETY: one page of a mapping of this process (found in /proc/self/maps),
+        // given read and write for one aligned word store.
+        if unsafe { libc::mprotect(base as *mut c_void, page, prot | libc::PROT_WRITE) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    // SAFETY: an aligned slot of the table, writable now; the runtime reads the
+    // table only after cuGetExportTable returns.
+    unsafe { std::ptr::write_volatile(at, value) };
+    if !writable {
+        // SAFETY: as above, the page's own protection back.
+        unsafe { libc::mprotect(base as *mut c_void, page, prot) };
+    }
+    Ok(())
+}
+
+/// The protection (`PROT_*`) of the mapping holding `addr`, from `/proc/self/maps`.
+fn protection_of(addr: usize) -> std::io::Result<i32> {
+    let maps = std::fs::read_to_string("/proc/self/maps")?;
+    for line in maps.lines() {
+        let mut f = line.split_whitespace();
+        let (Some(range), Some(perms)) = (f.next(), f.next()) else {
+            continue;
+        };
+        let Some((lo, hi)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+        else {
+            continue;
+        };
+        if (lo..hi).contains(&addr) {
+            let p = perms.as_bytes();
+            let mut prot = 0;
+            if p.first() == Some(&b'r') {
+                prot |= libc::PROT_READ;
+            }
+            if p.get(1) == Some(&b'w') {
+                prot |= libc::PROT_WRITE;
+            }
+            if p.get(2) == Some(&b'x') {
+                prot |= libc::PROT_EXEC;
+            }
+            return Ok(prot);
+        }
+    }
+    Err(std::io::Error::other("address not mapped"))
+}
+
+/// The patched slot: the driver's function through [`create_context`], then the
+/// device's allocator and turn as for every context.
+extern "C" fn primary_context(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
+    let f = PRIMARY_ORIGINAL.load(Ordering::Acquire);
+    if f == 0 {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    }
+    // SAFETY: the driver's function of this slot, saved by the patch: `(CUcontext*,
+    // CUdevice) -> CUresult`.
+    let real = unsafe {
+        std::mem::transmute::<usize, unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult>(f)
+    };
+    if crate::ffi::reentered() {
+        // SAFETY: the driver calling itself: forwarded unchanged.
+        return unsafe { real(pctx, dev) };
+    }
+    crate::ffi::guarded("CUDART_INTERFACE primary context", || {
+        // SAFETY: forwarding the runtime's arguments.
+        let r = create_context(dev, pctx, || unsafe { real(pctx, dev) });
+        context_created(r, pctx, dev)
+    })
+}
