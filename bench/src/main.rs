@@ -5,6 +5,7 @@ mod handoff;
 mod jobs;
 mod livebytes;
 mod markdown;
+mod newcomer;
 mod pipeline;
 mod procs;
 mod report;
@@ -76,6 +77,9 @@ enum Scenario {
     /// Two JAX-like programs (75% of free preallocated, 5% used) with and without
     /// the discard hint, against the same programs allocating only what they use.
     LiveBytes,
+    /// A newcomer's first CUDA call to its context beside an idle holder of 90% of
+    /// the GPU, against that holder's swap-out alone.
+    Newcomer,
     #[command(name = "__arbiter", hide = true)]
     Arbiter {
         #[arg(long)]
@@ -101,6 +105,8 @@ enum Scenario {
         #[arg(long, default_value_t = 0)]
         end_ns: u64,
     },
+    #[command(name = "__newcomer", hide = true)]
+    NewcomerRole,
     #[command(name = "__create-rate", hide = true)]
     CreateRateRole { bytes: usize, segment: usize },
     #[command(name = "__handoff-client", hide = true)]
@@ -168,6 +174,8 @@ fn run(cli: Cli) -> Result<()> {
         Scenario::IdlePartner => pipeline::idle_partner(cli.quick)?,
         Scenario::EarlyRelease => pipeline::early_release(cli.quick)?,
         Scenario::LiveBytes => livebytes::live_bytes(cli.quick)?,
+        Scenario::Newcomer => newcomer::newcomer(cli.quick)?,
+        Scenario::NewcomerRole => return newcomer::newcomer_role(),
         Scenario::Arbiter {
             socket_dir,
             tq,
@@ -205,6 +213,7 @@ fn run_all(quick: bool, json: bool, markdown: Option<PathBuf>) -> Result<()> {
         ("idle-partner", Box::new(pipeline::idle_partner)),
         ("early-release", Box::new(pipeline::early_release)),
         ("live-bytes", Box::new(livebytes::live_bytes)),
+        ("newcomer", Box::new(newcomer::newcomer)),
         ("oversub", Box::new(jobs::oversub)),
         ("fit", Box::new(jobs::fit)),
     ];

@@ -45,7 +45,7 @@ pub(crate) struct Job {
 
 impl Job {
     /// Starts `script` with `mem` bytes and waits until the job is ready.
-    fn ready(
+    pub(crate) fn ready(
         b: &Build,
         sim: &Sim,
         arb: &ArbiterProc,
@@ -119,6 +119,12 @@ impl Job {
     pub(crate) fn go(&mut self, at_ns: u64) -> Result<()> {
         writeln!(self.stdin, "{at_ns}")?;
         Ok(())
+    }
+
+    /// Ends the job now (a holder left idling by its script).
+    pub(crate) fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// Waits for the job to exit, at most until `deadline` (then it is killed: turns

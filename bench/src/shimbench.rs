@@ -32,7 +32,7 @@ type Launch = unsafe extern "C" fn(
     *mut *mut c_void,
 ) -> c_int;
 
-fn open(path: &CStr, flags: c_int) -> Result<*mut c_void> {
+pub(crate) fn open(path: &CStr, flags: c_int) -> Result<*mut c_void> {
     // SAFETY: dlopen with a NUL-terminated path.
     let h = unsafe { libc::dlopen(path.as_ptr(), flags) };
     if h.is_null() {
@@ -45,7 +45,7 @@ fn open(path: &CStr, flags: c_int) -> Result<*mut c_void> {
 
 /// # Safety
 /// `T` must be the function-pointer type of `name` in the loaded library.
-unsafe fn sym<T: Copy>(h: *mut c_void, name: &CStr) -> Result<T> {
+pub(crate) unsafe fn sym<T: Copy>(h: *mut c_void, name: &CStr) -> Result<T> {
     // SAFETY: dlsym on a live handle with a NUL-terminated name.
     let p = unsafe { libc::dlsym(h, name.as_ptr()) };
     if p.is_null() {
@@ -56,7 +56,7 @@ unsafe fn sym<T: Copy>(h: *mut c_void, name: &CStr) -> Result<T> {
     Ok(unsafe { std::mem::transmute_copy(&p) })
 }
 
-fn check(r: c_int, what: &str) -> Result<()> {
+pub(crate) fn check(r: c_int, what: &str) -> Result<()> {
     if r != 0 {
         bail!("{what} failed with CUDA error {r}");
     }

@@ -136,3 +136,14 @@ fn live_bytes_quick_json() {
         assert!(figure(&figs, m)["ratio"].as_f64().unwrap() > 0.0, "{m}");
     }
 }
+
+/// `newcomer`: the newcomer's context is ready beside an idle 86% holder (it used to
+/// fail with out of memory), with a positive time against the holder's swap-out in
+/// the same run.
+#[test]
+fn newcomer_quick_json() {
+    let figs = run(&["newcomer", "--quick", "--json"]);
+    let f = figure(&figs, "context_ready");
+    assert!(f["value"].as_f64().unwrap() > 0.0, "{f}");
+    assert!(f["ratio"].as_f64().unwrap() > 0.0, "{f}");
+}
