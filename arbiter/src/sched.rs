@@ -80,6 +80,8 @@ pub struct ClientInfo {
     /// It takes part in pipelined hand-offs (`drained`, `grant {pipelined}`,
     /// `pressure`).
     pub pipelined: bool,
+    /// It asked for [`ArbiterMsg::Room`].
+    pub room_info: bool,
 }
 
 impl ClientInfo {
@@ -94,6 +96,7 @@ impl ClientInfo {
             wait_info: r.wait_info,
             unswappable: r.unswappable_bytes,
             pipelined: r.pipelined,
+            room_info: r.room_info,
         }
     }
 
@@ -124,6 +127,8 @@ struct Client {
     told: Option<WaitView>,
     /// GPU memory of its that no swap frees (contexts, modules, its own VMM memory).
     unswappable: u64,
+    /// The last [`ArbiterMsg::Room`] it was sent (`room_info` clients).
+    room_told: Option<u64>,
     /// Bytes it was asked to reclaim and has not answered yet.
     reclaim_pending: u64,
     /// When that reclaim was asked (a hand-off in progress for idle eviction, for at
@@ -322,8 +327,15 @@ impl GpuScheduler {
             .values()
             .map(|c| c.unswappable)
             .fold(0u64, u64::saturating_add);
+        // The reserve stands in for clients that do not report (shims that predate
+        // the report); with every client reporting, the reports are the truth.
+        let floor = if self.clients.values().any(|c| c.info.unswappable.is_none()) {
+            self.total.saturating_sub(self.capacity)
+        } else {
+            0
+        };
         reported
-            .max(self.total.saturating_sub(self.capacity))
+            .max(floor)
             .saturating_add(self.unseen)
             .min(self.total)
     }
@@ -432,6 +444,7 @@ impl GpuScheduler {
         self.schedule(now);
         self.notify_waiters(now);
         self.notify_pressure();
+        self.notify_room();
         self.idle_evict(now);
         std::mem::take(&mut self.out)
     }
@@ -480,6 +493,7 @@ impl GpuScheduler {
                 held_ns: 0,
                 told: None,
                 unswappable,
+                room_told: None,
                 reclaim_pending: 0,
                 reclaim_sent: None,
                 last_seen: now,
@@ -495,6 +509,9 @@ impl GpuScheduler {
                 swap_budget_bytes: self.swap_budget,
             },
         );
+        // Right after `registered`, so the client knows the others' memory before its
+        // application asks how much is free.
+        self.notify_room();
         // Already oversubscribed: a pipelined client prepares its swap-out from the
         // start (a change this registration makes is told to everyone in `finish`).
         if self.pressure && self.clients.get(&id).is_some_and(|c| c.info.pipelined) {
@@ -1190,6 +1207,30 @@ impl GpuScheduler {
                 ArbiterMsg::Pressure {
                     oversubscribed: over,
                     idle_evict_ms: self.idle_evict_ns / 1_000_000,
+                },
+            );
+        }
+    }
+
+    /// Tells `room_info` clients the memory no swap frees that is not theirs, when it
+    /// changed since they were last told.
+    fn notify_room(&mut self) {
+        let fixed = self.fixed();
+        let changed: Vec<(ClientId, u64)> = self
+            .clients
+            .iter()
+            .filter(|(_, c)| c.info.room_info)
+            .map(|(&id, c)| (id, fixed.saturating_sub(c.unswappable)))
+            .filter(|&(id, others)| self.clients[&id].room_told != Some(others))
+            .collect();
+        for (id, others) in changed {
+            if let Some(c) = self.clients.get_mut(&id) {
+                c.room_told = Some(others);
+            }
+            self.send(
+                id,
+                ArbiterMsg::Room {
+                    others_unswappable_bytes: others,
                 },
             );
         }

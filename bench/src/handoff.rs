@@ -37,6 +37,7 @@ fn register(socket: &Path, ws: u64) -> Result<Connection<ClientMsg, ArbiterMsg>>
         wait_info: false,
         unswappable_bytes: None,
         pipelined: false,
+        room_info: false,
     };
     match c.call(&ClientMsg::Register(reg))? {
         ArbiterMsg::Registered { .. } => Ok(c),

@@ -315,6 +315,7 @@ fn swaps_alone(b: &Build, mem: u64, cycles: u32, pcie_gbps: f64) -> Result<(f64,
         wait_info: false,
         unswappable_bytes: Some(crate::jobs::COSTS.context_memory),
         pipelined: false,
+        room_info: false,
     };
     match c.call(&ClientMsg::Register(reg))? {
         ArbiterMsg::Registered { .. } => {}

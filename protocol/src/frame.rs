@@ -247,6 +247,7 @@ mod tests {
             wait_info: false,
             unswappable_bytes: None,
             pipelined: false,
+            room_info: false,
         }))
         .unwrap();
         let mut d = FrameDecoder::new();

@@ -105,6 +105,12 @@ pub struct Register {
     /// refuses the field and the client registers again without it.
     #[serde(default, skip_serializing_if = "is_false")]
     pub pipelined: bool,
+    /// The client wants [`ArbiterMsg::Room`] (issue #24): the others' memory no swap
+    /// frees, so it can tell the application the truth about free memory and let it
+    /// allocate what it could beside them. Opt-in and left out when false, like
+    /// `wait_info`.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub room_info: bool,
 }
 
 fn is_zero_u64(n: &u64) -> bool {
@@ -311,6 +317,14 @@ pub enum ArbiterMsg {
         /// pays only its own swap-in.
         #[serde(default, skip_serializing_if = "is_zero_u64")]
         idle_evict_ms: u64,
+    },
+    /// To a client that registered with `room_info`: the GPU memory no swap frees
+    /// that is not its own — the other clients' contexts, modules and VMM memory, and
+    /// what the arbiter learned it cannot see (`no_room`) — after its registration and
+    /// whenever that changes. What the client can have resident in its turn is the
+    /// GPU's total less this and its own memory no swap frees.
+    Room {
+        others_unswappable_bytes: u64,
     },
     /// Scheduler settings changed (`kiwictl -S/-T`), sent to every client of the GPU.
     Settings(Settings),
@@ -903,6 +917,7 @@ mod tests {
             wait_info: false,
             unswappable_bytes: None,
             pipelined: false,
+            room_info: false,
         };
         assert_eq!(r.validate(), Ok(()));
         r.name = Some("x".repeat(1 << 20));

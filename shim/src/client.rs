@@ -61,6 +61,9 @@ const PIN_STEP: u64 = 64 << 20;
 const PIPELINED_WAIT: Duration = Duration::from_secs(2);
 /// How often the pinning thread looks again while a turn wants buffers ready.
 const PIN_RECHECK: Duration = Duration::from_millis(200);
+/// How long a registration that asked for `room_info` waits for `room` after
+/// `registered` (a conforming arbiter sends both at once).
+const ROOM_WAIT: Duration = Duration::from_secs(1);
 /// How often a held turn short of room tells the arbiter again ([`ClientMsg::NoRoom`]):
 /// a reclaim answered without freeing enough (memory outside Kiwi grew meanwhile) is
 /// then made again.
@@ -173,8 +176,12 @@ pub struct Turn {
     slot: usize,
     res: Box<dyn Residency>,
     writer: Mutex<Option<Conn>>,
-    /// GPU memory the arbiter schedules against (total − context reserve).
+    /// GPU memory the arbiter schedules against (total − context reserve), as it said
+    /// at registration: the limit until it says [`ArbiterMsg::Room`].
     capacity: AtomicU64,
+    /// The others' memory no swap frees ([`ArbiterMsg::Room`]); `u64::MAX` until the
+    /// arbiter says (an arbiter that predates it never does).
+    others_fixed: AtomicU64,
     /// The arbiter enforces a node swap budget: growth must be admitted first.
     budgeted: AtomicBool,
     /// Serializes admissions: one question in flight per turn.
@@ -249,8 +256,25 @@ impl Turn {
         &self.info
     }
 
+    /// The most this process's working set on the GPU can be: the GPU's total less
+    /// the others' memory no swap frees and its own contexts and modules (its own VMM
+    /// memory is in its working set), once the arbiter said the others'
+    /// ([`ArbiterMsg::Room`]); before, or with an arbiter that predates it, total less
+    /// the arbiter's context reserve.
     pub fn capacity(&self) -> u64 {
-        self.capacity.load(Ordering::Relaxed)
+        match self.others_fixed.load(Ordering::Relaxed) {
+            u64::MAX => self.capacity.load(Ordering::Relaxed),
+            others => self
+                .info
+                .total_memory
+                .saturating_sub(others)
+                .saturating_sub(self.context_bytes.load(Ordering::Relaxed)),
+        }
+    }
+
+    /// The allocator's limit follows [`Turn::capacity`].
+    fn update_limit(&self) {
+        self.res.set_limit(self.capacity());
     }
 
     pub fn figures(&self) -> Figures {
@@ -344,6 +368,9 @@ impl Turn {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
                 Some(v.saturating_add_signed(delta))
             });
+        if self.others_fixed.load(Ordering::Relaxed) != u64::MAX {
+            self.update_limit();
+        }
     }
 
     /// This process's memory on this GPU that no swap frees: contexts, modules and
@@ -585,6 +612,10 @@ struct Registration {
     swap_budget: Option<u64>,
     /// The arbiter took `unswappable_bytes`: it counts them and takes `unswappable`.
     reports_unswappable: bool,
+    /// The others' memory no swap frees, from the arbiter's `room` (`room_info`).
+    others_fixed: Option<u64>,
+    /// A message that came where `room` was expected: the turn's thread's first.
+    first: Option<ArbiterMsg>,
     /// The arbiter took `pipelined`: it takes `drained` and may send `pressure` and
     /// `grant {pipelined}`.
     pipelined: bool,
@@ -607,20 +638,24 @@ fn register(
     resume: Option<Resume>,
 ) -> Result<Registration, StartError> {
     let u = Some(unswappable);
-    let mut r = register_once(env, info, slot, figures, resume, true, u, true);
+    let mut r = register_once(env, info, slot, figures, resume, true, u, true, true);
+    if let Err(StartError::Predates(m)) = &r {
+        crate::kdebug!("the arbiter does not know `room_info` ({m}); registering without it");
+        r = register_once(env, info, slot, figures, resume, true, u, true, false);
+    }
     if let Err(StartError::Predates(m)) = &r {
         crate::kdebug!("the arbiter does not know `pipelined` ({m}); registering without it");
-        r = register_once(env, info, slot, figures, resume, true, u, false);
+        r = register_once(env, info, slot, figures, resume, true, u, false, false);
     }
     if let Err(StartError::Predates(m)) = &r {
         crate::kdebug!(
             "the arbiter does not know `unswappable_bytes` ({m}); registering without it"
         );
-        r = register_once(env, info, slot, figures, resume, true, None, false);
+        r = register_once(env, info, slot, figures, resume, true, None, false, false);
     }
     if let Err(StartError::Predates(m)) = &r {
         crate::kdebug!("the arbiter does not know `wait_info` ({m}); registering without it");
-        r = register_once(env, info, slot, figures, resume, false, None, false);
+        r = register_once(env, info, slot, figures, resume, false, None, false, false);
     }
     r
 }
@@ -635,6 +670,7 @@ fn register_once(
     wait_info: bool,
     unswappable: Option<u64>,
     pipelined: bool,
+    room_info: bool,
 ) -> Result<Registration, StartError> {
     let stream = UnixStream::connect(env.client_socket())?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
@@ -667,6 +703,7 @@ fn register_once(
         wait_info,
         unswappable_bytes: unswappable,
         pipelined,
+        room_info,
     }))?;
     let (capacity, swap_budget) = match conn.recv()? {
         ArbiterMsg::Registered {
@@ -687,13 +724,29 @@ fn register_once(
         ArbiterMsg::Error {
             code: ErrorCode::Malformed,
             message,
-        } if wait_info || unswappable.is_some() || pipelined => {
+        } if wait_info || unswappable.is_some() || pipelined || room_info => {
             return Err(StartError::Predates(message))
         }
         ArbiterMsg::Error { code, message } => {
             return Err(StartError::Refused(format!("{code:?}: {message}")))
         }
         other => return Err(StartError::Refused(format!("unexpected reply {other:?}"))),
+    };
+    // An arbiter that took `room_info` says the others' memory right after, before
+    // the application can ask what is free. Anything else first (a peer that does
+    // not keep to that) is handled by the turn's thread like any message.
+    let (others_fixed, first) = if room_info {
+        match next_message(&mut conn, ROOM_WAIT)? {
+            Some(ArbiterMsg::Room {
+                others_unswappable_bytes,
+            }) => (Some(others_unswappable_bytes), None),
+            other => {
+                crate::kdebug!("no `room` right after `registered` (got {other:?})");
+                (None, other)
+            }
+        }
+    } else {
+        (None, None)
     };
     conn.stream().set_read_timeout(None)?;
     CONN_FDS[2 * slot].store(conn.stream().as_raw_fd(), Ordering::Relaxed);
@@ -705,6 +758,8 @@ fn register_once(
         swap_budget,
         reports_unswappable: unswappable.is_some(),
         pipelined,
+        others_fixed,
+        first,
     })
 }
 
@@ -842,42 +897,46 @@ impl Client {
         let mut figures = res.figures();
         figures.working_set = figures.working_set.saturating_add(info.pending_bytes);
         let unswappable = info.context_bytes + figures.external;
-        let (reader, writer, capacity, budget, reports, pipelined) = match register(
-            &self.env,
-            &info,
-            slot,
-            figures,
-            unswappable,
-            None,
-        ) {
-            Ok(r) => (
-                Some(r.reader),
-                Some(r.writer),
-                r.capacity,
-                r.swap_budget,
-                r.reports_unswappable,
-                r.pipelined,
-            ),
-            Err(StartError::Refused(m)) => {
-                crate::kerror!(
+        let (reader, writer, capacity, budget, reports, pipelined, others_fixed, first) =
+            match register(&self.env, &info, slot, figures, unswappable, None) {
+                Ok(r) => (
+                    Some(r.reader),
+                    Some(r.writer),
+                    r.capacity,
+                    r.swap_budget,
+                    r.reports_unswappable,
+                    r.pipelined,
+                    r.others_fixed,
+                    r.first,
+                ),
+                Err(StartError::Refused(m)) => {
+                    crate::kerror!(
                     "GPU {} ({}): the arbiter refused it ({m}); running it UNMANAGED: no sharing, no swapping",
                     info.ordinal,
                     info.uuid
                 );
-                res.set_backing_allowed(true);
-                return Added::Unmanaged;
-            }
-            Err(e) => {
-                // The arbiter answered at start: it is restarting. The turn's thread
-                // connects as soon as it is back.
-                crate::kwarn!(
-                    "GPU {}: cannot reach the arbiter ({e}); will retry",
-                    info.ordinal
-                );
-                (None, None, info.total_memory, None, false, false)
-            }
-        };
-        res.set_limit(capacity);
+                    res.set_backing_allowed(true);
+                    return Added::Unmanaged;
+                }
+                Err(e) => {
+                    // The arbiter answered at start: it is restarting. The turn's thread
+                    // connects as soon as it is back.
+                    crate::kwarn!(
+                        "GPU {}: cannot reach the arbiter ({e}); will retry",
+                        info.ordinal
+                    );
+                    (
+                        None,
+                        None,
+                        info.total_memory,
+                        None,
+                        false,
+                        false,
+                        None,
+                        None,
+                    )
+                }
+            };
         let ordinal = info.ordinal;
         let context_bytes = info.context_bytes;
         let pending_bytes = info.pending_bytes;
@@ -887,6 +946,7 @@ impl Client {
             res,
             writer: Mutex::new(writer),
             capacity: AtomicU64::new(capacity),
+            others_fixed: AtomicU64::new(others_fixed.unwrap_or(u64::MAX)),
             budgeted: AtomicBool::new(budget.is_some()),
             admitting: Mutex::new(()),
             admitted: Mutex::new(None),
@@ -906,6 +966,7 @@ impl Client {
             swap_budget: AtomicU64::new(budget.unwrap_or(u64::MAX)),
             swapping: AtomicU32::new(0),
         });
+        turn.update_limit();
         turn.usage();
         // A context is not a claim: the process's other GPUs go on; work submitted to
         // this one waits (and claims it) until its turn is held.
@@ -938,7 +999,7 @@ impl Client {
         let c = self.clone();
         if let Err(e) = std::thread::Builder::new()
             .name(format!("kiwi-gpu{ordinal}"))
-            .spawn(move || c.run(turn, reader))
+            .spawn(move || c.run(turn, reader, first))
         {
             crate::kerror!("cannot start the shim's thread for GPU {ordinal}: {e}");
         }
@@ -1472,6 +1533,13 @@ impl Client {
             // Oversubscribed: a swap-out of this client may come at any time (a drop, a
             // reclaim, an idle eviction), whether it holds the GPU or not; its pinned
             // buffers are prepared in the background. No longer: the spares go back.
+            ArbiterMsg::Room {
+                others_unswappable_bytes,
+            } => {
+                turn.others_fixed
+                    .store(others_unswappable_bytes, Ordering::Relaxed);
+                turn.update_limit();
+            }
             ArbiterMsg::Pressure {
                 oversubscribed,
                 idle_evict_ms,
@@ -1728,10 +1796,13 @@ impl Client {
         }
     }
 
-    fn run(self: Arc<Self>, turn: Arc<Turn>, reader: Option<Conn>) {
+    fn run(self: Arc<Self>, turn: Arc<Turn>, reader: Option<Conn>, first: Option<ArbiterMsg>) {
         // Its swaps, pins and waits never invalidate the application's captures.
         crate::capture::relax_this_thread();
         let k = turn.slot;
+        if let Some(m) = first {
+            self.handle(&turn, m);
+        }
         let mut conn = match reader {
             Some(c) => c,
             None => self.reconnect(&turn),
@@ -1936,22 +2007,28 @@ impl Client {
                         ts.last_usage = None;
                     }
                     turn.capacity.store(r.capacity, Ordering::Relaxed);
+                    turn.others_fixed
+                        .store(r.others_fixed.unwrap_or(u64::MAX), Ordering::Relaxed);
                     turn.budgeted
                         .store(r.swap_budget.is_some(), Ordering::Release);
                     turn.pipelined.store(r.pipelined, Ordering::Relaxed);
                     turn.swap_budget
                         .store(r.swap_budget.unwrap_or(u64::MAX), Ordering::Relaxed);
-                    turn.res.set_limit(r.capacity);
+                    turn.update_limit();
                     let st = lock(&self.state);
                     *lock(&turn.writer) = Some(r.writer);
                     if st.slots[k].ts.phase == Phase::Requested {
                         turn.send(&ClientMsg::Request);
                     }
+                    drop(st);
                     crate::kwarn!(
                         "GPU {}: reconnected to the arbiter (holding: {})",
                         turn.info.ordinal,
                         resume.holding
                     );
+                    if let Some(m) = r.first {
+                        self.handle(turn, m);
+                    }
                     return r.reader;
                 }
                 Err(e) => crate::kdebug!("reconnect failed: {e}"),

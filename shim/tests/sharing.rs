@@ -70,8 +70,9 @@ fn another_gpus_access_survives_a_swap() {
     let mut a = Command::new(&exe);
     let mut a = Stepped::spawn(under_kiwi_on(a.arg("400"), &m, &arb));
     a.wait_for("READY");
-    // gpuburst works on GPU 0 by default: over capacity with the program there.
-    let b = notebook(&m, &arb, 500);
+    // gpuburst works on GPU 0 by default: 400 + 600 MiB and two 48 MiB contexts do
+    // not fit in 1 GiB.
+    let b = notebook(&m, &arb, 600);
     // Its first 64 MiB segment goes first (least recently mapped).
     wait_swapped_out(&arb, a.child.id(), 64 << 20);
     a.go();
@@ -110,7 +111,8 @@ fn a_failed_drain_does_not_evict() {
     let mut a = Stepped::spawn(a);
     a.wait_for("QUEUED");
     std::fs::write(&fail, b"").unwrap();
-    let b = notebook(&m, &arb, 500);
+    // 400 + 600 MiB and two 48 MiB contexts do not fit in 1 GiB.
+    let b = notebook(&m, &arb, 600);
     let ob = finish(b);
     let pid = a.child.id();
     a.go();

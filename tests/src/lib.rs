@@ -270,6 +270,7 @@ pub fn register_msg(gpu: &str, total: u64, ws: u64) -> Register {
         wait_info: false,
         unswappable_bytes: None,
         pipelined: false,
+        room_info: false,
     }
 }
 
