@@ -161,8 +161,8 @@ const NOTES: &[&str] = &[
      the dead segments first, so with the hint a swap-out may copy nothing at all.",
     "**newcomer**: a notebook holds 3520 MiB (86%) of a 4 GiB GPU with 300 MiB contexts \
      and idles; a newcomer's `cuInit` and primary context (this binary under the shim) \
-     find no room for the context. It waits for room (`docs/shim.md`, \"A context that \
-     finds the GPU full waits for room\"): the holder releases early and swaps out what \
+     find no room for the context. It waits for room (`docs/shim.md`, \"Memory the shim \
+     cannot page waits for room\"): the holder releases early and swaps out what \
      the context needs. The baseline is that swap-out's own duration in the same run: \
      the newcomer's context is ready once enough segments are freed, before the swap-out \
      reports its end, so the ratio can be below 1.",

@@ -120,8 +120,8 @@ pub struct DeviceInfo {
     /// Device memory the process's context on it costs (measured when the turn is
     /// made: see `hooks::context_cost`); memory no swap frees.
     pub context_bytes: u64,
-    /// Memory the process needs on this GPU and cannot take yet: a context waiting
-    /// for room ([`crate::room`]). Reported as working set not resident, so the
+    /// Memory the process needs on this GPU and cannot take yet: a context, a module
+    /// or its own VMM memory waiting for room ([`crate::room`]). Reported as working set not resident, so the
     /// arbiter makes room for it as for memory to swap in.
     pub pending_bytes: u64,
 }
@@ -270,6 +270,15 @@ impl Turn {
                 .saturating_sub(others)
                 .saturating_sub(self.context_bytes.load(Ordering::Relaxed)),
         }
+    }
+
+    /// Whether `more` bytes beside this process's memory on the GPU could ever be
+    /// resident in its turn, with every other process's swappable memory out: false
+    /// only once the arbiter said the others' memory no swap frees
+    /// ([`ArbiterMsg::Room`]) and it leaves too little.
+    pub fn could_fit(&self, more: u64) -> bool {
+        self.others_fixed.load(Ordering::Relaxed) == u64::MAX
+            || self.figures().working_set.saturating_add(more) <= self.capacity()
     }
 
     /// The allocator's limit follows [`Turn::capacity`].
@@ -2172,13 +2181,13 @@ pub fn report_now(ordinal: usize) {
     }
 }
 
-/// A context on GPU `ordinal` that cannot be made while its turn is held
-/// ([`crate::room`]): says `no_room` for its pending bytes (after the usage that
+/// Memory the shim cannot page on GPU `ordinal` that cannot be had while its turn is
+/// held ([`crate::room`]): says `no_room` for the turn's pending bytes (after the usage that
 /// counts them), so the arbiter learns the memory it cannot see and reclaims what
 /// the context lacks from the clients that do not hold the GPU, or turns sharers
 /// into turns. Nothing when the turn is not held (dropped meanwhile: the next wait
 /// asks again).
-pub fn context_short_of_room(ordinal: usize) {
+pub fn pending_short_of_room(ordinal: usize) {
     let Some(c) = CLIENT.get() else { return };
     let mut st = lock(&c.state);
     let Some(k) = st.slots.iter().position(|s| s.turn.info.ordinal == ordinal) else {

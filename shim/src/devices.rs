@@ -473,12 +473,13 @@ pub(crate) fn ensure_device(d: usize, ctx: CUcontext) -> bool {
     mem_lock(d).is_some()
 }
 
-/// Device `d`'s turn, for a context that cannot be made yet ([`crate::room`]):
-/// registered now, before any context, when the process has none there; either way
-/// with `estimate` bytes pending (reported as working set not resident, so the
+/// Device `d`'s turn, for memory the shim cannot page that does not fit yet (a
+/// context, a module, the application's own VMM memory: [`crate::room`]): registered
+/// now, before any context, when the process has none there; either way with
+/// `estimate` bytes pending (reported as working set not resident, so the
 /// arbiter makes room for them). The caller clears them (`set_pending(0)`). `None`
 /// when the shim does not manage the device.
-pub(crate) fn turn_before_context(d: usize, estimate: u64) -> Option<&'static client::Turn> {
+pub(crate) fn turn_for_room(d: usize, estimate: u64) -> Option<&'static client::Turn> {
     let c = client::global()?;
     if VMM_UNAVAILABLE.load(Ordering::Acquire) & (1 << d) != 0 {
         return None;

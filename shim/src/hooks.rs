@@ -127,7 +127,7 @@ fn modules() -> MutexGuard<'static, std::collections::BTreeMap<usize, (usize, u6
 /// process's own allocator mapped or unmapped meanwhile (both read under the
 /// allocator's lock, so a swap of its own never counts). Other processes allocating
 /// or freeing during the load can still move the figure; a negative one counts 0.
-fn counted_load(handle: *mut *mut c_void, load: impl FnOnce() -> CUresult) -> CUresult {
+fn counted_load(handle: *mut *mut c_void, mut load: impl FnMut() -> CUresult) -> CUresult {
     let target = current_mem_device()
         .and_then(|d| client::global().and_then(|c| c.turn_for(d)).map(|t| (d, t)));
     let Some((d, turn)) = target else {
@@ -138,8 +138,16 @@ fn counted_load(handle: *mut *mut c_void, load: impl FnOnce() -> CUresult) -> CU
         let own = guard.as_ref().map_or(0, |m| m.figures().resident);
         free_memory().map(|f| (f, own))
     };
-    let before = snapshot();
-    let r = load();
+    let mut before = snapshot();
+    let mut r = load();
+    if r == CUDA_ERROR_OUT_OF_MEMORY {
+        // The GPU is full of others' memory: wait for room, measuring around the try
+        // that works.
+        r = room::retry_with_room(d, room::MODULE_ESTIMATE, "a module", r, || {
+            before = snapshot();
+            load()
+        });
+    }
     if r != CUDA_SUCCESS || handle.is_null() {
         return r;
     }
@@ -681,7 +689,22 @@ pub unsafe fn app_mem_create(
     flags: u64,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    let r = unsafe { real(handle, size, prop, flags) };
+    let mut r = unsafe { real(handle, size, prop, flags) };
+    if r == CUDA_ERROR_OUT_OF_MEMORY && !prop.is_null() {
+        // SAFETY: the caller's property struct, just read by the driver.
+        let loc = unsafe { (*prop).location };
+        if let Some(d) = (loc.type_ == CU_MEM_LOCATION_TYPE_DEVICE)
+            .then(|| usize::try_from(loc.id).ok())
+            .flatten()
+            .filter(|&d| d < MAX_DEVICES)
+        {
+            let what = "the application's own memory (cuMemCreate)";
+            // SAFETY: forwarding the caller's arguments again.
+            r = room::retry_with_room(d, size as u64, what, r, || unsafe {
+                real(handle, size, prop, flags)
+            });
+        }
+    }
     if r == CUDA_SUCCESS && !handle.is_null() && !prop.is_null() {
         // SAFETY: the driver just wrote the handle; prop is the caller's, just read by
         // the driver.

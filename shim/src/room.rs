@@ -1,26 +1,34 @@
-//! Room for a context (issue #24): a context whose creation finds the GPU full of
-//! other processes' memory asks the arbiter for room and waits for its turn, instead
-//! of failing the application's first CUDA call because an idle tenant's memory is
-//! resident.
+//! Room for memory the shim cannot page (issue #24): a context, a module load or the
+//! application's own physical memory (`cuMemCreate`) that finds the GPU full of other
+//! processes' memory asks the arbiter for room and waits for its turn, instead of
+//! failing (a newcomer's first CUDA call used to fail because an idle tenant's
+//! memory was resident).
 //!
 //! Every way a context is made meets [`create_context`]: `cuDevicePrimaryCtxRetain`,
 //! `cuCtxCreate` (v2–v4) and the private entry point NVIDIA's CUDA runtime makes its
 //! primary context through (slot 2 of the `CUDART_INTERFACE` export table, which
 //! [`get_export_table`] patches in place: the runtime's integrity check hashes the
-//! table's address, so the table cannot be replaced by a copy).
+//! table's address, so the table cannot be replaced by a copy). Module loads and
+//! `cuMemCreate` call [`retry_with_room`] from their hooks.
 //!
 //! On `CUDA_ERROR_OUT_OF_MEMORY` from the driver, in a managed process: the device's
-//! turn is registered (before any context: [`crate::devices::turn_before_context`])
-//! with an estimate of the context's cost pending, reported as working set not
-//! resident: to the arbiter the newcomer is a client with memory to bring in, so a
-//! GPU that no longer fits makes it wait its turn like any waiter, and its grant
-//! reclaims from the others the room it needs. The creation is tried again while the
-//! turn is held, every few ms while the others' memory leaves, telling the arbiter
-//! `no_room` for the estimate every 250 ms (memory it cannot see, such as a process
-//! outside Kiwi: the arbiter learns it, and turns sharers into turns or reclaims
-//! more). Once made, the context's measured cost is counted as memory no swap frees
-//! (the estimate where no twin fits to measure it by). An unmanaged process fails
-//! as it would without Kiwi.
+//! turn is registered if the process has none yet (before any context:
+//! [`crate::devices::turn_for_room`]), with what is needed pending — an estimate for
+//! a context or a module, the size for `cuMemCreate` — reported as working set not
+//! resident: to the arbiter the process is a client with memory to bring in, so a GPU
+//! that no longer fits makes it wait its turn like any waiter, and its grant reclaims
+//! from the others the room it needs. The call is tried again while the turn is held,
+//! every few ms while the others' memory leaves, telling the arbiter `no_room` for
+//! what is pending every 250 ms (memory it cannot see, such as a process outside
+//! Kiwi: the arbiter learns it, and turns sharers into turns or reclaims more). A
+//! context, once made, is counted as memory no swap frees at its measured cost (the
+//! estimate where no twin fits to measure it by); a module by its measured drop in
+//! free memory; the application's VMM memory as such. What could never fit, even
+//! with every other process's swappable memory out (the arbiter's `room` says the
+//! others' memory no swap frees), fails at once with the driver's out of memory:
+//! PyTorch frees its cache and tries again on such an error. After 10
+//! s of holding the turn without room, the call fails the same way, with a line. An
+//! unmanaged process fails as it would without Kiwi.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -34,6 +42,9 @@ use crate::devices::MAX_DEVICES;
 /// H100's contexts cost 300–500 MiB (issue #24); a short estimate costs `no_room`
 /// rounds, a long one an extra segment or two of the idle tenant's memory swapped.
 const CONTEXT_ESTIMATE: u64 = 512 << 20;
+/// What a module load waits for room for: its size is not known before it is
+/// loaded; one segment of the others' memory, and `no_room` asks for more.
+pub(crate) const MODULE_ESTIMATE: u64 = 64 << 20;
 /// How often a held turn tries the creation again while room is being made.
 const RETRY: Duration = Duration::from_millis(5);
 /// How long the creation is tried while the turn is held before it fails with the
@@ -55,59 +66,95 @@ pub(crate) fn create_context(
     let Some(d) = usize::try_from(dev).ok().filter(|&d| d < MAX_DEVICES) else {
         return r;
     };
-    if client::global().is_none() || !client::allocator_enabled() {
-        return r;
+    let r = retry_with_room(d, CONTEXT_ESTIMATE, "a context", r, create);
+    if r == CUDA_SUCCESS {
+        if let Some(turn) = client::global().and_then(|c| c.turn_for(d)) {
+            // SAFETY: the driver just wrote the context through the caller's pointer.
+            let counted = match crate::devices::context_cost(d, unsafe { *pctx }) {
+                // No room for a twin to measure it by (the room made was for one
+                // context): the estimate, never 0, or the arbiter would count room
+                // that is not there.
+                0 => {
+                    crate::kinfo!(
+                        "GPU {d}: counting the context's estimate, {} MiB, as memory no swap frees",
+                        CONTEXT_ESTIMATE >> 20
+                    );
+                    CONTEXT_ESTIMATE
+                }
+                measured => measured,
+            };
+            turn.add_context_bytes(counted as i64);
+            client::report_now(d);
+        }
     }
-    let Some(turn) = crate::devices::turn_before_context(d, CONTEXT_ESTIMATE) else {
-        return r;
+    r
+}
+
+/// Runs `op` again — memory the shim cannot page (a context, a module load, the
+/// application's own `cuMemCreate`) on device `d` whose first try, `first`, was the
+/// driver's out of memory — once this process holds the GPU's turn and the arbiter
+/// made room for `need` more bytes; as the module docs say. Returns `op`'s last
+/// result (`first` when the process is not managed).
+pub(crate) fn retry_with_room(
+    d: usize,
+    need: u64,
+    what: &str,
+    first: CUresult,
+    mut op: impl FnMut() -> CUresult,
+) -> CUresult {
+    if first != CUDA_ERROR_OUT_OF_MEMORY
+        || client::global().is_none()
+        || !client::allocator_enabled()
+    {
+        return first;
+    }
+    let Some(turn) = crate::devices::turn_for_room(d, need) else {
+        return first;
     };
+    if !turn.could_fit(need) {
+        // Not even with every other process's memory swapped out: out of memory now
+        // (an application that frees its cache and tries again, as PyTorch does, must
+        // not wait for room that cannot come).
+        turn.set_pending(0);
+        client::report_now(d);
+        return first;
+    }
     crate::kinfo!(
-        "GPU {d}: no room for a context (others' memory is resident): waiting for this GPU's turn while the arbiter makes room"
+        "GPU {d}: no room for {what} of {} MiB (others' memory is resident): waiting for this GPU's turn while the arbiter makes room",
+        need >> 20
     );
     let started = Instant::now();
     let mut held = Duration::ZERO;
     let mut told: Option<Instant> = None;
     let result = loop {
         if let Err(e) = client::acquire(&crate::gate::GATE, Some(d)) {
-            crate::kwarn!("GPU {d}: waiting for room for a context failed (CUDA error {e})");
-            break r;
+            crate::kwarn!("GPU {d}: waiting for room for {what} failed (CUDA error {e})");
+            break first;
         }
         let tried = Instant::now();
-        let r = create();
+        let r = op();
         if r != CUDA_ERROR_OUT_OF_MEMORY {
             break r;
         }
         let now = Instant::now();
         if told.is_none_or(|t| now.duration_since(t) >= client::NO_ROOM_RESEND) {
-            client::context_short_of_room(d);
+            client::pending_short_of_room(d);
             told = Some(now);
         }
         std::thread::sleep(RETRY);
         held += tried.elapsed();
         if held >= HELD_LIMIT {
             crate::kerror!(
-                "GPU {d}: no room for a context after holding the GPU for {held:?}: memory no swap frees (other processes' contexts, or memory outside Kiwi) fills it; out of memory"
+                "GPU {d}: no room for {what} after holding the GPU for {held:?}: memory no swap frees (other processes' contexts, or memory outside Kiwi) fills it; out of memory"
             );
             break r;
         }
     };
     turn.set_pending(0);
-    if result == CUDA_SUCCESS {
-        crate::kinfo!(
-            "GPU {d}: room made for a context in {:?}",
-            started.elapsed()
-        );
-        // SAFETY: the driver just wrote the context through the caller's pointer.
-        let counted = match crate::devices::context_cost(d, unsafe { *pctx }) {
-            // No room for a twin to measure it by (the room made was for one
-            // context): the estimate, never 0, or the arbiter would count room that
-            // is not there.
-            0 => CONTEXT_ESTIMATE,
-            measured => measured,
-        };
-        turn.add_context_bytes(counted as i64);
-    }
     client::report_now(d);
+    if result == CUDA_SUCCESS {
+        crate::kinfo!("GPU {d}: room made for {what} in {:?}", started.elapsed());
+    }
     result
 }
 

@@ -200,12 +200,18 @@ fn two_runtime_programs_over_capacity_take_turns_under_kiwi() {
         "nothing was swapped out, so they never shared the GPU over capacity: {sa:?} {sb:?}"
     );
 
-    // Control: the same pair without Kiwi runs out of memory.
+    // Control: the same pair without Kiwi runs out of memory. A start gate, not a
+    // sleep: A holds its memory (filled, waiting at its gate) while B fills.
     let m2 = SimMachine::new("cudart-nokiwi", 1, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
     let (ca, cb) = (dir.path().join("ca.stats"), dir.path().join("cb.stats"));
-    let a = spawn(&rt, &m2, &exe, &args, None, &ca);
-    std::thread::sleep(Duration::from_millis(300));
+    let mut a = spawn_cmd(&rt, &m2, &exe, &args, None, &ca);
+    a.env("KIWI_TEST_GATE", "1").stdin(Stdio::piped());
+    let mut a = a.spawn().expect("spawn the runtime program");
+    read_until(&mut a, "READY");
     let ob = finish(spawn(&rt, &m2, &exe, &args, None, &cb));
+    let mut stdin = a.stdin.take().expect("stdin piped");
+    let _ = stdin.write_all(b"go\n");
+    drop(stdin);
     let oa = finish(a);
     let outs = format!("{}{}", text(&oa), text(&ob));
     assert!(

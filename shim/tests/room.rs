@@ -1,0 +1,133 @@
+//! Memory the shim cannot page gets room (issue #24, item 1): a module load and the
+//! application's own `cuMemCreate` that find the GPU full of an idle tenant's memory
+//! wait for room — the arbiter takes the GPU back and the tenant swaps out — instead
+//! of failing with out of memory. Real processes on the strict GPU simulator (4 GiB,
+//! 300 MiB contexts) under a real `kiwi-arbiter`.
+//!
+//! Needs the workspace built (`cargo build --workspace --all-targets`), `gcc`, and
+//! `cuda.h` (fetched once by `scripts/fetch-cuda-h.sh`).
+
+mod common;
+use common::*;
+
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use kiwi_protocol::EventKind;
+use kiwi_sim_core::harness::SimMachine;
+use kiwi_tests::Arbiter;
+
+const MIB: u64 = 1 << 20;
+
+/// The idle tenant: 3520 MiB of a 4 GiB GPU filled, then idle for longer than any
+/// test; its memory is on the GPU when this returns.
+fn idle_tenant(m: &SimMachine, arb: &Arbiter) -> Child {
+    let mut c = Command::new(kiwi_tests::bin("gpuburst"));
+    c.args(["--mem", "3520MiB", "--script", "gpu:100,idle:120000"]);
+    let c = under_kiwi_on(&mut c, m, arb)
+        .spawn()
+        .expect("spawn the tenant");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !arb.events().iter().any(|e| {
+        matches!(e.kind, EventKind::Usage { resident_bytes, .. } if resident_bytes >= 3520 * MIB)
+    }) {
+        assert!(Instant::now() < deadline, "the tenant never became resident");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    c
+}
+
+/// Runs `newcomer` to its end beside the idle tenant (its context first waits for
+/// room, as `tests/tests/cudart.rs` shows), then ends the tenant; the newcomer's
+/// output.
+fn beside_idle_tenant(newcomer: &mut Command, tag: &str) -> std::process::Output {
+    let m = SimMachine::new(tag, 1, 4096 * MIB)
+        .unwrap()
+        .with_env("KIWI_SIM_CONTEXT_MEMORY", &(300 * MIB).to_string());
+    let arb = Arbiter::start(&["--tq", "2"]);
+    let mut tenant = idle_tenant(&m, &arb);
+    let o = wait_within(
+        under_kiwi_on(newcomer, &m, &arb)
+            .env("KIWI_LOG", "info")
+            .spawn()
+            .expect("spawn the newcomer"),
+        60,
+    )
+    .unwrap_or_else(|o| panic!("the newcomer hung: {}", text(&o)));
+    let _ = tenant.kill();
+    let _ = tenant.wait();
+    o
+}
+
+/// A module of 256 MiB (the simulator's `KIWI_SIM_MODULE_MEMORY`) does not fit in
+/// what is left once the newcomer's context got its room: its load used to fail
+/// with out of memory. Now it waits for room and the newcomer's bursts verify.
+#[test]
+fn a_module_load_gets_room_beside_an_idle_tenant() {
+    let mut c = gpuburst("256MiB", 2, 50);
+    c.env("KIWI_SIM_MODULE_MEMORY", (256 * MIB).to_string());
+    let o = beside_idle_tenant(&mut c, "room-module");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("room made for a module"),
+        "{}",
+        text(&o)
+    );
+}
+
+/// The application's own physical memory (`cuMemCreate` of 512 MiB, as PyTorch's
+/// expandable segments map it) beside the tenant, once the newcomer's context got
+/// its room: it used to fail with out of memory; now it waits for room, and every
+/// byte verifies.
+#[test]
+fn an_applications_own_memory_gets_room_beside_an_idle_tenant() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = compile("vmm_app", dir.path()) else {
+        return;
+    };
+    let mut c = Command::new(&exe);
+    c.args(["512", "2"]);
+    let o = beside_idle_tenant(&mut c, "room-vmm");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("CREATED") && out.contains("OK"),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("room made for the application's own memory"),
+        "{}",
+        text(&o)
+    );
+}
+
+/// What could never fit beside the others' memory no swap frees fails at once:
+/// `cuMemCreate` of 3840 MiB beside the tenant (whose 300 MiB context stays whoever
+/// holds the GPU) does not wait for room that cannot come (PyTorch frees its cache
+/// and tries again on such an error); the driver's out of memory, at once.
+#[test]
+fn what_could_never_fit_fails_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = compile("vmm_app", dir.path()) else {
+        return;
+    };
+    let mut c = Command::new(&exe);
+    c.args(["3840", "1"]);
+    let t = Instant::now();
+    let o = beside_idle_tenant(&mut c, "room-never");
+    let took = t.elapsed();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        out.contains("cuMemCreate") && out.contains("CUDA_ERROR_OUT_OF_MEMORY"),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        !String::from_utf8_lossy(&o.stderr).contains("room for the application's own memory"),
+        "{}",
+        text(&o)
+    );
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+}
