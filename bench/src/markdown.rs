@@ -159,7 +159,7 @@ const NOTES: &[&str] = &[
      allocating only what it uses, on an 896 MiB GPU where it still takes the same \
      turns: the least a hand-off of these programs can move. A partial eviction takes \
      the dead segments first, so with the hint a swap-out may copy nothing at all.",
-    "**newcomer**: a notebook holds 3520 MiB (86%) of a 4 GiB GPU with 300 MiB contexts \
+    "**newcomer**: a notebook holds 3648 MiB (90%) of a 4 GiB GPU with 300 MiB contexts \
      and idles; a newcomer's `cuInit` and primary context (this binary under the shim) \
      find no room for the context. It waits for room (`docs/shim.md`, \"Memory the shim \
      cannot page waits for room\"): the holder releases early and swaps out what \

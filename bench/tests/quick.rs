@@ -137,7 +137,7 @@ fn live_bytes_quick_json() {
     }
 }
 
-/// `newcomer`: the newcomer's context is ready beside an idle 86% holder (it used to
+/// `newcomer`: the newcomer's context is ready beside an idle 90% holder (it used to
 /// fail with out of memory), with a positive time against the holder's swap-out in
 /// the same run.
 #[test]
