@@ -132,10 +132,12 @@ fn memory_outside_kiwi_neither_stalls_turns_nor_sharers() {
             .any(|e| e.client != ev[no_room].client && matches!(e.kind, EventKind::Reclaim { .. })),
         "no reclaim after `no_room`:\n{why}"
     );
-    // Four 0.6 s bursts each, plus hand-offs: ~6 s on an idle machine; a holder that
-    // waited out its TQ (2 s) at each of the ~8 hand-offs took ~27 s.
+    // Four 0.6 s bursts each, plus hand-offs: ~6 s on an idle machine, 15.6 s once on
+    // a 2-core machine running the whole suite beside two busy loops (its swaps took
+    // 2–4 s); a holder that waited out its TQ (2 s) at each of the ~8 hand-offs took
+    // ~27 s.
     assert!(
-        took < Duration::from_secs(15),
+        took < Duration::from_secs(20),
         "the notebooks took {took:?}:\n{why}"
     );
     assert!(
@@ -157,8 +159,9 @@ fn memory_outside_kiwi_neither_stalls_turns_nor_sharers() {
         )),
         "the sharers were not turned into turns:\n{why}"
     );
+    // Before: ~28 s (both waited until the outsider exited).
     assert!(
-        took < Duration::from_secs(15),
+        took < Duration::from_secs(20),
         "the notebooks took {took:?}:\n{why}"
     );
 }
