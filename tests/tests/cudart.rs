@@ -105,6 +105,29 @@ fn read_until(child: &mut Child, want: &str) {
     }
 }
 
+/// A simulated one-GPU machine of `bytes` with the simulator's real 300 MiB contexts
+/// (not the suite's 48 MiB).
+fn real_contexts(tag: &str, bytes: u64) -> SimMachine {
+    SimMachine::new(tag, 1, bytes)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_env("KIWI_SIM_CONTEXT_MEMORY", &(300u64 << 20).to_string())
+}
+
+/// Starts `cmd` with the test start gate (`KIWI_TEST_GATE`) and waits until it is at
+/// the gate ("READY").
+fn spawn_gated(cmd: &mut Command) -> Child {
+    cmd.env("KIWI_TEST_GATE", "1").stdin(Stdio::piped());
+    let mut c = cmd.spawn().expect("spawn the runtime program");
+    read_until(&mut c, "READY");
+    c
+}
+
+/// Lets a program waiting at its start gate go on.
+fn open_gate(c: &mut Child) {
+    let mut stdin = c.stdin.take().expect("stdin piped");
+    let _ = stdin.write_all(b"go\n");
+}
+
 /// [`spawn`]'s command, not started.
 fn spawn_cmd(
     rt: &CudaRuntime,
@@ -155,17 +178,19 @@ fn two_runtime_programs_over_capacity_take_turns_under_kiwi() {
     // A start gate, not a sleep: A fills its memory and waits; B's fill then needs
     // the GPU A holds (they do not fit together); once B is filled too, both go.
     let gated = |stats: &Path| {
-        let mut c = spawn_cmd(&rt, &m, &exe, &args, Some(arb.socket_dir()), stats);
-        c.env("KIWI_TEST_GATE", "1").stdin(Stdio::piped());
-        c.spawn().expect("spawn the runtime program")
+        spawn_gated(&mut spawn_cmd(
+            &rt,
+            &m,
+            &exe,
+            &args,
+            Some(arb.socket_dir()),
+            stats,
+        ))
     };
     let mut a = gated(&sa);
-    read_until(&mut a, "READY");
     let mut b = gated(&sb);
-    read_until(&mut b, "READY");
     for c in [&mut a, &mut b] {
-        let mut stdin = c.stdin.take().expect("stdin piped");
-        stdin.write_all(b"go\n").expect("open the gate");
+        open_gate(c);
     }
     let (oa, ob) = (finish(a), finish(b));
     for (tag, o) in [("A", &oa), ("B", &ob)] {
@@ -204,14 +229,9 @@ fn two_runtime_programs_over_capacity_take_turns_under_kiwi() {
     // sleep: A holds its memory (filled, waiting at its gate) while B fills.
     let m2 = SimMachine::new("cudart-nokiwi", 1, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
     let (ca, cb) = (dir.path().join("ca.stats"), dir.path().join("cb.stats"));
-    let mut a = spawn_cmd(&rt, &m2, &exe, &args, None, &ca);
-    a.env("KIWI_TEST_GATE", "1").stdin(Stdio::piped());
-    let mut a = a.spawn().expect("spawn the runtime program");
-    read_until(&mut a, "READY");
+    let mut a = spawn_gated(&mut spawn_cmd(&rt, &m2, &exe, &args, None, &ca));
     let ob = finish(spawn(&rt, &m2, &exe, &args, None, &cb));
-    let mut stdin = a.stdin.take().expect("stdin piped");
-    let _ = stdin.write_all(b"go\n");
-    drop(stdin);
+    open_gate(&mut a);
     let oa = finish(a);
     let outs = format!("{}{}", text(&oa), text(&ob));
     assert!(
@@ -314,25 +334,20 @@ fn a_newcomers_context_gets_room_beside_an_idle_holder() {
         return;
     };
     // The simulator's default 300 MiB contexts on a 4 GiB GPU.
-    let m = SimMachine::new("cudart-newcomer", 1, 4 << 30)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .with_env("KIWI_SIM_CONTEXT_MEMORY", &(300u64 << 20).to_string());
+    let m = real_contexts("cudart-newcomer", 4 << 30);
     let dir = tempfile::tempdir().unwrap();
     let exe = compile(&rt, dir.path(), "cudart_notebook.c");
     let arb = Arbiter::start(&["--tq", "2"]);
     let (sa, sb) = (dir.path().join("a.stats"), dir.path().join("b.stats"));
     // A: 55 chunks of 64 MiB (3520 MiB, 86% of the GPU) filled, then idle at its gate.
-    let mut a = spawn_cmd(
+    let mut a = spawn_gated(&mut spawn_cmd(
         &rt,
         &m,
         &exe,
         &["3520", "1", "0"],
         Some(arb.socket_dir()),
         &sa,
-    );
-    a.env("KIWI_TEST_GATE", "1").stdin(Stdio::piped());
-    let mut a = a.spawn().expect("spawn A");
-    read_until(&mut a, "READY");
+    ));
     let b = spawn(
         &rt,
         &m,
@@ -342,9 +357,7 @@ fn a_newcomers_context_gets_room_beside_an_idle_holder() {
         &sb,
     );
     let ob = finish(b);
-    let mut stdin = a.stdin.take().expect("stdin piped");
-    stdin.write_all(b"go\n").expect("open A's gate");
-    drop(stdin);
+    open_gate(&mut a);
     let oa = finish(a);
     let ev = arb.events();
     let log = ev
@@ -406,9 +419,7 @@ fn a_newcomers_context_gets_room_beside_an_idle_holder() {
     );
 
     // Control: B alone on the same GPU runs.
-    let m2 = SimMachine::new("cudart-newcomer-alone", 1, 4 << 30)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .with_env("KIWI_SIM_CONTEXT_MEMORY", &(300u64 << 20).to_string());
+    let m2 = real_contexts("cudart-newcomer-alone", 4 << 30);
     let o = finish(spawn(
         &rt,
         &m2,
@@ -431,44 +442,30 @@ fn a_context_that_can_never_fit_fails_cleanly() {
     let Some(rt) = CudaRuntime::fetch_or_skip("a context that can never fit") else {
         return;
     };
-    let m = SimMachine::new("cudart-nofit", 1, 1216 << 20)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .with_env("KIWI_SIM_CONTEXT_MEMORY", &(300u64 << 20).to_string());
+    let m = real_contexts("cudart-nofit", 1216 << 20);
     let dir = tempfile::tempdir().unwrap();
     let exe = compile(&rt, dir.path(), "cudart_notebook.c");
     let arb = Arbiter::start(&["--tq", "1"]);
-    let gated = |tag: &str, socket: Option<&Path>| {
-        let mut c = spawn_cmd(
+    let small = |tag: &str, socket: Option<&Path>| {
+        spawn_cmd(
             &rt,
             &m,
             &exe,
             &["64", "1", "0"],
             socket,
             &dir.path().join(tag),
-        );
-        c.env("KIWI_TEST_GATE", "1").stdin(Stdio::piped());
-        let mut c = c.spawn().expect("spawn");
-        read_until(&mut c, "READY");
-        c
+        )
     };
+    let gated = |tag: &str, socket: Option<&Path>| spawn_gated(&mut small(tag, socket));
     let kiwi = Some(arb.socket_dir());
     let idle = [gated("out", None), gated("a", kiwi), gated("b", kiwi)];
     let newcomer = |socket: Option<&Path>, tag: &str| {
-        finish(spawn(
-            &rt,
-            &m,
-            &exe,
-            &["64", "1", "0"],
-            socket,
-            &dir.path().join(tag),
-        ))
+        finish(small(tag, socket).spawn().expect("spawn the newcomer"))
     };
     let under_kiwi = newcomer(kiwi, "c.stats");
     let alone = newcomer(None, "d.stats");
     for mut p in idle {
-        let mut stdin = p.stdin.take().expect("stdin piped");
-        let _ = stdin.write_all(b"go\n");
-        drop(stdin);
+        open_gate(&mut p);
         let o = finish(p);
         assert_eq!(o.status.code(), Some(0), "an idle notebook: {}", text(&o));
     }
@@ -520,11 +517,7 @@ fn a_process_alone_is_told_the_truth_and_may_take_what_it_could_without_kiwi() {
     let dir = tempfile::tempdir().unwrap();
     let exe = compile(&rt, dir.path(), "cudart_grab.c");
     let arb = Arbiter::start(&[]);
-    let machine = |tag: &str| {
-        SimMachine::new(tag, 1, 4 << 30)
-            .unwrap_or_else(|e| panic!("{e}"))
-            .with_env("KIWI_SIM_CONTEXT_MEMORY", &(300u64 << 20).to_string())
-    };
+    let machine = |tag: &str| real_contexts(tag, 4 << 30);
     let run = |tag: &str, args: &[&str], socket: Option<&Path>| {
         let m = machine(tag);
         finish(spawn(&rt, &m, &exe, args, socket, &dir.path().join(tag)))
@@ -555,30 +548,23 @@ fn two_grab_all_programs_take_turns_instead_of_livelocking() {
     let Some(rt) = CudaRuntime::fetch_or_skip("two grab-all programs") else {
         return;
     };
-    let m = SimMachine::new("cudart-grab-pair", 1, 4 << 30)
-        .unwrap_or_else(|e| panic!("{e}"))
-        .with_env("KIWI_SIM_CONTEXT_MEMORY", &(300u64 << 20).to_string());
+    let m = real_contexts("cudart-grab-pair", 4 << 30);
     let dir = tempfile::tempdir().unwrap();
     let exe = compile(&rt, dir.path(), "cudart_grab.c");
     let arb = Arbiter::start(&["--tq", "1"]);
     let gated = |tag: &str| {
-        let mut c = spawn_cmd(
+        spawn_gated(&mut spawn_cmd(
             &rt,
             &m,
             &exe,
             &["64", "4", "100"],
             Some(arb.socket_dir()),
             &dir.path().join(tag),
-        );
-        c.env("KIWI_TEST_GATE", "1").stdin(Stdio::piped());
-        let mut c = c.spawn().expect("spawn");
-        read_until(&mut c, "READY");
-        c
+        ))
     };
     let mut pair = [gated("a"), gated("b")];
     for c in &mut pair {
-        let mut stdin = c.stdin.take().expect("stdin piped");
-        stdin.write_all(b"go\n").expect("open the gate");
+        open_gate(c);
     }
     let [a, b] = pair;
     let (oa, ob) = (finish(a), finish(b));

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define CHECK(call)                                                            \
     do {                                                                       \
@@ -64,6 +65,12 @@ static inline size_t check_value(const unsigned char *p, size_t n, unsigned char
         if (p[i] != v)
             return i;
     return n;
+}
+
+/* Sleeps ms milliseconds (a notebook's CPU phase). */
+static inline void sleep_ms(int ms) {
+    struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&t, NULL);
 }
 
 #endif

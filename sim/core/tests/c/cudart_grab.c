@@ -11,16 +11,10 @@
  * a failed call, 3 on a wrong byte. */
 #include "cudart_common.h"
 
-#include <time.h>
 #include <unistd.h>
 
 #define SLICE (1u << 20)
 #define STRIDE (64u << 20)
-
-static void sleep_ms(int ms) {
-    struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    nanosleep(&t, NULL);
-}
 
 int main(int argc, char **argv) {
     if (argc != 4) {

@@ -11,7 +11,6 @@
  * gate: a test makes two of them overlap). */
 #include "cudart_common.h"
 
-#include <time.h>
 #include <unistd.h>
 
 #define CHUNK (64u << 20)
@@ -40,11 +39,6 @@ static size_t check_chunk(const unsigned char *h, unsigned c, int rounds) {
             return at + bad;
     }
     return CHUNK;
-}
-
-static void sleep_ms(int ms) {
-    struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    nanosleep(&t, NULL);
 }
 
 int main(int argc, char **argv) {
