@@ -1212,10 +1212,12 @@ impl GpuScheduler {
         }
     }
 
-    /// Tells `room_info` clients the memory no swap frees that is not theirs, when it
-    /// changed since they were last told.
+    /// Tells `room_info` clients the memory no swap frees that the other clients
+    /// report, when it changed since they were last told.
     fn notify_room(&mut self) {
-        let fixed = self.fixed();
+        // What the clients report, not what `no_room` taught (`unseen`: a guess that
+        // expires, and one a hostile holder could inflate).
+        let fixed = self.fixed().saturating_sub(self.unseen);
         let changed: Vec<(ClientId, u64)> = self
             .clients
             .iter()

@@ -319,10 +319,10 @@ pub enum ArbiterMsg {
         idle_evict_ms: u64,
     },
     /// To a client that registered with `room_info`: the GPU memory no swap frees
-    /// that is not its own — the other clients' contexts, modules and VMM memory, and
-    /// what the arbiter learned it cannot see (`no_room`) — after its registration and
-    /// whenever that changes. What the client can have resident in its turn is the
-    /// GPU's total less this and its own memory no swap frees.
+    /// that the other clients report (their contexts, modules and VMM memory; the
+    /// context reserve instead while a client does not report), after its
+    /// registration and whenever that changes. What the client can have resident in
+    /// its turn is the GPU's total less this and its own memory no swap frees.
     Room {
         others_unswappable_bytes: u64,
     },

@@ -256,12 +256,13 @@ impl Turn {
         &self.info
     }
 
-    /// The most this process's working set on the GPU can be: the GPU's total less
-    /// the others' memory no swap frees and its own contexts and modules (its own VMM
-    /// memory is in its working set), once the arbiter said the others'
-    /// ([`ArbiterMsg::Room`]); before, or with an arbiter that predates it, total less
-    /// the arbiter's context reserve.
-    pub fn capacity(&self) -> u64 {
+    /// What this process's working set on the GPU can be resident beside the others,
+    /// as the application is told (`cuMemGetInfo`): the GPU's total less the others'
+    /// memory no swap frees and its own contexts and modules (its own VMM memory is in
+    /// its working set), once the arbiter said the others' ([`ArbiterMsg::Room`]);
+    /// before, or with an arbiter that predates it, total less the arbiter's context
+    /// reserve.
+    pub fn told_capacity(&self) -> u64 {
         match self.others_fixed.load(Ordering::Relaxed) {
             u64::MAX => self.capacity.load(Ordering::Relaxed),
             others => self
@@ -270,6 +271,17 @@ impl Turn {
                 .saturating_sub(others)
                 .saturating_sub(self.context_bytes.load(Ordering::Relaxed)),
         }
+    }
+
+    /// The most this process's working set on the GPU may be (past it an allocation
+    /// fails with out of memory): [`Turn::told_capacity`], but never less than the
+    /// total less the arbiter's context reserve. The others' reports only ever raise
+    /// the limit (a process alone may take 90% of the GPU): they are claims no one
+    /// checks, and a tenant claiming the whole GPU must not make every other tenant's
+    /// allocations fail; at worst the others are told less is free.
+    pub fn capacity(&self) -> u64 {
+        self.told_capacity()
+            .max(self.capacity.load(Ordering::Relaxed))
     }
 
     /// Whether `more` bytes beside this process's memory on the GPU could ever be

@@ -634,7 +634,7 @@ pub unsafe fn mem_get_info(
         return CUDA_ERROR_INVALID_VALUE;
     }
     let t = turn.info().total_memory;
-    let reserve = t.saturating_sub(turn.capacity());
+    let reserve = t.saturating_sub(turn.told_capacity());
     let used = turn.figures().working_set;
     // SAFETY: both out-pointers checked non-null.
     unsafe {
