@@ -48,6 +48,9 @@ pub const MAX_TURNS: usize = 64;
 const SHORT_OF_ROOM_LOG: Duration = Duration::from_secs(2);
 /// How long an allocation waits for the arbiter's swap admission before going ahead.
 const ADMIT_WAIT: Duration = Duration::from_secs(10);
+/// How long `cuMemGetInfo` waits for the arbiter's latest word on the others' memory
+/// ([`Turn::sync_room`]); a round trip takes well under a millisecond.
+const SYNC_WAIT: Duration = Duration::from_millis(250);
 /// Pinned buffers the pinning thread prepares per step before it looks at its work
 /// again (one segment's buffer): it pins without any of the shim's locks held, so
 /// nothing waits behind it, and a step is short enough that a new target (a drop, the
@@ -189,6 +192,11 @@ pub struct Turn {
     /// The arbiter's answer to the admission in flight, put there by the turn's thread.
     admitted: Mutex<Option<bool>>,
     admitted_cv: Condvar,
+    /// The last `ping` token sent ([`Turn::sync_room`]) and the highest `pong` the
+    /// turn's thread has handled (every message the arbiter sent before it, too).
+    ping_sent: AtomicU64,
+    pong_seen: Mutex<u64>,
+    pong_cv: Condvar,
     /// What `kiwi_status_json` and the wait lines show ([`crate::status`]). A leaf
     /// lock, held only to copy a few fields: reading it never waits behind a swap.
     view: Mutex<crate::status::View>,
@@ -362,6 +370,43 @@ impl Turn {
             );
             None
         }
+    }
+
+    /// Brings the others' memory no swap frees ([`ArbiterMsg::Room`]) up to date
+    /// before the application is told what is free: a `ping` is answered after every
+    /// message the arbiter queued for this client before it, so a context another
+    /// process finished opening before this call is counted (as the driver would
+    /// count it). Bounded by [`SYNC_WAIT`]: a turn's thread busy with a swap, or an
+    /// arbiter away, leaves the last value told.
+    pub fn sync_room(&self) {
+        if self.others_fixed.load(Ordering::Relaxed) == u64::MAX {
+            return;
+        }
+        let token = self.ping_sent.fetch_add(1, Ordering::Relaxed) + 1;
+        self.send(&ClientMsg::Ping { token });
+        let deadline = Instant::now() + SYNC_WAIT;
+        let mut seen = lock(&self.pong_seen);
+        while *seen < token {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                crate::kdebug!(
+                    "GPU {}: the arbiter did not answer a ping in {SYNC_WAIT:?}; telling the last free memory it said",
+                    self.info.ordinal
+                );
+                return;
+            }
+            seen = self
+                .pong_cv
+                .wait_timeout(seen, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    fn on_pong(&self, token: u64) {
+        let mut seen = lock(&self.pong_seen);
+        *seen = (*seen).max(token);
+        self.pong_cv.notify_all();
     }
 
     fn on_admitted(&self, ok: bool) {
@@ -972,6 +1017,9 @@ impl Client {
             admitting: Mutex::new(()),
             admitted: Mutex::new(None),
             admitted_cv: Condvar::new(),
+            ping_sent: AtomicU64::new(0),
+            pong_seen: Mutex::new(0),
+            pong_cv: Condvar::new(),
             view: Mutex::new(crate::status::View::default()),
             seen_working_set: AtomicU64::new(0),
             seen_resident: AtomicU64::new(0),
@@ -1579,7 +1627,8 @@ impl Client {
                 }
                 self.wake_pinning();
             }
-            ArbiterMsg::Registered { .. } | ArbiterMsg::Pong { .. } => {}
+            ArbiterMsg::Pong { token } => turn.on_pong(token),
+            ArbiterMsg::Registered { .. } => {}
         }
     }
 

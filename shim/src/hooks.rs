@@ -633,6 +633,7 @@ pub unsafe fn mem_get_info(
     if free.is_null() || total.is_null() {
         return CUDA_ERROR_INVALID_VALUE;
     }
+    turn.sync_room();
     let t = turn.info().total_memory;
     let reserve = t.saturating_sub(turn.told_capacity());
     let used = turn.figures().working_set;
