@@ -7,7 +7,8 @@
 # 1. two gpuburst notebooks at 60% of the GPU's memory each under kiwi-arbiter
 #    (they do not fit together: they must take turns and both verify every byte);
 # 2. two PyTorch training loops under `kiwictl run`, same constraint; two PyTorch
-#    notebooks that keep ~10x their live tensors cached, without and with
+#    programs with expandable_segments:True at 60% each (their own VMM memory swaps);
+#    two PyTorch notebooks that keep ~10x their live tensors cached, without and with
 #    kiwi.enable() (the discard hint): the bytes each swap-out copied;
 # 3. with two GPUs or more: two gpuburst processes using GPUs 0 and 1 in opposite
 #    orders (one turn per GPU, acquired in one order: no deadlock);
@@ -75,6 +76,30 @@ PY
   r1=0; r2=0; wait $P1 || r1=$?; wait $P2 || r2=$?
   torch_result="loop 1 exit $r1: $(tail -1 "$WORK/t1.out"); loop 2 exit $r2: $(tail -1 "$WORK/t2.out")"
   echo "$torch_result"
+fi
+
+expand_result="skipped: no python3 with torch"
+if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+  echo "== two PyTorch programs with expandable_segments:True, 60% each (the application's own VMM memory swaps)"
+  cat >"$WORK/expand.py" <<'PY'
+import sys, time, torch
+gib, seed = float(sys.argv[1]), int(sys.argv[2])
+n = int(gib * (1 << 30) / 4 / 64)
+xs = [torch.full((n,), float(seed * 100 + i), device="cuda") for i in range(64)]
+for r in range(6):
+    for x in xs:
+        x.add_(1)
+    torch.cuda.synchronize()
+    time.sleep(1.0)  # idle: the other one takes the GPU, these handles are swapped out
+bad = [i for i, x in enumerate(xs) if not bool((x == seed * 100 + i + 6).all())]
+print("ok" if not bad else f"WRONG tensors {bad}")
+PY
+  EGIB=$(awk "BEGIN{print $MEM_MIB / 1024}")
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/expand.py" "$EGIB" 1 >"$WORK/e1.out" 2>&1 & E1=$!
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/expand.py" "$EGIB" 2 >"$WORK/e2.out" 2>&1 & E2=$!
+  re1=0; re2=0; wait $E1 || re1=$?; wait $E2 || re2=$?
+  expand_result="program 1 exit $re1: $(tail -1 "$WORK/e1.out"); program 2 exit $re2: $(tail -1 "$WORK/e2.out")"
+  echo "$expand_result"
 fi
 
 graph_result="skipped: no python3 with torch"
@@ -233,6 +258,7 @@ fi
   echo
   echo "- gpuburst pair at 60% of ${TOTAL_MIB} MiB each: ${burst_result}"
   echo "- PyTorch pair under kiwictl run: ${torch_result}"
+  echo "- PyTorch pair with expandable_segments:True at 60% each: ${expand_result}"
   echo "- torch.cuda.graph capture and replay under Kiwi: ${graph_result}"
   echo "- torch.multiprocessing CUDA tensor: ${ipc_result}"
   echo "- PyTorch notebooks caching ~10x their live tensors, per swap-out: ${hint_result}"

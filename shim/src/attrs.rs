@@ -145,6 +145,15 @@ pub unsafe fn mem_set_access(
     desc: *const CUmemAccessDesc,
     count: usize,
 ) -> CUresult {
+    if !desc.is_null() && count > 0 {
+        // SAFETY: the caller passes `count` descriptors at `desc`, checked non-null.
+        let descs = unsafe { std::slice::from_raw_parts(desc, count) };
+        // SAFETY: forwarding the caller's arguments.
+        let now = || unsafe { real(ptr, size, desc, count) };
+        if let Some(r) = crate::appvmm::set_access(ptr, size, descs, now) {
+            return r;
+        }
+    }
     let ours = with_allocation(ptr, |d, _, m| {
         if desc.is_null() || count == 0 {
             return CUDA_ERROR_INVALID_VALUE;

@@ -60,6 +60,12 @@ impl Driver for RealDriver {
         }
         Ok(h)
     }
+    fn create_like(&self, size: u64, prop: &crate::mem::AppProp) -> Result<u64, CUresult> {
+        let mut h: CUmemGenericAllocationHandle = 0;
+        call!(cuMemCreate: fn(*mut CUmemGenericAllocationHandle, usize, *const CUmemAllocationProp, u64)
+            (&mut h, size as usize, &prop.0, 0))?;
+        Ok(h)
+    }
     fn release(&self, handle: u64) -> Result<(), CUresult> {
         call!(cuMemRelease: fn(CUmemGenericAllocationHandle)(handle))
     }

@@ -1,7 +1,7 @@
 //! The bodies of the `hook` exports: `cuInit` (start the client), context creation
 //! (a device's allocator and turn), allocation (served by [`crate::mem`] through the
-//! per-device state of [`crate::devices`]), module loads, memory info, and the
-//! application's own VMM handles.
+//! per-device state of [`crate::devices`]), module loads and memory info. The
+//! application's own VMM handles are [`crate::appvmm`]'s.
 
 use std::ffi::{c_char, c_int, c_void};
 use std::ptr::null_mut;
@@ -11,8 +11,8 @@ use std::sync::{Mutex, MutexGuard};
 use crate::client;
 use crate::cuda::*;
 use crate::devices::{
-    current_context, current_device, current_mem_device, ensure_device, free_memory, mem_lock,
-    seen_devices, with_owner, FREE_STREAM, MAX_DEVICES,
+    current_device, current_mem_device, free_memory, mem_lock, seen_devices, with_owner,
+    FREE_STREAM,
 };
 use crate::real::call_real as call;
 use crate::real::original_of;
@@ -654,7 +654,9 @@ pub unsafe fn mem_get_address_range(
     psize: *mut usize,
     dptr: CUdeviceptr,
 ) -> CUresult {
-    let found = seen_devices().find_map(|d| mem_lock(d).as_ref().and_then(|m| m.range_of(dptr)));
+    let found = seen_devices()
+        .find_map(|d| mem_lock(d).as_ref().and_then(|m| m.range_of(dptr)))
+        .or_else(|| crate::appvmm::range_of(dptr));
     match found {
         Some((base, size)) => {
             if !pbase.is_null() {
@@ -670,80 +672,4 @@ pub unsafe fn mem_get_address_range(
         // SAFETY: forwarding the caller's arguments.
         None => unsafe { real(pbase, psize, dptr) },
     }
-}
-
-/// # Safety
-/// `real` is the driver's original of this entry point; the other arguments are the
-/// application's, valid as `cuda.h` documents them.
-pub unsafe fn app_mem_create(
-    real: Real<
-        unsafe extern "C" fn(
-            *mut CUmemGenericAllocationHandle,
-            usize,
-            *const CUmemAllocationProp,
-            u64,
-        ) -> CUresult,
-    >,
-    handle: *mut CUmemGenericAllocationHandle,
-    size: usize,
-    prop: *const CUmemAllocationProp,
-    flags: u64,
-) -> CUresult {
-    // SAFETY: forwarding the caller's arguments.
-    let mut r = unsafe { real(handle, size, prop, flags) };
-    if r == CUDA_ERROR_OUT_OF_MEMORY && !prop.is_null() {
-        // SAFETY: the caller's property struct, just read by the driver.
-        let loc = unsafe { (*prop).location };
-        if let Some(d) = (loc.type_ == CU_MEM_LOCATION_TYPE_DEVICE)
-            .then(|| usize::try_from(loc.id).ok())
-            .flatten()
-            .filter(|&d| d < MAX_DEVICES)
-        {
-            let what = "the application's own memory (cuMemCreate)";
-            // SAFETY: forwarding the caller's arguments again.
-            r = room::retry_with_room(d, size as u64, what, r, || unsafe {
-                real(handle, size, prop, flags)
-            });
-        }
-    }
-    if r == CUDA_SUCCESS && !handle.is_null() && !prop.is_null() {
-        // SAFETY: the driver just wrote the handle; prop is the caller's, just read by
-        // the driver.
-        let (h, loc) = unsafe { (*handle, (*prop).location) };
-        let device = (loc.type_ == CU_MEM_LOCATION_TYPE_DEVICE)
-            .then(|| usize::try_from(loc.id).ok())
-            .flatten()
-            .filter(|&d| d < MAX_DEVICES);
-        if let Some(d) = device {
-            // Counted on the device the memory lives on (its turn must be held to use it).
-            if ensure_device(d, current_context()) {
-                if let Some(m) = mem_lock(d).as_mut() {
-                    m.external_created(h, size as u64);
-                    if let Some(t) = client::global().and_then(|c| c.turn_for(d)) {
-                        t.claim(&crate::gate::GATE);
-                    }
-                }
-            }
-        }
-    }
-    r
-}
-
-/// # Safety
-/// `real` is the driver's original of this entry point; the other arguments are the
-/// application's, valid as `cuda.h` documents them.
-pub unsafe fn app_mem_release(
-    real: Real<unsafe extern "C" fn(CUmemGenericAllocationHandle) -> CUresult>,
-    handle: CUmemGenericAllocationHandle,
-) -> CUresult {
-    // SAFETY: forwarding the caller's argument.
-    let r = unsafe { real(handle) };
-    if r == CUDA_SUCCESS {
-        for d in seen_devices() {
-            if let Some(m) = mem_lock(d).as_mut() {
-                m.external_released(handle);
-            }
-        }
-    }
-    r
 }

@@ -12,7 +12,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("1 C ABI", &["exports", "dl", "procaddr"]),
     (
         "2 hooked behaviour",
-        &["hooks", "attrs", "ipc", "submit", "pools", "room"],
+        &["hooks", "attrs", "ipc", "submit", "pools", "room", "appvmm"],
     ),
     (
         "3 mechanisms",

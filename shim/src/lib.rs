@@ -28,6 +28,7 @@
 //! | `KIWI_HINT_WAIT_MS` | how long a swap-out waits for the application to say which memory is dead (default 10) |
 //! | `KIWI_POD_NAME`, `KIWI_POD_NAMESPACE`, `KIWI_CONTAINER_ID` | shown by `kiwictl status` |
 
+pub mod appvmm;
 pub mod attrs;
 pub mod capture;
 pub mod client;

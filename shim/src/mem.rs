@@ -51,6 +51,12 @@ pub trait Driver: Send {
     fn reserve(&self, size: u64, align: u64) -> Result<u64, CUresult>;
     fn free_va(&self, va: u64, size: u64) -> Result<(), CUresult>;
     fn create(&self, size: u64) -> Result<u64, CUresult>;
+    /// Physical memory as the application asked for it (its own `cuMemCreate`,
+    /// recreated on a swap-in). The default makes the allocator's own kind.
+    fn create_like(&self, size: u64, prop: &AppProp) -> Result<u64, CUresult> {
+        let _ = prop;
+        self.create(size)
+    }
     fn release(&self, handle: u64) -> Result<(), CUresult>;
     /// Maps `handle` at `va` and grants read-write access.
     fn map(&self, va: u64, size: u64, handle: u64) -> Result<(), CUresult>;
@@ -112,6 +118,20 @@ pub trait Driver: Send {
     }
 }
 
+/// The properties of an application's own `cuMemCreate`, kept to recreate its
+/// physical memory on a swap-in. The Windows-only metadata pointer is always null.
+#[derive(Clone, Copy, Debug)]
+pub struct AppProp(pub crate::cuda::CUmemAllocationProp);
+// SAFETY: plain values; its one pointer (Windows metadata) is nulled when stored.
+unsafe impl Send for AppProp {}
+
+impl AppProp {
+    pub fn new(mut p: crate::cuda::CUmemAllocationProp) -> Self {
+        p.win32_handle_meta_data = std::ptr::null_mut();
+        Self(p)
+    }
+}
+
 /// Access of one other device to a mapping: (device ordinal, `CUmemAccess_flags`:
 /// 0 none, 1 read, 3 read-write). The application's `cuMemSetAccess` and
 /// `cuCtxEnablePeerAccess` are recorded as grants and applied to every new mapping,
@@ -164,6 +184,9 @@ struct Segment {
     /// While swapped out: the pieces (offset, length) the host buffer holds, when
     /// not the whole segment (dead bytes were left behind).
     pieces: Option<Vec<(u64, u64)>>,
+    /// The application's own handle, mapped by it whole at `va` (its range, not the
+    /// allocator's): recreated with these properties on a swap-in.
+    app: Option<AppProp>,
 }
 
 enum Alloc {
@@ -238,6 +261,9 @@ pub struct Memory<D: Driver> {
     /// Bytes of the segments pinned by shared allocations (never evicted; reported
     /// as memory no swap frees).
     pinned: u64,
+    /// The application's own mapped handles that swap ([`Memory::adopt_app`]): their
+    /// address → segment.
+    app_segs: BTreeMap<u64, usize>,
 }
 
 fn round_up(v: u64, to: u64) -> u64 {
@@ -268,6 +294,7 @@ impl<D: Driver> Memory<D> {
             host_bytes: 0,
             shared: HashMap::new(),
             pinned: 0,
+            app_segs: BTreeMap::new(),
         })
     }
 
@@ -357,7 +384,10 @@ impl<D: Driver> Memory<D> {
             }
             (s.va, s.size)
         };
-        let h = self.drv.create(size)?;
+        let h = match self.seg(i).app {
+            Some(p) => self.drv.create_like(size, &p)?,
+            None => self.drv.create(size)?,
+        };
         if let Err(e) = self.drv.map(va, size, h) {
             let _ = self.drv.release(h);
             return Err(e);
@@ -404,6 +434,13 @@ impl<D: Driver> Memory<D> {
     /// The segments holding any byte of `[ptr, ptr+size)`, which must lie inside one
     /// allocation; `None` when `ptr` is in no allocation of this allocator.
     fn segments_in(&self, ptr: u64, size: u64) -> Option<Result<Vec<usize>, CUresult>> {
+        if let Some(i) = self.app_seg_at(ptr) {
+            let s = self.segs[i].as_ref().expect("live segment");
+            if size == 0 || ptr.checked_add(size).is_none_or(|end| end > s.va + s.size) {
+                return Some(Err(CUDA_ERROR_INVALID_VALUE));
+            }
+            return Some(Ok(vec![i]));
+        }
         let (&base, a) = self.allocs.range(..=ptr).next_back()?;
         let (asize, segs) = match a {
             Alloc::Large { size, segs, .. } => (*size, segs.clone()),
@@ -581,6 +618,7 @@ impl<D: Driver> Memory<D> {
                 pins: 0,
                 dead: Dead::default(),
                 pieces: None,
+                app: None,
             });
             segs.push(i);
             off += len;
@@ -650,6 +688,7 @@ impl<D: Driver> Memory<D> {
             pins: 0,
             dead: Dead::default(),
             pieces: None,
+            app: None,
         });
         self.working_set += self.gran;
         if self.backing_allowed {
@@ -1124,6 +1163,97 @@ impl<D: Driver> Memory<D> {
             }
         }
         Ok(bytes)
+    }
+
+    /// The application's own mapped handle holding `ptr`, if it swaps.
+    fn app_seg_at(&self, ptr: u64) -> Option<usize> {
+        let (_, &i) = self.app_segs.range(..=ptr).next_back()?;
+        let s = self.segs[i].as_ref().expect("live segment");
+        (ptr < s.va + s.size).then_some(i)
+    }
+
+    /// The application mapped its own handle `handle` (`size` bytes, counted by
+    /// [`Memory::external_created`]) whole at `va`: from now on it is a segment of the
+    /// working set that swaps like the allocator's own, its physical memory recreated
+    /// with `prop` at `va` on each swap-in. The caller owns the handle values the
+    /// application sees ([`crate::hooks`]'s VMM hooks).
+    pub fn adopt_app(&mut self, va: u64, size: u64, handle: u64, prop: AppProp) {
+        self.external_released(handle);
+        let epoch = self.epoch;
+        let i = self.new_seg(Segment {
+            va,
+            size,
+            handle: Some(handle),
+            host: None,
+            touch: epoch,
+            chunk: None,
+            access: Vec::new(),
+            pins: 0,
+            dead: Dead::default(),
+            pieces: None,
+            app: Some(prop),
+        });
+        self.working_set += size;
+        self.resident += size;
+        self.app_segs.insert(va, i);
+    }
+
+    /// The physical handle of the application's swapping mapping at `va` (`None`:
+    /// swapped out), or `Err` when there is no such mapping.
+    pub fn app_handle(&self, va: u64) -> Result<Option<u64>, CUresult> {
+        let &i = self.app_segs.get(&va).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        Ok(self.segs[i].as_ref().expect("live segment").handle)
+    }
+
+    /// The application's mapping at `va` stops swapping (it maps the handle a second
+    /// time, or exports it): its resident handle is counted as memory no swap frees
+    /// again ([`Memory::external_created`]) and returned. Swapped out: `Ok(None)`,
+    /// nothing changed (the caller makes it resident first).
+    pub fn unadopt_app(&mut self, va: u64) -> Result<Option<u64>, CUresult> {
+        let Some(h) = self.app_handle(va)? else {
+            return Ok(None);
+        };
+        let i = self.app_segs.remove(&va).expect("checked above");
+        let s = self.segs[i].take().expect("live segment");
+        self.working_set -= s.size;
+        self.resident -= s.size;
+        self.free_slots.push(i);
+        self.external_created(h, s.size);
+        Ok(Some(h))
+    }
+
+    /// The application unmaps its swapping mapping at `va`. Resident: the mapping
+    /// goes and the handle is returned, counted as memory no swap frees again when
+    /// `keep` (the application still holds a reference), released otherwise.
+    /// Swapped out: its contents go only when `!keep` (`Ok(None)`); with `keep` it
+    /// is an error the caller avoids by making it resident first.
+    pub fn unmap_app(&mut self, va: u64, keep: bool) -> Result<Option<u64>, CUresult> {
+        let h = self.app_handle(va)?;
+        if h.is_none() && keep {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let &i = self.app_segs.get(&va).expect("checked above");
+        let size = self.size_of(i);
+        if let Some(h) = h {
+            self.drv.unmap(va, size)?;
+            if !keep {
+                let _ = self.drv.release(h);
+            }
+            self.resident -= size;
+        }
+        self.app_segs.remove(&va);
+        let s = self.segs[i].take().expect("live segment");
+        self.spare.extend(s.host);
+        self.working_set -= size;
+        self.free_slots.push(i);
+        self.trim_spare();
+        match h {
+            Some(h) if keep => {
+                self.external_created(h, size);
+                Ok(Some(h))
+            }
+            _ => Ok(None),
+        }
     }
 
     /// The application created a physical handle of its own.

@@ -90,9 +90,19 @@ macro_rules! for_each_export {
             hook cuMemFreeAsync_ptsz(dptr: CUdeviceptr, stream: CUstream) => hooks::mem_free_async_ptsz;
             hook cuMemGetInfo_v2(free: *mut usize, total: *mut usize) => hooks::mem_get_info;
             hook cuMemGetAddressRange_v2(pbase: *mut CUdeviceptr, psize: *mut usize, dptr: CUdeviceptr) => hooks::mem_get_address_range;
-            // The application's own VMM: passed through, its physical bytes counted.
-            hook cuMemCreate(handle: *mut CUmemGenericAllocationHandle, size: usize, prop: *const CUmemAllocationProp, flags: u64) => hooks::app_mem_create;
-            hook cuMemRelease(handle: CUmemGenericAllocationHandle) => hooks::app_mem_release;
+            // The application's own VMM: handles the shim owns; a handle mapped whole, once, swaps (`appvmm.rs`).
+            hook cuMemCreate(handle: *mut CUmemGenericAllocationHandle, size: usize, prop: *const CUmemAllocationProp, flags: u64) => appvmm::create;
+            hook cuMemRelease(handle: CUmemGenericAllocationHandle) => appvmm::release;
+            hook cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: CUmemGenericAllocationHandle, flags: u64) => appvmm::map;
+            hook cuMemUnmap(ptr: CUdeviceptr, size: usize) => appvmm::unmap;
+            hook cuMemRetainAllocationHandle(handle: *mut CUmemGenericAllocationHandle, addr: *mut c_void) => appvmm::retain;
+            hook cuMemGetAllocationPropertiesFromHandle(prop: *mut CUmemAllocationProp, handle: CUmemGenericAllocationHandle) => appvmm::properties;
+            /// Another process may map the memory: it stays resident for good (`appvmm.rs`); runs no work.
+            hook cuMemExportToShareableHandle(shareable: *mut c_void, handle: CUmemGenericAllocationHandle, handle_type: c_int, flags: u64) => appvmm::export;
+            /// A dma-buf of a range: over a swapping mapping, resident for good first (`appvmm.rs`); runs no work.
+            hook cuMemGetHandleForAddressRange(out: *mut c_void, ptr: CUdeviceptr, size: usize, handle_type: c_int, flags: u64) => appvmm::handle_for_address_range;
+            /// A multicast object maps the memory: resident for good (`appvmm.rs`); runs no work.
+            hook cuMulticastBindMem(mc: CUmemGenericAllocationHandle, mc_offset: usize, handle: CUmemGenericAllocationHandle, offset: usize, size: usize, flags: u64) => appvmm::multicast_bind_mem;
 
             // --- modules: their device memory is counted as memory no swap frees
             hook cuModuleLoad(module: *mut *mut c_void, fname: *const c_char) => hooks::module_load;
@@ -134,10 +144,6 @@ macro_rules! for_each_export {
             pass cuMemAddressReserve(ptr: *mut CUdeviceptr, size: usize, align: usize, addr: CUdeviceptr, flags: u64);
             /// The application's own VMM: frees an address range, runs no work.
             pass cuMemAddressFree(ptr: CUdeviceptr, size: usize);
-            /// The application's own VMM: maps its handle (counted through cuMemCreate, not swapped); runs no work.
-            pass cuMemMap(ptr: CUdeviceptr, size: usize, offset: usize, handle: CUmemGenericAllocationHandle, flags: u64);
-            /// The application's own VMM: unmaps its handle; runs no work.
-            pass cuMemUnmap(ptr: CUdeviceptr, size: usize);
             /// Access to a mapping: on a shim allocation recorded and re-applied after every swap-in (`attrs.rs`), on the application's own VMM passed through; runs no work.
             hook cuMemSetAccess(ptr: CUdeviceptr, size: usize, desc: *const CUmemAccessDesc, count: usize) => attrs::mem_set_access;
             /// Peer access: the shim's mappings on the peer's device grant the current device access, now and after every swap-in (`attrs.rs`); runs no work.
@@ -434,13 +440,7 @@ macro_rules! for_each_export {
             /// Managed memory, paged by the driver itself (docs/shim.md); runs no work.
             driver cuMemAllocManaged;
             /// The application's own VMM handles and mappings, passed through and not swapped; runs no work.
-            driver cuMemExportToShareableHandle;
-            /// The application's own VMM handles and mappings, passed through and not swapped; runs no work.
             driver cuMemGetAccess;
-            /// The application's own VMM handles and mappings, passed through and not swapped; runs no work.
-            driver cuMemGetAllocationPropertiesFromHandle;
-            /// The application's own VMM handles and mappings, passed through and not swapped; runs no work.
-            driver cuMemGetHandleForAddressRange;
             /// Mapped host memory: lives in host RAM, never swapped; runs no work.
             driver cuMemHostGetDevicePointer_v2;
             /// The application's own VMM handles and mappings, passed through and not swapped; runs no work.
@@ -453,8 +453,6 @@ macro_rules! for_each_export {
             driver cuMemRangeGetAttribute;
             /// Managed memory, paged by the driver (not swapped by Kiwi); a hint or a query, runs no work.
             driver cuMemRangeGetAttributes;
-            /// The application's own VMM handles and mappings, passed through and not swapped; runs no work.
-            driver cuMemRetainAllocationHandle;
             /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
             driver cuMipmappedArrayGetLevel;
             /// A module's globals live in the context's module memory, never swapped; runs no work.
@@ -463,8 +461,6 @@ macro_rules! for_each_export {
             driver cuMulticastAddDevice;
             /// NVLink multicast objects over the application's own VMM memory, not swapped; runs no work.
             driver cuMulticastBindAddr;
-            /// NVLink multicast objects over the application's own VMM memory, not swapped; runs no work.
-            driver cuMulticastBindMem;
             /// NVLink multicast objects over the application's own VMM memory, not swapped; runs no work.
             driver cuMulticastCreate;
             /// NVLink multicast objects over the application's own VMM memory, not swapped; runs no work.
