@@ -27,6 +27,7 @@ use crate::client;
 use crate::cuda::*;
 use crate::devices::{current_context, ensure_device, mem_lock, MAX_DEVICES};
 use crate::mem::{AppProp, Memory};
+use crate::real::call_real as call;
 use crate::room;
 
 type Real<A> = A;
@@ -120,6 +121,19 @@ fn with_mem<T>(
 /// Whether a handle made with `prop` may swap: device memory of no special usage.
 fn swappable(prop: &CUmemAllocationProp) -> bool {
     prop.location.type_ == CU_MEM_LOCATION_TYPE_DEVICE && prop.alloc_flags.usage == 0
+}
+
+/// Grants device `d` read-write access to `[va, va + size)`.
+fn owner_access(va: u64, size: u64, d: usize) -> Result<(), CUresult> {
+    let desc = CUmemAccessDesc {
+        location: CUmemLocation {
+            type_: CU_MEM_LOCATION_TYPE_DEVICE,
+            id: d as c_int,
+        },
+        flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    call!(cuMemSetAccess: fn(CUdeviceptr, usize, *const CUmemAccessDesc, usize)
+        (va, size as usize, &desc, 1))
 }
 
 /// Makes the handle `key` resident for good ([`State::Fixed`]) and runs `op` with
@@ -344,12 +358,22 @@ pub unsafe fn map(
             }
             // SAFETY: as in `record`.
             let r = unsafe { real(ptr, size, 0, h, 0) };
-            if r == CUDA_SUCCESS {
-                let (d, n, prop) = (e.device, e.size, e.prop);
+            if r != CUDA_SUCCESS {
+                return r;
+            }
+            let (d, n, prop) = (e.device, e.size, e.prop);
+            // The owning device's access now, not at the application's
+            // `cuMemSetAccess`: a swap-out in between copies through it.
+            if owner_access(ptr, n, d).is_ok() {
                 e.state = State::Swaps { va: ptr };
                 with_mem(d, |m| m.adopt_app(ptr, n, h, prop));
-                reg.maps.insert(ptr, (n, handle));
+            } else {
+                e.state = State::Fixed {
+                    real: h,
+                    maps: vec![(ptr, n)],
+                };
             }
+            reg.maps.insert(ptr, (n, handle));
             return r;
         }
     }
