@@ -148,12 +148,22 @@ fn crate_refs(code: &str) -> Vec<(String, bool)> {
 fn graph() -> BTreeMap<String, BTreeMap<String, ()>> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut sources = Vec::new();
+    let rs = |path: &Path| path.extension().is_some_and(|e| e == "rs");
     for entry in std::fs::read_dir(&dir).expect("shim/src") {
         let path = entry.expect("dir entry").path();
-        if path.extension().is_some_and(|e| e == "rs") {
-            let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
+        let stem = path.file_stem().unwrap().to_string_lossy().into_owned();
+        if rs(&path) {
             let text = std::fs::read_to_string(&path).expect("readable source");
             sources.push((stem, text));
+        } else if path.is_dir() {
+            // A module's submodules (`mem/swap.rs`) are part of it.
+            for sub in std::fs::read_dir(&path).expect("module folder") {
+                let sub = sub.expect("dir entry").path();
+                if rs(&sub) {
+                    let text = std::fs::read_to_string(&sub).expect("readable source");
+                    sources.push((stem.clone(), text));
+                }
+            }
         }
     }
     // Exported macros (`crate::kwarn!`) belong to the module that defines them.

@@ -1,0 +1,224 @@
+//! Registering a turn with the arbiter: the fallback chain through older arbiters,
+//! and what the arbiter said first.
+
+use super::*;
+
+/// Why a turn could not be registered.
+#[derive(Debug)]
+pub enum StartError {
+    Protocol(ProtocolError),
+    Refused(String),
+    /// The arbiter refused `wait_info` as malformed: it predates it.
+    Predates(String),
+}
+
+impl std::fmt::Display for StartError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StartError::Protocol(e) => write!(f, "{e}"),
+            StartError::Refused(m) => write!(f, "refused: {m}"),
+            StartError::Predates(m) => write!(f, "refused as malformed: {m}"),
+        }
+    }
+}
+
+impl From<ProtocolError> for StartError {
+    fn from(e: ProtocolError) -> Self {
+        StartError::Protocol(e)
+    }
+}
+
+impl From<std::io::Error> for StartError {
+    fn from(e: std::io::Error) -> Self {
+        StartError::Protocol(ProtocolError::Io(e))
+    }
+}
+
+/// A registered connection for one GPU.
+pub(super) struct Registration {
+    pub(super) reader: Conn,
+    pub(super) writer: Conn,
+    pub(super) capacity: u64,
+    pub(super) swap_budget: Option<u64>,
+    /// The arbiter took `unswappable_bytes`: it counts them and takes `unswappable`.
+    pub(super) reports_unswappable: bool,
+    /// The others' memory no swap frees, from the arbiter's `room` (`room_info`).
+    pub(super) others_fixed: Option<u64>,
+    /// A message that came where `room` was expected: the turn's thread's first.
+    pub(super) first: Option<ArbiterMsg>,
+    /// The arbiter took `pipelined`: it takes `drained` and may send `pressure` and
+    /// `grant {pipelined}`.
+    pub(super) pipelined: bool,
+}
+
+/// Connects and registers one GPU, asking to be told why it waits (`wait_info`),
+/// reporting its memory no swap frees (`unswappable_bytes`) and taking part in
+/// pipelined hand-offs (`pipelined`). An arbiter that predates a field refuses it as
+/// malformed: the shim then registers again without the newest field first: without
+/// `pipelined` (hand-offs wait for its whole swap-out, buffers are pinned ahead only
+/// once others wait), then without `unswappable_bytes` (its working set then counts
+/// the application's own VMM memory, as before), then without `wait_info` too (and
+/// explains its waits with less).
+pub(super) fn register(
+    env: &ShimEnv,
+    info: &DeviceInfo,
+    slot: usize,
+    figures: Figures,
+    unswappable: u64,
+    resume: Option<Resume>,
+) -> Result<Registration, StartError> {
+    let u = Some(unswappable);
+    let mut r = register_once(env, info, slot, figures, resume, true, u, true, true);
+    if let Err(StartError::Predates(m)) = &r {
+        crate::kdebug!("the arbiter does not know `room_info` ({m}); registering without it");
+        r = register_once(env, info, slot, figures, resume, true, u, true, false);
+    }
+    if let Err(StartError::Predates(m)) = &r {
+        crate::kdebug!("the arbiter does not know `pipelined` ({m}); registering without it");
+        r = register_once(env, info, slot, figures, resume, true, u, false, false);
+    }
+    if let Err(StartError::Predates(m)) = &r {
+        crate::kdebug!(
+            "the arbiter does not know `unswappable_bytes` ({m}); registering without it"
+        );
+        r = register_once(env, info, slot, figures, resume, true, None, false, false);
+    }
+    if let Err(StartError::Predates(m)) = &r {
+        crate::kdebug!("the arbiter does not know `wait_info` ({m}); registering without it");
+        r = register_once(env, info, slot, figures, resume, false, None, false, false);
+    }
+    r
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn register_once(
+    env: &ShimEnv,
+    info: &DeviceInfo,
+    slot: usize,
+    figures: Figures,
+    resume: Option<Resume>,
+    wait_info: bool,
+    unswappable: Option<u64>,
+    pipelined: bool,
+    room_info: bool,
+) -> Result<Registration, StartError> {
+    let stream = UnixStream::connect(env.client_socket())?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let writer_stream = stream.try_clone()?;
+    let mut conn = Conn::new(stream);
+    let name = std::env::args()
+        .next()
+        .map(|a| a.rsplit('/').next().unwrap_or(&a).to_string());
+    let pod_name = std::env::var("KIWI_POD_NAME")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok());
+    // Reporting it apart, the application's own VMM memory leaves the working set.
+    let own = if unswappable.is_some() {
+        figures.external
+    } else {
+        0
+    };
+    conn.send(&ClientMsg::Register(Register {
+        version: PROTOCOL_VERSION,
+        pid: std::process::id(),
+        gpu_uuid: info.uuid.clone(),
+        gpu_total_memory: info.total_memory,
+        working_set_bytes: figures.working_set - own,
+        resident_bytes: figures.resident - own,
+        container_id: std::env::var("KIWI_CONTAINER_ID").ok(),
+        pod_name,
+        pod_namespace: std::env::var("KIWI_POD_NAMESPACE").ok(),
+        name,
+        resume,
+        wait_info,
+        unswappable_bytes: unswappable,
+        pipelined,
+        room_info,
+    }))?;
+    let (capacity, swap_budget) = match conn.recv()? {
+        ArbiterMsg::Registered {
+            client_id,
+            settings,
+            capacity_bytes,
+            swap_budget_bytes,
+        } => {
+            crate::kinfo!(
+                "GPU {} ({}): registered with the arbiter as client {client_id} (scheduler {}, TQ {} ms, capacity {capacity_bytes} bytes)",
+                info.ordinal,
+                info.uuid,
+                if settings.scheduler_on { "on" } else { "off" },
+                settings.tq_ms
+            );
+            (capacity_bytes, swap_budget_bytes)
+        }
+        ArbiterMsg::Error {
+            code: ErrorCode::Malformed,
+            message,
+        } if wait_info || unswappable.is_some() || pipelined || room_info => {
+            return Err(StartError::Predates(message))
+        }
+        ArbiterMsg::Error { code, message } => {
+            return Err(StartError::Refused(format!("{code:?}: {message}")))
+        }
+        other => return Err(StartError::Refused(format!("unexpected reply {other:?}"))),
+    };
+    // An arbiter that took `room_info` says the others' memory right after, before
+    // the application can ask what is free. Anything else first (a peer that does
+    // not keep to that) is handled by the turn's thread like any message.
+    let (others_fixed, first) = if room_info {
+        match next_message(&mut conn, ROOM_WAIT)? {
+            Some(ArbiterMsg::Room {
+                others_unswappable_bytes,
+            }) => (Some(others_unswappable_bytes), None),
+            other => {
+                crate::kdebug!("no `room` right after `registered` (got {other:?})");
+                (None, other)
+            }
+        }
+    } else {
+        (None, None)
+    };
+    conn.stream().set_read_timeout(None)?;
+    CONN_FDS[2 * slot].store(conn.stream().as_raw_fd(), Ordering::Relaxed);
+    CONN_FDS[2 * slot + 1].store(writer_stream.as_raw_fd(), Ordering::Relaxed);
+    Ok(Registration {
+        reader: conn,
+        writer: Conn::new(writer_stream),
+        capacity,
+        swap_budget,
+        reports_unswappable: unswappable.is_some(),
+        pipelined,
+        others_fixed,
+        first,
+    })
+}
+
+/// Waits up to `timeout` for the arbiter's next message on `conn`. The wait is a
+/// `ppoll` (timer precision): a socket's receive timeout counts in scheduler ticks
+/// (4 to 10 ms), which made the idle detector's 1 ms looks and its deadlines late.
+pub(super) fn next_message(
+    conn: &mut Conn,
+    timeout: Duration,
+) -> Result<Option<ArbiterMsg>, ProtocolError> {
+    if let Some(m) = conn.try_decode()? {
+        return Ok(Some(m));
+    }
+    let mut pfd = libc::pollfd {
+        fd: conn.stream().as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: one valid pollfd and a valid timespec for the call's duration; no
+    // signal mask is changed (null).
+    let ready = unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
+    if ready <= 0 {
+        // Timed out, or interrupted by a signal: the caller ticks and waits again.
+        return Ok(None);
+    }
+    // Readable (or closed): reads what is there without waiting more than a moment.
+    conn.recv_timeout(Duration::from_millis(1))
+}
