@@ -141,7 +141,7 @@ mod proc_address {
     use std::ffi::{c_char, c_int, c_void, CStr};
     use std::sync::atomic::Ordering;
 
-    use super::wrapper;
+    use super::{wrapper, ALL};
     use crate::cuda::{CUresult, CUDA_SUCCESS};
     use crate::procaddr::{resolve, Resolution};
 
@@ -154,7 +154,27 @@ mod proc_address {
         // SAFETY: the caller passed a NUL-terminated symbol name.
         let name = unsafe { CStr::from_ptr(symbol) }.to_string_lossy();
         crate::real::load();
-        if let Resolution::Wrapper(i) = resolve(&name, driver_fn, flags, crate::real::original) {
+        // A driver whose table takes its own functions' addresses through the symbol
+        // table (the simulator) hands out the shim's wrappers already, the preloaded
+        // definitions winning: exactly the variant it chose.
+        if !driver_fn.is_null() && (0..ALL.len()).any(|j| wrapper(j) == driver_fn) {
+            return;
+        }
+        let by_version = || {
+            crate::procaddr::variants_by_version(|v| {
+                let mut p: *mut c_void = std::ptr::null_mut();
+                let r = crate::real::call_real!(cuGetProcAddress: fn(*const c_char, *mut *mut c_void, c_int, u64)
+                    (symbol, &mut p, v, flags));
+                if r.is_ok() {
+                    p
+                } else {
+                    std::ptr::null_mut()
+                }
+            })
+        };
+        if let Resolution::Wrapper(i) =
+            resolve(&name, driver_fn, flags, crate::real::original, by_version)
+        {
             crate::stats::PROCADDR_WRAPPED.fetch_add(1, Ordering::Relaxed);
             // SAFETY: as above.
             unsafe { *pfn = wrapper(i) };

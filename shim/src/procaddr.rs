@@ -4,7 +4,12 @@
 //! would); the shim then swaps the driver's function for its own wrapper of that same
 //! function, found by address. When the address is unknown (a driver handing out
 //! internal entry points), the wrapper is chosen by name: the requested base name, the
-//! `_ptsz`/`_ptds` variant when the per-thread flag is set, the newest `_vN`.
+//! `_ptsz`/`_ptds` variant when the per-thread flag is set, and among its `_vN`
+//! variants the one the driver chose: the driver is asked the same name at every
+//! CUDA version ([`VERSIONS`]), and its distinct answers, oldest first, are its
+//! variants in order (`cuMemPrefetchAsync` for a caller of CUDA 8.0's signature,
+//! `cuMemPrefetchAsync_v2` for 12.2's). Where those answers do not line up with the
+//! variants the shim knows, the newest.
 //! Owns the rule ([`resolve`]); the hook bodies that apply it live with the wrappers
 //! they hand out, in [`crate::exports`].
 
@@ -39,13 +44,36 @@ pub fn split_name(name: &str) -> (&str, u32, bool) {
     (rest, 1, per_thread)
 }
 
+/// Every CUDA version a variant of an entry point could be introduced at (x.y for x
+/// in 2..=13, y in 0..=9), oldest first: the driver is asked at each to tell its
+/// variants apart ([`resolve`]).
+pub fn versions() -> impl Iterator<Item = i32> {
+    (2..=13).flat_map(|major| (0..=9).map(move |minor| major * 1000 + minor * 10))
+}
+
+/// The driver's distinct answers for one name and flags over [`versions`], oldest
+/// first: `ask(version)` is its `cuGetProcAddress` answer (null: none).
+pub fn variants_by_version(ask: impl Fn(i32) -> *mut c_void) -> Vec<*mut c_void> {
+    let mut out: Vec<*mut c_void> = Vec::new();
+    for v in versions() {
+        let p = ask(v);
+        if !p.is_null() && !out.contains(&p) {
+            out.push(p);
+        }
+    }
+    out
+}
+
 /// Decides what `cuGetProcAddress(name, .., flags)` returns, given the driver's answer
-/// `driver_fn` and the originals behind the exports (`original(i)`).
+/// `driver_fn`, the originals behind the exports (`original(i)`), and, asked only
+/// when the answer is an address the shim does not know and the name has several
+/// variants, the driver's answers for the name by version ([`variants_by_version`]).
 pub fn resolve(
     name: &str,
     driver_fn: *mut c_void,
     flags: u64,
     original: impl Fn(usize) -> *mut c_void,
+    by_version: impl FnOnce() -> Vec<*mut c_void>,
 ) -> Resolution {
     if driver_fn.is_null() {
         return Resolution::Driver;
@@ -61,7 +89,7 @@ pub fn resolve(
     // Unknown address: choose by name among the exports of the same base name.
     let (base, _, _) = split_name(name);
     let want_pt = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0;
-    let mut best: Option<(u32, usize)> = None;
+    let mut candidates: Vec<(u32, usize)> = Vec::new();
     let mut any_pt_variant = false;
     for (i, s) in SYMBOLS.iter().enumerate() {
         let (b, v, pt) = split_name(s.name());
@@ -72,8 +100,18 @@ pub fn resolve(
         if pt != want_pt || original(i).is_null() {
             continue;
         }
-        if best.is_none_or(|(bv, _)| v > bv) {
-            best = Some((v, i));
+        candidates.push((v, i));
+    }
+    candidates.sort_unstable();
+    let mut best = candidates.last().copied();
+    if candidates.len() > 1 {
+        // The driver's k-th variant (by the version it came with) is the shim's k-th,
+        // when both have the same number.
+        let answers = by_version();
+        if answers.len() == candidates.len() {
+            if let Some(k) = answers.iter().position(|&a| a == driver_fn) {
+                best = Some(candidates[k]);
+            }
         }
     }
     match best {
@@ -125,17 +163,17 @@ mod tests {
         let ptsz = Sym::cuLaunchKernel_ptsz as usize;
         // The driver answered the per-thread variant: we must hand out its wrapper.
         assert_eq!(
-            resolve("cuLaunchKernel", orig(ptsz), 2, orig),
+            resolve("cuLaunchKernel", orig(ptsz), 2, orig, Vec::new),
             Resolution::Wrapper(ptsz)
         );
         let legacy = Sym::cuLaunchKernel as usize;
         assert_eq!(
-            resolve("cuLaunchKernel", orig(legacy), 0, orig),
+            resolve("cuLaunchKernel", orig(legacy), 0, orig, Vec::new),
             Resolution::Wrapper(legacy)
         );
         let v2 = Sym::cuMemAlloc_v2 as usize;
         assert_eq!(
-            resolve("cuMemAlloc", orig(v2), 0, orig),
+            resolve("cuMemAlloc", orig(v2), 0, orig, Vec::new),
             Resolution::Wrapper(v2)
         );
     }
@@ -146,36 +184,67 @@ mod tests {
         let orig = |i: usize| o[i] as *mut c_void;
         let internal = 0xdead_0000usize as *mut c_void;
         assert_eq!(
-            resolve("cuMemcpyHtoDAsync", internal, 2, orig),
+            resolve("cuMemcpyHtoDAsync", internal, 2, orig, Vec::new),
             Resolution::Wrapper(lookup(b"cuMemcpyHtoDAsync_v2_ptsz").unwrap())
         );
         assert_eq!(
-            resolve("cuMemcpyHtoDAsync", internal, 0, orig),
+            resolve("cuMemcpyHtoDAsync", internal, 0, orig, Vec::new),
             Resolution::Wrapper(lookup(b"cuMemcpyHtoDAsync_v2").unwrap())
         );
         assert_eq!(
-            resolve("cuStreamWaitValue32", internal, 0, orig),
+            resolve("cuStreamWaitValue32", internal, 0, orig, Vec::new),
             Resolution::Wrapper(lookup(b"cuStreamWaitValue32_v2").unwrap())
         );
         // Not ours at all.
         assert_eq!(
-            resolve("cuDeviceGetName", internal, 0, orig),
+            resolve("cuDeviceGetName", internal, 0, orig, Vec::new),
             Resolution::Driver
         );
         // Classified but left to the driver, by address or by name.
         let query = Sym::cuStreamQuery as usize;
         assert_eq!(
-            resolve("cuStreamQuery", orig(query), 0, orig),
+            resolve("cuStreamQuery", orig(query), 0, orig, Vec::new),
             Resolution::Driver
         );
         assert_eq!(
-            resolve("cuStreamQuery", internal, 0, orig),
+            resolve("cuStreamQuery", internal, 0, orig, Vec::new),
             Resolution::Driver
         );
         // The driver said "no such symbol".
         assert_eq!(
-            resolve("cuLaunchKernel", std::ptr::null_mut(), 0, orig),
+            resolve("cuLaunchKernel", std::ptr::null_mut(), 0, orig, Vec::new),
             Resolution::Driver
+        );
+    }
+
+    #[test]
+    fn an_unknown_address_is_the_variant_the_driver_chose_for_the_version() {
+        // A driver handing out internal addresses: cuMemPrefetchAsync since 8.0,
+        // its _v2 (another signature) since 12.2.
+        let o = fake_originals();
+        let orig = |i: usize| o[i] as *mut c_void;
+        let (v1, v2) = (0xa000usize as *mut c_void, 0xb000usize as *mut c_void);
+        let ask = |v: i32| match v {
+            ..8000 => std::ptr::null_mut(),
+            8000..12020 => v1,
+            _ => v2,
+        };
+        let by_version = || variants_by_version(ask);
+        assert_eq!(by_version(), vec![v1, v2]);
+        assert_eq!(
+            resolve("cuMemPrefetchAsync", v1, 0, orig, by_version),
+            Resolution::Wrapper(Sym::cuMemPrefetchAsync as usize)
+        );
+        assert_eq!(
+            resolve("cuMemPrefetchAsync", v2, 0, orig, by_version),
+            Resolution::Wrapper(Sym::cuMemPrefetchAsync_v2 as usize)
+        );
+        // A driver with a variant the shim does not know: the newest, as before.
+        let v3 = 0xc000usize as *mut c_void;
+        let three = || vec![v1, v2, v3];
+        assert_eq!(
+            resolve("cuMemPrefetchAsync", v1, 0, orig, three),
+            Resolution::Wrapper(Sym::cuMemPrefetchAsync_v2 as usize)
         );
     }
 
@@ -196,7 +265,8 @@ mod tests {
                 "cuLaunchKernel",
                 0xbeef_0000usize as *mut c_void,
                 2,
-                only_legacy
+                only_legacy,
+                Vec::new
             ),
             Resolution::Driver
         );

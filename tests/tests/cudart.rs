@@ -580,3 +580,27 @@ fn two_grab_all_programs_take_turns_instead_of_livelocking() {
         );
     }
 }
+
+/// Managed memory's prefetches and advice work under Kiwi as without it (issue #24,
+/// the managed-memory row): the runtime asks the driver for `cuMemPrefetchAsync` of
+/// CUDA 8.0's signature, and the shim handed it its wrapper of 12.2's `_v2` (the
+/// simulator's answer was not an address the shim knew): `cudaErrorInvalidValue`
+/// under Kiwi only. Both prefetch calls, advice, every sampled byte and the driver's
+/// own refusal of a prefetch of plain memory agree with the run without Kiwi.
+#[test]
+fn managed_memory_prefetches_work_under_kiwi_as_without_it() {
+    let Some(rt) = CudaRuntime::fetch_or_skip("managed memory") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile(&rt, dir.path(), "cudart_managed.c");
+    let arb = Arbiter::start(&[]);
+    for (tag, socket) in [
+        ("managed-alone", None),
+        ("managed-kiwi", Some(arb.socket_dir())),
+    ] {
+        let m = SimMachine::new(tag, 1, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
+        let o = finish(spawn(&rt, &m, &exe, &[], socket, &dir.path().join(tag)));
+        ends_ok(tag, &o);
+    }
+}
