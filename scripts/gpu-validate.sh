@@ -10,6 +10,9 @@
 #    programs with expandable_segments:True at 60% each (their own VMM memory swaps);
 #    two PyTorch notebooks that keep ~10x their live tensors cached, without and with
 #    kiwi.enable() (the discard hint): the bytes each swap-out copied;
+#    a newcomer's torch.cuda beside an idle notebook holding 95%; two JAX processes
+#    with their default preallocation; CuPy managed memory beside a competitor; the
+#    README's `kiwictl demo --gpu`;
 # 3. with two GPUs or more: two gpuburst processes using GPUs 0 and 1 in opposite
 #    orders (one turn per GPU, acquired in one order: no deadlock);
 # 4. swap throughput and hand-offs from the arbiter's event log;
@@ -101,6 +104,79 @@ PY
   expand_result="program 1 exit $re1: $(tail -1 "$WORK/e1.out"); program 2 exit $re2: $(tail -1 "$WORK/e2.out")"
   echo "$expand_result"
 fi
+
+newcomer_result="skipped: no python3 with torch"
+if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+  echo "== a newcomer starting torch.cuda beside an idle notebook holding 95% of the GPU"
+  cat >"$WORK/holder.py" <<'PY'
+import sys, time, torch
+free, total = torch.cuda.mem_get_info()
+x = torch.ones(int(total * 0.95) // 4, device="cuda")  # 95% of the GPU: allowed alone
+torch.cuda.synchronize()
+print("holding", flush=True)
+time.sleep(float(sys.argv[1]))  # idle: its memory is what a newcomer's context needs
+print("ok" if bool((x == 1).all()) else "WRONG")
+PY
+  cat >"$WORK/newcomer.py" <<'PY'
+import time, torch
+t = time.time()
+torch.cuda.init(); y = torch.ones(1 << 20, device="cuda"); torch.cuda.synchronize()
+print(f"ok context ready in {time.time() - t:.2f} s" if y.sum().item() == (1 << 20) else "WRONG")
+PY
+  "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/holder.py" 20 >"$WORK/n1.out" 2>&1 & N1=$!
+  for _ in $(seq 600); do grep -q holding "$WORK/n1.out" 2>/dev/null && break; sleep 0.1; done
+  rn2=0; "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/newcomer.py" >"$WORK/n2.out" 2>&1 || rn2=$?
+  rn1=0; wait $N1 || rn1=$?
+  newcomer_result="newcomer exit $rn2: $(tail -1 "$WORK/n2.out"); holder exit $rn1: $(tail -1 "$WORK/n1.out")"
+  echo "$newcomer_result"
+fi
+
+jax_result="skipped: no python3 with jax"
+if python3 -c 'import jax; assert jax.devices("gpu")' 2>/dev/null; then
+  echo "== two JAX processes with the default preallocation (75% of what they are told is free)"
+  cat >"$WORK/jaxjob.py" <<'PY'
+import sys, time, jax, jax.numpy as jnp
+x = jnp.full((1 << 26,), float(sys.argv[1]))  # 256 MiB live
+for _ in range(6):
+    x = x + 1
+    x.block_until_ready()
+    time.sleep(1.0)
+print("ok" if float(x[12345]) == float(sys.argv[1]) + 6 else "WRONG")
+PY
+  # kiwictl run sets XLA_PYTHON_CLIENT_PREALLOCATE=false unless set: set it to JAX's default.
+  XLA_PYTHON_CLIENT_PREALLOCATE=true "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/jaxjob.py" 1 >"$WORK/j1.out" 2>&1 & J1=$!
+  XLA_PYTHON_CLIENT_PREALLOCATE=true "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/jaxjob.py" 2 >"$WORK/j2.out" 2>&1 & J2=$!
+  rj1=0; rj2=0; wait $J1 || rj1=$?; wait $J2 || rj2=$?
+  jax_result="job 1 exit $rj1: $(tail -1 "$WORK/j1.out"); job 2 exit $rj2: $(tail -1 "$WORK/j2.out")"
+  echo "$jax_result"
+fi
+
+managed_result="skipped: no python3 with cupy"
+if python3 -c 'import cupy; cupy.cuda.runtime.getDeviceCount()' 2>/dev/null; then
+  echo "== CuPy managed memory beside a competitor"
+  cat >"$WORK/managed.py" <<'PY'
+import sys, time, cupy as cp
+cp.cuda.set_allocator(cp.cuda.MemoryPool(cp.cuda.malloc_managed).malloc)
+n = int(float(sys.argv[1]) * (1 << 30)) // 4
+x = cp.full((n,), 3.0, dtype=cp.float32)
+bursts = []
+for _ in range(6):
+    b = time.time(); x += 1; cp.cuda.Stream.null.synchronize(); bursts.append(time.time() - b)
+    time.sleep(1.0)
+print(("ok" if float(x[12345]) == 9.0 else "WRONG") + f" slowest burst {max(bursts):.2f} s")
+PY
+  MGIB=$(awk "BEGIN{print $MEM_MIB / 1024 / 2}")
+  "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/managed.py" "$MGIB" >"$WORK/m1.out" 2>&1 & M1=$!
+  "$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --mem "${MEM_MIB}MiB" --bursts 4 --gpu-ms 500 --cpu-ms 1000 --name C >"$WORK/m2.out" 2>&1 & M2=$!
+  rm1=0; rm2=0; wait $M1 || rm1=$?; wait $M2 || rm2=$?
+  managed_result="managed exit $rm1: $(tail -1 "$WORK/m1.out"); competitor exit $rm2 ($(grep -c 'all bytes as expected' "$WORK/m2.out" || true) verified)"
+  echo "$managed_result"
+fi
+
+echo "== kiwictl demo --gpu (the README's demo on this GPU)"
+rd=0; timeout 300 "$R/kiwictl" demo --gpu >"$WORK/demo.out" 2>&1 || rd=$?
+demo_result="exit $rd: $(grep -v '^\s*$' "$WORK/demo.out" | tail -1)"
+echo "$demo_result"
 
 graph_result="skipped: no python3 with torch"
 ipc_result="skipped: no python3 with torch"
@@ -259,6 +335,10 @@ fi
   echo "- gpuburst pair at 60% of ${TOTAL_MIB} MiB each: ${burst_result}"
   echo "- PyTorch pair under kiwictl run: ${torch_result}"
   echo "- PyTorch pair with expandable_segments:True at 60% each: ${expand_result}"
+  echo "- newcomer's torch.cuda beside an idle notebook at 95%: ${newcomer_result}"
+  echo "- two JAX processes with default preallocation: ${jax_result}"
+  echo "- CuPy managed memory beside a gpuburst competitor: ${managed_result}"
+  echo "- kiwictl demo --gpu: ${demo_result}"
   echo "- torch.cuda.graph capture and replay under Kiwi: ${graph_result}"
   echo "- torch.multiprocessing CUDA tensor: ${ipc_result}"
   echo "- PyTorch notebooks caching ~10x their live tensors, per swap-out: ${hint_result}"
