@@ -768,7 +768,14 @@ impl GpuScheduler {
             return Vec::new();
         };
         c.last_seen = now;
-        let missing = missing.min(c.usage.working_set_bytes);
+        // Checked against the client's own reports: what it lacks is at most its
+        // working set less what it said is resident (a holder that says it is all in,
+        // or claims more than it lacks, cannot make others evict for nothing).
+        let missing = missing.min(
+            c.usage
+                .working_set_bytes
+                .saturating_sub(c.usage.resident_bytes),
+        );
         let (holding, learned) = self
             .holders
             .get(&id)

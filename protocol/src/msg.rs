@@ -213,9 +213,9 @@ pub enum ClientMsg {
     /// `missing_bytes` of its working set are still not resident, though the arbiter
     /// counted on room for it. Memory the arbiter cannot see takes the rest (a
     /// process outside Kiwi, a context measured short): the arbiter counts it from
-    /// then on, and reclaims up to `missing_bytes` (never more than the working set
-    /// it knows), beyond what is already on its way out, from clients that do not
-    /// hold the GPU.
+    /// then on, and reclaims up to `missing_bytes` (never more than the client's last
+    /// `usage` says is not resident), beyond what is already on its way out, from
+    /// clients that do not hold the GPU.
     /// Sent when the shortage starts and again, at most every 250 ms, while it lasts;
     /// ignored from a client that does not hold the GPU, or was dropped. Sent
     /// only by clients that registered with `pipelined`.

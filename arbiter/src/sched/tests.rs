@@ -1709,6 +1709,33 @@ fn no_room_from_a_non_holder_or_a_dropped_holder_is_ignored() {
     assert_eq!(s.fixed(), 0);
 }
 
+/// `no_room` is checked against the holder's own reports: one that says it is all
+/// resident learns nothing and makes nobody evict; one that claims more than it lacks
+/// gets a reclaim of what it lacks, no more (issue #27, item 2).
+#[test]
+fn no_room_is_bounded_by_what_the_holders_reports_say_it_lacks() {
+    let mut s = sched(1000 * MIB, 1_000, 500);
+    reg(&mut s, 0, 1, 400 * MIB);
+    reg(&mut s, 0, 2, 700 * MIB);
+    s.request(0, 1);
+    s.usage(0, 1, usage(400 * MIB, 400 * MIB));
+    s.request(MS, 2);
+    let outs = s.tick(SEC);
+    assert!(dropped(&outs, 1).is_some(), "{outs:?}");
+    let outs = s.release(SEC + MS, 1, usage(400 * MIB, 100 * MIB));
+    assert_eq!(granted(&outs, 2), Some(true));
+    // All in, by its own report: the claim is ignored.
+    s.usage(SEC + 2 * MS, 2, usage(700 * MIB, 700 * MIB));
+    let outs = s.no_room(SEC + 3 * MS, 2, 900 * MIB);
+    assert_eq!(reclaimed_bytes(&outs, 1), None, "{outs:?}");
+    assert_eq!(s.fixed(), 0);
+    // 50 MiB short by its report, 900 claimed: a reclaim of 50 at most.
+    s.usage(SEC + 4 * MS, 2, usage(700 * MIB, 650 * MIB));
+    let outs = s.no_room(SEC + 5 * MS, 2, 900 * MIB);
+    let r = reclaimed_bytes(&outs, 1).unwrap_or(0);
+    assert!(r <= 50 * MIB, "reclaimed {} MiB: {outs:?}", r >> 20);
+}
+
 /// On a GPU believed to fit, sharers that find no room would wait for good: one
 /// `no_room` makes the scheduler count the memory it cannot see, the GPU no longer
 /// fits, and the sharers take turns (the one holding longest keeps it).
