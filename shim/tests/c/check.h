@@ -40,4 +40,17 @@ static inline int memset_bursts_verify(CUdeviceptr d, unsigned char *h, size_t n
     return 0;
 }
 
+/* Initialises the driver, makes a context on device 0 (current) and returns the
+ * properties of plain device memory there, as the VMM programs create it. */
+static inline CUmemAllocationProp context_and_device_memory(CUdevice *dev, CUcontext *ctx) {
+    CHECK(cuInit(0));
+    CHECK(cuDeviceGet(dev, 0));
+    CHECK(cuCtxCreate(ctx, 0, *dev));
+    CUmemAllocationProp prop = {0};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = *dev;
+    return prop;
+}
+
 #endif

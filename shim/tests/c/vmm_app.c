@@ -20,13 +20,7 @@ int main(int argc, char **argv) {
     int bursts = atoi(argv[2]);
     CUdevice dev;
     CUcontext ctx;
-    CHECK(cuInit(0));
-    CHECK(cuDeviceGet(&dev, 0));
-    CHECK(cuCtxCreate(&ctx, 0, dev));
-    CUmemAllocationProp prop = {0};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = dev;
+    CUmemAllocationProp prop = context_and_device_memory(&dev, &ctx);
     size_t gran = 0;
     CHECK(cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
     bytes = (bytes + gran - 1) / gran * gran;
