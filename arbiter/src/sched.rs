@@ -127,8 +127,9 @@ struct Client {
     told: Option<WaitView>,
     /// GPU memory of its that no swap frees (contexts, modules, its own VMM memory).
     unswappable: u64,
-    /// The last [`ArbiterMsg::Room`] it was sent (`room_info` clients).
+    /// The last [`ArbiterMsg::Room`] it was sent (`room_info` clients), and when.
     room_told: Option<u64>,
+    room_sent: Option<Nanos>,
     /// Bytes it was asked to reclaim and has not answered yet.
     reclaim_pending: u64,
     /// When that reclaim was asked (a hand-off in progress for idle eviction, for at
@@ -189,6 +190,8 @@ pub struct GpuScheduler {
     idle_evict_ns: u64,
     /// What `pipelined` clients were last told: the GPU is oversubscribed.
     pressure: bool,
+    /// When that was broadcast ([`STATE_INTERVAL_NS`] apart at least).
+    pressure_sent: Option<Nanos>,
     /// What holders were last told: someone waits, and the bytes the next one needs.
     contended: bool,
     contended_need: u64,
@@ -230,6 +233,14 @@ type WaitersSeen = (
 /// How long memory learned from `no_room` ([`GpuScheduler::no_room`]) is counted.
 pub const UNSEEN_TTL_NS: u64 = 60_000_000_000;
 
+/// Least time between two `pressure` broadcasts of a GPU, and between two `room`
+/// messages to one client: a client flipping its usage or its memory no swap frees
+/// thousands of times a second must not make the arbiter send every other client a
+/// message per flip (issue #27, item 3); the latest state follows when the interval
+/// ends ([`GpuScheduler::next_deadline`]). A client's `ping` gets its due `room`
+/// first, at once ([`GpuScheduler::flush_room`]).
+pub const STATE_INTERVAL_NS: u64 = 250_000_000;
+
 /// Longest wait for a resumed holder to re-register after an arbiter restart.
 const RESUME_WINDOW_NS: u64 = 2_000_000_000;
 
@@ -256,6 +267,7 @@ impl GpuScheduler {
             draining: BTreeMap::new(),
             idle_evict_ns: 0,
             pressure: false,
+            pressure_sent: None,
             contended: false,
             contended_need: 0,
             quiet_until: None,
@@ -443,8 +455,8 @@ impl GpuScheduler {
     fn finish(&mut self, now: Nanos) -> Vec<Output> {
         self.schedule(now);
         self.notify_waiters(now);
-        self.notify_pressure();
-        self.notify_room();
+        self.notify_pressure(now);
+        self.notify_room(now, None);
         self.idle_evict(now);
         std::mem::take(&mut self.out)
     }
@@ -494,6 +506,7 @@ impl GpuScheduler {
                 told: None,
                 unswappable,
                 room_told: None,
+                room_sent: None,
                 reclaim_pending: 0,
                 reclaim_sent: None,
                 last_seen: now,
@@ -511,7 +524,7 @@ impl GpuScheduler {
         );
         // Right after `registered`, so the client knows the others' memory before its
         // application asks how much is free.
-        self.notify_room();
+        self.notify_room(now, None);
         // Already oversubscribed: a pipelined client prepares its swap-out from the
         // start (a change this registration makes is told to everyone in `finish`).
         if self.pressure && self.clients.get(&id).is_some_and(|c| c.info.pipelined) {
@@ -920,7 +933,24 @@ impl GpuScheduler {
         if let (Some(free), Some((due, _))) = (self.link_free_at(), self.idle_candidate()) {
             at(due.max(free));
         }
+        if self.oversubscribed() != self.pressure {
+            if let Some(due) = self.pressure_due() {
+                at(due);
+            }
+        }
+        for (id, _) in self.room_changes() {
+            if let Some(due) = self.room_due(id) {
+                at(due);
+            }
+        }
         d
+    }
+
+    /// When the next `pressure` broadcast may go ([`STATE_INTERVAL_NS`] after
+    /// the last); `None`: at once.
+    fn pressure_due(&self) -> Option<Nanos> {
+        self.pressure_sent
+            .map(|t| t.saturating_add(STATE_INTERVAL_NS))
     }
 
     fn tq_ns(&self) -> u64 {
@@ -1196,12 +1226,13 @@ impl GpuScheduler {
     }
 
     /// Tells `pipelined` clients when the GPU starts or stops being oversubscribed.
-    fn notify_pressure(&mut self) {
+    fn notify_pressure(&mut self, now: Nanos) {
         let over = self.oversubscribed();
-        if over == self.pressure {
+        if over == self.pressure || self.pressure_due().is_some_and(|due| now < due) {
             return;
         }
         self.pressure = over;
+        self.pressure_sent = Some(now);
         let ids: Vec<ClientId> = self
             .clients
             .iter()
@@ -1219,22 +1250,48 @@ impl GpuScheduler {
         }
     }
 
-    /// Tells `room_info` clients the memory no swap frees that the other clients
-    /// report, when it changed since they were last told.
-    fn notify_room(&mut self) {
+    /// What `room_info` client `id` is to be told: the memory no swap frees that the
+    /// other clients report (`None`: not such a client).
+    fn room_for(&self, id: ClientId) -> Option<u64> {
         // What the clients report, not what `no_room` taught (`unseen`: a guess that
         // expires, and one a hostile holder could inflate).
+        let c = self.clients.get(&id).filter(|c| c.info.room_info)?;
         let fixed = self.fixed().saturating_sub(self.unseen);
-        let changed: Vec<(ClientId, u64)> = self
-            .clients
+        Some(fixed.saturating_sub(c.unswappable))
+    }
+
+    /// The `room_info` clients whose `room` changed since they were last told, with
+    /// what to tell them.
+    fn room_changes(&self) -> Vec<(ClientId, u64)> {
+        self.clients
             .iter()
-            .filter(|(_, c)| c.info.room_info)
-            .map(|(&id, c)| (id, fixed.saturating_sub(c.unswappable)))
-            .filter(|&(id, others)| self.clients[&id].room_told != Some(others))
-            .collect();
-        for (id, others) in changed {
+            .filter_map(|(&id, c)| {
+                let others = self.room_for(id)?;
+                (c.room_told != Some(others)).then_some((id, others))
+            })
+            .collect()
+    }
+
+    /// When client `id` may next be sent `room` ([`STATE_INTERVAL_NS`] after the
+    /// last); `None`: at once.
+    fn room_due(&self, id: ClientId) -> Option<Nanos> {
+        self.clients
+            .get(&id)?
+            .room_sent
+            .map(|t| t.saturating_add(STATE_INTERVAL_NS))
+    }
+
+    /// Tells `room_info` clients the memory no swap frees that the other clients
+    /// report, when it changed since they were last told: at most every
+    /// [`STATE_INTERVAL_NS`] each, but `now` for `urgent` (a client that asked).
+    fn notify_room(&mut self, now: Nanos, urgent: Option<ClientId>) {
+        for (id, others) in self.room_changes() {
+            if urgent != Some(id) && self.room_due(id).is_some_and(|due| now < due) {
+                continue;
+            }
             if let Some(c) = self.clients.get_mut(&id) {
                 c.room_told = Some(others);
+                c.room_sent = Some(now);
             }
             self.send(
                 id,
@@ -1243,6 +1300,19 @@ impl GpuScheduler {
                 },
             );
         }
+    }
+
+    /// Client `id` pinged: its `room`, if one is due, goes now, before the answer
+    /// (the shim's `cuMemGetInfo` counts every registration that finished before it).
+    pub fn flush_room(&mut self, now: Nanos, id: ClientId) -> Vec<Output> {
+        if self.room_for(id).is_some() {
+            let told = self.clients[&id].room_told;
+            if self.room_for(id) != told {
+                self.notify_room(now, Some(id));
+            }
+        }
+        // `room` messages only (to `id`, and to others whose interval ended).
+        std::mem::take(&mut self.out)
     }
 
     /// An exclusive holder that is not all resident found no room to swap in (the

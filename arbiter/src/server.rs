@@ -1074,7 +1074,17 @@ fn handle_client_msg(
     let deadline_before = st.next_deadline();
     let gpu = st.clients.get(&id).and_then(|c| c.gpu.clone());
     let (gpu, outs) = match (msg, gpu) {
-        (ClientMsg::Ping { token }, _) => {
+        (ClientMsg::Ping { token }, gpu) => {
+            // A `room` due to this client goes before the answer: the shim's
+            // `cuMemGetInfo` counts on it (docs/protocol.md, "Memory no swap frees").
+            if let Some(uuid) = gpu {
+                let outs = st
+                    .gpus
+                    .get_mut(&uuid)
+                    .map(|g| g.sched.flush_room(now, id))
+                    .unwrap_or_default();
+                st.dispatch(&uuid, outs);
+            }
             peer.send(&ArbiterMsg::Pong { token });
             return true;
         }

@@ -1,7 +1,8 @@
 //! Hostile tenants against the scheduler, over real sockets (issue #14, items 1, 2
 //! and 4): a fake resume must not jump the queue, a registration must not set a GPU's
 //! size (NVML's word is the truth; without NVML the first registration's), and
-//! made-up GPUs must not fill the arbiter's GPU table.
+//! made-up GPUs must not fill the arbiter's GPU table; and (issue #27, item 3) a
+//! tenant's storm of reports does not become a storm of messages to the others.
 
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kiwi_protocol::blocking::Connection;
-use kiwi_protocol::{ArbiterMsg, ClientMsg, ErrorCode, EventKind, Register, Resume};
+use kiwi_protocol::{ArbiterMsg, ClientMsg, ErrorCode, EventKind, Register, Resume, Usage};
 use kiwi_sim_core::harness::{in_ci, SimMachine};
 use kiwi_sim_core::ident::gpu_uuid_string;
 use kiwi_tests::{bin, monotonic_ns, register_msg, wait_until, Arbiter, Client, FakeClient};
@@ -360,4 +361,76 @@ fn an_arbiter_restart_on_nvml_resumes_the_real_holder() {
         .iter()
         .any(|e| matches!(e.kind, EventKind::Register { resumed: true, .. }));
     assert!(resumed, "the new arbiter saw a resumed registration: {err}");
+}
+
+/// A tenant flips its usage across the room and its memory no swap frees, 8,001
+/// times each as fast as its connection allows. An honest pipelined `room_info`
+/// client hears `pressure` and `room` at most every 250 ms, and their last values
+/// are the storm's last state. (Over the whole test: the storm and the 600 ms of
+/// quiet that end the reading.) Before, each flip sent every such client a message:
+/// 8,000 in 0.12 s, and slow readers were disconnected.
+#[test]
+fn a_report_storm_reaches_the_others_at_most_every_interval() {
+    let arb = Arbiter::start(&["--tq", "30"]);
+    let gpu = "GPU-5707a000-0000-0000-0000-000000000001";
+    let mut honest_reg = register_msg(gpu, 1000 * MIB, 600 * MIB);
+    honest_reg.pipelined = true;
+    honest_reg.room_info = true;
+    honest_reg.unswappable_bytes = Some(0);
+    let mut honest = Client::register(&arb.client_socket(), honest_reg);
+    let mut liar_reg = register_msg(gpu, 1000 * MIB, 100 * MIB);
+    liar_reg.unswappable_bytes = Some(0);
+    let mut liar = Client::register(&arb.client_socket(), liar_reg);
+    let start = Instant::now();
+    for k in 0..8001u64 {
+        let on = k % 2 == 0;
+        let ws = if on { 600 * MIB } else { 100 * MIB };
+        liar.conn
+            .send(&ClientMsg::Usage(Usage {
+                working_set_bytes: ws,
+                resident_bytes: 0,
+            }))
+            .expect("send usage");
+        liar.conn
+            .send(&ClientMsg::Unswappable {
+                bytes: if on { 100 * MIB } else { 0 },
+            })
+            .expect("send unswappable");
+    }
+    // Answered after every message before it: the storm has been handled.
+    liar.conn
+        .send(&ClientMsg::Ping { token: 7 })
+        .expect("send ping");
+    assert!(
+        liar.wait_for(Duration::from_secs(30), |m| matches!(
+            m,
+            ArbiterMsg::Pong { token: 7 }
+        ))
+        .is_some(),
+        "the arbiter did not answer the liar's ping"
+    );
+    // Everything the honest client was sent, the deferred last state included
+    // (due within 250 ms): read until 600 ms pass without a message.
+    let (mut pressure, mut room) = (Vec::new(), Vec::new());
+    loop {
+        match honest.conn.recv_timeout(Duration::from_millis(600)) {
+            Ok(Some(ArbiterMsg::Pressure { oversubscribed, .. })) => pressure.push(oversubscribed),
+            Ok(Some(ArbiterMsg::Room {
+                others_unswappable_bytes,
+            })) => room.push(others_unswappable_bytes),
+            Ok(Some(_)) => {}
+            Ok(None) => break,
+            Err(e) => panic!("the honest client lost the arbiter: {e}"),
+        }
+    }
+    assert_eq!(pressure.last(), Some(&true), "{pressure:?}");
+    assert_eq!(room.last(), Some(&(100 * MIB)), "{room:?}");
+    let took = start.elapsed().as_secs_f64();
+    let most = 2 + (took / 0.25).ceil() as usize;
+    assert!(
+        pressure.len() <= most && room.len() <= most + 1,
+        "{} pressure and {} room messages in {took:.2} s (at most {most} each)",
+        pressure.len(),
+        room.len()
+    );
 }

@@ -1400,13 +1400,49 @@ fn pipelined_clients_hear_pressure_on_every_change_and_at_registration() {
     assert!(matches!(to3[0], ArbiterMsg::Registered { .. }), "{to3:?}");
     assert_eq!(pressure(&outs, 3), vec![true]);
     assert!(pressure(&outs, 1).is_empty(), "no change, no repeat");
-    // Shrinking back under the room, and the scheduler off, end it.
+    // Shrinking back under the room ends it: within STATE_INTERVAL_NS of the last
+    // broadcast it is told when the interval ends.
     let outs = s.usage(3 * MS, 2, usage(100 * MIB, 0));
+    assert!(pressure(&outs, 1).is_empty(), "{outs:?}");
+    let due = MS + STATE_INTERVAL_NS;
+    assert_eq!(s.next_deadline(), Some(due));
+    let outs = s.tick(due);
     assert_eq!(pressure(&outs, 1), vec![false]);
     assert_eq!(pressure(&outs, 3), vec![false]);
-    s.usage(4 * MS, 2, usage(600 * MIB, 0));
-    let outs = s.set_scheduler(5 * MS, false);
+    // So does the scheduler going off.
+    s.usage(due + MS, 2, usage(600 * MIB, 0));
+    let outs = s.tick(due + STATE_INTERVAL_NS);
+    assert_eq!(pressure(&outs, 1), vec![true]);
+    let outs = s.set_scheduler(due + 2 * STATE_INTERVAL_NS, false);
     assert_eq!(pressure(&outs, 1), vec![false]);
+}
+
+/// A client flipping its usage across the room thousands of times a second makes
+/// the arbiter broadcast `pressure` at most every STATE_INTERVAL_NS, and the last
+/// state always follows (issue #27, item 3: 8,000 flips in 0.12 s sent 8,000
+/// messages to every pipelined client, and slow readers were disconnected).
+#[test]
+fn a_usage_storm_sends_pressure_at_most_every_interval_and_the_last_state_follows() {
+    let mut s = sched(1000 * MIB, 1_000, 500);
+    let pipelined = ClientInfo {
+        pipelined: true,
+        ..Default::default()
+    };
+    s.register(0, 1, pipelined, usage(600 * MIB, 0), None);
+    s.register(0, 2, ClientInfo::default(), usage(100 * MIB, 0), None);
+    let mut told = Vec::new();
+    let mut t = MS;
+    for k in 0..8000u64 {
+        let ws = if k % 2 == 0 { 600 } else { 100 };
+        told.extend(pressure(&s.usage(t, 2, usage(ws * MIB, 0)), 1));
+        t += 15_000; // 8,000 flips in 0.12 s
+    }
+    assert!(told.len() <= 2, "{} broadcasts: {told:?}", told.len());
+    // The storm ends on "fits" (the last flip, k odd): that is told once due.
+    let due = s.next_deadline().expect("the last state is due");
+    told.extend(pressure(&s.tick(due), 1));
+    assert_eq!(told.last(), Some(&false), "{told:?}");
+    assert_eq!(s.next_deadline(), None);
 }
 
 fn idle_reclaim(outs: &[Output], to: ClientId) -> Option<u64> {
@@ -1466,6 +1502,9 @@ fn no_idle_eviction_when_it_fits_when_off_or_for_a_recent_client() {
     let mut s = idle_b(1_000);
     s.usage(0, 2, usage(400 * MIB, 400 * MIB));
     assert!(s.fits());
+    // The end of the pressure is told when its interval ends; then nothing is due.
+    assert_eq!(s.next_deadline(), Some(STATE_INTERVAL_NS));
+    s.tick(STATE_INTERVAL_NS);
     assert_eq!(s.next_deadline(), None);
     assert_eq!(idle_reclaim(&s.tick(100 * SEC), 2), None);
     // Active: B changed its memory at 0.9 s: its idle time starts again.
@@ -1755,4 +1794,52 @@ fn no_room_while_sharing_turns_a_gpu_that_no_longer_fits_into_turns() {
     // A, holding longest, keeps the GPU; B gives it back (its 100 MiB fit beside A).
     assert_eq!(dropped(&outs, 2), Some(0), "{outs:?}");
     assert_eq!(dropped(&outs, 1), None);
+}
+
+fn room(outs: &[Output], to: ClientId) -> Vec<u64> {
+    sent(outs, to)
+        .iter()
+        .filter_map(|m| match m {
+            ArbiterMsg::Room {
+                others_unswappable_bytes,
+            } => Some(*others_unswappable_bytes),
+            _ => None,
+        })
+        .collect()
+}
+
+/// `room` goes to a client at most every STATE_INTERVAL_NS, the latest value follows
+/// when the interval ends, and a ping gets it at once (issue #27, item 3: a client
+/// flipping its memory no swap frees would have sent every other client a message
+/// per flip; the shim's `cuMemGetInfo` pings so it still counts every context that
+/// finished opening before it asked).
+#[test]
+fn room_changes_are_coalesced_and_a_ping_gets_the_latest_at_once() {
+    let mut s = sched(4096 * MIB, 1_000, 500);
+    let info = |room_info| ClientInfo {
+        unswappable: Some(300 * MIB),
+        room_info,
+        ..Default::default()
+    };
+    let outs = s.register(0, 1, info(true), usage(0, 0), None);
+    assert_eq!(room(&outs, 1), vec![0], "told at registration");
+    // A second context within the interval: deferred, and due when it ends.
+    let outs = s.register(MS, 2, info(false), usage(0, 0), None);
+    assert!(room(&outs, 1).is_empty(), "{outs:?}");
+    assert_eq!(s.next_deadline(), Some(STATE_INTERVAL_NS));
+    // The client asks (ping): at once.
+    assert_eq!(room(&s.flush_room(2 * MS, 1), 1), vec![300 * MIB]);
+    assert!(s.flush_room(3 * MS, 1).is_empty(), "nothing new");
+    // A storm of reports from client 2: 8,001 flips in 0.12 s.
+    let mut told = Vec::new();
+    let mut t = 3 * MS;
+    for k in 0..8001u64 {
+        let bytes = if k % 2 == 0 { 400 * MIB } else { 300 * MIB };
+        told.extend(room(&s.unswappable(t, 2, bytes), 1));
+        t += 15_000;
+    }
+    assert!(told.is_empty(), "{} messages: {told:?}", told.len());
+    let due = s.next_deadline().expect("the last value is due");
+    assert_eq!(room(&s.tick(due), 1), vec![400 * MIB]);
+    assert_eq!(s.next_deadline(), None);
 }
