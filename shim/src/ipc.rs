@@ -38,8 +38,9 @@
 //! Hostile input: a wrong token, a garbage handle or reply, a peer that never answers
 //! get an error code, never a hang (timeouts on every read and write) or a crash. The
 //! broker holds at most [`MAX_CONNECTIONS`] open connections and [`MAX_PENDING`]
-//! unauthenticated ones, each for [`REQUEST_DEADLINE`] and [`REQUEST_LEN`] bytes; a
-//! connection that sends anything after its request is closed.
+//! unauthenticated ones ([`MAX_PENDING_PER_UID`] per user), each for
+//! [`REQUEST_DEADLINE`] and [`REQUEST_LEN`] bytes; a connection that sends anything
+//! after its request is closed.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
@@ -82,8 +83,12 @@ const REPLY_LEN: usize = 48;
 pub const MAX_CONNECTIONS: usize = 1024;
 /// Most connections that have not sent their request yet.
 pub const MAX_PENDING: usize = 32;
-/// How long a new connection has to send its request.
-pub const REQUEST_DEADLINE: Duration = Duration::from_secs(2);
+/// Most of those from one user (`SO_PEERCRED`): another tenant's silent connections
+/// cannot take every place.
+pub const MAX_PENDING_PER_UID: usize = 8;
+/// How long a new connection has to send its request (an importer sends it at once
+/// after connecting).
+pub const REQUEST_DEADLINE: Duration = Duration::from_millis(500);
 /// Most segments an importer accepts (64 MiB each: 4 TiB).
 const MAX_SEGMENTS: u32 = 1 << 16;
 /// How long the broker may take to send a reply once it has it.
@@ -388,6 +393,7 @@ enum Conn {
         s: UnixStream,
         got: Vec<u8>,
         deadline: Instant,
+        uid: u32,
     },
     /// Holding a pin for share `token` until it closes.
     Open { s: UnixStream, token: [u8; 16] },
@@ -461,11 +467,13 @@ fn accept(l: &UnixListener, conns: &mut Vec<Conn>, refusals: &mut crate::log::Th
                 return;
             }
         };
-        let pending = conns
-            .iter()
-            .filter(|c| matches!(c, Conn::Pending { .. }))
-            .count();
-        if conns.len() >= MAX_CONNECTIONS || pending >= MAX_PENDING {
+        // Unknown credentials share one group.
+        let uid = peer_cred(&s).map_or(u32::MAX, |c| c.uid);
+        let (pending, mine) = conns.iter().fold((0, 0), |(all, mine), c| match c {
+            Conn::Pending { uid: u, .. } => (all + 1, mine + usize::from(*u == uid)),
+            Conn::Open { .. } => (all, mine),
+        });
+        if conns.len() >= MAX_CONNECTIONS || pending >= MAX_PENDING || mine >= MAX_PENDING_PER_UID {
             if let Some(note) = refusals.allow() {
                 crate::kwarn!("IPC broker: too many importers; refusing one{note}");
             }
@@ -479,6 +487,7 @@ fn accept(l: &UnixListener, conns: &mut Vec<Conn>, refusals: &mut crate::log::Th
             s,
             got: Vec::with_capacity(REQUEST_LEN),
             deadline: Instant::now() + REQUEST_DEADLINE,
+            uid,
         });
     }
 }
@@ -490,9 +499,15 @@ fn step(c: Conn, ready: bool, now: Instant) -> Option<Conn> {
             mut s,
             mut got,
             deadline,
+            uid,
         } => {
             if !ready {
-                return (now < deadline).then_some(Conn::Pending { s, got, deadline });
+                return (now < deadline).then_some(Conn::Pending {
+                    s,
+                    got,
+                    deadline,
+                    uid,
+                });
             }
             let mut buf = [0u8; REQUEST_LEN];
             let want = REQUEST_LEN - got.len();
@@ -501,7 +516,12 @@ fn step(c: Conn, ready: bool, now: Instant) -> Option<Conn> {
                 Ok(k) => {
                     got.extend_from_slice(&buf[..k]);
                     if got.len() < REQUEST_LEN {
-                        return (now < deadline).then_some(Conn::Pending { s, got, deadline });
+                        return (now < deadline).then_some(Conn::Pending {
+                            s,
+                            got,
+                            deadline,
+                            uid,
+                        });
                     }
                     match answer(&s, &got) {
                         Ok(token) => Some(Conn::Open { s, token }),
@@ -512,7 +532,12 @@ fn step(c: Conn, ready: bool, now: Instant) -> Option<Conn> {
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    (now < deadline).then_some(Conn::Pending { s, got, deadline })
+                    (now < deadline).then_some(Conn::Pending {
+                        s,
+                        got,
+                        deadline,
+                        uid,
+                    })
                 }
                 Err(_) => None,
             }
@@ -1107,6 +1132,11 @@ fn connect(name: &str, timeout: Duration) -> std::io::Result<UnixStream> {
 }
 
 fn peer_pid(s: &UnixStream) -> std::io::Result<u32> {
+    peer_cred(s).map(|c| c.pid as u32)
+}
+
+/// The peer's credentials (`SO_PEERCRED`), as the kernel took them at connect.
+fn peer_cred(s: &UnixStream) -> std::io::Result<libc::ucred> {
     // SAFETY: a zeroed ucred is valid; getsockopt fills it.
     let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
@@ -1123,7 +1153,7 @@ fn peer_pid(s: &UnixStream) -> std::io::Result<u32> {
     if r != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    Ok(cred.pid as u32)
+    Ok(cred)
 }
 
 #[cfg(test)]

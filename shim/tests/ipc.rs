@@ -12,7 +12,8 @@ use common::*;
 use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::process::Command;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kiwi_protocol::EventKind;
@@ -285,7 +286,7 @@ fn an_exporter_survives_hostile_importers() {
     drop(silent);
     // An honest importer while the broker is full of fresh silent connections:
     // refused at first, it asks again with backoff until a place frees (they are
-    // dropped at their 2 s deadline). Before, it failed at once with 711.
+    // dropped at their 500 ms deadline). Before, it failed at once with 711.
     let silent: Vec<UnixStream> = (0..40).map(|_| connect()).collect();
     let mut c = Command::new(&exe);
     let o = finish(
@@ -321,4 +322,77 @@ fn an_exporter_survives_hostile_importers() {
     let oe = e.finish();
     assert_eq!(oe.status.code(), Some(0), "{}", text(&oe));
     assert!(String::from_utf8_lossy(&oe.stdout).contains("OK"));
+}
+
+/// Another user's silent connections (issue #27, item 4): a tenant of uid 65534 keeps
+/// 40 connections open to an exporter's broker, replacing each one the broker closes
+/// at once. The broker keeps at most 8 of one user's connections waiting for their
+/// request, so an honest importer of another user is served at once; before, the
+/// tenant held all 32 places and the importer waited with backoff for one to free.
+#[test]
+fn another_users_silent_connections_do_not_keep_an_importer_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = compile("ipc", dir.path()) else {
+        return;
+    };
+    let m = SimMachine::new("ipcquota", 1, 1 << 30).unwrap();
+    let arb = Arbiter::start(&[]);
+    let mut e = Command::new(&exe);
+    let mut e = Stepped::spawn(under_kiwi_on(e.args(["export", "8", "8"]), &m, &arb));
+    let handle = e
+        .wait_for("HANDLE")
+        .trim_start_matches("HANDLE ")
+        .to_string();
+    e.wait_for("READY");
+    let bytes: Vec<u8> = (0..64)
+        .map(|i| u8::from_str_radix(&handle[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    let pid = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
+    let broker = u64::from_le_bytes(bytes[48..56].try_into().unwrap());
+    let name = format!("kiwi-ipc.{pid}.{broker:016x}");
+    let squatter = r#"
+import select, socket, sys, time
+addr = "\0" + sys.argv[1]
+def conn():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(addr)
+    return s
+socks = [conn() for _ in range(40)]
+print("HOLDING", flush=True)
+end = time.time() + 20
+while time.time() < end:
+    ready, _, _ = select.select(socks, [], [], 0.01)
+    for s in ready:  # refused or closed at its deadline: replaced at once
+        socks.remove(s)
+        s.close()
+        socks.append(conn())
+"#;
+    let mut sq = Command::new("python3");
+    sq.args(["-c", squatter, &name])
+        .uid(65534)
+        .gid(65534)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut sq = Stepped::spawn(&mut sq);
+    sq.wait_for("HOLDING");
+    std::thread::sleep(Duration::from_millis(100));
+    let mut c = Command::new(&exe);
+    let o = finish(
+        under_kiwi_on(c.args(["open", &handle]), &m, &arb)
+            .spawn()
+            .unwrap(),
+    );
+    let _ = sq.child.kill();
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let took: f64 = out
+        .lines()
+        .find_map(|l| l.strip_prefix("RESULT 0 in "))
+        .and_then(|t| t.trim_end_matches(" s").parse().ok())
+        .unwrap_or_else(|| panic!("the open failed: {}", text(&o)));
+    assert!(took < 0.5, "the open took {took:.3} s: {}", text(&o));
+    e.go();
+    e.wait_for("CLOSED");
+    e.go();
+    let oe = e.finish();
+    assert_eq!(oe.status.code(), Some(0), "{}", text(&oe));
 }
