@@ -889,7 +889,33 @@ fn import(h: &Handle, ctx: CUcontext) -> Result<Opened, Failure> {
     req[24..32].copy_from_slice(&h.base.to_le_bytes());
     let sent = (&s).write_all(&req);
     let mut head = [0u8; REPLY_LEN];
-    let read = (&s).read_exact(&mut head);
+    let mut got = 0;
+    let read = loop {
+        match (&s).read(&mut head[got..]) {
+            Ok(0) => break Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(k) => {
+                got += k;
+                if got == REPLY_LEN {
+                    break Ok(());
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => break Err(e),
+        }
+    };
+    // Closed without a word: the broker dropped the connection at its request
+    // deadline before the request came (this thread was descheduled past it), as
+    // busy as a full broker: asked again.
+    if got == 0
+        && read
+            .as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::UnexpectedEof)
+    {
+        return Err((
+            CUDA_ERROR_TOO_MANY_PEERS,
+            "the exporter closed the connection before answering".into(),
+        ));
+    }
     // A full broker refuses at accept and closes: the request may then meet a closed
     // socket (EPIPE) while the refusal waits to be read. The reply, when there is
     // one, says why.
