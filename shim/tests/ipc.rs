@@ -207,6 +207,32 @@ fn an_importer_never_hangs_on_a_lying_or_silent_exporter() {
     }
 }
 
+/// An exporter's handle: as the program printed it, its bytes, and its broker's
+/// abstract socket name.
+struct Exported {
+    hex: String,
+    bytes: Vec<u8>,
+    broker: String,
+}
+
+/// `ipc export 8 8` under Kiwi on `m`, once its handle is out and it is ready.
+fn exporter(exe: &std::path::Path, m: &SimMachine, arb: &Arbiter) -> (Stepped, Exported) {
+    let mut e = Command::new(exe);
+    let mut e = Stepped::spawn(under_kiwi_on(e.args(["export", "8", "8"]), m, arb));
+    let hex = e
+        .wait_for("HANDLE")
+        .trim_start_matches("HANDLE ")
+        .to_string();
+    e.wait_for("READY");
+    let bytes: Vec<u8> = (0..64)
+        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    let pid = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
+    let broker = u64::from_le_bytes(bytes[48..56].try_into().unwrap());
+    let broker = format!("kiwi-ipc.{pid}.{broker:016x}");
+    (e, Exported { hex, bytes, broker })
+}
+
 /// Importers that lie to a real exporter's broker (silent connections past its
 /// bound, garbage, a wrong token, bytes after the request) are refused or dropped;
 /// the exporter goes on serving an honest importer and finishes its own run.
@@ -218,20 +244,9 @@ fn an_exporter_survives_hostile_importers() {
     };
     let m = SimMachine::new("ipchostile", 1, 1 << 30).unwrap();
     let arb = Arbiter::start(&[]);
-    let mut e = Command::new(&exe);
-    let mut e = Stepped::spawn(under_kiwi_on(e.args(["export", "8", "8"]), &m, &arb));
-    let handle = e
-        .wait_for("HANDLE")
-        .trim_start_matches("HANDLE ")
-        .to_string();
-    e.wait_for("READY");
-    let bytes: Vec<u8> = (0..64)
-        .map(|i| u8::from_str_radix(&handle[2 * i..2 * i + 2], 16).unwrap())
-        .collect();
-    let pid = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
-    let broker = u64::from_le_bytes(bytes[48..56].try_into().unwrap());
-    let addr =
-        SocketAddr::from_abstract_name(format!("kiwi-ipc.{pid}.{broker:016x}").as_bytes()).unwrap();
+    let (mut e, x) = exporter(&exe, &m, &arb);
+    let (handle, bytes) = (x.hex, x.bytes);
+    let addr = SocketAddr::from_abstract_name(x.broker.as_bytes()).unwrap();
     let connect = || UnixStream::connect_addr(&addr).unwrap();
     // Garbage, and a wrong token for the right base: an error reply, then closed.
     let mut wrong_token = bytes.clone();
@@ -337,19 +352,8 @@ fn another_users_silent_connections_do_not_keep_an_importer_out() {
     };
     let m = SimMachine::new("ipcquota", 1, 1 << 30).unwrap();
     let arb = Arbiter::start(&[]);
-    let mut e = Command::new(&exe);
-    let mut e = Stepped::spawn(under_kiwi_on(e.args(["export", "8", "8"]), &m, &arb));
-    let handle = e
-        .wait_for("HANDLE")
-        .trim_start_matches("HANDLE ")
-        .to_string();
-    e.wait_for("READY");
-    let bytes: Vec<u8> = (0..64)
-        .map(|i| u8::from_str_radix(&handle[2 * i..2 * i + 2], 16).unwrap())
-        .collect();
-    let pid = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
-    let broker = u64::from_le_bytes(bytes[48..56].try_into().unwrap());
-    let name = format!("kiwi-ipc.{pid}.{broker:016x}");
+    let (mut e, x) = exporter(&exe, &m, &arb);
+    let (handle, name) = (x.hex, x.broker);
     let squatter = r#"
 import select, socket, sys, time
 addr = "\0" + sys.argv[1]
