@@ -16,11 +16,12 @@ use crate::{serve, ServerConfig};
 /// Serves on `dir` until `shutdown` resolves, then removes the sockets.
 pub async fn run_daemon(
     dir: &Path,
-    cfg: ServerConfig,
+    mut cfg: ServerConfig,
     shutdown: impl Future<Output = ()>,
 ) -> Result<()> {
     std::fs::create_dir_all(client_dir(dir))
         .with_context(|| format!("cannot create socket directory {}", dir.display()))?;
+    cfg.socket_dir = Some(dir.to_path_buf());
     let client_path = client_socket(dir);
     let control_path = control_socket(dir);
     let client = bind(&client_path, 0o666)?;
@@ -67,7 +68,7 @@ pub async fn run_daemon(
 }
 
 /// Binds a socket with `mode`, refusing to steal one a live arbiter still serves.
-fn bind(path: &Path, mode: u32) -> Result<UnixListener> {
+pub(crate) fn bind(path: &Path, mode: u32) -> Result<UnixListener> {
     if path.exists() {
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             bail!("another kiwi-arbiter is already serving {}", path.display());

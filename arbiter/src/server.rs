@@ -84,6 +84,9 @@ pub struct ServerConfig {
     /// Lines about the start (where the GPUs come from) printed once every socket is
     /// bound: a start that fails says one line, its error, and nothing before it.
     pub startup_lines: Vec<String>,
+    /// The socket directory, for per-container client sockets (`containers/`, see
+    /// [`containers`]); `None`: only the node's socket is served.
+    pub socket_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -107,6 +110,7 @@ impl Default for ServerConfig {
             swap_budget_bytes: None,
             gpus: gpus::GpuTruth::Claims,
             startup_lines: Vec::new(),
+            socket_dir: None,
         }
     }
 }
@@ -286,6 +290,9 @@ impl Peer {
     }
 }
 
+// After the logging macros, which it uses.
+mod containers;
+
 struct ClientConn {
     peer: Arc<Peer>,
     gpu: Option<String>,
@@ -450,6 +457,13 @@ struct Shared {
     /// Warnings about peers (bad frames, limits), over every connection.
     warn: Mutex<Throttle>,
     limits: Limits,
+    /// Places under the node's connection cap; each container socket holds one.
+    conn_limit: Arc<Semaphore>,
+    conn_limit_total: usize,
+    /// The daemon's stop signal, for listeners started later (container sockets).
+    stop: watch::Receiver<bool>,
+    /// The container sockets being served, by key.
+    containers: Mutex<HashMap<String, containers::Served>>,
 }
 
 /// The per-connection limits, fixed at start.
@@ -570,62 +584,6 @@ pub fn raise_fd_limit(want: Option<u64>) -> std::io::Result<u64> {
     Ok(lim.rlim_cur)
 }
 
-/// `_IO(0xb7, 0x2)`: the parent of a namespace, as a new descriptor.
-const NS_GET_PARENT: u64 = 0xb702;
-
-/// The pid namespace a peer's container owns: the ancestor of the peer's pid
-/// namespace that is a child of ours (so a tenant gains nothing by nesting
-/// namespaces). `None`: the peer shares our pid namespace (a host process).
-fn container_pid_ns(pid: i32) -> Option<u64> {
-    use std::os::fd::{AsRawFd, FromRawFd};
-    use std::os::unix::fs::MetadataExt;
-    let ours = std::fs::metadata("/proc/self/ns/pid").ok()?.ino();
-    let mut cur = std::fs::File::open(format!("/proc/{pid}/ns/pid")).ok()?;
-    let mut ino = cur.metadata().ok()?.ino();
-    if ino == ours {
-        return None;
-    }
-    loop {
-        // SAFETY: NS_GET_PARENT on a namespace descriptor we own; it returns a new
-        // descriptor or -1 (top reached, or the parent is outside our view).
-        let fd = unsafe { libc::ioctl(cur.as_raw_fd(), NS_GET_PARENT as _) };
-        if fd < 0 {
-            return Some(ino);
-        }
-        // SAFETY: `fd` was just returned to us and nothing else owns it.
-        let parent = unsafe { std::fs::File::from_raw_fd(fd) };
-        let pino = parent.metadata().ok()?.ino();
-        if pino == ours {
-            return Some(ino);
-        }
-        ino = pino;
-        cur = parent;
-    }
-}
-
-/// The tenant a peer belongs to, for the per-container connection cap: its
-/// container's pid namespace; on the host's own pid namespace, its cgroup (a
-/// systemd service or session, or a container sharing the host's pids); its uid when
-/// /proc says nothing (the peer already gone).
-fn peer_group(cred: Option<tokio::net::unix::UCred>) -> String {
-    let uid = cred.map_or(u32::MAX, |c| c.uid());
-    let Some(pid) = cred.and_then(|c| c.pid()).filter(|&p| p > 0) else {
-        return format!("uid {uid}");
-    };
-    if let Some(ns) = container_pid_ns(pid) {
-        return format!("pid namespace {ns}");
-    }
-    match std::fs::read_to_string(format!("/proc/{pid}/cgroup")) {
-        Ok(text) => {
-            // cgroup v2's single line when there is one, else every v1 hierarchy.
-            let v2 = text.lines().find_map(|l| l.strip_prefix("0::"));
-            let key = v2.map_or_else(|| text.trim().replace('\n', ";"), str::to_string);
-            format!("cgroup {key}")
-        }
-        Err(_) => format!("uid {uid}"),
-    }
-}
-
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -674,7 +632,13 @@ pub async fn serve(
         cfg.partial_frame_budget_bytes >> 20,
         cfg.event_log_max_bytes >> 20
     );
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let limit = Arc::new(Semaphore::new(max_connections));
     let shared = Arc::new(Shared {
+        conn_limit: limit.clone(),
+        conn_limit_total: max_connections,
+        stop: stop_rx.clone(),
+        containers: Mutex::new(HashMap::new()),
         groups: Mutex::new(HashMap::new()),
         partial: FrameBudget {
             used: AtomicUsize::new(0),
@@ -694,15 +658,14 @@ pub async fn serve(
         }),
         timer: Notify::new(),
     });
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let limit = Arc::new(Semaphore::new(max_connections));
+    containers::serve_recorded(&shared);
 
     let timer = tokio::spawn(run_timers(shared.clone(), stop_rx.clone()));
     let clients = tokio::spawn(accept_clients(
         shared.clone(),
         client_listener,
-        limit.clone(),
-        stop_rx.clone(),
+        Origin::Node,
+        None,
     ));
     let control = tokio::spawn(accept_control(
         shared.clone(),
@@ -726,6 +689,7 @@ pub async fn serve(
     log_line!("INFO", "shutting down");
     let _ = stop_tx.send(true);
     let _ = tokio::join!(timer, clients, control);
+    containers::stop_all(&shared).await;
     if let Some(m) = metrics {
         let _ = m.await;
     }
@@ -766,15 +730,38 @@ async fn run_timers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     }
 }
 
+/// Where a client connection came from, which decides what it may do: the node's
+/// socket (host processes; capped per uid), or one container's (capped per socket,
+/// speaking for that container only, on the GPUs it claimed).
+#[derive(Clone)]
+enum Origin {
+    Node,
+    Container(Arc<containers::Served>),
+}
+
+impl Origin {
+    /// The connection-cap group of a peer: its container, or on the node's socket its
+    /// uid as the initial user namespace sees it (SO_PEERCRED translates it, so user
+    /// namespaces do not multiply a host user's share).
+    fn group(&self, cred: Option<tokio::net::unix::UCred>) -> String {
+        match self {
+            Origin::Node => format!("uid {}", cred.map_or(u32::MAX, |c| c.uid())),
+            Origin::Container(c) => format!("container {}", c.key),
+        }
+    }
+}
+
 async fn accept_clients(
     shared: Arc<Shared>,
     listener: UnixListener,
-    limit: Arc<Semaphore>,
-    mut stop: watch::Receiver<bool>,
+    origin: Origin,
+    mut own_stop: Option<watch::Receiver<bool>>,
 ) {
+    let mut stop = shared.stop.clone();
+    let limit = shared.conn_limit.clone();
     let mut tasks = tokio::task::JoinSet::new();
     let mut backoff = Duration::from_millis(1);
-    let cap = limit.available_permits();
+    let cap = shared.conn_limit_total;
     let accept_errors = Mutex::new(Throttle::new(1));
     loop {
         tokio::select! {
@@ -787,7 +774,7 @@ async fn accept_clients(
                         continue;
                     };
                     let cred = stream.peer_cred().ok();
-                    let group = peer_group(cred);
+                    let group = origin.group(cred);
                     let Some(slot) = ConnSlot::take(&shared, group.clone(), permit) else {
                         let per = shared.limits.max_conns_per_group;
                         warn_throttled!(shared.warn, "{per} connections open from {group}, its limit; refusing pid {}", cred.and_then(|c| c.pid()).unwrap_or(0));
@@ -796,8 +783,9 @@ async fn accept_clients(
                     };
                     let shared = shared.clone();
                     let stop = stop.clone();
+                    let origin = origin.clone();
                     tasks.spawn(async move {
-                        client_connection(shared, stream, cred, stop).await;
+                        client_connection(shared, stream, cred, origin, stop).await;
                         drop(slot);
                     });
                 }
@@ -811,6 +799,23 @@ async fn accept_clients(
             },
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             _ = stop.changed() => break,
+            _ = async {
+                match own_stop.as_mut() {
+                    Some(r) => { let _ = r.changed().await; }
+                    None => std::future::pending::<()>().await,
+                }
+            } => {
+                // A detached container: no new connections; those open stay until
+                // their processes leave.
+                drop(listener);
+                while let Some(r) = tokio::select! {
+                    r = tasks.join_next() => r,
+                    _ = stop.changed() => None,
+                } {
+                    let _ = r;
+                }
+                break;
+            }
         }
     }
     tasks.shutdown().await;
@@ -876,6 +881,7 @@ async fn client_connection(
     shared: Arc<Shared>,
     stream: UnixStream,
     cred: Option<tokio::net::unix::UCred>,
+    origin: Origin,
     mut stop: watch::Receiver<bool>,
 ) {
     let host_pid = cred.and_then(|c| c.pid()).unwrap_or(0).max(0) as u32;
@@ -961,7 +967,7 @@ async fn client_connection(
                         break 'conn;
                     }
                     let registering = matches!(msg, ClientMsg::Register(_));
-                    if !handle_client_msg(&shared, id, host_pid, &peer, msg) {
+                    if !handle_client_msg(&shared, id, host_pid, &origin, &peer, msg) {
                         break 'conn;
                     }
                     if registering
@@ -1066,6 +1072,7 @@ fn handle_client_msg(
     shared: &Shared,
     id: ClientId,
     host_pid: u32,
+    origin: &Origin,
     peer: &Peer,
     msg: ClientMsg,
 ) -> bool {
@@ -1108,6 +1115,21 @@ fn handle_client_msg(
                 return false;
             }
             let uuid = r.gpu_uuid.clone();
+            if let Origin::Container(c) = origin {
+                if let Err(message) = c.may_use(&uuid) {
+                    warn_throttled!(
+                        shared.warn,
+                        "client {id} (pid {host_pid}) of container {} refused: {}",
+                        c.key,
+                        log_safe(&message)
+                    );
+                    peer.send(&ArbiterMsg::Error {
+                        code: ErrorCode::UnknownGpu,
+                        message,
+                    });
+                    return false;
+                }
+            }
             if let Err(refusal) = st.admit_gpu(now, &uuid, r.gpu_total_memory) {
                 warn_throttled!(
                     shared.warn,
@@ -1135,7 +1157,11 @@ fn handle_client_msg(
                 r.name.as_deref().unwrap_or("?"),
                 if r.resume.is_some() { " (resumed)" } else { "" }
             );
-            let info = ClientInfo::from_register(&r, host_pid);
+            let mut info = ClientInfo::from_register(&r, host_pid);
+            if let Origin::Container(c) = origin {
+                // Who a container's client is comes from its record, not from itself.
+                c.label(&mut info);
+            }
             let usage = Usage {
                 working_set_bytes: r.working_set_bytes,
                 resident_bytes: r.resident_bytes,
@@ -1397,7 +1423,7 @@ fn fit_status(r: &mut StatusReport, budget: usize) {
     }
 }
 
-fn handle_control(shared: &Shared, req: ControlRequest, who: &str) -> ControlReply {
+fn handle_control(shared: &Arc<Shared>, req: ControlRequest, who: &str) -> ControlReply {
     let now = monotonic_ns();
     let mut st = shared.lock();
     let select = |st: &State, gpu: &Option<String>| -> Result<Vec<String>, ControlReply> {
@@ -1512,6 +1538,14 @@ fn handle_control(shared: &Shared, req: ControlRequest, who: &str) -> ControlRep
                 ControlReply::Status(report)
             }
         },
+        ControlRequest::AttachContainer { key } => {
+            drop(st);
+            return containers::attach(shared, &key, who);
+        }
+        ControlRequest::DetachContainer { key } => {
+            drop(st);
+            return containers::detach(shared, &key, who);
+        }
         ControlRequest::Events {
             gpu,
             since_seq,

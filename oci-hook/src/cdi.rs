@@ -165,6 +165,10 @@ pub fn generate_cdi_spec(gpus: &[GpuInfo], cfg: &Config) -> Result<CdiSpec, GpuE
     if let Some(last) = args.last_mut() {
         *last = "createRuntime".into();
     }
+    let mut stop_args = args.clone();
+    if let Some(last) = stop_args.last_mut() {
+        *last = crate::runtime::POSTSTOP_STAGE.into();
+    }
     let mut spec = CdiSpec {
         cdi_version: String::new(),
         kind: CDI_KIND.into(),
@@ -178,11 +182,19 @@ pub fn generate_cdi_spec(gpus: &[GpuInfo], cfg: &Config) -> Result<CdiSpec, GpuE
                 .map(|(k, v)| format!("{k}={v}"))
                 .collect(),
             device_nodes: control.iter().map(CdiDeviceNode::from).collect(),
-            hooks: vec![CdiHook {
-                hook_name: "createRuntime".into(),
-                path: hook.path,
-                args,
-            }],
+            // poststop drops the container's own client socket.
+            hooks: vec![
+                CdiHook {
+                    hook_name: "createRuntime".into(),
+                    path: hook.path.clone(),
+                    args,
+                },
+                CdiHook {
+                    hook_name: crate::runtime::POSTSTOP_STAGE.into(),
+                    path: hook.path,
+                    args: stop_args,
+                },
+            ],
         },
     };
     spec.cdi_version = minimum_cdi_version(&spec).into();

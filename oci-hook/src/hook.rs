@@ -2,9 +2,10 @@
 //! namespace (before `pivot_root`, the rootfs still at `root.path`) and
 //!
 //! - bind the shim read-only at `/usr/lib/kiwi/libkiwi.so`,
-//! - bind the host's `<socket-dir>/client` read-only at `/run/kiwi/client` (a directory,
-//!   so a socket the arbiter recreates after a restart is seen inside; read-only, so a
-//!   container cannot replace the arbiter's socket for everyone),
+//! - record the container and have the arbiter serve its own client socket
+//!   (`<socket-dir>/containers/<key>/`, see [`crate::attach`]), and bind that directory
+//!   read-only at `/run/kiwi/client` (a directory, so a socket the arbiter recreates
+//!   after a restart is seen inside; read-only, so the container cannot replace it),
 //! - bind a copy of `/etc/ld.so.preload` that lists the shim before the image's own
 //!   entries (a bind, so the image is never modified and a read-only root works; only
 //!   an image without the file gets an empty mount point),
@@ -28,6 +29,7 @@ use nix::sys::stat::{makedev, mknod, Mode, SFlag};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::attach;
 use crate::claim::Claim;
 use crate::gpu::{self, DeviceNode, GpuError, HostDevices, StaticGpus};
 use crate::securejoin::secure_join;
@@ -55,11 +57,8 @@ pub enum HookError {
     Gpu(#[from] GpuError),
     #[error("cannot give the container its vGPU: the Kiwi shim {path} is missing on this host (runtime.shim_path; {origin})")]
     ShimMissing { path: PathBuf, origin: String },
-    #[error("cannot create the client socket directory {path}: {source}")]
-    ClientDir {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Attach(#[from] attach::AttachError),
     #[error("cannot enter the mount namespace of container process {pid}: {reason}")]
     Namespace { pid: i32, reason: String },
     #[error("inside the container: {0}")]
@@ -119,6 +118,9 @@ pub struct Injection {
     /// The host's ldconfig, when there are `ld_dirs`.
     #[serde(default)]
     pub host_ldconfig: Option<PathBuf>,
+    /// Something the hook's log should say (the arbiter could not be asked).
+    #[serde(default)]
+    pub note: Option<String>,
 }
 
 /// Where the host's ldconfig is looked for (glibc's is statically linked).
@@ -189,31 +191,34 @@ pub fn plan(
             origin: crate::runtime::config_origin(cfg),
         });
     }
+    // NVML starts threads; keep them out of this process, which must stay
+    // single-threaded to fork safely below. Asked at most once, and only for a claim
+    // that needs it (an index or `all`, or a UUID kiwi-runtime did not resolve).
+    let table: std::cell::OnceCell<Result<Vec<gpu::GpuInfo>, String>> = Default::default();
+    let discover = || {
+        table
+            .get_or_init(|| {
+                in_child(|| {
+                    gpu::discovery_from_config(cfg)
+                        .and_then(|d| d.gpus())
+                        .map_err(|e| e.to_string())
+                })
+            })
+            .clone()
+    };
     let in_spec = spec.nvidia_devices();
     let nodes = if in_spec.iter().any(is_gpu_node) {
         in_spec
     } else {
         let devices = HostDevices::new(&cfg.runtime.device_root);
         gpu::resolve_claim(claim, &devices, || {
-            // NVML starts threads; keep them out of this process, which must stay
-            // single-threaded to fork safely below.
-            let gpus = in_child(|| {
-                gpu::discovery_from_config(cfg)
-                    .and_then(|d| d.gpus())
-                    .map_err(|e| e.to_string())
-            })
-            .map_err(GpuError::Nvml)?;
-            Ok(Box::new(StaticGpus(gpus)))
+            Ok(Box::new(StaticGpus(discover().map_err(GpuError::Nvml)?)))
         })?
     };
-    let client_dir = kiwi_config::client_dir(socket_dir);
-    if !client_dir.is_dir() {
-        std::fs::create_dir_all(&client_dir).map_err(|source| HookError::ClientDir {
-            path: client_dir.clone(),
-            source,
-        })?;
-        let _ = std::fs::set_permissions(&client_dir, std::fs::Permissions::from_mode(0o755));
-    }
+    // The container's own client socket, for the GPUs it claimed.
+    let (gpus, any_gpu) = attach::claimed_uuids(claim, || discover().ok());
+    let record = attach::record(&state.id, pid, spec, gpus, any_gpu)?;
+    let (client_dir, note) = attach::attach(socket_dir, &record)?;
     Ok(Injection {
         pid,
         bundle: state.bundle.clone(),
@@ -223,6 +228,7 @@ pub fn plan(
         nodes,
         ld_dirs: ld_dirs.to_vec(),
         host_ldconfig,
+        note,
     })
 }
 

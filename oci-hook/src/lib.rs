@@ -8,6 +8,7 @@
 //! process environment claims no vGPU (`KIWI_VISIBLE_DEVICES`) is never touched.
 //!
 //! Modules, by concern:
+//! - [`attach`]: the container's own client socket (recorded, asked of the arbiter, dropped).
 //! - [`claim`]: parsing `KIWI_VISIBLE_DEVICES`.
 //! - [`gpu`]: turning a claim into host device nodes (GPU discovery behind a trait).
 //! - [`spec`]: reading, editing and writing back an OCI `config.json`.
@@ -19,6 +20,7 @@
 //! - [`cdi`]: the CDI spec for runtimes that speak CDI.
 //! - [`log`]: the one-line log both binaries append to.
 
+pub mod attach;
 pub mod cdi;
 pub mod claim;
 pub mod driver;

@@ -25,6 +25,10 @@ use crate::spec::{Hook, Spec, SpecError};
 /// NVIDIA's legacy hook runs it.
 pub const HOOK_STAGE: &str = "prestart";
 
+/// The stage of the hook that drops the container's own client socket: runc runs
+/// poststop hooks when the container is deleted.
+pub const POSTSTOP_STAGE: &str = "poststop";
+
 /// The hook flag naming a directory of bound driver libraries (repeated per directory).
 pub const LD_DIR_FLAG: &str = "--ld-dir";
 
@@ -221,6 +225,11 @@ pub fn edit_spec(
     }
     hook.args.extend(stage);
     spec.add_hook(HOOK_STAGE, &hook);
+    let mut stop = hook_entry(cfg, socket_dir);
+    if let Some(last) = stop.args.last_mut() {
+        *last = POSTSTOP_STAGE.into();
+    }
+    spec.add_hook(POSTSTOP_STAGE, &stop);
     log.info(&format!(
         "{}: claim {} -> {} device node(s), {} driver file(s), hook {}, env [{}]",
         spec.path().display(),

@@ -162,6 +162,14 @@ impl Spec {
             .filter_map(Value::as_str)
     }
 
+    /// An annotation's value (`annotations.<key>`), when it is a string.
+    pub fn annotation(&self, key: &str) -> Option<&str> {
+        self.value
+            .get("annotations")
+            .and_then(|a| a.get(key))
+            .and_then(Value::as_str)
+    }
+
     /// The vGPU claim in the process environment.
     pub fn claim(&self) -> Result<Claim, SpecError> {
         claim_from_env(self.env()).map_err(|source| SpecError::Claim {

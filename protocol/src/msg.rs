@@ -426,6 +426,13 @@ pub enum ControlRequest {
         since_seq: u64,
         limit: u32,
     },
+    /// From `kiwi-hook` at a claimed container's creation: serve a client socket for
+    /// the container whose record is `<socket-dir>/containers/<key>.json`
+    /// (`kiwi_config::containers`). Answered `done` once the socket is listening.
+    AttachContainer { key: String },
+    /// From `kiwi-hook poststop`: stop serving the container's socket and remove it,
+    /// its directory and its record.
+    DetachContainer { key: String },
 }
 
 impl ControlRequest {
@@ -437,6 +444,9 @@ impl ControlRequest {
             | ControlRequest::SetTq { gpu, .. }
             | ControlRequest::Status { gpu }
             | ControlRequest::Events { gpu, .. } => check_opt("gpu", gpu),
+            ControlRequest::AttachContainer { key } | ControlRequest::DetachContainer { key } => {
+                check_text("key", key)
+            }
         }
     }
 }

@@ -1,12 +1,16 @@
-//! `kiwi-hook`: the OCI prestart / createRuntime hook. Reads the container state on
-//! stdin; for a container that claims a vGPU, binds the shim and the arbiter's client
-//! socket directory into it, lists the shim in `/etc/ld.so.preload`, creates missing
-//! device nodes and adds the bound driver libraries to the container's ld cache. An unclaimed container is left alone (exit 0).
+//! `kiwi-hook`: the OCI prestart / createRuntime hook, and the poststop hook. Reads the
+//! container state on stdin. At prestart, for a container that claims a vGPU: has the
+//! arbiter serve the container's own client socket and binds its directory into the
+//! container, binds the shim, lists it in `/etc/ld.so.preload`, creates missing device
+//! nodes and adds the bound driver libraries to the container's ld cache. At poststop:
+//! has the arbiter drop the container's socket and removes its files. An unclaimed
+//! container is left alone (exit 0).
 
 use std::path::PathBuf;
 
 use clap::Parser;
 use kiwi_config::Config;
+use kiwi_oci::attach;
 use kiwi_oci::hook::{self, HookError};
 use kiwi_oci::log::Logger;
 
@@ -27,8 +31,25 @@ struct Args {
     /// its ld cache (repeatable).
     #[arg(long = "ld-dir", value_name = "DIR")]
     ld_dir: Vec<PathBuf>,
-    /// The hook stage this runs at (informational: prestart, createRuntime).
+    /// The hook stage this runs at: prestart or createRuntime (the default), or
+    /// poststop.
     stage: Option<String>,
+}
+
+/// `poststop`: the container was deleted; its client socket goes.
+fn poststop(args: &Args, log: &mut Logger) -> Result<(), HookError> {
+    let state = hook::read_state(std::io::stdin().lock())?;
+    // Left alone when its spec (still in the bundle at runc delete) claims nothing.
+    if let Ok(None) = hook::claimed_spec(&state) {
+        return Ok(());
+    }
+    let cfg = Config::load(args.config.as_deref())?;
+    *log = Logger::new("kiwi-hook", cfg.runtime.log_path.clone());
+    let socket_dir = cfg.socket_dir(args.socket_dir.as_deref());
+    if let Some(line) = attach::detach(&socket_dir, &state.id) {
+        log.info(&line);
+    }
+    Ok(())
 }
 
 fn run(args: &Args, log: &mut Logger, t0: std::time::Instant) -> Result<(), HookError> {
@@ -40,7 +61,14 @@ fn run(args: &Args, log: &mut Logger, t0: std::time::Instant) -> Result<(), Hook
     *log = Logger::new("kiwi-hook", cfg.runtime.log_path.clone());
     let socket_dir = cfg.socket_dir(args.socket_dir.as_deref());
     let inj = hook::plan(&state, &spec, &claim, &cfg, &socket_dir, &args.ld_dir)?;
-    hook::inject(&inj)?;
+    if let Some(note) = &inj.note {
+        log.info(&format!("container {}: {note}", state.id));
+    }
+    if let Err(e) = hook::inject(&inj) {
+        // The container will not start: its socket must not outlive it.
+        attach::detach(&socket_dir, &state.id);
+        return Err(e);
+    }
     log.info(&format!(
         "container {}: injected shim, {} device node(s), socket dir {} in {:.2} ms",
         state.id,
@@ -66,7 +94,11 @@ fn main() {
         }
     };
     let mut log = Logger::new("kiwi-hook", None);
-    if let Err(e) = run(&args, &mut log, t0) {
+    let res = match args.stage.as_deref() {
+        Some("poststop") => poststop(&args, &mut log),
+        _ => run(&args, &mut log, t0),
+    };
+    if let Err(e) = res {
         log.error(&e.to_string(), None);
         std::process::exit(1);
     }

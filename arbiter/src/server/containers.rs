@@ -1,0 +1,263 @@
+//! Per-container client sockets (`kiwi_config::containers`): serving one for each
+//! claimed container the hook attaches (and, at start, for every recorded container
+//! that still runs), and what a connection on one may do.
+//!
+//! A container socket is the container's identity: the arbiter labels its clients
+//! with the record's pod, namespace and container id, counts their connections
+//! against that socket alone, and refuses registrations for GPUs the container did
+//! not claim. Each socket holds one place under the node's connection cap, so
+//! listeners cannot exhaust the daemon's descriptors either.
+
+use std::sync::Arc;
+
+use kiwi_config::containers::{self, ContainerRecord};
+use kiwi_protocol::{ControlReply, ErrorCode};
+use tokio::sync::{watch, OwnedSemaphorePermit};
+
+use super::{accept_clients, log_safe, Origin, Shared};
+use crate::sched::ClientInfo;
+
+/// Container sockets served at once, at most (each also takes a connection place).
+pub(super) const MAX_CONTAINERS: usize = 1024;
+
+/// One container's socket as the daemon serves it.
+pub(super) struct Served {
+    pub(super) key: String,
+    pub(super) record: ContainerRecord,
+    /// Tells the socket's accept loop to stop (detach).
+    stop: Option<watch::Sender<bool>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+    _permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Served {
+    /// Whether this container may register on `uuid`; the refusal names only its own
+    /// GPUs.
+    pub(super) fn may_use(&self, uuid: &str) -> Result<(), String> {
+        if self.record.any_gpu || self.record.gpus.iter().any(|g| g == uuid) {
+            return Ok(());
+        }
+        Err(format!(
+            "GPU {uuid} was not given to this container; it may use {}",
+            self.record.gpus.join(", ")
+        ))
+    }
+
+    /// Puts the record's identity on a registering client.
+    pub(super) fn label(&self, info: &mut ClientInfo) {
+        info.container_id = Some(self.record.id.clone());
+        info.pod_name = self
+            .record
+            .pod_name
+            .clone()
+            .or_else(|| self.record.container_name.clone());
+        info.pod_namespace = self.record.pod_namespace.clone();
+    }
+}
+
+fn error(code: ErrorCode, message: String) -> ControlReply {
+    ControlReply::Error { code, message }
+}
+
+/// `attach_container`: reads the record and serves its socket (once: attaching a
+/// served container again is answered as done).
+pub(super) fn attach(shared: &Arc<Shared>, key: &str, who: &str) -> ControlReply {
+    let Some(dir) = shared.lock().cfg.socket_dir.clone() else {
+        return error(
+            ErrorCode::InvalidArgument,
+            "this arbiter serves no container sockets (no socket directory)".into(),
+        );
+    };
+    if containers::key_for(key).ok().as_deref() != Some(key) {
+        return error(
+            ErrorCode::InvalidArgument,
+            format!("{key:?} is not a container key"),
+        );
+    }
+    let record = match ContainerRecord::read(&containers::record_path(&dir, key)) {
+        Ok(r) => r,
+        Err(e) => return error(ErrorCode::InvalidArgument, e.to_string()),
+    };
+    match start(shared, &dir, key, record) {
+        Ok(message) => {
+            log_line!("INFO", "{message} (kiwi-hook pid {who})");
+            ControlReply::Done {
+                message,
+                gpus: Vec::new(),
+            }
+        }
+        Err(reply) => reply,
+    }
+}
+
+fn start(
+    shared: &Arc<Shared>,
+    dir: &std::path::Path,
+    key: &str,
+    record: ContainerRecord,
+) -> Result<String, ControlReply> {
+    let mut served = shared.containers.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(s) = served.get(key) {
+        if s.record == record {
+            return Ok(format!("container {} is served already", record.id));
+        }
+        // The same key, a new record (a container id reused after a delete the
+        // arbiter missed): serve the new one.
+        stop_one(served.remove(key).expect("present"));
+    }
+    if served.len() >= MAX_CONTAINERS {
+        return Err(error(
+            ErrorCode::RateLimited,
+            format!("{MAX_CONTAINERS} container sockets are served already"),
+        ));
+    }
+    let Ok(permit) = shared.conn_limit.clone().try_acquire_owned() else {
+        return Err(error(
+            ErrorCode::RateLimited,
+            "the arbiter's connections are all in use; no socket for a new container".into(),
+        ));
+    };
+    let path = containers::container_socket(dir, key);
+    let listener = crate::daemon::bind(&path, 0o666)
+        .map_err(|e| error(ErrorCode::Internal, format!("{e:#}")))?;
+    let (tx, rx) = watch::channel(false);
+    let mut entry = Served {
+        key: key.to_string(),
+        record,
+        stop: Some(tx),
+        task: None,
+        _permit: Some(permit),
+    };
+    let origin = Origin::Container(Arc::new(Served {
+        key: entry.key.clone(),
+        record: entry.record.clone(),
+        stop: None,
+        task: None,
+        _permit: None,
+    }));
+    entry.task = Some(tokio::spawn(accept_clients(
+        shared.clone(),
+        listener,
+        origin,
+        Some(rx),
+    )));
+    let r = &entry.record;
+    let message = format!(
+        "serving container {} ({}) on {}, GPUs: {}",
+        r.id,
+        match (&r.pod_namespace, &r.pod_name) {
+            (Some(ns), Some(p)) => format!("pod {ns}/{p}"),
+            (None, Some(p)) => p.clone(),
+            _ => "no pod".into(),
+        },
+        path.display(),
+        if r.any_gpu {
+            "any".to_string()
+        } else {
+            r.gpus.join(", ")
+        }
+    );
+    served.insert(key.to_string(), entry);
+    Ok(message)
+}
+
+fn stop_one(mut s: Served) {
+    if let Some(tx) = s.stop.take() {
+        let _ = tx.send(true);
+    }
+}
+
+/// `detach_container`: stops serving the socket and removes it, its directory and
+/// the record (also when it was never served: the arbiter may have been down).
+pub(super) fn detach(shared: &Arc<Shared>, key: &str, who: &str) -> ControlReply {
+    let Some(dir) = shared.lock().cfg.socket_dir.clone() else {
+        return error(
+            ErrorCode::InvalidArgument,
+            "this arbiter serves no container sockets (no socket directory)".into(),
+        );
+    };
+    if containers::key_for(key).ok().as_deref() != Some(key) {
+        return error(
+            ErrorCode::InvalidArgument,
+            format!("{key:?} is not a container key"),
+        );
+    }
+    let was = shared
+        .containers
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(key);
+    let message = match was {
+        Some(s) => {
+            let m = format!("container {} is gone; its socket removed", s.record.id);
+            stop_one(s);
+            m
+        }
+        None => format!("no socket was served for container key {key}"),
+    };
+    containers::remove(&dir, key);
+    log_line!("INFO", "{message} (kiwi-hook pid {who})");
+    ControlReply::Done {
+        message,
+        gpus: Vec::new(),
+    }
+}
+
+/// At start: serves every recorded container whose init process still runs, and
+/// removes the records of those that are gone.
+pub(super) fn serve_recorded(shared: &Arc<Shared>) {
+    let Some(dir) = shared.lock().cfg.socket_dir.clone() else {
+        return;
+    };
+    let (mut served, mut gone) = (0, 0);
+    for key in containers::list_keys(&dir) {
+        let record = match ContainerRecord::read(&containers::record_path(&dir, &key)) {
+            Ok(r) => r,
+            Err(e) => {
+                log_line!("WARN", "ignoring {e}");
+                continue;
+            }
+        };
+        if !record.is_running() {
+            containers::remove(&dir, &key);
+            gone += 1;
+            continue;
+        }
+        match start(shared, &dir, &key, record) {
+            Ok(m) => {
+                log_line!("INFO", "{m} (recorded)");
+                served += 1;
+            }
+            Err(ControlReply::Error { message, .. }) => log_line!("WARN", "{message}"),
+            Err(_) => {}
+        }
+    }
+    if served + gone > 0 {
+        log_line!(
+            "INFO",
+            "container sockets: {served} served again, {gone} records of stopped containers removed"
+        );
+    }
+}
+
+/// At shutdown (the daemon's stop already sent): waits for every container socket's
+/// accept loop and removes the socket files; records and directories stay, so the
+/// next arbiter serves the same paths.
+pub(super) async fn stop_all(shared: &Arc<Shared>) {
+    let all: Vec<Served> = shared
+        .containers
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .drain()
+        .map(|(_, s)| s)
+        .collect();
+    let dir = shared.lock().cfg.socket_dir.clone();
+    for mut s in all {
+        if let Some(t) = s.task.take() {
+            let _ = t.await;
+        }
+        if let Some(d) = &dir {
+            let _ = std::fs::remove_file(containers::container_socket(d, &s.key));
+        }
+    }
+}
