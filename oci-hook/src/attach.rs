@@ -32,6 +32,8 @@ pub enum AttachError {
     Record(#[from] containers::ContainerError),
     #[error("the arbiter refused the container's client socket: {0}")]
     Refused(String),
+    #[error("container process {0} is gone")]
+    Gone(i32),
 }
 
 /// The claimed GPUs' UUIDs, and whether some claimed GPU could not be named (then
@@ -98,12 +100,7 @@ pub fn record(
             .filter(|v| !v.is_empty())
             .map(|v| v.chars().take(containers::MAX_FIELD_LEN).collect())
     };
-    let pid_start = containers::process_start(pid).ok_or_else(|| {
-        AttachError::Record(containers::ContainerError::Invalid {
-            path: PathBuf::from(format!("/proc/{pid}")),
-            why: "the container's process is gone".into(),
-        })
-    })?;
+    let pid_start = containers::process_start(pid).ok_or(AttachError::Gone(pid))?;
     Ok(ContainerRecord {
         id: id.to_string(),
         pod_name: text(SANDBOX_NAME),

@@ -395,7 +395,7 @@ fn hook_refuses_garbage_and_missing_pieces() {
     fx.write_config("");
     let (code, err) = hook(&fx, &state(&b, 999_999_999));
     assert_eq!(code, Some(1));
-    assert_one_line_error(&err, "cannot enter the mount namespace");
+    assert_one_line_error(&err, "container process 999999999 is gone");
 }
 
 #[test]

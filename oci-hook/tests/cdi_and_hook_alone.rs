@@ -154,7 +154,14 @@ fn cdi_edits_applied_by_an_engine_work_under_plain_runc() {
         .iter()
         .map(|h| serde_json::json!({"path": h.path, "args": h.args}))
         .collect();
-    spec["hooks"] = serde_json::json!({"createRuntime": hooks});
+    let stages: Vec<&str> = cdi
+        .container_edits
+        .hooks
+        .iter()
+        .map(|h| h.hook_name.as_str())
+        .collect();
+    assert_eq!(stages, ["createRuntime", "poststop"]);
+    spec["hooks"] = serde_json::json!({"createRuntime": [hooks[0]], "poststop": [hooks[1]]});
     std::fs::write(&p, serde_json::to_vec(&spec).unwrap()).unwrap();
 
     let (ok, out, err) = plain_runc(&fx, &b);
@@ -171,6 +178,7 @@ fn cdi_edits_applied_by_an_engine_work_under_plain_runc() {
         "{out}"
     );
     assert!(out.contains("UCONNECT-REPLY:ok"), "{out}");
+    assert_own_socket(&_arbiter, "hello from alone", &fx.socket_dir, true);
 }
 
 #[test]
@@ -187,7 +195,13 @@ fn hooks_d_entry_alone_creates_nodes_and_injects() {
         entry["when"]["always"], true,
         "kiwi-hook checks the claim itself"
     );
-    let stage = entry["stages"][0].as_str().unwrap().to_string();
+    let stages: Vec<String> = entry["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(stages, ["prestart", "poststop"], "one entry, both stages");
     let mut args: Vec<String> = entry["hook"]["args"]
         .as_array()
         .unwrap()
@@ -212,7 +226,8 @@ fn hooks_d_entry_alone_creates_nodes_and_injects() {
         let p = b.join("config.json");
         let mut spec: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
-        spec["hooks"] = serde_json::json!({ stage.clone(): [{"path": HOOK, "args": args}] });
+        let hook = serde_json::json!([{"path": HOOK, "args": args}]);
+        spec["hooks"] = serde_json::json!({ "prestart": hook.clone(), "poststop": hook });
         std::fs::write(&p, serde_json::to_vec(&spec).unwrap()).unwrap();
         let (ok, out, err) = plain_runc(&fx, &b);
         assert!(ok, "{err}\n{out}");
@@ -224,6 +239,8 @@ fn hooks_d_entry_alone_creates_nodes_and_injects() {
             assert!(out.contains("NODE /dev/nvidiactl c3:ff"), "{out}");
             assert!(out.contains("Operation not permitted"), "{out}");
             assert!(out.contains("UCONNECT-REPLY:ok"), "{out}");
+            // One entry, both stages: the hook tells poststop by the state's status.
+            assert_own_socket(&_arbiter, "hello from alone", &fx.socket_dir, true);
         } else {
             assert!(!out.contains("SHIM=kiwi"), "{out}");
             assert!(
@@ -234,6 +251,7 @@ fn hooks_d_entry_alone_creates_nodes_and_injects() {
             assert!(!out.contains("NODE /dev/nvidia1"), "{out}");
         }
     }
+    assert_eq!(_arbiter.heard.lock().unwrap().len(), 3, "the unclaimed one is left alone");
 }
 
 /// Unmounts a test's bind mount on drop.

@@ -31,16 +31,23 @@ struct Args {
     /// its ld cache (repeatable).
     #[arg(long = "ld-dir", value_name = "DIR")]
     ld_dir: Vec<PathBuf>,
-    /// The hook stage this runs at: prestart or createRuntime (the default), or
-    /// poststop.
+    /// The hook stage this runs at: prestart or createRuntime, or poststop. Without
+    /// it, the state's status says (`stopped`: poststop), so one hooks.d entry can
+    /// name both stages.
     stage: Option<String>,
 }
 
+fn is_poststop(args: &Args, state: &hook::State) -> bool {
+    match args.stage.as_deref() {
+        Some(stage) => stage == "poststop",
+        None => state.status.as_deref() == Some("stopped"),
+    }
+}
+
 /// `poststop`: the container was deleted; its client socket goes.
-fn poststop(args: &Args, log: &mut Logger) -> Result<(), HookError> {
-    let state = hook::read_state(std::io::stdin().lock())?;
+fn poststop(args: &Args, state: &hook::State, log: &mut Logger) -> Result<(), HookError> {
     // Left alone when its spec (still in the bundle at runc delete) claims nothing.
-    if let Ok(None) = hook::claimed_spec(&state) {
+    if let Ok(None) = hook::claimed_spec(state) {
         return Ok(());
     }
     let cfg = Config::load(args.config.as_deref())?;
@@ -52,15 +59,19 @@ fn poststop(args: &Args, log: &mut Logger) -> Result<(), HookError> {
     Ok(())
 }
 
-fn run(args: &Args, log: &mut Logger, t0: std::time::Instant) -> Result<(), HookError> {
-    let state = hook::read_state(std::io::stdin().lock())?;
-    let Some((spec, claim)) = hook::claimed_spec(&state)? else {
+fn run(
+    args: &Args,
+    state: &hook::State,
+    log: &mut Logger,
+    t0: std::time::Instant,
+) -> Result<(), HookError> {
+    let Some((spec, claim)) = hook::claimed_spec(state)? else {
         return Ok(());
     };
     let cfg = Config::load(args.config.as_deref())?;
     *log = Logger::new("kiwi-hook", cfg.runtime.log_path.clone());
     let socket_dir = cfg.socket_dir(args.socket_dir.as_deref());
-    let inj = hook::plan(&state, &spec, &claim, &cfg, &socket_dir, &args.ld_dir)?;
+    let inj = hook::plan(state, &spec, &claim, &cfg, &socket_dir, &args.ld_dir)?;
     if let Some(note) = &inj.note {
         log.info(&format!("container {}: {note}", state.id));
     }
@@ -94,10 +105,13 @@ fn main() {
         }
     };
     let mut log = Logger::new("kiwi-hook", None);
-    let res = match args.stage.as_deref() {
-        Some("poststop") => poststop(&args, &mut log),
-        _ => run(&args, &mut log, t0),
-    };
+    let res = hook::read_state(std::io::stdin().lock()).and_then(|state| {
+        if is_poststop(&args, &state) {
+            poststop(&args, &state, &mut log)
+        } else {
+            run(&args, &state, &mut log, t0)
+        }
+    });
     if let Err(e) = res {
         log.error(&e.to_string(), None);
         std::process::exit(1);

@@ -284,19 +284,58 @@ pub struct FakeArbiter {
 }
 
 impl FakeArbiter {
+    /// Serves the node's client socket and the control socket; an `attach_container`
+    /// on the latter makes it serve that container's socket too (as the arbiter does),
+    /// and is heard as `attach <key>` (`detach <key>` likewise).
     pub fn start(socket_dir: &Path) -> FakeArbiter {
-        let path = socket_dir.join("client/arbiter.sock");
-        let _ = std::fs::remove_file(&path);
-        let listener = UnixListener::bind(&path).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
-        listener.set_nonblocking(true).unwrap();
+        let bind = |path: &Path, mode: u32| {
+            let _ = std::fs::remove_file(path);
+            let l = UnixListener::bind(path).unwrap();
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+            l.set_nonblocking(true).unwrap();
+            l
+        };
+        let mut clients = vec![bind(&socket_dir.join("client/arbiter.sock"), 0o666)];
+        let control = bind(&kiwi_config::control_socket(socket_dir), 0o600);
+        let dir = socket_dir.to_path_buf();
         let heard = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (h, s) = (heard.clone(), stop.clone());
         let thread = std::thread::spawn(move || {
             while !s.load(Ordering::SeqCst) {
-                match listener.accept() {
-                    Ok((stream, _)) => {
+                let mut idle = true;
+                if let Ok((stream, _)) = control.accept() {
+                    idle = false;
+                    stream.set_nonblocking(false).unwrap();
+                    stream
+                        .set_read_timeout(Some(Duration::from_secs(5)))
+                        .unwrap();
+                    let mut c: kiwi_protocol::blocking::Connection<
+                        kiwi_protocol::ControlReply,
+                        kiwi_protocol::ControlRequest,
+                    > = kiwi_protocol::blocking::Connection::new(stream);
+                    if let Ok(req) = c.recv() {
+                        let line = match &req {
+                            kiwi_protocol::ControlRequest::AttachContainer { key } => {
+                                let path = kiwi_config::containers::container_socket(&dir, key);
+                                clients.push(bind(&path, 0o666));
+                                format!("attach {key}")
+                            }
+                            kiwi_protocol::ControlRequest::DetachContainer { key } => {
+                                format!("detach {key}")
+                            }
+                            other => format!("{other:?}"),
+                        };
+                        h.lock().unwrap().push(line);
+                        let _ = c.send(&kiwi_protocol::ControlReply::Done {
+                            message: "ok".into(),
+                            gpus: Vec::new(),
+                        });
+                    }
+                }
+                for listener in &clients {
+                    if let Ok((stream, _)) = listener.accept() {
+                        idle = false;
                         stream.set_nonblocking(false).unwrap();
                         stream
                             .set_read_timeout(Some(Duration::from_secs(5)))
@@ -307,7 +346,9 @@ impl FakeArbiter {
                         let _ = (&stream).write_all(b"ok\n");
                         h.lock().unwrap().push(line.trim().to_string());
                     }
-                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+                if idle {
+                    std::thread::sleep(Duration::from_millis(10));
                 }
             }
         });
@@ -327,6 +368,29 @@ impl FakeArbiter {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+}
+
+/// The claimed container spoke on its own socket: the hook attached it (before the
+/// container's `hello`), and, when `deleted`, detached it once the container was
+/// deleted, leaving no record, socket or directory behind.
+pub fn assert_own_socket(arbiter: &FakeArbiter, hello: &str, socket_dir: &Path, deleted: bool) {
+    let want = if deleted { 3 } else { 2 };
+    let heard = arbiter.wait_heard(want, Duration::from_secs(5));
+    assert_eq!(heard.len(), want, "{heard:?}");
+    let key = heard[0]
+        .strip_prefix("attach ")
+        .unwrap_or_else(|| panic!("the hook attached first: {heard:?}"))
+        .to_string();
+    assert_eq!(heard[1], hello, "{heard:?}");
+    let record = kiwi_config::containers::record_path(socket_dir, &key);
+    let dir = kiwi_config::containers::container_dir(socket_dir, &key);
+    if deleted {
+        assert_eq!(heard[2], format!("detach {key}"), "{heard:?}");
+        assert!(!record.exists() && !dir.exists(), "{} left", key);
+    } else {
+        let rec = kiwi_config::containers::ContainerRecord::read(&record).unwrap();
+        assert!(rec.id.starts_with(&key), "{rec:?}");
     }
 }
 
