@@ -57,6 +57,49 @@ pub fn require_tool(tool: &str) -> bool {
     found
 }
 
+/// Does what `kiwi-hook` does at a claimed container's creation: writes its record
+/// under `socket_dir` (the container's init is `pid`) and asks the arbiter at
+/// `socket_dir` to serve its socket. Returns the reply and the socket's path.
+pub fn attach_container(
+    socket_dir: &Path,
+    record: &kiwi_config::containers::ContainerRecord,
+) -> (ControlReply, PathBuf) {
+    record.write(socket_dir).expect("write the container record");
+    let key = kiwi_config::containers::key_for(&record.id).unwrap();
+    let mut c: Connection<ControlRequest, ControlReply> =
+        Connection::connect(&kiwi_config::control_socket(socket_dir)).expect("control connect");
+    c.stream()
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let reply = c
+        .call(&ControlRequest::AttachContainer { key: key.clone() })
+        .expect("attach");
+    (
+        reply,
+        kiwi_config::containers::container_socket(socket_dir, &key),
+    )
+}
+
+/// A container record for `id`, its init `pid` (which must be running), on `gpus`.
+pub fn container_record(
+    id: &str,
+    pid: u32,
+    gpus: &[&str],
+    pod: Option<(&str, &str)>,
+) -> kiwi_config::containers::ContainerRecord {
+    let pid = pid as i32;
+    kiwi_config::containers::ContainerRecord {
+        id: id.to_string(),
+        pod_name: pod.map(|p| p.1.to_string()),
+        pod_namespace: pod.map(|p| p.0.to_string()),
+        container_name: None,
+        gpus: gpus.iter().map(|g| g.to_string()).collect(),
+        any_gpu: false,
+        pid,
+        pid_start: kiwi_config::containers::process_start(pid).expect("a running pid"),
+    }
+}
+
 /// CLOCK_MONOTONIC in nanoseconds (the arbiter's clock).
 pub use kiwi_protocol::monotonic_ns;
 

@@ -1,8 +1,9 @@
 //! A hostile tenant against the arbiter's client socket, with real processes and
 //! real sockets (issue #14, items 3, 5 and 6): text fields that are too long or
 //! forge log lines, replies too large for a frame, descriptor exhaustion with idle
-//! connections from another container (a pid namespace of its own), connections
-//! that never register, and half-sent frames.
+//! connections from other containers (each on its own socket), a host user's
+//! connections over user and pid namespaces of its own, connections that never
+//! register, and half-sent frames.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -16,7 +17,7 @@ use kiwi_protocol::{
     ArbiterMsg, ClientMsg, ControlReply, ControlRequest, ErrorCode, StatusReport, MAGIC,
     MAX_PAYLOAD, MAX_TEXT_BYTES, PROTOCOL_VERSION,
 };
-use kiwi_tests::{bin, register_msg, require_tool};
+use kiwi_tests::{attach_container, bin, container_record, register_msg, require_tool};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -183,21 +184,19 @@ struct Hog {
 }
 
 impl Hog {
-    fn spawn(arb: &Arb, conns: usize, half_frame: Option<usize>, own_pidns: bool) -> Hog {
-        let mut cmd = if own_pidns {
-            let mut c = Command::new("unshare");
-            // SAFETY: geteuid has no preconditions.
-            if unsafe { libc::geteuid() } != 0 {
-                c.args(["--user", "--map-root-user"]);
+    /// `kiwi-hostile-client` opening `conns` connections to `sock`, run under
+    /// `wrapper` (a command prefix such as `setpriv …`), if any.
+    fn spawn(sock: &Path, conns: usize, half_frame: Option<usize>, wrapper: &[&str]) -> Hog {
+        let mut cmd = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin("kiwi-hostile-client"));
+                c
             }
-            c.args(["--pid", "--fork", "--kill-child"])
-                .arg(bin("kiwi-hostile-client"));
-            c
-        } else {
-            Command::new(bin("kiwi-hostile-client"))
+            None => Command::new(bin("kiwi-hostile-client")),
         };
         cmd.arg("--socket")
-            .arg(arb.client_socket())
+            .arg(sock)
             .arg("--conns")
             .arg(conns.to_string());
         if let Some(n) = half_frame {
@@ -402,25 +401,35 @@ fn status_and_events_still_answer_after_many_large_legal_registrations() {
 
 #[test]
 fn idle_connections_from_one_container_lock_out_neither_other_tenants_nor_the_operator() {
-    if !require_tool("unshare") {
-        return;
-    }
-    // 256 descriptors: client connections get at most 192, 64 per container.
-    // (Idle connections stay for the test's length: this is about the caps.)
+    // 256 descriptors: client connections and container sockets get at most 192, 64
+    // connections per container. (Idle connections stay for the test's length: this
+    // is about the caps.)
     let arb = start(&["--register-timeout-ms", "60000"], Some(256));
-    let mut hog = Hog::spawn(&arb, 300, None, true);
+    let me = std::process::id();
+    let attach = |name: &str| {
+        let rec = container_record(name, me, &["GPU-h"], None);
+        let (reply, sock) = attach_container(arb.socket_dir(), &rec);
+        assert!(matches!(reply, ControlReply::Done { .. }), "{reply:?}");
+        sock
+    };
+    let a = attach("hog-a");
+    let mut hog = Hog::spawn(&a, 300, None, &[]);
     assert_eq!(hog.opened(), 300);
     let _c = register_ok(&arb);
     assert!(matches!(
         control(&arb, &ControlRequest::Status { gpu: None }),
         ControlReply::Status(_)
     ));
-    // The container kept 64; every other connection was refused and closed.
+    // The container kept 64, exactly; every other connection was refused and closed.
     let closed = hog.wait_closed(300 - 64, Duration::from_secs(3));
     assert_eq!(closed, 300 - 64);
 
     // Four more containers fill the node's connections: the operator still gets in.
-    let mut more: Vec<Hog> = (0..4).map(|_| Hog::spawn(&arb, 64, None, true)).collect();
+    let socks: Vec<PathBuf> = ["hog-b", "hog-c", "hog-d", "hog-e"]
+        .iter()
+        .map(|n| attach(n))
+        .collect();
+    let mut more: Vec<Hog> = socks.iter().map(|s| Hog::spawn(s, 64, None, &[])).collect();
     for h in &mut more {
         assert_eq!(h.opened(), 64);
     }
@@ -430,16 +439,18 @@ fn idle_connections_from_one_container_lock_out_neither_other_tenants_nor_the_op
             ControlReply::Status(_)
         ));
     }
+    // 192 places = 5 container sockets + the first container's 64 + our client + 122
+    // of these.
+    let kept = 192 - 5 - 64 - 1;
     let deadline = Instant::now() + Duration::from_secs(3);
     let refused = loop {
         let n: usize = more.iter_mut().map(|h| h.closed()).sum();
-        if n >= 129 || Instant::now() > deadline {
+        if n >= 4 * 64 - kept || Instant::now() > deadline {
             break n;
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    // 192 = the first container's 64 + our client + 127 of these.
-    assert_eq!(refused, 4 * 64 - 127, "the node-wide cap");
+    assert_eq!(refused, 4 * 64 - kept, "the node-wide cap");
 
     // Hundreds of refusals, a handful of warnings.
     let warnings = log_of(&arb)
@@ -447,6 +458,57 @@ fn idle_connections_from_one_container_lock_out_neither_other_tenants_nor_the_op
         .filter(|l| l.starts_with("[WARN]"))
         .count();
     assert!(warnings <= 25, "{warnings} warnings:\n{}", log_of(&arb));
+}
+
+#[test]
+fn a_host_user_gains_no_connections_from_user_and_pid_namespaces() {
+    for tool in ["setpriv", "unshare"] {
+        if !require_tool(tool) {
+            return;
+        }
+    }
+    // Issue #27, attack 2: `unshare -Ur -pf` made each namespace a group of its own
+    // (80 connections against a cap of 16). On the node's socket the cap is the uid's,
+    // as the initial user namespace sees it.
+    let arb = start(
+        &["--register-timeout-ms", "60000", "--max-conns-per-group", "16"],
+        None,
+    );
+    // uid 65534 must reach the socket: the test's directory is private.
+    std::fs::set_permissions(
+        arb.socket_dir(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let wrapper = [
+        "setpriv",
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--pid",
+        "--fork",
+        "--kill-child",
+    ];
+    let mut hogs: Vec<Hog> = (0..5)
+        .map(|_| Hog::spawn(&arb.client_socket(), 16, None, &wrapper))
+        .collect();
+    for h in &mut hogs {
+        assert_eq!(h.opened(), 16);
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let kept = loop {
+        let closed: usize = hogs.iter_mut().map(|h| h.closed()).sum();
+        if 80 - closed <= 16 || Instant::now() > deadline {
+            break 80 - closed;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(kept, 16, "five namespaces of one host user share its 16");
+    // Another user (root, here) is not touched by that user's cap.
+    let _c = register_ok(&arb);
 }
 
 #[test]
@@ -536,7 +598,7 @@ fn half_sent_frames_are_bounded_in_memory_and_time() {
     let pid = arb.pid();
     let base = vm_kib(pid, "VmRSS:");
     // Each connection: a header announcing 1 MiB, and all of it but one byte.
-    let mut hog = Hog::spawn(&arb, CONNS, Some(MAX_PAYLOAD), false);
+    let mut hog = Hog::spawn(&arb.client_socket(), CONNS, Some(MAX_PAYLOAD), &[]);
     assert_eq!(hog.opened(), CONNS);
     let peak = vm_kib(pid, "VmHWM:");
     let grown_mib = peak.saturating_sub(base) / 1024;
