@@ -62,8 +62,8 @@ struct Args {
     /// stay for the control socket). See docs/protocol.md, "Limits".
     #[arg(long, value_name = "N", help_heading = "Limits")]
     max_connections: Option<usize>,
-    /// Most client connections from one container (pid namespace, or cgroup on the
-    /// host's own), default 64.
+    /// Most client connections from one container (on its own socket), or from one
+    /// host uid on the node's socket, default 64.
     #[arg(long, value_name = "N", help_heading = "Limits")]
     max_conns_per_group: Option<usize>,
     /// Close a connection that has not registered within this many ms (default 5000).

@@ -1,5 +1,6 @@
-//! The daemon: accepts clients on the client socket and operators on the control
-//! socket, feeds the per-GPU schedulers, runs their timers, and writes their answers.
+//! The daemon: accepts clients on the node's client socket and on each claimed
+//! container's own ([`containers`]), operators on the control socket, feeds the
+//! per-GPU schedulers, runs their timers, and writes their answers.
 //!
 //! Latency matters on one path: a holder's release to the next holder's grant. That
 //! path stays in the releasing connection's task: decode, scheduler step, and a
@@ -12,8 +13,8 @@
 //! The client socket is open to every tenant, so every resource a connection can
 //! make the daemon hold is bounded (`docs/protocol.md`, "Limits"): descriptors
 //! (client connections stop short of RLIMIT_NOFILE, leaving a reserve for the
-//! control socket; at most `max_conns_per_group` per container, the peer's pid
-//! namespace or cgroup), time (registration and each frame have deadlines), memory
+//! control socket; at most `max_conns_per_group` per container socket, or per uid
+//! on the node's socket), time (registration and each frame have deadlines), memory
 //! (one node-wide budget for partly received frames) and log volume (warnings about
 //! peers are rate-limited, and nothing a peer sends reaches the log unescaped).
 
@@ -54,8 +55,8 @@ pub struct ServerConfig {
     /// Most simultaneous client connections; more are refused. Lowered at start to
     /// RLIMIT_NOFILE minus [`FD_RESERVE`].
     pub max_connections: usize,
-    /// Most simultaneous client connections from one container: peers are grouped by
-    /// pid namespace (a container's), or by cgroup on the host's own.
+    /// Most simultaneous client connections from one container (its own socket), or
+    /// from one host uid on the node's socket.
     pub max_conns_per_group: usize,
     /// A connection that has not registered this long after connecting is closed.
     pub register_timeout_ms: u64,
