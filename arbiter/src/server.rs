@@ -216,23 +216,64 @@ macro_rules! warn_throttled {
 /// send to it (a release in one connection grants in another).
 struct Peer {
     stream: Arc<UnixStream>,
-    pending: Mutex<Vec<u8>>,
+    pending: Mutex<Outbox>,
     flush: Notify,
     closing: AtomicBool,
+}
+
+/// The messages that say a state (`pressure`, `room`, `waiting`): a newer one makes
+/// an unsent older one of its kind pointless.
+const STATE_KINDS: usize = 3;
+
+fn state_kind(msg: &ArbiterMsg) -> Option<usize> {
+    match msg {
+        ArbiterMsg::Pressure { .. } => Some(0),
+        ArbiterMsg::Room { .. } => Some(1),
+        ArbiterMsg::Waiting { .. } => Some(2),
+        _ => None,
+    }
+}
+
+/// What a peer has not read yet: bytes in order, and, while the socket is full, the
+/// latest unsent message of each state kind. A slow reader is sent the latest state,
+/// never a backlog of states (so it is never disconnected for them); the bytes are
+/// bounded by [`MAX_PENDING_WRITE`]. A message that is not a state moves the states
+/// waiting before it into the bytes first, so the order a client sees is the order
+/// sent (a `ping`'s `pong` follows the `room` due before it).
+#[derive(Default)]
+struct Outbox {
+    bytes: Vec<u8>,
+    latest: [Option<Vec<u8>>; STATE_KINDS],
+}
+
+impl Outbox {
+    fn is_empty(&self) -> bool {
+        self.bytes.is_empty() && self.latest.iter().all(Option::is_none)
+    }
+
+    /// Moves the waiting states into the byte queue, in kind order.
+    fn settle_states(&mut self) {
+        for slot in &mut self.latest {
+            if let Some(b) = slot.take() {
+                self.bytes.extend_from_slice(&b);
+            }
+        }
+    }
 }
 
 impl Peer {
     fn new(stream: Arc<UnixStream>) -> Self {
         Self {
             stream,
-            pending: Mutex::new(Vec::new()),
+            pending: Mutex::new(Outbox::default()),
             flush: Notify::new(),
             closing: AtomicBool::new(false),
         }
     }
 
-    /// Writes now if the socket takes it; otherwise queues for the owner task.
-    fn send_bytes(&self, bytes: &[u8]) {
+    /// Writes now if the socket takes it; otherwise queues for the owner task. `kind`:
+    /// the message's state kind, if it is one.
+    fn send_bytes(&self, bytes: &[u8], kind: Option<usize>) {
         let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         let mut rest = bytes;
         if pending.is_empty() {
@@ -248,21 +289,29 @@ impl Peer {
                 }
             }
         }
-        if !rest.is_empty() {
-            if pending.len() + rest.len() > MAX_PENDING_WRITE {
-                // A client that never reads must not grow our memory.
-                self.closing.store(true, Ordering::Relaxed);
-            } else {
-                pending.extend_from_slice(rest);
-            }
-            self.flush.notify_one();
+        if rest.is_empty() {
+            return;
         }
+        match kind {
+            // Whole and a state: it replaces the older one of its kind.
+            Some(k) if rest.len() == bytes.len() => pending.latest[k] = Some(rest.to_vec()),
+            _ => {
+                pending.settle_states();
+                if pending.bytes.len() + rest.len() > MAX_PENDING_WRITE {
+                    // A client that never reads must not grow our memory.
+                    self.closing.store(true, Ordering::Relaxed);
+                } else {
+                    pending.bytes.extend_from_slice(rest);
+                }
+            }
+        }
+        self.flush.notify_one();
     }
 
     fn send(&self, msg: &ArbiterMsg) {
         let mut buf = Vec::with_capacity(96);
         if encode_into(msg, &mut buf).is_ok() {
-            self.send_bytes(&buf);
+            self.send_bytes(&buf, state_kind(msg));
         }
     }
 
@@ -278,10 +327,17 @@ impl Peer {
     /// (a client that never reads must not stall its own connection task).
     fn try_flush(&self) -> std::io::Result<()> {
         let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        while !p.is_empty() {
-            match self.stream.try_write(&p) {
+        loop {
+            if p.bytes.is_empty() {
+                // The bytes are out: the latest states follow.
+                p.settle_states();
+                if p.bytes.is_empty() {
+                    break;
+                }
+            }
+            match self.stream.try_write(&p.bytes) {
                 Ok(n) => {
-                    p.drain(..n);
+                    p.bytes.drain(..n);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) => return Err(e),
@@ -1569,4 +1625,88 @@ fn handle_control(shared: &Arc<Shared>, req: ControlRequest, who: &str) -> Contr
     drop(st);
     shared.timer.notify_one();
     reply
+}
+
+#[cfg(test)]
+mod peer_tests {
+    use super::*;
+
+    /// Everything `b` can read now, decoded.
+    fn read_all(b: &mut std::os::unix::net::UnixStream) -> Vec<ArbiterMsg> {
+        use std::io::Read;
+        let mut dec = FrameDecoder::new();
+        let mut buf = vec![0u8; 1 << 16];
+        let mut out = Vec::new();
+        loop {
+            match b.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => dec.push(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => panic!("{e}"),
+            }
+            while let Some(m) = dec.next_msg::<ArbiterMsg>().unwrap() {
+                out.push(m);
+            }
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn a_slow_reader_gets_the_latest_state_in_order_and_stays_connected() {
+        let (a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        b.set_nonblocking(true).unwrap();
+        let peer = Peer::new(Arc::new(UnixStream::from_std(a).unwrap()));
+        // 100,000 states (~6 MB) to a client that reads nothing: far past the 64 KiB
+        // of unread replies that disconnect a client.
+        const N: u64 = 100_000;
+        for i in 0..N {
+            peer.send(&ArbiterMsg::Room {
+                others_unswappable_bytes: i,
+            });
+        }
+        peer.send(&ArbiterMsg::Pong { token: 7 });
+        peer.send(&ArbiterMsg::Room {
+            others_unswappable_bytes: N,
+        });
+        assert!(!peer.closing.load(Ordering::Relaxed), "disconnected");
+        let mut got = Vec::new();
+        while peer.has_pending() {
+            got.extend(read_all(&mut b));
+            // As the connection's task does: tokio learns the socket drained from
+            // its reactor, which runs while we wait.
+            tokio::time::timeout(Duration::from_secs(5), peer.stream.writable())
+                .await
+                .expect("writable")
+                .unwrap();
+            peer.try_flush().unwrap();
+        }
+        got.extend(read_all(&mut b));
+        let n = got.len();
+        assert!(n < 20_000, "{n} messages: the backlog was sent");
+        // The latest state before the pong, the pong, then the latest state.
+        assert_eq!(
+            got[n - 3..],
+            [
+                ArbiterMsg::Room {
+                    others_unswappable_bytes: N - 1
+                },
+                ArbiterMsg::Pong { token: 7 },
+                ArbiterMsg::Room {
+                    others_unswappable_bytes: N
+                },
+            ]
+        );
+        // What was written before the socket filled came in order.
+        for w in got[..n - 3].windows(2) {
+            match w {
+                [ArbiterMsg::Room {
+                    others_unswappable_bytes: x,
+                }, ArbiterMsg::Room {
+                    others_unswappable_bytes: y,
+                }] => assert_eq!(x + 1, *y),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
 }

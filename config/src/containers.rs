@@ -254,7 +254,9 @@ pub fn list_keys(socket_dir: &Path) -> Vec<String> {
         .filter_map(|e| e.ok())
         .filter_map(|e| {
             let name = e.file_name().into_string().ok()?;
-            let key = name.strip_prefix('.').map_or(Some(name.as_str()), |_| None)?;
+            let key = name
+                .strip_prefix('.')
+                .map_or(Some(name.as_str()), |_| None)?;
             key.strip_suffix(".json").map(str::to_string)
         })
         .filter(|k| key_for(k).is_ok_and(|x| &x == k))

@@ -73,7 +73,9 @@ pub fn claimed_uuids(
                     GpuRef::Uuid(u) => push(u.clone(), &mut out),
                     GpuRef::Index(i) => {
                         let found = table(&mut known).and_then(|list| {
-                            list.into_iter().find(|g| g.index == *i).and_then(|g| g.uuid)
+                            list.into_iter()
+                                .find(|g| g.index == *i)
+                                .and_then(|g| g.uuid)
                         });
                         match found {
                             Some(u) => push(u, &mut out),
@@ -143,7 +145,10 @@ pub fn detach(socket_dir: &Path, id: &str) -> Option<String> {
     {
         return None;
     }
-    let note = match ask(socket_dir, ControlRequest::DetachContainer { key: key.clone() }) {
+    let note = match ask(
+        socket_dir,
+        ControlRequest::DetachContainer { key: key.clone() },
+    ) {
         Ok(()) => None,
         Err(Ask::Unreachable(why) | Ask::Refused(why)) => Some(why),
     };
@@ -161,7 +166,8 @@ enum Ask {
 
 fn ask(socket_dir: &Path, req: ControlRequest) -> Result<(), Ask> {
     let path = kiwi_config::control_socket(socket_dir);
-    let unreachable = |e: &dyn std::fmt::Display| Ask::Unreachable(format!("{}: {e}", path.display()));
+    let unreachable =
+        |e: &dyn std::fmt::Display| Ask::Unreachable(format!("{}: {e}", path.display()));
     let mut c: Connection<ControlRequest, ControlReply> =
         Connection::connect(&path).map_err(|e| unreachable(&e))?;
     let _ = c.stream().set_read_timeout(Some(ARBITER_TIMEOUT));
@@ -195,7 +201,10 @@ mod tests {
             (vec!["GPU-x".to_string()], false)
         );
         let idx = Claim::Gpus(vec![GpuRef::Index(1), GpuRef::Uuid("GPU-b".into())]);
-        assert_eq!(claimed_uuids(&idx, table), (vec!["GPU-b".to_string()], false));
+        assert_eq!(
+            claimed_uuids(&idx, table),
+            (vec!["GPU-b".to_string()], false)
+        );
         assert_eq!(
             claimed_uuids(&Claim::All, table),
             (vec!["GPU-a".to_string(), "GPU-b".to_string()], false)

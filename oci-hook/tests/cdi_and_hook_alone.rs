@@ -251,7 +251,11 @@ fn hooks_d_entry_alone_creates_nodes_and_injects() {
             assert!(!out.contains("NODE /dev/nvidia1"), "{out}");
         }
     }
-    assert_eq!(_arbiter.heard.lock().unwrap().len(), 3, "the unclaimed one is left alone");
+    assert_eq!(
+        _arbiter.heard.lock().unwrap().len(),
+        3,
+        "the unclaimed one is left alone"
+    );
 }
 
 /// Unmounts a test's bind mount on drop.

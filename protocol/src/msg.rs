@@ -429,10 +429,14 @@ pub enum ControlRequest {
     /// From `kiwi-hook` at a claimed container's creation: serve a client socket for
     /// the container whose record is `<socket-dir>/containers/<key>.json`
     /// (`kiwi_config::containers`). Answered `done` once the socket is listening.
-    AttachContainer { key: String },
+    AttachContainer {
+        key: String,
+    },
     /// From `kiwi-hook poststop`: stop serving the container's socket and remove it,
     /// its directory and its record.
-    DetachContainer { key: String },
+    DetachContainer {
+        key: String,
+    },
 }
 
 impl ControlRequest {

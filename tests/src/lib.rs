@@ -64,7 +64,9 @@ pub fn attach_container(
     socket_dir: &Path,
     record: &kiwi_config::containers::ContainerRecord,
 ) -> (ControlReply, PathBuf) {
-    record.write(socket_dir).expect("write the container record");
+    record
+        .write(socket_dir)
+        .expect("write the container record");
     let key = kiwi_config::containers::key_for(&record.id).unwrap();
     let mut c: Connection<ControlRequest, ControlReply> =
         Connection::connect(&kiwi_config::control_socket(socket_dir)).expect("control connect");

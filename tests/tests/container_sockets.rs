@@ -12,9 +12,7 @@ use std::time::Duration;
 use kiwi_config::containers;
 use kiwi_protocol::blocking::Connection;
 use kiwi_protocol::{ArbiterMsg, ClientMsg, ControlReply, ControlRequest, ErrorCode};
-use kiwi_tests::{
-    attach_container, container_record, register_msg, Arbiter, Client,
-};
+use kiwi_tests::{attach_container, container_record, register_msg, Arbiter, Client};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -79,7 +77,13 @@ fn a_container_registers_only_on_its_own_gpus_and_is_named_by_its_record() {
     for n in 0..70 {
         let m = try_register(&a, &format!("GPU-made-up-{n}"));
         assert!(
-            matches!(m, ArbiterMsg::Error { code: ErrorCode::UnknownGpu, .. }),
+            matches!(
+                m,
+                ArbiterMsg::Error {
+                    code: ErrorCode::UnknownGpu,
+                    ..
+                }
+            ),
             "{m:?}"
         );
     }
@@ -97,13 +101,21 @@ fn a_containers_connections_are_capped_exactly_whatever_uids_connect() {
     if !kiwi_tests::require_tool("setpriv") {
         return;
     }
-    let arb = Arbiter::start(&["--max-conns-per-group", "16", "--register-timeout-ms", "60000"]);
+    let arb = Arbiter::start(&[
+        "--max-conns-per-group",
+        "16",
+        "--register-timeout-ms",
+        "60000",
+    ]);
     std::fs::set_permissions(
         arb.socket_dir(),
         std::os::unix::fs::PermissionsExt::from_mode(0o755),
     )
     .unwrap();
-    let sock = attach_ok(&arb, &container_record("ctr-c", std::process::id(), &["GPU-c"], None));
+    let sock = attach_ok(
+        &arb,
+        &container_record("ctr-c", std::process::id(), &["GPU-c"], None),
+    );
     // 24 uids, 2 connections each: the cap is the socket's, whoever connects.
     let mut held = Vec::new();
     for uid in 2000..2024 {
@@ -157,7 +169,10 @@ fn a_containers_connections_are_capped_exactly_whatever_uids_connect() {
         other => panic!("past the cap: {other:?}"),
     }
     // ...and no one else is touched: another container and the host register.
-    let d = attach_ok(&arb, &container_record("ctr-d", std::process::id(), &["GPU-c"], None));
+    let d = attach_ok(
+        &arb,
+        &container_record("ctr-d", std::process::id(), &["GPU-c"], None),
+    );
     let _d = Client::register(&d, register_msg("GPU-c", 4 * GIB, MIB));
     let _h = Client::register(&arb.client_socket(), register_msg("GPU-c", 4 * GIB, MIB));
     for (mut c, _) in held {
@@ -173,8 +188,14 @@ fn a_deleted_containers_socket_goes_and_a_restarted_arbiter_serves_running_ones(
     let dir = arb.socket_dir().to_path_buf();
     // `running`: this test; `stopped`: a process that exits before the restart.
     let mut brief = Command::new("sleep").arg("30").spawn().unwrap();
-    let running = attach_ok(&arb, &container_record("ctr-run", std::process::id(), &["GPU-r"], None));
-    let stopped = attach_ok(&arb, &container_record("ctr-gone", brief.id(), &["GPU-r"], None));
+    let running = attach_ok(
+        &arb,
+        &container_record("ctr-run", std::process::id(), &["GPU-r"], None),
+    );
+    let stopped = attach_ok(
+        &arb,
+        &container_record("ctr-gone", brief.id(), &["GPU-r"], None),
+    );
     let _c = Client::register(&stopped, register_msg("GPU-r", 4 * GIB, MIB));
     brief.kill().unwrap();
     brief.wait().unwrap();
@@ -205,7 +226,13 @@ fn a_deleted_containers_socket_goes_and_a_restarted_arbiter_serves_running_ones(
             .call(&ControlRequest::AttachContainer { key: key.into() })
             .unwrap();
         assert!(
-            matches!(reply, ControlReply::Error { code: ErrorCode::InvalidArgument, .. }),
+            matches!(
+                reply,
+                ControlReply::Error {
+                    code: ErrorCode::InvalidArgument,
+                    ..
+                }
+            ),
             "{key:?}: {reply:?}"
         );
     }

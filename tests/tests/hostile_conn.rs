@@ -471,7 +471,12 @@ fn a_host_user_gains_no_connections_from_user_and_pid_namespaces() {
     // (80 connections against a cap of 16). On the node's socket the cap is the uid's,
     // as the initial user namespace sees it.
     let arb = start(
-        &["--register-timeout-ms", "60000", "--max-conns-per-group", "16"],
+        &[
+            "--register-timeout-ms",
+            "60000",
+            "--max-conns-per-group",
+            "16",
+        ],
         None,
     );
     // uid 65534 must reach the socket: the test's directory is private.
