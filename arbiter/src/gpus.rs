@@ -71,8 +71,45 @@ pub enum GpusError {
     Call(#[from] NvmlError),
 }
 
+/// A GPU's memory in use, as the driver counts it (every process's, Kiwi's clients and
+/// others alike): the evidence a holder's `no_room` is checked against.
+pub trait UsedMemory: Send + Sync + std::fmt::Debug {
+    /// Bytes in use on the GPU with this UUID now; `None`: not known.
+    fn used_bytes(&self, uuid: &str) -> Option<u64>;
+}
+
+/// [`UsedMemory`] from NVML (`nvmlDeviceGetMemoryInfo`).
+pub struct NvmlUsed(Nvml);
+
+impl std::fmt::Debug for NvmlUsed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NvmlUsed")
+    }
+}
+
+impl UsedMemory for NvmlUsed {
+    fn used_bytes(&self, uuid: &str) -> Option<u64> {
+        let d = self.0.handle_by_uuid(uuid).ok()?;
+        self.0.memory(d).ok().map(|m| m.used)
+    }
+}
+
+/// What [`load`] found: the GPU table's source, a line saying which, and NVML for
+/// used-memory questions when it loaded.
+#[derive(Debug)]
+pub struct Loaded {
+    pub truth: GpuTruth,
+    pub line: String,
+    pub used: Option<std::sync::Arc<dyn UsedMemory>>,
+}
+
 /// Reads the node's GPUs from the NVML at `library`.
 pub fn from_nvml(library: &str) -> Result<Vec<KnownGpu>, GpusError> {
+    Ok(open_nvml(library)?.1)
+}
+
+/// Loads NVML and reads its GPUs; the library stays loaded in the first half.
+fn open_nvml(library: &str) -> Result<(Nvml, Vec<KnownGpu>), GpusError> {
     let nvml = Nvml::load(library)?;
     let mut gpus = Vec::new();
     for i in 0..nvml.device_count()? {
@@ -83,13 +120,13 @@ pub fn from_nvml(library: &str) -> Result<Vec<KnownGpu>, GpusError> {
             total_bytes: nvml.memory(d)?.total,
         });
     }
-    Ok(gpus)
+    Ok((nvml, gpus))
 }
 
 /// The GPU table's source for `setting`, and a line saying which it is.
 /// `Auto` falls back to [`GpuTruth::Claims`] when NVML cannot be loaded or read;
 /// an explicit path must work.
-pub fn load(setting: &NvmlSetting) -> Result<(GpuTruth, String), GpusError> {
+pub fn load(setting: &NvmlSetting) -> Result<Loaded, GpusError> {
     let describe = |gpus: &[KnownGpu], lib: &str| {
         let list: Vec<String> = gpus
             .iter()
@@ -97,26 +134,30 @@ pub fn load(setting: &NvmlSetting) -> Result<(GpuTruth, String), GpusError> {
             .collect();
         format!("GPUs from NVML ({lib}): {}", list.join(", "))
     };
+    let found = |nvml: Nvml, gpus: Vec<KnownGpu>, lib: &str| Loaded {
+        line: describe(&gpus, lib),
+        truth: GpuTruth::Nvml(gpus),
+        used: Some(std::sync::Arc::new(NvmlUsed(nvml))),
+    };
+    let claims = |line: String| Loaded {
+        truth: GpuTruth::Claims,
+        line,
+        used: None,
+    };
     match setting {
-        NvmlSetting::Off => Ok((
-            GpuTruth::Claims,
+        NvmlSetting::Off => Ok(claims(
             "NVML off: each GPU's size comes from its first registration".into(),
         )),
         NvmlSetting::Path(p) => {
             let lib = p.display().to_string();
-            let gpus = from_nvml(&lib)?;
-            let line = describe(&gpus, &lib);
-            Ok((GpuTruth::Nvml(gpus), line))
+            let (nvml, gpus) = open_nvml(&lib)?;
+            Ok(found(nvml, gpus, &lib))
         }
-        NvmlSetting::Auto => match from_nvml(NVML_LIBRARY) {
-            Ok(gpus) => {
-                let line = describe(&gpus, NVML_LIBRARY);
-                Ok((GpuTruth::Nvml(gpus), line))
-            }
-            Err(e) => Ok((
-                GpuTruth::Claims,
-                format!("no NVML ({e}): each GPU's size comes from its first registration"),
-            )),
+        NvmlSetting::Auto => match open_nvml(NVML_LIBRARY) {
+            Ok((nvml, gpus)) => Ok(found(nvml, gpus, NVML_LIBRARY)),
+            Err(e) => Ok(claims(format!(
+                "no NVML ({e}): each GPU's size comes from its first registration"
+            ))),
         },
     }
 }
@@ -356,8 +397,9 @@ mod tests {
             e.to_string().contains("/nonexistent/libnvidia-ml.so.1"),
             "{e}"
         );
-        let (truth, line) = load(&NvmlSetting::Off).unwrap();
-        assert_eq!(truth, GpuTruth::Claims);
-        assert!(line.contains("NVML off"), "{line}");
+        let l = load(&NvmlSetting::Off).unwrap();
+        assert_eq!(l.truth, GpuTruth::Claims);
+        assert!(l.used.is_none());
+        assert!(l.line.contains("NVML off"), "{}", l.line);
     }
 }

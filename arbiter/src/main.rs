@@ -127,7 +127,7 @@ fn run() -> Result<()> {
     let nvml: NvmlSetting = nvml_setting
         .parse()
         .map_err(|e| anyhow::anyhow!("--nvml {nvml_setting:?}: {e}"))?;
-    let (gpus, gpus_line) = kiwi_arbiter::gpus::load(&nvml).with_context(|| {
+    let loaded = kiwi_arbiter::gpus::load(&nvml).with_context(|| {
         format!("--nvml {nvml_setting}: NVML is unusable; use --nvml off to run without it")
     })?;
     let server_cfg = ServerConfig {
@@ -142,8 +142,9 @@ fn run() -> Result<()> {
             .max(1),
         metrics_addr: args.metrics_addr.or(cfg.arbiter.metrics_addr.clone()),
         swap_budget_bytes: (swap_budget_bytes > 0).then_some(swap_budget_bytes),
-        gpus,
-        startup_lines: vec![gpus_line],
+        gpus: loaded.truth,
+        used_memory: loaded.used,
+        startup_lines: vec![loaded.line],
         ..ServerConfig::default()
     };
     // Each limit: the flag, then the config key, then the arbiter's default; 0 is

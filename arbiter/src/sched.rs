@@ -230,6 +230,11 @@ type WaitersSeen = (
     Option<Nanos>,
 );
 
+/// What the driver may show free while an allocation of a holder's still fails
+/// (granularity, fragmentation, the driver's own bookkeeping): beyond it, free memory
+/// contradicts a `no_room`.
+pub const NO_ROOM_SLACK: u64 = 256 << 20;
+
 /// How long memory learned from `no_room` ([`GpuScheduler::no_room`]) is counted.
 pub const UNSEEN_TTL_NS: u64 = 60_000_000_000;
 
@@ -776,7 +781,21 @@ impl GpuScheduler {
     /// hold the GPU, beyond what is already on its way out. Silently ignored from a
     /// client that does not hold the GPU or was dropped: a report that crossed its
     /// drop or revoke is no error.
-    pub fn no_room(&mut self, now: Nanos, id: ClientId, missing: u64) -> Vec<Output> {
+    ///
+    /// `used`: the GPU's memory in use as the driver counts it (NVML), asked only
+    /// when needed; `None` where it is not known. With it the claim is checked
+    /// against the device: what the driver shows free (less [`NO_ROOM_SLACK`]) is
+    /// not missing, so nothing is reclaimed for it, and only memory the driver shows
+    /// taken beyond what the clients account for (resident and reported
+    /// unswappable) is learned as unseen. A holder that lies about lacking room then
+    /// makes nobody evict and teaches the scheduler nothing.
+    pub fn no_room(
+        &mut self,
+        now: Nanos,
+        id: ClientId,
+        missing: u64,
+        used: impl FnOnce() -> Option<u64>,
+    ) -> Vec<Output> {
         let Some(c) = self.clients.get_mut(&id) else {
             return Vec::new();
         };
@@ -784,7 +803,7 @@ impl GpuScheduler {
         // Checked against the client's own reports: what it lacks is at most its
         // working set less what it said is resident (a holder that says it is all in,
         // or claims more than it lacks, cannot make others evict for nothing).
-        let missing = missing.min(
+        let mut missing = missing.min(
             c.usage
                 .working_set_bytes
                 .saturating_sub(c.usage.resident_bytes),
@@ -796,14 +815,38 @@ impl GpuScheduler {
         if !holding || missing == 0 {
             return Vec::new();
         }
+        // And against the device, where its count is known.
+        let used = used().map(|u| u.min(self.total));
+        if let Some(used) = used {
+            let free = (self.total - used).saturating_sub(NO_ROOM_SLACK);
+            missing = missing.saturating_sub(free);
+        }
         let settled = self.draining.is_empty() && self.freeing() == 0;
         if settled && !learned {
             if let Some(h) = self.holders.get_mut(&id) {
                 h.learned = true;
             }
             let believed_free = self.room().saturating_sub(self.resident());
-            self.unseen = self.unseen.saturating_add(believed_free).min(self.total);
+            let learn = match used {
+                Some(used) => {
+                    let reported = self
+                        .clients
+                        .values()
+                        .map(|c| c.unswappable)
+                        .fold(0u64, u64::saturating_add);
+                    let outside = used
+                        .saturating_sub(self.resident())
+                        .saturating_sub(reported)
+                        .saturating_sub(self.unseen);
+                    believed_free.min(outside)
+                }
+                None => believed_free,
+            };
+            self.unseen = self.unseen.saturating_add(learn).min(self.total);
             self.unseen_at = now;
+        }
+        if missing == 0 {
+            return Vec::new();
         }
         self.log(
             Some(id),

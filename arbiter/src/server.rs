@@ -85,6 +85,9 @@ pub struct ServerConfig {
     /// Lines about the start (where the GPUs come from) printed once every socket is
     /// bound: a start that fails says one line, its error, and nothing before it.
     pub startup_lines: Vec<String>,
+    /// Each GPU's memory in use as the driver counts it (NVML), when known: a
+    /// holder's `no_room` teaches the scheduler only what this confirms is taken.
+    pub used_memory: Option<Arc<dyn gpus::UsedMemory>>,
     /// The socket directory, for per-container client sockets (`containers/`, see
     /// [`containers`]); `None`: only the node's socket is served.
     pub socket_dir: Option<std::path::PathBuf>,
@@ -111,6 +114,7 @@ impl Default for ServerConfig {
             swap_budget_bytes: None,
             gpus: gpus::GpuTruth::Claims,
             startup_lines: Vec::new(),
+            used_memory: None,
             socket_dir: None,
         }
     }
@@ -221,21 +225,23 @@ struct Peer {
     closing: AtomicBool,
 }
 
-/// The messages that say a state (`pressure`, `room`, `waiting`): a newer one makes
-/// an unsent older one of its kind pointless.
-const STATE_KINDS: usize = 3;
+/// The messages that say a state (`pressure`, `room`, `waiting`, `contended`): a
+/// newer one makes an unsent older one of its kind pointless.
+const STATE_KINDS: usize = 4;
 
 fn state_kind(msg: &ArbiterMsg) -> Option<usize> {
     match msg {
         ArbiterMsg::Pressure { .. } => Some(0),
         ArbiterMsg::Room { .. } => Some(1),
         ArbiterMsg::Waiting { .. } => Some(2),
+        ArbiterMsg::Contended { .. } => Some(3),
         _ => None,
     }
 }
 
 /// What a peer has not read yet: bytes in order, and, while the socket is full, the
-/// latest unsent message of each state kind. A slow reader is sent the latest state,
+/// latest unsent message of each state kind (a holder's `contended` follows every
+/// usage report of a waiter, so it can storm too). A slow reader is sent the latest state,
 /// never a backlog of states (so it is never disconnected for them); the bytes are
 /// bounded by [`MAX_PENDING_WRITE`]. A message that is not a state moves the states
 /// waiting before it into the bytes first, so the order a client sees is the order
@@ -1292,6 +1298,7 @@ fn handle_client_msg(
             (uuid, outs)
         }
         (msg, Some(uuid)) => {
+            let probe = st.cfg.used_memory.clone();
             let Some(g) = st.gpus.get_mut(&uuid) else {
                 return false;
             };
@@ -1308,7 +1315,9 @@ fn handle_client_msg(
                     duration_ns,
                 } => s.swapped(now, id, direction, bytes, duration_ns),
                 ClientMsg::Drained => s.drained(now, id),
-                ClientMsg::NoRoom { missing_bytes } => s.no_room(now, id, missing_bytes),
+                ClientMsg::NoRoom { missing_bytes } => s.no_room(now, id, missing_bytes, || {
+                    probe.as_ref().and_then(|p| p.used_bytes(&uuid))
+                }),
                 ClientMsg::Register(_) | ClientMsg::Ping { .. } | ClientMsg::Admit { .. } => {
                     Vec::new()
                 }

@@ -434,3 +434,91 @@ fn a_report_storm_reaches_the_others_at_most_every_interval() {
         room.len()
     );
 }
+
+/// Issue #27, attack 3: a holder that says it finds no room, thousands of times,
+/// made the arbiter count the room it believed free as taken and evict two honest
+/// tenants that fit side by side (24.75 GiB swapped out over 16 s in the attack).
+/// With NVML's count of the GPU's used memory, the claim is checked against the
+/// device: the honest pair swaps nothing and keeps running side by side.
+#[test]
+fn an_honest_pair_that_fits_swaps_nothing_beside_a_holder_that_lies_about_room() {
+    let Some(m) = sim_machine("hs-liar", 4 * GIB) else {
+        return;
+    };
+    let arb = arbiter_on_sim_nvml(&m, &["--tq", "2"]);
+    let uuid = gpu_uuid_string(&m.name, 0);
+    let honest = |tag: &str| {
+        let mut cmd = Command::new(bin("gpuburst"));
+        cmd.args(["--mem", "768MiB", "--bursts", "12", "--gpu-ms", "100"])
+            .args(["--cpu-ms", "100", "--verify", "--name", tag])
+            .env("LD_PRELOAD", bin("libkiwi.so"))
+            .env("KIWI_SOCKET_DIR", arb.socket_dir())
+            .env("KIWI_REQUIRE_ARBITER", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        m.apply(&mut cmd);
+        cmd.spawn().expect("spawn gpuburst")
+    };
+    let (a, b) = (honest("a"), honest("b"));
+    wait_until(
+        "both honest tenants are resident",
+        Duration::from_secs(20),
+        || {
+            arb.status().gpus.iter().any(|g| {
+                g.clients
+                    .iter()
+                    .filter(|c| c.resident_bytes >= 768 * MIB)
+                    .count()
+                    == 2
+            })
+        },
+    );
+
+    // The liar: a pipelined client of 1 GiB, granted beside them, that reports none
+    // of it resident and no room for it, as fast as the rate limit lets it.
+    let mut reg = register_msg(&uuid, m.memory, GIB);
+    reg.pipelined = true;
+    reg.unswappable_bytes = Some(0);
+    let mut liar: Connection<ClientMsg, ArbiterMsg> =
+        Connection::connect(&arb.client_socket()).unwrap();
+    liar.stream()
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    assert!(matches!(
+        liar.call(&ClientMsg::Register(reg)).unwrap(),
+        ArbiterMsg::Registered { .. }
+    ));
+    liar.send(&ClientMsg::Request).unwrap();
+    for i in 0..5_000u64 {
+        liar.send(&ClientMsg::Usage(Usage {
+            working_set_bytes: GIB,
+            resident_bytes: i % 2,
+        }))
+        .unwrap();
+        liar.send(&ClientMsg::NoRoom { missing_bytes: GIB })
+            .unwrap();
+        if i % 500 == 0 {
+            std::thread::sleep(Duration::from_millis(60));
+        }
+    }
+    for (tag, child) in [("a", a), ("b", b)] {
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{tag}: {err}");
+    }
+    let ev = arb.events();
+    let swapped: u64 = ev
+        .iter()
+        .filter_map(|e| match e.kind {
+            EventKind::SwapOut { bytes, .. } => Some(bytes),
+            _ => None,
+        })
+        .sum();
+    let reclaims = ev
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::Reclaim { .. }))
+        .count();
+    assert_eq!(swapped, 0, "the honest pair was swapped out");
+    assert_eq!(reclaims, 0, "reclaims were sent for the liar");
+    drop(liar);
+}
