@@ -122,7 +122,24 @@ pub fn attach(
     socket_dir: &Path,
     rec: &ContainerRecord,
 ) -> Result<(PathBuf, Option<String>), AttachError> {
-    rec.write(socket_dir)?;
+    if let Err(e) = rec.write(socket_dir) {
+        // A hook that is not root (rootless podman's hooks.d) cannot write records
+        // under the node's socket directory: the container gets the node's socket,
+        // as host processes do (capped with its user's other processes).
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
+        let denied = matches!(&e, containers::ContainerError::Io { source, .. }
+            if matches!(source.kind(), std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem));
+        if root || !denied {
+            return Err(e.into());
+        }
+        return Ok((
+            kiwi_config::client_dir(socket_dir),
+            Some(format!(
+                "no socket of its own ({e}); the node's socket is mounted, as for host processes"
+            )),
+        ));
+    }
     let key = containers::key_for(&rec.id)?;
     let dir = containers::container_dir(socket_dir, &key);
     let note = match ask(socket_dir, ControlRequest::AttachContainer { key }) {

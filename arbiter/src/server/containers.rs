@@ -105,6 +105,24 @@ fn start(
         // arbiter missed): serve the new one.
         stop_one(served.remove(key).expect("present"));
     }
+    // Containers deleted without their poststop hook (a runtime that crashed) must
+    // not keep sockets: sweep those whose init is gone before counting.
+    let gone: Vec<String> = served
+        .iter()
+        .filter(|(_, s)| !s.record.is_running())
+        .map(|(k, _)| k.clone())
+        .collect();
+    for k in gone {
+        if let Some(s) = served.remove(&k) {
+            log_line!(
+                "INFO",
+                "container {} is no longer running; its socket removed",
+                s.record.id
+            );
+            stop_one(s);
+        }
+        containers::remove(dir, &k);
+    }
     if served.len() >= MAX_CONTAINERS {
         return Err(error(
             ErrorCode::RateLimited,
