@@ -454,3 +454,87 @@ impl Drop for BusyLoad {
         }
     }
 }
+
+/// Helpers of the tests that drive container engines (docker, containerd's CRI).
+pub mod engines {
+    use std::io::Read;
+    use std::path::{Path, PathBuf};
+    use std::process::{Command, Output, Stdio};
+    use std::time::{Duration, Instant};
+
+    pub fn is_ci() -> bool {
+        std::env::var("CI").is_ok_and(|v| v == "true")
+    }
+
+    pub fn which(tool: &str) -> Option<PathBuf> {
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        std::env::split_paths(&path)
+            .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
+            .map(|d| d.join(tool))
+            .find(|p| p.is_file())
+    }
+
+    /// Runs `cmd` with a deadline, so a wedged daemon fails the test instead of hanging it.
+    pub fn output_within(mut cmd: Command, limit: Duration) -> Output {
+        let shown = format!("{cmd:?}");
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{shown}: {e}"));
+        let drain = |mut r: Box<dyn Read + Send>| {
+            std::thread::spawn(move || {
+                let mut v = Vec::new();
+                let _ = r.read_to_end(&mut v);
+                v
+            })
+        };
+        let out = drain(Box::new(child.stdout.take().unwrap()));
+        let err = drain(Box::new(child.stderr.take().unwrap()));
+        let t0 = Instant::now();
+        let status = loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                break st;
+            }
+            if t0.elapsed() > limit {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{shown} took more than {limit:?}");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        Output {
+            status,
+            stdout: out.join().unwrap(),
+            stderr: err.join().unwrap(),
+        }
+    }
+
+    pub fn text(o: &Output) -> String {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    }
+
+    /// Lazily unmounts every mount point under `dir`, deepest first.
+    pub fn unmount_under(dir: &Path) {
+        let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+            return;
+        };
+        let mut points: Vec<String> = info
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4))
+            .filter(|p| Path::new(p).starts_with(dir))
+            .map(str::to_string)
+            .collect();
+        points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+        for p in points {
+            let c = std::ffi::CString::new(p).unwrap();
+            // SAFETY: a valid C string; MNT_DETACH on a path we own.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+}

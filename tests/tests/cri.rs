@@ -18,12 +18,12 @@
 //! `CI=true` a missing tool (or grpcio) fails, elsewhere the test is skipped.
 //! Everything is torn down on drop, failures included.
 
-use std::io::Read;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kiwi_tests::engines::{is_ci, output_within, text, unmount_under, which};
 use kiwi_tests::{bin, profile_dir, require_tool, wait_until, Arbiter};
 
 const SANDBOX_IMAGE: &str = "docker.io/kiwi-test/sandbox:cri";
@@ -31,87 +31,11 @@ const GPU_IMAGE: &str = "docker.io/kiwi-test/gpuburst:cri";
 /// The namespace the CRI plugin keeps its containers and images in.
 const K8S_NS: &str = "k8s.io";
 
-fn is_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true")
-}
-
-fn which(tool: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
-        .map(|d| d.join(tool))
-        .find(|p| p.is_file())
-}
-
-/// Runs `cmd` with a deadline, so a wedged daemon fails the test instead of hanging it.
-fn output_within(mut cmd: Command, limit: Duration) -> Output {
-    let shown = format!("{cmd:?}");
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("{shown}: {e}"));
-    let drain = |mut r: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut v = Vec::new();
-            let _ = r.read_to_end(&mut v);
-            v
-        })
-    };
-    let out = drain(Box::new(child.stdout.take().unwrap()));
-    let err = drain(Box::new(child.stderr.take().unwrap()));
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        if t0.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{shown} took more than {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    Output {
-        status,
-        stdout: out.join().unwrap(),
-        stderr: err.join().unwrap(),
-    }
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 /// The last `n` lines of a file, for failure messages.
 fn tail(path: &Path, n: usize) -> String {
     let s = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = s.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
-}
-
-/// Lazily unmounts every mount point under `dir`, deepest first.
-fn unmount_under(dir: &Path) {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return;
-    };
-    let mut points: Vec<String> = info
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .filter(|p| Path::new(p).starts_with(dir))
-        .map(str::to_string)
-        .collect();
-    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
-    for p in points {
-        let c = std::ffi::CString::new(p).unwrap();
-        // SAFETY: a valid C string; MNT_DETACH on a path we own.
-        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
-    }
 }
 
 /// Whether `pid` is still running (a zombie is not: it has exited, unreaped).

@@ -61,19 +61,29 @@ fn error(code: ErrorCode, message: String) -> ControlReply {
 
 /// `attach_container`: reads the record and serves its socket (once: attaching a
 /// served container again is answered as done).
-pub(super) fn attach(shared: &Arc<Shared>, key: &str, who: &str) -> ControlReply {
+/// The socket directory, when `key` is a container key (never a path) and this
+/// arbiter serves container sockets.
+fn checked(shared: &Shared, key: &str) -> Result<std::path::PathBuf, ControlReply> {
     let Some(dir) = shared.lock().cfg.socket_dir.clone() else {
-        return error(
+        return Err(error(
             ErrorCode::InvalidArgument,
             "this arbiter serves no container sockets (no socket directory)".into(),
-        );
+        ));
     };
     if containers::key_for(key).ok().as_deref() != Some(key) {
-        return error(
+        return Err(error(
             ErrorCode::InvalidArgument,
             format!("{key:?} is not a container key"),
-        );
+        ));
     }
+    Ok(dir)
+}
+
+pub(super) fn attach(shared: &Arc<Shared>, key: &str, who: &str) -> ControlReply {
+    let dir = match checked(shared, key) {
+        Ok(d) => d,
+        Err(reply) => return reply,
+    };
     let record = match ContainerRecord::read(&containers::record_path(&dir, key)) {
         Ok(r) => r,
         Err(e) => return error(ErrorCode::InvalidArgument, e.to_string()),
@@ -188,18 +198,10 @@ fn stop_one(mut s: Served) {
 /// `detach_container`: stops serving the socket and removes it, its directory and
 /// the record (also when it was never served: the arbiter may have been down).
 pub(super) fn detach(shared: &Arc<Shared>, key: &str, who: &str) -> ControlReply {
-    let Some(dir) = shared.lock().cfg.socket_dir.clone() else {
-        return error(
-            ErrorCode::InvalidArgument,
-            "this arbiter serves no container sockets (no socket directory)".into(),
-        );
+    let dir = match checked(shared, key) {
+        Ok(d) => d,
+        Err(reply) => return reply,
     };
-    if containers::key_for(key).ok().as_deref() != Some(key) {
-        return error(
-            ErrorCode::InvalidArgument,
-            format!("{key:?} is not a container key"),
-        );
-    }
     let was = shared
         .containers
         .lock()
