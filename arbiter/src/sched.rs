@@ -782,8 +782,8 @@ impl GpuScheduler {
     /// client that does not hold the GPU or was dropped: a report that crossed its
     /// drop or revoke is no error.
     ///
-    /// `used`: the GPU's memory in use as the driver counts it (NVML), asked only
-    /// when needed; `None` where it is not known. With it the claim is checked
+    /// `used`: the GPU's memory in use as the driver counts it (NVML; the daemon asks it
+    /// outside its state lock, at most every 100 ms per connection); `None` where it is not known. With it the claim is checked
     /// against the device: what the driver shows free (less [`NO_ROOM_SLACK`]) is
     /// not missing, so nothing is reclaimed for it, and only memory the driver shows
     /// taken beyond what the clients account for (resident and reported

@@ -125,6 +125,9 @@ impl Default for ServerConfig {
 /// more than an honest client ever leaves; at the default connection cap it bounds
 /// unread replies to 256 MiB node-wide.
 const MAX_PENDING_WRITE: usize = 64 << 10;
+/// How often one connection's `no_room` asks NVML for its GPU's used memory; between,
+/// the last answer stands.
+const USED_PROBE_INTERVAL: Duration = Duration::from_millis(100);
 /// Descriptors client connections never take: the control socket's connections
 /// ([`MAX_CONTROL_CONNS`]), the listeners, the metrics server, the runtime's own.
 pub const FD_RESERVE: usize = 64;
@@ -965,7 +968,17 @@ async fn client_connection(
     };
     let limits = shared.limits;
     let mut decoder = FrameDecoder::new();
-    let mut rate = RateLimit::new(shared.lock().cfg.max_msgs_per_sec);
+    let (max_msgs, probe) = {
+        let st = shared.lock();
+        (st.cfg.max_msgs_per_sec, st.cfg.used_memory.clone())
+    };
+    let mut rate = RateLimit::new(max_msgs);
+    // This connection's GPU once registered, and the driver's used memory on it as
+    // last asked (for `no_room`): asked outside the state lock, at most every
+    // USED_PROBE_INTERVAL per connection, so neither a slow NVML nor a flood of
+    // claims holds up anyone else.
+    let mut my_gpu: Option<String> = None;
+    let mut probed: Option<(tokio::time::Instant, Option<u64>)> = None;
     let mut register_by = Some(tokio::time::Instant::now() + limits.register_timeout);
     // When the frame now arriving must be complete; `None` between frames.
     let mut frame_by: Option<tokio::time::Instant> = None;
@@ -1030,13 +1043,25 @@ async fn client_connection(
                         break 'conn;
                     }
                     let registering = matches!(msg, ClientMsg::Register(_));
-                    if !handle_client_msg(&shared, id, host_pid, &origin, &peer, msg) {
+                    let used = match (&msg, &probe, &my_gpu) {
+                        (ClientMsg::NoRoom { .. }, Some(p), Some(g)) => match probed {
+                            Some((at, u)) if at.elapsed() < USED_PROBE_INTERVAL => u,
+                            _ => {
+                                let u = p.used_bytes(g);
+                                probed = Some((tokio::time::Instant::now(), u));
+                                u
+                            }
+                        },
+                        _ => None,
+                    };
+                    if !handle_client_msg(&shared, id, host_pid, &origin, &peer, msg, used) {
                         break 'conn;
                     }
-                    if registering
-                        && shared.lock().clients.get(&id).is_some_and(|c| c.gpu.is_some())
-                    {
-                        register_by = None;
+                    if registering {
+                        my_gpu = shared.lock().clients.get(&id).and_then(|c| c.gpu.clone());
+                        if my_gpu.is_some() {
+                            register_by = None;
+                        }
                     }
                 }
                 // The frame in progress, if any: its deadline starts with its first
@@ -1138,6 +1163,7 @@ fn handle_client_msg(
     origin: &Origin,
     peer: &Peer,
     msg: ClientMsg,
+    used: Option<u64>,
 ) -> bool {
     let now = monotonic_ns();
     let mut st = shared.lock();
@@ -1298,7 +1324,6 @@ fn handle_client_msg(
             (uuid, outs)
         }
         (msg, Some(uuid)) => {
-            let probe = st.cfg.used_memory.clone();
             let Some(g) = st.gpus.get_mut(&uuid) else {
                 return false;
             };
@@ -1315,9 +1340,7 @@ fn handle_client_msg(
                     duration_ns,
                 } => s.swapped(now, id, direction, bytes, duration_ns),
                 ClientMsg::Drained => s.drained(now, id),
-                ClientMsg::NoRoom { missing_bytes } => s.no_room(now, id, missing_bytes, || {
-                    probe.as_ref().and_then(|p| p.used_bytes(&uuid))
-                }),
+                ClientMsg::NoRoom { missing_bytes } => s.no_room(now, id, missing_bytes, || used),
                 ClientMsg::Register(_) | ClientMsg::Ping { .. } | ClientMsg::Admit { .. } => {
                     Vec::new()
                 }

@@ -56,6 +56,19 @@ impl Job {
         Self::ready_with(b, sim, arb, mem, script, seed, &[])
     }
 
+    /// [`Job::ready`] with more environment (the shim's knobs).
+    pub(crate) fn ready_env(
+        b: &Build,
+        sim: &Sim,
+        arb: &ArbiterProc,
+        mem: u64,
+        script: &str,
+        seed: u64,
+        env: &[(&str, &str)],
+    ) -> Result<Job> {
+        Self::start(b, sim, arb, mem, script, seed, &[], env)
+    }
+
     /// [`Job::ready`] with more gpuburst arguments.
     pub(crate) fn ready_with(
         b: &Build,
@@ -65,6 +78,20 @@ impl Job {
         script: &str,
         seed: u64,
         extra: &[&str],
+    ) -> Result<Job> {
+        Self::start(b, sim, arb, mem, script, seed, extra, &[])
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        b: &Build,
+        sim: &Sim,
+        arb: &ArbiterProc,
+        mem: u64,
+        script: &str,
+        seed: u64,
+        extra: &[&str],
+        env: &[(&str, &str)],
     ) -> Result<Job> {
         let stderr = tempfile::NamedTempFile::new()?;
         let mut cmd = Command::new(&b.gpuburst);
@@ -81,6 +108,7 @@ impl Job {
             .env("KIWI_SOCKET_DIR", arb.socket_dir())
             .env("KIWI_REQUIRE_ARBITER", "1")
             .env("KIWI_IDLE_MS", IDLE_MS.to_string())
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(stderr.reopen()?)
@@ -439,6 +467,85 @@ fn measure_handoffs(b: &Build, mem: u64, quick: bool, pcie_gbps: f64) -> Result<
     })
 }
 
+/// Issue #28's case from the H100: a notebook whose working set just grew (1.5 GiB,
+/// nothing pinned for it yet) is dropped about 100 ms later, when another asks. Its
+/// swap-out rate, GB/s, and the pinned device-to-host copy's on the same simulated
+/// machine (measured right before): the swap-out cannot wait for page-locking.
+fn swap_out_after_growth(b: &Build, pageable: bool) -> Result<(f64, f64)> {
+    const GROWN: u64 = 1536 << 20;
+    let sim = Sim::new("growth", 4 << 30);
+    let (d2h, _) = crate::shimbench::pinned_copy_rates(b, &sim)?;
+    // TQ 150 ms: the drop comes 100–150 ms after the other asks.
+    let arb = ArbiterProc::start(0.15, &[])?;
+    let mut a = if pageable {
+        Job::ready(b, &sim, &arb, GROWN, "gpu:1500", 1)?
+    } else {
+        Job::ready_env(
+            b,
+            &sim,
+            &arb,
+            GROWN,
+            "gpu:1500",
+            1,
+            &[("KIWI_SWAP_PAGEABLE", "0")],
+        )?
+    };
+    a.go(monotonic_ns())?;
+    // The other: a protocol-only client that does not fit beside A, asking as soon
+    // as A holds the GPU (pinning ahead starts then, with the pressure).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !crate::shimbench::arbiter_events(&arb)?
+        .iter()
+        .any(|e| matches!(e.kind, EventKind::Grant { .. }))
+    {
+        if Instant::now() > deadline {
+            bail!("A was never granted the GPU");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut c: Connection<ClientMsg, ArbiterMsg> = Connection::connect(&arb.client_socket())?;
+    c.stream().set_read_timeout(Some(Duration::from_secs(60)))?;
+    let reg = Register {
+        version: PROTOCOL_VERSION,
+        pid: std::process::id(),
+        gpu_uuid: kiwi_sim_core::ident::gpu_uuid_string(&sim.name, 0),
+        gpu_total_memory: sim.memory,
+        working_set_bytes: 3 << 30,
+        resident_bytes: 0,
+        container_id: None,
+        pod_name: None,
+        pod_namespace: None,
+        name: Some("kiwi-bench-asker".into()),
+        resume: None,
+        wait_info: false,
+        unswappable_bytes: Some(crate::jobs::COSTS.context_memory),
+        pipelined: false,
+        room_info: false,
+    };
+    match c.call(&ClientMsg::Register(reg))? {
+        ArbiterMsg::Registered { .. } => {}
+        other => bail!("the asker's registration was refused: {other:?}"),
+    }
+    c.send(&ClientMsg::Request)?;
+    while !matches!(c.recv()?, ArbiterMsg::Grant { .. }) {}
+    c.send(&ClientMsg::Release(Usage {
+        working_set_bytes: 3 << 30,
+        resident_bytes: 0,
+    }))?;
+    drop(c);
+    a.finish(Instant::now() + Duration::from_secs(60))?;
+    let out = crate::shimbench::arbiter_events(&arb)?
+        .into_iter()
+        .find_map(|e| match e.kind {
+            EventKind::SwapOut { bytes, duration_ns } if bytes > 0 => {
+                Some(bytes as f64 / duration_ns.max(1) as f64)
+            }
+            _ => None,
+        })
+        .context("A never swapped out")?;
+    Ok((out, d2h))
+}
+
 /// The link rate at which the simulator's own copies (host `memcpy`, on this
 /// machine's cores) stay below the modelled time even with one copy each way at once,
 /// so the hand-off measures Kiwi's pipelining, not the host's memory bandwidth.
@@ -458,6 +565,8 @@ pub fn handoff_swap(quick: bool) -> Result<Vec<Figure>> {
         let bytes = h.mib * (1u64 << 20) as f64;
         (bytes / d2h).max(bytes / h2d) / 1e6
     };
+    let (growth, growth_d2h) = swap_out_after_growth(&b, true)?;
+    let (pin_now, pin_now_d2h) = swap_out_after_growth(&b, false)?;
     let scen = "handoff-swap";
     let pcie = COSTS.pcie_gbps;
     let slow = MODEL_BOUND_PCIE_GBPS;
@@ -471,6 +580,16 @@ pub fn handoff_swap(quick: bool) -> Result<Vec<Figure>> {
         Figure::new(scen, "first_swap_out", h.first_out, "ms")
             .against(h.steady_out, "a later swap-out (median), same notebooks")
             .goal("ratio <= 1.2"),
+        Figure::new(scen, "swap_out_after_growth", growth, "GB/s")
+            .against(
+                growth_d2h,
+                "pinned device-to-host copy, same simulated machine; the notebook grew by 1.5 GiB and was dropped within 150 ms of another asking",
+            )
+            .goal("ratio >= 0.5"),
+        Figure::new(scen, "swap_out_after_growth_pin_now", pin_now, "GB/s").against(
+            pin_now_d2h,
+            "pinned device-to-host copy; the same case with KIWI_SWAP_PAGEABLE=0 (buffers page-locked on the critical path, the old path)",
+        ),
         Figure::new(scen, "handoff_at_newcomer_start", h.first, "ms").against(
             h.steady,
             "a steady hand-off (median); includes the newcomer's first allocation",

@@ -366,6 +366,12 @@ const SEGMENT_BYTES: u64 = 64 << 20;
 
 /// The pinned copy rates (GB/s: device to host, host to device) on `sim` with one
 /// copy each way at once, in two processes, for the same 600 ms.
+/// The pinned copy rates (device-to-host, host-to-device) on `sim`, GB/s, one way
+/// at a time, 256 MiB each.
+pub fn pinned_copy_rates(b: &Build, sim: &Sim) -> Result<(f64, f64)> {
+    two_numbers(&child(&["__copy-bandwidth", "268435456"], b, sim)?)
+}
+
 pub fn duplex_copy_rates(b: &Build, sim: &Sim) -> Result<(f64, f64)> {
     // Time for both to start (a context, 256 MiB of each memory, pinning included).
     let start = crate::procs::monotonic_ns() + 3_000_000_000;

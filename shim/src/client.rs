@@ -112,6 +112,15 @@ pub trait Residency: Send + Sync {
         let _ = (need, budget);
         Ok(0)
     }
+    /// Page-locks in place up to about `budget` bytes of the pageable buffers that
+    /// hold swapped-out contents (a swap-out that found no pinned buffer ready copied
+    /// into plain memory), so their swap-in copies at pinned speed; returns the bytes
+    /// registered (0: none left). Called from the pinning thread, without the
+    /// allocator's lock held while it registers.
+    fn register_swapped(&self, budget: u64) -> Result<u64, CUresult> {
+        let _ = budget;
+        Ok(0)
+    }
     /// Frees the spare pinned buffers (none holds swapped-out contents); returns the
     /// bytes freed.
     fn trim_spare_buffers(&self) -> u64 {
@@ -692,6 +701,8 @@ impl Client {
         } else {
             Self::drain_then_evict(&turn, need, "release", announce);
         }
+        // What went out into pageable buffers is registered in place now.
+        self.wake_pinning();
         stats::RELEASES.fetch_add(1, Ordering::Relaxed);
         if early {
             stats::EARLY_RELEASES.fetch_add(1, Ordering::Relaxed);
@@ -838,6 +849,7 @@ impl Client {
         let turn = st.slots[k].turn.clone();
         if !st.holding(k) {
             Self::drain_then_evict(&turn, need, "a reclaim", false);
+            self.wake_pinning();
         }
         let u = turn.usage();
         turn.send(&ClientMsg::Reclaimed(u));

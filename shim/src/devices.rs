@@ -109,6 +109,15 @@ impl Driver for RealDriver {
     fn host_free(&self, p: *mut u8, size: u64) {
         pinned::free(p, size)
     }
+    fn pageable_alloc(&self, size: u64) -> Option<*mut u8> {
+        pinned::alloc_pageable(size)
+    }
+    fn pageable_free(&self, p: *mut u8, size: u64) {
+        pinned::free_pageable(p, size)
+    }
+    fn host_register(&self, p: *mut u8, size: u64) -> Result<(), CUresult> {
+        pinned::register(p, size)
+    }
     unsafe fn to_host(&self, dst: *mut u8, src: u64, n: u64) -> Result<(), CUresult> {
         call!(cuMemcpyDtoH_v2: fn(*mut c_void, CUdeviceptr, usize)(dst as *mut c_void, src, n as usize))
     }
@@ -683,6 +692,31 @@ impl Residency for DeviceResidency {
             m.evict_live(need, Some(gate.token()))
         })
     }
+    /// Registers outside the allocator's lock, one segment's buffer at a time (a swap-in
+    /// that meets a buffer being registered copies from it as pageable memory; one its
+    /// segment let go meanwhile is freed when the registration ends).
+    fn register_swapped(&self, budget: u64) -> Result<u64, CUresult> {
+        let mut done = 0;
+        while done < budget {
+            let Some((drv, (ptr, cap))) = mem_lock(self.0)
+                .as_mut()
+                .and_then(|m| Some((*m.driver(), m.register_next()?)))
+            else {
+                break;
+            };
+            let r = crate::ffi::inside(|| {
+                let _ctx = AppContext::enter(self.0);
+                let _relaxed = crate::capture::Relaxed::enter();
+                drv.host_register(ptr, cap)
+            });
+            if let Some(m) = mem_lock(self.0).as_mut() {
+                m.finish_register(ptr, r.is_ok());
+            }
+            r?;
+            done += cap;
+        }
+        Ok(done)
+    }
     /// Pins outside the allocator's lock (page-locking runs at a few GB/s): a swap,
     /// an allocation or a release never waits behind it.
     fn prepare_swap_out(&self, need: u64, budget: u64) -> Result<u64, CUresult> {
@@ -903,31 +937,60 @@ mod pinned {
         (size as usize).next_multiple_of(4096)
     }
 
-    pub fn alloc(size: u64) -> Result<*mut u8, CUresult> {
-        let (register, _) = entry_points().ok_or(CUDA_ERROR_NOT_FOUND)?;
-        let len = mapped_len(size);
+    /// A fresh anonymous mapping of whole pages for `size` bytes.
+    fn map(size: u64) -> Option<*mut c_void> {
         // SAFETY: a fresh anonymous private mapping; no existing memory is affected.
         let p = unsafe {
             libc::mmap(
                 null_mut(),
-                len,
+                mapped_len(size),
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
                 -1,
                 0,
             )
         };
-        if p == libc::MAP_FAILED {
-            return Err(CUDA_ERROR_OUT_OF_MEMORY);
-        }
-        // SAFETY: `p` is `len` bytes of this process's memory, mapped above.
-        let r = unsafe { register(p, len, 0) };
-        if r != CUDA_SUCCESS {
+        (p != libc::MAP_FAILED).then_some(p)
+    }
+
+    pub fn alloc(size: u64) -> Result<*mut u8, CUresult> {
+        entry_points().ok_or(CUDA_ERROR_NOT_FOUND)?;
+        let p = map(size).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        if let Err(r) = register(p.cast(), size) {
             // SAFETY: the mapping made above, not registered, used by nobody.
-            unsafe { libc::munmap(p, len) };
+            unsafe { libc::munmap(p, mapped_len(size)) };
             return Err(r);
         }
         Ok(p.cast())
+    }
+
+    /// A pageable buffer (the same mapping, not registered); `None` where the driver
+    /// cannot register it later, or `KIWI_SWAP_PAGEABLE=0` asks for the old path.
+    pub fn alloc_pageable(size: u64) -> Option<*mut u8> {
+        static ON: OnceLock<bool> = OnceLock::new();
+        if !*ON.get_or_init(|| std::env::var("KIWI_SWAP_PAGEABLE").map_or(true, |v| v != "0")) {
+            return None;
+        }
+        entry_points()?;
+        map(size).map(|p| p.cast())
+    }
+
+    pub fn free_pageable(p: *mut u8, size: u64) {
+        // SAFETY: the mapping `alloc_pageable` made for `size` bytes, not registered,
+        // freed once.
+        unsafe { libc::munmap(p.cast(), mapped_len(size)) };
+    }
+
+    /// Registers a mapping `alloc_pageable` made, in place (its contents kept).
+    pub fn register(p: *mut u8, size: u64) -> Result<(), CUresult> {
+        let (register, _) = entry_points().ok_or(CUDA_ERROR_NOT_FOUND)?;
+        // SAFETY: `p` is `mapped_len(size)` bytes of this process's memory, mapped by
+        // `map` and not registered yet.
+        let r = unsafe { register(p.cast(), mapped_len(size), 0) };
+        if r != CUDA_SUCCESS {
+            return Err(r);
+        }
+        Ok(())
     }
 
     pub fn free(p: *mut u8, size: u64) {

@@ -66,8 +66,28 @@ pub trait Driver: Send {
     fn unmap(&self, va: u64, size: u64) -> Result<(), CUresult>;
     /// A page-locked host buffer of `size` bytes, for swap copies.
     fn host_alloc(&self, size: u64) -> Result<*mut u8, CUresult>;
-    /// Frees a buffer [`Driver::host_alloc`] returned for `size` bytes.
+    /// Frees a buffer [`Driver::host_alloc`] returned for `size` bytes, or one
+    /// [`Driver::pageable_alloc`] returned that [`Driver::host_register`] page-locked.
     fn host_free(&self, p: *mut u8, size: u64);
+    /// A pageable host buffer of `size` bytes (plain memory, not page-locked), for a
+    /// swap-out that must not wait for page-locking; `None`: the driver offers no
+    /// such buffer (the swap-out page-locks as before).
+    fn pageable_alloc(&self, size: u64) -> Option<*mut u8> {
+        let _ = size;
+        None
+    }
+    /// Frees a buffer [`Driver::pageable_alloc`] returned for `size` bytes that was
+    /// not registered.
+    fn pageable_free(&self, p: *mut u8, size: u64) {
+        let _ = (p, size);
+    }
+    /// Page-locks, in place, a buffer [`Driver::pageable_alloc`] returned for `size`
+    /// bytes, its contents kept: afterwards it copies at pinned speed and is freed
+    /// with [`Driver::host_free`].
+    fn host_register(&self, p: *mut u8, size: u64) -> Result<(), CUresult> {
+        let _ = (p, size);
+        Err(crate::cuda::CUDA_ERROR_NOT_SUPPORTED)
+    }
     /// Copies `n` bytes of device memory at `src` to the host.
     ///
     /// # Safety
@@ -135,11 +155,30 @@ fn merge_grant(grants: &mut Vec<Grant>, g: Grant) {
     }
 }
 
-/// A pinned host buffer: held by a swapped-out segment (its contents) or spare.
+/// A host buffer: held by a swapped-out segment (its contents) or spare. Spares are
+/// always pinned; a segment's may be pageable (a swap-out that found no pinned buffer
+/// ready), until the pinning thread registers it in place
+/// ([`Memory::register_next`]).
 struct HostBuf {
     ptr: *mut u8,
     /// Bytes allocated (at least the size of the segment it holds).
     cap: u64,
+    /// Page-locked (allocated so, or registered in place).
+    pinned: bool,
+    /// Being registered in place by the pinning thread, outside the allocator's lock:
+    /// it must not be freed until that ends ([`Memory::finish_register`]).
+    registering: bool,
+}
+
+impl HostBuf {
+    fn pinned(ptr: *mut u8, cap: u64) -> Self {
+        Self {
+            ptr,
+            cap,
+            pinned: true,
+            registering: false,
+        }
+    }
 }
 // SAFETY: the buffer is plain memory owned by the allocator (a segment or the spares);
 // only the thread holding the allocator's lock touches it.
@@ -243,8 +282,14 @@ pub struct Memory<D: Driver> {
     /// (none spare), and the time that took: logged at its end (`KIWI_LOG=debug`).
     pinned_now: u64,
     pinning_time: Duration,
-    /// Bytes of every pinned host buffer (held and spare).
+    /// Bytes of every host buffer (held and spare, pinned or pageable).
     host_bytes: u64,
+    /// Bytes of the swap-out under way copied into pageable buffers (none pinned was
+    /// ready), logged at its end.
+    pageable_now: u64,
+    /// Buffers a segment let go while the pinning thread registered them: freed (or
+    /// made spares) when the registration ends.
+    limbo: Vec<HostBuf>,
     /// Allocations shared through IPC ([`crate::ipc`]): base → share.
     shared: HashMap<u64, Shared>,
     /// Bytes of the segments pinned by shared allocations (never evicted; reported
@@ -281,6 +326,8 @@ impl<D: Driver> Memory<D> {
             pinned_now: 0,
             pinning_time: Duration::ZERO,
             host_bytes: 0,
+            pageable_now: 0,
+            limbo: Vec::new(),
             shared: HashMap::new(),
             pinned: 0,
             app_segs: BTreeMap::new(),
@@ -535,7 +582,90 @@ impl<D: Driver> Memory<D> {
         self.host_bytes += size;
         self.pinned_now += size;
         self.pinning_time += t.elapsed();
-        Ok(HostBuf { ptr, cap: size })
+        Ok(HostBuf::pinned(ptr, size))
+    }
+
+    /// A buffer for a swap-out that found no pinned one ready: pageable when the
+    /// driver offers it (a pageable copy runs several times faster than page-locking
+    /// fresh memory: docs/benchmarks.md, `swap_out_after_growth`), registered in
+    /// place later, off the critical path; else pinned now.
+    fn swap_out_buf(&mut self, size: u64) -> Result<HostBuf, CUresult> {
+        match self.drv.pageable_alloc(size) {
+            Some(ptr) => {
+                self.host_bytes += size;
+                self.pageable_now += size;
+                Ok(HostBuf {
+                    ptr,
+                    cap: size,
+                    pinned: false,
+                    registering: false,
+                })
+            }
+            None => self.new_host_buf(size),
+        }
+    }
+
+    /// A buffer no segment holds any more: a pinned one becomes a spare, a pageable
+    /// one is freed (one the pinning thread is registering waits in `limbo`).
+    fn recycle(&mut self, b: HostBuf) {
+        if b.registering {
+            self.limbo.push(b);
+        } else if b.pinned {
+            self.spare.push(b);
+        } else {
+            self.drv.pageable_free(b.ptr, b.cap);
+            self.host_bytes -= b.cap;
+        }
+    }
+
+    /// The next swapped-out segment's pageable buffer to register in place, marked
+    /// as being registered: `(ptr, cap)`. The caller registers it without the
+    /// allocator's lock (page-locking runs at a few GB/s), then calls
+    /// [`Memory::finish_register`].
+    pub fn register_next(&mut self) -> Option<(*mut u8, u64)> {
+        let b = self
+            .segs
+            .iter_mut()
+            .flatten()
+            .filter_map(|s| s.host.as_mut())
+            .find(|b| !b.pinned && !b.registering)?;
+        b.registering = true;
+        Some((b.ptr, b.cap))
+    }
+
+    /// Ends the registration [`Memory::register_next`] started for the buffer at
+    /// `ptr`: pinned when `ok`. A buffer its segment let go meanwhile is now freed,
+    /// or kept as a spare when it got pinned.
+    pub fn finish_register(&mut self, ptr: *mut u8, ok: bool) {
+        let held = self
+            .segs
+            .iter_mut()
+            .flatten()
+            .filter_map(|s| s.host.as_mut())
+            .find(|b| b.ptr == ptr);
+        if let Some(b) = held {
+            b.registering = false;
+            b.pinned = ok;
+            return;
+        }
+        if let Some(k) = self.limbo.iter().position(|b| b.ptr == ptr) {
+            let mut b = self.limbo.swap_remove(k);
+            b.registering = false;
+            b.pinned = ok;
+            self.recycle(b);
+            self.trim_spare();
+        }
+    }
+
+    /// Bytes of swapped-out contents in pageable buffers, not yet registered.
+    pub fn pageable_bytes(&self) -> u64 {
+        self.segs
+            .iter()
+            .flatten()
+            .filter_map(|s| s.host.as_ref())
+            .filter(|b| !b.pinned)
+            .map(|b| b.cap)
+            .sum()
     }
 
     /// Frees spare pinned buffers (largest first) while all pinned buffers together
@@ -703,7 +833,7 @@ impl<D: Driver> Memory<D> {
             self.resident -= s.size;
         }
         if let Some(b) = s.host {
-            self.spare.push(b);
+            self.recycle(b);
         }
         self.working_set -= s.size;
         self.free_slots.push(i);

@@ -20,6 +20,9 @@ pub static RECONNECTS: AtomicU64 = AtomicU64::new(0);
 pub static GPUS: AtomicU64 = AtomicU64::new(0);
 /// Pinned swap buffers allocated ahead of a drop (off the release's critical path).
 pub static PINNED_AHEAD_BYTES: AtomicU64 = AtomicU64::new(0);
+/// Swapped-out contents copied into pageable buffers (no pinned one was ready) and
+/// page-locked in place afterwards by the pinning thread.
+pub static REGISTERED_IN_PLACE_BYTES: AtomicU64 = AtomicU64::new(0);
 
 /// What the exit report reads besides the counters: the gate's submissions so far and
 /// the client's mode.
@@ -33,7 +36,8 @@ pub fn render(submissions: u32, mode: &str) -> String {
     format!(
         "submissions {}\nslow_submits {}\ngrants {}\nreleases {}\nearly_releases {}\n\
          swap_out_bytes {}\nswap_in_bytes {}\nallocs {}\ndlsym_wrapped {}\n\
-         procaddr_wrapped {}\nreconnects {}\ngpus {}\npinned_ahead_bytes {}\nmode {}\n",
+         procaddr_wrapped {}\nreconnects {}\ngpus {}\npinned_ahead_bytes {}\n\
+         registered_in_place_bytes {}\nmode {}\n",
         submissions,
         g(&SLOW_SUBMITS),
         g(&GRANTS),
@@ -47,6 +51,7 @@ pub fn render(submissions: u32, mode: &str) -> String {
         g(&RECONNECTS),
         g(&GPUS),
         g(&PINNED_AHEAD_BYTES),
+        g(&REGISTERED_IN_PLACE_BYTES),
         mode,
     )
 }

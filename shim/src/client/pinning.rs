@@ -84,7 +84,27 @@ impl Client {
             turn.pin_target.load(Ordering::Acquire)
         }
         .min(turn.swap_budget.load(Ordering::Relaxed));
-        if target == 0 || turn.swapping.load(Ordering::Acquire) > 0 {
+        if turn.swapping.load(Ordering::Acquire) > 0 {
+            return false;
+        }
+        // Swapped-out contents in pageable buffers first: the next swap-in wants them
+        // pinned. They are registered whatever the target (they exist already).
+        match turn.res.register_swapped(PIN_STEP) {
+            Ok(0) => {}
+            Ok(n) => {
+                crate::kdebug!(
+                    "GPU {}: registered {n} bytes of swapped-out contents in place",
+                    turn.info.ordinal
+                );
+                stats::REGISTERED_IN_PLACE_BYTES.fetch_add(n, Ordering::Relaxed);
+                return true;
+            }
+            Err(e) => crate::kdebug!(
+                "GPU {}: registering swapped-out contents in place failed with CUDA error {e}",
+                turn.info.ordinal
+            ),
+        }
+        if target == 0 {
             return false;
         }
         let t = Instant::now();

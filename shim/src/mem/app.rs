@@ -97,7 +97,9 @@ impl<D: Driver> Memory<D> {
         }
         self.app_segs.remove(&va);
         let s = self.segs[i].take().expect("live segment");
-        self.spare.extend(s.host);
+        if let Some(b) = s.host {
+            self.recycle(b);
+        }
         self.working_set -= size;
         self.free_slots.push(i);
         self.trim_spare();

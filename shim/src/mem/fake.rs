@@ -41,6 +41,13 @@ pub struct State {
     pub fail_copy: Option<u64>,
     /// Other devices' access per mapping (va → grants); a new mapping has none.
     pub access: BTreeMap<u64, Vec<Grant>>,
+    /// Offer pageable buffers ([`Driver::pageable_alloc`]); off: none, as a driver
+    /// without the path.
+    pub pageable: bool,
+    /// Live pageable buffers not registered (address → length); also in `host`.
+    pub unregistered: BTreeMap<usize, usize>,
+    pub pageable_allocs: u64,
+    pub registrations: u64,
 }
 
 pub struct FakeDriver {
@@ -63,6 +70,17 @@ impl FakeDriver {
                 ..Default::default()
             }),
         }
+    }
+
+    /// With pageable buffers offered, copies at once or queued.
+    pub fn with_pageable(physical_limit: u64, asynchronous: bool) -> Self {
+        let d = Self::new(physical_limit);
+        {
+            let mut st = d.st.borrow_mut();
+            st.pageable = true;
+            st.asynchronous = asynchronous;
+        }
+        d
     }
 
     /// The same with copies queued until `wait_copies`.
@@ -121,6 +139,18 @@ impl FakeDriver {
             ok,
             "copy with a host range outside every live pinned buffer"
         );
+    }
+
+    /// Frees any host buffer (pinned or pageable) this driver allocated.
+    fn host_free_any(&self, p: *mut u8, size: u64) {
+        let mut st = self.st.borrow_mut();
+        assert!(st.pending.is_empty(), "host buffer freed under a copy");
+        let len = st.host.remove(&(p as usize)).expect("double or bad free");
+        assert_eq!(len as u64, size, "freed with another size than allocated");
+        st.host_used -= len as u64;
+        // SAFETY: `p` came from a Box<[u8]> of `len` bytes (host_alloc or
+        // pageable_alloc), freed once.
+        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, len)) });
     }
 
     /// Counts a driver call made while a copy is queued.
@@ -211,14 +241,45 @@ impl Driver for FakeDriver {
         st.host.insert(p as usize, size as usize);
         Ok(p)
     }
-    fn host_free(&self, p: *mut u8, size: u64) {
+    fn pageable_alloc(&self, size: u64) -> Option<*mut u8> {
+        if !self.st.borrow().pageable {
+            return None;
+        }
         let mut st = self.st.borrow_mut();
-        assert!(st.pending.is_empty(), "pinned buffer freed under a copy");
-        let len = st.host.remove(&(p as usize)).expect("double or bad free");
-        assert_eq!(len as u64, size, "freed with another size than allocated");
-        st.host_used -= len as u64;
-        // SAFETY: `p` came from host_alloc's Box<[u8]> of `len` bytes, freed once.
-        drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(p, len)) });
+        st.pageable_allocs += 1;
+        st.host_used += size;
+        let v = vec![0u8; size as usize].into_boxed_slice();
+        let p = Box::into_raw(v) as *mut u8;
+        st.host.insert(p as usize, size as usize);
+        st.unregistered.insert(p as usize, size as usize);
+        Some(p)
+    }
+    fn pageable_free(&self, p: *mut u8, size: u64) {
+        let len = self
+            .st
+            .borrow_mut()
+            .unregistered
+            .remove(&(p as usize))
+            .expect("pageable_free of a buffer that is registered or not pageable");
+        assert_eq!(len as u64, size);
+        self.host_free_any(p, size);
+    }
+    fn host_register(&self, p: *mut u8, size: u64) -> Result<(), CUresult> {
+        let mut st = self.st.borrow_mut();
+        let len = st
+            .unregistered
+            .remove(&(p as usize))
+            .expect("register of a buffer that is not pageable or registered already");
+        assert_eq!(len as u64, size);
+        st.registrations += 1;
+        Ok(())
+    }
+    fn host_free(&self, p: *mut u8, size: u64) {
+        assert!(
+            !self.st.borrow().unregistered.contains_key(&(p as usize)),
+            "host_free of a pageable buffer that was never registered"
+        );
+        self.host_free_any(p, size);
     }
     unsafe fn to_host(&self, dst: *mut u8, src: u64, n: u64) -> Result<(), CUresult> {
         self.check_host(dst as usize, n);

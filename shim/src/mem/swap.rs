@@ -70,7 +70,7 @@ impl<D: Driver> Memory<D> {
                 let s = self.seg(i);
                 let b = s.host.take().expect("checked above");
                 s.pieces = None;
-                self.spare.push(b);
+                self.recycle(b);
                 bytes += pieces.iter().map(|p| p.1).sum::<u64>();
             }
             match mapped_next {
@@ -146,16 +146,19 @@ impl<D: Driver> Memory<D> {
             }
         }
         let spared = bufs.iter().flatten().map(|b| b.cap).sum::<u64>();
-        (self.pinned_now, self.pinning_time) = (0, Duration::ZERO);
+        (self.pinned_now, self.pinning_time, self.pageable_now) = (0, Duration::ZERO, 0);
         let r = self.evict_planned(&victims, &pieces, &mut bufs);
         // Buffers prepared for segments that were not reached.
-        self.spare.extend(bufs.into_iter().flatten());
+        for b in bufs.into_iter().flatten() {
+            self.recycle(b);
+        }
         self.trim_spare();
         crate::kdebug!(
-            "swap-out of {} MiB in {:?}: {} MiB into buffers pinned ahead, {} MiB pinned now in {:?}",
+            "swap-out of {} MiB in {:?}: {} MiB into buffers pinned ahead, {} MiB into pageable buffers (registered later), {} MiB pinned now in {:?}",
             r.as_ref().map_or(0, |b| b >> 20),
             start.elapsed(),
             spared >> 20,
+            self.pageable_now >> 20,
             self.pinned_now >> 20,
             self.pinning_time
         );
@@ -219,7 +222,7 @@ impl<D: Driver> Memory<D> {
     /// is owned by nobody else from now on.
     pub unsafe fn add_spare(&mut self, ptr: *mut u8, cap: u64) {
         self.host_bytes += cap;
-        self.spare.push(HostBuf { ptr, cap });
+        self.spare.push(HostBuf::pinned(ptr, cap));
         self.trim_spare();
     }
 
@@ -281,7 +284,7 @@ impl<D: Driver> Memory<D> {
         let needs_buf = |k: usize| pieces.get(k).is_some_and(|p| !p.is_empty());
         if let (Some(&first), Some(slot @ None)) = (victims.first(), bufs.first_mut()) {
             if needs_buf(0) {
-                *slot = Some(self.new_host_buf(self.size_of(first))?);
+                *slot = Some(self.swap_out_buf(self.size_of(first))?);
             }
         }
         for (k, &i) in victims.iter().enumerate() {
@@ -291,7 +294,11 @@ impl<D: Driver> Memory<D> {
             };
             let buf = bufs[k].take();
             debug_assert_eq!(buf.is_some(), needs_buf(k), "prepared in the previous step");
-            let give_back = |m: &mut Self, buf: Option<HostBuf>| m.spare.extend(buf);
+            let give_back = |m: &mut Self, buf: Option<HostBuf>| {
+                if let Some(b) = buf {
+                    m.recycle(b);
+                }
+            };
             if let Some(b) = &buf {
                 for &(off, len) in &pieces[k] {
                     // SAFETY: the buffer holds at least `size` bytes (the pieces lie
@@ -312,7 +319,7 @@ impl<D: Driver> Memory<D> {
             let mut next_err = None;
             if let Some(slot @ None) = bufs.get_mut(k + 1) {
                 if needs_buf(k + 1) {
-                    match self.new_host_buf(self.size_of(victims[k + 1])) {
+                    match self.swap_out_buf(self.size_of(victims[k + 1])) {
                         Ok(b) => *slot = Some(b),
                         Err(e) => next_err = Some(e),
                     }

@@ -601,3 +601,87 @@ fn shared_allocations_stay_resident_while_pinned() {
     m.free(again).unwrap();
     m.free(private).unwrap();
 }
+
+/// Issue #28, item 1: a swap-out that finds no pinned buffer ready copies into
+/// pageable memory instead of page-locking on the critical path; the pinning thread
+/// registers those buffers in place afterwards (here by hand), so the swap-in copies
+/// from pinned memory and the buffers become spares; every byte comes back.
+#[test]
+fn a_swap_out_without_buffers_ready_goes_into_pageable_memory_registered_later() {
+    for asynchronous in [false, true] {
+        let mut m = Memory::new(FakeDriver::with_pageable(1 << 30, asynchronous)).unwrap();
+        let big = m.alloc(150 << 20).unwrap();
+        let data = pattern(11, 150 << 20);
+        m.driver().poke(big, &data).unwrap();
+        let out = m.evict(u64::MAX).unwrap();
+        assert_eq!(out.bytes, 150 << 20);
+        {
+            let st = m.driver().st.borrow();
+            assert_eq!(st.host_allocs, 0, "nothing page-locked while someone waits");
+            assert_eq!(st.pageable_allocs, 3, "one pageable buffer per segment");
+        }
+        assert_eq!(m.pageable_bytes(), 150 << 20);
+        // The pinning thread's work: one buffer at a time, outside the lock.
+        let mut n = 0;
+        while let Some((p, cap)) = m.register_next() {
+            m.driver().host_register(p, cap).unwrap();
+            m.finish_register(p, true);
+            n += 1;
+        }
+        assert_eq!(n, 3);
+        assert_eq!(m.pageable_bytes(), 0);
+        let back = m.swap_in_all().unwrap();
+        assert_eq!(back.bytes, 150 << 20);
+        assert_eq!(m.driver().peek(big, data.len()).unwrap(), data);
+        // The registered buffers are spares now: the next swap-out uses them.
+        m.evict(u64::MAX).unwrap();
+        let st = m.driver().st.borrow();
+        assert_eq!(
+            (st.host_allocs, st.pageable_allocs),
+            (0, 3),
+            "spares reused"
+        );
+    }
+}
+
+/// A segment swapped in while the pinning thread registers its buffer lets the buffer
+/// go only when the registration ends: a pinned one becomes a spare, one that failed
+/// to register is freed as pageable memory. Swapped in before any registration, a
+/// pageable buffer is freed at once (spares are pinned).
+#[test]
+fn a_buffer_being_registered_outlives_its_segments_swap_in() {
+    for ok in [true, false] {
+        let mut m = Memory::new(FakeDriver::with_pageable(1 << 30, true)).unwrap();
+        let a = m.alloc(64 << 20).unwrap();
+        let data = pattern(5, 64 << 20);
+        m.driver().poke(a, &data).unwrap();
+        m.evict(u64::MAX).unwrap();
+        let (p, cap) = m.register_next().unwrap();
+        // Swapped in meanwhile: its contents come from the (pageable) buffer.
+        m.swap_in_all().unwrap();
+        assert_eq!(m.driver().peek(a, data.len()).unwrap(), data);
+        assert_eq!(
+            m.host_buffer_bytes(),
+            64 << 20,
+            "not freed under registration"
+        );
+        if ok {
+            m.driver().host_register(p, cap).unwrap();
+        }
+        m.finish_register(p, ok);
+        let st = m.driver().st.borrow();
+        if ok {
+            assert_eq!(st.host.len(), 1, "kept as a spare");
+        } else {
+            assert!(st.host.is_empty(), "freed");
+        }
+    }
+    // No registration at all: freed at the swap-in.
+    let mut m = Memory::new(FakeDriver::with_pageable(1 << 30, false)).unwrap();
+    let a = m.alloc(64 << 20).unwrap();
+    m.driver().poke(a, &pattern(1, 64 << 20)).unwrap();
+    m.evict(u64::MAX).unwrap();
+    m.swap_in_all().unwrap();
+    assert!(m.driver().st.borrow().host.is_empty());
+    assert_eq!(m.host_buffer_bytes(), 0);
+}
