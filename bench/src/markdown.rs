@@ -150,7 +150,13 @@ const NOTES: &[&str] = &[
      link, not the host, sets the pace. `steady_handoff_vs_duplex` measures that \
      sharing in the same run (two processes copying one way each for the same 600 ms) \
      and gives the time the hand-off's bytes take at those rates: the most a pipelined \
-     hand-off can overlap on this host.",
+     hand-off can overlap on this host. `swap_out_after_growth` is the H100's case of \
+     issue #28: a notebook's working set grew by 1.5 GiB (nothing pinned for it yet) \
+     and it is dropped within 150 ms of another asking (TQ 150 ms); its swap-out rate \
+     against the pinned copy on the same simulated machine. Buffers not pinned in time \
+     go out by the pageable copy and are registered in place afterwards \
+     (`docs/shim.md`); `_pin_now` is the same case with `KIWI_SWAP_PAGEABLE=0`, the \
+     old path that page-locked them on the critical path.",
     "**live-bytes**: two JAX-like notebooks (gpuburst `--prealloc 0.75`: one allocation \
      of 75% of the free memory they are told about, 205 MiB of it used) on a 4 GiB GPU \
      take turns in short bursts with idle pauses. With the hint (`--discard` answers the \
