@@ -259,7 +259,7 @@ fn demo_replays_the_seed_story_on_a_busy_machine() {
     let b_asks = t2 - t0;
     assert!(
         b_asks.abs_diff(TQ_NS * 5 / 6) <= 100 * MS,
-        "B asked {:.0} ms after T0; the script says {:.0} ms",
+        "B asked {:.0} ms after T0; the script says {:.0} ms\n{log}",
         ms(b_asks),
         ms(TQ_NS * 5 / 6)
     );
