@@ -11,8 +11,8 @@ use std::sync::{Mutex, MutexGuard};
 use crate::client;
 use crate::cuda::*;
 use crate::devices::{
-    current_device, current_mem_device, free_memory, mem_lock, seen_devices, with_owner,
-    FREE_STREAM,
+    current_context, current_device, current_mem_device, free_memory, mem_lock, seen_devices,
+    with_owner, FREE_STREAM,
 };
 use crate::real::call_real as call;
 use crate::real::original_of;
@@ -120,6 +120,104 @@ fn modules() -> MutexGuard<'static, std::collections::BTreeMap<usize, (usize, u6
     MODULES.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// This process's free memory and its own allocator's resident bytes on device `d`,
+/// read together under the allocator's lock: around a call, the drop in the first
+/// less the growth of the second is what the call took (a swap of its own never
+/// counts).
+fn free_and_own(d: usize) -> Option<(u64, u64)> {
+    let guard = mem_lock(d);
+    let own = guard.as_ref().map_or(0, |m| m.figures().resident);
+    free_memory().map(|f| (f, own))
+}
+
+/// The device memory the call between two [`free_and_own`] snapshots took (negative:
+/// gave back).
+fn took_between(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> i128 {
+    match (before, after) {
+        (Some((free0, own0)), Some((free1, own1))) => {
+            i128::from(free0) - i128::from(free1) - (i128::from(own1) - i128::from(own0))
+        }
+        _ => 0,
+    }
+}
+
+/// Bytes each context's limits were counted, by (context, `CUlimit`): a later value
+/// replaces the earlier one's count.
+static LIMITS: Mutex<std::collections::BTreeMap<(usize, c_int), u64>> =
+    Mutex::new(std::collections::BTreeMap::new());
+
+/// `CU_LIMIT_STACK_SIZE`: bytes per resident thread.
+const CU_LIMIT_STACK_SIZE: c_int = 0;
+
+/// The device memory `value` of `limit` may take, to ask room for: a stack size is
+/// per resident thread (SMs × threads per SM, as the device reports them); the FIFO
+/// and heap sizes are bytes.
+fn limit_estimate(limit: c_int, value: usize) -> u64 {
+    if limit != CU_LIMIT_STACK_SIZE {
+        return value as u64;
+    }
+    let mut dev: CUdevice = 0;
+    let (mut sms, mut threads): (c_int, c_int) = (0, 0);
+    if call!(cuCtxGetDevice: fn(*mut CUdevice)(&mut dev)).is_ok() {
+        // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, _MAX_THREADS_PER_MULTIPROCESSOR.
+        let _ = call!(cuDeviceGetAttribute: fn(*mut c_int, c_int, CUdevice)(&mut sms, 16, dev));
+        let _ = call!(cuDeviceGetAttribute: fn(*mut c_int, c_int, CUdevice)(&mut threads, 39, dev));
+    }
+    (value as u64)
+        .saturating_mul(sms.max(1) as u64)
+        .saturating_mul(threads.max(1) as u64)
+}
+
+/// `cuCtxSetLimit`: a stack, printf FIFO or malloc heap size takes device memory the
+/// driver reserves at once (out of memory when it does not fit). That memory is
+/// counted as this process's memory no swap frees, replacing the count of the
+/// limit's earlier value; an out of memory because others' memory is resident
+/// waits for room as a module load does ([`room::retry_with_room`]).
+///
+/// # Safety
+/// `real` is the driver's original of this entry point.
+pub unsafe fn ctx_set_limit(
+    real: Real<unsafe extern "C" fn(c_int, usize) -> CUresult>,
+    limit: c_int,
+    value: usize,
+) -> CUresult {
+    let target = current_mem_device()
+        .and_then(|d| client::global().and_then(|c| c.turn_for(d)).map(|t| (d, t)));
+    let Some((d, turn)) = target else {
+        // SAFETY: forwarding the caller's arguments.
+        return unsafe { real(limit, value) };
+    };
+    let mut before = free_and_own(d);
+    // SAFETY: forwarding the caller's arguments.
+    let mut r = unsafe { real(limit, value) };
+    if r == CUDA_ERROR_OUT_OF_MEMORY {
+        let need = limit_estimate(limit, value);
+        r = room::retry_with_room(d, need, "a context limit", r, || {
+            before = free_and_own(d);
+            // SAFETY: as above.
+            unsafe { real(limit, value) }
+        });
+    }
+    if r != CUDA_SUCCESS {
+        return r;
+    }
+    let took = took_between(before, free_and_own(d));
+    let key = (current_context() as usize, limit);
+    let mut counted = LIMITS.lock().unwrap_or_else(|p| p.into_inner());
+    let old = counted.get(&key).copied().unwrap_or(0);
+    let new = u64::try_from((i128::from(old) + took).max(0)).unwrap_or(0);
+    if new != old {
+        crate::kdebug!("GPU {d}: limit {limit} = {value} takes {new} bytes of device memory");
+        turn.add_context_bytes(new as i64 - old as i64);
+    }
+    if new == 0 {
+        counted.remove(&key);
+    } else {
+        counted.insert(key, new);
+    }
+    r
+}
+
 /// Runs `load`, a module or library load into the calling thread's current context
 /// that writes its handle through `handle`, and counts the device memory it took as
 /// the process's memory no swap frees on that GPU (reported to the arbiter with the
@@ -133,11 +231,7 @@ fn counted_load(handle: *mut *mut c_void, mut load: impl FnMut() -> CUresult) ->
     let Some((d, turn)) = target else {
         return load();
     };
-    let snapshot = || {
-        let guard = mem_lock(d);
-        let own = guard.as_ref().map_or(0, |m| m.figures().resident);
-        free_memory().map(|f| (f, own))
-    };
+    let snapshot = || free_and_own(d);
     let mut before = snapshot();
     let mut r = load();
     if r == CUDA_ERROR_OUT_OF_MEMORY {
@@ -153,14 +247,7 @@ fn counted_load(handle: *mut *mut c_void, mut load: impl FnMut() -> CUresult) ->
     }
     // SAFETY: the driver just wrote the handle through the caller's pointer.
     let h = unsafe { *handle } as usize;
-    let bytes = match (before, snapshot()) {
-        (Some((free0, own0)), Some((free1, own1))) => {
-            let took =
-                i128::from(free0) - i128::from(free1) - (i128::from(own1) - i128::from(own0));
-            u64::try_from(took.max(0)).unwrap_or(0)
-        }
-        _ => 0,
-    };
+    let bytes = u64::try_from(took_between(before, snapshot()).max(0)).unwrap_or(0);
     if bytes > 0 {
         crate::kdebug!("GPU {d}: a module load took {bytes} bytes of device memory");
         turn.add_context_bytes(bytes as i64);

@@ -104,6 +104,9 @@ macro_rules! for_each_export {
             /// A multicast object maps the memory: resident for good (`appvmm.rs`); runs no work.
             hook cuMulticastBindMem(mc: CUmemGenericAllocationHandle, mc_offset: usize, handle: CUmemGenericAllocationHandle, offset: usize, size: usize, flags: u64) => appvmm::multicast_bind_mem;
 
+            // --- a context's limits: the memory they take is counted as memory no swap frees
+            hook cuCtxSetLimit(limit: c_int, value: usize) => hooks::ctx_set_limit;
+
             // --- modules: their device memory is counted as memory no swap frees
             hook cuModuleLoad(module: *mut *mut c_void, fname: *const c_char) => hooks::module_load;
             hook cuModuleLoadData(module: *mut *mut c_void, image: *const c_void) => hooks::module_load_data;
@@ -140,6 +143,8 @@ macro_rules! for_each_export {
             pass cuDeviceGetUuid_v2(uuid: *mut CUuuid, dev: CUdevice);
             /// Reads a device's memory size; runs no work.
             pass cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice);
+            /// Reads a device attribute (the SMs and threads a stack limit is sized for); runs no work.
+            pass cuDeviceGetAttribute(value: *mut c_int, attrib: c_int, dev: CUdevice);
             /// The application's own VMM (PyTorch expandable segments, NCCL): reserves addresses, runs no work.
             pass cuMemAddressReserve(ptr: *mut CUdeviceptr, size: usize, align: usize, addr: CUdeviceptr, flags: u64);
             /// The application's own VMM: frees an address range, runs no work.

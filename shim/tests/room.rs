@@ -131,3 +131,56 @@ fn what_could_never_fit_fails_at_once() {
     );
     assert!(took < Duration::from_secs(30), "took {took:?}");
 }
+
+/// A stack size raised with `cuCtxSetLimit` (the driver reserves it for every
+/// resident thread: 3451 bytes on the simulated 108 × 2048 threads take 512 MiB more
+/// than the default) beside the tenant, once the newcomer's context got its room:
+/// the driver's out of memory, until the shim waited for room as for a module.
+#[test]
+fn a_context_limit_gets_room_beside_an_idle_tenant() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = compile("set_limit", dir.path()) else {
+        return;
+    };
+    let mut c = Command::new(&exe);
+    c.arg("3451");
+    let o = beside_idle_tenant(&mut c, "room-limit");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("LIMIT 3451") && out.contains("OK"),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("room made for a context limit"),
+        "{}",
+        text(&o)
+    );
+}
+
+/// A stack size no GPU of this size could hold (64 KiB per thread: 13.5 GiB) fails
+/// with the driver's out of memory at once, as it would alone.
+#[test]
+fn a_context_limit_that_could_never_fit_fails_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = compile("set_limit", dir.path()) else {
+        return;
+    };
+    let mut c = Command::new(&exe);
+    c.arg("65536");
+    let t = Instant::now();
+    let o = beside_idle_tenant(&mut c, "room-limit-never");
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        out.contains("cuCtxSetLimit") && out.contains("CUDA_ERROR_OUT_OF_MEMORY"),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        t.elapsed()
+    );
+}

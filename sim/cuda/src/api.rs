@@ -250,6 +250,7 @@ fn primary_reset(dev: CUdevice) -> Result<(), CUresult> {
         c.sticky.store(CUDA_SUCCESS, Ordering::Release);
         // The reset context gives its memory back until it is activated again
         // (the next retain, or the runtime's lookup).
+        c.release_limits();
         d.uncharge_context(g, &c.charged);
     }
     Ok(())
@@ -326,6 +327,7 @@ pub(crate) fn cuCtxDestroy_v2(ctx: CUcontext) -> Result<(), CUresult> {
         .retain(|_, s| !Arc::ptr_eq(&s.ctx, &c));
     c.shut_down();
     d.mem.free_owned_by(ctx as usize);
+    c.release_limits();
     d.uncharge_context(c.device, &c.charged);
     driver::forget_current(ctx as usize);
     Ok(())

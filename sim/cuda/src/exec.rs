@@ -226,6 +226,23 @@ const LIMITS: usize = 10;
 /// shared memory of a CIG context (not one: 0), CIG off, CIG fallback on.
 const LIMIT_DEFAULTS: [u64; LIMITS] = [1024, 1 << 20, 8 << 20, 2, 2048, 64, 0, 0, 0, 1];
 
+/// Threads resident at once, as `cuDeviceGetAttribute` reports the simulated device
+/// (108 SMs × 2048 threads): the driver sizes the stack for each.
+const RESIDENT_THREADS: u64 = 108 * 2048;
+
+/// Device memory a limit's value takes beyond its default (which the context's own
+/// memory covers): the stack per resident thread (`STACK_SIZE`), the printf FIFO and
+/// the malloc heap (`PRINTF_FIFO_SIZE`, `MALLOC_HEAP_SIZE`), as the driver reserves
+/// them when the limit is set; the other limits take none.
+fn limit_bytes(limit: u32, value: u64) -> u64 {
+    let over = value.saturating_sub(LIMIT_DEFAULTS.get(limit as usize).copied().unwrap_or(0));
+    match limit {
+        0 => over.saturating_mul(RESIDENT_THREADS),
+        1 | 2 => over,
+        _ => 0,
+    }
+}
+
 /// Destructor of a context-local storage entry: (context, key, value).
 pub type ClsDestructor = extern "C" fn(CUcontext, *mut c_void, *mut c_void);
 
@@ -489,8 +506,36 @@ impl Context {
             5 | 7 | 8 => return Err(CUDA_ERROR_INVALID_VALUE),
             _ => return Err(CUDA_ERROR_UNSUPPORTED_LIMIT),
         }
-        self.limits.lock().unwrap_or_else(|e| e.into_inner())[limit as usize] = value;
+        let mut limits = self.limits.lock().unwrap_or_else(|e| e.into_inner());
+        // The device memory the new value takes, as the driver sizes it at once: the
+        // call fails with out of memory, the old value kept, when it does not fit.
+        let (old, new) = (
+            limit_bytes(limit, limits[limit as usize]),
+            limit_bytes(limit, value),
+        );
+        if new > old {
+            self.driver
+                .machine
+                .reserve(self.device, new - old)
+                .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        } else if old > new {
+            self.driver.machine.release(self.device, old - new);
+        }
+        limits[limit as usize] = value;
         Ok(())
+    }
+
+    /// Gives back the device memory the limits took and restores the defaults (a
+    /// destroyed context, a reset primary context).
+    pub fn release_limits(&self) {
+        let mut limits = self.limits.lock().unwrap_or_else(|e| e.into_inner());
+        let taken: u64 = (0..LIMITS as u32)
+            .map(|l| limit_bytes(l, limits[l as usize]))
+            .sum();
+        if taken > 0 {
+            self.driver.machine.release(self.device, taken);
+        }
+        *limits = LIMIT_DEFAULTS;
     }
 
     /// Empties the context-local storage, calling each entry's destructor (outside

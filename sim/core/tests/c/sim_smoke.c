@@ -310,9 +310,22 @@ int main(void) {
         CHECK(cuModuleGetLoadingMode(&lm));
         ASSERT(lm == CU_MODULE_LAZY_LOADING);
         size_t lim = 0;
-        CHECK(cuCtxSetLimit(CU_LIMIT_STACK_SIZE, 4096));
+        /* The stack is reserved for every resident thread when the limit is set
+         * (108 SMs x 2048 threads): 64 bytes more each is 13.5 MiB; 1 MiB each does
+         * not fit, is refused with out of memory and leaves the old value. */
+        size_t free0 = 0, free1 = 0, total = 0;
+        CHECK(cuMemGetInfo(&free0, &total));
+        CHECK(cuCtxSetLimit(CU_LIMIT_STACK_SIZE, 1088));
         CHECK(cuCtxGetLimit(&lim, CU_LIMIT_STACK_SIZE));
-        ASSERT(lim == 4096);
+        ASSERT(lim == 1088);
+        CHECK(cuMemGetInfo(&free1, &total));
+        ASSERT(free0 - free1 == (size_t)64 * 108 * 2048);
+        EXPECT(cuCtxSetLimit(CU_LIMIT_STACK_SIZE, 1 << 20), CUDA_ERROR_OUT_OF_MEMORY);
+        CHECK(cuCtxGetLimit(&lim, CU_LIMIT_STACK_SIZE));
+        ASSERT(lim == 1088);
+        CHECK(cuCtxSetLimit(CU_LIMIT_STACK_SIZE, 1024));
+        CHECK(cuMemGetInfo(&free1, &total));
+        ASSERT(free1 == free0);
         EXPECT(cuCtxSetLimit(CU_LIMIT_MAX, 1), CUDA_ERROR_UNSUPPORTED_LIMIT);
     }
 
