@@ -91,6 +91,16 @@ impl Kept {
             .find(|t| (from..=to).contains(t))
     }
 
+    /// When `client`'s last release in `[from, to]` reached the arbiter, if any.
+    fn released_at(&self, client: u64, from: u64, to: u64) -> Option<u64> {
+        self.events
+            .iter()
+            .filter(|e| e["client"].as_u64() == Some(client) && e["kind"]["event"] == "release")
+            .map(|e| e["t_ns"].as_u64().unwrap())
+            .filter(|t| (from..=to).contains(t))
+            .max()
+    }
+
     /// The event log, one line per event, for failure messages.
     fn summary(&self) -> String {
         let t0 = self
@@ -255,13 +265,21 @@ fn demo_replays_the_seed_story_on_a_busy_machine() {
         ms(b_in - t3),
         ms(b_release_out)
     );
-    // B asks at T2 = T0 + 5/6 TQ, as its script says (±100 ms).
-    let b_asks = t2 - t0;
+    // B asks at T2 = T0 + 5/6 TQ, as its script says (±100 ms); unless it was still
+    // giving the GPU back then (idle, it released early when A asked, and on a loaded
+    // machine that swap-out ran 870 ms once, past its script's time): it asks as
+    // its release ends.
+    let script_ask = t0 + TQ_NS * 5 / 6;
+    let due = match kept.released_at(b, t0, t2) {
+        Some(r) if r + 100 * MS >= script_ask => r.max(script_ask),
+        _ => script_ask,
+    };
     assert!(
-        b_asks.abs_diff(TQ_NS * 5 / 6) <= 100 * MS,
-        "B asked {:.0} ms after T0; the script says {:.0} ms\n{log}",
-        ms(b_asks),
-        ms(TQ_NS * 5 / 6)
+        t2.abs_diff(due) <= 100 * MS,
+        "B asked {:.0} ms after T0; the script says {:.0} ms, its release allowed {:.0} ms\n{log}",
+        ms(t2 - t0),
+        ms(TQ_NS * 5 / 6),
+        ms(due - t0)
     );
     // A asks at T0 + TQ/2 and is granted at once: B, idle since it got ready, gives
     // the GPU back without waiting to be asked twice; A waits for B's swap-out at most.
