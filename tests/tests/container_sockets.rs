@@ -204,7 +204,14 @@ fn a_deleted_containers_socket_goes_and_a_restarted_arbiter_serves_running_ones(
     brief.wait().unwrap();
 
     arb.restart_hard();
-    // Served again: its clients reconnect to the same path.
+    // Served again: its clients reconnect to the same path (once the new arbiter
+    // listens there; until then the killed one's socket file refuses, and a shim
+    // keeps trying).
+    kiwi_tests::wait_until(
+        "the restarted arbiter serves the running container's socket",
+        Duration::from_secs(10),
+        || std::os::unix::net::UnixStream::connect(&running).is_ok(),
+    );
     let _r = Client::register(&running, register_msg("GPU-r", 4 * GIB, MIB));
     // The stopped container's record, socket and directory are gone.
     assert!(!containers::record_path(&dir, "ctr-gone").exists());
@@ -248,4 +255,31 @@ fn a_deleted_containers_socket_goes_and_a_restarted_arbiter_serves_running_ones(
         other => panic!("{other:?}"),
     }
     assert!(arb.status().gpus.iter().any(|g| g.uuid == "GPU-r"));
+}
+
+/// A container id used again (a delete the arbiter missed, then a new container of
+/// the same id): attaching its new record serves it at once, labelled anew.
+#[test]
+fn a_container_attached_again_with_a_new_record_is_served_anew() {
+    let arb = Arbiter::start(&[]);
+    let me = std::process::id();
+    let first = attach_ok(
+        &arb,
+        &container_record("ctr-again", me, &["GPU-x"], Some(("team-a", "old"))),
+    );
+    let again = attach_ok(
+        &arb,
+        &container_record("ctr-again", me, &["GPU-y"], Some(("team-b", "new"))),
+    );
+    assert_eq!(first, again);
+    let _c = Client::register(&again, register_msg("GPU-y", 4 * GIB, MIB));
+    let st = arb.status();
+    let g = st.gpus.iter().find(|g| g.uuid == "GPU-y").unwrap();
+    assert_eq!(g.clients[0].pod_name.as_deref(), Some("new"));
+    assert_eq!(g.clients[0].pod_namespace.as_deref(), Some("team-b"));
+    // The old record's GPU is no longer this container's.
+    match try_register(&again, "GPU-x") {
+        ArbiterMsg::Error { code, .. } => assert_eq!(code, ErrorCode::UnknownGpu),
+        other => panic!("{other:?}"),
+    }
 }

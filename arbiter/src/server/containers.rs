@@ -112,8 +112,11 @@ fn start(
             return Ok(format!("container {} is served already", record.id));
         }
         // The same key, a new record (a container id reused after a delete the
-        // arbiter missed): serve the new one.
+        // arbiter missed): serve the new one. The old listener may still be open
+        // until its loop sees the stop: its path goes now, so the bind below does
+        // not take it for a live arbiter's.
         stop_one(served.remove(key).expect("present"));
+        let _ = std::fs::remove_file(containers::container_socket(dir, key));
     }
     // Containers deleted without their poststop hook (a runtime that crashed) must
     // not keep sockets: sweep those whose init is gone before counting.
