@@ -154,9 +154,9 @@ const NOTES: &[&str] = &[
      issue #28: a notebook's working set grew by 1.5 GiB (nothing pinned for it yet) \
      and it is dropped within 150 ms of another asking (TQ 150 ms); its swap-out rate \
      against the pinned copy on the same simulated machine. Buffers not pinned in time \
-     go out by the pageable copy and are registered in place afterwards \
-     (`docs/shim.md`); `_pin_now` is the same case with `KIWI_SWAP_PAGEABLE=0`, the \
-     old path that page-locked them on the critical path.",
+     go out by the pageable copy and are registered in place afterwards with \
+     `KIWI_SWAP_PAGEABLE=1` (`docs/shim.md`); `_pin_now` is the same case with the \
+     default, which page-locks them on the critical path.",
     "**live-bytes**: two JAX-like notebooks (gpuburst `--prealloc 0.75`: one allocation \
      of 75% of the free memory they are told about, 205 MiB of it used) on a 4 GiB GPU \
      take turns in short bursts with idle pauses. With the hint (`--discard` answers the \

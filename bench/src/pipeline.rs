@@ -477,19 +477,16 @@ fn swap_out_after_growth(b: &Build, pageable: bool) -> Result<(f64, f64)> {
     let (d2h, _) = crate::shimbench::pinned_copy_rates(b, &sim)?;
     // TQ 150 ms: the drop comes 100–150 ms after the other asks.
     let arb = ArbiterProc::start(0.15, &[])?;
-    let mut a = if pageable {
-        Job::ready(b, &sim, &arb, GROWN, "gpu:1500", 1)?
-    } else {
-        Job::ready_env(
-            b,
-            &sim,
-            &arb,
-            GROWN,
-            "gpu:1500",
-            1,
-            &[("KIWI_SWAP_PAGEABLE", "0")],
-        )?
-    };
+    let knob = if pageable { "1" } else { "0" };
+    let mut a = Job::ready_env(
+        b,
+        &sim,
+        &arb,
+        GROWN,
+        "gpu:1500",
+        1,
+        &[("KIWI_SWAP_PAGEABLE", knob)],
+    )?;
     a.go(monotonic_ns())?;
     // The other: a protocol-only client that does not fit beside A, asking as soon
     // as A holds the GPU (pinning ahead starts then, with the pressure).
@@ -583,12 +580,12 @@ pub fn handoff_swap(quick: bool) -> Result<Vec<Figure>> {
         Figure::new(scen, "swap_out_after_growth", growth, "GB/s")
             .against(
                 growth_d2h,
-                "pinned device-to-host copy, same simulated machine; the notebook grew by 1.5 GiB and was dropped within 150 ms of another asking",
+                "pinned device-to-host copy, same simulated machine; the notebook grew by 1.5 GiB and was dropped within 150 ms of another asking; KIWI_SWAP_PAGEABLE=1",
             )
             .goal("ratio >= 0.5"),
         Figure::new(scen, "swap_out_after_growth_pin_now", pin_now, "GB/s").against(
             pin_now_d2h,
-            "pinned device-to-host copy; the same case with KIWI_SWAP_PAGEABLE=0 (buffers page-locked on the critical path, the old path)",
+            "pinned device-to-host copy; the same case with KIWI_SWAP_PAGEABLE=0 (buffers page-locked on the critical path, the default)",
         ),
         Figure::new(scen, "handoff_at_newcomer_start", h.first, "ms").against(
             h.steady,

@@ -26,7 +26,7 @@
 //! | `KIWI_IPC_TIMEOUT_MS` | how long `cuIpcOpenMemHandle` waits for the exporter (default 30000) |
 //! | `KIWI_STATS` | file the shim writes its counters to at exit |
 //! | `KIWI_HINT_WAIT_MS` | how long a swap-out waits for the application to say which memory is dead (default 10) |
-//! | `KIWI_SWAP_PAGEABLE` | `0`: a swap-out that finds no pinned buffer ready page-locks one on its critical path, as before 2026-11 (default `1`: copies into pageable memory, registered in place afterwards) |
+//! | `KIWI_SWAP_PAGEABLE` | `1`: a swap-out that finds no pinned buffer ready copies into pageable memory, registered in place afterwards (default `0`: it page-locks one on its critical path; see `docs/shim.md`) |
 //! | `KIWI_POD_NAME`, `KIWI_POD_NAMESPACE`, `KIWI_CONTAINER_ID` | shown by `kiwictl status` |
 
 pub mod appvmm;
