@@ -70,6 +70,18 @@ pub struct SimConfig {
     /// `CUDA_ERROR_OUT_OF_MEMORY`, as when other processes' memory fills the GPU. Per
     /// process; unset or 0: never.
     pub fail_memcreate_every: u64,
+    /// `KIWI_SIM_CHECKPOINT=0`: this process's driver has no checkpoint API (every
+    /// `cuCheckpointProcess*` call is `CUDA_ERROR_NOT_SUPPORTED`, as a driver older
+    /// than 570). Default on.
+    pub checkpoint: bool,
+    /// `KIWI_SIM_CHECKPOINT_MS` / `KIWI_SIM_CHECKPOINT_GBPS`: what a checkpoint of
+    /// this process costs, a fixed part plus its device memory at a rate; likewise
+    /// `KIWI_SIM_RESTORE_MS` / `KIWI_SIM_RESTORE_GBPS` for a restore. Defaults
+    /// [`DEFAULT_CHECKPOINT_MS`] and the rest; 0 turns a part off.
+    pub checkpoint_ms: f64,
+    pub checkpoint_gbps: f64,
+    pub restore_ms: f64,
+    pub restore_gbps: f64,
 }
 
 /// Device memory a context costs on a real GPU, never the application's to free or
@@ -112,6 +124,15 @@ pub const DEFAULT_PAGEABLE_D2H_GBPS: f64 = 12.5;
 /// 1 GiB with the context). Not measured here (no GPU).
 pub const DEFAULT_MODULE_MEMORY: u64 = 2 << 20;
 
+/// What a checkpoint and a restore of a process cost: fitted to the two figures
+/// gpusched published for an H100 PCIe (1.4 GB frozen in 609 ms and thawed in 427 ms,
+/// 3.6 GB in 1.32 s and 0.83 s; see `docs/checkpoint.md`): a checkpoint 156 ms plus
+/// 3.1 GB/s, a restore 171 ms plus 5.5 GB/s. Not measured here (no GPU).
+pub const DEFAULT_CHECKPOINT_MS: f64 = 156.0;
+pub const DEFAULT_CHECKPOINT_GBPS: f64 = 3.1;
+pub const DEFAULT_RESTORE_MS: f64 = 171.0;
+pub const DEFAULT_RESTORE_GBPS: f64 = 5.5;
+
 impl Default for SimConfig {
     fn default() -> Self {
         SimConfig {
@@ -130,6 +151,11 @@ impl Default for SimConfig {
             fail_sync: None,
             module_memory: DEFAULT_MODULE_MEMORY,
             fail_memcreate_every: 0,
+            checkpoint: true,
+            checkpoint_ms: DEFAULT_CHECKPOINT_MS,
+            checkpoint_gbps: DEFAULT_CHECKPOINT_GBPS,
+            restore_ms: DEFAULT_RESTORE_MS,
+            restore_gbps: DEFAULT_RESTORE_GBPS,
         }
     }
 }
@@ -212,6 +238,13 @@ impl SimConfig {
                 .parse()
                 .map_err(|_| bad("KIWI_SIM_FAIL_MEMCREATE", &v, "not a whole number".into()))?;
         }
+        if let Some(v) = get("KIWI_SIM_CHECKPOINT") {
+            c.checkpoint = match v.trim() {
+                "1" | "" => true,
+                "0" => false,
+                _ => return Err(bad("KIWI_SIM_CHECKPOINT", &v, "must be 0 or 1".into())),
+            };
+        }
         // Time costs: 0 turns one off (tests whose subject is not that cost).
         for (var, slot) in [
             ("KIWI_SIM_MEMCREATE_US", &mut c.memcreate_us),
@@ -222,6 +255,10 @@ impl SimConfig {
             ("KIWI_SIM_PIN_GBPS", &mut c.pin_gbps),
             ("KIWI_SIM_PAGEABLE_H2D_GBPS", &mut c.pageable_h2d_gbps),
             ("KIWI_SIM_PAGEABLE_D2H_GBPS", &mut c.pageable_d2h_gbps),
+            ("KIWI_SIM_CHECKPOINT_MS", &mut c.checkpoint_ms),
+            ("KIWI_SIM_CHECKPOINT_GBPS", &mut c.checkpoint_gbps),
+            ("KIWI_SIM_RESTORE_MS", &mut c.restore_ms),
+            ("KIWI_SIM_RESTORE_GBPS", &mut c.restore_gbps),
         ] {
             if let Some(v) = get(var) {
                 let g: f64 = v

@@ -197,6 +197,13 @@ pub fn segment_path(name: &str) -> PathBuf {
     Path::new(SHM_DIR).join(format!("kiwi-sim-{name}"))
 }
 
+/// Path of the socket through which process `pid` (as its own pid namespace numbers
+/// it) of machine `name` serves the driver's checkpoint API (see `sim/cuda`'s
+/// `checkpoint` module); another process reaches it under `/proc/<pid>/root`.
+pub fn checkpoint_socket_path(name: &str, pid: u32) -> PathBuf {
+    Path::new(SHM_DIR).join(format!("kiwi-sim-{name}.ckpt.{pid}"))
+}
+
 fn kernel_lock_path(name: &str, gpu: u32) -> PathBuf {
     Path::new(SHM_DIR).join(format!("kiwi-sim-{name}.gpu{gpu}.lock"))
 }
@@ -486,6 +493,19 @@ impl Machine {
                 p.pid.store(0, Ordering::Relaxed);
             }
         }
+    }
+
+    /// Bytes this process has reserved on `gpu` (0 for a GPU it never used).
+    pub fn own_bytes(&self, gpu: u32) -> u64 {
+        let Ok(slot) = self.gpu(gpu) else { return 0 };
+        let _lock = FileLock::exclusive(&self.file);
+        slot.procs
+            .iter()
+            .find(|p| {
+                p.pid.load(Ordering::Relaxed) == self.me.0
+                    && p.start_time.load(Ordering::Relaxed) == self.me.1
+            })
+            .map_or(0, |p| p.bytes.load(Ordering::Relaxed))
     }
 
     /// Capacity and use of `gpu` (dead processes reclaimed first).

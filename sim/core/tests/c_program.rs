@@ -451,3 +451,33 @@ fn concurrent_copies_share_each_direction_of_the_pcie_link() {
         "H2D + D2H at once took {both:.0} ms: the directions waited for each other"
     );
 }
+
+/// The driver's checkpoint API (`tests/c/checkpoint.c`): a parent locks, checkpoints,
+/// restores and unlocks a child by pid; a lock waits for submitted work (and fails
+/// within its timeout, leaving the child RUNNING); a call made while locked returns
+/// after the unlock with every byte right; a checkpoint gives the GPU the child's
+/// context, module and memory and costs the modelled time, a restore takes them back
+/// (refused while they do not fit); every transition the driver refuses is refused
+/// (wrong state, no CUDA state, managed memory, CUDA IPC, reserved fields); and a
+/// driver without the API (`KIWI_SIM_CHECKPOINT=0`) refuses every call.
+#[test]
+fn checkpoint_api_moves_a_whole_process_off_the_gpu_and_back() {
+    let Some(include) = cuda_include() else {
+        return;
+    };
+    let m = SimMachine::new("ckpt", 1, 1 << 30)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_env("KIWI_SIM_CHECKPOINT_MS", "40")
+        .with_env("KIWI_SIM_CHECKPOINT_GBPS", "1")
+        .with_env("KIWI_SIM_RESTORE_MS", "30")
+        .with_env("KIWI_SIM_RESTORE_GBPS", "2");
+    let exe = build(&include, &m, "checkpoint.c");
+    expect_ok(&m.apply(&mut Command::new(&exe)).output().unwrap());
+    let run = m
+        .apply(&mut Command::new(&exe))
+        .env("KIWI_SIM_CHECKPOINT", "0")
+        .arg("off")
+        .output()
+        .unwrap();
+    expect_ok(&run);
+}

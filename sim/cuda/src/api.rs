@@ -802,6 +802,7 @@ pub(crate) fn cuIpcGetMemHandle(handle: *mut [u8; 64], ptr: CUdeviceptr) -> Resu
     if !d.mem.is_linear_start(ptr) || info.managed || crate::pool::pool_of(ptr).is_some() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    crate::checkpoint::IPC_EXPORTED.store(true, std::sync::atomic::Ordering::SeqCst);
     let mut h = [0u8; 64];
     h[..8].copy_from_slice(b"KIWISIM\0");
     h[8..12].copy_from_slice(&std::process::id().to_le_bytes());

@@ -70,6 +70,13 @@ pub struct Driver {
     pub graphs: RwLock<HashMap<usize, Arc<Vec<Op>>>>,
     pub graph_execs: RwLock<HashMap<usize, Arc<Vec<Op>>>>,
     next_module: AtomicU64,
+    /// The checkpoint API (`KIWI_SIM_CHECKPOINT`), and what a checkpoint and a
+    /// restore of this process cost: seconds plus bytes at bytes/s (0: free).
+    pub checkpoint_api: bool,
+    pub checkpoint_s: f64,
+    pub checkpoint_bps: f64,
+    pub restore_s: f64,
+    pub restore_bps: f64,
 }
 
 static DRIVER: OnceLock<Result<Driver, CUresult>> = OnceLock::new();
@@ -138,6 +145,11 @@ fn init_driver() -> Result<Driver, CUresult> {
         graphs: RwLock::new(HashMap::new()),
         graph_execs: RwLock::new(HashMap::new()),
         next_module: AtomicU64::new(1),
+        checkpoint_api: cfg.checkpoint,
+        checkpoint_s: cfg.checkpoint_ms * 1e-3,
+        checkpoint_bps: cfg.checkpoint_gbps * 1e9,
+        restore_s: cfg.restore_ms * 1e-3,
+        restore_bps: cfg.restore_gbps * 1e9,
     })
 }
 
@@ -146,8 +158,18 @@ pub fn init() -> Result<&'static Driver, CUresult> {
     if FORKED.load(Ordering::Relaxed) {
         return Err(CUDA_ERROR_NOT_INITIALIZED);
     }
-    match DRIVER.get_or_init(init_driver) {
-        Ok(d) => Ok(d),
+    let mut first = false;
+    let d = DRIVER.get_or_init(|| {
+        first = true;
+        init_driver()
+    });
+    match d {
+        Ok(d) => {
+            if first {
+                crate::checkpoint::start(d);
+            }
+            Ok(d)
+        }
         Err(e) => Err(*e),
     }
 }

@@ -483,6 +483,43 @@ impl Context {
         }
     }
 
+    /// Waits for everything submitted so far, on every lane, until `deadline`
+    /// (`None`: for as long as it takes); false when the deadline passed first.
+    pub fn wait_all_until(&self, deadline: Option<std::time::Instant>) -> bool {
+        let Some(deadline) = deadline else {
+            self.wait_all();
+            return true;
+        };
+        for lane in 0..LANES {
+            let seq = self.submitted(lane);
+            if self.is_done(lane, seq) {
+                continue;
+            }
+            let l = &self.lanes[lane];
+            l.waiters.fetch_add(1, Ordering::SeqCst);
+            let mut g = l.done_mx.lock().unwrap_or_else(|e| e.into_inner());
+            let mut in_time = true;
+            while l.completed.load(Ordering::SeqCst) < seq {
+                let now = std::time::Instant::now();
+                if now >= deadline {
+                    in_time = false;
+                    break;
+                }
+                g = l
+                    .done_cv
+                    .wait_timeout(g, deadline - now)
+                    .unwrap_or_else(|e| e.into_inner())
+                    .0;
+            }
+            drop(g);
+            l.waiters.fetch_sub(1, Ordering::SeqCst);
+            if !in_time {
+                return false;
+            }
+        }
+        true
+    }
+
     /// Waits for everything submitted so far and returns the sticky error, if any.
     pub fn synchronize(&self) -> Result<(), CUresult> {
         self.wait_all();

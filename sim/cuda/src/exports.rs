@@ -8,7 +8,9 @@
 //! through [`guard`] (no panic crosses the C ABI). With `, per_thread cuX_ptsz` it
 //! also exports the twin; both run `crate::api::cuX(args, pt)`, with `pt` false for
 //! `cuX` and true for the twin, whose NULL stream is then the calling thread's
-//! per-thread default stream. [`exports`] and [`per_thread_exports`] are the tables
+//! per-thread default stream. Every entry passes the checkpoint gate
+//! (`crate::checkpoint::enter`) first, but those after `@ungated`, which name their
+//! module. [`exports`] and [`per_thread_exports`] are the tables
 //! `cuGetProcAddress` (`crate::procaddr`) resolves names through.
 
 #![allow(non_snake_case, clippy::too_many_arguments)]
@@ -17,6 +19,7 @@ use std::ffi::{c_char, c_void};
 
 use crate::abi::*;
 use crate::api;
+use crate::checkpoint;
 use crate::ffi::guard;
 use crate::procaddr::base_name;
 
@@ -24,26 +27,48 @@ macro_rules! exports {
     (@fn $name:ident ($($arg:ident : $ty:ty),* $(,)?) []) => {
         #[no_mangle]
         extern "C" fn $name($($arg: $ty),*) -> CUresult {
-            guard(|| api::$name($($arg),*))
+            guard(|| {
+                let _in = checkpoint::enter();
+                api::$name($($arg),*)
+            })
         }
     };
     (@fn $name:ident ($($arg:ident : $ty:ty),* $(,)?) [$pt:ident]) => {
         #[no_mangle]
         extern "C" fn $name($($arg: $ty),*) -> CUresult {
-            guard(|| api::$name($($arg,)* false))
+            guard(|| {
+                let _in = checkpoint::enter();
+                api::$name($($arg,)* false)
+            })
         }
         #[no_mangle]
         extern "C" fn $pt($($arg: $ty),*) -> CUresult {
-            guard(|| api::$name($($arg,)* true))
+            guard(|| {
+                let _in = checkpoint::enter();
+                api::$name($($arg,)* true)
+            })
         }
     };
-    ($( $name:ident $args:tt = $ver:literal $(, per_thread $pt:ident)? ; )*) => {
+    (@ungated $module:ident $name:ident ($($arg:ident : $ty:ty),* $(,)?)) => {
+        #[no_mangle]
+        extern "C" fn $name($($arg: $ty),*) -> CUresult {
+            guard(|| $module::$name($($arg),*))
+        }
+    };
+    (
+        $( $name:ident $args:tt = $ver:literal $(, per_thread $pt:ident)? ; )*
+        @ungated $( $module:ident :: $uname:ident $uargs:tt = $uver:literal ; )*
+    ) => {
         $( exports!(@fn $name $args [$($pt)?]); )*
+        $( exports!(@ungated $module $uname $uargs); )*
 
         /// Every export but the per-thread twins: (symbol, minimum CUDA version,
         /// address). `procaddr` derives base names from the symbols.
         pub fn exports() -> Vec<(&'static str, i32, usize)> {
-            vec![$((stringify!($name), $ver, $name as *const () as usize)),*]
+            vec![
+                $((stringify!($name), $ver, $name as *const () as usize),)*
+                $((stringify!($uname), $uver, $uname as *const () as usize),)*
+            ]
         }
 
         /// Per-thread-default-stream twins: (base name, minimum CUDA version,
@@ -228,10 +253,20 @@ exports! {
     cuLaunchKernelEx(cfg: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) = 11060, per_thread cuLaunchKernelEx_ptsz;
     cuLaunchHostFunc(s: CUstream, f: CUhostFn, data: *mut c_void) = 10000, per_thread cuLaunchHostFunc_ptsz;
 
-    // errors, entry points
-    cuGetErrorName(e: CUresult, s: *mut *const c_char) = 6000;
-    cuGetErrorString(e: CUresult, s: *mut *const c_char) = 6000;
+    // entry points
     cuGetExportTable(table: *mut *const c_void, id: *const CUuuid) = 3000;
     cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64) = 11030;
     cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64, status: *mut i32) = 12000;
+
+    // Past no gate: the error strings, and the checkpoint calls (made by another
+    // process, about this one's gate).
+    @ungated
+    api::cuGetErrorName(e: CUresult, s: *mut *const c_char) = 6000;
+    api::cuGetErrorString(e: CUresult, s: *mut *const c_char) = 6000;
+    checkpoint::cuCheckpointProcessGetRestoreThreadId(pid: i32, tid: *mut i32) = 12080;
+    checkpoint::cuCheckpointProcessGetState(pid: i32, state: *mut u32) = 12080;
+    checkpoint::cuCheckpointProcessLock(pid: i32, args: *const u64) = 12080;
+    checkpoint::cuCheckpointProcessCheckpoint(pid: i32, args: *const u64) = 12080;
+    checkpoint::cuCheckpointProcessRestore(pid: i32, args: *const u64) = 12080;
+    checkpoint::cuCheckpointProcessUnlock(pid: i32, args: *const u64) = 12080;
 }

@@ -9,7 +9,8 @@
 //! version and per-thread twin), `api` (what each export does), `procaddr`
 //! (`cuGetProcAddress`) and `dark_api`
 //! (`cuGetExportTable`: the CUDA runtime's private tables), `capture` (stream
-//! capture and its rules), `pool` (stream-ordered memory pools).
+//! capture and its rules), `pool` (stream-ordered memory pools), `checkpoint`
+//! (`cuCheckpointProcess*`: the restore thread and the gate every call passes).
 //!
 //! This crate is only ever built as a cdylib, so no test binary contains `cu*`
 //! symbols; shared logic lives in `kiwi-sim-core`.
@@ -17,6 +18,7 @@
 mod abi;
 mod api;
 mod capture;
+mod checkpoint;
 mod dark_api;
 mod driver;
 mod exec;

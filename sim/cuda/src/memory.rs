@@ -832,6 +832,25 @@ impl Memory {
         )
     }
 
+    /// Does this process hold memory the driver's checkpoint refuses: managed memory,
+    /// or VMM memory exported to or imported from another process?
+    pub fn holds_unmovable(&self) -> bool {
+        let shared = |p: &Phys| p.fd.get().is_some();
+        let va = self.read();
+        let in_regions = va.regions.values().any(|r| match &r.kind {
+            RegionKind::Linear { managed, .. } => *managed,
+            RegionKind::Reserved { mappings } => mappings.values().any(|m| shared(&m.phys)),
+        });
+        drop(va);
+        in_regions
+            || self
+                .handles
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+                .any(|p| shared(p))
+    }
+
     /// Frees every `cuMemAlloc` allocation owned by context `owner` (context destroy).
     pub fn free_owned_by(&self, owner: usize) {
         let mut va = self.write();
