@@ -8,8 +8,10 @@
 //! - [`metrics`]: Prometheus metrics (`--metrics-addr`).
 //! - [`server`]: the tokio daemon: client and control sockets, timers, dispatch.
 //! - [`daemon`]: binding the sockets on a directory, serving, cleaning up.
+//! - [`checkpoint`]: whole-process eviction through the driver's checkpoint API.
 //! - [`clock`]: CLOCK_MONOTONIC in nanoseconds, the clock of every timestamp.
 
+pub mod checkpoint;
 pub mod clock;
 pub mod daemon;
 pub mod events;

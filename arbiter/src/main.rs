@@ -58,6 +58,12 @@ struct Args {
     /// other GPUs or other sizes are refused.
     #[arg(long, value_name = "auto|off|PATH")]
     nvml: Option<String>,
+    /// Whole-process eviction (config: [arbiter] checkpoint): auto (the driver's
+    /// checkpoint API, driver 570 or later, when libcuda.so.1 loads and has it; idle
+    /// clients' whole processes, contexts included, are then checkpointed to host
+    /// memory when paging cannot make enough room) or off.
+    #[arg(long, value_name = "auto|off")]
+    checkpoint: Option<String>,
     /// Most client connections (default 4096; never above RLIMIT_NOFILE − 64, which
     /// stay for the control socket). See docs/protocol.md, "Limits".
     #[arg(long, value_name = "N", help_heading = "Limits")]
@@ -130,6 +136,21 @@ fn run() -> Result<()> {
     let loaded = kiwi_arbiter::gpus::load(&nvml).with_context(|| {
         format!("--nvml {nvml_setting}: NVML is unusable; use --nvml off to run without it")
     })?;
+    let checkpoint_setting = args
+        .checkpoint
+        .as_deref()
+        .unwrap_or(&cfg.arbiter.checkpoint);
+    let (checkpointer, checkpoint_line) = match checkpoint_setting {
+        "off" => (None, "checkpoint: off".to_string()),
+        "auto" => match kiwi_arbiter::checkpoint::DriverCheckpointer::load() {
+            Ok(d) => (
+                Some(std::sync::Arc::new(d) as std::sync::Arc<dyn kiwi_arbiter::checkpoint::Checkpointer>),
+                "checkpoint: the driver's checkpoint API (idle processes are checkpointed when paging cannot make room)".to_string(),
+            ),
+            Err(why) => (None, format!("checkpoint: unavailable, {why}")),
+        },
+        other => anyhow::bail!("--checkpoint {other:?}: must be auto or off"),
+    };
     let server_cfg = ServerConfig {
         scheduler,
         tq_ms: ((tq_s * 1000.0).round() as u64).max(1),
@@ -144,7 +165,8 @@ fn run() -> Result<()> {
         swap_budget_bytes: (swap_budget_bytes > 0).then_some(swap_budget_bytes),
         gpus: loaded.truth,
         used_memory: loaded.used,
-        startup_lines: vec![loaded.line],
+        startup_lines: vec![loaded.line, checkpoint_line],
+        checkpointer,
         ..ServerConfig::default()
     };
     // Each limit: the flag, then the config key, then the arbiter's default; 0 is

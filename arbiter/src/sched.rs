@@ -62,6 +62,18 @@ pub type Nanos = u64;
 pub enum Output {
     Send(ClientId, ArbiterMsg),
     Log(Option<ClientId>, EventKind),
+    /// Have the driver checkpoint client `id`'s process (host pid `pid`), then call
+    /// [`GpuScheduler::checkpoint_done`] (see [`checkpoint`]).
+    Checkpoint {
+        id: ClientId,
+        pid: u32,
+    },
+    /// Have the driver restore and unlock it, then call
+    /// [`GpuScheduler::restore_done`].
+    Restore {
+        id: ClientId,
+        pid: u32,
+    },
 }
 
 /// Identity and labels of a client, fixed at registration.
@@ -141,6 +153,10 @@ struct Client {
     /// Its turn was revoked and it has not been granted since: a `drained` that
     /// crossed the revocation is ignored, not answered with an error.
     revoked: bool,
+    /// Where its process stands with whole-process eviction ([`checkpoint`]), and when
+    /// a checkpoint or restore of it last failed (retried after a pause).
+    ckpt: checkpoint::Ckpt,
+    ckpt_failed_at: Option<Nanos>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -218,6 +234,12 @@ pub struct GpuScheduler {
     /// if not, the next `no_room` learns it again).
     unseen: u64,
     unseen_at: Nanos,
+    /// Whole processes may be checkpointed to make room (the daemon has the driver's
+    /// checkpoint API, [`crate::checkpoint`]).
+    checkpoint_on: bool,
+    /// Since when nobody holds, drains or waits: checkpointed clients are restored
+    /// [`checkpoint::RESTORE_WHEN_IDLE_NS`] later.
+    idle_since: Option<Nanos>,
     out: Vec<Output>,
 }
 
@@ -283,6 +305,8 @@ impl GpuScheduler {
             waiters_seen: None,
             unseen: 0,
             unseen_at: 0,
+            checkpoint_on: false,
+            idle_since: None,
             out: Vec::new(),
         }
     }
@@ -296,6 +320,13 @@ impl GpuScheduler {
 
     /// Turns idle eviction on: a client idle this long on an oversubscribed GPU is
     /// asked to swap out (0: off, the default).
+    /// Whole idle processes may be checkpointed to make room (the daemon has the
+    /// driver's checkpoint API).
+    pub fn with_checkpoint(mut self, on: bool) -> Self {
+        self.checkpoint_on = on;
+        self
+    }
+
     pub fn with_idle_evict(mut self, idle_ms: u64) -> Self {
         self.idle_evict_ns = ms_to_ns(idle_ms);
         self
@@ -339,9 +370,11 @@ impl GpuScheduler {
     /// context twice. So it is a floor, for what nobody reports (shims that predate
     /// the report, a context before its turn's first report).
     pub fn fixed(&self) -> u64 {
+        // A checkpointed process's memory is off the GPU until it is restored.
         let reported = self
             .clients
             .values()
+            .filter(|c| c.ckpt != checkpoint::Ckpt::Checkpointed)
             .map(|c| c.unswappable)
             .fold(0u64, u64::saturating_add);
         // The reserve stands in for clients that do not report (shims that predate
@@ -459,6 +492,8 @@ impl GpuScheduler {
 
     fn finish(&mut self, now: Nanos) -> Vec<Output> {
         self.schedule(now);
+        self.start_checkpoints(now);
+        self.restore_when_idle(now);
         self.notify_waiters(now);
         self.notify_pressure(now);
         self.notify_room(now, None);
@@ -516,6 +551,8 @@ impl GpuScheduler {
                 reclaim_sent: None,
                 last_seen: now,
                 revoked: false,
+                ckpt: checkpoint::Ckpt::None,
+                ckpt_failed_at: None,
             },
         );
         self.send(
@@ -857,7 +894,10 @@ impl GpuScheduler {
         );
         if self.holders.get(&id).is_some_and(|h| h.exclusive) {
             let need = missing.saturating_sub(self.freeing());
-            self.reclaim_bytes(now, id, need);
+            let short = self.reclaim_bytes(now, id, need);
+            // What no swap of the others can give: their processes' contexts and
+            // modules, which only a checkpoint takes off the GPU.
+            self.checkpoint_for(now, id, short);
         }
         self.finish(now)
     }
@@ -985,6 +1025,9 @@ impl GpuScheduler {
             if let Some(due) = self.room_due(id) {
                 at(due);
             }
+        }
+        if let Some(due) = self.checkpoint_deadline() {
+            at(due);
         }
         d
     }
@@ -1117,6 +1160,10 @@ impl GpuScheduler {
         let Some(&next) = self.queue.front() else {
             return;
         };
+        // A checkpointed process is restored before its turn.
+        if !self.ready_for_grant(now, next) {
+            return;
+        }
         // A swap-out is still under way (its client drained): only a client that takes
         // part in pipelined hand-offs and has memory to swap in starts that swap-in
         // beside it, and beside one swap-out at most. Others wait for the release, as
@@ -1159,14 +1206,15 @@ impl GpuScheduler {
     /// answered will free: least recently active first.
     fn reclaim_for(&mut self, now: Nanos, next: ClientId) {
         let need = self.need_for(next).saturating_sub(self.freeing());
-        self.reclaim_bytes(now, next, need);
+        let _ = self.reclaim_bytes(now, next, need);
     }
 
     /// Reclaims `need` bytes from clients other than `next` (none of them holding or
-    /// draining), least recently active first, less what each was already asked.
-    fn reclaim_bytes(&mut self, now: Nanos, next: ClientId, mut need: u64) {
+    /// draining), least recently active first, less what each was already asked;
+    /// returns what none of them has resident to give.
+    fn reclaim_bytes(&mut self, now: Nanos, next: ClientId, mut need: u64) -> u64 {
         if need == 0 {
-            return;
+            return 0;
         }
         let mut victims: Vec<(Nanos, ClientId, u64)> = self
             .clients
@@ -1200,6 +1248,7 @@ impl GpuScheduler {
             );
             self.send(id, ArbiterMsg::Reclaim { need_bytes: take });
         }
+        need
     }
 
     /// When the PCIe link is free for idle eviction: after the unanswered reclaims
@@ -1299,6 +1348,10 @@ impl GpuScheduler {
         // What the clients report, not what `no_room` taught (`unseen`: a guess that
         // expires, and one a hostile holder could inflate).
         let c = self.clients.get(&id).filter(|c| c.info.room_info)?;
+        if self.checkpoint_on {
+            // Only what a checkpoint cannot take off the GPU stays in its way.
+            return Some(self.unmovable_besides(id));
+        }
         let fixed = self.fixed().saturating_sub(self.unseen);
         Some(fixed.saturating_sub(c.unswappable))
     }
@@ -1397,8 +1450,13 @@ impl GpuScheduler {
             // just after a restart, while a holder the arbiter cannot see yet may
             // still be coming back.
             if self.quiet_until.is_none() {
-                while let Some(id) = self.queue.pop_front() {
-                    self.grant(now, id, false, false);
+                let queued: Vec<ClientId> = self.queue.drain(..).collect();
+                for id in queued {
+                    if self.ready_for_grant(now, id) {
+                        self.grant(now, id, false, false);
+                    } else {
+                        self.queue.push_back(id);
+                    }
                 }
             }
             for h in self.holders.values_mut() {
@@ -1691,6 +1749,7 @@ impl GpuScheduler {
                     waited_ns: c.waited_ns + wait_extra,
                     held_ns: c.held_ns + held_extra,
                     idle_since_ns: idle.then_some(c.last_seen),
+                    checkpointed: c.ckpt == checkpoint::Ckpt::Checkpointed,
                 }
             })
             .collect();
@@ -1709,5 +1768,10 @@ impl GpuScheduler {
     }
 }
 
+mod checkpoint;
+pub use checkpoint::{CheckpointFailure, RESTORE_WHEN_IDLE_NS};
+
+#[cfg(test)]
+mod checkpoint_tests;
 #[cfg(test)]
 mod tests;

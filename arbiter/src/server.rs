@@ -91,6 +91,9 @@ pub struct ServerConfig {
     /// The socket directory, for per-container client sockets (`containers/`, see
     /// [`containers`]); `None`: only the node's socket is served.
     pub socket_dir: Option<std::path::PathBuf>,
+    /// The driver's checkpoint API, when it can be used here: idle clients' whole
+    /// processes may then be checkpointed to make room (see [`checkpoints`]).
+    pub checkpointer: Option<Arc<dyn crate::checkpoint::Checkpointer>>,
 }
 
 impl Default for ServerConfig {
@@ -116,6 +119,7 @@ impl Default for ServerConfig {
             startup_lines: Vec::new(),
             used_memory: None,
             socket_dir: None,
+            checkpointer: None,
         }
     }
 }
@@ -357,11 +361,15 @@ impl Peer {
 }
 
 // After the logging macros, which it uses.
+mod checkpoints;
 mod containers;
 
 struct ClientConn {
     peer: Arc<Peer>,
     gpu: Option<String>,
+    /// The connecting process, taken when it connected: the only process a
+    /// checkpoint of this client may touch ([`checkpoints`]).
+    pidfd: Option<std::os::fd::OwnedFd>,
 }
 
 struct Gpu {
@@ -380,6 +388,8 @@ struct State {
     next_client: ClientId,
     /// End of the post-restart window: claims to hold a GPU are believed until then.
     resume_until: u64,
+    /// Checkpoints and restores the schedulers asked for, to the task that runs them.
+    checkpoint_jobs: Option<tokio::sync::mpsc::UnboundedSender<checkpoints::Job>>,
 }
 
 impl gpus::Entries for BTreeMap<String, Gpu> {
@@ -431,7 +441,8 @@ impl State {
                     GpuScheduler::new(total, total - reserve, self.defaults, self.cfg.grace_ms)
                         .with_swap_budget(self.cfg.swap_budget_bytes)
                         .with_idle_evict(self.cfg.idle_evict_ms)
-                        .with_resume_window(self.resume_until);
+                        .with_resume_window(self.resume_until)
+                        .with_checkpoint(self.checkpoint_jobs.is_some());
                 log_line!(
                     "INFO",
                     "new GPU {uuid} (index {index}): {} MiB, {} MiB schedulable",
@@ -469,9 +480,23 @@ impl State {
             }
         }
         for o in outs {
-            if let Output::Log(id, kind) = o {
-                self.metrics.observe(now, gpu, id, &kind);
-                self.events.push(now, gpu, id, kind);
+            match o {
+                Output::Log(id, kind) => {
+                    self.metrics.observe(now, gpu, id, &kind);
+                    self.events.push(now, gpu, id, kind);
+                }
+                Output::Checkpoint { id, pid } | Output::Restore { id, pid } => {
+                    let restore = matches!(o, Output::Restore { .. });
+                    if let Some(tx) = &self.checkpoint_jobs {
+                        let _ = tx.send(checkpoints::Job {
+                            gpu: gpu.to_string(),
+                            id,
+                            pid,
+                            restore,
+                        });
+                    }
+                }
+                Output::Send(..) => {}
             }
         }
     }
@@ -700,6 +725,13 @@ pub async fn serve(
     );
     let (stop_tx, stop_rx) = watch::channel(false);
     let limit = Arc::new(Semaphore::new(max_connections));
+    let (checkpoint_tx, checkpoint_rx) = match &cfg.checkpointer {
+        Some(_) => {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            (Some(tx), Some(rx))
+        }
+        None => (None, None),
+    };
     let shared = Arc::new(Shared {
         conn_limit: limit.clone(),
         conn_limit_total: max_connections,
@@ -721,12 +753,22 @@ pub async fn serve(
             clients: HashMap::new(),
             next_client: 1,
             resume_until: monotonic_ns() + crate::sched::RESUME_CLAIM_WINDOW_NS,
+            checkpoint_jobs: checkpoint_tx,
         }),
         timer: Notify::new(),
     });
     containers::serve_recorded(&shared);
 
     let timer = tokio::spawn(run_timers(shared.clone(), stop_rx.clone()));
+    let evictions = match (cfg.checkpointer.clone(), checkpoint_rx) {
+        (Some(c), Some(rx)) => Some(tokio::spawn(checkpoints::run(
+            shared.clone(),
+            c,
+            rx,
+            stop_rx.clone(),
+        ))),
+        _ => None,
+    };
     let clients = tokio::spawn(accept_clients(
         shared.clone(),
         client_listener,
@@ -755,6 +797,9 @@ pub async fn serve(
     log_line!("INFO", "shutting down");
     let _ = stop_tx.send(true);
     let _ = tokio::join!(timer, clients, control);
+    if let Some(e) = evictions {
+        let _ = e.await;
+    }
     containers::stop_all(&shared).await;
     if let Some(m) = metrics {
         let _ = m.await;
@@ -962,6 +1007,7 @@ async fn client_connection(
             ClientConn {
                 peer: peer.clone(),
                 gpu: None,
+                pidfd: checkpoints::pidfd(host_pid),
             },
         );
         id
@@ -1260,6 +1306,9 @@ fn handle_client_msg(
                 .get_mut(&uuid)
                 .map(|g| g.sched.register(now, id, info, usage, r.resume))
                 .unwrap_or_default();
+            if r.resume.is_some() && host_pid != 0 {
+                checkpoints::restore_if_left(&st, &uuid, id, host_pid);
+            }
             if r.resume.is_some_and(|x| x.holding)
                 && outs
                     .iter()

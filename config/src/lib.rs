@@ -152,6 +152,9 @@ pub struct ArbiterConfig {
     /// if it loads), "off" (no NVML: a GPU's first registration sets its size), or the
     /// path of an NVML library, which must load.
     pub nvml: String,
+    /// Whole-process eviction through the driver's checkpoint API (driver 570+):
+    /// "auto" (used when libcuda.so.1 loads and has it), or "off".
+    pub checkpoint: String,
     /// Limits on what tenants can make the arbiter hold (docs/protocol.md, "Limits").
     /// `None`: the arbiter's default. Flags of the same name win.
     pub max_connections: Option<usize>,
@@ -175,6 +178,7 @@ impl Default for ArbiterConfig {
             event_log_capacity: 100_000,
             metrics_addr: None,
             nvml: "auto".into(),
+            checkpoint: "auto".into(),
             max_connections: None,
             max_conns_per_group: None,
             register_timeout_ms: None,

@@ -565,6 +565,11 @@ pub struct ClientStatus {
     /// that predate it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_since_ns: Option<u64>,
+    /// The driver checkpointed the whole process to host memory (its contexts and
+    /// modules too) to make room; it is restored before its next turn. Left out when
+    /// false.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub checkpointed: bool,
 }
 
 /// One entry of a GPU's event log.
@@ -640,6 +645,24 @@ pub enum EventKind {
         unseen_bytes: u64,
     },
     Exit,
+    /// The arbiter had the driver checkpoint the whole (idle) process to make room:
+    /// `bytes` of GPU memory no swap frees (its contexts, modules) left the GPU, in
+    /// `duration_ns` (lock and checkpoint).
+    Checkpoint {
+        bytes: u64,
+        duration_ns: u64,
+    },
+    /// The process was restored and unlocked (before its turn, or once the GPU was
+    /// idle): `bytes` back on the GPU in `duration_ns`.
+    Restore {
+        bytes: u64,
+        duration_ns: u64,
+    },
+    /// A checkpoint or restore the arbiter tried and the driver refused, or one it
+    /// skipped, and why (one line).
+    CheckpointSkipped {
+        reason: String,
+    },
     Scheduler {
         on: bool,
     },

@@ -101,7 +101,10 @@ pub fn start(d: &'static Driver) {
     let listener = match UnixListener::bind(&path) {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("kiwi-sim libcuda: checkpoint socket {}: {e}", path.display());
+            eprintln!(
+                "kiwi-sim libcuda: checkpoint socket {}: {e}",
+                path.display()
+            );
             return;
         }
     };
@@ -321,8 +324,11 @@ fn ask(pid: i32, op: u32, arg: u32) -> Result<i32, CUresult> {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let inner = namespace_pid(pid).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    let path = std::path::Path::new(&format!("/proc/{pid}/root"))
-        .join(checkpoint_socket_path(&d.name, inner).strip_prefix("/").expect("absolute"));
+    let path = std::path::Path::new(&format!("/proc/{pid}/root")).join(
+        checkpoint_socket_path(&d.name, inner)
+            .strip_prefix("/")
+            .expect("absolute"),
+    );
     // No socket (or a stale one of a dead process): no CUDA state there.
     let mut conn = UnixStream::connect(&path).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
     let mut req = [0u8; 8];

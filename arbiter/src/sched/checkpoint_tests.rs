@@ -1,0 +1,182 @@
+//! Whole-process eviction in the scheduler ([`super::checkpoint`]), with simulated
+//! time.
+
+use super::checkpoint::RETRY_NS;
+use super::*;
+
+const MIB: u64 = 1 << 20;
+const SEC: u64 = 1_000_000_000;
+const MS: u64 = 1_000_000;
+
+fn usage(ws: u64, resident: u64) -> Usage {
+    Usage {
+        working_set_bytes: ws,
+        resident_bytes: resident,
+    }
+}
+
+/// A 4000 MiB GPU with two clients of 3600 MiB working sets and 300 MiB contexts
+/// (host pids 101, 102): the TensorFlow-style pair of issue #24, which can never both
+/// be resident beside each other's context. Client 1 holds the GPU, 200 MiB short.
+fn pair(checkpoint: bool) -> (GpuScheduler, Vec<Output>) {
+    let mut s = GpuScheduler::new(
+        4000 * MIB,
+        4000 * MIB,
+        Settings {
+            scheduler_on: true,
+            tq_ms: 1_000,
+        },
+        500,
+    )
+    .with_checkpoint(checkpoint);
+    for (id, pid) in [(1, 101), (2, 102)] {
+        let info = ClientInfo {
+            host_pid: pid,
+            unswappable: Some(300 * MIB),
+            room_info: true,
+            ..ClientInfo::default()
+        };
+        s.register(0, id, info, usage(3600 * MIB, 0), None);
+    }
+    s.request(MS, 1);
+    s.usage(2 * MS, 1, usage(3600 * MIB, 3400 * MIB));
+    let outs = s.no_room(3 * MS, 1, 200 * MIB, || None);
+    (s, outs)
+}
+
+fn checkpoints(outs: &[Output]) -> Vec<(ClientId, u32)> {
+    outs.iter()
+        .filter_map(|o| match o {
+            Output::Checkpoint { id, pid } => Some((*id, *pid)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn restores(outs: &[Output]) -> Vec<(ClientId, u32)> {
+    outs.iter()
+        .filter_map(|o| match o {
+            Output::Restore { id, pid } => Some((*id, *pid)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn granted(outs: &[Output], to: ClientId) -> bool {
+    outs.iter()
+        .any(|o| matches!(o, Output::Send(id, ArbiterMsg::Grant { .. }) if *id == to))
+}
+
+fn logged(outs: &[Output], f: impl Fn(&EventKind) -> bool) -> bool {
+    outs.iter().any(|o| matches!(o, Output::Log(_, k) if f(k)))
+}
+
+#[test]
+fn what_paging_cannot_free_is_checkpointed_and_restored_before_the_next_turn() {
+    let (mut s, outs) = pair(true);
+    // Client 2 has nothing resident to reclaim: its context is what is in the way.
+    assert_eq!(checkpoints(&outs), vec![(2, 102)], "{outs:?}");
+    assert_eq!(s.fixed(), 600 * MIB);
+    // Asked once: a second `no_room` while it runs asks nothing more.
+    let again = s.no_room(250 * MS, 1, 200 * MIB, || None);
+    assert!(checkpoints(&again).is_empty(), "{again:?}");
+    let outs = s.checkpoint_done(400 * MS, 2, Ok(300 * MS));
+    assert!(logged(&outs, |k| matches!(
+        k,
+        EventKind::Checkpoint { bytes, duration_ns } if *bytes == 300 * MIB && *duration_ns == 300 * MS
+    )));
+    assert_eq!(s.fixed(), 300 * MIB, "its context is off the GPU");
+    let st = s.status(400 * MS, 0, "GPU-x");
+    assert!(st.clients.iter().any(|c| c.id == 2 && c.checkpointed));
+    // Its turn: restored first, granted once restored.
+    s.request(500 * MS, 2);
+    let outs = s.tick(SEC + MS);
+    let outs = [outs, s.release(SEC + 2 * MS, 1, usage(3600 * MIB, 0))].concat();
+    assert_eq!(restores(&outs), vec![(2, 102)], "{outs:?}");
+    assert!(!granted(&outs, 2), "not before its restore: {outs:?}");
+    assert_eq!(s.fixed(), 600 * MIB, "coming back: counted again");
+    let outs = s.restore_done(SEC + 300 * MS, 2, Ok(250 * MS));
+    assert!(granted(&outs, 2), "{outs:?}");
+    assert!(logged(&outs, |k| matches!(k, EventKind::Restore { .. })));
+}
+
+#[test]
+fn without_the_checkpoint_api_nothing_is_checkpointed() {
+    let (_, outs) = pair(false);
+    assert!(checkpoints(&outs).is_empty(), "{outs:?}");
+}
+
+#[test]
+fn a_refused_process_is_never_asked_again_and_stays_in_the_holders_way() {
+    let (mut s, outs) = pair(true);
+    assert_eq!(checkpoints(&outs), vec![(2, 102)]);
+    let outs = s.checkpoint_done(
+        100 * MS,
+        2,
+        Err(CheckpointFailure {
+            reason: "checkpoint: CUDA_ERROR_NOT_SUPPORTED".into(),
+            permanent: true,
+        }),
+    );
+    assert!(logged(
+        &outs,
+        |k| matches!(k, EventKind::CheckpointSkipped { reason } if reason.contains("NOT_SUPPORTED"))
+    ));
+    assert_eq!(s.fixed(), 600 * MIB);
+    // Client 1's room: client 2's context can no longer be moved.
+    assert_eq!(s.room_for(1), Some(300 * MIB));
+    let outs = s.no_room(5 * SEC, 1, 200 * MIB, || None);
+    assert!(checkpoints(&outs).is_empty(), "{outs:?}");
+}
+
+#[test]
+fn a_lock_that_timed_out_is_tried_again_after_a_pause() {
+    let (mut s, _) = pair(true);
+    s.checkpoint_done(
+        100 * MS,
+        2,
+        Err(CheckpointFailure {
+            reason: "lock: CUDA_ERROR_NOT_READY".into(),
+            permanent: false,
+        }),
+    );
+    assert!(checkpoints(&s.no_room(400 * MS, 1, 200 * MIB, || None)).is_empty());
+    let outs = s.no_room(100 * MS + RETRY_NS, 1, 200 * MIB, || None);
+    assert_eq!(checkpoints(&outs), vec![(2, 102)], "{outs:?}");
+}
+
+#[test]
+fn an_idle_gpu_restores_its_checkpointed_processes() {
+    let (mut s, _) = pair(true);
+    s.checkpoint_done(100 * MS, 2, Ok(MS));
+    // Client 1 gives the GPU back and nobody waits: a second later, 2 comes back.
+    let t = 200 * MS;
+    let outs = s.release(t, 1, usage(3600 * MIB, 3400 * MIB));
+    assert!(restores(&outs).is_empty(), "not at once: {outs:?}");
+    assert_eq!(s.next_deadline(), Some(t + RESTORE_WHEN_IDLE_NS));
+    assert!(restores(&s.tick(t + RESTORE_WHEN_IDLE_NS - 1)).is_empty());
+    // 3400 + 300 + 300 fits in 4000.
+    let outs = s.tick(t + RESTORE_WHEN_IDLE_NS);
+    assert_eq!(restores(&outs), vec![(2, 102)], "{outs:?}");
+    // A restore that finds no room yet is tried again later, not in a loop.
+    let outs = s.restore_done(
+        t + RESTORE_WHEN_IDLE_NS + MS,
+        2,
+        Err(CheckpointFailure {
+            reason: "restore: CUDA_ERROR_OUT_OF_MEMORY".into(),
+            permanent: false,
+        }),
+    );
+    assert!(restores(&outs).is_empty());
+    let due = s.next_deadline().expect("a retry");
+    assert_eq!(due, t + RESTORE_WHEN_IDLE_NS + MS + RETRY_NS);
+    assert_eq!(restores(&s.tick(due)), vec![(2, 102)]);
+}
+
+#[test]
+fn a_stopping_daemon_knows_whom_to_restore() {
+    let (mut s, _) = pair(true);
+    assert_eq!(s.checkpointed_pids(), vec![102], "on its way");
+    s.checkpoint_done(100 * MS, 2, Ok(MS));
+    assert_eq!(s.checkpointed_pids(), vec![102]);
+}

@@ -1,0 +1,181 @@
+//! Running the checkpoints and restores the schedulers ask for ([`Output::Checkpoint`],
+//! [`Output::Restore`]): one task takes them in order and makes each driver call on
+//! tokio's blocking pool (a checkpoint copies a process's device memory out; the
+//! daemon's thread must go on answering), then feeds the outcome back to the GPU's
+//! scheduler under the state lock.
+//!
+//! Only a registered client's process is ever touched: the pid is the one the kernel
+//! gave for the connection (`SO_PEERCRED`), and a pidfd taken when it connected must
+//! still name a live process, so a pid that exited and was reused by someone else's
+//! process is never checkpointed.
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, watch};
+
+use super::{log_safe, Shared, State};
+use crate::checkpoint::{CheckpointError, Checkpointer};
+use crate::clock::monotonic_ns;
+use crate::sched::{CheckpointFailure, ClientId};
+
+/// How long a lock may wait for the process's submitted work: a client chosen is
+/// idle (it does not hold the GPU and answered its reclaim), so its queues are empty
+/// or nearly.
+const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One checkpoint or restore asked by GPU `gpu`'s scheduler.
+#[derive(Debug)]
+pub(super) struct Job {
+    pub gpu: String,
+    pub id: ClientId,
+    pub pid: u32,
+    pub restore: bool,
+}
+
+/// A pidfd of `pid` (0: none), taken as it connects.
+pub(super) fn pidfd(pid: u32) -> Option<OwnedFd> {
+    if pid == 0 {
+        return None;
+    }
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: the kernel just returned this descriptor; nobody else owns it.
+    Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Whether the process behind `fd` is still alive (signal 0 through the pidfd).
+fn alive(fd: &OwnedFd) -> bool {
+    // SAFETY: pidfd_send_signal with signal 0 only checks; no memory is passed.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            0,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    rc == 0
+}
+
+/// Why `job` may not run: its client is gone or its process is not the one that
+/// connected.
+fn refuse(st: &State, job: &Job) -> Option<&'static str> {
+    let conn = st.clients.get(&job.id)?;
+    match &conn.pidfd {
+        None => Some("no pidfd of its process was taken when it connected"),
+        Some(fd) if !alive(fd) => Some("its process exited"),
+        Some(_) => None,
+    }
+}
+
+fn failure(e: CheckpointError) -> CheckpointFailure {
+    CheckpointFailure {
+        permanent: e.permanent(),
+        reason: e.to_string(),
+    }
+}
+
+pub(super) async fn run(
+    shared: Arc<Shared>,
+    checkpointer: Arc<dyn Checkpointer>,
+    mut jobs: mpsc::UnboundedReceiver<Job>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let job = tokio::select! {
+            j = jobs.recv() => match j {
+                Some(j) => j,
+                None => return,
+            },
+            _ = stop.changed() => {
+                restore_all(&shared, &checkpointer).await;
+                return;
+            }
+        };
+        let skip = {
+            let st = shared.lock();
+            if !st.clients.contains_key(&job.id) {
+                continue;
+            }
+            refuse(&st, &job)
+        };
+        let outcome = match skip {
+            Some(why) => Err(CheckpointFailure {
+                reason: why.to_string(),
+                permanent: true,
+            }),
+            None => {
+                let c = checkpointer.clone();
+                let (pid, restore) = (job.pid, job.restore);
+                let ran = tokio::task::spawn_blocking(move || {
+                    let t0 = Instant::now();
+                    let r = if restore {
+                        c.restore(pid)
+                    } else {
+                        c.checkpoint(pid, LOCK_TIMEOUT)
+                    };
+                    r.map(|()| t0.elapsed().as_nanos() as u64)
+                })
+                .await;
+                match ran {
+                    Ok(r) => r.map_err(failure),
+                    Err(e) => Err(CheckpointFailure {
+                        reason: format!("the driver call panicked: {e}"),
+                        permanent: true,
+                    }),
+                }
+            }
+        };
+        let mut st = shared.lock();
+        let now = monotonic_ns();
+        let outs = match st.gpus.get_mut(&job.gpu) {
+            Some(g) if job.restore => g.sched.restore_done(now, job.id, outcome),
+            Some(g) => g.sched.checkpoint_done(now, job.id, outcome),
+            None => continue,
+        };
+        st.dispatch(&job.gpu, outs);
+        drop(st);
+        shared.timer.notify_one();
+    }
+}
+
+/// A stopping daemon restores every process it checkpointed: a process left locked
+/// would block in its next CUDA call for good.
+async fn restore_all(shared: &Shared, checkpointer: &Arc<dyn Checkpointer>) {
+    let pids: Vec<u32> = {
+        let st = shared.lock();
+        st.gpus
+            .values()
+            .flat_map(|g| g.sched.checkpointed_pids())
+            .collect()
+    };
+    for pid in pids {
+        let c = checkpointer.clone();
+        let r = tokio::task::spawn_blocking(move || c.restore(pid)).await;
+        match r {
+            Ok(Ok(())) => log_line!("INFO", "restored process {pid} before stopping"),
+            Ok(Err(e)) => log_line!("WARN", "could not restore process {pid}: {e}"),
+            Err(e) => log_line!("WARN", "could not restore process {pid}: {e}"),
+        }
+    }
+}
+
+/// After a restart, a client that comes back may have been left checkpointed or
+/// locked by the arbiter before (killed without its shutdown): it is restored and
+/// unlocked if so (a running process is left alone).
+pub(super) fn restore_if_left(st: &State, gpu: &str, id: ClientId, pid: u32) {
+    if let Some(tx) = &st.checkpoint_jobs {
+        let _ = tx.send(Job {
+            gpu: gpu.to_string(),
+            id,
+            pid,
+            restore: true,
+        });
+    }
+}
