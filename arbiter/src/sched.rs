@@ -370,11 +370,12 @@ impl GpuScheduler {
     /// context twice. So it is a floor, for what nobody reports (shims that predate
     /// the report, a context before its turn's first report).
     pub fn fixed(&self) -> u64 {
-        // A checkpointed process's memory is off the GPU until it is restored.
+        // A checkpointed process's memory is off the GPU until it is restored; one
+        // that waits for its turn needs it back first, so it counts.
         let reported = self
             .clients
             .values()
-            .filter(|c| c.ckpt != checkpoint::Ckpt::Checkpointed)
+            .filter(|c| c.ckpt != checkpoint::Ckpt::Checkpointed || c.requested_at.is_some())
             .map(|c| c.unswappable)
             .fold(0u64, u64::saturating_add);
         // The reserve stands in for clients that do not report (shims that predate
@@ -896,8 +897,12 @@ impl GpuScheduler {
             let need = missing.saturating_sub(self.freeing());
             let short = self.reclaim_bytes(now, id, need);
             // What no swap of the others can give: their processes' contexts and
-            // modules, which only a checkpoint takes off the GPU.
-            self.checkpoint_for(now, id, short);
+            // modules, which only a checkpoint takes off the GPU. Decided once paging
+            // has settled (nobody else holds, drains or owes a reclaim): the next
+            // `no_room`, 250 ms on, sees what paging left short.
+            if settled && self.holders.len() == 1 {
+                self.checkpoint_for(now, id, short);
+            }
         }
         self.finish(now)
     }

@@ -138,6 +138,14 @@ impl Arbiter {
         {
             args.extend(["--nvml".to_string(), "off".to_string()]);
         }
+        // Whole-process eviction only where a test asks for it (with the
+        // simulator's libcuda in its environment).
+        if !args
+            .iter()
+            .any(|a| a == "--checkpoint" || a.starts_with("--checkpoint="))
+        {
+            args.extend(["--checkpoint".to_string(), "off".to_string()]);
+        }
         let child = Self::spawn(dir.path(), &args, &env);
         let a = Arbiter {
             child,

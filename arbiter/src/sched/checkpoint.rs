@@ -1,11 +1,13 @@
 //! Whole-process eviction (issue #25): when a holder's room is short by more than
 //! the others' swappable memory can give, the rest is their processes' memory no swap
-//! frees (contexts, modules). The scheduler picks idle clients that do not hold the
-//! GPU, least recently active first, until their memory no swap frees covers the
-//! shortfall; each is first asked to reclaim everything it has resident (its shim's
+//! frees (contexts, modules). Once paging has settled (nobody else holds, drains or
+//! owes a reclaim), the scheduler picks clients that do not hold the GPU and have
+//! sent nothing for [`CHECKPOINT_IDLE_NS`] (idle ones before waiters, least recently
+//! heard from first) until their memory no swap frees covers the shortfall; each is first asked to reclaim everything it has resident (its shim's
 //! fast path), and once it answered, the daemon has the driver checkpoint its process
 //! ([`Output::Checkpoint`], [`crate::checkpoint`]). Its memory no swap frees then no
-//! longer counts on the GPU ([`GpuScheduler::fixed`]).
+//! longer counts on the GPU ([`GpuScheduler::fixed`]) while it does not wait for a
+//! turn (a waiter needs it back first).
 //!
 //! A checkpointed client is restored ([`Output::Restore`]) before it is granted the
 //! GPU again, and whenever nobody holds, drains or waits for
@@ -40,8 +42,16 @@ pub(super) enum Ckpt {
 /// a checkpoint of the others again.
 pub const RESTORE_WHEN_IDLE_NS: u64 = 1_000_000_000;
 
-/// Pause before a failed checkpoint or restore of a client is tried again.
+/// How long a client must have sent nothing before it is checkpointed: one that
+/// just asked, released or changed its memory is at work, maybe inside a driver call
+/// that a lock would make wait for the whole checkpoint.
+pub const CHECKPOINT_IDLE_NS: u64 = 500_000_000;
+
+/// Pause before a failed checkpoint of a client is tried again.
 pub(super) const RETRY_NS: u64 = 1_000_000_000;
+/// Pause before a restore that found no room is tried again: the others were asked
+/// to reclaim the room meanwhile.
+pub(super) const RESTORE_RETRY_NS: u64 = 250_000_000;
 
 /// Why a checkpoint or restore failed: one line, and whether it never will succeed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,7 +62,12 @@ pub struct CheckpointFailure {
 
 impl GpuScheduler {
     fn retry_due(c: &Client) -> Nanos {
-        c.ckpt_failed_at.map_or(0, |t| t.saturating_add(RETRY_NS))
+        let pause = if c.ckpt == Ckpt::Checkpointed {
+            RESTORE_RETRY_NS
+        } else {
+            RETRY_NS
+        };
+        c.ckpt_failed_at.map_or(0, |t| t.saturating_add(pause))
     }
 
     /// Chooses processes to checkpoint for holder `holder`, which is `short` bytes
@@ -72,7 +87,9 @@ impl GpuScheduler {
             return;
         }
         let front = self.queue.front().copied();
-        let mut victims: Vec<(Nanos, ClientId)> = self
+        // Idle clients first, then waiters (whose turn, and restore, comes sooner);
+        // least recently heard from first.
+        let mut victims: Vec<(bool, Nanos, ClientId)> = self
             .clients
             .iter()
             .filter(|(&id, c)| {
@@ -83,11 +100,12 @@ impl GpuScheduler {
                     && c.ckpt == Ckpt::None
                     && c.unswappable > 0
                     && now >= Self::retry_due(c)
+                    && now >= c.last_seen.saturating_add(CHECKPOINT_IDLE_NS)
             })
-            .map(|(&id, c)| (c.last_active, id))
+            .map(|(&id, c)| (c.requested_at.is_some(), c.last_seen, id))
             .collect();
         victims.sort();
-        for (_, id) in victims {
+        for (_, _, id) in victims {
             if need == 0 {
                 break;
             }
@@ -286,9 +304,7 @@ impl GpuScheduler {
                     Ckpt::None
                 };
                 c.ckpt_failed_at = Some(now);
-                EventKind::CheckpointSkipped {
-                    reason: format!("checkpoint: {}", f.reason),
-                }
+                EventKind::CheckpointSkipped { reason: f.reason }
             }
         };
         self.log(Some(id), kind);
@@ -321,9 +337,15 @@ impl GpuScheduler {
             Err(f) => {
                 c.ckpt = Ckpt::Checkpointed;
                 c.ckpt_failed_at = Some(now);
-                EventKind::CheckpointSkipped {
-                    reason: format!("restore: {}", f.reason),
+                let need = c.unswappable;
+                self.log(Some(id), EventKind::CheckpointSkipped { reason: f.reason });
+                // No room for it yet (others' memory is resident): the clients that
+                // do not hold the GPU give it.
+                if !f.permanent {
+                    let need = need.saturating_sub(self.freeing());
+                    let _ = self.reclaim_bytes(now, id, need);
                 }
+                return self.finish(now);
             }
         };
         self.log(Some(id), kind);

@@ -1,7 +1,7 @@
 //! Whole-process eviction in the scheduler ([`super::checkpoint`]), with simulated
 //! time.
 
-use super::checkpoint::RETRY_NS;
+use super::checkpoint::{CHECKPOINT_IDLE_NS, RESTORE_RETRY_NS, RETRY_NS};
 use super::*;
 
 const MIB: u64 = 1 << 20;
@@ -40,7 +40,7 @@ fn pair(checkpoint: bool) -> (GpuScheduler, Vec<Output>) {
     }
     s.request(MS, 1);
     s.usage(2 * MS, 1, usage(3600 * MIB, 3400 * MIB));
-    let outs = s.no_room(3 * MS, 1, 200 * MIB, || None);
+    let outs = s.no_room(600 * MS, 1, 200 * MIB, || None);
     (s, outs)
 }
 
@@ -78,18 +78,23 @@ fn what_paging_cannot_free_is_checkpointed_and_restored_before_the_next_turn() {
     assert_eq!(checkpoints(&outs), vec![(2, 102)], "{outs:?}");
     assert_eq!(s.fixed(), 600 * MIB);
     // Asked once: a second `no_room` while it runs asks nothing more.
-    let again = s.no_room(250 * MS, 1, 200 * MIB, || None);
+    let again = s.no_room(850 * MS, 1, 200 * MIB, || None);
     assert!(checkpoints(&again).is_empty(), "{again:?}");
-    let outs = s.checkpoint_done(400 * MS, 2, Ok(300 * MS));
+    let outs = s.checkpoint_done(900 * MS, 2, Ok(300 * MS));
     assert!(logged(&outs, |k| matches!(
         k,
         EventKind::Checkpoint { bytes, duration_ns } if *bytes == 300 * MIB && *duration_ns == 300 * MS
     )));
     assert_eq!(s.fixed(), 300 * MIB, "its context is off the GPU");
-    let st = s.status(400 * MS, 0, "GPU-x");
+    let st = s.status(900 * MS, 0, "GPU-x");
     assert!(st.clients.iter().any(|c| c.id == 2 && c.checkpointed));
     // Its turn: restored first, granted once restored.
-    s.request(500 * MS, 2);
+    s.request(950 * MS, 2);
+    assert_eq!(
+        s.fixed(),
+        600 * MIB,
+        "waiting: its context must come back first"
+    );
     let outs = s.tick(SEC + MS);
     let outs = [outs, s.release(SEC + 2 * MS, 1, usage(3600 * MIB, 0))].concat();
     assert_eq!(restores(&outs), vec![(2, 102)], "{outs:?}");
@@ -98,6 +103,26 @@ fn what_paging_cannot_free_is_checkpointed_and_restored_before_the_next_turn() {
     let outs = s.restore_done(SEC + 300 * MS, 2, Ok(250 * MS));
     assert!(granted(&outs, 2), "{outs:?}");
     assert!(logged(&outs, |k| matches!(k, EventKind::Restore { .. })));
+}
+
+#[test]
+fn a_client_heard_from_just_now_is_not_checkpointed() {
+    let (mut s, _) = pair(true);
+    s.checkpoint_done(
+        700 * MS,
+        2,
+        Err(CheckpointFailure {
+            reason: "lock: CUDA_ERROR_NOT_READY".into(),
+            permanent: false,
+        }),
+    );
+    // Client 2 just reported its memory: it is at work, maybe inside a driver call.
+    let t = 700 * MS + RETRY_NS;
+    s.usage(t, 2, usage(3500 * MIB, 0));
+    let outs = s.no_room(t + 100 * MS, 1, 200 * MIB, || None);
+    assert!(checkpoints(&outs).is_empty(), "{outs:?}");
+    let outs = s.no_room(t + CHECKPOINT_IDLE_NS, 1, 200 * MIB, || None);
+    assert_eq!(checkpoints(&outs), vec![(2, 102)], "{outs:?}");
 }
 
 #[test]
@@ -111,7 +136,7 @@ fn a_refused_process_is_never_asked_again_and_stays_in_the_holders_way() {
     let (mut s, outs) = pair(true);
     assert_eq!(checkpoints(&outs), vec![(2, 102)]);
     let outs = s.checkpoint_done(
-        100 * MS,
+        700 * MS,
         2,
         Err(CheckpointFailure {
             reason: "checkpoint: CUDA_ERROR_NOT_SUPPORTED".into(),
@@ -133,24 +158,24 @@ fn a_refused_process_is_never_asked_again_and_stays_in_the_holders_way() {
 fn a_lock_that_timed_out_is_tried_again_after_a_pause() {
     let (mut s, _) = pair(true);
     s.checkpoint_done(
-        100 * MS,
+        700 * MS,
         2,
         Err(CheckpointFailure {
             reason: "lock: CUDA_ERROR_NOT_READY".into(),
             permanent: false,
         }),
     );
-    assert!(checkpoints(&s.no_room(400 * MS, 1, 200 * MIB, || None)).is_empty());
-    let outs = s.no_room(100 * MS + RETRY_NS, 1, 200 * MIB, || None);
+    assert!(checkpoints(&s.no_room(1000 * MS, 1, 200 * MIB, || None)).is_empty());
+    let outs = s.no_room(700 * MS + RETRY_NS, 1, 200 * MIB, || None);
     assert_eq!(checkpoints(&outs), vec![(2, 102)], "{outs:?}");
 }
 
 #[test]
 fn an_idle_gpu_restores_its_checkpointed_processes() {
     let (mut s, _) = pair(true);
-    s.checkpoint_done(100 * MS, 2, Ok(MS));
+    s.checkpoint_done(700 * MS, 2, Ok(MS));
     // Client 1 gives the GPU back and nobody waits: a second later, 2 comes back.
-    let t = 200 * MS;
+    let t = 800 * MS;
     let outs = s.release(t, 1, usage(3600 * MIB, 3400 * MIB));
     assert!(restores(&outs).is_empty(), "not at once: {outs:?}");
     assert_eq!(s.next_deadline(), Some(t + RESTORE_WHEN_IDLE_NS));
@@ -158,7 +183,8 @@ fn an_idle_gpu_restores_its_checkpointed_processes() {
     // 3400 + 300 + 300 fits in 4000.
     let outs = s.tick(t + RESTORE_WHEN_IDLE_NS);
     assert_eq!(restores(&outs), vec![(2, 102)], "{outs:?}");
-    // A restore that finds no room yet is tried again later, not in a loop.
+    // A restore that finds no room yet asks the others for it (client 1 has 3400 MiB
+    // resident) and is tried again later, not in a loop.
     let outs = s.restore_done(
         t + RESTORE_WHEN_IDLE_NS + MS,
         2,
@@ -168,8 +194,12 @@ fn an_idle_gpu_restores_its_checkpointed_processes() {
         }),
     );
     assert!(restores(&outs).is_empty());
+    assert!(
+        outs.iter().any(|o| matches!(o, Output::Send(1, ArbiterMsg::Reclaim { need_bytes }) if *need_bytes == 300 * MIB)),
+        "{outs:?}"
+    );
     let due = s.next_deadline().expect("a retry");
-    assert_eq!(due, t + RESTORE_WHEN_IDLE_NS + MS + RETRY_NS);
+    assert_eq!(due, t + RESTORE_WHEN_IDLE_NS + MS + RESTORE_RETRY_NS);
     assert_eq!(restores(&s.tick(due)), vec![(2, 102)]);
 }
 
@@ -177,6 +207,6 @@ fn an_idle_gpu_restores_its_checkpointed_processes() {
 fn a_stopping_daemon_knows_whom_to_restore() {
     let (mut s, _) = pair(true);
     assert_eq!(s.checkpointed_pids(), vec![102], "on its way");
-    s.checkpoint_done(100 * MS, 2, Ok(MS));
+    s.checkpoint_done(700 * MS, 2, Ok(MS));
     assert_eq!(s.checkpointed_pids(), vec![102]);
 }

@@ -107,7 +107,10 @@ pub(super) async fn run(
         };
         let outcome = match skip {
             Some(why) => Err(CheckpointFailure {
-                reason: why.to_string(),
+                reason: format!(
+                    "{} skipped: {why}",
+                    if job.restore { "restore" } else { "checkpoint" }
+                ),
                 permanent: true,
             }),
             None => {
@@ -126,7 +129,7 @@ pub(super) async fn run(
                 match ran {
                     Ok(r) => r.map_err(failure),
                     Err(e) => Err(CheckpointFailure {
-                        reason: format!("the driver call panicked: {e}"),
+                        reason: format!("the driver's checkpoint call panicked: {e}"),
                         permanent: true,
                     }),
                 }
