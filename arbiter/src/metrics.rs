@@ -59,6 +59,10 @@ pub struct ArbiterMetrics {
     drops_no_fit: Family<GpuLabels, Counter>,
     early_releases: Family<GpuLabels, Counter>,
     revocations: Family<GpuLabels, Counter>,
+    checkpoints: Family<GpuLabels, Counter>,
+    checkpoint_bytes: Family<GpuLabels, Counter>,
+    restores: Family<GpuLabels, Counter>,
+    checkpoints_skipped: Family<GpuLabels, Counter>,
     swap_bytes: Family<SwapLabels, Counter>,
     swap_seconds: Family<SwapLabels, FCounter>,
     handoff_seconds: Family<GpuLabels, Histogram>,
@@ -111,6 +115,10 @@ impl ArbiterMetrics {
             drops_no_fit: Family::default(),
             early_releases: Family::default(),
             revocations: Family::default(),
+            checkpoints: Family::default(),
+            checkpoint_bytes: Family::default(),
+            restores: Family::default(),
+            checkpoints_skipped: Family::default(),
             swap_bytes: Family::default(),
             swap_seconds: Family::default(),
             handoff_seconds,
@@ -155,6 +163,26 @@ impl ArbiterMetrics {
             "revocations",
             "Holders that ignored a drop past the grace period",
             m.revocations.clone(),
+        );
+        registry.register(
+            "checkpoints",
+            "Whole processes the driver checkpointed to host memory to make room",
+            m.checkpoints.clone(),
+        );
+        registry.register(
+            "checkpoint_bytes",
+            "GPU memory no swap frees (contexts, modules) that checkpoints took off the GPU",
+            m.checkpoint_bytes.clone(),
+        );
+        registry.register(
+            "restores",
+            "Checkpointed processes restored",
+            m.restores.clone(),
+        );
+        registry.register(
+            "checkpoints_skipped",
+            "Checkpoints or restores the driver refused or the arbiter skipped",
+            m.checkpoints_skipped.clone(),
         );
         registry.register(
             "swap_bytes",
@@ -305,6 +333,16 @@ impl ArbiterMetrics {
             EventKind::Exit => {
                 self.last_release_ns.entry(gpu.to_string()).or_insert(t_ns);
             }
+            EventKind::Checkpoint { bytes, .. } => {
+                self.checkpoints.get_or_create(&g).inc();
+                self.checkpoint_bytes.get_or_create(&g).inc_by(*bytes);
+            }
+            EventKind::Restore { .. } => {
+                self.restores.get_or_create(&g).inc();
+            }
+            EventKind::CheckpointSkipped { .. } => {
+                self.checkpoints_skipped.get_or_create(&g).inc();
+            }
             EventKind::SwapOut { bytes, duration_ns }
             | EventKind::SwapIn { bytes, duration_ns } => {
                 let s = SwapLabels {
@@ -336,6 +374,10 @@ impl ArbiterMetrics {
             &self.drops_no_fit,
             &self.early_releases,
             &self.revocations,
+            &self.checkpoints,
+            &self.checkpoint_bytes,
+            &self.restores,
+            &self.checkpoints_skipped,
         ] {
             f.remove(&g);
         }
@@ -511,6 +553,35 @@ mod handoff_tests {
             })
             .collect::<Vec<_>>()
             .join(" ")
+    }
+
+    #[test]
+    fn checkpoints_and_restores_are_counted() {
+        let mut m = ArbiterMetrics::new();
+        for kind in [
+            EventKind::Checkpoint {
+                bytes: 300 << 20,
+                duration_ns: 1,
+            },
+            EventKind::Restore {
+                bytes: 300 << 20,
+                duration_ns: 1,
+            },
+            EventKind::CheckpointSkipped {
+                reason: "lock: CUDA_ERROR_NOT_READY".into(),
+            },
+        ] {
+            m.observe(1, "GPU-0", Some(1), &kind);
+        }
+        let out = m.render(&[], &NodeSwap::default());
+        for want in [
+            "kiwi_checkpoints_total{gpu=\"GPU-0\"} 1",
+            "kiwi_checkpoint_bytes_total{gpu=\"GPU-0\"} 314572800",
+            "kiwi_restores_total{gpu=\"GPU-0\"} 1",
+            "kiwi_checkpoints_skipped_total{gpu=\"GPU-0\"} 1",
+        ] {
+            assert!(out.contains(want), "{want} in\n{out}");
+        }
     }
 
     /// A pipelined hand-off grants B before A's release: A's release must not start

@@ -36,6 +36,19 @@ pub(crate) fn state_name(s: ClientState) -> &'static str {
     }
 }
 
+/// A client's state as the tables show it: its scheduling state, or `ckpt` (`wait+ck`
+/// while it waits for its turn) when the driver checkpointed its whole process.
+pub(crate) fn client_state(c: &ClientStatus) -> &'static str {
+    match (c.checkpointed, c.state) {
+        (true, ClientState::Waiting) => "wait+ck",
+        (true, _) => "ckpt",
+        (false, s) => state_name(s),
+    }
+}
+
+/// What `ckpt` means, for the line under a table that shows one.
+pub(crate) const CKPT_LEGEND: &str = "  ckpt: the whole process is checkpointed to host memory (its contexts too) to make room; it is restored before its next turn";
+
 /// The node-wide swap line: budget, need, in use.
 pub(crate) fn swap_line(r: &StatusReport) -> String {
     let budget = match r.swap_budget_bytes {
@@ -138,7 +151,7 @@ fn render_gpus(r: &StatusReport) -> String {
         );
         for c in &g.clients {
             let where_ = client_where(c);
-            let state = state_name(c.state);
+            let state = client_state(c);
             let _ = writeln!(
                 s,
                 "  {:>4} {:>7} {:>8} {:<16} {:<28} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8}",
@@ -160,6 +173,9 @@ fn render_gpus(r: &StatusReport) -> String {
                 c.idle_since_ns
                     .map_or_else(|| "-".to_string(), |t| secs(r.now_ns.saturating_sub(t)))
             );
+        }
+        if g.clients.iter().any(|c| c.checkpointed) {
+            let _ = writeln!(s, "{CKPT_LEGEND}");
         }
     }
     s

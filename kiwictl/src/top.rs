@@ -25,7 +25,9 @@ use kiwi_protocol::{
 };
 
 use crate::control::Control;
-use crate::status::{client_where, mib, omitted_line, secs, state_name, swap_line};
+use crate::status::{
+    client_state, client_where, mib, omitted_line, secs, swap_line, CKPT_LEGEND,
+};
 
 #[derive(clap::Args, Debug)]
 pub struct TopArgs {
@@ -326,7 +328,7 @@ impl Tracker {
                 c.host_pid,
                 cut(c.name.as_deref().unwrap_or("-"), 16),
                 cut(&client_where(c), 24),
-                state_name(c.state),
+                client_state(c),
                 mib(c.resident_bytes),
                 mib(c.swapped_bytes),
                 secs(c.waited_ns),
@@ -334,6 +336,9 @@ impl Tracker {
                 fmt_rate(|r| r.in_bps),
                 fmt_rate(|r| r.out_bps),
             )));
+        }
+        if g.clients.iter().any(|c| c.checkpointed) {
+            out.push(Line::plain(CKPT_LEGEND.to_string()));
         }
     }
 }
@@ -747,6 +752,22 @@ mod tests {
         };
         assert!(row("1").trim_end().ends_with("0.0      50.0"), "{s}");
         assert!(row("2").trim_end().ends_with("25.0       0.0"), "{s}");
+    }
+
+    #[test]
+    fn a_checkpointed_client_says_so_and_the_legend_says_what_it_means() {
+        let t = Tracker::default();
+        let mut r = report(1, &[2], false);
+        assert!(!text(&t, &r).contains("ckpt"));
+        r.gpus[0].clients[1].checkpointed = true;
+        let s = text(&t, &r);
+        let row = s
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some("2"))
+            .unwrap();
+        assert!(row.contains("wait+ck"), "{s}");
+        assert!(s.contains("ckpt: the whole process is checkpointed"), "{s}");
+        assert!(crate::status::render(&r).contains("wait+ck"));
     }
 
     #[test]
