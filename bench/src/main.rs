@@ -1,6 +1,7 @@
 //! `kiwi-bench <scenario>`: Kiwi's benchmarks. Every figure is printed next to a
 //! baseline measured in the same run, as a ratio (`--json`: one object per line).
 
+mod checkpoint;
 mod handoff;
 mod jobs;
 mod livebytes;
@@ -80,6 +81,11 @@ enum Scenario {
     /// A newcomer's first CUDA call to its context beside an idle holder of 90% of
     /// the GPU, against that holder's swap-out alone.
     Newcomer,
+    /// Whole-process eviction (issue #25): a 2.9 GiB notebook and three newcomers whose
+    /// contexts leave it no room, with the driver's checkpoint API: the checkpoint of
+    /// an idle process's residual against the simulator's modelled cost, and the
+    /// makespan against the four run one after another.
+    Checkpoint,
     #[command(name = "__arbiter", hide = true)]
     Arbiter {
         #[arg(long)]
@@ -91,6 +97,10 @@ enum Scenario {
         /// `[arbiter] idle_evict_seconds`, in ms (0: off); default: the arbiter's.
         #[arg(long)]
         idle_evict_ms: Option<u64>,
+        /// Load the driver's checkpoint API (the simulator's, from this process's
+        /// environment).
+        #[arg(long)]
+        checkpoint: bool,
     },
     #[command(name = "__launch-overhead", hide = true)]
     LaunchOverheadRole { shim: PathBuf },
@@ -175,13 +185,15 @@ fn run(cli: Cli) -> Result<()> {
         Scenario::EarlyRelease => pipeline::early_release(cli.quick)?,
         Scenario::LiveBytes => livebytes::live_bytes(cli.quick)?,
         Scenario::Newcomer => newcomer::newcomer(cli.quick)?,
+        Scenario::Checkpoint => checkpoint::checkpoint(cli.quick)?,
         Scenario::NewcomerRole => return newcomer::newcomer_role(),
         Scenario::Arbiter {
             socket_dir,
             tq,
             scheduler,
             idle_evict_ms,
-        } => return arbiter_role(socket_dir, tq, &scheduler, idle_evict_ms),
+            checkpoint,
+        } => return arbiter_role(socket_dir, tq, &scheduler, idle_evict_ms, checkpoint),
         Scenario::HandoffClient { socket, rounds } => {
             return handoff::client_role(&socket, rounds, true)
         }
@@ -214,6 +226,7 @@ fn run_all(quick: bool, json: bool, markdown: Option<PathBuf>) -> Result<()> {
         ("early-release", Box::new(pipeline::early_release)),
         ("live-bytes", Box::new(livebytes::live_bytes)),
         ("newcomer", Box::new(newcomer::newcomer)),
+        ("checkpoint", Box::new(checkpoint::checkpoint)),
         ("oversub", Box::new(jobs::oversub)),
         ("fit", Box::new(jobs::fit)),
     ];
@@ -259,6 +272,7 @@ fn arbiter_role(
     tq: f64,
     scheduler: &str,
     idle_evict_ms: Option<u64>,
+    checkpoint: bool,
 ) -> Result<()> {
     let mut cfg = kiwi_arbiter::ServerConfig {
         tq_ms: ((tq * 1000.0) as u64).max(1),
@@ -270,6 +284,10 @@ fn arbiter_role(
     };
     if let Some(ms) = idle_evict_ms {
         cfg.idle_evict_ms = ms;
+    }
+    if checkpoint {
+        let d = kiwi_arbiter::checkpoint::DriverCheckpointer::load().map_err(anyhow::Error::msg)?;
+        cfg.checkpointer = Some(std::sync::Arc::new(d));
     }
     // A benchmark killed mid-run (Ctrl-C, a timeout) leaves no arbiter behind.
     // SAFETY: prctl(PR_SET_PDEATHSIG) takes a signal number and touches no memory.

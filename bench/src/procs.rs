@@ -18,8 +18,19 @@ pub struct ArbiterProc {
 
 impl ArbiterProc {
     pub fn start(tq_s: f64, extra: &[&str]) -> Result<Self> {
+        Self::start_with(tq_s, extra, |c| c)
+    }
+
+    /// [`ArbiterProc::start`], its command shaped by `shape` first (the simulator's
+    /// environment, for an arbiter that loads its libcuda).
+    pub fn start_with(
+        tq_s: f64,
+        extra: &[&str],
+        shape: impl FnOnce(&mut Command) -> &mut Command,
+    ) -> Result<Self> {
         let dir = tempfile::Builder::new().prefix("kiwi-bench").tempdir()?;
-        let child = Command::new(std::env::current_exe()?)
+        let mut cmd = Command::new(std::env::current_exe()?);
+        let child = shape(&mut cmd)
             .arg("__arbiter")
             .arg("--socket-dir")
             .arg(dir.path())

@@ -25,9 +25,7 @@ use kiwi_protocol::{
 };
 
 use crate::control::Control;
-use crate::status::{
-    client_state, client_where, mib, omitted_line, secs, swap_line, CKPT_LEGEND,
-};
+use crate::status::{client_state, client_where, mib, omitted_line, secs, swap_line, CKPT_LEGEND};
 
 #[derive(clap::Args, Debug)]
 pub struct TopArgs {
