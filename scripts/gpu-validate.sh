@@ -17,7 +17,11 @@
 #    orders (one turn per GPU, acquired in one order: no deadlock);
 # 4. swap throughput and hand-offs from the arbiter's event log;
 # 5. the driver's own costs (scripts/gpu-costs.py) and which calls break a stream
-#    capture (scripts/gpu-capture-rules.py), both without Kiwi.
+#    capture (scripts/gpu-capture-rules.py), both without Kiwi;
+# 6. the driver's checkpoint API without Kiwi (scripts/gpu-checkpoint.py: states,
+#    refusals, costs) and through the arbiter: a gpuburst notebook that three
+#    newcomers' contexts leave no room, which runs once idle newcomers are
+#    checkpointed (checkpoint and restore events, with their durations).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=target/release
@@ -286,6 +290,44 @@ if [ "$GPUS" -ge 2 ]; then
   echo "$multi_result"
 fi
 
+ckpt_api="skipped: no python3 with torch"
+if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+  echo "== the driver's checkpoint API, no Kiwi"
+  timeout 180 python3 scripts/gpu-checkpoint.py 2 >"$WORK/ckpt-api.txt" 2>&1 || true
+  cat "$WORK/ckpt-api.txt"; ckpt_api=$(tr '\n' ';' <"$WORK/ckpt-api.txt")
+fi
+echo "== whole-process eviction through the arbiter"
+# The holder leaves room for its own context and about two more (~500 MiB each on a
+# data-centre GPU): three newcomers' contexts leave it no room for its working set.
+HOLD_MIB=$((TOTAL_MIB - 1600))
+SOCK2="$WORK/sock2"
+"$R/kiwi-arbiter" --socket-dir "$SOCK2" --tq 2 --checkpoint auto 2>"$WORK/arbiter2.log" &
+ARB2=$!
+for _ in $(seq 100); do [ -S "$SOCK2/client/arbiter.sock" ] && break; sleep 0.1; done
+"$R/kiwictl" --socket-dir "$SOCK2" run -- "$R/gpuburst" --mem "${HOLD_MIB}MiB" --bursts 5 --gpu-ms 1000 --cpu-ms 1500 --name H --seed 5 >"$WORK/ck-h.out" 2>&1 & CH=$!
+sleep 8
+CN=()
+for i in 1 2 3; do
+  "$R/kiwictl" --socket-dir "$SOCK2" run -- "$R/gpuburst" --mem 64MiB --bursts 5 --gpu-ms 200 --cpu-ms 1500 --name "N$i" --seed $((5 + i)) >"$WORK/ck-n$i.out" 2>&1 & CN+=($!)
+done
+rh=0; wait $CH || rh=$?
+rc_ck="H $rh"
+for p in "${CN[@]}"; do rn=0; wait "$p" || rn=$?; rc_ck+=" N $rn"; done
+"$R/kiwictl" --socket-dir "$SOCK2" events >"$WORK/events-ckpt.jsonl" || true
+kill -TERM "$ARB2" 2>/dev/null || true
+ckpt_result="$(grep -m1 'checkpoint:' "$WORK/arbiter2.log" | sed 's/^\[INFO\] //'); exits $rc_ck; verified $(cat "$WORK"/ck-*.out | grep -c 'all bytes as expected' || true); $(python3 - "$WORK/events-ckpt.jsonl" <<'PY'
+import sys, json
+ev = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+k = lambda e: e["kind"]["event"]
+c = [e["kind"] for e in ev if k(e) == "checkpoint"]
+r = [e["kind"] for e in ev if k(e) == "restore"]
+s = [e["kind"]["reason"] for e in ev if k(e) == "checkpoint_skipped"]
+f = lambda xs: ", ".join(f"{x['bytes']>>20} MiB in {x['duration_ns']/1e6:.0f} ms" for x in xs[:6])
+print(f"{len(c)} checkpoints ({f(c)}), {len(r)} restores ({f(r)}), skipped: {sorted(set(s)) or 'none'}")
+PY
+)"
+echo "$ckpt_result"
+
 "$R/kiwictl" --socket-dir "$SOCK" events >"$WORK/events.jsonl" || true
 swaps=$(python3 - "$WORK/events.jsonl" <<'PY'
 import sys, json
@@ -343,6 +385,8 @@ fi
   echo "- torch.multiprocessing CUDA tensor: ${ipc_result}"
   echo "- PyTorch notebooks caching ~10x their live tensors, per swap-out: ${hint_result}"
   echo "- two-GPU pair in opposite orders: ${multi_result}"
+  echo "- the driver's checkpoint API, no Kiwi (scripts/gpu-checkpoint.py): ${ckpt_api}"
+  echo "- a notebook at ${HOLD_MIB} MiB beside three newcomers, arbiter with --checkpoint auto: ${ckpt_result}"
   while IFS= read -r line; do echo "- $line"; done <<<"$swaps"
   echo
   echo "The driver's costs (scripts/gpu-costs.py, 4 GiB each, no Kiwi):"

@@ -54,6 +54,16 @@ pub fn costs() -> Vec<String> {
              (`KIWI_SIM_HBM_GBPS`)",
             COSTS.hbm_gbps
         ),
+        format!(
+            "the driver's checkpoint API: a checkpoint {} ms plus {} GB/s of the \
+             process's device memory, a restore {} ms plus {} GB/s \
+             (`KIWI_SIM_CHECKPOINT_*`, `KIWI_SIM_RESTORE_*`; fitted to gpusched's H100 \
+             PCIe figures, not measured here)",
+            kiwi_sim_core::knobs::DEFAULT_CHECKPOINT_MS,
+            kiwi_sim_core::knobs::DEFAULT_CHECKPOINT_GBPS,
+            kiwi_sim_core::knobs::DEFAULT_RESTORE_MS,
+            kiwi_sim_core::knobs::DEFAULT_RESTORE_GBPS
+        ),
     ]
 }
 

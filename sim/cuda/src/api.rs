@@ -28,7 +28,11 @@ pub(crate) fn cuInit(flags: u32) -> Result<(), CUresult> {
     if flags != 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    driver::init().map(|_| ())
+    let d = driver::init()?;
+    // The restore thread of the checkpoint API, once (as the real driver's).
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    STARTED.call_once(|| crate::checkpoint::start(d));
+    Ok(())
 }
 
 pub(crate) fn cuDriverGetVersion(v: *mut i32) -> Result<(), CUresult> {
@@ -481,7 +485,7 @@ pub(crate) fn cuMemFree_v2(ptr: CUdeviceptr) -> Result<(), CUresult> {
         ctx.wait_all();
     }
     d.mem.free_linear(ptr)?;
-    crate::pool::note_free(ptr);
+    crate::pool_usage::note_free(ptr);
     Ok(())
 }
 
@@ -599,7 +603,7 @@ fn free_async(ptr: CUdeviceptr, stream: CUstream, pt: bool) -> Result<(), CUresu
     if !d.mem.is_linear_start(ptr) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    s.ctx.submit(&s, Op::Free { ptr }).map(|_| ())
+    crate::capture::submit(&s.ctx, &s, Op::Free { ptr }).map(|_| ())
 }
 
 pub(crate) fn cuMemFreeAsync(ptr: CUdeviceptr, stream: CUstream, pt: bool) -> Result<(), CUresult> {
@@ -707,7 +711,7 @@ fn pointer_attribute(
             MAPPED => out(data.cast::<i32>(), i32::from(i.mapped)),
             MEMPOOL_HANDLE => out(
                 data.cast::<*mut c_void>(),
-                crate::pool::pool_of(i.start).unwrap_or(0) as *mut c_void,
+                crate::pool_usage::pool_of(i.start).unwrap_or(0) as *mut c_void,
             ),
             _ => Err(CUDA_ERROR_INVALID_VALUE),
         };
@@ -799,7 +803,7 @@ pub(crate) fn cuIpcGetMemHandle(handle: *mut [u8; 64], ptr: CUdeviceptr) -> Resu
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let info = d.mem.pointer_info(ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    if !d.mem.is_linear_start(ptr) || info.managed || crate::pool::pool_of(ptr).is_some() {
+    if !d.mem.is_linear_start(ptr) || info.managed || crate::pool_usage::pool_of(ptr).is_some() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     crate::checkpoint::IPC_EXPORTED.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -1063,7 +1067,7 @@ fn enqueue(stream: CUstream, pt: bool, op: Op, sync: bool) -> Result<(), CUresul
         // stream's rule is checked at submission.
         capture::refuse_stream_use(&s)?;
     }
-    let seq = s.ctx.submit(&s, op)?;
+    let seq = crate::capture::submit(&s.ctx, &s, op)?;
     if sync {
         s.ctx.wait_for(s.lane, seq);
         s.ctx.check()?;
@@ -1812,9 +1816,7 @@ fn stream_wait_event(s: CUstream, e: CUevent, pt: bool) -> Result<(), CUresult> 
         // Same executor lane: submission order already puts the record first.
         return Ok(());
     }
-    st.ctx
-        .submit(&st, Op::WaitFor { ctx, lane, seq })
-        .map(|_| ())
+    crate::capture::submit(&st.ctx, &st, Op::WaitFor { ctx, lane, seq }).map(|_| ())
 }
 
 pub(crate) fn cuStreamWaitEvent(
@@ -1839,16 +1841,16 @@ fn add_callback(
     }
     let d = driver()?;
     let st = d.stream(s, pt)?;
-    st.ctx
-        .submit(
-            &st,
-            Op::Callback {
-                f,
-                stream: s as usize,
-                data: data as usize,
-            },
-        )
-        .map(|_| ())
+    crate::capture::submit(
+        &st.ctx,
+        &st,
+        Op::Callback {
+            f,
+            stream: s as usize,
+            data: data as usize,
+        },
+    )
+    .map(|_| ())
 }
 
 pub(crate) fn cuStreamAddCallback(
@@ -1923,7 +1925,8 @@ fn event_record(e: CUevent, s: CUstream, pt: bool) -> Result<(), CUresult> {
         g.capture_id = capture_id;
         g.generation
     };
-    let got = st.ctx.submit(
+    let got = crate::capture::submit(
+        &st.ctx,
         &st,
         Op::EventRecord {
             event: ev.clone(),
@@ -2223,7 +2226,7 @@ fn graph_launch(exec: *mut c_void, stream: CUstream, pt: bool) -> Result<(), CUr
     let st = d.stream(stream, pt)?;
     st.ctx.check()?;
     for op in ops.iter() {
-        st.ctx.submit(&st, op.clone())?;
+        crate::capture::submit(&st.ctx, &st, op.clone())?;
     }
     Ok(())
 }
@@ -2488,7 +2491,7 @@ fn launch(
     let args = kernel_args(kind, params, extra)?;
     let s = d.stream(stream, pt)?;
     s.ctx.check()?;
-    s.ctx.submit(&s, Op::Kernel { kind, args }).map(|_| ())
+    crate::capture::submit(&s.ctx, &s, Op::Kernel { kind, args }).map(|_| ())
 }
 
 pub(crate) fn cuLaunchKernel(
@@ -2570,15 +2573,15 @@ fn host_func(s: CUstream, f: CUhostFn, data: *mut c_void, pt: bool) -> Result<()
     let d = driver()?;
     let st = d.stream(s, pt)?;
     st.ctx.check()?;
-    st.ctx
-        .submit(
-            &st,
-            Op::HostFn {
-                f,
-                data: data as usize,
-            },
-        )
-        .map(|_| ())
+    crate::capture::submit(
+        &st.ctx,
+        &st,
+        Op::HostFn {
+            f,
+            data: data as usize,
+        },
+    )
+    .map(|_| ())
 }
 
 pub(crate) fn cuLaunchHostFunc(
@@ -2610,30 +2613,4 @@ pub(crate) fn cuGetErrorString(e: CUresult, s: *mut *const c_char) -> Result<(),
             Err(CUDA_ERROR_INVALID_VALUE)
         }
     }
-}
-
-pub(crate) fn cuGetExportTable(
-    table: *mut *const c_void,
-    id: *const CUuuid,
-) -> Result<(), CUresult> {
-    crate::dark_api::export_table(table, id)
-}
-
-pub(crate) fn cuGetProcAddress(
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    version: i32,
-    flags: u64,
-) -> Result<(), CUresult> {
-    crate::procaddr::get_proc_address(symbol, pfn, version, flags, std::ptr::null_mut())
-}
-
-pub(crate) fn cuGetProcAddress_v2(
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    version: i32,
-    flags: u64,
-    status: *mut i32,
-) -> Result<(), CUresult> {
-    crate::procaddr::get_proc_address(symbol, pfn, version, flags, status)
 }

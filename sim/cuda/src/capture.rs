@@ -154,6 +154,17 @@ pub fn refuse_legacy(ctx: &Context) -> Result<(), CUresult> {
     })
 }
 
+/// Queues `op` on `stream` of `ctx` (`Context::submit`) after rule 3: work on the
+/// legacy stream while another stream of the context captures in global or
+/// thread-local mode is refused, and that capture invalidated. A capturing stream
+/// records `op` instead.
+pub fn submit(ctx: &Context, stream: &Stream, op: Op) -> Result<u64, CUresult> {
+    if stream.legacy && !stream.is_capturing() && active() {
+        refuse_legacy(ctx)?;
+    }
+    ctx.submit(stream, op)
+}
+
 /// Rule 3 for the capture-status queries of the legacy stream of `ctx`
 /// (`cuStreamIsCapturing`, `cuStreamGetCaptureInfo`): refused, nothing invalidated
 /// (Driver API reference, `cuStreamIsCapturing`).

@@ -112,7 +112,11 @@ static CONTEXT_CHECKS: Table<4> = Table({
 });
 
 /// `cuGetExportTable(table, id)`.
-pub fn export_table(table: *mut *const c_void, id: *const CUuuid) -> Result<(), CUresult> {
+#[allow(non_snake_case)]
+pub(crate) fn cuGetExportTable(
+    table: *mut *const c_void,
+    id: *const CUuuid,
+) -> Result<(), CUresult> {
     let id = read(id)?.bytes;
     let start = match id {
         CUDART_INTERFACE_ID => CUDART_INTERFACE.start(),

@@ -14,6 +14,7 @@ use kiwi_sim_core::{Machine, MachineError, SimConfig};
 
 use crate::abi::*;
 use crate::exec::{Context, Event, Op, Stream};
+use crate::hw::Hw;
 use crate::memory::Memory;
 
 /// A loaded module: the context it was loaded into and the device memory it was
@@ -30,31 +31,11 @@ pub struct Primary {
     pub flags: u32,
 }
 
-/// Everything `cuInit` sets up.
+/// Everything `cuInit` sets up: the simulated hardware as this process sees it
+/// ([`Hw`], which every `Driver` derefs to) and the registry of its contexts,
+/// streams, events, modules and graphs.
 pub struct Driver {
-    pub machine: &'static Machine,
-    pub name: String,
-    pub gpus: u32,
-    /// Host↔device bandwidth in bytes/s.
-    pub pcie_bps: f64,
-    /// Device memory bandwidth in bytes/s.
-    pub hbm_bps: f64,
-    /// Device memory each context costs (the machine's `KIWI_SIM_CONTEXT_MEMORY`).
-    pub context_memory: u64,
-    /// Wall time each `cuMemCreate` call takes, in seconds (0: free, and the other
-    /// VMM calls' costs off too).
-    pub memcreate_s: f64,
-    /// Wall time `cuMemCreate` takes per 2 MiB on top of the call's, in seconds.
-    pub memcreate_s_per_2mib: f64,
-    /// How fast host memory is page-locked, bytes/s (0: free).
-    pub pin_bps: f64,
-    /// Copies with pageable host memory, bytes/s each way (0: at the link's rate).
-    pub pageable_h2d_bps: f64,
-    pub pageable_d2h_bps: f64,
-    pub trace: Option<TraceWriter>,
-    /// `KIWI_SIM_FAIL_SYNC` (fault injection, see `kiwi_sim_core::knobs`).
-    pub fail_sync: Option<std::path::PathBuf>,
-    pub mem: Memory,
+    pub hw: Hw,
     pub primary: Vec<Mutex<Primary>>,
     pub contexts: RwLock<HashMap<usize, Arc<Context>>>,
     pub streams: RwLock<HashMap<usize, Arc<Stream>>>,
@@ -77,6 +58,13 @@ pub struct Driver {
     pub checkpoint_bps: f64,
     pub restore_s: f64,
     pub restore_bps: f64,
+}
+
+impl std::ops::Deref for Driver {
+    type Target = Hw;
+    fn deref(&self) -> &Hw {
+        &self.hw
+    }
 }
 
 static DRIVER: OnceLock<Result<Driver, CUresult>> = OnceLock::new();
@@ -112,20 +100,22 @@ fn init_driver() -> Result<Driver, CUresult> {
     // SAFETY: registers a handler that only stores to an atomic (async-signal-safe).
     unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };
     Ok(Driver {
-        machine,
-        name: cfg.name.clone(),
-        gpus: settings.gpus,
-        pcie_bps: settings.pcie_gbps * 1e9,
-        hbm_bps: settings.hbm_gbps * 1e9,
-        context_memory: settings.context_memory,
-        memcreate_s: cfg.memcreate_us * 1e-6,
-        memcreate_s_per_2mib: cfg.memcreate_us_per_2mib * 1e-6,
-        pin_bps: cfg.pin_gbps * 1e9,
-        pageable_h2d_bps: cfg.pageable_h2d_gbps * 1e9,
-        pageable_d2h_bps: cfg.pageable_d2h_gbps * 1e9,
-        trace,
-        fail_sync: cfg.fail_sync.clone(),
-        mem,
+        hw: Hw {
+            machine,
+            name: cfg.name.clone(),
+            gpus: settings.gpus,
+            pcie_bps: settings.pcie_gbps * 1e9,
+            hbm_bps: settings.hbm_gbps * 1e9,
+            context_memory: settings.context_memory,
+            memcreate_s: cfg.memcreate_us * 1e-6,
+            memcreate_s_per_2mib: cfg.memcreate_us_per_2mib * 1e-6,
+            pin_bps: cfg.pin_gbps * 1e9,
+            pageable_h2d_bps: cfg.pageable_h2d_gbps * 1e9,
+            pageable_d2h_bps: cfg.pageable_d2h_gbps * 1e9,
+            trace,
+            fail_sync: cfg.fail_sync.clone(),
+            mem,
+        },
         primary: (0..settings.gpus)
             .map(|_| {
                 Mutex::new(Primary {
@@ -158,18 +148,8 @@ pub fn init() -> Result<&'static Driver, CUresult> {
     if FORKED.load(Ordering::Relaxed) {
         return Err(CUDA_ERROR_NOT_INITIALIZED);
     }
-    let mut first = false;
-    let d = DRIVER.get_or_init(|| {
-        first = true;
-        init_driver()
-    });
-    match d {
-        Ok(d) => {
-            if first {
-                crate::checkpoint::start(d);
-            }
-            Ok(d)
-        }
+    match DRIVER.get_or_init(init_driver) {
+        Ok(d) => Ok(d),
         Err(e) => Err(*e),
     }
 }

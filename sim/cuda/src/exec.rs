@@ -23,7 +23,7 @@ use std::time::Duration;
 use kiwi_sim_core::{dma, monotonic_ns, LinkDir, TraceRecord};
 
 use crate::abi::*;
-use crate::driver::Driver;
+use crate::hw::Hw;
 use crate::memory::Fault;
 
 /// Most operations queued on one context before submission blocks.
@@ -201,7 +201,7 @@ pub struct Context {
     pub device: u32,
     pub flags: u32,
     pub primary: bool,
-    driver: &'static Driver,
+    driver: &'static Hw,
     lanes: [Lane; LANES],
     /// Sticky error (e.g. `CUDA_ERROR_ILLEGAL_ADDRESS`): every later call fails with it.
     pub sticky: AtomicU32,
@@ -355,7 +355,7 @@ pub struct EventState {
 }
 
 impl Context {
-    pub fn new(driver: &'static Driver, device: u32, flags: u32, primary: bool) -> Arc<Context> {
+    pub fn new(driver: &'static Hw, device: u32, flags: u32, primary: bool) -> Arc<Context> {
         let ctx = Arc::new(Context {
             device,
             flags,
@@ -412,6 +412,8 @@ impl Context {
     }
 
     /// Queues `op` on `stream` (which belongs to this context); returns its sequence.
+    /// The stream capture rules are `crate::capture::submit`'s, which every
+    /// submission goes through.
     pub fn submit(&self, stream: &Stream, op: Op) -> Result<u64, CUresult> {
         if stream.is_capturing() {
             // Captured into the stream's graph instead of run; sequence 0 is
@@ -427,9 +429,6 @@ impl Context {
                 cap.ops.push(op);
                 return Ok(0);
             }
-        }
-        if stream.legacy && crate::capture::active() {
-            crate::capture::refuse_legacy(self)?;
         }
         let l = &self.lanes[stream.lane];
         let mut q = l.queue.lock().unwrap_or_else(|e| e.into_inner());
@@ -820,7 +819,7 @@ impl Context {
             }
             Op::Free { ptr } => {
                 if d.mem.free_linear(ptr).is_ok() {
-                    crate::pool::note_free(ptr);
+                    crate::pool_usage::note_free(ptr);
                 }
             }
             Op::Nop => {}
@@ -981,14 +980,7 @@ fn copy_pieces(src: &[crate::memory::Piece], dst: &[crate::memory::Piece]) {
 }
 
 /// Fills `count` elements of `elem` bytes at device address `dst` with `value`.
-fn memset_range(
-    d: &Driver,
-    dev: u32,
-    dst: u64,
-    value: u32,
-    elem: u8,
-    count: u64,
-) -> Result<(), Fault> {
+fn memset_range(d: &Hw, dev: u32, dst: u64, value: u32, elem: u8, count: u64) -> Result<(), Fault> {
     let n = count * u64::from(elem);
     let pattern: [u8; 4] = match elem {
         1 => [value as u8; 4],
@@ -1011,7 +1003,7 @@ fn memset_range(
 
 /// Copies `n` bytes between any combination of host and device addresses.
 fn copy_row(
-    d: &Driver,
+    d: &Hw,
     dev: u32,
     src_dev: bool,
     src: u64,
@@ -1054,14 +1046,7 @@ fn copy_row(
 /// and done on the link by `link_end`, ends: then, for pinned (allocated or
 /// registered) host memory; no sooner than at `pageable_bps` for pageable memory,
 /// which the driver stages through its own pinned buffers.
-fn pageable_end(
-    d: &Driver,
-    host: usize,
-    n: u64,
-    start: u64,
-    link_end: u64,
-    pageable_bps: f64,
-) -> u64 {
+fn pageable_end(d: &Hw, host: usize, n: u64, start: u64, link_end: u64, pageable_bps: f64) -> u64 {
     let pinned = d
         .mem
         .host_range(host)

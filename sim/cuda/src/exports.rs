@@ -5,6 +5,8 @@
 //! (`_ptsz`/`_ptds`).
 //!
 //! An entry `cuX(args) = VERSION;` exports `cuX`, which runs `crate::api::cuX(args)`
+//! (`= VERSION in module;`: `crate::module::cuX(args)`, for the lookups that sit
+//! above `api`: `procaddr`, `dark_api`)
 //! through [`guard`] (no panic crosses the C ABI). With `, per_thread cuX_ptsz` it
 //! also exports the twin; both run `crate::api::cuX(args, pt)`, with `pt` false for
 //! `cuX` and true for the twin, whose NULL stream is then the calling thread's
@@ -20,11 +22,12 @@ use std::ffi::{c_char, c_void};
 use crate::abi::*;
 use crate::api;
 use crate::checkpoint;
+use crate::dark_api;
 use crate::ffi::guard;
-use crate::procaddr::base_name;
+use crate::procaddr::{self, base_name};
 
 macro_rules! exports {
-    (@fn $name:ident ($($arg:ident : $ty:ty),* $(,)?) []) => {
+    (@fn $name:ident ($($arg:ident : $ty:ty),* $(,)?) [] []) => {
         #[no_mangle]
         extern "C" fn $name($($arg: $ty),*) -> CUresult {
             guard(|| {
@@ -33,7 +36,16 @@ macro_rules! exports {
             })
         }
     };
-    (@fn $name:ident ($($arg:ident : $ty:ty),* $(,)?) [$pt:ident]) => {
+    (@fn $name:ident ($($arg:ident : $ty:ty),* $(,)?) [] [$module:ident]) => {
+        #[no_mangle]
+        extern "C" fn $name($($arg: $ty),*) -> CUresult {
+            guard(|| {
+                let _in = checkpoint::enter();
+                $module::$name($($arg),*)
+            })
+        }
+    };
+    (@fn $name:ident ($($arg:ident : $ty:ty),* $(,)?) [$pt:ident] []) => {
         #[no_mangle]
         extern "C" fn $name($($arg: $ty),*) -> CUresult {
             guard(|| {
@@ -56,10 +68,10 @@ macro_rules! exports {
         }
     };
     (
-        $( $name:ident $args:tt = $ver:literal $(, per_thread $pt:ident)? ; )*
+        $( $name:ident $args:tt = $ver:literal $(, per_thread $pt:ident)? $(in $m:ident)? ; )*
         @ungated $( $module:ident :: $uname:ident $uargs:tt = $uver:literal ; )*
     ) => {
-        $( exports!(@fn $name $args [$($pt)?]); )*
+        $( exports!(@fn $name $args [$($pt)?] [$($m)?]); )*
         $( exports!(@ungated $module $uname $uargs); )*
 
         /// Every export but the per-thread twins: (symbol, minimum CUDA version,
@@ -254,9 +266,9 @@ exports! {
     cuLaunchHostFunc(s: CUstream, f: CUhostFn, data: *mut c_void) = 10000, per_thread cuLaunchHostFunc_ptsz;
 
     // entry points
-    cuGetExportTable(table: *mut *const c_void, id: *const CUuuid) = 3000;
-    cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64) = 11030;
-    cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64, status: *mut i32) = 12000;
+    cuGetExportTable(table: *mut *const c_void, id: *const CUuuid) = 3000 in dark_api;
+    cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64) = 11030 in procaddr;
+    cuGetProcAddress_v2(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64, status: *mut i32) = 12000 in procaddr;
 
     // Past no gate: the error strings, and the checkpoint calls (made by another
     // process, about this one's gate).
@@ -270,3 +282,14 @@ exports! {
     checkpoint::cuCheckpointProcessRestore(pid: i32, args: *const u64) = 12080;
     checkpoint::cuCheckpointProcessUnlock(pid: i32, args: *const u64) = 12080;
 }
+
+/// Hands the entry-point tables to `crate::procaddr` when the library is loaded (an
+/// ELF constructor), so the lookup layer below never reaches up into this one.
+extern "C" fn register_exports() {
+    // A panic must not unwind out of a constructor.
+    let _ = std::panic::catch_unwind(|| procaddr::register((exports(), per_thread_exports())));
+}
+
+#[used]
+#[link_section = ".init_array"]
+static REGISTER_EXPORTS: extern "C" fn() = register_exports;

@@ -1,6 +1,6 @@
 //! Stream-ordered memory pools (`cuMemPool*`, `cuDeviceGet/SetMemPool`,
-//! `cuMemAllocFromPoolAsync`). Owns the pools of this process and which pool each
-//! stream-ordered allocation came from.
+//! `cuMemAllocFromPoolAsync`). Owns the pools of this process; which pool each
+//! stream-ordered allocation came from is `pool_usage`'s.
 //!
 //! Model: every allocation from a pool is its own physical allocation, taken at the
 //! call (so out-of-memory is reported there) and given back when the stream reaches
@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use crate::abi::*;
 use crate::driver::{driver, Driver};
 use crate::ffi::{out, read};
+use crate::pool_usage::Usage;
 
 /// `CU_MEMPOOL_ATTR_*`.
 mod attr {
@@ -52,8 +53,7 @@ pub struct Pool {
     /// Reuse policies (three booleans) and the release threshold.
     reuse: Mutex<[i32; 3]>,
     release_threshold: AtomicU64,
-    used: AtomicU64,
-    high: AtomicU64,
+    usage: Arc<Usage>,
 }
 
 impl Pool {
@@ -63,8 +63,7 @@ impl Pool {
             default,
             reuse: Mutex::new([1, 1, 1]),
             release_threshold: AtomicU64::new(0),
-            used: AtomicU64::new(0),
-            high: AtomicU64::new(0),
+            usage: Arc::default(),
         })
     }
 
@@ -77,8 +76,6 @@ struct Pools {
     by_handle: HashMap<usize, Arc<Pool>>,
     /// Per device: (default pool, current pool).
     devices: Vec<(Arc<Pool>, Arc<Pool>)>,
-    /// Allocation address → (pool, bytes).
-    allocations: HashMap<u64, (Arc<Pool>, u64)>,
 }
 
 fn pools(d: &Driver) -> std::sync::MutexGuard<'static, Pools> {
@@ -92,11 +89,7 @@ fn pools(d: &Driver) -> std::sync::MutexGuard<'static, Pools> {
                 (p.clone(), p)
             })
             .collect();
-        Mutex::new(Pools {
-            by_handle,
-            devices,
-            allocations: HashMap::new(),
-        })
+        Mutex::new(Pools { by_handle, devices })
     })
     .lock()
     .unwrap_or_else(|e| e.into_inner())
@@ -120,24 +113,7 @@ pub fn current(g: u32) -> Result<Arc<Pool>, CUresult> {
 
 /// Records that `ptr` (`bytes` long) came from `pool`.
 pub fn note_alloc(pool: &Arc<Pool>, ptr: u64, bytes: u64) {
-    let Ok(d) = driver() else { return };
-    let used = pool.used.fetch_add(bytes, Ordering::AcqRel) + bytes;
-    pool.high.fetch_max(used, Ordering::AcqRel);
-    pools(d).allocations.insert(ptr, (pool.clone(), bytes));
-}
-
-/// Forgets `ptr` when it is freed (by `cuMemFreeAsync` or `cuMemFree`).
-pub fn note_free(ptr: u64) {
-    let Ok(d) = driver() else { return };
-    if let Some((p, bytes)) = pools(d).allocations.remove(&ptr) {
-        p.used.fetch_sub(bytes, Ordering::AcqRel);
-    }
-}
-
-/// The pool `ptr` was allocated from, if any.
-pub fn pool_of(ptr: u64) -> Option<usize> {
-    let d = driver().ok()?;
-    pools(d).allocations.get(&ptr).map(|(p, _)| p.handle())
+    crate::pool_usage::note_alloc(pool.handle(), &pool.usage, ptr, bytes);
 }
 
 pub fn get_default(out_pool: *mut *mut c_void, dev: CUdevice) -> Result<(), CUresult> {
@@ -221,8 +197,9 @@ pub fn set_attribute(handle: *mut c_void, a: i32, value: *mut c_void) -> Result<
             if read(value.cast::<u64>())? != 0 {
                 return Err(CUDA_ERROR_INVALID_VALUE);
             }
-            p.high
-                .store(p.used.load(Ordering::Acquire), Ordering::Release);
+            p.usage
+                .high
+                .store(p.usage.used.load(Ordering::Acquire), Ordering::Release);
         }
         _ => return Err(CUDA_ERROR_INVALID_VALUE),
     }
@@ -242,10 +219,10 @@ pub fn get_attribute(handle: *mut c_void, a: i32, value: *mut c_void) -> Result<
         ),
         // Nothing is cached: reserved is used.
         attr::RESERVED_MEM_CURRENT | attr::USED_MEM_CURRENT => {
-            out(value.cast::<u64>(), p.used.load(Ordering::Acquire))
+            out(value.cast::<u64>(), p.usage.used.load(Ordering::Acquire))
         }
         attr::RESERVED_MEM_HIGH | attr::USED_MEM_HIGH => {
-            out(value.cast::<u64>(), p.high.load(Ordering::Acquire))
+            out(value.cast::<u64>(), p.usage.high.load(Ordering::Acquire))
         }
         _ => Err(CUDA_ERROR_INVALID_VALUE),
     }

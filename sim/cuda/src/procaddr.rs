@@ -30,18 +30,35 @@ pub fn base_name(symbol: &str) -> &str {
     symbol
 }
 
+/// The entry points, registered once by the C ABI layer (`crate::exports`) when the
+/// library is loaded: (symbol, minimum version, address) and the per-thread twins
+/// (base name, minimum version, symbol, address).
+type Exports = (
+    Vec<(&'static str, i32, usize)>,
+    Vec<(&'static str, i32, &'static str, usize)>,
+);
+static EXPORTS: OnceLock<Exports> = OnceLock::new();
+
+/// Called by `crate::exports` at load time, before any lookup.
+pub fn register(exports: Exports) {
+    let _ = EXPORTS.set(exports);
+}
+
 fn table() -> &'static Table {
     static T: OnceLock<Table> = OnceLock::new();
     T.get_or_init(|| {
+        let (all, twins) = EXPORTS
+            .get()
+            .map_or((&[][..], &[][..]), |(a, t)| (&a[..], &t[..]));
         let mut by_base: HashMap<&'static str, Vec<(i32, usize)>> = HashMap::new();
-        for (sym, ver, addr) in crate::exports::exports() {
+        for &(sym, ver, addr) in all {
             by_base.entry(base_name(sym)).or_default().push((ver, addr));
         }
         for v in by_base.values_mut() {
             v.sort();
         }
         let mut per_thread: HashMap<&'static str, Vec<(i32, usize)>> = HashMap::new();
-        for (base, ver, _, addr) in crate::exports::per_thread_exports() {
+        for &(base, ver, _, addr) in twins {
             per_thread.entry(base).or_default().push((ver, addr));
         }
         for v in per_thread.values_mut() {
@@ -52,6 +69,27 @@ fn table() -> &'static Table {
             per_thread,
         }
     })
+}
+
+#[allow(non_snake_case)]
+pub(crate) fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: i32,
+    flags: u64,
+) -> Result<(), CUresult> {
+    get_proc_address(symbol, pfn, version, flags, std::ptr::null_mut())
+}
+
+#[allow(non_snake_case)]
+pub(crate) fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: i32,
+    flags: u64,
+    status: *mut i32,
+) -> Result<(), CUresult> {
+    get_proc_address(symbol, pfn, version, flags, status)
 }
 
 pub fn get_proc_address(
