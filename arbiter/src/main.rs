@@ -149,7 +149,9 @@ fn run() -> Result<()> {
             ),
             Err(why) => (None, format!("checkpoint: unavailable, {why}")),
         },
-        other => anyhow::bail!("--checkpoint {other:?}: must be auto or off"),
+        other => anyhow::bail!(
+            "--checkpoint (or [arbiter] checkpoint) {other:?}: must be \"auto\" or \"off\""
+        ),
     };
     let server_cfg = ServerConfig {
         scheduler,

@@ -236,6 +236,44 @@ fn chart_values_reach_the_config_and_the_installer() {
     assert_eq!(init["image"], "registry.local/kiwi:dev");
 }
 
+/// The arbiter gets the driver (a RuntimeClass of NVIDIA's runtime, every GPU) and
+/// the capabilities of the checkpoint API only when the values ask for it.
+#[test]
+fn the_arbiter_gets_the_driver_for_checkpoints_only_when_asked() {
+    let arbiter_of = |docs: &[Value]| find(docs, "DaemonSet", "kiwi-scheduler").clone();
+    let container = |ds: &Value| ds["spec"]["template"]["spec"]["containers"][0].clone();
+    let env = |c: &Value, k: &str| {
+        c["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|e| e["name"] == k)
+            .map(|e| e["value"].clone())
+    };
+    let Some(plain) = render(&[]) else {
+        return;
+    };
+    let ds = arbiter_of(&plain);
+    let c = container(&ds);
+    assert!(ds["spec"]["template"]["spec"]["runtimeClassName"].is_null());
+    assert_eq!(
+        c["securityContext"]["capabilities"]["add"],
+        serde_json::json!(["SYS_RESOURCE"])
+    );
+    assert_eq!(env(&c, "NVIDIA_VISIBLE_DEVICES"), None);
+    let Some(docs) = render(&["--set", "arbiter.checkpointRuntimeClassName=nvidia"]) else {
+        return;
+    };
+    let ds = arbiter_of(&docs);
+    let c = container(&ds);
+    assert_eq!(ds["spec"]["template"]["spec"]["runtimeClassName"], "nvidia");
+    assert_eq!(
+        c["securityContext"]["capabilities"]["add"],
+        serde_json::json!(["SYS_RESOURCE", "SYS_ADMIN", "SYS_PTRACE"])
+    );
+    assert_eq!(env(&c, "NVIDIA_VISIBLE_DEVICES"), Some("all".into()));
+}
+
 #[test]
 fn bad_values_are_refused_by_the_chart() {
     for set in [

@@ -422,6 +422,64 @@ impl Drop for FakeClient {
 }
 
 /// Polls `f` every 5 ms until it holds; panics naming `what` after `timeout`.
+/// Waits for `child`, killing it after `limit`: its output (kept even when it hung:
+/// a hung program fails the test with everyone's output) and whether it hung.
+pub fn finish_within(
+    mut child: std::process::Child,
+    limit: Duration,
+) -> (std::process::Output, bool) {
+    let deadline = std::time::Instant::now() + limit;
+    let hung = loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break false,
+            Ok(None) if std::time::Instant::now() >= deadline => {
+                let _ = child.kill();
+                break true;
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => panic!("wait for child: {e}"),
+        }
+    };
+    (child.wait_with_output().expect("child output"), hung)
+}
+
+/// Reads `child`'s piped stdout up to the line `want`, a byte at a time (so what
+/// follows stays in the pipe for `wait_with_output`); fails the test after 60 s or
+/// when the child ends first.
+pub fn read_stdout_until(child: &mut std::process::Child, want: &str) {
+    use std::io::Read;
+    let pid = child.id();
+    let out = child.stdout.as_mut().expect("stdout piped");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let (mut line, mut byte) = (Vec::new(), [0u8; 1]);
+    loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pid {pid}: no {want:?} in 60 s"
+        );
+        match out.read(&mut byte) {
+            Ok(1) if byte[0] == b'\n' => {
+                if line == want.as_bytes() {
+                    return;
+                }
+                line.clear();
+            }
+            Ok(1) => line.push(byte[0]),
+            _ => panic!("pid {pid} ended before {want:?}"),
+        }
+    }
+}
+
+/// A finished program's status, stdout and stderr, for a failure message.
+pub fn output_text(o: &std::process::Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}--- stderr\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
 pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {

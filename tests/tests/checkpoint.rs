@@ -13,42 +13,18 @@
 //! Needs the workspace built (`cargo build --workspace --all-targets`), `gcc` and
 //! `pip` (a failure under `CI=true`, a loud skip otherwise).
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::{CudaRuntime, SimMachine};
-use kiwi_tests::{profile_dir, Arbiter};
+use kiwi_tests::{
+    finish_within as finish, output_text as text, profile_dir, read_stdout_until, Arbiter,
+};
 
 const MIB: u64 = 1 << 20;
-
-fn text(o: &Output) -> String {
-    format!(
-        "status {:?}\n--- stdout\n{}--- stderr\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-/// Waits for a child, killing it after `limit`: (its output, whether it hung).
-fn finish(mut child: Child, limit: Duration) -> (Output, bool) {
-    let deadline = Instant::now() + limit;
-    let hung = loop {
-        match child.try_wait() {
-            Ok(Some(_)) => break false,
-            Ok(None) if Instant::now() >= deadline => {
-                let _ = child.kill();
-                break true;
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(50)),
-            Err(e) => panic!("wait for child: {e}"),
-        }
-    };
-    (child.wait_with_output().expect("child output"), hung)
-}
 
 fn notebook(
     rt: &CudaRuntime,
@@ -70,26 +46,6 @@ fn notebook(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     c
-}
-
-/// Reads `child`'s stdout up to the line `want`.
-fn read_until(child: &mut Child, want: &str) {
-    let out = child.stdout.as_mut().expect("stdout piped");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let (mut line, mut byte) = (Vec::new(), [0u8; 1]);
-    while Instant::now() < deadline {
-        match out.read(&mut byte) {
-            Ok(1) if byte[0] == b'\n' => {
-                if line == want.as_bytes() {
-                    return;
-                }
-                line.clear();
-            }
-            Ok(1) => line.push(byte[0]),
-            _ => panic!("ended before {want:?}"),
-        }
-    }
-    panic!("no {want:?} in 60 s");
 }
 
 /// The scenario; returns every program's (tag, output, hung) and the arbiter's log.
@@ -115,7 +71,7 @@ fn run(checkpoint: &str) -> (Vec<(String, Output, bool)>, Vec<kiwi_protocol::Eve
     );
     holder.env("KIWI_TEST_GATE", "1").stdin(Stdio::piped());
     let mut holder = holder.spawn().expect("spawn the holder");
-    read_until(&mut holder, "READY");
+    read_stdout_until(&mut holder, "READY");
     let _ = holder.stdin.take().expect("stdin").write_all(b"go\n");
     let started = Instant::now();
     let mut kids = vec![("holder".to_string(), holder)];
@@ -139,6 +95,25 @@ fn run(checkpoint: &str) -> (Vec<(String, Output, bool)>, Vec<kiwi_protocol::Eve
     (outs, arb.events())
 }
 
+/// Every program ended on its own, having verified every byte ("OK").
+fn all_verified(outs: &[(String, Output, bool)], log: &str) {
+    let all: String = outs
+        .iter()
+        .map(|(tag, o, hung)| format!("=== {tag} (hung: {hung}) {}\n", text(o)))
+        .collect();
+    for (tag, o, hung) in outs {
+        assert!(!hung, "{tag} hung\n{all}\n--- arbiter's log\n{log}");
+        assert_eq!(
+            (
+                o.status.code(),
+                String::from_utf8_lossy(&o.stdout).lines().last()
+            ),
+            (Some(0), Some("OK")),
+            "{tag} did not verify every byte\n{all}\n--- arbiter's log\n{log}"
+        );
+    }
+}
+
 fn log_of(events: &[kiwi_protocol::Event]) -> String {
     events
         .iter()
@@ -153,21 +128,7 @@ fn a_holder_beside_three_newcomers_contexts_runs_when_idle_processes_are_checkpo
     }
     let (outs, events) = run("auto");
     let log = log_of(&events);
-    let all: String = outs
-        .iter()
-        .map(|(tag, o, hung)| format!("=== {tag} (hung: {hung}) {}\n", text(o)))
-        .collect();
-    for (tag, o, hung) in &outs {
-        assert!(!hung, "{tag} hung\n{all}\n--- arbiter's log\n{log}");
-        assert_eq!(
-            (
-                o.status.code(),
-                String::from_utf8_lossy(&o.stdout).lines().last()
-            ),
-            (Some(0), Some("OK")),
-            "{tag} did not verify every byte\n{all}\n--- arbiter's log\n{log}"
-        );
-    }
+    all_verified(&outs, &log);
     let checkpoints: Vec<u64> = events
         .iter()
         .filter_map(|e| match e.kind {
@@ -196,26 +157,66 @@ fn without_the_checkpoint_api_the_same_programs_wait_their_turns_and_verify() {
     }
     let (outs, events) = run("off");
     let log = log_of(&events);
-    let all: String = outs
-        .iter()
-        .map(|(tag, o, hung)| format!("=== {tag} (hung: {hung}) {}\n", text(o)))
-        .collect();
-    for (tag, o, hung) in &outs {
-        assert!(!hung, "{tag} hung\n{all}\n--- arbiter's log\n{log}");
-        assert_eq!(
-            (
-                o.status.code(),
-                String::from_utf8_lossy(&o.stdout).lines().last()
-            ),
-            (Some(0), Some("OK")),
-            "{tag} did not verify every byte\n{all}\n--- arbiter's log\n{log}"
-        );
-    }
+    all_verified(&outs, &log);
     assert!(
         !events.iter().any(|e| matches!(
             e.kind,
             EventKind::Checkpoint { .. } | EventKind::Restore { .. }
         )),
         "{log}"
+    );
+}
+
+/// A bad `--checkpoint` is one line and a non-zero exit; without a driver that has
+/// the API (this machine has none) `auto` says so at start and serves without it.
+#[test]
+fn the_arbiter_says_whether_it_can_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(kiwi_tests::bin("kiwi-arbiter"))
+        .arg("--socket-dir")
+        .arg(dir.path())
+        .args(["--checkpoint", "maybe", "--nvml", "off"])
+        .env_remove("KIWI_CONFIG")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let last = err.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("kiwi-arbiter: ") && last.contains("\"maybe\"") && last.contains("auto"),
+        "{err}"
+    );
+    // The simulator's libcuda with the API switched off: unavailable, said at start.
+    let m = SimMachine::new("ckpt-line", 1, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
+    let mut child = Command::new(kiwi_tests::bin("kiwi-arbiter"))
+        .arg("--socket-dir")
+        .arg(dir.path())
+        .args(["--checkpoint", "auto", "--nvml", "off"])
+        .env_remove("KIWI_CONFIG")
+        .envs(m.env())
+        .env("KIWI_SIM_CHECKPOINT", "0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let err = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+            if line.contains("checkpoint:") {
+                let _ = tx.send(line);
+                return;
+            }
+        }
+    });
+    let line = rx.recv_timeout(Duration::from_secs(30));
+    let _ = child.kill();
+    let _ = child.wait();
+    let line = line.expect("a start-up line about checkpoints");
+    assert!(
+        line.contains("checkpoint: unavailable") && line.contains("does not support"),
+        "{line}"
     );
 }

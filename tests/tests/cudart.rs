@@ -8,14 +8,14 @@
 //! `pip` (a failure under `CI=true`, a loud skip otherwise).
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
 use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::{CudaRuntime, SimMachine};
-use kiwi_tests::{profile_dir, Arbiter};
+use kiwi_tests::{profile_dir, read_stdout_until, Arbiter};
 
 fn c_source(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -79,32 +79,6 @@ fn spawn(
         .expect("spawn the runtime program")
 }
 
-/// Reads `child`'s stdout, unbuffered (the rest stays for its output), up to a line
-/// that is `want`; fails the test after 60 s or at the end of its output.
-fn read_until(child: &mut Child, want: &str) {
-    let pid = child.id();
-    let out = child.stdout.as_mut().expect("stdout piped");
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let mut line = Vec::new();
-    let mut byte = [0u8; 1];
-    loop {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "pid {pid}: no {want:?} in 60 s"
-        );
-        match out.read(&mut byte) {
-            Ok(1) if byte[0] == b'\n' => {
-                if line == want.as_bytes() {
-                    return;
-                }
-                line.clear();
-            }
-            Ok(1) => line.push(byte[0]),
-            _ => panic!("pid {pid} ended before {want:?}"),
-        }
-    }
-}
-
 /// A simulated one-GPU machine of `bytes` with the simulator's real 300 MiB contexts
 /// (not the suite's 48 MiB).
 fn real_contexts(tag: &str, bytes: u64) -> SimMachine {
@@ -118,7 +92,7 @@ fn real_contexts(tag: &str, bytes: u64) -> SimMachine {
 fn spawn_gated(cmd: &mut Command) -> Child {
     cmd.env("KIWI_TEST_GATE", "1").stdin(Stdio::piped());
     let mut c = cmd.spawn().expect("spawn the runtime program");
-    read_until(&mut c, "READY");
+    read_stdout_until(&mut c, "READY");
     c
 }
 

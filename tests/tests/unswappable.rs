@@ -19,36 +19,9 @@ use std::time::{Duration, Instant};
 
 use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::{CudaRuntime, SimMachine};
-use kiwi_tests::{profile_dir, Arbiter};
+use kiwi_tests::{finish_within as finish, output_text as text, profile_dir, Arbiter};
 
 const MIB: u64 = 1 << 20;
-
-/// Waits for a child's output, killing it after `limit` (its output so far is kept:
-/// a hung program fails the test with everyone's output and the arbiter's log).
-fn finish(mut child: Child, limit: Duration) -> (Output, bool) {
-    let deadline = Instant::now() + limit;
-    let hung = loop {
-        match child.try_wait() {
-            Ok(Some(_)) => break false,
-            Ok(None) if Instant::now() >= deadline => {
-                let _ = child.kill();
-                break true;
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(50)),
-            Err(e) => panic!("wait for child: {e}"),
-        }
-    };
-    (child.wait_with_output().expect("child output"), hung)
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "status {:?}\n--- stdout\n{}--- stderr\n{}",
-        o.status.code(),
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
 
 fn spawn(rt: &CudaRuntime, m: &SimMachine, exe: &Path, socket_dir: &Path, tag: &str) -> Child {
     let shim = profile_dir().join("libkiwi.so");
