@@ -367,9 +367,9 @@ mod containers;
 struct ClientConn {
     peer: Arc<Peer>,
     gpu: Option<String>,
-    /// The connecting process, taken when it connected: the only process a
-    /// checkpoint of this client may touch ([`checkpoints`]).
-    pidfd: Option<std::os::fd::OwnedFd>,
+    /// The connecting process (host pid, start time), read when it connected: the
+    /// only process a checkpoint of this client may touch ([`checkpoints`]).
+    process: Option<(u32, u64)>,
 }
 
 struct Gpu {
@@ -1007,7 +1007,7 @@ async fn client_connection(
             ClientConn {
                 peer: peer.clone(),
                 gpu: None,
-                pidfd: checkpoints::pidfd(host_pid),
+                process: checkpoints::identity(host_pid),
             },
         );
         id

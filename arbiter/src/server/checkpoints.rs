@@ -5,11 +5,10 @@
 //! scheduler under the state lock.
 //!
 //! Only a registered client's process is ever touched: the pid is the one the kernel
-//! gave for the connection (`SO_PEERCRED`), and a pidfd taken when it connected must
-//! still name a live process, so a pid that exited and was reused by someone else's
+//! gave for the connection (`SO_PEERCRED`), and its start time, read when it
+//! connected, must still match, so a pid that exited and was reused by someone else's
 //! process is never checkpointed.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -34,43 +33,28 @@ pub(super) struct Job {
     pub restore: bool,
 }
 
-/// A pidfd of `pid` (0: none), taken as it connects.
-pub(super) fn pidfd(pid: u32) -> Option<OwnedFd> {
+/// Who connected: the pid and its start time (clock ticks since boot), read as it
+/// connects. A pid and its start time name one process for good (a pid reused later
+/// has another start time), without holding a descriptor per connection, which the
+/// connection caps count on.
+pub(super) fn identity(pid: u32) -> Option<(u32, u64)> {
     if pid == 0 {
         return None;
     }
-    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return None;
-    }
-    // SAFETY: the kernel just returned this descriptor; nobody else owns it.
-    Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
-}
-
-/// Whether the process behind `fd` is still alive (signal 0 through the pidfd).
-fn alive(fd: &OwnedFd) -> bool {
-    // SAFETY: pidfd_send_signal with signal 0 only checks; no memory is passed.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            fd.as_raw_fd(),
-            0,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        )
-    };
-    rc == 0
+    kiwi_config::containers::process_start(pid as i32).map(|t| (pid, t))
 }
 
 /// Why `job` may not run: its client is gone or its process is not the one that
 /// connected.
 fn refuse(st: &State, job: &Job) -> Option<&'static str> {
     let conn = st.clients.get(&job.id)?;
-    match &conn.pidfd {
-        None => Some("no pidfd of its process was taken when it connected"),
-        Some(fd) if !alive(fd) => Some("its process exited"),
-        Some(_) => None,
+    match conn.process {
+        None => Some("its process was not known when it connected"),
+        Some((pid, _)) if pid != job.pid => Some("its pid is not the one that connected"),
+        Some((pid, start)) => match kiwi_config::containers::process_start(pid as i32) {
+            Some(now) if now == start => None,
+            _ => Some("its process exited"),
+        },
     }
 }
 
