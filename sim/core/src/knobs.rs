@@ -48,6 +48,10 @@ pub struct SimConfig {
     /// `cuMemAllocHost`, `cuMemHostRegister`), GB/s. Default [`DEFAULT_PIN_GBPS`];
     /// 0 turns the cost off.
     pub pin_gbps: f64,
+    /// `KIWI_SIM_PIN_POPULATED_GBPS`: how fast `cuMemHostRegister` page-locks pages
+    /// that were already populated (touched), GB/s. Default
+    /// [`DEFAULT_PIN_POPULATED_GBPS`]; 0 turns the cost off.
+    pub pin_populated_gbps: f64,
     /// `KIWI_SIM_PAGEABLE_H2D_GBPS` / `_D2H_GBPS`: how fast a copy between pageable
     /// (neither allocated pinned nor registered) host memory and a device runs, GB/s,
     /// at most the link's rate. Defaults [`DEFAULT_PAGEABLE_H2D_GBPS`],
@@ -111,6 +115,10 @@ pub const VMM_RELEASE_US_PER_2MIB: f64 = 0.8;
 /// Page-locking host memory: about 2 GB/s (`cudaHostAlloc`/`cudaHostRegister` pin
 /// every page through the kernel; the figure issue #12 gives). Not measured here.
 pub const DEFAULT_PIN_GBPS: f64 = 2.0;
+/// Registering pages already populated: measured on an H100 (driver 580,
+/// `scripts/gpu-costs.py`, `docs/gpu-validation.md`) at 20.1–21.1 GB/s with 4 KiB
+/// pages, against 2.7–3.7 GB/s for fresh ones: the cost is populating the pages.
+pub const DEFAULT_PIN_POPULATED_GBPS: f64 = 20.0;
 /// Copies from and to pageable host memory (the driver stages them through its own
 /// pinned buffers): measured on an H100 (driver 580, `scripts/gpu-costs.py`) at
 /// 7.0–8.0 GB/s host to device and 12.1–12.9 GB/s device to host, against 55 GB/s
@@ -146,6 +154,7 @@ impl Default for SimConfig {
             memcreate_us: DEFAULT_MEMCREATE_US,
             memcreate_us_per_2mib: DEFAULT_MEMCREATE_US_PER_2MIB,
             pin_gbps: DEFAULT_PIN_GBPS,
+            pin_populated_gbps: DEFAULT_PIN_POPULATED_GBPS,
             pageable_h2d_gbps: DEFAULT_PAGEABLE_H2D_GBPS,
             pageable_d2h_gbps: DEFAULT_PAGEABLE_D2H_GBPS,
             fail_sync: None,
@@ -253,6 +262,7 @@ impl SimConfig {
                 &mut c.memcreate_us_per_2mib,
             ),
             ("KIWI_SIM_PIN_GBPS", &mut c.pin_gbps),
+            ("KIWI_SIM_PIN_POPULATED_GBPS", &mut c.pin_populated_gbps),
             ("KIWI_SIM_PAGEABLE_H2D_GBPS", &mut c.pageable_h2d_gbps),
             ("KIWI_SIM_PAGEABLE_D2H_GBPS", &mut c.pageable_d2h_gbps),
             ("KIWI_SIM_CHECKPOINT_MS", &mut c.checkpoint_ms),

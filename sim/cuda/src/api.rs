@@ -998,11 +998,33 @@ pub(crate) fn cuMemHostRegister_v2(
     let page = 4096;
     let from = p as usize / page * page;
     let len = (p as usize + size).next_multiple_of(page) - from;
+    // Pages already populated register several times faster than fresh ones (the
+    // cost is populating, not pinning: 20–21 GB/s against 2.7–3.7 GB/s on an H100,
+    // docs/gpu-validation.md): each kind is charged at its rate.
+    let populated = populated_bytes(from, len).min(size);
     // SAFETY: advice on the caller's own range, which it asks to page-lock; populating
     // for write keeps its contents.
     unsafe { libc::madvise(from as *mut c_void, len, libc::MADV_POPULATE_WRITE) };
-    take_time(start, pin_seconds(d, size));
+    let populated_s = if d.pin_populated_bps > 0.0 {
+        populated as f64 / d.pin_populated_bps
+    } else {
+        0.0
+    };
+    take_time(start, pin_seconds(d, size - populated) + populated_s);
     Ok(())
+}
+
+/// Bytes of the page-aligned range `[from, from + len)` already backed by memory
+/// (`mincore`); 0 where that cannot be told.
+fn populated_bytes(from: usize, len: usize) -> usize {
+    let page = 4096;
+    let mut v = vec![0u8; len.div_ceil(page)];
+    // SAFETY: a page-aligned range of this process and a vector of one byte per page.
+    let rc = unsafe { libc::mincore(from as *mut c_void, len, v.as_mut_ptr()) };
+    if rc != 0 {
+        return 0;
+    }
+    v.iter().filter(|&&b| b & 1 != 0).count() * page
 }
 
 pub(crate) fn cuMemHostUnregister(p: *mut c_void) -> Result<(), CUresult> {

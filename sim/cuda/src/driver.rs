@@ -110,6 +110,7 @@ fn init_driver() -> Result<Driver, CUresult> {
             memcreate_s: cfg.memcreate_us * 1e-6,
             memcreate_s_per_2mib: cfg.memcreate_us_per_2mib * 1e-6,
             pin_bps: cfg.pin_gbps * 1e9,
+            pin_populated_bps: cfg.pin_populated_gbps * 1e9,
             pageable_h2d_bps: cfg.pageable_h2d_gbps * 1e9,
             pageable_d2h_bps: cfg.pageable_d2h_gbps * 1e9,
             trace,

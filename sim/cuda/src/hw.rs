@@ -23,8 +23,10 @@ pub struct Hw {
     pub memcreate_s: f64,
     /// Wall time `cuMemCreate` takes per 2 MiB on top of the call's, in seconds.
     pub memcreate_s_per_2mib: f64,
-    /// How fast host memory is page-locked, bytes/s (0: free).
+    /// How fast host memory is page-locked, bytes/s (0: free), and memory already
+    /// populated (`cuMemHostRegister` of pages touched before).
     pub pin_bps: f64,
+    pub pin_populated_bps: f64,
     /// Copies with pageable host memory, bytes/s each way (0: at the link's rate).
     pub pageable_h2d_bps: f64,
     pub pageable_d2h_bps: f64,
