@@ -48,8 +48,8 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use kiwi_protocol::{
-    ArbiterMsg, ClientState, ClientStatus, DropReason, ErrorCode, EventKind, GpuStatus, Register,
-    Settings, Usage,
+    ArbiterMsg, ClientState, ClientStatus, DropReason, ErrorCode, EventKind, GpuStatus, Keep,
+    Register, Settings, Usage,
 };
 
 /// Connection-scoped client id, assigned by the server.
@@ -121,6 +121,10 @@ impl ClientInfo {
     }
 }
 
+/// What a `room_info` client is told in [`ArbiterMsg::Room`]: the others' memory no
+/// swap frees, and the working set it must leave room for.
+type RoomView = (u64, Option<Keep>);
+
 /// What a waiter hears in [`ArbiterMsg::Waiting`]: the holder shown, how many others
 /// hold, its place in the queue, when the holder's quantum ends (absolute).
 type WaitView = (Option<ClientId>, u32, u32, Option<Nanos>);
@@ -140,7 +144,7 @@ struct Client {
     /// GPU memory of its that no swap frees (contexts, modules, its own VMM memory).
     unswappable: u64,
     /// The last [`ArbiterMsg::Room`] it was sent (`room_info` clients), and when.
-    room_told: Option<u64>,
+    room_told: Option<RoomView>,
     room_sent: Option<Nanos>,
     /// Bytes it was asked to reclaim and has not answered yet.
     reclaim_pending: u64,
@@ -1348,27 +1352,45 @@ impl GpuScheduler {
     }
 
     /// What `room_info` client `id` is to be told: the memory no swap frees that the
-    /// other clients report (`None`: not such a client).
-    fn room_for(&self, id: ClientId) -> Option<u64> {
+    /// other clients report, and the largest other working set that must stay
+    /// possible beside it (`None`: not such a client).
+    fn room_for(&self, id: ClientId) -> Option<RoomView> {
         // What the clients report, not what `no_room` taught (`unseen`: a guess that
         // expires, and one a hostile holder could inflate).
         let c = self.clients.get(&id).filter(|c| c.info.room_info)?;
         if self.checkpoint_on {
-            // Only what a checkpoint cannot take off the GPU stays in its way.
-            return Some(self.unmovable_besides(id));
+            // Only what a checkpoint cannot take off the GPU stays in its way; the
+            // others' working sets take turns with it, whole processes evicted.
+            return Some((self.unmovable_besides(id), None));
         }
         let fixed = self.fixed().saturating_sub(self.unseen);
-        Some(fixed.saturating_sub(c.unswappable))
+        Some((fixed.saturating_sub(c.unswappable), self.keep_besides(id)))
+    }
+
+    /// The largest working set of a client other than `id` (on a GPU whose
+    /// processes are not evicted whole): what `id`'s memory no swap frees must leave
+    /// room for. A report no one checks, but a tenant that really holds that much
+    /// and idles has the same effect: the claim gives a liar no power an honest
+    /// tenant lacks.
+    fn keep_besides(&self, id: ClientId) -> Option<Keep> {
+        self.clients
+            .iter()
+            .filter(|(&other, c)| other != id && !c.revoked && c.usage.working_set_bytes > 0)
+            .max_by_key(|(&other, c)| (c.usage.working_set_bytes, std::cmp::Reverse(other)))
+            .map(|(&other, c)| Keep {
+                bytes: c.usage.working_set_bytes,
+                name: c.info.display_name(other),
+            })
     }
 
     /// The `room_info` clients whose `room` changed since they were last told, with
     /// what to tell them.
-    fn room_changes(&self) -> Vec<(ClientId, u64)> {
+    fn room_changes(&self) -> Vec<(ClientId, RoomView)> {
         self.clients
             .iter()
             .filter_map(|(&id, c)| {
-                let others = self.room_for(id)?;
-                (c.room_told != Some(others)).then_some((id, others))
+                let view = self.room_for(id)?;
+                (c.room_told.as_ref() != Some(&view)).then_some((id, view))
             })
             .collect()
     }
@@ -1386,18 +1408,19 @@ impl GpuScheduler {
     /// report, when it changed since they were last told: at most every
     /// [`STATE_INTERVAL_NS`] each, but `now` for `urgent` (a client that asked).
     fn notify_room(&mut self, now: Nanos, urgent: Option<ClientId>) {
-        for (id, others) in self.room_changes() {
+        for (id, (others, keep)) in self.room_changes() {
             if urgent != Some(id) && self.room_due(id).is_some_and(|due| now < due) {
                 continue;
             }
             if let Some(c) = self.clients.get_mut(&id) {
-                c.room_told = Some(others);
+                c.room_told = Some((others, keep.clone()));
                 c.room_sent = Some(now);
             }
             self.send(
                 id,
                 ArbiterMsg::Room {
                     others_unswappable_bytes: others,
+                    keep,
                 },
             );
         }
@@ -1406,11 +1429,9 @@ impl GpuScheduler {
     /// Client `id` pinged: its `room`, if one is due, goes now, before the answer
     /// (the shim's `cuMemGetInfo` counts every registration that finished before it).
     pub fn flush_room(&mut self, now: Nanos, id: ClientId) -> Vec<Output> {
-        if self.room_for(id).is_some() {
-            let told = self.clients[&id].room_told;
-            if self.room_for(id) != told {
-                self.notify_room(now, Some(id));
-            }
+        let view = self.room_for(id);
+        if view.is_some() && view != self.clients[&id].room_told {
+            self.notify_room(now, Some(id));
         }
         // `room` messages only (to `id`, and to others whose interval ended).
         std::mem::take(&mut self.out)

@@ -1744,11 +1744,13 @@ mod peer_tests {
         for i in 0..N {
             peer.send(&ArbiterMsg::Room {
                 others_unswappable_bytes: i,
+                keep: None,
             });
         }
         peer.send(&ArbiterMsg::Pong { token: 7 });
         peer.send(&ArbiterMsg::Room {
             others_unswappable_bytes: N,
+            keep: None,
         });
         assert!(!peer.closing.load(Ordering::Relaxed), "disconnected");
         let mut got = Vec::new();
@@ -1770,11 +1772,13 @@ mod peer_tests {
             got[n - 3..],
             [
                 ArbiterMsg::Room {
-                    others_unswappable_bytes: N - 1
+                    others_unswappable_bytes: N - 1,
+                    keep: None,
                 },
                 ArbiterMsg::Pong { token: 7 },
                 ArbiterMsg::Room {
-                    others_unswappable_bytes: N
+                    others_unswappable_bytes: N,
+                    keep: None,
                 },
             ]
         );
@@ -1783,8 +1787,10 @@ mod peer_tests {
             match w {
                 [ArbiterMsg::Room {
                     others_unswappable_bytes: x,
+                    keep: None,
                 }, ArbiterMsg::Room {
                     others_unswappable_bytes: y,
+                    keep: None,
                 }] => assert_eq!(x + 1, *y),
                 other => panic!("{other:?}"),
             }

@@ -1,7 +1,8 @@
 //! NVML, loaded with `dlopen` at run time so the programs that use it build and run
 //! on machines without the NVIDIA driver: the raw C signatures ([`sys`]) and [`Nvml`],
 //! whose methods return `Result`s. Shared by `kiwi-device-plugin` (GPU discovery and
-//! health) and `kiwi-arbiter` (each GPU's UUID and memory). Only the NVML functions
+//! health), `kiwi-arbiter` (each GPU's UUID and memory) and the shim (free memory
+//! without a context). Only the NVML functions
 //! listed in `docs/device-plugin.md` are called (the GPU simulator's
 //! `libnvidia-ml.so.1` implements exactly those).
 

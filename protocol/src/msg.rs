@@ -246,6 +246,16 @@ pub enum DropReason {
     NoLongerFits,
 }
 
+/// Another client's working set that memory no swap frees must leave room for
+/// ([`ArbiterMsg::Room`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Keep {
+    pub bytes: u64,
+    /// How the client is shown: its pod's name, else its program's.
+    pub name: String,
+}
+
 /// Arbiter → shim.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
@@ -325,6 +335,16 @@ pub enum ArbiterMsg {
     /// its turn is the GPU's total less this and its own memory no swap frees.
     Room {
         others_unswappable_bytes: u64,
+        /// The largest working set of one other client that no whole-process
+        /// eviction can take off the GPU (its swappable memory, which must be
+        /// resident in its turn beside every client's memory no swap frees), and
+        /// whose it is. Memory no swap frees that this client would add past
+        /// `total − others_unswappable_bytes − keep.bytes` makes that working set
+        /// impossible: the creation fails with out of memory instead (issue #24,
+        /// "no silent livelock"). Absent when there is none, or when the arbiter
+        /// evicts whole idle processes (then both take turns).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        keep: Option<Keep>,
     },
     /// Scheduler settings changed (`kiwictl -S/-T`), sent to every client of the GPU.
     Settings(Settings),

@@ -221,7 +221,7 @@ pub unsafe fn create(
     if r == CUDA_ERROR_OUT_OF_MEMORY {
         let what = "the application's own memory (cuMemCreate)";
         // SAFETY: forwarding the caller's arguments again.
-        r = room::retry_with_room(d, size as u64, what, r, || unsafe {
+        r = room::retry_with_room(d, size as u64, true, what, r, || unsafe {
             real(handle, size, prop, flags)
         });
     }

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use kiwi_protocol::blocking::Connection;
 use kiwi_protocol::{
-    ArbiterMsg, ClientMsg, ErrorCode, ProtocolError, Register, Resume, SwapDirection, Usage,
+    ArbiterMsg, ClientMsg, ErrorCode, Keep, ProtocolError, Register, Resume, SwapDirection, Usage,
     PROTOCOL_VERSION,
 };
 
@@ -425,7 +425,8 @@ impl Client {
             res,
             writer: Mutex::new(writer),
             capacity: AtomicU64::new(capacity),
-            others_fixed: AtomicU64::new(others_fixed.unwrap_or(u64::MAX)),
+            others_fixed: AtomicU64::new(others_fixed.as_ref().map_or(u64::MAX, |r| r.0)),
+            keep: Mutex::new(others_fixed.and_then(|r| r.1)),
             budgeted: AtomicBool::new(budget.is_some()),
             admitting: Mutex::new(()),
             admitted: Mutex::new(None),
@@ -926,7 +927,9 @@ impl Client {
             // buffers are prepared in the background. No longer: the spares go back.
             ArbiterMsg::Room {
                 others_unswappable_bytes,
+                keep,
             } => {
+                *lock(&turn.keep) = keep;
                 turn.others_fixed
                     .store(others_unswappable_bytes, Ordering::Relaxed);
                 turn.update_limit();
@@ -1285,8 +1288,11 @@ impl Client {
                         ts.last_usage = None;
                     }
                     turn.capacity.store(r.capacity, Ordering::Relaxed);
-                    turn.others_fixed
-                        .store(r.others_fixed.unwrap_or(u64::MAX), Ordering::Relaxed);
+                    turn.others_fixed.store(
+                        r.others_fixed.as_ref().map_or(u64::MAX, |r| r.0),
+                        Ordering::Relaxed,
+                    );
+                    *lock(&turn.keep) = r.others_fixed.and_then(|r| r.1);
                     turn.budgeted
                         .store(r.swap_budget.is_some(), Ordering::Release);
                     turn.pipelined.store(r.pipelined, Ordering::Relaxed);

@@ -192,7 +192,7 @@ pub unsafe fn ctx_set_limit(
     let mut r = unsafe { real(limit, value) };
     if r == CUDA_ERROR_OUT_OF_MEMORY {
         let need = limit_estimate(limit, value);
-        r = room::retry_with_room(d, need, "a context limit", r, || {
+        r = room::retry_with_room(d, need, false, "a context limit", r, || {
             before = free_and_own(d);
             // SAFETY: as above.
             unsafe { real(limit, value) }
@@ -237,7 +237,7 @@ fn counted_load(handle: *mut *mut c_void, mut load: impl FnMut() -> CUresult) ->
     if r == CUDA_ERROR_OUT_OF_MEMORY {
         // The GPU is full of others' memory: wait for room, measuring around the try
         // that works.
-        r = room::retry_with_room(d, room::MODULE_ESTIMATE, "a module", r, || {
+        r = room::retry_with_room(d, room::MODULE_ESTIMATE, false, "a module", r, || {
             before = snapshot();
             load()
         });

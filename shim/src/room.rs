@@ -26,7 +26,10 @@
 //! free memory; the application's VMM memory as such. What could never fit, even
 //! with every other process's swappable memory out (the arbiter's `room` says the
 //! others' memory no swap frees), fails at once with the driver's out of memory:
-//! PyTorch frees its cache and tries again on such an error. After 10
+//! PyTorch frees its cache and tries again on such an error. What would leave
+//! another client's working set no room, ever, beside every process's memory no
+//! swap frees (the arbiter's `room` names the largest, where it cannot evict whole
+//! processes) fails at once too, with a line naming it ([`blocked_line`]). After 10
 //! s of holding the turn without room, the call fails the same way, with a line. An
 //! unmanaged process fails as it would without Kiwi.
 
@@ -66,7 +69,7 @@ pub(crate) fn create_context(
     let Some(d) = usize::try_from(dev).ok().filter(|&d| d < MAX_DEVICES) else {
         return r;
     };
-    let r = retry_with_room(d, CONTEXT_ESTIMATE, "a context", r, create);
+    let r = retry_with_room(d, CONTEXT_ESTIMATE, false, "a context", r, create);
     if r == CUDA_SUCCESS {
         if let Some(turn) = client::global().and_then(|c| c.turn_for(d)) {
             // SAFETY: the driver just wrote the context through the caller's pointer.
@@ -93,11 +96,13 @@ pub(crate) fn create_context(
 /// Runs `op` again — memory the shim cannot page (a context, a module load, the
 /// application's own `cuMemCreate`) on device `d` whose first try, `first`, was the
 /// driver's out of memory — once this process holds the GPU's turn and the arbiter
-/// made room for `need` more bytes; as the module docs say. Returns `op`'s last
-/// result (`first` when the process is not managed).
+/// made room for `need` more bytes (`exact`: what it takes; else an estimate); as
+/// the module docs say. Returns `op`'s last result (`first` when the process is not
+/// managed).
 pub(crate) fn retry_with_room(
     d: usize,
     need: u64,
+    exact: bool,
     what: &str,
     first: CUresult,
     mut op: impl FnMut() -> CUresult,
@@ -119,6 +124,21 @@ pub(crate) fn retry_with_room(
         client::report_now(d);
         return first;
     }
+    // What it takes at least: its size, or more than the GPU had free when the
+    // driver refused it (NVML counts without a context). Each refusal while room is
+    // made raises that bound, to within the step the others' memory leaves by.
+    let uuid = turn.info().uuid.clone();
+    let mut least = if exact {
+        Some(need)
+    } else {
+        nvml_free(&uuid).map(|free| free + 1)
+    };
+    if let Some(line) = least.and_then(|l| blocked_line(turn, d, what, l)) {
+        crate::kerror!("{line}");
+        turn.set_pending(0);
+        client::report_now(d);
+        return first;
+    }
     crate::kinfo!(
         "GPU {d}: no room for {what} of {} MiB (others' memory is resident): waiting for this GPU's turn while the arbiter makes room",
         need >> 20
@@ -131,9 +151,20 @@ pub(crate) fn retry_with_room(
             crate::kwarn!("GPU {d}: waiting for room for {what} failed (CUDA error {e})");
             break first;
         }
+        let free_before = if exact { None } else { nvml_free(&uuid) };
         let tried = Instant::now();
         let r = op();
         if r != CUDA_ERROR_OUT_OF_MEMORY {
+            break r;
+        }
+        // Free memory only grows while room is made; the lesser reading is the one
+        // the refusal certainly saw.
+        if let (Some(b), Some(a)) = (free_before, nvml_free(&uuid)) {
+            least = Some(least.unwrap_or(0).max(b.min(a) + 1));
+        }
+        // Checked on every refusal: the others' figures change while it waits too.
+        if let Some(line) = least.and_then(|l| blocked_line(turn, d, what, l)) {
+            crate::kerror!("{line}");
             break r;
         }
         let now = Instant::now();
@@ -156,6 +187,35 @@ pub(crate) fn retry_with_room(
         crate::kinfo!("GPU {d}: room made for {what} in {:?}", started.elapsed());
     }
     result
+}
+
+/// Why memory no swap frees, at least `least` bytes of it, for `what` on device `d`
+/// must not be made (issue #24, "no silent livelock"): it would leave another
+/// client's working set no room, ever, beside every process's memory no swap frees,
+/// on a GPU whose arbiter cannot evict whole processes ([`client::Turn::would_block`]).
+/// The creation fails with the driver's out of memory, as it would where that
+/// working set were resident, and this line says whose and how much.
+fn blocked_line(turn: &client::Turn, d: usize, what: &str, least: u64) -> Option<String> {
+    let (name, working_set, fixed) = turn.would_block(least)?;
+    Some(format!(
+        "GPU {d}: out of memory for {what} (at least {} MiB that no swap frees): with it, memory no swap frees (contexts, modules: {} MiB of the GPU's {} MiB) would leave too little for {name}'s working set of {} MiB, which could then never be resident again; this arbiter cannot evict whole idle processes (no checkpoint API)",
+        least.div_ceil(1 << 20),
+        fixed >> 20,
+        turn.info().total_memory >> 20,
+        working_set >> 20,
+    ))
+}
+
+/// Free memory on GPU `uuid` now, as NVML counts it (it needs no context, which a
+/// process whose first context was refused does not have); `None` where NVML does
+/// not load.
+fn nvml_free(uuid: &str) -> Option<u64> {
+    static NVML: std::sync::OnceLock<Option<kiwi_nvml::Nvml>> = std::sync::OnceLock::new();
+    let nvml = NVML
+        .get_or_init(|| kiwi_nvml::Nvml::load(kiwi_nvml::NVML_LIBRARY).ok())
+        .as_ref()?;
+    let dev = nvml.handle_by_uuid(uuid).ok()?;
+    nvml.memory(dev).ok().map(|m| m.free)
 }
 
 /// After the driver made a context on `dev`: the device gets its allocator and turn,

@@ -157,6 +157,19 @@ impl Arbiter {
         a
     }
 
+    /// [`Arbiter::start`] with `--checkpoint auto` and the environment of a
+    /// simulated machine (`SimMachine::env`, its libcuda among it): it
+    /// evicts whole idle processes through the simulator's checkpoint API (issue
+    /// #25). Where a newcomer's memory no swap frees (its context) leaves an idle
+    /// tenant's working set no room beside the contexts, only such an arbiter lets it
+    /// be made; without one it fails at once, saying whose working set it would
+    /// block (issue #24).
+    pub fn start_evicting(args: &[&str], machine_env: Vec<(String, String)>) -> Arbiter {
+        let mut args = args.to_vec();
+        args.extend(["--checkpoint", "auto"]);
+        Self::start_with_env(&args, machine_env)
+    }
+
     fn spawn(dir: &Path, args: &[String], env: &[(String, String)]) -> Child {
         Command::new(bin("kiwi-arbiter"))
             .arg("--socket-dir")

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::{CudaRuntime, SimMachine};
@@ -301,7 +301,9 @@ fn pool_statistics_are_true_under_kiwi() {
 /// was resident. Now B's context asks the arbiter for room and waits its turn: the
 /// arbiter takes the GPU back from idle A, which swaps out what B's context needs;
 /// B runs and verifies every byte; A then finishes and verifies every byte of its
-/// 3.4 GiB. Alone on the GPU, B runs (the control).
+/// 3.4 GiB. Alone on the GPU, B runs (the control). A's 3520 MiB beside both
+/// contexts is over the 4 GiB: B's context is made only where the arbiter can evict
+/// whole idle processes (the next test is the same without).
 #[test]
 fn a_newcomers_context_gets_room_beside_an_idle_holder() {
     let Some(rt) = CudaRuntime::fetch_or_skip("a newcomer beside an idle holder") else {
@@ -311,7 +313,7 @@ fn a_newcomers_context_gets_room_beside_an_idle_holder() {
     let m = real_contexts("cudart-newcomer", 4 << 30);
     let dir = tempfile::tempdir().unwrap();
     let exe = compile(&rt, dir.path(), "cudart_notebook.c");
-    let arb = Arbiter::start(&["--tq", "2"]);
+    let arb = Arbiter::start_evicting(&["--tq", "2"], m.env());
     let (sa, sb) = (dir.path().join("a.stats"), dir.path().join("b.stats"));
     // A: 55 chunks of 64 MiB (3520 MiB, 86% of the GPU) filled, then idle at its gate.
     let mut a = spawn_gated(&mut spawn_cmd(
@@ -403,6 +405,85 @@ fn a_newcomers_context_gets_room_beside_an_idle_holder() {
         &dir.path().join("alone.stats"),
     ));
     assert_eq!(o.status.code(), Some(0), "B alone: {}", text(&o));
+}
+
+/// The same newcomer where the arbiter cannot evict whole processes (no checkpoint
+/// API; issue #24, "no silent livelock"): B's context would leave A's 3520 MiB no
+/// room beside both contexts, ever, so A would wait for as long as B lives. B's
+/// context fails at once instead, as it would where A's memory were on a GPU
+/// without Kiwi (`cudaErrorInitializationError` at its first call, the runtime's
+/// word for the driver's out of memory), with one line naming A and the figures;
+/// A is never blocked and verifies every byte.
+#[test]
+fn a_newcomers_context_that_would_block_an_idle_holder_fails_at_once_without_eviction() {
+    let Some(rt) = CudaRuntime::fetch_or_skip("a newcomer that would block an idle holder") else {
+        return;
+    };
+    let m = real_contexts("cudart-newcomer-blocks", 4 << 30);
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile(&rt, dir.path(), "cudart_notebook.c");
+    let arb = Arbiter::start(&["--tq", "2"]);
+    let (sa, sb) = (dir.path().join("a.stats"), dir.path().join("b.stats"));
+    let mut a = spawn_gated(
+        spawn_cmd(
+            &rt,
+            &m,
+            &exe,
+            &["3520", "1", "0"],
+            Some(arb.socket_dir()),
+            &sa,
+        )
+        .env("KIWI_POD_NAME", "notebook-a"),
+    );
+    let t = Instant::now();
+    let ob = finish(spawn(
+        &rt,
+        &m,
+        &exe,
+        &["640", "2", "0"],
+        Some(arb.socket_dir()),
+        &sb,
+    ));
+    let took = t.elapsed();
+    open_gate(&mut a);
+    let oa = finish(a);
+    let err = String::from_utf8_lossy(&ob.stderr);
+    assert_ne!(ob.status.code(), Some(0), "B ran: {}", text(&ob));
+    assert!(
+        !String::from_utf8_lossy(&ob.stdout).contains("OK"),
+        "{}",
+        text(&ob)
+    );
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("out of memory for a context"))
+        .collect();
+    assert_eq!(lines.len(), 1, "one line says why: {}", text(&ob));
+    assert!(
+        lines[0].contains("notebook-a's working set of 3520 MiB")
+            && lines[0].contains("of the GPU's 4096 MiB"),
+        "the line names whom and how much: {}",
+        lines[0]
+    );
+    // At once: no turn was waited for, nothing of A's was swapped for it.
+    assert!(took < Duration::from_secs(10), "B took {took:?}");
+    assert!(
+        !err.contains("waiting for this GPU's turn"),
+        "{}",
+        text(&ob)
+    );
+    assert_eq!(
+        stats(&sa).get("swap_out_bytes").copied().unwrap_or(0),
+        0,
+        "A swapped out for a context that was refused"
+    );
+    assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
+    assert_eq!(
+        String::from_utf8_lossy(&oa.stdout).lines().last(),
+        Some("OK"),
+        "A: {}",
+        text(&oa)
+    );
 }
 
 /// A newcomer whose context can never fit (issue #24, item 5): on a 1216 MiB GPU, the

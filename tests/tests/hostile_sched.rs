@@ -417,6 +417,7 @@ fn a_report_storm_reaches_the_others_at_most_every_interval() {
             Ok(Some(ArbiterMsg::Pressure { oversubscribed, .. })) => pressure.push(oversubscribed),
             Ok(Some(ArbiterMsg::Room {
                 others_unswappable_bytes,
+                ..
             })) => room.push(others_unswappable_bytes),
             Ok(Some(_)) => {}
             Ok(None) => break,

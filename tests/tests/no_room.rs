@@ -175,7 +175,9 @@ fn a_driver_api_newcomer_gets_room_beside_an_idle_holder() {
     let m = SimMachine::new("newcomer-driver", 1, 4096 * MIB)
         .unwrap_or_else(|e| panic!("{e}"))
         .with_env("KIWI_SIM_CONTEXT_MEMORY", &(300 * MIB).to_string());
-    let arb = Arbiter::start(&["--tq", "2"]);
+    // 3520 MiB beside two contexts is over the 4 GiB: the newcomer's context is
+    // made only where whole processes can take turns.
+    let arb = Arbiter::start_evicting(&["--tq", "2"], m.env());
     let under_kiwi = |c: &mut Command| {
         c.env("LD_PRELOAD", bin("libkiwi.so"))
             .env("KIWI_SOCKET_DIR", arb.socket_dir())

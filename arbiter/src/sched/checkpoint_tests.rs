@@ -149,7 +149,7 @@ fn a_refused_process_is_never_asked_again_and_stays_in_the_holders_way() {
     ));
     assert_eq!(s.fixed(), 600 * MIB);
     // Client 1's room: client 2's context can no longer be moved.
-    assert_eq!(s.room_for(1), Some(300 * MIB));
+    assert_eq!(s.room_for(1), Some((300 * MIB, None)));
     let outs = s.no_room(5 * SEC, 1, 200 * MIB, || None);
     assert!(checkpoints(&outs).is_empty(), "{outs:?}");
 }
@@ -209,4 +209,38 @@ fn a_stopping_daemon_knows_whom_to_restore() {
     assert_eq!(s.checkpointed_pids(), vec![102], "on its way");
     s.checkpoint_done(700 * MS, 2, Ok(MS));
     assert_eq!(s.checkpointed_pids(), vec![102]);
+}
+
+/// Issue #24, "no silent livelock": on a GPU whose processes cannot be evicted whole,
+/// each client hears the largest other working set, which the memory no swap frees
+/// it adds must leave room for; with the API, none (the processes take turns).
+#[test]
+fn room_names_the_working_set_that_memory_no_swap_frees_must_leave_room_for() {
+    let (mut s, _) = pair(false);
+    s.usage(SEC, 2, usage(3000 * MIB, 0));
+    let keep = |name: &str, bytes: u64| {
+        Some(Keep {
+            bytes,
+            name: name.into(),
+        })
+    };
+    assert_eq!(
+        s.room_for(1),
+        Some((300 * MIB, keep("client 2", 3000 * MIB)))
+    );
+    assert_eq!(
+        s.room_for(2),
+        Some((300 * MIB, keep("client 1", 3600 * MIB)))
+    );
+    // What was told is what changed: client 2 grows, client 1 hears it.
+    let outs = s.usage(2 * SEC, 2, usage(3100 * MIB, 0));
+    assert!(
+        outs.iter().any(|o| matches!(
+            o,
+            Output::Send(1, ArbiterMsg::Room { keep: Some(k), .. }) if k.bytes == 3100 * MIB
+        )),
+        "{outs:?}"
+    );
+    let (s, _) = pair(true);
+    assert_eq!(s.room_for(1), Some((0, None)));
 }

@@ -1855,6 +1855,7 @@ fn room(outs: &[Output], to: ClientId) -> Vec<u64> {
         .filter_map(|m| match m {
             ArbiterMsg::Room {
                 others_unswappable_bytes,
+                ..
             } => Some(*others_unswappable_bytes),
             _ => None,
         })

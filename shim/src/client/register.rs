@@ -42,8 +42,9 @@ pub(super) struct Registration {
     pub(super) swap_budget: Option<u64>,
     /// The arbiter took `unswappable_bytes`: it counts them and takes `unswappable`.
     pub(super) reports_unswappable: bool,
-    /// The others' memory no swap frees, from the arbiter's `room` (`room_info`).
-    pub(super) others_fixed: Option<u64>,
+    /// The arbiter's first [`ArbiterMsg::Room`]: the others' memory no swap frees
+    /// and the working set it must leave room for.
+    pub(super) others_fixed: Option<(u64, Option<Keep>)>,
     /// A message that came where `room` was expected: the turn's thread's first.
     pub(super) first: Option<ArbiterMsg>,
     /// The arbiter took `pipelined`: it takes `drained` and may send `pressure` and
@@ -169,7 +170,8 @@ pub(super) fn register_once(
         match next_message(&mut conn, ROOM_WAIT)? {
             Some(ArbiterMsg::Room {
                 others_unswappable_bytes,
-            }) => (Some(others_unswappable_bytes), None),
+                keep,
+            }) => (Some((others_unswappable_bytes, keep)), None),
             other => {
                 crate::kdebug!("no `room` right after `registered` (got {other:?})");
                 (None, other)

@@ -17,6 +17,9 @@ pub struct Turn {
     /// The others' memory no swap frees ([`ArbiterMsg::Room`]); `u64::MAX` until the
     /// arbiter says (an arbiter that predates it never does).
     pub(super) others_fixed: AtomicU64,
+    /// The largest other working set the arbiter says memory no swap frees here
+    /// must leave room for ([`ArbiterMsg::Room`]'s `keep`).
+    pub(super) keep: Mutex<Option<Keep>>,
     /// The arbiter enforces a node swap budget: growth must be admitted first.
     pub(super) budgeted: AtomicBool,
     /// Serializes admissions: one question in flight per turn.
@@ -131,6 +134,26 @@ impl Turn {
     pub fn could_fit(&self, more: u64) -> bool {
         self.others_fixed.load(Ordering::Relaxed) == u64::MAX
             || self.figures().working_set.saturating_add(more) <= self.capacity()
+    }
+
+    /// The other client whose working set `more` bytes of memory no swap frees,
+    /// added here, would make impossible: it could never again be resident in its
+    /// turn beside every process's memory no swap frees (the arbiter said whose and
+    /// how much, [`ArbiterMsg::Room`], where it cannot evict whole processes). With
+    /// the figures of the line that says so: (its name, its working set, every
+    /// process's memory no swap frees with `more`).
+    pub fn would_block(&self, more: u64) -> Option<(String, u64, u64)> {
+        let others = self.others_fixed.load(Ordering::Relaxed);
+        if others == u64::MAX {
+            return None;
+        }
+        let keep = lock(&self.keep).clone()?;
+        let fixed = others
+            .saturating_add(self.context_bytes.load(Ordering::Relaxed))
+            .saturating_add(self.res.figures().external)
+            .saturating_add(more);
+        (fixed.saturating_add(keep.bytes) > self.info.total_memory)
+            .then_some((keep.name, keep.bytes, fixed))
     }
 
     /// The allocator's limit follows [`Turn::capacity`].
