@@ -212,6 +212,8 @@ pub struct GpuScheduler {
     pressure: bool,
     /// When that was broadcast ([`STATE_INTERVAL_NS`] apart at least).
     pressure_sent: Option<Nanos>,
+    /// The GPU was last told shared (more than one client, `pressure`).
+    shared: bool,
     /// What holders were last told: someone waits, and the bytes the next one needs.
     contended: bool,
     contended_need: u64,
@@ -299,6 +301,7 @@ impl GpuScheduler {
             idle_evict_ns: 0,
             pressure: false,
             pressure_sent: None,
+            shared: false,
             contended: false,
             contended_need: 0,
             quiet_until: None,
@@ -511,6 +514,12 @@ impl GpuScheduler {
         self.settings.scheduler_on && !self.fits()
     }
 
+    /// More than one client is registered: the GPU is shared, whether or not its
+    /// working sets fit.
+    fn shared_now(&self) -> bool {
+        self.clients.len() > 1
+    }
+
     // ---- inputs -------------------------------------------------------------
 
     /// A client registered on this GPU. `resume` is set when it re-registers after an
@@ -574,12 +583,14 @@ impl GpuScheduler {
         self.notify_room(now, None);
         // Already oversubscribed: a pipelined client prepares its swap-out from the
         // start (a change this registration makes is told to everyone in `finish`).
-        if self.pressure && self.clients.get(&id).is_some_and(|c| c.info.pipelined) {
+        if (self.pressure || self.shared) && self.clients.get(&id).is_some_and(|c| c.info.pipelined)
+        {
             self.send(
                 id,
                 ArbiterMsg::Pressure {
-                    oversubscribed: true,
+                    oversubscribed: self.pressure,
                     idle_evict_ms: self.idle_evict_ns / 1_000_000,
+                    shared: self.shared,
                 },
             );
         }
@@ -1025,7 +1036,7 @@ impl GpuScheduler {
         if let (Some(free), Some((due, _))) = (self.link_free_at(), self.idle_candidate()) {
             at(due.max(free));
         }
-        if self.oversubscribed() != self.pressure {
+        if self.oversubscribed() != self.pressure || self.shared_now() != self.shared {
             if let Some(due) = self.pressure_due() {
                 at(due);
             }
@@ -1328,11 +1339,14 @@ impl GpuScheduler {
 
     /// Tells `pipelined` clients when the GPU starts or stops being oversubscribed.
     fn notify_pressure(&mut self, now: Nanos) {
-        let over = self.oversubscribed();
-        if over == self.pressure || self.pressure_due().is_some_and(|due| now < due) {
+        let (over, shared) = (self.oversubscribed(), self.shared_now());
+        if (over, shared) == (self.pressure, self.shared)
+            || self.pressure_due().is_some_and(|due| now < due)
+        {
             return;
         }
         self.pressure = over;
+        self.shared = shared;
         self.pressure_sent = Some(now);
         let ids: Vec<ClientId> = self
             .clients
@@ -1346,6 +1360,7 @@ impl GpuScheduler {
                 ArbiterMsg::Pressure {
                     oversubscribed: over,
                     idle_evict_ms: self.idle_evict_ns / 1_000_000,
+                    shared,
                 },
             );
         }

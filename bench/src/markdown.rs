@@ -161,12 +161,15 @@ const NOTES: &[&str] = &[
      sharing in the same run (two processes copying one way each for the same 600 ms) \
      and gives the time the hand-off's bytes take at those rates: the most a pipelined \
      hand-off can overlap on this host. `swap_out_after_growth` is the H100's case of \
-     issue #28: a notebook's working set grew by 1.5 GiB (nothing pinned for it yet) \
-     and it is dropped within 150 ms of another asking (TQ 150 ms); its swap-out rate \
-     against the pinned copy on the same simulated machine. Buffers not pinned in time \
-     go out by the pageable copy and are registered in place afterwards with \
-     `KIWI_SWAP_PAGEABLE=1` (`docs/shim.md`); `_pin_now` is the same case with the \
-     default, which page-locks them on the critical path.",
+     issue #28: on a GPU another notebook shares, a notebook's working set grows by \
+     1.5 GiB (gpuburst `grow:1536`) and it is dropped when the other asks, 100 ms \
+     after the arbiter saw the growth (the interval, from the arbiter's log, is in \
+     the row); its swap-out rate against the pinned copy on the same simulated \
+     machine. The shim prepares swap buffers from the growth on (the GPU is shared); \
+     what is not ready is page-locked on the critical path (the default) or, with \
+     `KIWI_SWAP_PAGEABLE=1` (`_pageable`), copied into pageable memory and registered \
+     in place afterwards (`docs/shim.md`). `host_populate` is how fast this host \
+     faults in fresh memory on two threads, which bounds both.",
     "**live-bytes**: two JAX-like notebooks (gpuburst `--prealloc 0.75`: one allocation \
      of 75% of the free memory they are told about, 205 MiB of it used) on a 4 GiB GPU \
      take turns in short bursts with idle pauses. With the hint (`--discard` answers the \

@@ -28,7 +28,11 @@ const HOLDER: u64 = (GPU * 9 / 10) & !((64 << 20) - 1);
 /// ms, bytes it swapped out).
 fn once(b: &Build) -> Result<(f64, f64, u64)> {
     let sim = Sim::new("newcomer", GPU);
-    let arb = ArbiterProc::start(2.0, &[])?;
+    // The holder's 90% beside both contexts is over the GPU: the newcomer's context
+    // is made only by an arbiter that can evict whole idle processes (the
+    // simulator's checkpoint API; without, it fails at once, issue #24). Nothing is
+    // checkpointed here: the holder's swap-out makes the room.
+    let arb = ArbiterProc::start_with(2.0, &["--checkpoint"], |c| sim.apply(b, c))?;
     let mut holder = Job::ready(b, &sim, &arb, HOLDER, "gpu:50,idle:120000", 1)?;
     holder.go(monotonic_ns())?;
     // The holder's burst ends and it idles; the newcomer comes after.

@@ -41,8 +41,10 @@ pub struct Options {
     /// Test aid: after the first burst, add to one allocation behind the host
     /// model's back, so verification must fail (exit 3).
     pub inject_fault: bool,
-    /// `--script cpu:1500,gpu:6000,idle:500`: the phases to run instead of
-    /// `--bursts` × (GPU burst, CPU, idle). Used to replay a notebook's day.
+    /// `--script cpu:1500,gpu:6000,idle:500,grow:1536`: the phases to run instead
+    /// of `--bursts` × (GPU burst, CPU, idle). Used to replay a notebook's day;
+    /// `grow:MIB` allocates and fills MIB more on the first device (a notebook whose
+    /// working set grew), verified with the rest.
     pub script: Option<Vec<Phase>>,
     /// `--start-at-ns N`: once ready, wait until CLOCK_MONOTONIC reaches N, so
     /// several programs can start their phases together.
@@ -73,6 +75,8 @@ pub enum Phase {
     Cpu(u64),
     Gpu(u64),
     Idle(u64),
+    /// MiB allocated and filled on the first device.
+    Grow(u64),
 }
 
 impl Phase {
@@ -81,11 +85,12 @@ impl Phase {
             Phase::Cpu(_) => "cpu",
             Phase::Gpu(_) => "gpu",
             Phase::Idle(_) => "idle",
+            Phase::Grow(_) => "grow",
         }
     }
 }
 
-/// Parses `cpu:1500,gpu:6000,idle:500` (milliseconds).
+/// Parses `cpu:1500,gpu:6000,idle:500,grow:1536` (milliseconds; MiB for `grow`).
 pub fn parse_script(s: &str) -> Result<Vec<Phase>, String> {
     let mut out = Vec::new();
     for step in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
@@ -100,9 +105,11 @@ pub fn parse_script(s: &str) -> Result<Vec<Phase>, String> {
             "gpu" if ms >= 1 => Phase::Gpu(ms),
             "gpu" => return Err("--script: a gpu phase needs at least 1 ms".into()),
             "idle" => Phase::Idle(ms),
+            "grow" if ms >= 1 => Phase::Grow(ms),
+            "grow" => return Err("--script: a grow phase needs at least 1 MiB".into()),
             other => {
                 return Err(format!(
-                    "--script: unknown phase {other:?} (cpu, gpu, idle)"
+                    "--script: unknown phase {other:?} (cpu, gpu, idle, grow)"
                 ))
             }
         });
@@ -580,6 +587,38 @@ fn open_device(
     })
 }
 
+/// `--script grow:MIB`: `bytes` more on the first device, allocated in the chunks
+/// of `--mem` and filled (each with its own value, checked by every verification);
+/// the checksums' buffer grows with them.
+fn grow(cuda: &Cuda, o: &Options, devs: &mut [Device], bytes: u64) -> Result<(), CudaError> {
+    let Some(first) = devs.first() else {
+        return Ok(());
+    };
+    make_current(cuda, devs, first)?;
+    let first_index: usize = devs.iter().map(|d| d.allocs.len()).sum();
+    let d = &mut devs[0];
+    for (index, chunk) in (first_index..).zip(plan_allocations(bytes)) {
+        let mut ptr = 0;
+        cu!(cuda, mem_alloc, "cuMemAlloc_v2", &mut ptr, chunk as usize)?;
+        let a = Allocation {
+            ptr,
+            words: chunk / 4,
+            value: mix(o.seed, 0, index as u64),
+        };
+        mem_kernel(cuda, d.k.fill, &a, a.value)?;
+        d.allocs.push(a);
+    }
+    cu!(cuda, mem_free, "cuMemFree_v2", d.sums)?;
+    cu!(
+        cuda,
+        mem_alloc,
+        "cuMemAlloc_v2",
+        &mut d.sums,
+        8 * d.allocs.len()
+    )?;
+    cu!(cuda, ctx_synchronize, "cuCtxSynchronize")
+}
+
 /// One GPU burst of `gpu_ms` per device. On each device in turn (its context made
 /// current): a 1 ms probe kernel (its wait is the time the GPU kept us waiting),
 /// `kiwi_add` over every allocation, then short spin kernels queued asynchronously
@@ -813,6 +852,7 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
         match phase {
             Phase::Cpu(ms) => host_work(Duration::from_millis(ms)),
             Phase::Idle(ms) => std::thread::sleep(Duration::from_millis(ms)),
+            Phase::Grow(mib) => grow(cuda, o, &mut devs, mib << 20)?,
             Phase::Gpu(ms) => {
                 burst(cuda, o, &rep, &mut devs, b, ms)?;
                 b += 1;
@@ -923,9 +963,14 @@ mod tests {
             Some(vec![Phase::Cpu(1500), Phase::Gpu(6000), Phase::Idle(5)])
         );
         assert_eq!(o.start_at_ns, Some(42));
+        assert_eq!(
+            parse_script("grow:1536,gpu:10"),
+            Ok(vec![Phase::Grow(1536), Phase::Gpu(10)])
+        );
         for bad in [
             "--script gpu",
             "--script gpu:0",
+            "--script grow:0",
             "--script nap:5",
             "--script ,",
             "--script cpu:x",

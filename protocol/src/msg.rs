@@ -327,6 +327,12 @@ pub enum ArbiterMsg {
         /// pays only its own swap-in.
         #[serde(default, skip_serializing_if = "is_zero_u64")]
         idle_evict_ms: u64,
+        /// Another client is registered on this GPU: whoever holds it may be asked
+        /// for it at any moment, so each client prepares the buffers of its
+        /// swap-out as its working set grows, within the node's swap budget, before
+        /// anyone asks (issue #28). Told as it changes, like `oversubscribed`.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        shared: bool,
     },
     /// To a client that registered with `room_info`: the GPU memory no swap frees
     /// that the other clients report (their contexts, modules and VMM memory; the

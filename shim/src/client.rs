@@ -444,6 +444,7 @@ impl Client {
             pipelined: AtomicBool::new(pipelined),
             pin_target: AtomicU64::new(0),
             pressure: AtomicBool::new(false),
+            shared: AtomicBool::new(false),
             pin_trim: AtomicBool::new(false),
             pinning: AtomicBool::new(false),
             swap_budget: AtomicU64::new(budget.unwrap_or(u64::MAX)),
@@ -937,6 +938,7 @@ impl Client {
             ArbiterMsg::Pressure {
                 oversubscribed,
                 idle_evict_ms,
+                shared,
             } => {
                 lock(&self.state).slots[turn.slot].ts.idle_evict = (oversubscribed
                     && idle_evict_ms > 0)
@@ -947,7 +949,8 @@ impl Client {
                     if oversubscribed { "" } else { "no longer " }
                 );
                 turn.pressure.store(oversubscribed, Ordering::Release);
-                if !oversubscribed {
+                turn.shared.store(shared, Ordering::Release);
+                if !oversubscribed && !shared {
                     turn.pin_trim.store(true, Ordering::Release);
                 }
                 self.wake_pinning();

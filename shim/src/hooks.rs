@@ -447,6 +447,9 @@ fn alloc(size: u64) -> Option<Result<u64, CUresult>> {
         if let Some(t) = client::global().and_then(|c| c.turn_for(d)) {
             t.claim(&crate::gate::GATE);
         }
+        if let Some(c) = client::global() {
+            c.grew(d);
+        }
         // Memory left unbacked must be backed before work runs. Closed under the
         // allocator's lock: the client checks residency and opens the gate under it
         // too, so it cannot open over this memory (a sticky illegal address).

@@ -64,6 +64,7 @@ fn an_idle_resident_client_is_asked_to_swap_out_when_oversubscribed() {
         Some(ArbiterMsg::Pressure {
             oversubscribed: true,
             idle_evict_ms: 500,
+            shared: true,
         }),
         "B registered pipelined: it hears the GPU became oversubscribed, and the delay"
     );

@@ -18,6 +18,19 @@ impl Client {
         }
     }
 
+    /// The working set on GPU `d` grew: where someone may ask for the GPU (shared or
+    /// oversubscribed), the pinning thread prepares the new memory's buffers now,
+    /// not at its next look ([`PIN_RECHECK`] later): a notebook that grew may be
+    /// asked for the GPU 100 ms later (issue #28).
+    pub fn grew(&self, d: usize) {
+        if self
+            .turn_for(d)
+            .is_some_and(|t| t.shared.load(Ordering::Relaxed) || t.pressure.load(Ordering::Relaxed))
+        {
+            self.wake_pinning();
+        }
+    }
+
     /// Tells the pinning thread that a turn's target changed.
     pub(super) fn wake_pinning(&self) {
         *lock(&self.pin_work) = true;
@@ -36,7 +49,9 @@ impl Client {
         crate::capture::relax_this_thread();
         loop {
             let busy = self.turns().any(|t| {
-                t.pressure.load(Ordering::Relaxed) || t.pin_target.load(Ordering::Relaxed) > 0
+                t.pressure.load(Ordering::Relaxed)
+                    || t.shared.load(Ordering::Relaxed)
+                    || t.pin_target.load(Ordering::Relaxed) > 0
             });
             {
                 let mut w = lock(&self.pin_work);
@@ -69,7 +84,8 @@ impl Client {
 
     /// One step of pinning ahead for `turn`; returns whether more is left.
     pub(super) fn pin_step(turn: &Turn) -> bool {
-        if turn.pin_trim.swap(false, Ordering::AcqRel) && !turn.pressure.load(Ordering::Acquire) {
+        let ahead = turn.pressure.load(Ordering::Acquire) || turn.shared.load(Ordering::Acquire);
+        if turn.pin_trim.swap(false, Ordering::AcqRel) && !ahead {
             let n = turn.res.trim_spare_buffers();
             if n > 0 {
                 crate::kdebug!(
@@ -78,7 +94,9 @@ impl Client {
                 );
             }
         }
-        let target = if turn.pressure.load(Ordering::Acquire) {
+        // Oversubscribed, or shared (someone may ask at any moment): the buffers of
+        // a full swap-out, prepared as the working set grows.
+        let target = if ahead {
             u64::MAX
         } else {
             turn.pin_target.load(Ordering::Acquire)

@@ -61,6 +61,10 @@ pub struct Turn {
     /// The GPU is oversubscribed (`pressure`): the buffers of a full swap-out are
     /// prepared ahead, whoever holds it.
     pub(super) pressure: AtomicBool,
+    /// Another process is registered on the GPU (`pressure`'s `shared`): it may ask
+    /// for the GPU at any moment, so the buffers of a full swap-out are prepared as
+    /// the working set grows, before anyone asks (issue #28).
+    pub(super) shared: AtomicBool,
     /// The pressure ended: the pinning thread frees the spare buffers.
     pub(super) pin_trim: AtomicBool,
     /// The pinning thread pinned some buffers ahead and has not yet found all it

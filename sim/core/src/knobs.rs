@@ -78,6 +78,10 @@ pub struct SimConfig {
     /// `cuCheckpointProcess*` call is `CUDA_ERROR_NOT_SUPPORTED`, as a driver older
     /// than 570). Default on.
     pub checkpoint: bool,
+    /// `KIWI_SIM_PREPARE=0`: host memory for the device address ranges a process
+    /// reserved is no longer prepared ahead in the background (a GPU's memory exists
+    /// before it is allocated; the simulator's must be faulted in). Default on.
+    pub prepare: bool,
     /// `KIWI_SIM_CHECKPOINT_MS` / `KIWI_SIM_CHECKPOINT_GBPS`: what a checkpoint of
     /// this process costs, a fixed part plus its device memory at a rate; likewise
     /// `KIWI_SIM_RESTORE_MS` / `KIWI_SIM_RESTORE_GBPS` for a restore. Defaults
@@ -161,6 +165,7 @@ impl Default for SimConfig {
             module_memory: DEFAULT_MODULE_MEMORY,
             fail_memcreate_every: 0,
             checkpoint: true,
+            prepare: true,
             checkpoint_ms: DEFAULT_CHECKPOINT_MS,
             checkpoint_gbps: DEFAULT_CHECKPOINT_GBPS,
             restore_ms: DEFAULT_RESTORE_MS,
@@ -246,6 +251,13 @@ impl SimConfig {
                 .trim()
                 .parse()
                 .map_err(|_| bad("KIWI_SIM_FAIL_MEMCREATE", &v, "not a whole number".into()))?;
+        }
+        if let Some(v) = get("KIWI_SIM_PREPARE") {
+            c.prepare = match v.trim() {
+                "1" | "" => true,
+                "0" => false,
+                _ => return Err(bad("KIWI_SIM_PREPARE", &v, "must be 0 or 1".into())),
+            };
         }
         if let Some(v) = get("KIWI_SIM_CHECKPOINT") {
             c.checkpoint = match v.trim() {

@@ -9,8 +9,10 @@
 //! - Contents of each physical allocation live in a private anonymous `mmap`
 //!   (`MAP_NORESERVE`), populated when allocated (a real driver commits memory at
 //!   allocation too) so copies and kernels are not slowed by page faults; freed
-//!   backing is pooled by size and reused (up to 4 GiB per process). Capacity is accounted in the shared machine
-//!   segment: a physical allocation that does not fit fails with
+//!   backing is pooled by size and reused (up to 4 GiB per process), and backing for
+//!   reserved address ranges not mapped yet is prepared in the background
+//!   (`crate::backing`: a GPU's memory exists before it is allocated). Capacity is
+//!   accounted in the shared machine segment: a physical allocation that does not fit fails with
 //!   `CUDA_ERROR_OUT_OF_MEMORY`, across processes.
 //! - `cuMemAlloc` allocations are accounted at their size rounded up to 512 bytes;
 //!   their addresses are 512-byte aligned (2 MiB aligned from 2 MiB up).
@@ -46,28 +48,8 @@ pub const VA_LEN: u64 = 2 << 40;
 /// Alignment (and accounting unit) of `cuMemAlloc` allocations.
 pub const SMALL_ALIGN: u64 = 512;
 
-/// Backing stores of freed physical allocations, kept for reuse by size. Fresh
-/// anonymous memory must be faulted in and zeroed by the kernel, which costs host
-/// time a GPU never spends (a swap-in of 500 MiB would pay ~100 ms of page faults);
-/// GPU memory from `cuMemCreate` is uninitialized anyway, so stale bytes are fine.
-struct BackingPool {
-    by_len: BTreeMap<usize, Vec<usize>>,
-    bytes: usize,
-}
-
 /// Name prefix of the memfd holding shareable memory: `kiwi-sim:<machine>:gpu<N>`.
 const MEMFD_PREFIX: &str = "kiwi-sim:";
-
-/// `madvise` advice (Linux 5.14): fault the range in writable now.
-const MADV_POPULATE_WRITE: libc::c_int = 23;
-
-/// Most bytes the pool keeps; beyond it freed backing goes back to the kernel.
-const POOL_MAX_BYTES: usize = 4 << 30;
-
-static POOL: Mutex<BackingPool> = Mutex::new(BackingPool {
-    by_len: BTreeMap::new(),
-    bytes: 0,
-});
 
 /// [`Phys::users`]: a move into a memfd waits for the pieces alive to go; new ones
 /// wait, except on threads that hold pieces already (they must go on to drop them).
@@ -78,26 +60,6 @@ const MOVE_RUNNING: u64 = 1 << 63;
 thread_local! {
     /// Pieces of shareable memory this thread holds (see [`MOVE_PENDING`]).
     static HELD: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-}
-
-fn pool_take(len: usize) -> Option<*mut libc::c_void> {
-    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    let v = p.by_len.get_mut(&len)?;
-    let addr = v.pop()?;
-    p.bytes -= len;
-    Some(addr as *mut libc::c_void)
-}
-
-/// Keeps `ptr` (a private anonymous mapping of `len` bytes) for reuse; `false` if
-/// the pool is full and the caller must unmap it.
-fn pool_put(ptr: *mut libc::c_void, len: usize) -> bool {
-    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    if p.bytes + len > POOL_MAX_BYTES {
-        return false;
-    }
-    p.bytes += len;
-    p.by_len.entry(len).or_default().push(ptr as usize);
-    true
 }
 
 /// Accounts `size` bytes on `gpu` of `machine`, as CUDA errors.
@@ -154,23 +116,10 @@ impl Phys {
     ) -> Result<Arc<Phys>, CUresult> {
         reserve(machine, gpu, size)?;
         let map_len = (size.max(1) as usize).next_multiple_of(4096);
-        let p = match pool_take(map_len) {
-            Some(p) => p,
-            // SAFETY: anonymous private mapping; no existing memory is affected.
-            None => unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    map_len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE
-                        | libc::MAP_ANONYMOUS
-                        | libc::MAP_NORESERVE
-                        | libc::MAP_POPULATE,
-                    -1,
-                    0,
-                )
-            },
-        };
+        // Freed or prepared backing (`crate::backing`), else fresh.
+        let p = crate::backing::take(map_len)
+            .or_else(|| crate::backing::fresh(map_len))
+            .unwrap_or(libc::MAP_FAILED);
         if p == libc::MAP_FAILED {
             machine.release(gpu, size);
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
@@ -287,7 +236,7 @@ impl Phys {
             return None;
         }
         // SAFETY: advice on the mapping just made.
-        if unsafe { libc::madvise(p, len, MADV_POPULATE_WRITE) } != 0 {
+        if unsafe { libc::madvise(p, len, crate::backing::MADV_POPULATE_WRITE) } != 0 {
             // Kernels before 5.14 refuse it (EINVAL): populate read-only, mapping the
             // file again over the same range.
             // SAFETY: replaces exactly the mapping made above, of the same file.
@@ -483,7 +432,7 @@ impl Drop for Phys {
                     0,
                 )
             };
-        } else if self.fd.get().is_some() || !pool_put(self.host.cast(), self.map_len) {
+        } else if self.fd.get().is_some() || !crate::backing::put(self.host.cast(), self.map_len) {
             // Memory in a memfd is never reused: another process may map it.
             // SAFETY: unmapping our own mapping; no references to it outlive self.
             unsafe { libc::munmap(self.host.cast(), self.map_len) };
@@ -916,6 +865,7 @@ impl Memory {
                 },
             },
         );
+        crate::backing::unmapped(size as i64);
         Ok(at)
     }
 
@@ -935,6 +885,7 @@ impl Memory {
         }
         va.regions.remove(&ptr);
         Self::va_free(&mut va, ptr, size);
+        crate::backing::unmapped(-(size as i64));
         Ok(())
     }
 
@@ -1038,6 +989,8 @@ impl Memory {
                 access: vec![Access::None; self.gpus as usize],
             },
         );
+        drop(va);
+        crate::backing::unmapped(-(size as i64));
         Ok(())
     }
 
@@ -1112,7 +1065,9 @@ impl Memory {
                 .filter_map(|k| mappings.remove(&k))
                 .collect::<Vec<_>>())
         })?;
+        let bytes: u64 = dropped.iter().map(|m| m.size).sum();
         drop(dropped); // may free physical memory: outside the VA lock
+        crate::backing::unmapped(bytes as i64);
         Ok(())
     }
 
