@@ -642,12 +642,34 @@ impl DeviceResidency {
     }
 }
 
+impl DeviceResidency {
+    /// Moves the application's managed memory on this device to the host or back
+    /// ([`crate::managed`]), with its context current, adding to `swap`.
+    fn migrate_managed(&self, to_host: bool, swap: &mut Swap) -> Result<(), CUresult> {
+        let (bytes, took) = crate::ffi::inside(|| {
+            let _ctx = AppContext::enter(self.0);
+            let _relaxed = crate::capture::Relaxed::enter();
+            crate::managed::migrate(self.0, to_host)
+        })?;
+        swap.bytes += bytes;
+        swap.moved += bytes;
+        swap.duration += took;
+        Ok(())
+    }
+}
+
 impl Residency for DeviceResidency {
+    /// The allocator's figures, with the application's managed memory on this device
+    /// counted as working set (resident unless a swap-out moved it to the host).
     fn figures(&self) -> Figures {
-        mem_lock(self.0)
+        let mut f = mem_lock(self.0)
             .as_ref()
             .map(|m| m.figures())
-            .unwrap_or_default()
+            .unwrap_or_default();
+        let (managed, on_gpu) = crate::managed::bytes(self.0);
+        f.working_set += managed;
+        f.resident += on_gpu;
+        f
     }
     fn set_limit(&self, limit: u64) {
         if let Some(m) = mem_lock(self.0).as_mut() {
@@ -661,6 +683,7 @@ impl Residency for DeviceResidency {
     }
     fn all_resident(&self) -> bool {
         mem_lock(self.0).as_ref().is_none_or(|m| m.all_resident())
+            && crate::managed::resident(self.0)
     }
     // Swap copies run on the legacy stream, which a capture on a blocking stream
     // forbids: they wait for such captures to end (the swap is refused, never forced
@@ -669,13 +692,17 @@ impl Residency for DeviceResidency {
         if !crate::capture::legacy_usable(crate::capture::CAPTURE_WAIT) {
             return Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
         }
-        self.with(Ok(Swap::default()), |m| m.swap_in_all())
+        let mut swap = self.with(Ok(Swap::default()), |m| m.swap_in_all())?;
+        self.migrate_managed(false, &mut swap)?;
+        Ok(swap)
     }
     fn swap_in_waiting(&self, until: std::time::Instant) -> Result<Swap, CUresult> {
         if !crate::capture::legacy_usable(crate::capture::CAPTURE_WAIT) {
             return Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
         }
-        self.with(Ok(Swap::default()), |m| m.swap_in_until(Some(until)))
+        let mut swap = self.with(Ok(Swap::default()), |m| m.swap_in_until(Some(until)))?;
+        self.migrate_managed(false, &mut swap)?;
+        Ok(swap)
     }
     /// Asks the application which of its memory is dead first ([`crate::hint`]), when
     /// the gate is closed (its work drained, nothing new can run): bytes it declared
@@ -688,9 +715,15 @@ impl Residency for DeviceResidency {
         if need > 0 && !gate.is_open() {
             crate::hint::request(gate.token(), crate::hint::wait());
         }
-        self.with(Ok(Swap::default()), |m| {
+        let mut swap = self.with(Ok(Swap::default()), |m| {
             m.evict_live(need, Some(gate.token()))
-        })
+        })?;
+        // Managed memory goes when what the allocator freed is not enough (the
+        // driver pages it; a prefetch to the host frees its device memory at once).
+        if need > swap.moved {
+            self.migrate_managed(true, &mut swap)?;
+        }
+        Ok(swap)
     }
     /// Registers outside the allocator's lock, one segment's buffer at a time (a swap-in
     /// that meets a buffer being registered copies from it as pageable memory; one its

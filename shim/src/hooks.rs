@@ -639,9 +639,46 @@ pub unsafe fn mem_free(
             defer()
         }
         Some(r) => r,
-        // SAFETY: forwarding the caller's argument.
-        None => unsafe { real(dptr) },
+        None => {
+            // SAFETY: forwarding the caller's argument.
+            let r = unsafe { real(dptr) };
+            if r == CUDA_SUCCESS {
+                if let Some(d) = crate::managed::removed(dptr) {
+                    client::report_now(d);
+                }
+            }
+            r
+        }
     }
+}
+
+/// `cuMemAllocManaged`: the driver's. In a managed process the allocation counts in
+/// the working set of the current context's GPU, which claims it, and moves to the
+/// host at its swap-outs ([`crate::managed`]).
+///
+/// # Safety
+/// `real` is the driver's original of this entry point; the other arguments are the
+/// application's, valid as `cuda.h` documents them.
+pub unsafe fn mem_alloc_managed(
+    real: Real<unsafe extern "C" fn(*mut CUdeviceptr, usize, Uint) -> CUresult>,
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    flags: Uint,
+) -> CUresult {
+    // SAFETY: forwarding the caller's arguments.
+    let r = unsafe { real(dptr, size, flags) };
+    if r != CUDA_SUCCESS || dptr.is_null() || !client::allocator_enabled() {
+        return r;
+    }
+    if let Some(d) = current_mem_device() {
+        // SAFETY: the driver just wrote the allocation's address there.
+        crate::managed::added(d, unsafe { *dptr }, size as u64);
+        if let Some(t) = client::global().and_then(|c| c.turn_for(d)) {
+            t.claim(&crate::gate::GATE);
+        }
+        client::report_now(d);
+    }
+    r
 }
 
 /// # Safety

@@ -17,7 +17,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "3 mechanisms",
         &[
-            "gate", "mem", "client", "status", "capture", "devices", "hint",
+            "gate", "mem", "client", "status", "capture", "devices", "hint", "managed",
         ],
     ),
     ("4 real driver", &["real", "symbols", "ffi"]),

@@ -48,6 +48,7 @@ pub mod ipc;
 mod layers;
 pub mod live;
 pub mod log;
+pub mod managed;
 pub mod mem;
 pub mod pools;
 pub mod procaddr;

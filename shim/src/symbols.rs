@@ -78,6 +78,9 @@ macro_rules! for_each_export {
             hook cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => hooks::mem_alloc;
             hook cuMemAllocPitch_v2(dptr: *mut CUdeviceptr, pitch: *mut usize, width: usize, height: usize, elem: Uint) => hooks::mem_alloc_pitch;
             hook cuMemFree_v2(dptr: CUdeviceptr) => hooks::mem_free;
+            /// Managed memory: the driver's, counted in the working set and moved to the
+            /// host at each swap-out (`managed.rs`).
+            hook cuMemAllocManaged(dptr: *mut CUdeviceptr, size: usize, flags: Uint) => hooks::mem_alloc_managed;
             hook cuMemAllocAsync(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => hooks::mem_alloc_async;
             hook cuMemAllocAsync_ptsz(dptr: *mut CUdeviceptr, size: usize, stream: CUstream) => hooks::mem_alloc_async;
             hook cuMemAllocFromPoolAsync(dptr: *mut CUdeviceptr, size: usize, pool: CUmemoryPool, stream: CUstream) => hooks::mem_alloc_from_pool;
@@ -438,12 +441,10 @@ macro_rules! for_each_export {
             driver cuLibraryGetGlobal;
             /// A module's globals live in the context's module memory, never swapped; runs no work.
             driver cuLibraryGetManaged;
-            /// Managed memory, paged by the driver (not swapped by Kiwi); a hint or a query, runs no work.
+            /// Managed memory (moved at swaps by Kiwi, `managed.rs`); a hint or a query, runs no work.
             driver cuMemAdvise;
-            /// Managed memory, paged by the driver (not swapped by Kiwi); a hint or a query, runs no work.
+            /// Managed memory (moved at swaps by Kiwi, `managed.rs`); a hint or a query, runs no work.
             driver cuMemAdvise_v2;
-            /// Managed memory, paged by the driver itself (docs/shim.md); runs no work.
-            driver cuMemAllocManaged;
             /// The application's own VMM handles and mappings, passed through and not swapped; runs no work.
             driver cuMemGetAccess;
             /// Mapped host memory: lives in host RAM, never swapped; runs no work.
@@ -454,9 +455,9 @@ macro_rules! for_each_export {
             driver cuMemPoolExportPointer;
             /// Sharing a pool allocation between processes: left to the driver (#13 items 6, 7); runs no work.
             driver cuMemPoolImportPointer;
-            /// Managed memory, paged by the driver (not swapped by Kiwi); a hint or a query, runs no work.
+            /// Managed memory (moved at swaps by Kiwi, `managed.rs`); a hint or a query, runs no work.
             driver cuMemRangeGetAttribute;
-            /// Managed memory, paged by the driver (not swapped by Kiwi); a hint or a query, runs no work.
+            /// Managed memory (moved at swaps by Kiwi, `managed.rs`); a hint or a query, runs no work.
             driver cuMemRangeGetAttributes;
             /// Arrays: made and described by the driver in its own memory (not swappable, docs/shim.md); runs no work.
             driver cuMipmappedArrayGetLevel;

@@ -559,6 +559,93 @@ fn ends_ok(tag: &str, o: &Output) {
     );
 }
 
+/// Managed memory beside a competitor (issue #24, the managed-memory row): A's 1.5
+/// GiB of `cudaMallocManaged` chunks and B's 2 GiB of plain memory do not fit the
+/// 4 GiB GPU beside both contexts. A's managed memory used to be neither counted nor
+/// swapped: B's first copy waited until A exited. Now it counts in A's working set
+/// and A's swap-outs move it to the host (a prefetch), so the two take turns: both
+/// verify every byte, and B never waits much longer than a quantum.
+#[test]
+fn managed_memory_takes_turns_with_a_competitor() {
+    let Some(rt) = CudaRuntime::fetch_or_skip("managed memory beside a competitor") else {
+        return;
+    };
+    let m = real_contexts("cudart-managed-turns", 4 << 30);
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile(&rt, dir.path(), "cudart_notebook.c");
+    let arb = Arbiter::start(&["--tq", "1"]);
+    let (sa, sb) = (dir.path().join("a.stats"), dir.path().join("b.stats"));
+    let mut a = spawn_gated(
+        spawn_cmd(
+            &rt,
+            &m,
+            &exe,
+            &["1536", "8", "300"],
+            Some(arb.socket_dir()),
+            &sa,
+        )
+        .env("KIWI_TEST_MANAGED", "1")
+        .env("KIWI_POD_NAME", "managed-a"),
+    );
+    let mut b = spawn_gated(
+        spawn_cmd(
+            &rt,
+            &m,
+            &exe,
+            &["2048", "8", "300"],
+            Some(arb.socket_dir()),
+            &sb,
+        )
+        .env("KIWI_POD_NAME", "plain-b"),
+    );
+    open_gate(&mut a);
+    open_gate(&mut b);
+    let (oa, ob) = (finish(a), finish(b));
+    let ev = arb.events();
+    let log = ev
+        .iter()
+        .map(|e| format!("{} {:?} {:?}", e.t_ns / 1_000_000, e.client, e.kind))
+        .collect::<Vec<_>>()
+        .join("\n");
+    ends_ok("A (managed)", &oa);
+    ends_ok("B (plain)", &ob);
+    let a_id = ev
+        .iter()
+        .find(|e| matches!(&e.kind, EventKind::Register { pod_name: Some(p), .. } if p == "managed-a"))
+        .and_then(|e| e.client)
+        .unwrap_or_else(|| panic!("A never registered:\n{log}"));
+    // A's managed memory counts in its working set and left the GPU at its swap-outs.
+    assert!(
+        ev.iter().any(|e| e.client == Some(a_id)
+            && matches!(e.kind, EventKind::Usage { working_set_bytes, .. } if working_set_bytes >= 1536 << 20)),
+        "A's managed memory was not counted:\n{log}"
+    );
+    assert!(
+        ev.iter().any(|e| e.client == Some(a_id)
+            && matches!(e.kind, EventKind::SwapOut { bytes, .. } if bytes >= 1024 << 20)),
+        "A's managed memory never left the GPU:\n{log}"
+    );
+    // Turns, not a wait for A's exit (A runs 8 rounds of 300 ms and more).
+    let longest = ev
+        .iter()
+        .filter_map(|e| match e.kind {
+            EventKind::Grant { waited_ns, .. } => Some(waited_ns),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    assert!(
+        longest < 4_000_000_000,
+        "a wait of {} ms with a quantum of 1 s:\n{log}",
+        longest / 1_000_000
+    );
+    assert!(
+        stats(&sa).get("swap_out_bytes").copied().unwrap_or(0) >= 1024 << 20,
+        "{:?}",
+        stats(&sa)
+    );
+}
+
 /// What a process alone is told and allowed (issue #24, item 4 and the 90% row):
 /// under Kiwi `cudaMemGetInfo` says what it says without Kiwi (the GPU less the
 /// process's own context, within the modules the shim counts), TensorFlow's grab of

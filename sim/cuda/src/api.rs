@@ -627,8 +627,9 @@ pub(crate) fn cuMemAllocManaged(
     out(dptr, p)
 }
 
-/// Managed memory is always resident in the simulator: a prefetch only checks its
-/// arguments and keeps its place in stream order.
+/// A prefetch of managed memory moves its blocks to `device` or the host when its
+/// turn in the stream comes (`memory::Phys::migrate`): device memory is taken or
+/// given back then.
 fn prefetch(ptr: u64, n: usize, device: i32, stream: CUstream, pt: bool) -> Result<(), CUresult> {
     let d = driver()?;
     if device != CU_DEVICE_CPU {
@@ -638,7 +639,17 @@ fn prefetch(ptr: u64, n: usize, device: i32, stream: CUstream, pt: bool) -> Resu
         Some(i) if i.managed && ptr + n as u64 <= i.start + i.size => {}
         _ => return Err(CUDA_ERROR_INVALID_VALUE),
     }
-    enqueue(stream, pt, Op::Nop, false)
+    let to = (device != CU_DEVICE_CPU).then_some(device as u32);
+    enqueue(
+        stream,
+        pt,
+        Op::Migrate {
+            ptr,
+            n: n as u64,
+            to,
+        },
+        false,
+    )
 }
 
 pub(crate) fn cuMemPrefetchAsync(

@@ -134,7 +134,14 @@ pub enum Op {
     Free {
         ptr: u64,
     },
-    /// Keeps stream order for work that has nothing to do here (prefetches).
+    /// `cuMemPrefetchAsync` of managed memory: its blocks move to a device (`to`) or
+    /// the host (`None`) over the link, in stream order.
+    Migrate {
+        ptr: u64,
+        n: u64,
+        to: Option<u32>,
+    },
+    /// Keeps stream order for work that has nothing to do here.
     Nop,
 }
 
@@ -821,6 +828,13 @@ impl Context {
                 if d.mem.free_linear(ptr).is_ok() {
                     crate::pool_usage::note_free(ptr);
                 }
+            }
+            Op::Migrate { ptr, n, to } => {
+                let start = monotonic_ns();
+                // Moved at the link's rate (a prefetch is a bulk transfer; the driver
+                // migrates faulted pages slower, which is not modelled).
+                let moved = d.mem.migrate(ptr, n, to).unwrap_or(0);
+                pace(start, moved as f64 / d.pcie_bps);
             }
             Op::Nop => {}
         }

@@ -95,9 +95,18 @@ pub struct Phys {
     /// Serializes moves into a memfd.
     moving: Mutex<()>,
     /// Whether this process accounted the capacity (false for imported memory, which
-    /// the exporter accounts).
+    /// the exporter accounts, and for managed memory, accounted by `blocks`).
     accounted: bool,
+    /// Managed memory: where each [`MANAGED_BLOCK`] is, a device's ordinal or
+    /// [`ON_HOST`]; only the blocks on a device are accounted there.
+    blocks: Option<Mutex<Vec<u8>>>,
 }
+
+/// Managed memory moves between the host and the devices in blocks of this size (the
+/// driver's unit of migration, a 2 MiB virtual-address block).
+pub const MANAGED_BLOCK: u64 = 2 << 20;
+/// [`Phys::blocks`]: a block on the host.
+const ON_HOST: u8 = u8::MAX;
 
 // SAFETY: `host` is a private mapping owned by this Phys; concurrent access to the
 // bytes is the simulated program's business, as on a GPU.
@@ -136,6 +145,7 @@ impl Phys {
             users: AtomicU64::new(0),
             moving: Mutex::new(()),
             accounted: true,
+            blocks: None,
         }))
     }
 
@@ -212,6 +222,7 @@ impl Phys {
             users: AtomicU64::new(0),
             moving: Mutex::new(()),
             accounted: false,
+            blocks: None,
         })
     }
 
@@ -365,18 +376,17 @@ impl Phys {
         }
     }
 
-    /// Managed memory: accounts `size` bytes on `gpu` and maps them read-write at
-    /// `addr`, a page-aligned range of the (PROT_NONE) device window reserved for it,
-    /// so host and device use the same pointer.
+    /// Managed memory: maps `size` bytes read-write at `addr`, a page-aligned range
+    /// of the (PROT_NONE) device window reserved for it, so host and device use the
+    /// same pointer. Nothing is accounted on a device yet: as with the driver, pages
+    /// take device memory when a device touches them or a prefetch moves them there
+    /// ([`Phys::migrate`]), and an allocation may exceed what a device has free.
     fn new_in_window(
         machine: &'static Machine,
         gpu: u32,
         size: u64,
         addr: u64,
     ) -> Result<Arc<Phys>, CUresult> {
-        machine
-            .reserve(gpu, size)
-            .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
         let map_len = size as usize;
         // SAFETY: replaces part of our own PROT_NONE window reservation, at a range
         // the VA allocator handed out exclusively for this allocation.
@@ -391,7 +401,6 @@ impl Phys {
             )
         };
         if p == libc::MAP_FAILED {
-            machine.release(gpu, size);
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         Ok(Arc::new(Phys {
@@ -405,8 +414,48 @@ impl Phys {
             fd: Default::default(),
             users: AtomicU64::new(0),
             moving: Mutex::new(()),
-            accounted: true,
+            accounted: false,
+            blocks: Some(Mutex::new(vec![
+                ON_HOST;
+                size.div_ceil(MANAGED_BLOCK) as usize
+            ])),
         }))
+    }
+
+    /// Managed memory: moves the blocks overlapping `[off, off+len)` to device `to`,
+    /// or to the host (`None`), accounting each on the device it goes to and
+    /// releasing it from the one it leaves; returns the bytes moved. A block that
+    /// finds no room on the device stays where it is (the device reaches it over the
+    /// link): the driver may evict other managed memory for it, the simulator does
+    /// not, which is stricter. Not managed memory: 0.
+    pub fn migrate(&self, off: u64, len: u64, to: Option<u32>) -> u64 {
+        let Some(blocks) = &self.blocks else {
+            return 0;
+        };
+        let mut b = blocks.lock().unwrap_or_else(|e| e.into_inner());
+        let dest = to.map_or(ON_HOST, |d| d as u8);
+        let first = (off / MANAGED_BLOCK) as usize;
+        let last = (off + len.max(1))
+            .div_ceil(MANAGED_BLOCK)
+            .min(b.len() as u64) as usize;
+        let mut moved = 0;
+        for (i, at) in b.iter_mut().enumerate().take(last).skip(first) {
+            if *at == dest {
+                continue;
+            }
+            let bytes = MANAGED_BLOCK.min(self.size - i as u64 * MANAGED_BLOCK);
+            if let Some(d) = to {
+                if self.machine.reserve(d, bytes).is_err() {
+                    continue;
+                }
+            }
+            if *at != ON_HOST {
+                self.machine.release(u32::from(*at), bytes);
+            }
+            *at = dest;
+            moved += bytes;
+        }
+        moved
     }
 
     /// Host address of byte `offset`.
@@ -439,6 +488,9 @@ impl Drop for Phys {
         }
         if self.accounted {
             self.machine.release(self.gpu, self.size);
+        }
+        if self.blocks.is_some() {
+            self.migrate(0, self.size, None);
         }
     }
 }
@@ -727,6 +779,22 @@ impl Memory {
             },
         );
         Ok(at)
+    }
+
+    /// Moves managed memory `[ptr, ptr+n)` to device `to` or the host (`None`), as
+    /// `cuMemPrefetchAsync` does when its turn in the stream comes: the bytes moved;
+    /// `None` when the range is not inside one managed allocation.
+    pub fn migrate(&self, ptr: u64, n: u64, to: Option<u32>) -> Option<u64> {
+        let va = self.read();
+        let (&start, r) = va.regions.range(..=ptr).next_back()?;
+        match &r.kind {
+            RegionKind::Linear {
+                phys,
+                managed: true,
+                ..
+            } if ptr.checked_add(n)? <= start + r.size => Some(phys.migrate(ptr - start, n, to)),
+            _ => None,
+        }
     }
 
     /// What `cuPointerGetAttribute` needs to know about a device address.
@@ -1094,7 +1162,14 @@ impl Memory {
             return Err(Fault::Unmapped);
         }
         match &r.kind {
-            RegionKind::Linear { phys, .. } => Ok(vec![(phys.clone(), addr - start, len)]),
+            RegionKind::Linear { phys, managed, .. } => {
+                // A device's access faults managed pages in, as the driver migrates
+                // them on a GPU page fault.
+                if *managed {
+                    phys.migrate(addr - start, len, Some(dev));
+                }
+                Ok(vec![(phys.clone(), addr - start, len)])
+            }
             RegionKind::Reserved { mappings } => {
                 let mut pieces = Vec::new();
                 let mut at = addr;

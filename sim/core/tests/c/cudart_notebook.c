@@ -8,7 +8,8 @@
  * Prints "pid <pid>", a line per round, then "OK". Exits 2 on a failed call (its
  * name printed), 3 on a wrong byte. With KIWI_TEST_GATE set it prints "READY" once
  * its memory is filled and waits for a line on stdin before its rounds (a start
- * gate: a test makes two of them overlap). */
+ * gate: a test makes two of them overlap). With KIWI_TEST_MANAGED set its chunks
+ * are managed memory (cudaMallocManaged). */
 #include "cudart_common.h"
 
 #include <unistd.h>
@@ -50,6 +51,7 @@ int main(int argc, char **argv) {
     int rounds = atoi(argv[2]);
     int cpu_ms = atoi(argv[3]);
     unsigned chunks = (unsigned)((mib << 20) / CHUNK);
+    int managed = getenv("KIWI_TEST_MANAGED") != NULL;
     ASSERT(chunks >= 1 && rounds >= 0 && rounds < 63);
     printf("pid %d\n", (int)getpid());
     fflush(stdout);
@@ -60,7 +62,10 @@ int main(int argc, char **argv) {
     cudaStream_t s;
     CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     for (unsigned c = 0; c < chunks; c++) {
-        CHECK(cudaMalloc((void **)&d[c], CHUNK));
+        if (managed)
+            CHECK(cudaMallocManaged((void **)&d[c], CHUNK, cudaMemAttachGlobal));
+        else
+            CHECK(cudaMalloc((void **)&d[c], CHUNK));
         fill_pattern(h, CHUNK, c);
         CHECK(cudaMemcpy(d[c], h, CHUNK, cudaMemcpyHostToDevice));
     }
