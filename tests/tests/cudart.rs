@@ -96,6 +96,26 @@ fn spawn_gated(cmd: &mut Command) -> Child {
     c
 }
 
+/// A runtime program under the arbiter in `socket_dir`, shown as pod `pod`, with
+/// `env` added, waiting at its start gate ([`spawn_gated`]).
+#[allow(clippy::too_many_arguments)]
+fn gated_pod(
+    rt: &CudaRuntime,
+    m: &SimMachine,
+    exe: &Path,
+    args: &[&str],
+    socket_dir: &Path,
+    stats: &Path,
+    pod: &str,
+    env: &[(&str, &str)],
+) -> Child {
+    spawn_gated(
+        spawn_cmd(rt, m, exe, args, Some(socket_dir), stats)
+            .env("KIWI_POD_NAME", pod)
+            .envs(env.iter().copied()),
+    )
+}
+
 /// Lets a program waiting at its start gate go on.
 fn open_gate(c: &mut Child) {
     let mut stdin = c.stdin.take().expect("stdin piped");
@@ -424,16 +444,15 @@ fn a_newcomers_context_that_would_block_an_idle_holder_fails_at_once_without_evi
     let exe = compile(&rt, dir.path(), "cudart_notebook.c");
     let arb = Arbiter::start(&["--tq", "2"]);
     let (sa, sb) = (dir.path().join("a.stats"), dir.path().join("b.stats"));
-    let mut a = spawn_gated(
-        spawn_cmd(
-            &rt,
-            &m,
-            &exe,
-            &["3520", "1", "0"],
-            Some(arb.socket_dir()),
-            &sa,
-        )
-        .env("KIWI_POD_NAME", "notebook-a"),
+    let mut a = gated_pod(
+        &rt,
+        &m,
+        &exe,
+        &["3520", "1", "0"],
+        arb.socket_dir(),
+        &sa,
+        "notebook-a",
+        &[],
     );
     let t = Instant::now();
     let ob = finish(spawn(
@@ -575,28 +594,25 @@ fn managed_memory_takes_turns_with_a_competitor() {
     let exe = compile(&rt, dir.path(), "cudart_notebook.c");
     let arb = Arbiter::start(&["--tq", "1"]);
     let (sa, sb) = (dir.path().join("a.stats"), dir.path().join("b.stats"));
-    let mut a = spawn_gated(
-        spawn_cmd(
-            &rt,
-            &m,
-            &exe,
-            &["1536", "8", "300"],
-            Some(arb.socket_dir()),
-            &sa,
-        )
-        .env("KIWI_TEST_MANAGED", "1")
-        .env("KIWI_POD_NAME", "managed-a"),
+    let mut a = gated_pod(
+        &rt,
+        &m,
+        &exe,
+        &["1536", "8", "300"],
+        arb.socket_dir(),
+        &sa,
+        "managed-a",
+        &[("KIWI_TEST_MANAGED", "1")],
     );
-    let mut b = spawn_gated(
-        spawn_cmd(
-            &rt,
-            &m,
-            &exe,
-            &["2048", "8", "300"],
-            Some(arb.socket_dir()),
-            &sb,
-        )
-        .env("KIWI_POD_NAME", "plain-b"),
+    let mut b = gated_pod(
+        &rt,
+        &m,
+        &exe,
+        &["2048", "8", "300"],
+        arb.socket_dir(),
+        &sb,
+        "plain-b",
+        &[],
     );
     open_gate(&mut a);
     open_gate(&mut b);
