@@ -84,6 +84,17 @@ fn build(include: &str, m: &SimMachine, name: &str) -> PathBuf {
     exe
 }
 
+/// Managed memory takes device memory where it is (`tests/c/managed_memory.c`):
+/// touched or prefetched blocks, not the allocation (issue #24, item 3).
+#[test]
+fn managed_memory_takes_device_memory_where_it_is() {
+    let Some(include) = cuda_include() else {
+        return;
+    };
+    let m = SimMachine::new("managed", 1, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
+    build_and_run(&include, &m, "managed_memory.c");
+}
+
 #[test]
 fn c_program_built_against_real_cuda_h_runs_on_the_simulator() {
     let Some(include) = cuda_include() else {
