@@ -45,13 +45,22 @@ struct State {
     open: Option<(u64, u64)>,
     /// The highest request id answered.
     answered: u64,
+    /// When a provider last left [`provider_wait`]: one between two waits (its
+    /// loop's turn, or its thread preempted on a loaded machine) is still a provider.
+    left_at: Option<Instant>,
 }
+
+/// How long after a provider left its wait a request still counts on it: a request
+/// that found nobody waiting in that gap used to go unanswered, and the swap-out
+/// copied what the provider would have discarded (1 GiB, on a loaded 2-core host).
+const PROVIDER_GAP: Duration = Duration::from_secs(1);
 
 static STATE: Mutex<State> = Mutex::new(State {
     providers: 0,
     last: 0,
     open: None,
     answered: 0,
+    left_at: None,
 });
 /// Wakes providers (a request opened) and the requester (an answer came).
 static CHANGED: Condvar = Condvar::new();
@@ -68,12 +77,14 @@ fn state() -> MutexGuard<'static, State> {
 }
 
 /// Opens a request at submission token `token` and waits, at most `limit`, for a
-/// provider to answer it. Returns at once (false) when no provider is waiting.
+/// provider to answer it. Returns at once (false) when no provider is waiting or
+/// left its wait within [`PROVIDER_GAP`].
 /// Called by the swapping thread with the gate closed and the work drained; one
 /// request at a time (a second caller waits for the open one's answer).
 pub fn request(token: u64, limit: Duration) -> bool {
     let mut st = state();
-    if st.providers == 0 && st.open.is_none() {
+    let recent = st.left_at.is_some_and(|t| t.elapsed() < PROVIDER_GAP);
+    if st.providers == 0 && st.open.is_none() && !recent {
         return false;
     }
     let id = match st.open {
@@ -126,6 +137,7 @@ pub fn provider_wait(limit: Duration) -> u64 {
             .0;
     };
     st.providers -= 1;
+    st.left_at = Some(Instant::now());
     if id != 0 {
         ANSWERING.with(|a| a.set(id));
         GIVEN.with(|a| a.set(id));
@@ -211,5 +223,32 @@ mod tests {
         let (id, token) = late.join().unwrap();
         assert!(id > 0);
         assert_eq!(token, None, "a late answer's discards are ignored");
+
+        // A provider between two waits (its loop's turn, or preempted): a request
+        // made in that gap waits for its next wait and is answered.
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let (waited_tx, waited) = std::sync::mpsc::channel::<u64>();
+        let looping = std::thread::spawn(move || {
+            waited_tx
+                .send(provider_wait(Duration::from_millis(1)))
+                .unwrap();
+            rx.recv().unwrap();
+            let id = provider_wait(Duration::from_secs(10));
+            done(id);
+            id
+        });
+        assert_eq!(waited.recv().unwrap(), 0, "no request yet");
+        let asker = std::thread::spawn(|| request(99, Duration::from_secs(10)));
+        while state().open.is_none() && !asker.is_finished() {
+            std::thread::yield_now();
+        }
+        assert!(!asker.is_finished(), "a request in the gap gave up at once");
+        assert_eq!(state().providers, 0, "asked in the gap");
+        tx.send(()).unwrap();
+        assert!(
+            asker.join().unwrap(),
+            "the provider's next wait answered it"
+        );
+        assert!(looping.join().unwrap() > 0);
     }
 }

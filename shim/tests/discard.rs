@@ -11,6 +11,7 @@ mod common;
 use common::*;
 
 use std::path::Path;
+use std::time::Duration;
 
 use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::SimMachine;
@@ -47,8 +48,22 @@ fn pair(
     pa.wait_for("RUNNING");
     let mut pb = spawn(&exe, b);
     let (ida, idb) = (pa.child.id(), pb.child.id());
-    // B asked for the GPU A holds: they overlap from here on.
-    wait_request(&arb, idb, 0);
+    // B asked for the GPU A holds: they overlap from here on. A, idle at its gate,
+    // gives it back first: its first swap-out is the idle one (a burst of A's during
+    // that swap-out's question would void its answer: on a loaded machine the answer
+    // came 0.2-0.6 s late and overlapped A's go, and the swap-out rightly copied
+    // everything).
+    let asked = wait_request(&arb, idb, 0);
+    wait_event(&arb, "A's release", Duration::from_secs(30), |ev| {
+        let a = client_of(ev, ida)?;
+        ev.iter()
+            .find(|e| {
+                e.client == Some(a)
+                    && e.seq > asked.seq
+                    && matches!(e.kind, EventKind::Release { .. })
+            })
+            .cloned()
+    });
     pa.go();
     pb.wait_for("RUNNING");
     pb.go();

@@ -152,7 +152,12 @@ fn check_status(v: &serde_json::Value, all: &str) {
         "{all}"
     );
     assert_eq!(h["swapped_bytes"], 0, "{all}");
-    assert!(h["waited_s"].as_f64().unwrap_or(0.0) >= 1.0, "{all}");
+    // It waited out the holder's quantum from when it started waiting (a loaded
+    // machine starts the notebook later into that quantum: 0.8 s were left once).
+    assert!(
+        h["waited_s"].as_f64().unwrap_or(0.0) >= left - 0.25,
+        "{all}"
+    );
     assert!(h["held_s"].as_f64().unwrap_or(0.0) > 0.0, "{all}");
     assert!(h["grants"].as_u64().unwrap_or(0) >= 1, "{all}");
 }

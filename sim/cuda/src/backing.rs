@@ -1,6 +1,7 @@
 //! Host memory backing this process's simulated device memory: freed backing kept
 //! for reuse by size, and backing prepared ahead, in the background, for the device
-//! address ranges the process reserved (`cuMemAddressReserve`) and has not mapped.
+//! address ranges the process reserved (`cuMemAddressReserve`) and never mapped (a
+//! range a swap-out unmapped comes back on its own freed backing, pooled).
 //! Fresh anonymous memory must be faulted in and zeroed by the kernel, which costs
 //! host time a GPU never spends (a swap-in of 500 MiB would pay ~100 ms of page
 //! faults); GPU memory from `cuMemCreate` is uninitialized anyway, so stale bytes of
@@ -18,6 +19,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// `madvise` advice (Linux 5.14): fault the range in writable now.
 pub const MADV_POPULATE_WRITE: libc::c_int = 23;
@@ -32,6 +34,14 @@ const PREPARE_MAX: usize = 1 << 30;
 /// Bytes the background thread prepares in one step (the shim's segments are at
 /// most this; a larger allocation is backed fresh).
 const STEP: usize = 64 << 20;
+/// Bytes populated at a time by the preparing thread.
+const PART: usize = 4 << 20;
+/// How long a reservation stays unmapped before backing is prepared for it: most
+/// are mapped at once (an allocation backed on the spot), and preparing for those
+/// only made the thread populate and give back memory beside the application's own
+/// work (a loaded host's hint answers came late: `shim/tests/discard.rs`). A
+/// newcomer waiting for its turn waits far longer.
+const DELAY: Duration = Duration::from_millis(100);
 
 struct State {
     /// Freed backing stores by length.
@@ -41,8 +51,10 @@ struct State {
     /// or the tail of one.
     prepared: Vec<(usize, usize)>,
     ready: usize,
-    /// Bytes reserved (`cuMemAddressReserve`) and not mapped.
+    /// Bytes reserved (`cuMemAddressReserve`) and never mapped.
     unmapped: usize,
+    /// When a reservation last raised [`State::unmapped`].
+    raised_at: Option<Instant>,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
@@ -51,6 +63,7 @@ static STATE: Mutex<State> = Mutex::new(State {
     prepared: Vec::new(),
     ready: 0,
     unmapped: 0,
+    raised_at: None,
 });
 static WORK: Condvar = Condvar::new();
 /// Whether preparing ahead is on (the driver's `KIWI_SIM_PREPARE`).
@@ -77,6 +90,13 @@ impl State {
 /// A fresh private anonymous mapping of `len` bytes, populated writable; `None`
 /// when the kernel refuses it.
 pub fn fresh(len: usize) -> Option<*mut libc::c_void> {
+    fresh_in(len, len)
+}
+
+/// [`fresh`], populated `part` bytes at a time: the kernel holds the process's
+/// memory-map lock while it populates, and the preparing thread must not keep the
+/// application's own faults and mappings waiting behind a long stretch of it.
+fn fresh_in(len: usize, part: usize) -> Option<*mut libc::c_void> {
     // SAFETY: anonymous private mapping; no existing memory is affected.
     let p = unsafe {
         libc::mmap(
@@ -91,12 +111,15 @@ pub fn fresh(len: usize) -> Option<*mut libc::c_void> {
     if p == libc::MAP_FAILED {
         return None;
     }
-    // SAFETY: advice on the mapping just made.
-    if unsafe { libc::madvise(p, len, MADV_POPULATE_WRITE) } != 0 {
-        // Kernels before 5.14: touch each page.
-        for off in (0..len).step_by(4096) {
-            // SAFETY: a byte of the mapping just made, which nobody else uses.
-            unsafe { std::ptr::write_volatile((p as *mut u8).add(off), 0) };
+    for at in (0..len).step_by(part.max(4096)) {
+        let n = part.min(len - at);
+        // SAFETY: advice on a part of the mapping just made.
+        if unsafe { libc::madvise((p as *mut u8).add(at).cast(), n, MADV_POPULATE_WRITE) } != 0 {
+            // Kernels before 5.14: touch each page.
+            for off in (at..at + n).step_by(4096) {
+                // SAFETY: a byte of the mapping just made, which nobody else uses.
+                unsafe { std::ptr::write_volatile((p as *mut u8).add(off), 0) };
+            }
         }
     }
     Some(p)
@@ -136,11 +159,14 @@ pub fn put(ptr: *mut libc::c_void, len: usize) -> bool {
     true
 }
 
-/// `bytes` more (or fewer, negative) of the address space reserved are not mapped:
-/// a reservation, its release, a map into it or an unmap.
+/// `bytes` more (or fewer, negative) of the address space reserved were never mapped:
+/// a reservation, its release, a first map into it.
 pub fn unmapped(bytes: i64) {
     let mut s = state();
     s.unmapped = s.unmapped.saturating_add_signed(bytes as isize);
+    if bytes > 0 {
+        s.raised_at = Some(Instant::now());
+    }
     wake(&s);
 }
 
@@ -166,6 +192,13 @@ fn wake(s: &State) {
 /// back what is past it (a reservation released), never holding the lock while it
 /// populates.
 fn prepare_loop() {
+    // The lowest priority: preparing ahead must never take a core from the
+    // simulated application's own threads (nor delay its answers, on a loaded host).
+    // SAFETY: gettid and setpriority have no preconditions; this thread only.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+    }
     loop {
         let mut s = state();
         // A little past the target is kept (steps are whole 2 MiB pages).
@@ -181,9 +214,14 @@ fn prepare_loop() {
             unsafe { libc::munmap(start as *mut libc::c_void, len) };
             continue;
         }
+        if let Some(young) = s.raised_at.map(|t| t.elapsed()).filter(|&e| e < DELAY) {
+            drop(s);
+            std::thread::sleep(DELAY - young);
+            continue;
+        }
         let len = STEP.min(s.target() - s.ready).next_multiple_of(2 << 20);
         drop(s);
-        let Some(p) = fresh(len) else {
+        let Some(p) = fresh_in(len, PART) else {
             ON.store(false, Ordering::Relaxed);
             return;
         };

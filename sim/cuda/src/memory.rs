@@ -537,6 +537,10 @@ enum RegionKind {
 struct Region {
     size: u64,
     kind: RegionKind,
+    /// Of a reservation, the bytes never mapped yet: what backing is prepared ahead
+    /// for (`crate::backing`). A range unmapped again (a swap-out) is not counted:
+    /// its freed backing is pooled for its return.
+    fresh: u64,
 }
 
 /// A piece of a resolved device range.
@@ -722,6 +726,7 @@ impl Memory {
                     owner,
                     managed: false,
                 },
+                fresh: 0,
             },
         );
         Ok(at)
@@ -776,6 +781,7 @@ impl Memory {
                     owner,
                     managed: true,
                 },
+                fresh: 0,
             },
         );
         Ok(at)
@@ -931,6 +937,7 @@ impl Memory {
                 kind: RegionKind::Reserved {
                     mappings: BTreeMap::new(),
                 },
+                fresh: size,
             },
         );
         crate::backing::unmapped(size as i64);
@@ -944,6 +951,7 @@ impl Memory {
             Some(Region {
                 size: s,
                 kind: RegionKind::Reserved { mappings },
+                ..
             }) if *s == size => {
                 if !mappings.is_empty() {
                     return Err(CUDA_ERROR_INVALID_VALUE);
@@ -951,9 +959,9 @@ impl Memory {
             }
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
         }
-        va.regions.remove(&ptr);
+        let fresh = va.regions.remove(&ptr).map_or(0, |r| r.fresh);
         Self::va_free(&mut va, ptr, size);
-        crate::backing::unmapped(-(size as i64));
+        crate::backing::unmapped(-(fresh as i64));
         Ok(())
     }
 
@@ -1043,6 +1051,7 @@ impl Memory {
         let RegionKind::Reserved { mappings } = &mut region.kind else {
             return Err(CUDA_ERROR_INVALID_VALUE);
         };
+        let was_fresh = size.min(region.fresh);
         // No overlap with an existing mapping.
         if let Some((&ms, m)) = mappings.range(..ptr + size).next_back() {
             if ms + m.size > ptr {
@@ -1057,8 +1066,9 @@ impl Memory {
                 access: vec![Access::None; self.gpus as usize],
             },
         );
+        region.fresh -= was_fresh;
         drop(va);
-        crate::backing::unmapped(-(size as i64));
+        crate::backing::unmapped(-(was_fresh as i64));
         Ok(())
     }
 
@@ -1133,9 +1143,7 @@ impl Memory {
                 .filter_map(|k| mappings.remove(&k))
                 .collect::<Vec<_>>())
         })?;
-        let bytes: u64 = dropped.iter().map(|m| m.size).sum();
         drop(dropped); // may free physical memory: outside the VA lock
-        crate::backing::unmapped(bytes as i64);
         Ok(())
     }
 
