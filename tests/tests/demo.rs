@@ -309,10 +309,12 @@ fn demo_replays_the_seed_story_on_a_busy_machine() {
         ms(b_out)
     );
     // T3 = A's grant + TQ + the drain (and A's swap-out, unless the hand-off is
-    // pipelined).
+    // pipelined). The drain on this busy machine took up to 208 ms beyond the
+    // swap-out (a fresh-clone CI run): 300 ms still tells a prompt drop from one
+    // that waited for anything else (the quantum is 1.5 s).
     let a_out = kept.swapped_out_ns(a, a_granted + TQ_NS, t3 + TQ_NS);
     assert!(
-        t3 >= a_granted + TQ_NS && t3 - a_granted - TQ_NS <= a_out + 150 * MS,
+        t3 >= a_granted + TQ_NS && t3 - a_granted - TQ_NS <= a_out + 300 * MS,
         "T3 came {:.0} ms after A's grant + TQ (A's swap-out took {:.0} ms)",
         ms(t3.saturating_sub(a_granted + TQ_NS)),
         ms(a_out)
