@@ -136,6 +136,8 @@ impl Sim {
                 kiwi_sim_core::knobs::DEFAULT_PAGEABLE_D2H_GBPS.to_string(),
             )
             .env("KIWI_SIM_PCIE_GBPS", self.pcie_gbps.to_string())
+            // A GPU's memory exists before it is allocated (`docs/simulator.md`).
+            .env("KIWI_SIM_PREPARE", "1")
             .env("KIWI_SIM_HBM_GBPS", COSTS.hbm_gbps.to_string());
         match &self.trace {
             Some(t) => cmd.env("KIWI_SIM_TRACE", t),

@@ -78,9 +78,11 @@ pub struct SimConfig {
     /// `cuCheckpointProcess*` call is `CUDA_ERROR_NOT_SUPPORTED`, as a driver older
     /// than 570). Default on.
     pub checkpoint: bool,
-    /// `KIWI_SIM_PREPARE=0`: host memory for the device address ranges a process
-    /// reserved is no longer prepared ahead in the background (a GPU's memory exists
-    /// before it is allocated; the simulator's must be faulted in). Default on.
+    /// `KIWI_SIM_PREPARE=1`: host memory for the device address ranges a process
+    /// reserved is prepared ahead in the background (a GPU's memory exists before it
+    /// is allocated; the simulator's must be faulted in). Default off: the work it
+    /// adds slowed hand-offs in the busy-machine demo test on 2 cores; the
+    /// benchmarks turn it on.
     pub prepare: bool,
     /// `KIWI_SIM_CHECKPOINT_MS` / `KIWI_SIM_CHECKPOINT_GBPS`: what a checkpoint of
     /// this process costs, a fixed part plus its device memory at a rate; likewise
@@ -165,7 +167,7 @@ impl Default for SimConfig {
             module_memory: DEFAULT_MODULE_MEMORY,
             fail_memcreate_every: 0,
             checkpoint: true,
-            prepare: true,
+            prepare: false,
             checkpoint_ms: DEFAULT_CHECKPOINT_MS,
             checkpoint_gbps: DEFAULT_CHECKPOINT_GBPS,
             restore_ms: DEFAULT_RESTORE_MS,

@@ -14,7 +14,8 @@
 //! for its turn then paid ~365 ms of page faults inside its first hand-off, a cost no
 //! GPU has (issue #28, `handoff_at_newcomer_start`). Backing is prepared for what a
 //! process reserved, less what it mapped and what the pool of freed backing already
-//! holds, at most [`PREPARE_MAX`]; `KIWI_SIM_PREPARE=0` turns it off.
+//! holds, at most [`PREPARE_MAX`]; on with `KIWI_SIM_PREPARE=1` (off by default: the work
+//! slowed hand-offs in the busy-machine demo test on 2 cores; the benchmarks turn it on).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
