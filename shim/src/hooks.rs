@@ -218,41 +218,104 @@ pub unsafe fn ctx_set_limit(
     r
 }
 
-/// Runs `load`, a module or library load into the calling thread's current context
-/// that writes its handle through `handle`, and counts the device memory it took as
-/// the process's memory no swap frees on that GPU (reported to the arbiter with the
-/// contexts' memory): the drop in free memory around the load, less what this
-/// process's own allocator mapped or unmapped meanwhile (both read under the
-/// allocator's lock, so a swap of its own never counts). Other processes allocating
-/// or freeing during the load can still move the figure; a negative one counts 0.
-fn counted_load(handle: *mut *mut c_void, mut load: impl FnMut() -> CUresult) -> CUresult {
+/// Runs `op`, a call that may take device memory no swap frees in the calling
+/// thread's current context (`what`: a module load, or the lazy load of a module's
+/// code), and counts what it took as the process's memory no swap frees on that GPU
+/// (reported to the arbiter with the contexts' memory): the drop in free memory
+/// around the call, less what this process's own allocator mapped or unmapped
+/// meanwhile (both read under the allocator's lock, so a swap of its own never
+/// counts). Other processes allocating or freeing during the call can still move the
+/// figure; a negative one counts 0. An out of memory because others' memory is
+/// resident waits for room ([`room::retry_with_room`]). Returns the result and, on
+/// success in a managed process, the device and the bytes counted.
+fn counted(what: &str, mut op: impl FnMut() -> CUresult) -> (CUresult, Option<(usize, u64)>) {
     let target = current_mem_device()
         .and_then(|d| client::global().and_then(|c| c.turn_for(d)).map(|t| (d, t)));
     let Some((d, turn)) = target else {
-        return load();
+        return (op(), None);
     };
     let snapshot = || free_and_own(d);
     let mut before = snapshot();
-    let mut r = load();
+    let mut r = op();
     if r == CUDA_ERROR_OUT_OF_MEMORY {
         // The GPU is full of others' memory: wait for room, measuring around the try
         // that works.
-        r = room::retry_with_room(d, room::MODULE_ESTIMATE, false, "a module", r, || {
+        r = room::retry_with_room(d, room::MODULE_ESTIMATE, false, what, r, || {
             before = snapshot();
-            load()
+            op()
         });
     }
-    if r != CUDA_SUCCESS || handle.is_null() {
-        return r;
+    if r != CUDA_SUCCESS {
+        return (r, None);
     }
-    // SAFETY: the driver just wrote the handle through the caller's pointer.
-    let h = unsafe { *handle } as usize;
     let bytes = u64::try_from(took_between(before, snapshot()).max(0)).unwrap_or(0);
     if bytes > 0 {
-        crate::kdebug!("GPU {d}: a module load took {bytes} bytes of device memory");
+        crate::kdebug!("GPU {d}: {what} took {bytes} bytes of device memory");
         turn.add_context_bytes(bytes as i64);
     }
-    modules().insert(h, (d, bytes));
+    (r, Some((d, bytes)))
+}
+
+/// Runs `load`, a module or library load into the calling thread's current context
+/// that writes its handle through `handle`, counting the device memory it took
+/// ([`counted`]) until it is unloaded.
+fn counted_load(handle: *mut *mut c_void, load: impl FnMut() -> CUresult) -> CUresult {
+    let (r, took) = counted("a module", load);
+    if let Some((d, bytes)) = took.filter(|_| !handle.is_null()) {
+        // SAFETY: the driver just wrote the handle through the caller's pointer.
+        let h = unsafe { *handle } as usize;
+        modules().insert(h, (d, bytes));
+    }
+    r
+}
+
+/// Whether the driver loads modules lazily (`cuModuleGetLoadingMode`, the default
+/// since CUDA 12.2 unless `CUDA_MODULE_LOADING=EAGER`): a module's kernels are then
+/// loaded, and take device memory, at its first `cuModuleGetFunction`. Asked once.
+fn lazy_loading() -> bool {
+    static LAZY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *LAZY.get_or_init(|| {
+        let f = crate::real::lookup(c"cuModuleGetLoadingMode");
+        if f.is_null() {
+            return false;
+        }
+        // SAFETY: the driver's cuModuleGetLoadingMode, with cuda.h's signature.
+        let f = unsafe {
+            std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*mut c_int) -> CUresult>(f)
+        };
+        let mut mode: c_int = 0;
+        // SAFETY: a valid out pointer; CU_MODULE_LAZY_LOADING is 2.
+        crate::ffi::inside(|| unsafe { f(&mut mode) }) == CUDA_SUCCESS && mode == 2
+    })
+}
+
+/// `cuModuleGetFunction`: with lazy loading, the first for a module (or kernel)
+/// loads its code, taking device memory no swap frees: counted with the module's
+/// load (given back at its unload), and waiting for room like a module load when the
+/// GPU is full of others' memory. Eager loading took it all at the load.
+///
+/// # Safety
+/// `real` is the driver's original of this entry point; the other arguments are the
+/// application's, valid as `cuda.h` documents them.
+pub unsafe fn module_get_function(
+    real: Real<unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const c_char) -> CUresult>,
+    func: *mut *mut c_void,
+    module: *mut c_void,
+    name: *const c_char,
+) -> CUresult {
+    if !lazy_loading() {
+        // SAFETY: forwarding the caller's arguments.
+        return unsafe { real(func, module, name) };
+    }
+    // SAFETY: forwarding the caller's arguments.
+    let (r, took) = counted("a module's code (loaded lazily)", || unsafe {
+        real(func, module, name)
+    });
+    if let Some((d, bytes)) = took.filter(|&(_, b)| b > 0) {
+        let mut m = modules();
+        let entry = m.entry(module as usize).or_insert((d, 0));
+        entry.1 += bytes;
+    }
     r
 }
 

@@ -116,6 +116,8 @@ macro_rules! for_each_export {
             hook cuModuleLoadDataEx(module: *mut *mut c_void, image: *const c_void, n: Uint, options: *mut c_int, values: *mut *mut c_void) => hooks::module_load_data_ex;
             hook cuModuleLoadFatBinary(module: *mut *mut c_void, image: *const c_void) => hooks::module_load_data;
             hook cuModuleUnload(module: *mut c_void) => hooks::module_unload;
+            /// With lazy loading, a module's code is loaded (takes device memory) at its first function; runs no work.
+            hook cuModuleGetFunction(func: *mut *mut c_void, module: *mut c_void, name: *const c_char) => hooks::module_get_function;
             hook cuLibraryLoadData(library: *mut *mut c_void, code: *const c_void, jit_options: *mut c_int, jit_values: *mut *mut c_void, n_jit: Uint, lib_options: *mut c_int, lib_values: *mut *mut c_void, n_lib: Uint) => hooks::library_load;
             hook cuLibraryLoadFromFile(library: *mut *mut c_void, file: *const c_void, jit_options: *mut c_int, jit_values: *mut *mut c_void, n_jit: Uint, lib_options: *mut c_int, lib_values: *mut *mut c_void, n_lib: Uint) => hooks::library_load;
             hook cuLibraryUnload(library: *mut c_void) => hooks::module_unload;

@@ -1,6 +1,8 @@
 //! Loaded modules' device memory counts as memory no swap frees (#13 item 2), with
 //! real processes on the strict GPU simulator (each `cuModuleLoad*` costs its context
-//! `KIWI_SIM_MODULE_MEMORY`) under a real `kiwi-arbiter`.
+//! `KIWI_SIM_MODULE_MEMORY`: at its first `cuModuleGetFunction` with lazy loading,
+//! the default, at the load with `CUDA_MODULE_LOADING=EAGER`) under a real
+//! `kiwi-arbiter`.
 //!
 //! Needs the workspace built (`cargo build --workspace --all-targets`).
 
@@ -9,6 +11,7 @@ use common::*;
 
 use std::time::Duration;
 
+use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::SimMachine;
 use kiwi_tests::Arbiter;
 
@@ -19,9 +22,20 @@ use kiwi_tests::Arbiter;
 /// cannot all be backed, and B waits for room nobody is asked to make (it never
 /// finished within the limit). With the module measured and reported, the GPU is
 /// oversubscribed: they take turns, swap, and keep every byte.
+///
+/// Run with each loading mode: with lazy loading, the module's memory is taken when
+/// its kernels are first looked up, and only counting it there shows it (the
+/// arbiter's `unswappable` figure for A includes it).
 #[test]
 fn a_modules_memory_is_counted_so_programs_take_turns_and_verify() {
-    let m = SimMachine::new("modules", 1, 1 << 30).unwrap();
+    take_turns("LAZY");
+    take_turns("EAGER");
+}
+
+fn take_turns(loading: &str) {
+    let m = SimMachine::new("modules", 1, 1 << 30)
+        .unwrap()
+        .with_env("CUDA_MODULE_LOADING", loading);
     let arb = Arbiter::start(&["--tq", "0.3"]);
     // A runs long enough to overlap all of B.
     let mut a = gpuburst("300MiB", 16, 100);
@@ -49,6 +63,23 @@ fn a_modules_memory_is_counted_so_programs_take_turns_and_verify() {
         Some(0),
         "B\n{}\nA\n{}",
         text(&ob),
+        text(&oa)
+    );
+    // A's module counted with its context, as the arbiter heard it.
+    let ca = clients_of(&arb, pa);
+    let unswappable = arb
+        .events()
+        .iter()
+        .filter(|e| e.client.is_some_and(|c| ca.contains(&c)))
+        .filter_map(|e| match e.kind {
+            EventKind::Unswappable { bytes } => Some(bytes),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    assert!(
+        unswappable >= 256 << 20,
+        "{loading}: A reported {unswappable} bytes no swap frees, not its 256 MiB module\n{}",
         text(&oa)
     );
     // They took turns: A's memory went out for B.

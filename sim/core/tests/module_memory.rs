@@ -2,14 +2,15 @@
 //! compiled against NVIDIA's real `cuda.h` and linked with `-lcuda` against the
 //! simulator, sees each driver-API module load in `cuMemGetInfo`, a load that does
 //! not fit refused with out of memory, and the memory back on unload and when the
-//! module's context is destroyed.
+//! module's context is destroyed; with lazy loading (the default) at the module's
+//! first `cuModuleGetFunction`, with `CUDA_MODULE_LOADING=EAGER` at load.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 use kiwi_sim_core::harness::{in_ci, SimMachine};
 
-fn run(m: &SimMachine, module_mib: &str) {
+fn run(m: &SimMachine, module_mib: &str, loading: &str) {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
     if Command::new("gcc").arg("--version").output().is_err() {
         assert!(!in_ci(), "gcc is not installed (apt-get install gcc)");
@@ -47,6 +48,7 @@ fn run(m: &SimMachine, module_mib: &str) {
     );
     let out = m
         .apply(&mut Command::new(&exe))
+        .env("CUDA_MODULE_LOADING", loading)
         .arg(module_mib)
         .output()
         .expect("run module_memory");
@@ -56,17 +58,20 @@ fn run(m: &SimMachine, module_mib: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(out.status.success(), "{all}");
-    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "OK", "{all}");
+    let want = format!("OK {}", loading.to_lowercase());
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), want, "{all}");
 }
 
 #[test]
 fn every_module_costs_device_memory_until_unloaded() {
     // The library's default: 2 MiB per module.
     let m = SimMachine::new("modmem", 1, 256 << 20).unwrap_or_else(|e| panic!("{e}"));
-    run(&m, "2");
+    run(&m, "2", "LAZY");
+    run(&m, "2", "EAGER");
     // Another size, set by the knob.
     let m = SimMachine::new("modmem", 1, 256 << 20)
         .unwrap_or_else(|e| panic!("{e}"))
         .with_env("KIWI_SIM_MODULE_MEMORY", "24MiB");
-    run(&m, "24");
+    run(&m, "24", "LAZY");
+    run(&m, "24", "EAGER");
 }

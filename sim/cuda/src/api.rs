@@ -2317,8 +2317,11 @@ fn function(f: CUfunction) -> Result<Builtin, CUresult> {
 }
 
 /// Loads a module into the current context. A driver-API load (`charged`) costs the
-/// context [`driver::Driver::module_memory`] of device memory until it is unloaded;
-/// the runtime's private path (`dark_api.rs`) is not charged (a shim cannot see it).
+/// context [`driver::Driver::module_memory`] of device memory until it is unloaded:
+/// at once with `CUDA_MODULE_LOADING=EAGER`, else (lazy loading, the driver's default
+/// since CUDA 12.2) at the module's first `cuModuleGetFunction`, which loads its
+/// kernels. The runtime's private path (`dark_api.rs`) is not charged (a shim cannot
+/// see it).
 pub(crate) fn module_load(
     m: *mut CUmodule,
     image: *const c_void,
@@ -2334,8 +2337,15 @@ pub(crate) fn module_load(
     }
     let charge = if charged { d.module_memory } else { 0 };
     // Any image is accepted: entry names resolve to the built-ins.
-    let h = d.new_module(ctx.handle(), ctx.device, charge)?;
+    let h = d.new_module(ctx.handle(), ctx.device, charge, !eager_loading())?;
     out(m, h as CUmodule)
+}
+
+/// `CUDA_MODULE_LOADING=EAGER`: modules load their kernels at load, not at their
+/// first use. Read once, as the driver reads it at `cuInit`.
+fn eager_loading() -> bool {
+    static EAGER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *EAGER.get_or_init(|| std::env::var("CUDA_MODULE_LOADING").is_ok_and(|v| v == "EAGER"))
 }
 
 pub(crate) fn cuModuleLoadData(m: *mut CUmodule, image: *const c_void) -> Result<(), CUresult> {
@@ -2382,6 +2392,11 @@ pub(crate) fn cuModuleGetFunction(
         .iter()
         .find(|b| b.name() == name)
         .ok_or(CUDA_ERROR_NOT_FOUND)?;
+    if f.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // Lazy loading: the module's code is loaded (its device memory taken) now.
+    d.load_code(m as usize)?;
     out(f, b as *const Builtin as CUfunction)
 }
 
@@ -2440,8 +2455,7 @@ pub(crate) fn cuFuncSetAttribute(f: CUfunction, attrib: i32, value: i32) -> Resu
 /// default since CUDA 12.2).
 pub(crate) fn cuModuleGetLoadingMode(mode: *mut u32) -> Result<(), CUresult> {
     driver()?;
-    let eager = std::env::var("CUDA_MODULE_LOADING").is_ok_and(|v| v == "EAGER");
-    out(mode, if eager { 1 } else { 2 })
+    out(mode, if eager_loading() { 1 } else { 2 })
 }
 
 /// Reads the kernel's arguments now (as the driver does at launch).

@@ -23,6 +23,9 @@ pub struct Module {
     pub ctx: usize,
     pub gpu: u32,
     pub charged: u64,
+    /// What its code will cost once loaded, while it is not yet (lazy loading: the
+    /// driver loads a module's kernels at its first `cuModuleGetFunction`).
+    pub deferred: u64,
 }
 
 pub struct Primary {
@@ -230,21 +233,23 @@ impl Driver {
 
     /// A module loaded into context `ctx` (on `gpu`), costing `charge` bytes of device
     /// memory there ([`Driver::module_memory`] for a driver-API load, 0 for the
-    /// runtime's private path); out of memory when the charge does not fit, as
-    /// `cuModuleLoad` on the real driver.
-    pub fn new_module(&self, ctx: usize, gpu: u32, charge: u64) -> Result<usize, CUresult> {
-        if charge > 0 {
-            self.machine.reserve(gpu, charge).map_err(|e| match e {
-                MachineError::OutOfMemory { .. } | MachineError::TooManyProcesses(_) => {
-                    CUDA_ERROR_OUT_OF_MEMORY
-                }
-                MachineError::NoSuchGpu { .. } => CUDA_ERROR_INVALID_DEVICE,
-                _ => CUDA_ERROR_OPERATING_SYSTEM,
-            })?;
+    /// runtime's private path): at once (eager loading; out of memory when the charge
+    /// does not fit, as `cuModuleLoad` on the real driver), or, `lazy`, at its first
+    /// `cuModuleGetFunction` ([`Driver::load_code`]).
+    pub fn new_module(
+        &self,
+        ctx: usize,
+        gpu: u32,
+        charge: u64,
+        lazy: bool,
+    ) -> Result<usize, CUresult> {
+        if charge > 0 && !lazy {
+            self.reserve_module(gpu, charge)?;
         }
         let id = self.next_module.fetch_add(1, Ordering::Relaxed);
         // Handles are small non-zero integers wearing a pointer type.
         let h = (id as usize) << 4;
+        let (charged, deferred) = if lazy { (0, charge) } else { (charge, 0) };
         self.modules
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -253,10 +258,35 @@ impl Driver {
                 Module {
                     ctx,
                     gpu,
-                    charged: charge,
+                    charged,
+                    deferred,
                 },
             );
         Ok(h)
+    }
+
+    fn reserve_module(&self, gpu: u32, bytes: u64) -> Result<(), CUresult> {
+        self.machine.reserve(gpu, bytes).map_err(|e| match e {
+            MachineError::OutOfMemory { .. } | MachineError::TooManyProcesses(_) => {
+                CUDA_ERROR_OUT_OF_MEMORY
+            }
+            MachineError::NoSuchGpu { .. } => CUDA_ERROR_INVALID_DEVICE,
+            _ => CUDA_ERROR_OPERATING_SYSTEM,
+        })
+    }
+
+    /// Loads module `h`'s code if it was deferred (lazy loading), charging its device
+    /// memory now: out of memory when it does not fit, the code still not loaded (a
+    /// later call tries again). `CUDA_ERROR_INVALID_HANDLE` for no such module.
+    pub fn load_code(&self, h: usize) -> Result<(), CUresult> {
+        let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        let m = modules.get_mut(&h).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        if m.deferred > 0 {
+            self.reserve_module(m.gpu, m.deferred)?;
+            m.charged += m.deferred;
+            m.deferred = 0;
+        }
+        Ok(())
     }
 
     pub fn has_module(&self, h: usize) -> bool {

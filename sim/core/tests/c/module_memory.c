@@ -1,8 +1,11 @@
 /* Each module loaded through the driver API costs its context device memory
  * (KIWI_SIM_MODULE_MEMORY) until it is unloaded or its context goes: cuMemGetInfo
  * shows it, a load that does not fit is CUDA_ERROR_OUT_OF_MEMORY, and unloading or
- * destroying the context gives it back. Every check fails on a simulator whose
- * modules cost nothing.
+ * destroying the context gives it back. With lazy loading (the default; not with
+ * CUDA_MODULE_LOADING=EAGER) the memory is taken at the module's first
+ * cuModuleGetFunction, which loads its kernels, and that call is the one refused
+ * when it does not fit. Every check fails on a simulator whose modules cost
+ * nothing, or cost it at the other time.
  *
  * usage: module_memory <module MiB>   prints "OK" or names the failure
  * Compiled against NVIDIA's cuda.h, linked with -lcuda; one GPU. */
@@ -28,6 +31,20 @@ static size_t free_now(void) {
         }                                                                      \
     } while (0)
 
+static int lazy;
+
+/* Loads a module and gets a function of it, checking when its memory is taken. */
+static void load(CUmodule *m, size_t mod) {
+    CUfunction f;
+    const size_t before = free_now();
+    CHECK(cuModuleLoadData(m, "kiwi"));
+    EXPECT_FREE(lazy ? before : before - mod);
+    CHECK(cuModuleGetFunction(&f, *m, "kiwi_fill"));
+    EXPECT_FREE(before - mod);
+    CHECK(cuModuleGetFunction(&f, *m, "kiwi_add"));
+    EXPECT_FREE(before - mod);
+}
+
 int main(int argc, char **argv) {
     if (argc != 2 || atol(argv[1]) <= 0) {
         fprintf(stderr, "usage: module_memory MIB\n");
@@ -39,32 +56,47 @@ int main(int argc, char **argv) {
     CUmodule m1, m2, m3, m4;
     CUfunction f;
     CUdeviceptr big;
+    CUmoduleLoadingMode mode;
     CHECK(cuInit(0));
+    CHECK(cuModuleGetLoadingMode(&mode));
+    lazy = mode == CU_MODULE_LAZY_LOADING;
     CHECK(cuDeviceGet(&dev, 0));
     CHECK(cuDevicePrimaryCtxRetain(&primary, dev));
     CHECK(cuCtxSetCurrent(primary));
     const size_t free0 = free_now();
 
-    CHECK(cuModuleLoadData(&m1, "kiwi"));
+    load(&m1, mod);
     EXPECT_FREE(free0 - mod);
     CHECK(cuModuleLoadDataEx(&m2, "kiwi", 0, NULL, NULL));
-    EXPECT_FREE(free0 - 2 * mod);
     CHECK(cuModuleGetFunction(&f, m2, "kiwi_fill"));
+    EXPECT_FREE(free0 - 2 * mod);
     CHECK(cuModuleUnload(m1));
     EXPECT_FREE(free0 - mod);
     EXPECT(cuModuleUnload(m1), CUDA_ERROR_INVALID_HANDLE);
+    EXPECT(cuModuleGetFunction(&f, m1, "kiwi_fill"), CUDA_ERROR_INVALID_HANDLE);
     EXPECT_FREE(free0 - mod);
 
-    /* A module that does not fit. */
+    /* A module that does not fit: refused at load, or (lazy) at its first function,
+     * which works once there is room. */
     CHECK(cuMemAlloc(&big, free0 - mod - mod / 2));
-    EXPECT(cuModuleLoadData(&m3, "kiwi"), CUDA_ERROR_OUT_OF_MEMORY);
-    CHECK(cuMemFree(big));
+    if (lazy) {
+        CHECK(cuModuleLoadData(&m3, "kiwi"));
+        EXPECT(cuModuleGetFunction(&f, m3, "kiwi_fill"), CUDA_ERROR_OUT_OF_MEMORY);
+        CHECK(cuMemFree(big));
+        EXPECT_FREE(free0 - mod);
+        CHECK(cuModuleGetFunction(&f, m3, "kiwi_fill"));
+        EXPECT_FREE(free0 - 2 * mod);
+        CHECK(cuModuleUnload(m3));
+    } else {
+        EXPECT(cuModuleLoadData(&m3, "kiwi"), CUDA_ERROR_OUT_OF_MEMORY);
+        CHECK(cuMemFree(big));
+    }
     EXPECT_FREE(free0 - mod);
 
     /* Destroying a context unloads its modules. */
     CHECK(cuCtxCreate(&extra, 0, dev));
     const size_t free1 = free_now();
-    CHECK(cuModuleLoadData(&m4, "kiwi"));
+    load(&m4, mod);
     EXPECT_FREE(free1 - mod);
     CHECK(cuCtxDestroy(extra));
     CHECK(cuCtxSetCurrent(primary));
@@ -72,6 +104,6 @@ int main(int argc, char **argv) {
 
     CHECK(cuModuleUnload(m2));
     EXPECT_FREE(free0);
-    printf("OK\n");
+    printf("OK %s\n", lazy ? "lazy" : "eager");
     return 0;
 }
