@@ -48,8 +48,15 @@ pub unsafe fn init(real: Real<unsafe extern "C" fn(Uint) -> CUresult>, flags: Ui
 /// A context creation on `dev` writing through `pctx`: it waits for room when the GPU
 /// is full of others' memory ([`crate::room`]), then the device gets its allocator and
 /// turn.
-fn made(dev: CUdevice, pctx: *mut CUcontext, create: impl FnMut() -> CUresult) -> CUresult {
-    room::context_created(room::create_context(dev, pctx, create), pctx, dev)
+fn made(
+    dev: CUdevice,
+    pctx: *mut CUcontext,
+    undo: room::Undo,
+    create: impl FnMut() -> CUresult,
+) -> CUresult {
+    let before = room::counted_now(dev);
+    let r = room::create_context(dev, pctx, create);
+    room::context_created(r, pctx, dev, before, undo)
 }
 
 /// # Safety
@@ -61,7 +68,9 @@ pub unsafe fn primary_ctx_retain(
     dev: CUdevice,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    made(dev, pctx, || unsafe { real(pctx, dev) })
+    made(dev, pctx, room::Undo::ReleasePrimary, || unsafe {
+        real(pctx, dev)
+    })
 }
 
 /// # Safety
@@ -74,7 +83,9 @@ pub unsafe fn ctx_create_v2(
     dev: CUdevice,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    made(dev, pctx, || unsafe { real(pctx, flags, dev) })
+    made(dev, pctx, room::Undo::Destroy, || unsafe {
+        real(pctx, flags, dev)
+    })
 }
 
 /// # Safety
@@ -89,7 +100,7 @@ pub unsafe fn ctx_create_v3(
     dev: CUdevice,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    made(dev, pctx, || unsafe {
+    made(dev, pctx, room::Undo::Destroy, || unsafe {
         real(pctx, params, num_params, flags, dev)
     })
 }
@@ -105,7 +116,9 @@ pub unsafe fn ctx_create_v4(
     dev: CUdevice,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    made(dev, pctx, || unsafe { real(pctx, params, flags, dev) })
+    made(dev, pctx, room::Undo::Destroy, || unsafe {
+        real(pctx, params, flags, dev)
+    })
 }
 
 // ---------------------------------------------------------------------------------

@@ -197,13 +197,40 @@ pub(crate) fn retry_with_room(
 /// working set were resident, and this line says whose and how much.
 fn blocked_line(turn: &client::Turn, d: usize, what: &str, least: u64) -> Option<String> {
     let (name, working_set, fixed) = turn.would_block(least)?;
-    Some(format!(
+    Some(blocked_text(
+        turn,
+        d,
+        what,
+        least,
+        &name,
+        working_set,
+        fixed,
+    ))
+}
+
+/// The same for memory already made and counted (`made` bytes of it): it is given
+/// back and the creation fails.
+fn blocked_after(turn: &client::Turn, d: usize, what: &str, made: u64) -> Option<String> {
+    let (name, working_set, fixed) = turn.would_block(0)?;
+    Some(blocked_text(turn, d, what, made, &name, working_set, fixed))
+}
+
+fn blocked_text(
+    turn: &client::Turn,
+    d: usize,
+    what: &str,
+    least: u64,
+    name: &str,
+    working_set: u64,
+    fixed: u64,
+) -> String {
+    format!(
         "GPU {d}: out of memory for {what} (at least {} MiB that no swap frees): with it, memory no swap frees (contexts, modules: {} MiB of the GPU's {} MiB) would leave too little for {name}'s working set of {} MiB, which could then never be resident again; this arbiter cannot evict whole idle processes (no checkpoint API)",
         least.div_ceil(1 << 20),
         fixed >> 20,
         turn.info().total_memory >> 20,
         working_set >> 20,
-    ))
+    )
 }
 
 /// Free memory on GPU `uuid` now, as NVML counts it (it needs no context, which a
@@ -218,24 +245,109 @@ fn nvml_free(uuid: &str) -> Option<u64> {
     nvml.memory(dev).ok().map(|m| m.free)
 }
 
+/// How a context the driver just made is taken back when keeping it would block
+/// another client's working set ([`context_created`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Undo {
+    /// `cuCtxCreate`: `cuCtxDestroy` (which also pops it from the thread's stack).
+    Destroy,
+    /// `cuDevicePrimaryCtxRetain`: the reference is released and the primary context
+    /// reset (its memory given back; the driver frees it at the last release too).
+    ReleasePrimary,
+    /// The runtime's primary context (taken without a reference): reset.
+    ResetPrimary,
+}
+
+impl Undo {
+    fn run(self, ctx: CUcontext, dev: CUdevice) {
+        type OnDevice = unsafe extern "C" fn(CUdevice) -> CUresult;
+        type OnContext = unsafe extern "C" fn(CUcontext) -> CUresult;
+        let device_call = |name: &std::ffi::CStr| {
+            let f = crate::real::lookup(name);
+            if !f.is_null() {
+                // SAFETY: the driver's function of this name, `(CUdevice) -> CUresult`
+                // as cuda.h declares it.
+                let f = unsafe { std::mem::transmute::<*mut c_void, OnDevice>(f) };
+                // SAFETY: a device ordinal the driver just made a context on.
+                crate::ffi::inside(|| unsafe { f(dev) });
+            }
+        };
+        match self {
+            Undo::Destroy => {
+                let f = crate::real::lookup(c"cuCtxDestroy_v2");
+                if !f.is_null() {
+                    // SAFETY: the driver's cuCtxDestroy_v2, with cuda.h's signature.
+                    let f = unsafe { std::mem::transmute::<*mut c_void, OnContext>(f) };
+                    // SAFETY: the context the driver just made for this call, which
+                    // the application has not seen.
+                    crate::ffi::inside(|| unsafe { f(ctx) });
+                }
+            }
+            Undo::ReleasePrimary => {
+                device_call(c"cuDevicePrimaryCtxRelease_v2");
+                device_call(c"cuDevicePrimaryCtxReset_v2");
+            }
+            Undo::ResetPrimary => device_call(c"cuDevicePrimaryCtxReset_v2"),
+        }
+    }
+}
+
+/// The memory no swap frees counted for this process on `dev` now (0 without a
+/// turn there): [`context_created`] takes what a creation added from it.
+pub(crate) fn counted_now(dev: CUdevice) -> u64 {
+    usize::try_from(dev)
+        .ok()
+        .filter(|&d| d < MAX_DEVICES)
+        .and_then(|d| client::global().and_then(|c| c.turn_for(d)))
+        .map_or(0, |t| t.context_bytes())
+}
+
 /// After the driver made a context on `dev`: the device gets its allocator and turn,
-/// so no work on it runs before the process holds it.
-pub(crate) fn context_created(r: CUresult, pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
-    if r == CUDA_SUCCESS {
-        if let Some(d) = usize::try_from(dev).ok().filter(|&d| d < MAX_DEVICES) {
-            let ctx = if pctx.is_null() {
-                std::ptr::null_mut()
-            } else {
-                // SAFETY: the driver just wrote the context through the caller's pointer.
-                unsafe { *pctx }
-            };
-            crate::devices::ensure_device(d, ctx);
-            // The newest context is the one the shim's threads swap and drain in: an
-            // earlier one may have been destroyed (`cuCtxDestroy`) or reset since.
-            if !ctx.is_null() {
-                crate::devices::APP_CTX[d].store(ctx, Ordering::Release);
+/// so no work on it runs before the process holds it. The process's first context
+/// there, made at once while another client's memory was partly swapped out (the
+/// driver did not refuse it, so [`retry_with_room`] never looked), is checked as a
+/// refused one is: if it leaves another client's working set no room, ever
+/// ([`blocked_after`]), it is taken back (`undo`), its count (what it added to
+/// `before`) given back, and the creation fails with the driver's out of memory and
+/// the line.
+pub(crate) fn context_created(
+    r: CUresult,
+    pctx: *mut CUcontext,
+    dev: CUdevice,
+    before: u64,
+    undo: Undo,
+) -> CUresult {
+    if r != CUDA_SUCCESS {
+        return r;
+    }
+    let Some(d) = usize::try_from(dev).ok().filter(|&d| d < MAX_DEVICES) else {
+        return r;
+    };
+    let ctx = if pctx.is_null() {
+        std::ptr::null_mut()
+    } else {
+        // SAFETY: the driver just wrote the context through the caller's pointer.
+        unsafe { *pctx }
+    };
+    let first = crate::devices::APP_CTX[d].load(Ordering::Acquire).is_null();
+    crate::devices::ensure_device(d, ctx);
+    if first && !ctx.is_null() {
+        if let Some(turn) = client::global().and_then(|c| c.turn_for(d)) {
+            let made = turn.context_bytes().saturating_sub(before);
+            if let Some(line) = blocked_after(turn, d, "a context", made) {
+                crate::kerror!("{line}");
+                undo.run(ctx, dev);
+                turn.add_context_bytes(-(made as i64));
+                client::report_now(d);
+                crate::devices::APP_CTX[d].store(std::ptr::null_mut(), Ordering::Release);
+                return CUDA_ERROR_OUT_OF_MEMORY;
             }
         }
+    }
+    // The newest context is the one the shim's threads swap and drain in: an
+    // earlier one may have been destroyed (`cuCtxDestroy`) or reset since.
+    if !ctx.is_null() {
+        crate::devices::APP_CTX[d].store(ctx, Ordering::Release);
     }
     r
 }
@@ -385,8 +497,9 @@ extern "C" fn primary_context(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
         return unsafe { real(pctx, dev) };
     }
     crate::ffi::guarded("CUDART_INTERFACE primary context", || {
+        let before = counted_now(dev);
         // SAFETY: forwarding the runtime's arguments.
         let r = create_context(dev, pctx, || unsafe { real(pctx, dev) });
-        context_created(r, pctx, dev)
+        context_created(r, pctx, dev, before, Undo::ResetPrimary)
     })
 }

@@ -505,6 +505,116 @@ fn a_newcomers_context_that_would_block_an_idle_holder_fails_at_once_without_evi
     );
 }
 
+/// The same, where the driver makes the newcomer's context at once (issue #24, item
+/// 5): A's 3072 MiB are partly swapped out, for C's 1536 MiB turn, when B's 800 MiB
+/// context comes (contexts differ by process: `KIWI_SIM_PROCESS_CONTEXT_MEMORY`), so
+/// the driver does not refuse it, and nothing waits for room. Kept, it would leave A's
+/// working set no room beside the three contexts (300 + 800 + 3072 MiB of 4096), ever:
+/// A would wait for as long as B lived. It is taken back and fails as a refused one
+/// does, with the line naming A; A then runs and verifies every byte. On the shim
+/// before, B's context stayed and B ran.
+#[test]
+fn a_newcomers_context_made_at_once_that_would_block_an_idle_holder_is_taken_back() {
+    let Some(rt) = CudaRuntime::fetch_or_skip("a context made at once that would block") else {
+        return;
+    };
+    let m = real_contexts("cudart-newcomer-direct", 4 << 30);
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile(&rt, dir.path(), "cudart_notebook.c");
+    let arb = Arbiter::start(&["--tq", "2"]);
+    let (sa, sb, sc) = (
+        dir.path().join("a.stats"),
+        dir.path().join("b.stats"),
+        dir.path().join("c.stats"),
+    );
+    let mut a = gated_pod(
+        &rt,
+        &m,
+        &exe,
+        &["3072", "1", "0"],
+        arb.socket_dir(),
+        &sa,
+        "notebook-a",
+        &[],
+    );
+    // C fits beside A's working set (300 + 300 + 3072 MiB); its 1536 MiB take turns
+    // with A, so A is partly swapped out once C is done.
+    let oc = finish(
+        spawn_cmd(
+            &rt,
+            &m,
+            &exe,
+            &["1536", "1", "0"],
+            Some(arb.socket_dir()),
+            &sc,
+        )
+        .env("KIWI_POD_NAME", "notebook-c")
+        .spawn()
+        .expect("spawn C"),
+    );
+    assert_eq!(oc.status.code(), Some(0), "C: {}", text(&oc));
+    let a_pid = a.id();
+    let a_id = arb
+        .events()
+        .iter()
+        .find(|e| matches!(e.kind, EventKind::Register { pid, .. } if pid == a_pid))
+        .and_then(|e| e.client);
+    let a_out: u64 = arb
+        .events()
+        .iter()
+        .filter(|e| a_id.is_some() && e.client == a_id)
+        .filter_map(|e| match e.kind {
+            EventKind::SwapOut { bytes, .. } => Some(bytes),
+            _ => None,
+        })
+        .sum();
+    assert!(a_out >= 1024 << 20, "A was not swapped out for C");
+    let ob = finish(
+        spawn_cmd(
+            &rt,
+            &m,
+            &exe,
+            &["64", "1", "0"],
+            Some(arb.socket_dir()),
+            &sb,
+        )
+        .env("KIWI_POD_NAME", "notebook-b")
+        .env(
+            "KIWI_SIM_PROCESS_CONTEXT_MEMORY",
+            (800u64 << 20).to_string(),
+        )
+        .spawn()
+        .expect("spawn B"),
+    );
+    open_gate(&mut a);
+    let oa = finish(a);
+    let err = String::from_utf8_lossy(&ob.stderr);
+    assert_ne!(ob.status.code(), Some(0), "B ran: {}", text(&ob));
+    // Made at once: the driver did not refuse it, nothing waited.
+    assert!(
+        !err.contains("waiting for this GPU's turn"),
+        "B's context was refused by the driver, not made at once: {}",
+        text(&ob)
+    );
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("out of memory for a context"))
+        .collect();
+    assert_eq!(lines.len(), 1, "one line says why: {}", text(&ob));
+    assert!(
+        lines[0].contains("notebook-a's working set of 3072 MiB"),
+        "the line names whom and how much: {}",
+        lines[0]
+    );
+    assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
+    assert_eq!(
+        String::from_utf8_lossy(&oa.stdout).lines().last(),
+        Some("OK"),
+        "A: {}",
+        text(&oa)
+    );
+}
+
 /// A newcomer whose context can never fit (issue #24, item 5): on a 1216 MiB GPU, the
 /// 300 MiB contexts of a process outside Kiwi and of two idle notebooks (64 MiB each)
 /// leave 124 MiB, 252 MiB with both notebooks swapped out: no room for a fourth

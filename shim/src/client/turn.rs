@@ -285,6 +285,11 @@ impl Turn {
         }
     }
 
+    /// Memory of the process's contexts, modules and limits on this GPU, as counted.
+    pub fn context_bytes(&self) -> u64 {
+        self.context_bytes.load(Ordering::Relaxed)
+    }
+
     /// Adds (or, negative, removes) memory of a context or module of the process on
     /// this GPU; reported from the turn's thread at its next tick.
     pub fn add_context_bytes(&self, delta: i64) {

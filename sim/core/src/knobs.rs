@@ -64,6 +64,12 @@ pub struct SimConfig {
     /// goes on; the context stays usable): a synchronization that failed while work
     /// was still queued. Per process; unset: never.
     pub fail_sync: Option<PathBuf>,
+    /// `KIWI_SIM_PROCESS_CONTEXT_MEMORY` in bytes: what this process's contexts cost,
+    /// instead of the machine's `KIWI_SIM_CONTEXT_MEMORY` (fixed when the machine is
+    /// created). Real contexts differ by process (300–500 MiB on an H100, issue
+    /// #24: the libraries loaded, the loading mode). Per process; unset: the
+    /// machine's.
+    pub process_context_memory: Option<u64>,
     /// `KIWI_SIM_MODULE_MEMORY` in bytes: device memory each module loaded through
     /// the driver API (`cuModuleLoad*`) costs its context until it is unloaded, never
     /// the application's to free or swap. Per process. Default
@@ -165,6 +171,7 @@ impl Default for SimConfig {
             pageable_d2h_gbps: DEFAULT_PAGEABLE_D2H_GBPS,
             fail_sync: None,
             module_memory: DEFAULT_MODULE_MEMORY,
+            process_context_memory: None,
             fail_memcreate_every: 0,
             checkpoint: true,
             prepare: false,
@@ -243,6 +250,12 @@ impl SimConfig {
         if let Some(v) = get("KIWI_SIM_CONTEXT_MEMORY") {
             c.context_memory =
                 kiwi_config::parse_size(&v).map_err(|e| bad("KIWI_SIM_CONTEXT_MEMORY", &v, e))?;
+        }
+        if let Some(v) = get("KIWI_SIM_PROCESS_CONTEXT_MEMORY") {
+            c.process_context_memory = Some(
+                kiwi_config::parse_size(&v)
+                    .map_err(|e| bad("KIWI_SIM_PROCESS_CONTEXT_MEMORY", &v, e))?,
+            );
         }
         if let Some(v) = get("KIWI_SIM_MODULE_MEMORY") {
             c.module_memory =

@@ -110,7 +110,9 @@ fn init_driver() -> Result<Driver, CUresult> {
             gpus: settings.gpus,
             pcie_bps: settings.pcie_gbps * 1e9,
             hbm_bps: settings.hbm_gbps * 1e9,
-            context_memory: settings.context_memory,
+            context_memory: cfg
+                .process_context_memory
+                .unwrap_or(settings.context_memory),
             memcreate_s: cfg.memcreate_us * 1e-6,
             memcreate_s_per_2mib: cfg.memcreate_us_per_2mib * 1e-6,
             pin_bps: cfg.pin_gbps * 1e9,
