@@ -153,7 +153,9 @@ fn a_holder_beside_three_newcomers_contexts_runs_when_idle_processes_are_checkpo
 /// waits, saying so, while the newcomers' turns come and go) or its context, which
 /// would leave the holder's working set no room beside four contexts, fails at
 /// once with the driver's out of memory and one line naming the holder (issue #24,
-/// "no silent livelock"); which happens depends on timing.
+/// "no silent livelock"), whether the driver refused it or made it at once (then
+/// it is taken back). Newcomers that register at the same moment do not see each
+/// other's contexts, so it may also run.
 #[test]
 fn without_the_checkpoint_api_the_same_programs_wait_their_turns_or_are_refused() {
     if CudaRuntime::fetch_or_skip("checkpoint under Kiwi").is_none() {
