@@ -124,12 +124,21 @@ pub unsafe fn ctx_create_v4(
 // ---------------------------------------------------------------------------------
 // Modules: their code and constants take device memory no swap frees.
 
-/// Each loaded module or library the shim counted: handle → (device, bytes), so an
-/// unload gives back exactly what its load added.
-static MODULES: Mutex<std::collections::BTreeMap<usize, (usize, u64)>> =
+/// What a module was counted: its device, its bytes, and the context it was loaded
+/// into (destroying that context unloads it).
+#[derive(Clone, Copy)]
+struct Counted {
+    device: usize,
+    bytes: u64,
+    ctx: usize,
+}
+
+/// Each loaded module or library the shim counted, by handle, so an unload (or its
+/// context's destruction) gives back exactly what its load added.
+static MODULES: Mutex<std::collections::BTreeMap<usize, Counted>> =
     Mutex::new(std::collections::BTreeMap::new());
 
-fn modules() -> MutexGuard<'static, std::collections::BTreeMap<usize, (usize, u64)>> {
+fn modules() -> MutexGuard<'static, std::collections::BTreeMap<usize, Counted>> {
     MODULES.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -154,9 +163,9 @@ fn took_between(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> i128 {
     }
 }
 
-/// Bytes each context's limits were counted, by (context, `CUlimit`): a later value
-/// replaces the earlier one's count.
-static LIMITS: Mutex<std::collections::BTreeMap<(usize, c_int), u64>> =
+/// Bytes each context's limits were counted, and on which device, by (context,
+/// `CUlimit`): a later value replaces the earlier one's count.
+static LIMITS: Mutex<std::collections::BTreeMap<(usize, c_int), (usize, u64)>> =
     Mutex::new(std::collections::BTreeMap::new());
 
 /// `CU_LIMIT_STACK_SIZE`: bytes per resident thread.
@@ -217,7 +226,7 @@ pub unsafe fn ctx_set_limit(
     let took = took_between(before, free_and_own(d));
     let key = (current_context() as usize, limit);
     let mut counted = LIMITS.lock().unwrap_or_else(|p| p.into_inner());
-    let old = counted.get(&key).copied().unwrap_or(0);
+    let old = counted.get(&key).map_or(0, |&(_, b)| b);
     let new = u64::try_from((i128::from(old) + took).max(0)).unwrap_or(0);
     if new != old {
         crate::kdebug!("GPU {d}: limit {limit} = {value} takes {new} bytes of device memory");
@@ -226,7 +235,7 @@ pub unsafe fn ctx_set_limit(
     if new == 0 {
         counted.remove(&key);
     } else {
-        counted.insert(key, new);
+        counted.insert(key, (d, new));
     }
     r
 }
@@ -277,7 +286,15 @@ fn counted_load(handle: *mut *mut c_void, load: impl FnMut() -> CUresult) -> CUr
     if let Some((d, bytes)) = took.filter(|_| !handle.is_null()) {
         // SAFETY: the driver just wrote the handle through the caller's pointer.
         let h = unsafe { *handle } as usize;
-        modules().insert(h, (d, bytes));
+        let ctx = current_context() as usize;
+        modules().insert(
+            h,
+            Counted {
+                device: d,
+                bytes,
+                ctx,
+            },
+        );
     }
     r
 }
@@ -325,9 +342,15 @@ pub unsafe fn module_get_function(
         real(func, module, name)
     });
     if let Some((d, bytes)) = took.filter(|&(_, b)| b > 0) {
-        let mut m = modules();
-        let entry = m.entry(module as usize).or_insert((d, 0));
-        entry.1 += bytes;
+        let ctx = current_context() as usize;
+        modules()
+            .entry(module as usize)
+            .or_insert(Counted {
+                device: d,
+                bytes: 0,
+                ctx,
+            })
+            .bytes += bytes;
     }
     r
 }
@@ -337,11 +360,61 @@ pub unsafe fn module_get_function(
 fn counted_unload(h: *mut c_void, unload: impl FnOnce() -> CUresult) -> CUresult {
     let r = unload();
     if r == CUDA_SUCCESS {
-        if let Some((d, bytes)) = modules().remove(&(h as usize)) {
-            if let Some(t) = client::global().and_then(|c| c.turn_for(d)) {
-                t.add_context_bytes(-(bytes as i64));
-            }
+        if let Some(m) = modules().remove(&(h as usize)) {
+            give_back(m.device, m.bytes);
         }
+    }
+    r
+}
+
+/// Gives back `bytes` counted as memory no swap frees on device `d`.
+fn give_back(d: usize, bytes: u64) {
+    if bytes == 0 {
+        return;
+    }
+    if let Some(t) = client::global().and_then(|c| c.turn_for(d)) {
+        t.add_context_bytes(-(bytes as i64));
+    }
+}
+
+/// `cuCtxDestroy_v2`: the driver unloads the context's modules and frees what its
+/// limits reserved, so what they were counted is given back. (The context's own
+/// cost stays counted: the shim swaps through the primary context where the
+/// application has no other; `docs/shim.md`, Limits.)
+///
+/// # Safety
+/// `real` is the driver's original of this entry point; `ctx` is the application's.
+pub unsafe fn ctx_destroy(
+    real: Real<unsafe extern "C" fn(CUcontext) -> CUresult>,
+    ctx: CUcontext,
+) -> CUresult {
+    // SAFETY: forwarding the caller's argument.
+    let r = unsafe { real(ctx) };
+    if r != CUDA_SUCCESS || ctx.is_null() {
+        return r;
+    }
+    let key = ctx as usize;
+    let gone: Vec<Counted> = {
+        let mut m = modules();
+        let gone = m.values().filter(|c| c.ctx == key).copied().collect();
+        m.retain(|_, c| c.ctx != key);
+        gone
+    };
+    for c in gone {
+        give_back(c.device, c.bytes);
+    }
+    let limits: Vec<(usize, u64)> = {
+        let mut l = LIMITS.lock().unwrap_or_else(|p| p.into_inner());
+        let gone = l
+            .iter()
+            .filter(|((c, _), _)| *c == key)
+            .map(|(_, &v)| v)
+            .collect();
+        l.retain(|(c, _), _| *c != key);
+        gone
+    };
+    for (d, bytes) in limits {
+        give_back(d, bytes);
     }
     r
 }

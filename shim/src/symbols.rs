@@ -73,6 +73,8 @@ macro_rules! for_each_export {
             hook cuCtxCreate_v2(pctx: *mut CUcontext, flags: Uint, dev: CUdevice) => hooks::ctx_create_v2;
             hook cuCtxCreate_v3(pctx: *mut CUcontext, params: Opaque, num_params: c_int, flags: Uint, dev: CUdevice) => hooks::ctx_create_v3;
             hook cuCtxCreate_v4(pctx: *mut CUcontext, params: Opaque, flags: Uint, dev: CUdevice) => hooks::ctx_create_v4;
+            /// Its modules and limits leave the GPU with it: their counts are given back; runs no work.
+            hook cuCtxDestroy_v2(ctx: CUcontext) => hooks::ctx_destroy;
 
             // --- allocation: VMM-backed, swappable, never waits for the GPU
             hook cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => hooks::mem_alloc;

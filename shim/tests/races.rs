@@ -10,6 +10,7 @@ use common::*;
 use std::process::Command;
 use std::time::Duration;
 
+use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::SimMachine;
 use kiwi_tests::Arbiter;
 
@@ -51,4 +52,52 @@ fn context_churn_then_forced_drops(mode: &str) {
 #[test]
 fn a_destroyed_context_then_forced_drops_swaps_in_the_live_context() {
     context_churn_then_forced_drops("destroy");
+}
+
+/// A destroyed context's modules and limits leave the GPU with it: what they were
+/// counted as memory no swap frees is given back (the arbiter's `unswappable`
+/// figure for the program falls back), or the program would be scheduled for good
+/// as if 256 MiB more of the GPU were taken. The module is loaded lazily (its code
+/// at its first function) and the heap limit takes 64 MiB.
+#[test]
+fn a_destroyed_contexts_modules_and_limits_are_no_longer_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = compile("ctx_churn", dir.path()) else {
+        return;
+    };
+    let m = SimMachine::new("churn-modules", 1, 1 << 30)
+        .unwrap()
+        .with_env("KIWI_SIM_MODULE_MEMORY", &(256u64 << 20).to_string());
+    let arb = Arbiter::start(&["--tq", "0.3"]);
+    let mut a = Command::new(&exe);
+    let a = under_kiwi_on(a.args(["modules", "64", "20"]), &m, &arb)
+        .spawn()
+        .expect("spawn ctx_churn");
+    let pa = a.id();
+    let oa = finish(a);
+    assert_eq!(oa.status.code(), Some(0), "{}", text(&oa));
+    let ids = clients_of(&arb, pa);
+    let figures: Vec<u64> = arb
+        .events()
+        .iter()
+        .filter(|e| e.client.is_some_and(|c| ids.contains(&c)))
+        .filter_map(|e| match e.kind {
+            EventKind::Unswappable { bytes } => Some(bytes),
+            _ => None,
+        })
+        .collect();
+    let (most, last) = (
+        figures.iter().copied().max().unwrap_or(0),
+        figures.last().copied().unwrap_or(0),
+    );
+    assert!(
+        most >= 256 << 20,
+        "the module was never counted: {figures:?}\n{}",
+        text(&oa)
+    );
+    assert!(
+        last + (256 << 20) <= most,
+        "the destroyed context's module is still counted: {figures:?}\n{}",
+        text(&oa)
+    );
 }
