@@ -15,7 +15,6 @@ use common::*;
 
 use std::process::Command;
 
-use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::SimMachine;
 use kiwi_tests::Arbiter;
 
@@ -94,17 +93,7 @@ fn an_exported_handle_stays_resident_and_is_counted() {
         "{}",
         text(&oa)
     );
-    let clients = clients_of(&arb, pa);
-    let most = arb
-        .events()
-        .iter()
-        .filter(|e| e.client.is_some_and(|c| clients.contains(&c)))
-        .filter_map(|e| match e.kind {
-            EventKind::Unswappable { bytes } => Some(bytes),
-            _ => None,
-        })
-        .max()
-        .unwrap_or(0);
+    let most = unswappable_figures(&arb, pa).into_iter().max().unwrap_or(0);
     assert!(
         most >= 300 * MIB + 20 * MIB,
         "the exporter's memory no swap frees peaked at {} MiB: {}",

@@ -11,7 +11,6 @@ use common::*;
 
 use std::time::Duration;
 
-use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::SimMachine;
 use kiwi_tests::Arbiter;
 
@@ -66,17 +65,7 @@ fn take_turns(loading: &str) {
         text(&oa)
     );
     // A's module counted with its context, as the arbiter heard it.
-    let ca = clients_of(&arb, pa);
-    let unswappable = arb
-        .events()
-        .iter()
-        .filter(|e| e.client.is_some_and(|c| ca.contains(&c)))
-        .filter_map(|e| match e.kind {
-            EventKind::Unswappable { bytes } => Some(bytes),
-            _ => None,
-        })
-        .max()
-        .unwrap_or(0);
+    let unswappable = unswappable_figures(&arb, pa).into_iter().max().unwrap_or(0);
     assert!(
         unswappable >= 256 << 20,
         "{loading}: A reported {unswappable} bytes no swap frees, not its 256 MiB module\n{}",

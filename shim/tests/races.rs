@@ -10,7 +10,6 @@ use common::*;
 use std::process::Command;
 use std::time::Duration;
 
-use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::SimMachine;
 use kiwi_tests::Arbiter;
 
@@ -76,16 +75,7 @@ fn a_destroyed_contexts_modules_and_limits_are_no_longer_counted() {
     let pa = a.id();
     let oa = finish(a);
     assert_eq!(oa.status.code(), Some(0), "{}", text(&oa));
-    let ids = clients_of(&arb, pa);
-    let figures: Vec<u64> = arb
-        .events()
-        .iter()
-        .filter(|e| e.client.is_some_and(|c| ids.contains(&c)))
-        .filter_map(|e| match e.kind {
-            EventKind::Unswappable { bytes } => Some(bytes),
-            _ => None,
-        })
-        .collect();
+    let figures = unswappable_figures(&arb, pa);
     let (most, last) = (
         figures.iter().copied().max().unwrap_or(0),
         figures.last().copied().unwrap_or(0),

@@ -466,42 +466,48 @@ fn a_newcomers_context_that_would_block_an_idle_holder_fails_at_once_without_evi
     let took = t.elapsed();
     open_gate(&mut a);
     let oa = finish(a);
-    let err = String::from_utf8_lossy(&ob.stderr);
-    assert_ne!(ob.status.code(), Some(0), "B ran: {}", text(&ob));
-    assert!(
-        !String::from_utf8_lossy(&ob.stdout).contains("OK"),
-        "{}",
-        text(&ob)
-    );
-    let lines: Vec<&str> = err
-        .lines()
-        .filter(|l| l.contains("out of memory for a context"))
-        .collect();
-    assert_eq!(lines.len(), 1, "one line says why: {}", text(&ob));
-    assert!(
-        lines[0].contains("notebook-a's working set of 3520 MiB")
-            && lines[0].contains("of the GPU's 4096 MiB"),
-        "the line names whom and how much: {}",
-        lines[0]
-    );
     // At once: no turn was waited for, nothing of A's was swapped for it.
+    refused_for_blocking(&ob, "notebook-a's working set of 3520 MiB", &oa);
     assert!(took < Duration::from_secs(10), "B took {took:?}");
-    assert!(
-        !err.contains("waiting for this GPU's turn"),
-        "{}",
-        text(&ob)
-    );
     assert_eq!(
         stats(&sa).get("swap_out_bytes").copied().unwrap_or(0),
         0,
         "A swapped out for a context that was refused"
     );
-    assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
+}
+
+/// B's context was refused without waiting for a turn, with exactly one line naming
+/// `whose` working set (and the GPU's 4096 MiB) it would block; A, which it would
+/// have blocked, verified every byte.
+fn refused_for_blocking(ob: &Output, whose: &str, oa: &Output) {
+    let err = String::from_utf8_lossy(&ob.stderr);
+    assert_ne!(ob.status.code(), Some(0), "B ran: {}", text(ob));
+    assert!(
+        !String::from_utf8_lossy(&ob.stdout).contains("OK"),
+        "{}",
+        text(ob)
+    );
+    assert!(
+        !err.contains("waiting for this GPU's turn"),
+        "B waited for a turn: {}",
+        text(ob)
+    );
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("out of memory for a context"))
+        .collect();
+    assert_eq!(lines.len(), 1, "one line says why: {}", text(ob));
+    assert!(
+        lines[0].contains(whose) && lines[0].contains("of the GPU's 4096 MiB"),
+        "the line names whom and how much: {}",
+        lines[0]
+    );
+    assert_eq!(oa.status.code(), Some(0), "A: {}", text(oa));
     assert_eq!(
         String::from_utf8_lossy(&oa.stdout).lines().last(),
         Some("OK"),
         "A: {}",
-        text(&oa)
+        text(oa)
     );
 }
 
@@ -588,31 +594,8 @@ fn a_newcomers_context_made_at_once_that_would_block_an_idle_holder_is_taken_bac
     );
     open_gate(&mut a);
     let oa = finish(a);
-    let err = String::from_utf8_lossy(&ob.stderr);
-    assert_ne!(ob.status.code(), Some(0), "B ran: {}", text(&ob));
-    // Made at once: the driver did not refuse it, nothing waited.
-    assert!(
-        !err.contains("waiting for this GPU's turn"),
-        "B's context was refused by the driver, not made at once: {}",
-        text(&ob)
-    );
-    let lines: Vec<&str> = err
-        .lines()
-        .filter(|l| l.contains("out of memory for a context"))
-        .collect();
-    assert_eq!(lines.len(), 1, "one line says why: {}", text(&ob));
-    assert!(
-        lines[0].contains("notebook-a's working set of 3072 MiB"),
-        "the line names whom and how much: {}",
-        lines[0]
-    );
-    assert_eq!(oa.status.code(), Some(0), "A: {}", text(&oa));
-    assert_eq!(
-        String::from_utf8_lossy(&oa.stdout).lines().last(),
-        Some("OK"),
-        "A: {}",
-        text(&oa)
-    );
+    // Made at once: the driver did not refuse it, so nothing waited for room.
+    refused_for_blocking(&ob, "notebook-a's working set of 3072 MiB", &oa);
 }
 
 /// A newcomer whose context can never fit (issue #24, item 5): on a 1216 MiB GPU, the

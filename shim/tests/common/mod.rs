@@ -269,6 +269,20 @@ pub fn swap_outs(arb: &Arbiter, pid: u32) -> Vec<u64> {
         .collect()
 }
 
+/// Each `unswappable` figure process `pid` reported, in order (arbiter's log): its
+/// memory no swap frees (contexts, modules, limits, its own pinned VMM memory).
+pub fn unswappable_figures(arb: &Arbiter, pid: u32) -> Vec<u64> {
+    let clients = clients_of(arb, pid);
+    arb.events()
+        .iter()
+        .filter(|e| e.client.is_some_and(|c| clients.contains(&c)))
+        .filter_map(|e| match e.kind {
+            EventKind::Unswappable { bytes } => Some(bytes),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Bytes process `pid` swapped out so far (arbiter's log).
 pub fn swapped_out(arb: &Arbiter, pid: u32) -> u64 {
     swap_outs(arb, pid).iter().sum()
