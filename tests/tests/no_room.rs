@@ -69,7 +69,30 @@ fn run(tag: &str, mem: &str) -> (Vec<kiwi_protocol::Event>, String, Duration) {
     // Its memory is allocated before the notebooks start.
     std::thread::sleep(Duration::from_millis(1500));
     let t = Instant::now();
-    let kids = [notebook(&m, &arb, mem, "1"), notebook(&m, &arb, mem, "2")];
+    // The second starts once the first has counted its context and module and
+    // reported its working set: each measures what its module takes by the drop in
+    // free memory, which the other's context, made at the same moment, would join
+    // (a fresh-clone CI run counted 302 MiB for a 2 MiB module). Their bursts still
+    // overlap: each runs 4 of 400 ms.
+    let first = notebook(&m, &arb, mem, "1");
+    let pid = first.id();
+    kiwi_tests::wait_until(
+        "the first notebook's working set",
+        Duration::from_secs(30),
+        || {
+            let ev = arb.events();
+            let id = ev.iter().find_map(|e| match e.kind {
+                EventKind::Register { pid: p, .. } if p == pid => e.client,
+                _ => None,
+            });
+            id.is_some()
+                && ev.iter().any(|e| {
+                    e.client == id
+                        && matches!(e.kind, EventKind::Usage { working_set_bytes, .. } if working_set_bytes > 0)
+                })
+        },
+    );
+    let kids = [first, notebook(&m, &arb, mem, "2")];
     let mut stderr = String::new();
     let mut ok = true;
     for k in kids {
