@@ -131,6 +131,11 @@ struct Counted {
     device: usize,
     bytes: u64,
     ctx: usize,
+    /// Its lazily loaded code was measured (a `cuModuleGetFunction` took memory):
+    /// later ones are not, as each measurement can count another process's
+    /// allocation made in the same moment, and the driver loads a module's other
+    /// kernels into the memory its first took (2 MiB pages) where they fit.
+    code: bool,
 }
 
 /// Each loaded module or library the shim counted, by handle, so an unload (or its
@@ -293,6 +298,7 @@ fn counted_load(handle: *mut *mut c_void, load: impl FnMut() -> CUresult) -> CUr
                 device: d,
                 bytes,
                 ctx,
+                code: false,
             },
         );
     }
@@ -321,8 +327,9 @@ fn lazy_loading() -> bool {
 
 /// `cuModuleGetFunction`: with lazy loading, the first for a module (or kernel)
 /// loads its code, taking device memory no swap frees: counted with the module's
-/// load (given back at its unload), and waiting for room like a module load when the
-/// GPU is full of others' memory. Eager loading took it all at the load.
+/// load (given back at its unload) until one took some ([`Counted::code`]), and
+/// waiting for room like a module load whenever the GPU is full of others' memory.
+/// Eager loading took it all at the load.
 ///
 /// # Safety
 /// `real` is the driver's original of this entry point; the other arguments are the
@@ -337,20 +344,29 @@ pub unsafe fn module_get_function(
         // SAFETY: forwarding the caller's arguments.
         return unsafe { real(func, module, name) };
     }
+    if modules().get(&(module as usize)).is_some_and(|c| c.code) {
+        // SAFETY: forwarding the caller's arguments.
+        let r = unsafe { real(func, module, name) };
+        if r != CUDA_ERROR_OUT_OF_MEMORY {
+            return r;
+        }
+        // More code that does not fit: it waits for room (and is measured) below.
+    }
     // SAFETY: forwarding the caller's arguments.
     let (r, took) = counted("a module's code (loaded lazily)", || unsafe {
         real(func, module, name)
     });
     if let Some((d, bytes)) = took.filter(|&(_, b)| b > 0) {
         let ctx = current_context() as usize;
-        modules()
-            .entry(module as usize)
-            .or_insert(Counted {
-                device: d,
-                bytes: 0,
-                ctx,
-            })
-            .bytes += bytes;
+        let mut m = modules();
+        let c = m.entry(module as usize).or_insert(Counted {
+            device: d,
+            bytes: 0,
+            ctx,
+            code: false,
+        });
+        c.bytes += bytes;
+        c.code = true;
     }
     r
 }
