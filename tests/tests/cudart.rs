@@ -427,6 +427,110 @@ fn a_newcomers_context_gets_room_beside_an_idle_holder() {
     assert_eq!(o.status.code(), Some(0), "B alone: {}", text(&o));
 }
 
+/// A runtime program's kernels beside an idle holder (issue #24, item 1): with lazy
+/// loading (the driver's default since CUDA 12.2) the runtime loads a kernel's code
+/// at its first launch (`cuLibraryGetModule`, then `cuModuleGetFunction`, inside
+/// `cudaLaunchKernel`), as PyTorch's kernels are loaded. On a 4 GiB GPU (the arbiter
+/// schedules 3584 MiB of it), A's 2752 MiB, B's 64 MiB and two 300 MiB contexts fit
+/// together, so both stay resident; that leaves 680 MiB, not room for B's 704 MiB
+/// of code (beside A alone it would fit: 2752 + 600 + 704 ≤ 4096). B's first launch
+/// finds A's memory resident, waits for room (A swaps out) and runs; B verifies
+/// every byte its kernels wrote, and the arbiter counts the code as B's memory no
+/// swap frees. Alone, B runs.
+#[test]
+fn a_runtime_kernels_code_loaded_at_its_first_launch_gets_room_beside_an_idle_holder() {
+    let Some(rt) = CudaRuntime::fetch_or_skip("runtime kernels beside an idle holder") else {
+        return;
+    };
+    let m = real_contexts("cudart-lazy-kernels", 4 << 30);
+    let dir = tempfile::tempdir().unwrap();
+    let holder = compile(&rt, dir.path(), "cudart_notebook.c");
+    let kernels = compile(&rt, dir.path(), "cudart_kernels.c");
+    let arb = Arbiter::start_evicting(&["--tq", "2"], m.env());
+    let (sa, sb) = (dir.path().join("a.stats"), dir.path().join("b.stats"));
+    let code = (704u64 << 20).to_string();
+    let mut a = gated_pod(
+        &rt,
+        &m,
+        &holder,
+        &["2752", "1", "0"],
+        arb.socket_dir(),
+        &sa,
+        "notebook-a",
+        &[],
+    );
+    let ob = finish(
+        spawn_cmd(
+            &rt,
+            &m,
+            &kernels,
+            &["run", "64"],
+            Some(arb.socket_dir()),
+            &sb,
+        )
+        .env("KIWI_POD_NAME", "notebook-b")
+        .env("KIWI_SIM_MODULE_MEMORY", &code)
+        .spawn()
+        .expect("spawn B"),
+    );
+    open_gate(&mut a);
+    let oa = finish(a);
+    ends_ok("B (runtime kernels)", &ob);
+    ends_ok("A (the idle holder)", &oa);
+    assert!(
+        String::from_utf8_lossy(&ob.stderr).contains("room made for a module's code"),
+        "B's first launch did not wait for room: {}",
+        text(&ob)
+    );
+    let sa = stats(&sa);
+    assert!(
+        sa.get("swap_out_bytes").copied().unwrap_or(0) > 0,
+        "A never swapped out: {sa:?}"
+    );
+    let b_pid: u32 = String::from_utf8_lossy(&ob.stdout)
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix("pid "))
+        .and_then(|p| p.parse().ok())
+        .expect("B prints its pid");
+    let ev = arb.events();
+    let b = ev
+        .iter()
+        .find(|e| matches!(e.kind, EventKind::Register { pid, .. } if pid == b_pid))
+        .and_then(|e| e.client);
+    let most = ev
+        .iter()
+        .filter(|e| b.is_some() && e.client == b)
+        .filter_map(|e| match e.kind {
+            EventKind::Unswappable { bytes } => Some(bytes),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0);
+    assert!(
+        most >= (300 + 704) << 20,
+        "B's code was not counted as memory no swap frees (at most {} MiB)",
+        most >> 20
+    );
+
+    // Control: B alone on the same GPU runs.
+    let m2 = real_contexts("cudart-lazy-kernels-alone", 4 << 30);
+    let o = finish(
+        spawn_cmd(
+            &rt,
+            &m2,
+            &kernels,
+            &["run", "64"],
+            None,
+            &dir.path().join("alone.stats"),
+        )
+        .env("KIWI_SIM_MODULE_MEMORY", &code)
+        .spawn()
+        .expect("spawn B alone"),
+    );
+    ends_ok("B alone", &o);
+}
+
 /// The same newcomer where the arbiter cannot evict whole processes (no checkpoint
 /// API; issue #24, "no silent livelock"): B's context would leave A's 3520 MiB no
 /// room beside both contexts, ever, so A would wait for as long as B lives. B's

@@ -80,3 +80,30 @@ fn runtime_stream_ordered_memory_and_pools() {
     let o = run(&rt, &m, "cudart_async_alloc.c", &[]);
     assert_ok(&o);
 }
+
+/// Kernels launched through the runtime (a registered fatbin, `cudaLaunchKernel`):
+/// the runtime 12.x loads them through `cuLibraryLoadData`, and with lazy loading
+/// their code takes device memory at the first launch, which fails with out of
+/// memory when it does not fit and works once there is room; with
+/// `CUDA_MODULE_LOADING=EAGER` the first launch takes nothing.
+#[test]
+fn runtime_kernels_load_their_code_at_the_first_launch() {
+    let Some(rt) = CudaRuntime::fetch_or_skip("cudart kernels") else {
+        return;
+    };
+    let code = (64u64 << 20).to_string();
+    for (mode, eager) in [("lazy", false), ("eager", true), ("full", false)] {
+        let m = SimMachine::new(&format!("cudart-kernels-{mode}"), 1, 1 << 30)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .with_env("KIWI_SIM_MODULE_MEMORY", &code);
+        let m = if eager {
+            m.with_env("CUDA_MODULE_LOADING", "EAGER")
+        } else {
+            m
+        };
+        let o = run(&rt, &m, "cudart_kernels.c", &[mode, &code]);
+        assert_ok(&o);
+    }
+    let m = SimMachine::new("cudart-kernels-run", 1, 1 << 30).unwrap_or_else(|e| panic!("{e}"));
+    assert_ok(&run(&rt, &m, "cudart_kernels.c", &["run", "256"]));
+}

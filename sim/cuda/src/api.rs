@@ -2301,12 +2301,31 @@ pub(crate) fn cuGraphDestroy(graph: *mut c_void) -> Result<(), CUresult> {
 // ---------------------------------------------------------------- modules and launches
 
 /// The four built-in kernels; a `CUfunction` is a pointer into this table.
-static FUNCTIONS: [Builtin; 4] = [
+pub(crate) static FUNCTIONS: [Builtin; 4] = [
     Builtin::Fill,
     Builtin::Add,
     Builtin::Checksum,
     Builtin::Spin,
 ];
+
+/// The `CUfunction` of built-in `kind`.
+pub(crate) fn function_handle(kind: Builtin) -> CUfunction {
+    let b = FUNCTIONS
+        .iter()
+        .find(|b| **b == kind)
+        .unwrap_or(&FUNCTIONS[0]);
+    b as *const Builtin as CUfunction
+}
+
+/// Built-in `kind`'s name as a C string (`cuKernelGetName`).
+pub(crate) fn builtin_c_name(kind: Builtin) -> *const c_char {
+    match kind {
+        Builtin::Fill => c"kiwi_fill".as_ptr(),
+        Builtin::Add => c"kiwi_add".as_ptr(),
+        Builtin::Checksum => c"kiwi_checksum".as_ptr(),
+        Builtin::Spin => c"kiwi_spin".as_ptr(),
+    }
+}
 
 fn function(f: CUfunction) -> Result<Builtin, CUresult> {
     FUNCTIONS
@@ -2343,7 +2362,7 @@ pub(crate) fn module_load(
 
 /// `CUDA_MODULE_LOADING=EAGER`: modules load their kernels at load, not at their
 /// first use. Read once, as the driver reads it at `cuInit`.
-fn eager_loading() -> bool {
+pub(crate) fn eager_loading() -> bool {
     static EAGER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *EAGER.get_or_init(|| std::env::var("CUDA_MODULE_LOADING").is_ok_and(|v| v == "EAGER"))
 }
@@ -2528,7 +2547,13 @@ fn launch(
     pt: bool,
 ) -> Result<(), CUresult> {
     let d = driver()?;
-    let kind = function(f)?;
+    let s = d.stream(stream, pt)?;
+    // A `CUkernel` (the runtime's launches) loads its library's code into the
+    // stream's context now, with lazy loading: out of memory when it does not fit.
+    let kind = match crate::library::launch_kernel(d, f, s.ctx.handle(), s.ctx.device)? {
+        Some(kind) => kind,
+        None => function(f)?,
+    };
     if grid.contains(&0) || block.contains(&0) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -2536,7 +2561,6 @@ fn launch(
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let args = kernel_args(kind, params, extra)?;
-    let s = d.stream(stream, pt)?;
     s.ctx.check()?;
     crate::capture::submit(&s.ctx, &s, Op::Kernel { kind, args }).map(|_| ())
 }

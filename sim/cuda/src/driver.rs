@@ -267,6 +267,12 @@ impl Driver {
         Ok(h)
     }
 
+    /// A fresh handle for a library or a kernel (`library.rs`), from the modules'
+    /// sequence so that no two handles of these kinds are equal.
+    pub fn new_handle(&self) -> usize {
+        (self.next_module.fetch_add(1, Ordering::Relaxed) as usize) << 4
+    }
+
     fn reserve_module(&self, gpu: u32, bytes: u64) -> Result<(), CUresult> {
         self.machine.reserve(gpu, bytes).map_err(|e| match e {
             MachineError::OutOfMemory { .. } | MachineError::TooManyProcesses(_) => {

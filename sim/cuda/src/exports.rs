@@ -24,6 +24,7 @@ use crate::api;
 use crate::checkpoint;
 use crate::dark_api;
 use crate::ffi::guard;
+use crate::library;
 use crate::procaddr::{self, base_name};
 
 macro_rules! exports {
@@ -264,6 +265,22 @@ exports! {
     cuLaunchCooperativeKernel(f: CUfunction, gx: u32, gy: u32, gz: u32, bx: u32, by: u32, bz: u32, _shmem: u32, s: CUstream, params: *mut *mut c_void) = 9000, per_thread cuLaunchCooperativeKernel_ptsz;
     cuLaunchKernelEx(cfg: *const CUlaunchConfig, f: CUfunction, params: *mut *mut c_void, extra: *mut *mut c_void) = 11060, per_thread cuLaunchKernelEx_ptsz;
     cuLaunchHostFunc(s: CUstream, f: CUhostFn, data: *mut c_void) = 10000, per_thread cuLaunchHostFunc_ptsz;
+
+    // context-independent loading (`library.rs`)
+    cuLibraryLoadData(lib: *mut CUlibrary, code: *const c_void, jit_options: *mut i32, jit_values: *mut *mut c_void, n_jit: u32, lib_options: *mut i32, lib_values: *mut *mut c_void, n_lib: u32) = 12000 in library;
+    cuLibraryLoadFromFile(lib: *mut CUlibrary, file: *const c_char, jit_options: *mut i32, jit_values: *mut *mut c_void, n_jit: u32, lib_options: *mut i32, lib_values: *mut *mut c_void, n_lib: u32) = 12000 in library;
+    cuLibraryUnload(lib: CUlibrary) = 12000 in library;
+    cuLibraryGetKernel(k: *mut CUkernel, lib: CUlibrary, name: *const c_char) = 12000 in library;
+    cuLibraryGetKernelCount(count: *mut u32, lib: CUlibrary) = 12040 in library;
+    cuLibraryEnumerateKernels(kernels: *mut CUkernel, n: u32, lib: CUlibrary) = 12040 in library;
+    cuLibraryGetModule(m: *mut CUmodule, lib: CUlibrary) = 12000 in library;
+    cuLibraryGetGlobal(ptr: *mut CUdeviceptr, size: *mut usize, lib: CUlibrary, name: *const c_char) = 12000 in library;
+    cuLibraryGetManaged(ptr: *mut CUdeviceptr, size: *mut usize, lib: CUlibrary, name: *const c_char) = 12000 in library;
+    cuKernelGetFunction(f: *mut CUfunction, k: CUkernel) = 12000 in library;
+    cuKernelGetName(name: *mut *const c_char, k: CUkernel) = 12030 in library;
+    cuKernelGetAttribute(pi: *mut i32, attrib: i32, k: CUkernel, dev: CUdevice) = 12000 in library;
+    cuKernelSetAttribute(attrib: i32, value: i32, k: CUkernel, dev: CUdevice) = 12000 in library;
+    cuKernelSetCacheConfig(k: CUkernel, config: i32, dev: CUdevice) = 12000 in library;
 
     // entry points
     cuGetExportTable(table: *mut *const c_void, id: *const CUuuid) = 3000 in dark_api;

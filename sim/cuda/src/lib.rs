@@ -37,6 +37,7 @@ mod exec;
 mod exports;
 mod ffi;
 mod hw;
+mod library;
 mod memory;
 mod pool;
 mod pool_usage;

@@ -1,0 +1,355 @@
+//! Context-independent loading (CUDA 12.0+): `cuLibraryLoadData`/`FromFile`,
+//! `cuLibraryGetKernel`, `cuKernelGetFunction` and the rest. NVIDIA's runtime 12.x
+//! loads every fatbin a program registers this way and launches its kernels by
+//! their `CUkernel` handles (without these entry points `cudaLaunchKernel` fails
+//! with `cudaErrorCallRequiresNewerDriver`), so this is where a PyTorch kernel's code
+//! comes from.
+//!
+//! The runtime 12.9 loads each registered fatbin with `cuLibraryLoadData` and, at a
+//! kernel's first launch, takes the library's module in the current context
+//! (`cuLibraryGetModule`) and the kernel's function there (`cuModuleGetFunction`);
+//! it launches that function. A library's code is loaded into a context (a module
+//! there, costing that context [`crate::driver::Driver::module_memory`] of device
+//! memory until the library is unloaded or the context goes) at its first use in
+//! it (lazy loading, the driver's default since CUDA 12.2; the CUDA programming
+//! guide, "Lazy Loading"): that module's first `cuModuleGetFunction`, a
+//! `cuKernelGetFunction`, or a launch of a `CUkernel` handle, which the driver
+//! accepts as a function. A load that does not fit is `CUDA_ERROR_OUT_OF_MEMORY`
+//! from that call, a launch included, and the code stays unloaded there (a later
+//! call tries again). With `CUDA_MODULE_LOADING=EAGER` the library's load takes the
+//! current context's at once, and `cuLibraryGetModule` another's. Any image is
+//! accepted; its kernels are the built-ins.
+
+#![allow(non_snake_case, clippy::too_many_arguments)]
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void};
+use std::sync::Mutex;
+
+use crate::abi::*;
+use crate::api::{eager_loading, FUNCTIONS};
+use crate::driver::{self, driver, Driver};
+use crate::exec::Builtin;
+use crate::ffi::{c_str, out};
+
+/// A loaded library: its module in each context it was loaded into.
+struct Library {
+    modules: HashMap<usize, usize>,
+}
+
+/// A kernel handle: its library and built-in.
+#[derive(Clone, Copy)]
+struct Kernel {
+    library: usize,
+    kind: Builtin,
+}
+
+#[derive(Default)]
+struct Registry {
+    libraries: HashMap<usize, Library>,
+    /// By handle; each library's kernels get their handles at its first
+    /// `cuLibraryGetKernel` of that name, the same handle after.
+    kernels: HashMap<usize, Kernel>,
+}
+
+static REGISTRY: Mutex<Option<Registry>> = Mutex::new(None);
+
+fn with<R>(f: impl FnOnce(&mut Registry) -> R) -> R {
+    let mut g = REGISTRY.lock().unwrap_or_else(|e| e.into_inner());
+    f(g.get_or_insert_with(Registry::default))
+}
+
+/// Library `lib`'s module in context `ctx` (on `gpu`), made there if it is not (or
+/// its module went with a reset of the context). `code`: its code is loaded now
+/// (a kernel's function or launch); else only with eager loading, and lazily at the
+/// module's first `cuModuleGetFunction` (the runtime's path: `cuLibraryGetModule`,
+/// then `cuModuleGetFunction` at a kernel's first launch). Out of memory when the
+/// code does not fit.
+fn module_in(d: &Driver, lib: usize, ctx: usize, gpu: u32, code: bool) -> Result<usize, CUresult> {
+    let known = with(|r| r.libraries.get(&lib).map(|l| l.modules.get(&ctx).copied()))
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    if let Some(m) = known.filter(|&m| d.has_module(m)) {
+        if code {
+            d.load_code(m)?;
+        }
+        return Ok(m);
+    }
+    let m = d.new_module(ctx, gpu, d.module_memory, !code && !eager_loading())?;
+    let kept = with(|r| match r.libraries.get_mut(&lib) {
+        Some(l) => {
+            l.modules.insert(ctx, m);
+            true
+        }
+        None => false,
+    });
+    if !kept {
+        // Unloaded meanwhile by another thread.
+        d.drop_module(m);
+        return Err(CUDA_ERROR_INVALID_HANDLE);
+    }
+    Ok(m)
+}
+
+/// [`module_in`] the calling thread's current context.
+fn module_in_current(d: &Driver, lib: usize, code: bool) -> Result<usize, CUresult> {
+    let ctx = driver::current()?;
+    module_in(d, lib, ctx.handle(), ctx.device, code)
+}
+
+/// The built-in of kernel handle `f`, its library loaded into context `ctx` (on
+/// `gpu`) first; `None` when `f` is no kernel handle (a `CUfunction`).
+pub(crate) fn launch_kernel(
+    d: &Driver,
+    f: CUfunction,
+    ctx: usize,
+    gpu: u32,
+) -> Result<Option<Builtin>, CUresult> {
+    let Some(k) = with(|r| r.kernels.get(&(f as usize)).copied()) else {
+        return Ok(None);
+    };
+    module_in(d, k.library, ctx, gpu, true)?;
+    Ok(Some(k.kind))
+}
+
+fn kernel(k: CUkernel) -> Result<Kernel, CUresult> {
+    with(|r| r.kernels.get(&(k as usize)).copied()).ok_or(CUDA_ERROR_INVALID_HANDLE)
+}
+
+fn load(lib: *mut CUlibrary, code: *const c_void) -> Result<(), CUresult> {
+    let d = driver()?;
+    if lib.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if code.is_null() {
+        return Err(CUDA_ERROR_INVALID_IMAGE);
+    }
+    let h = d.new_handle();
+    with(|r| {
+        r.libraries.insert(
+            h,
+            Library {
+                modules: HashMap::new(),
+            },
+        )
+    });
+    if eager_loading() {
+        if let Ok(ctx) = driver::current() {
+            if let Err(e) = module_in(d, h, ctx.handle(), ctx.device, true) {
+                with(|r| r.libraries.remove(&h));
+                return Err(e);
+            }
+        }
+    }
+    out(lib, h as CUlibrary)
+}
+
+pub(crate) fn cuLibraryLoadData(
+    lib: *mut CUlibrary,
+    code: *const c_void,
+    _jit_options: *mut i32,
+    _jit_values: *mut *mut c_void,
+    _n_jit: u32,
+    _lib_options: *mut i32,
+    _lib_values: *mut *mut c_void,
+    _n_lib: u32,
+) -> Result<(), CUresult> {
+    load(lib, code)
+}
+
+pub(crate) fn cuLibraryLoadFromFile(
+    lib: *mut CUlibrary,
+    file: *const c_char,
+    _jit_options: *mut i32,
+    _jit_values: *mut *mut c_void,
+    _n_jit: u32,
+    _lib_options: *mut i32,
+    _lib_values: *mut *mut c_void,
+    _n_lib: u32,
+) -> Result<(), CUresult> {
+    if !std::path::Path::new(c_str(file)?).is_file() {
+        return Err(CUDA_ERROR_FILE_NOT_FOUND);
+    }
+    load(lib, file.cast())
+}
+
+/// Unloads the library from every context it was loaded into, giving their memory
+/// back; its kernel handles become invalid.
+pub(crate) fn cuLibraryUnload(lib: CUlibrary) -> Result<(), CUresult> {
+    let d = driver()?;
+    let l = with(|r| {
+        let l = r.libraries.remove(&(lib as usize))?;
+        r.kernels.retain(|_, k| k.library != lib as usize);
+        Some(l)
+    })
+    .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    for m in l.modules.into_values() {
+        d.drop_module(m);
+    }
+    Ok(())
+}
+
+pub(crate) fn cuLibraryGetKernel(
+    k: *mut CUkernel,
+    lib: CUlibrary,
+    name: *const c_char,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if k.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let name = c_str(name)?;
+    let kind = FUNCTIONS
+        .iter()
+        .copied()
+        .find(|b| b.name() == name)
+        .ok_or(CUDA_ERROR_NOT_FOUND)?;
+    let lib = lib as usize;
+    let h = with(|r| {
+        if !r.libraries.contains_key(&lib) {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        let found = r
+            .kernels
+            .iter()
+            .find(|(_, k)| k.library == lib && k.kind == kind)
+            .map(|(&h, _)| h);
+        Ok(found.unwrap_or_else(|| {
+            let h = d.new_handle();
+            r.kernels.insert(h, Kernel { library: lib, kind });
+            h
+        }))
+    })?;
+    out(k, h as CUkernel)
+}
+
+pub(crate) fn cuLibraryGetKernelCount(count: *mut u32, lib: CUlibrary) -> Result<(), CUresult> {
+    driver()?;
+    if !with(|r| r.libraries.contains_key(&(lib as usize))) {
+        return Err(CUDA_ERROR_INVALID_HANDLE);
+    }
+    out(count, FUNCTIONS.len() as u32)
+}
+
+pub(crate) fn cuLibraryEnumerateKernels(
+    kernels: *mut CUkernel,
+    n: u32,
+    lib: CUlibrary,
+) -> Result<(), CUresult> {
+    if kernels.is_null() || n as usize != FUNCTIONS.len() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    for (i, b) in FUNCTIONS.iter().enumerate() {
+        let name = std::ffi::CString::new(b.name()).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+        // SAFETY: within the caller's array of `n` handles (checked above).
+        cuLibraryGetKernel(unsafe { kernels.add(i) }, lib, name.as_ptr())?;
+    }
+    Ok(())
+}
+
+/// The library's module in the current context, made there if it is not: its code
+/// is loaded now with eager loading, else at the module's first
+/// `cuModuleGetFunction`.
+pub(crate) fn cuLibraryGetModule(m: *mut CUmodule, lib: CUlibrary) -> Result<(), CUresult> {
+    let d = driver()?;
+    if m.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let h = module_in_current(d, lib as usize, false)?;
+    out(m, h as CUmodule)
+}
+
+/// No built-in image has globals or managed variables.
+pub(crate) fn cuLibraryGetGlobal(
+    _ptr: *mut CUdeviceptr,
+    _size: *mut usize,
+    lib: CUlibrary,
+    _name: *const c_char,
+) -> Result<(), CUresult> {
+    driver()?;
+    kernel_library(lib)?;
+    Err(CUDA_ERROR_NOT_FOUND)
+}
+
+pub(crate) fn cuLibraryGetManaged(
+    _ptr: *mut CUdeviceptr,
+    _size: *mut usize,
+    lib: CUlibrary,
+    _name: *const c_char,
+) -> Result<(), CUresult> {
+    driver()?;
+    kernel_library(lib)?;
+    Err(CUDA_ERROR_NOT_FOUND)
+}
+
+fn kernel_library(lib: CUlibrary) -> Result<(), CUresult> {
+    if with(|r| r.libraries.contains_key(&(lib as usize))) {
+        Ok(())
+    } else {
+        Err(CUDA_ERROR_INVALID_HANDLE)
+    }
+}
+
+/// The kernel's function in the current context: its library is loaded there first
+/// (its code takes device memory now; out of memory when it does not fit).
+pub(crate) fn cuKernelGetFunction(f: *mut CUfunction, k: CUkernel) -> Result<(), CUresult> {
+    let d = driver()?;
+    if f.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let kn = kernel(k)?;
+    module_in_current(d, kn.library, true)?;
+    out(f, crate::api::function_handle(kn.kind))
+}
+
+pub(crate) fn cuKernelGetName(name: *mut *const c_char, k: CUkernel) -> Result<(), CUresult> {
+    driver()?;
+    if name.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let kn = kernel(k)?;
+    out(name, crate::api::builtin_c_name(kn.kind))
+}
+
+/// A kernel's attribute on device `dev`: a function's.
+pub(crate) fn cuKernelGetAttribute(
+    pi: *mut i32,
+    attrib: i32,
+    k: CUkernel,
+    dev: CUdevice,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if dev < 0 || dev as u32 >= d.gpus {
+        return Err(CUDA_ERROR_INVALID_DEVICE);
+    }
+    let kn = kernel(k)?;
+    crate::api::cuFuncGetAttribute(pi, attrib, crate::api::function_handle(kn.kind))
+}
+
+/// A kernel's attribute for device `dev`: set as a function's (every built-in has
+/// the same limits on every device).
+pub(crate) fn cuKernelSetAttribute(
+    attrib: i32,
+    value: i32,
+    k: CUkernel,
+    dev: CUdevice,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if dev < 0 || dev as u32 >= d.gpus {
+        return Err(CUDA_ERROR_INVALID_DEVICE);
+    }
+    let kn = kernel(k)?;
+    crate::api::cuFuncSetAttribute(crate::api::function_handle(kn.kind), attrib, value)
+}
+
+/// `CU_FUNC_CACHE_PREFER_*` (0–3): a preference, nothing to do.
+pub(crate) fn cuKernelSetCacheConfig(
+    k: CUkernel,
+    config: i32,
+    dev: CUdevice,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if dev < 0 || dev as u32 >= d.gpus || !(0..=3).contains(&config) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    kernel(k).map(|_| ())
+}
