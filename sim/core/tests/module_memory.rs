@@ -3,7 +3,9 @@
 //! simulator, sees each driver-API module load in `cuMemGetInfo`, a load that does
 //! not fit refused with out of memory, and the memory back on unload and when the
 //! module's context is destroyed; with lazy loading (the default) at the module's
-//! first `cuModuleGetFunction`, with `CUDA_MODULE_LOADING=EAGER` at load.
+//! first `cuModuleGetFunction`, with `CUDA_MODULE_LOADING=EAGER` at load; a library
+//! (`cuLibraryLoadData`) likewise in each context it is used in, its first launch of
+//! a `CUkernel` refused while the code does not fit.
 
 use std::path::PathBuf;
 use std::process::Command;

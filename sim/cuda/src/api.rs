@@ -15,7 +15,7 @@ use kiwi_sim_core::{ident, knobs, GRANULARITY};
 use crate::abi::*;
 use crate::capture;
 use crate::driver::{self, driver, Driver};
-use crate::exec::{Builtin, Context, Event, EventState, Op, Side, Stream};
+use crate::exec::{Builtin, Context, Event, EventState, Op, Side, Stream, BUILTINS};
 use crate::ffi::{c_str, out, read, write_c_string};
 use crate::memory::Access;
 
@@ -2300,35 +2300,8 @@ pub(crate) fn cuGraphDestroy(graph: *mut c_void) -> Result<(), CUresult> {
 
 // ---------------------------------------------------------------- modules and launches
 
-/// The four built-in kernels; a `CUfunction` is a pointer into this table.
-pub(crate) static FUNCTIONS: [Builtin; 4] = [
-    Builtin::Fill,
-    Builtin::Add,
-    Builtin::Checksum,
-    Builtin::Spin,
-];
-
-/// The `CUfunction` of built-in `kind`.
-pub(crate) fn function_handle(kind: Builtin) -> CUfunction {
-    let b = FUNCTIONS
-        .iter()
-        .find(|b| **b == kind)
-        .unwrap_or(&FUNCTIONS[0]);
-    b as *const Builtin as CUfunction
-}
-
-/// Built-in `kind`'s name as a C string (`cuKernelGetName`).
-pub(crate) fn builtin_c_name(kind: Builtin) -> *const c_char {
-    match kind {
-        Builtin::Fill => c"kiwi_fill".as_ptr(),
-        Builtin::Add => c"kiwi_add".as_ptr(),
-        Builtin::Checksum => c"kiwi_checksum".as_ptr(),
-        Builtin::Spin => c"kiwi_spin".as_ptr(),
-    }
-}
-
 fn function(f: CUfunction) -> Result<Builtin, CUresult> {
-    FUNCTIONS
+    BUILTINS
         .iter()
         .find(|b| std::ptr::eq(*b as *const Builtin, f as *const Builtin))
         .copied()
@@ -2356,15 +2329,8 @@ pub(crate) fn module_load(
     }
     let charge = if charged { d.module_memory } else { 0 };
     // Any image is accepted: entry names resolve to the built-ins.
-    let h = d.new_module(ctx.handle(), ctx.device, charge, !eager_loading())?;
+    let h = d.new_module(ctx.handle(), ctx.device, charge, !driver::eager_loading())?;
     out(m, h as CUmodule)
-}
-
-/// `CUDA_MODULE_LOADING=EAGER`: modules load their kernels at load, not at their
-/// first use. Read once, as the driver reads it at `cuInit`.
-pub(crate) fn eager_loading() -> bool {
-    static EAGER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *EAGER.get_or_init(|| std::env::var("CUDA_MODULE_LOADING").is_ok_and(|v| v == "EAGER"))
 }
 
 pub(crate) fn cuModuleLoadData(m: *mut CUmodule, image: *const c_void) -> Result<(), CUresult> {
@@ -2407,7 +2373,7 @@ pub(crate) fn cuModuleGetFunction(
         return Err(CUDA_ERROR_INVALID_HANDLE);
     }
     let name = c_str(name)?;
-    let b = FUNCTIONS
+    let b = BUILTINS
         .iter()
         .find(|b| b.name() == name)
         .ok_or(CUDA_ERROR_NOT_FOUND)?;
@@ -2470,11 +2436,42 @@ pub(crate) fn cuFuncSetAttribute(f: CUfunction, attrib: i32, value: i32) -> Resu
     Ok(())
 }
 
+/// A kernel's attribute on device `dev`: a function's.
+pub(crate) fn cuKernelGetAttribute(
+    pi: *mut i32,
+    attrib: i32,
+    k: CUkernel,
+    dev: CUdevice,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if dev < 0 || dev as u32 >= d.gpus {
+        return Err(CUDA_ERROR_INVALID_DEVICE);
+    }
+    let kind = crate::library::kernel_kind(k)?;
+    cuFuncGetAttribute(pi, attrib, kind.handle())
+}
+
+/// A kernel's attribute for device `dev`: set as a function's (every built-in has
+/// the same limits on every device).
+pub(crate) fn cuKernelSetAttribute(
+    attrib: i32,
+    value: i32,
+    k: CUkernel,
+    dev: CUdevice,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    if dev < 0 || dev as u32 >= d.gpus {
+        return Err(CUDA_ERROR_INVALID_DEVICE);
+    }
+    let kind = crate::library::kernel_kind(k)?;
+    cuFuncSetAttribute(kind.handle(), attrib, value)
+}
+
 /// `CU_MODULE_LAZY_LOADING` unless `CUDA_MODULE_LOADING=EAGER` (the driver's
 /// default since CUDA 12.2).
 pub(crate) fn cuModuleGetLoadingMode(mode: *mut u32) -> Result<(), CUresult> {
     driver()?;
-    out(mode, if eager_loading() { 1 } else { 2 })
+    out(mode, if driver::eager_loading() { 1 } else { 2 })
 }
 
 /// Reads the kernel's arguments now (as the driver does at launch).

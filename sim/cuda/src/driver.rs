@@ -390,6 +390,13 @@ pub fn current() -> Result<Arc<Context>, CUresult> {
     Ok(ctx)
 }
 
+/// `CUDA_MODULE_LOADING=EAGER`: modules load their kernels at load, not at their
+/// first use. Read once, as the driver reads it at `cuInit`.
+pub fn eager_loading() -> bool {
+    static EAGER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *EAGER.get_or_init(|| std::env::var("CUDA_MODULE_LOADING").is_ok_and(|v| v == "EAGER"))
+}
+
 /// The current context without the sticky-error check.
 pub fn current_unchecked() -> Result<Arc<Context>, CUresult> {
     CTX_STACK

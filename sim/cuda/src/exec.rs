@@ -42,7 +42,34 @@ pub enum Builtin {
     Spin,
 }
 
+/// The four built-in kernels; a `CUfunction` is a pointer into this table.
+pub static BUILTINS: [Builtin; 4] = [
+    Builtin::Fill,
+    Builtin::Add,
+    Builtin::Checksum,
+    Builtin::Spin,
+];
+
 impl Builtin {
+    /// Its `CUfunction`: its entry of [`BUILTINS`].
+    pub fn handle(self) -> CUfunction {
+        let b = BUILTINS
+            .iter()
+            .find(|b| **b == self)
+            .unwrap_or(&BUILTINS[0]);
+        b as *const Builtin as CUfunction
+    }
+
+    /// Its name as a C string (`cuKernelGetName`).
+    pub fn c_name(self) -> *const std::ffi::c_char {
+        match self {
+            Builtin::Fill => c"kiwi_fill".as_ptr(),
+            Builtin::Add => c"kiwi_add".as_ptr(),
+            Builtin::Checksum => c"kiwi_checksum".as_ptr(),
+            Builtin::Spin => c"kiwi_spin".as_ptr(),
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Builtin::Fill => "kiwi_fill",

@@ -278,8 +278,8 @@ exports! {
     cuLibraryGetManaged(ptr: *mut CUdeviceptr, size: *mut usize, lib: CUlibrary, name: *const c_char) = 12000 in library;
     cuKernelGetFunction(f: *mut CUfunction, k: CUkernel) = 12000 in library;
     cuKernelGetName(name: *mut *const c_char, k: CUkernel) = 12030 in library;
-    cuKernelGetAttribute(pi: *mut i32, attrib: i32, k: CUkernel, dev: CUdevice) = 12000 in library;
-    cuKernelSetAttribute(attrib: i32, value: i32, k: CUkernel, dev: CUdevice) = 12000 in library;
+    cuKernelGetAttribute(pi: *mut i32, attrib: i32, k: CUkernel, dev: CUdevice) = 12000;
+    cuKernelSetAttribute(attrib: i32, value: i32, k: CUkernel, dev: CUdevice) = 12000;
     cuKernelSetCacheConfig(k: CUkernel, config: i32, dev: CUdevice) = 12000 in library;
 
     // entry points

@@ -27,9 +27,8 @@ use std::ffi::{c_char, c_void};
 use std::sync::Mutex;
 
 use crate::abi::*;
-use crate::api::{eager_loading, FUNCTIONS};
 use crate::driver::{self, driver, Driver};
-use crate::exec::Builtin;
+use crate::exec::{Builtin, BUILTINS};
 use crate::ffi::{c_str, out};
 
 /// A loaded library: its module in each context it was loaded into.
@@ -74,7 +73,7 @@ fn module_in(d: &Driver, lib: usize, ctx: usize, gpu: u32, code: bool) -> Result
         }
         return Ok(m);
     }
-    let m = d.new_module(ctx, gpu, d.module_memory, !code && !eager_loading())?;
+    let m = d.new_module(ctx, gpu, d.module_memory, !code && !driver::eager_loading())?;
     let kept = with(|r| match r.libraries.get_mut(&lib) {
         Some(l) => {
             l.modules.insert(ctx, m);
@@ -111,6 +110,11 @@ pub(crate) fn launch_kernel(
     Ok(Some(k.kind))
 }
 
+/// The built-in of kernel handle `k` (`cuKernelGetAttribute` and friends).
+pub(crate) fn kernel_kind(k: CUkernel) -> Result<Builtin, CUresult> {
+    kernel(k).map(|k| k.kind)
+}
+
 fn kernel(k: CUkernel) -> Result<Kernel, CUresult> {
     with(|r| r.kernels.get(&(k as usize)).copied()).ok_or(CUDA_ERROR_INVALID_HANDLE)
 }
@@ -132,7 +136,7 @@ fn load(lib: *mut CUlibrary, code: *const c_void) -> Result<(), CUresult> {
             },
         )
     });
-    if eager_loading() {
+    if driver::eager_loading() {
         if let Ok(ctx) = driver::current() {
             if let Err(e) = module_in(d, h, ctx.handle(), ctx.device, true) {
                 with(|r| r.libraries.remove(&h));
@@ -198,7 +202,7 @@ pub(crate) fn cuLibraryGetKernel(
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let name = c_str(name)?;
-    let kind = FUNCTIONS
+    let kind = BUILTINS
         .iter()
         .copied()
         .find(|b| b.name() == name)
@@ -227,7 +231,7 @@ pub(crate) fn cuLibraryGetKernelCount(count: *mut u32, lib: CUlibrary) -> Result
     if !with(|r| r.libraries.contains_key(&(lib as usize))) {
         return Err(CUDA_ERROR_INVALID_HANDLE);
     }
-    out(count, FUNCTIONS.len() as u32)
+    out(count, BUILTINS.len() as u32)
 }
 
 pub(crate) fn cuLibraryEnumerateKernels(
@@ -235,10 +239,10 @@ pub(crate) fn cuLibraryEnumerateKernels(
     n: u32,
     lib: CUlibrary,
 ) -> Result<(), CUresult> {
-    if kernels.is_null() || n as usize != FUNCTIONS.len() {
+    if kernels.is_null() || n as usize != BUILTINS.len() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    for (i, b) in FUNCTIONS.iter().enumerate() {
+    for (i, b) in BUILTINS.iter().enumerate() {
         let name = std::ffi::CString::new(b.name()).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
         // SAFETY: within the caller's array of `n` handles (checked above).
         cuLibraryGetKernel(unsafe { kernels.add(i) }, lib, name.as_ptr())?;
@@ -298,7 +302,7 @@ pub(crate) fn cuKernelGetFunction(f: *mut CUfunction, k: CUkernel) -> Result<(),
     }
     let kn = kernel(k)?;
     module_in_current(d, kn.library, true)?;
-    out(f, crate::api::function_handle(kn.kind))
+    out(f, kn.kind.handle())
 }
 
 pub(crate) fn cuKernelGetName(name: *mut *const c_char, k: CUkernel) -> Result<(), CUresult> {
@@ -307,38 +311,7 @@ pub(crate) fn cuKernelGetName(name: *mut *const c_char, k: CUkernel) -> Result<(
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let kn = kernel(k)?;
-    out(name, crate::api::builtin_c_name(kn.kind))
-}
-
-/// A kernel's attribute on device `dev`: a function's.
-pub(crate) fn cuKernelGetAttribute(
-    pi: *mut i32,
-    attrib: i32,
-    k: CUkernel,
-    dev: CUdevice,
-) -> Result<(), CUresult> {
-    let d = driver()?;
-    if dev < 0 || dev as u32 >= d.gpus {
-        return Err(CUDA_ERROR_INVALID_DEVICE);
-    }
-    let kn = kernel(k)?;
-    crate::api::cuFuncGetAttribute(pi, attrib, crate::api::function_handle(kn.kind))
-}
-
-/// A kernel's attribute for device `dev`: set as a function's (every built-in has
-/// the same limits on every device).
-pub(crate) fn cuKernelSetAttribute(
-    attrib: i32,
-    value: i32,
-    k: CUkernel,
-    dev: CUdevice,
-) -> Result<(), CUresult> {
-    let d = driver()?;
-    if dev < 0 || dev as u32 >= d.gpus {
-        return Err(CUDA_ERROR_INVALID_DEVICE);
-    }
-    let kn = kernel(k)?;
-    crate::api::cuFuncSetAttribute(crate::api::function_handle(kn.kind), attrib, value)
+    out(name, kn.kind.c_name())
 }
 
 /// `CU_FUNC_CACHE_PREFER_*` (0–3): a preference, nothing to do.

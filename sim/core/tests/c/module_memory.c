@@ -4,7 +4,11 @@
  * destroying the context gives it back. With lazy loading (the default; not with
  * CUDA_MODULE_LOADING=EAGER) the memory is taken at the module's first
  * cuModuleGetFunction, which loads its kernels, and that call is the one refused
- * when it does not fit. Every check fails on a simulator whose modules cost
+ * when it does not fit. A library (cuLibraryLoadData, context-independent) costs
+ * the same in each context it is loaded into: lazily at its first use there
+ * (cuKernelGetFunction, or a launch of its CUkernel, refused with out of memory
+ * when it does not fit), eagerly in the current context at its load; unloading it
+ * gives every context's back. Every check fails on a simulator whose modules cost
  * nothing, or cost it at the other time.
  *
  * usage: module_memory <module MiB>   prints "OK" or names the failure
@@ -43,6 +47,55 @@ static void load(CUmodule *m, size_t mod) {
     EXPECT_FREE(before - mod);
     CHECK(cuModuleGetFunction(&f, *m, "kiwi_add"));
     EXPECT_FREE(before - mod);
+}
+
+/* A library: its memory is taken in each context at its first use there. */
+static void library(CUcontext primary, CUdevice dev, size_t mod) {
+    CUlibrary lib;
+    CUkernel k;
+    CUfunction f;
+    CUcontext other;
+    CUdeviceptr p, big;
+    const size_t free0 = free_now();
+    CHECK(cuLibraryLoadData(&lib, "kiwi", NULL, NULL, 0, NULL, NULL, 0));
+    EXPECT_FREE(lazy ? free0 : free0 - mod);
+    CHECK(cuLibraryGetKernel(&k, lib, "kiwi_fill"));
+    EXPECT(cuLibraryGetKernel(&k, lib, "no_such_kernel"), CUDA_ERROR_NOT_FOUND);
+    CHECK(cuLibraryGetKernel(&k, lib, "kiwi_fill"));
+    CHECK(cuKernelGetFunction(&f, k));
+    EXPECT_FREE(free0 - mod);
+    CHECK(cuKernelGetFunction(&f, k));
+    EXPECT_FREE(free0 - mod);
+
+    /* Another context: loaded there at the first launch of the kernel handle, which
+     * is refused while it does not fit. */
+    CHECK(cuCtxCreate(&other, 0, dev));
+    const size_t free1 = free_now();
+    CHECK(cuMemAlloc(&p, 4096));
+    unsigned value = 7;
+    unsigned long long words = 1024;
+    void *args[] = {&p, &value, &words};
+    CHECK(cuMemAlloc(&big, free_now() - mod / 2));
+    EXPECT(cuLaunchKernel((CUfunction)k, 1, 1, 1, 1, 1, 1, 0, NULL, args, NULL),
+           CUDA_ERROR_OUT_OF_MEMORY);
+    CHECK(cuMemFree(big));
+    CHECK(cuLaunchKernel((CUfunction)k, 1, 1, 1, 1, 1, 1, 0, NULL, args, NULL));
+    CHECK(cuCtxSynchronize());
+    unsigned h[1024];
+    CHECK(cuMemcpyDtoH(h, p, sizeof h));
+    if (h[1023] != 7) {
+        fprintf(stderr, "FAIL the library's kernel wrote %u, want 7\n", h[1023]);
+        exit(1);
+    }
+    CHECK(cuMemFree(p));
+    EXPECT_FREE(free1 - mod);
+    /* Both contexts' code goes. */
+    CHECK(cuLibraryUnload(lib));
+    EXPECT_FREE(free1 + mod);
+    EXPECT(cuKernelGetFunction(&f, k), CUDA_ERROR_INVALID_HANDLE);
+    CHECK(cuCtxDestroy(other));
+    CHECK(cuCtxSetCurrent(primary));
+    EXPECT_FREE(free0);
 }
 
 int main(int argc, char **argv) {
@@ -104,6 +157,7 @@ int main(int argc, char **argv) {
 
     CHECK(cuModuleUnload(m2));
     EXPECT_FREE(free0);
+    library(primary, dev, mod);
     printf("OK %s\n", lazy ? "lazy" : "eager");
     return 0;
 }
