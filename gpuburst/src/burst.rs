@@ -67,6 +67,10 @@ pub struct Options {
     /// `--discard`: answer Kiwi's questions (`kiwi_hint_wait`) with `kiwiMemDiscard`
     /// of the untouched part of the preallocation: a swap-out then leaves it behind.
     pub discard: bool,
+    /// `--library`: load the kernels as a library (`cuLibraryLoadData`, CUDA 12's
+    /// context-independent loading, as the runtime does) and launch them by their
+    /// `CUkernel` handles: with lazy loading their code is loaded at the first launch.
+    pub library: bool,
 }
 
 /// One step of a `--script`.
@@ -155,7 +159,7 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N | --start-on-stdin] [--kernel-us 5000] [--queue-ms 100] [--prealloc 0.75 [--discard]] [--verify] [--json] [--device 0[,1,...]] [--name LABEL] [--seed 1]";
+pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N | --start-on-stdin] [--kernel-us 5000] [--queue-ms 100] [--prealloc 0.75 [--discard]] [--library] [--verify] [--json] [--device 0[,1,...]] [--name LABEL] [--seed 1]";
 
 impl Options {
     /// Parses arguments (without the program name).
@@ -179,6 +183,7 @@ impl Options {
             queue_ms: 100,
             prealloc: None,
             discard: false,
+            library: false,
         };
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -228,6 +233,7 @@ impl Options {
                     o.prealloc = Some(f);
                 }
                 "--discard" => o.discard = true,
+                "--library" => o.library = true,
                 "--kernel-us" => {
                     o.kernel_us = num(value()?)?;
                     if o.kernel_us == 0 {
@@ -505,23 +511,51 @@ fn open_device(
     let (dev, ctx) = retain_primary(cuda, ordinal)?;
     cu!(cuda, ctx_set_current, "cuCtxSetCurrent", ctx)?;
     let mut module: Handle = std::ptr::null_mut();
-    cu!(
-        cuda,
-        module_load_data,
-        "cuModuleLoadData",
-        &mut module,
-        PTX.as_ptr().cast()
-    )?;
-    let get = |name: &std::ffi::CStr| -> Result<Handle, CudaError> {
-        let mut f: Handle = std::ptr::null_mut();
+    if o.library {
         cu!(
             cuda,
-            module_get_function,
-            "cuModuleGetFunction",
-            &mut f,
-            module,
-            name.as_ptr()
+            library_load_data,
+            "cuLibraryLoadData",
+            &mut module,
+            PTX.as_ptr().cast(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            0,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            0
         )?;
+    } else {
+        cu!(
+            cuda,
+            module_load_data,
+            "cuModuleLoadData",
+            &mut module,
+            PTX.as_ptr().cast()
+        )?;
+    }
+    // A kernel handle (`--library`) is launched as a function: the driver takes it.
+    let get = |name: &std::ffi::CStr| -> Result<Handle, CudaError> {
+        let mut f: Handle = std::ptr::null_mut();
+        if o.library {
+            cu!(
+                cuda,
+                library_get_kernel,
+                "cuLibraryGetKernel",
+                &mut f,
+                module,
+                name.as_ptr()
+            )?;
+        } else {
+            cu!(
+                cuda,
+                module_get_function,
+                "cuModuleGetFunction",
+                &mut f,
+                module,
+                name.as_ptr()
+            )?;
+        }
         Ok(f)
     };
     let k = Kernels {

@@ -137,6 +137,8 @@ driver_api! {
     memset_d32 = "cuMemsetD32": fn(CUdeviceptr, u32, usize);
     module_load_data = "cuModuleLoadData": fn(*mut Handle, *const c_void);
     module_get_function = "cuModuleGetFunction": fn(*mut Handle, Handle, *const c_char);
+    library_load_data = "cuLibraryLoadData": fn(*mut Handle, *const c_void, *mut i32, *mut *mut c_void, u32, *mut i32, *mut *mut c_void, u32);
+    library_get_kernel = "cuLibraryGetKernel": fn(*mut Handle, Handle, *const c_char);
     launch_kernel = "cuLaunchKernel": fn(Handle, u32, u32, u32, u32, u32, u32, u32, Handle, *mut *mut c_void, *mut *mut c_void);
     stream_create = "cuStreamCreate": fn(*mut Handle, u32);
     stream_synchronize = "cuStreamSynchronize": fn(Handle);

@@ -287,6 +287,38 @@ fn device_info(d: usize) -> Result<DeviceInfo, CUresult> {
     })
 }
 
+/// Free memory on GPU `uuid` now, as NVML counts it (it needs no context, which a
+/// process whose first context was refused does not have); `None` where NVML does
+/// not load.
+pub(crate) fn nvml_free(uuid: &str) -> Option<u64> {
+    static NVML: std::sync::OnceLock<Option<kiwi_nvml::Nvml>> = std::sync::OnceLock::new();
+    let nvml = NVML
+        .get_or_init(|| kiwi_nvml::Nvml::load(kiwi_nvml::NVML_LIBRARY).ok())
+        .as_ref()?;
+    let dev = nvml.handle_by_uuid(uuid).ok()?;
+    nvml.memory(dev).ok().map(|m| m.free)
+}
+
+/// Device `d`'s UUID as NVML names it (`GPU-…`); `None` where the driver cannot say.
+pub(crate) fn device_uuid(d: usize) -> Option<String> {
+    device_info(d).ok().map(|i| i.uuid)
+}
+
+/// The drop in free memory (NVML's) around the process's first context creation on
+/// each device: what [`context_cost`] counts where no twin fits (0: none seen).
+static CREATION_DROP: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
+
+/// Most a creation's drop is believed: more is others' memory that arrived meanwhile
+/// (an H100's contexts cost 300–600 MiB).
+const CREATION_DROP_MAX: u64 = 2 << 30;
+
+/// What the process's first context creation on device `d` took from free memory.
+pub(crate) fn note_creation_drop(d: usize, bytes: u64) {
+    if let Some(c) = CREATION_DROP.get(d) {
+        c.store(bytes, Ordering::Release);
+    }
+}
+
 /// Device memory free now, as the driver sees it from the calling thread's context.
 pub(crate) fn free_memory() -> Option<u64> {
     let (mut free, mut total) = (0usize, 0usize);
@@ -301,8 +333,9 @@ pub(crate) fn free_memory() -> Option<u64> {
 /// for which of at most [`COST_TRIES`] tries count. The application's own context
 /// was made before the shim could look (the CUDA runtime makes its primary context
 /// through a private entry point), so its cost is measured on a twin. 0 when it
-/// cannot be measured (no room for a second context: the arbiter's reserve then
-/// covers it).
+/// cannot be measured (no room for a second context) and the application's own
+/// creation was not seen to take memory ([`note_creation_drop`]): the arbiter's
+/// reserve then covers it.
 pub(crate) fn context_cost(d: usize, ctx: CUcontext) -> u64 {
     let destroy = crate::real::lookup(c"cuCtxDestroy_v2");
     if ctx.is_null() || destroy.is_null() {
@@ -346,6 +379,16 @@ pub(crate) fn context_cost(d: usize, ctx: CUcontext) -> u64 {
         }
         let _ = call!(cuCtxSetCurrent: fn(CUcontext)(previous));
         let Some((cost, agreed)) = settle_cost(&tries) else {
+            // No room for a twin (a newcomer beside a tenant that fills the GPU):
+            // what the process's own creation took, if it was seen.
+            let drop = CREATION_DROP[d].load(Ordering::Acquire);
+            if drop > 0 && drop <= CREATION_DROP_MAX {
+                crate::kinfo!(
+                    "GPU {d}: no room for a second context to measure one by; counting the {} MiB its creation took",
+                    drop >> 20
+                );
+                return drop;
+            }
             crate::kinfo!("GPU {d}: could not measure what a context costs; counting none");
             return 0;
         };

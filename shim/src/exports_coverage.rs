@@ -168,9 +168,8 @@ fn compatible(c: &str, rust: &str) -> bool {
         | "CUmemGenericAllocationHandle" => return rust == ty,
         // Handles: pointers in C.
         "CUstream" | "CUcontext" | "CUfunction" | "CUgraphExec" | "CUgraph" | "CUmemoryPool"
-        | "CUarray" | "CUhostFn" | "CUevent" | "CUstreamCallback" | "CUmodule" | "CUlibrary" => {
-            return rust == ty || rust_ptr
-        }
+        | "CUarray" | "CUhostFn" | "CUevent" | "CUstreamCallback" | "CUmodule" | "CUlibrary"
+        | "CUkernel" => return rust == ty || rust_ptr,
         // Any other CU type by value is an enum: 32 bits.
         t if t.starts_with("CU") && !t.starts_with("CUDA_") => &["c_int", "Uint", "u32"],
         _ => return false,

@@ -11,12 +11,12 @@ use std::sync::{Mutex, MutexGuard};
 use crate::client;
 use crate::cuda::*;
 use crate::devices::{
-    current_context, current_device, current_mem_device, free_memory, mem_lock, seen_devices,
-    with_owner, FREE_STREAM,
+    current_context, current_device, current_mem_device, mem_lock, seen_devices, with_owner,
+    FREE_STREAM,
 };
 use crate::real::call_real as call;
 use crate::real::original_of;
-use crate::room;
+use crate::room::{self, free_and_own, took_between};
 use crate::symbols::Sym;
 
 // ---------------------------------------------------------------------------------
@@ -136,6 +136,19 @@ struct Counted {
     /// allocation made in the same moment, and the driver loads a module's other
     /// kernels into the memory its first took (2 MiB pages) where they fit.
     code: bool,
+    /// The library it belongs to (0: none): a library's module in a context
+    /// (`cuLibraryGetModule`) or a kernel's function (`cuKernelGetFunction`) is
+    /// given back when the library is unloaded.
+    library: usize,
+}
+
+/// Each kernel handle's library (`cuLibraryGetKernel`), so what its function's
+/// code took is given back with the library.
+static KERNELS: Mutex<std::collections::BTreeMap<usize, usize>> =
+    Mutex::new(std::collections::BTreeMap::new());
+
+fn kernels() -> MutexGuard<'static, std::collections::BTreeMap<usize, usize>> {
+    KERNELS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Each loaded module or library the shim counted, by handle, so an unload (or its
@@ -145,27 +158,6 @@ static MODULES: Mutex<std::collections::BTreeMap<usize, Counted>> =
 
 fn modules() -> MutexGuard<'static, std::collections::BTreeMap<usize, Counted>> {
     MODULES.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// This process's free memory and its own allocator's resident bytes on device `d`,
-/// read together under the allocator's lock: around a call, the drop in the first
-/// less the growth of the second is what the call took (a swap of its own never
-/// counts).
-fn free_and_own(d: usize) -> Option<(u64, u64)> {
-    let guard = mem_lock(d);
-    let own = guard.as_ref().map_or(0, |m| m.figures().resident);
-    free_memory().map(|f| (f, own))
-}
-
-/// The device memory the call between two [`free_and_own`] snapshots took (negative:
-/// gave back).
-fn took_between(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> i128 {
-    match (before, after) {
-        (Some((free0, own0)), Some((free1, own1))) => {
-            i128::from(free0) - i128::from(free1) - (i128::from(own1) - i128::from(own0))
-        }
-        _ => 0,
-    }
 }
 
 /// Bytes each context's limits were counted, and on which device, by (context,
@@ -299,6 +291,7 @@ fn counted_load(handle: *mut *mut c_void, load: impl FnMut() -> CUresult) -> CUr
                 bytes,
                 ctx,
                 code: false,
+                library: 0,
             },
         );
     }
@@ -340,33 +333,151 @@ pub unsafe fn module_get_function(
     module: *mut c_void,
     name: *const c_char,
 ) -> CUresult {
+    // SAFETY: forwarding the caller's arguments.
+    code_loaded(module as usize, 0, || unsafe { real(func, module, name) })
+}
+
+/// Runs `get`, a call that may load code lazily into the current context (a
+/// module's first function, a library's module there, a kernel's function), where
+/// the driver loads lazily: what it takes is counted under `key` (with `library`,
+/// given back when that is unloaded) until some was ([`Counted::code`]), and an out
+/// of memory waits for room like a module load, whenever it comes.
+fn code_loaded(key: usize, library: usize, mut get: impl FnMut() -> CUresult) -> CUresult {
     if !lazy_loading() {
-        // SAFETY: forwarding the caller's arguments.
-        return unsafe { real(func, module, name) };
+        return get();
     }
-    if modules().get(&(module as usize)).is_some_and(|c| c.code) {
-        // SAFETY: forwarding the caller's arguments.
-        let r = unsafe { real(func, module, name) };
+    if modules().get(&key).is_some_and(|c| c.code) {
+        let r = get();
         if r != CUDA_ERROR_OUT_OF_MEMORY {
             return r;
         }
         // More code that does not fit: it waits for room (and is measured) below.
     }
-    // SAFETY: forwarding the caller's arguments.
-    let (r, took) = counted("a module's code (loaded lazily)", || unsafe {
-        real(func, module, name)
-    });
-    if let Some((d, bytes)) = took.filter(|&(_, b)| b > 0) {
+    let (r, took) = counted("a module's code (loaded lazily)", get);
+    if let Some((d, bytes)) = took {
         let ctx = current_context() as usize;
         let mut m = modules();
-        let c = m.entry(module as usize).or_insert(Counted {
+        let c = m.entry(key).or_insert(Counted {
             device: d,
             bytes: 0,
             ctx,
             code: false,
+            library,
         });
         c.bytes += bytes;
-        c.code = true;
+        c.code |= bytes > 0;
+        if c.library == 0 {
+            c.library = library;
+        }
+        if c.bytes == 0 && c.library == 0 {
+            m.remove(&key);
+        }
+    }
+    r
+}
+
+/// `cuLibraryGetModule`: the library's module in the current context, which loads
+/// its code there (eagerly now, or lazily at the module's first function):
+/// counted as the module's, and given back when the library is unloaded.
+///
+/// # Safety
+/// `real` is the driver's original of this entry point; the other arguments are the
+/// application's, valid as `cuda.h` documents them.
+pub unsafe fn library_get_module(
+    real: Real<unsafe extern "C" fn(*mut *mut c_void, *mut c_void) -> CUresult>,
+    module: *mut *mut c_void,
+    library: *mut c_void,
+) -> CUresult {
+    // SAFETY: forwarding the caller's arguments.
+    let (r, took) = counted("a library's code", || unsafe { real(module, library) });
+    if let Some((d, bytes)) = took.filter(|_| !module.is_null()) {
+        // SAFETY: the driver just wrote the module through the caller's pointer.
+        let h = unsafe { *module } as usize;
+        let ctx = current_context() as usize;
+        let mut m = modules();
+        let c = m.entry(h).or_insert(Counted {
+            device: d,
+            bytes: 0,
+            ctx,
+            code: false,
+            library: library as usize,
+        });
+        c.bytes += bytes;
+        c.library = library as usize;
+    }
+    r
+}
+
+/// `cuLibraryGetKernel`: which library the kernel is of, so its functions' code is
+/// given back with it.
+///
+/// # Safety
+/// `real` is the driver's original of this entry point; the other arguments are the
+/// application's, valid as `cuda.h` documents them.
+pub unsafe fn library_get_kernel(
+    real: Real<unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const c_char) -> CUresult>,
+    kernel: *mut *mut c_void,
+    library: *mut c_void,
+    name: *const c_char,
+) -> CUresult {
+    // SAFETY: forwarding the caller's arguments.
+    let r = unsafe { real(kernel, library, name) };
+    if r == CUDA_SUCCESS && !kernel.is_null() {
+        // SAFETY: the driver just wrote the kernel through the caller's pointer.
+        let k = unsafe { *kernel } as usize;
+        kernels().insert(k, library as usize);
+    }
+    r
+}
+
+/// `cuKernelGetFunction`: the kernel's function in the current context, whose code
+/// is loaded there now with lazy loading ([`code_loaded`], under the function).
+///
+/// # Safety
+/// `real` is the driver's original of this entry point; the other arguments are the
+/// application's, valid as `cuda.h` documents them.
+pub unsafe fn kernel_get_function(
+    real: Real<unsafe extern "C" fn(*mut *mut c_void, *mut c_void) -> CUresult>,
+    func: *mut *mut c_void,
+    kernel: *mut c_void,
+) -> CUresult {
+    let library = kernels().get(&(kernel as usize)).copied().unwrap_or(0);
+    // Counted under the kernel and context (the function is known only after),
+    // with the top bit set, which no handle has (user-space addresses).
+    let key = (kernel as usize ^ current_context() as usize) | (1 << (usize::BITS - 1));
+    // SAFETY: forwarding the caller's arguments.
+    code_loaded(key, library, || unsafe { real(func, kernel) })
+}
+
+/// `cuLibraryUnload`: gives back what the library's load, its modules in every
+/// context and its kernels' code were counted.
+///
+/// # Safety
+/// `real` is the driver's original of this entry point; `library` is the
+/// application's.
+pub unsafe fn library_unload(
+    real: Real<unsafe extern "C" fn(*mut c_void) -> CUresult>,
+    library: *mut c_void,
+) -> CUresult {
+    // SAFETY: forwarding the caller's argument.
+    let r = unsafe { real(library) };
+    if r != CUDA_SUCCESS {
+        return r;
+    }
+    let lib = library as usize;
+    let gone: Vec<Counted> = {
+        let mut m = modules();
+        let gone = m
+            .iter()
+            .filter(|(&h, c)| h == lib || c.library == lib)
+            .map(|(_, c)| *c)
+            .collect();
+        m.retain(|&h, c| h != lib && c.library != lib);
+        gone
+    };
+    kernels().retain(|_, l| *l != lib);
+    for c in gone {
+        give_back(c.device, c.bytes);
     }
     r
 }
@@ -432,6 +543,7 @@ pub unsafe fn ctx_destroy(
     for (d, bytes) in limits {
         give_back(d, bytes);
     }
+    room::context_destroyed(key);
     r
 }
 

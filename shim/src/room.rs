@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 
 use crate::client;
 use crate::cuda::*;
-use crate::devices::MAX_DEVICES;
+use crate::devices::{free_memory, mem_lock, nvml_free, MAX_DEVICES};
 
 /// What a context is counted while it waits for room, before it can be measured: an
 /// H100's contexts cost 300–500 MiB (issue #24); a short estimate costs `no_room`
@@ -62,11 +62,23 @@ pub(crate) fn create_context(
     pctx: *mut CUcontext,
     mut create: impl FnMut() -> CUresult,
 ) -> CUresult {
+    let d = usize::try_from(dev).ok().filter(|&d| d < MAX_DEVICES);
+    // The process's first context there: what its creation takes is what a context
+    // costs, where no twin fits to measure it by (`devices::context_cost`).
+    let uuid = d
+        .filter(|&d| crate::devices::APP_CTX[d].load(Ordering::Acquire).is_null())
+        .and_then(crate::devices::device_uuid);
+    let free_before = uuid.as_deref().and_then(nvml_free);
     let r = create();
+    if let (Some(d), Some(b), true) = (d, free_before, r == CUDA_SUCCESS) {
+        if let Some(a) = uuid.as_deref().and_then(nvml_free) {
+            crate::devices::note_creation_drop(d, b.saturating_sub(a));
+        }
+    }
     if r != CUDA_ERROR_OUT_OF_MEMORY || pctx.is_null() {
         return r;
     }
-    let Some(d) = usize::try_from(dev).ok().filter(|&d| d < MAX_DEVICES) else {
+    let Some(d) = d else {
         return r;
     };
     let r = retry_with_room(d, CONTEXT_ESTIMATE, false, "a context", r, create);
@@ -189,6 +201,101 @@ pub(crate) fn retry_with_room(
     result
 }
 
+/// This process's free memory and its own allocator's resident bytes on device `d`,
+/// read together under the allocator's lock: around a call, the drop in the first
+/// less the growth of the second is what the call took (a swap of its own never
+/// counts).
+pub(crate) fn free_and_own(d: usize) -> Option<(u64, u64)> {
+    let guard = mem_lock(d);
+    let own = guard.as_ref().map_or(0, |m| m.figures().resident);
+    free_memory().map(|f| (f, own))
+}
+
+/// The device memory the call between two [`free_and_own`] snapshots took (negative:
+/// gave back).
+pub(crate) fn took_between(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> i128 {
+    match (before, after) {
+        (Some((free0, own0)), Some((free1, own1))) => {
+            i128::from(free0) - i128::from(free1) - (i128::from(own1) - i128::from(own0))
+        }
+        _ => 0,
+    }
+}
+
+/// Code loaded at a launch, counted as memory no swap frees, by context: its
+/// device and bytes (given back when the context is destroyed).
+static LAUNCH_CODE: std::sync::Mutex<std::collections::BTreeMap<usize, (usize, u64)>> =
+    std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+/// A launch (`name`, run by `launch`) that the driver refused with out of memory,
+/// `first`: with lazy loading a `CUkernel`'s code is loaded into the context at its
+/// first launch there (the driver accepts a kernel handle as a function), which
+/// fails while others' memory fills the GPU, though it would not if the process were
+/// alone. It waits for room as a module load does ([`retry_with_room`]), tried again
+/// through the gate once this process holds the GPU; what the launch that works
+/// took is counted as the context's memory no swap frees. Any other call's out of
+/// memory is the application's.
+#[cold]
+#[inline(never)]
+pub(crate) fn launch_out_of_memory(
+    name: &str,
+    first: CUresult,
+    launch: &mut dyn FnMut() -> CUresult,
+) -> CUresult {
+    if first != CUDA_ERROR_OUT_OF_MEMORY || !name.starts_with("cuLaunch") {
+        return first;
+    }
+    let Some(d) = crate::devices::current_mem_device() else {
+        return first;
+    };
+    let Some(turn) = client::global().and_then(|c| c.turn_for(d)) else {
+        return first;
+    };
+    let mut before = None;
+    let r = retry_with_room(
+        d,
+        MODULE_ESTIMATE,
+        false,
+        "a kernel's code (loaded at its launch)",
+        first,
+        || {
+            before = free_and_own(d);
+            let gate = &crate::gate::GATE;
+            if !(gate.try_enter() || gate.try_enter_device(d)) {
+                // The turn went again before the try: wait for it again.
+                return CUDA_ERROR_OUT_OF_MEMORY;
+            }
+            let r = launch();
+            gate.exit();
+            r
+        },
+    );
+    if r == CUDA_SUCCESS {
+        let bytes = u64::try_from(took_between(before, free_and_own(d)).max(0)).unwrap_or(0);
+        if bytes > 0 {
+            crate::kdebug!("GPU {d}: {name} loaded code of {bytes} bytes");
+            turn.add_context_bytes(bytes as i64);
+            let ctx = crate::devices::current_context() as usize;
+            let mut m = LAUNCH_CODE.lock().unwrap_or_else(|p| p.into_inner());
+            m.entry(ctx).or_insert((d, 0)).1 += bytes;
+        }
+    }
+    r
+}
+
+/// Context `ctx` was destroyed: the code its launches loaded is no longer counted.
+pub(crate) fn context_destroyed(ctx: usize) {
+    let gone = LAUNCH_CODE
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&ctx);
+    if let Some((d, bytes)) = gone {
+        if let Some(t) = client::global().and_then(|c| c.turn_for(d)) {
+            t.add_context_bytes(-(bytes as i64));
+        }
+    }
+}
+
 /// Why memory no swap frees, at least `least` bytes of it, for `what` on device `d`
 /// must not be made (issue #24, "no silent livelock"): it would leave another
 /// client's working set no room, ever, beside every process's memory no swap frees,
@@ -231,18 +338,6 @@ fn blocked_text(
         turn.info().total_memory >> 20,
         working_set >> 20,
     )
-}
-
-/// Free memory on GPU `uuid` now, as NVML counts it (it needs no context, which a
-/// process whose first context was refused does not have); `None` where NVML does
-/// not load.
-fn nvml_free(uuid: &str) -> Option<u64> {
-    static NVML: std::sync::OnceLock<Option<kiwi_nvml::Nvml>> = std::sync::OnceLock::new();
-    let nvml = NVML
-        .get_or_init(|| kiwi_nvml::Nvml::load(kiwi_nvml::NVML_LIBRARY).ok())
-        .as_ref()?;
-    let dev = nvml.handle_by_uuid(uuid).ok()?;
-    nvml.memory(dev).ok().map(|m| m.free)
 }
 
 /// How a context the driver just made is taken back when keeping it would block

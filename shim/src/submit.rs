@@ -7,7 +7,7 @@
 
 use std::sync::atomic::Ordering;
 
-use crate::cuda::CUresult;
+use crate::cuda::{CUresult, CUDA_ERROR_OUT_OF_MEMORY};
 use crate::gate::{GATE, QUEUE_BOUND, THROTTLE};
 
 /// Runs the driver call `f` once this process may submit work.
@@ -18,11 +18,14 @@ use crate::gate::{GATE, QUEUE_BOUND, THROTTLE};
 pub fn submit(
     name: &'static str,
     stream: impl FnOnce() -> Option<crate::capture::StreamArg>,
-    f: impl FnOnce() -> CUresult,
+    mut f: impl FnMut() -> CUresult,
 ) -> CUresult {
     if GATE.try_enter() {
         let r = f();
         GATE.exit();
+        if r == CUDA_ERROR_OUT_OF_MEMORY {
+            return crate::room::launch_out_of_memory(name, r, &mut f);
+        }
         if THROTTLE.load(Ordering::Relaxed) {
             QUEUE_BOUND.after_submit(drain_queue);
         }
@@ -36,7 +39,7 @@ pub fn submit(
 fn submit_slow(
     name: &'static str,
     stream: impl FnOnce() -> Option<crate::capture::StreamArg>,
-    f: impl FnOnce() -> CUresult,
+    mut f: impl FnMut() -> CUresult,
 ) -> CUresult {
     // Any submission voids the application's discards (it may write the range), even
     // one that only waits now: it runs after the swap-in, and must find its bytes.
@@ -46,7 +49,7 @@ fn submit_slow(
     if crate::capture::is_captured(stream()) && crate::devices::all_resident() {
         // Recorded into a capture, not run: nothing reaches the GPU, so no turn is
         // needed (a drop waits for the capture to end) and the queue does not grow.
-        return crate::ffi::guarded(name, f);
+        return crate::ffi::guarded(name, &mut f);
     }
     crate::ffi::guarded(name, || loop {
         // The first submission after a pause the client watches (`Gate::pause`).
@@ -63,6 +66,9 @@ fn submit_slow(
         if device.is_some_and(|d| GATE.try_enter_device(d)) {
             let r = f();
             GATE.exit();
+            if r == CUDA_ERROR_OUT_OF_MEMORY {
+                return crate::room::launch_out_of_memory(name, r, &mut f);
+            }
             if THROTTLE.load(Ordering::Relaxed) {
                 QUEUE_BOUND.after_submit(drain_queue);
             }
@@ -76,7 +82,7 @@ fn submit_slow(
         if GATE.try_enter() || device.is_some_and(|d| GATE.try_enter_device(d)) {
             let r = f();
             GATE.exit();
-            return r;
+            return crate::room::launch_out_of_memory(name, r, &mut f);
         }
     })
 }

@@ -122,7 +122,14 @@ macro_rules! for_each_export {
             hook cuModuleGetFunction(func: *mut *mut c_void, module: *mut c_void, name: *const c_char) => hooks::module_get_function;
             hook cuLibraryLoadData(library: *mut *mut c_void, code: *const c_void, jit_options: *mut c_int, jit_values: *mut *mut c_void, n_jit: Uint, lib_options: *mut c_int, lib_values: *mut *mut c_void, n_lib: Uint) => hooks::library_load;
             hook cuLibraryLoadFromFile(library: *mut *mut c_void, file: *const c_void, jit_options: *mut c_int, jit_values: *mut *mut c_void, n_jit: Uint, lib_options: *mut c_int, lib_values: *mut *mut c_void, n_lib: Uint) => hooks::library_load;
-            hook cuLibraryUnload(library: *mut c_void) => hooks::module_unload;
+            /// The library's modules and its kernels' code leave every context with it: their counts are given back; runs no work.
+            hook cuLibraryUnload(library: *mut c_void) => hooks::library_unload;
+            /// The library's module in the current context: its code is loaded there (eagerly, or at the module's first function); runs no work.
+            hook cuLibraryGetModule(module: *mut *mut c_void, library: *mut c_void) => hooks::library_get_module;
+            /// Remembers the kernel's library, so its code's count goes with it; runs no work.
+            hook cuLibraryGetKernel(kernel: *mut *mut c_void, library: *mut c_void, name: *const c_char) => hooks::library_get_kernel;
+            /// With lazy loading, the kernel's code is loaded into the current context now; runs no work.
+            hook cuKernelGetFunction(func: *mut *mut c_void, kernel: *mut c_void) => hooks::kernel_get_function;
 
             // --- originals the shim itself uses
             /// Waits for the context's queued work (the shim drains with it); runs no work of its own.

@@ -80,6 +80,25 @@ fn a_module_load_gets_room_beside_an_idle_tenant() {
     );
 }
 
+/// The same module as a library (`cuLibraryLoadData`, as the runtime 12.x loads
+/// every fatbin) whose kernels are launched by their `CUkernel` handles: with lazy
+/// loading the driver loads the code inside the first launch, which failed with out
+/// of memory. Now the launch waits for room and runs, and the newcomer's bursts
+/// verify.
+#[test]
+fn a_kernels_code_loaded_at_its_launch_gets_room_beside_an_idle_tenant() {
+    let mut c = gpuburst("256MiB", 2, 50);
+    c.arg("--library")
+        .env("KIWI_SIM_MODULE_MEMORY", (256 * MIB).to_string());
+    let (o, _) = beside_idle_tenant(&mut c, "room-launch");
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("room made for a kernel's code"),
+        "{}",
+        text(&o)
+    );
+}
+
 /// The application's own physical memory (`cuMemCreate` of 512 MiB, as PyTorch's
 /// expandable segments map it) beside the tenant, once the newcomer's context got
 /// its room: it used to fail with out of memory; now it waits for room, and every

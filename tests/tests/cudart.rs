@@ -531,6 +531,75 @@ fn a_runtime_kernels_code_loaded_at_its_first_launch_gets_room_beside_an_idle_ho
     ends_ok("B alone", &o);
 }
 
+/// A newcomer's context made at once where no second context fits to measure it by
+/// (on a 4 GiB GPU, A's 3200 MiB and two 300 MiB contexts leave 296 MiB): the shim
+/// measures a context on a twin, and counted none here, so the arbiter believed
+/// 300 MiB were free that were not. Now it counts what the context's creation took
+/// from free memory, and the arbiter hears B's context at registration.
+#[test]
+fn a_newcomers_context_is_counted_where_no_twin_fits() {
+    let Some(rt) = CudaRuntime::fetch_or_skip("a context counted without a twin") else {
+        return;
+    };
+    let m = real_contexts("cudart-no-twin", 4 << 30);
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile(&rt, dir.path(), "cudart_notebook.c");
+    let arb = Arbiter::start(&["--tq", "2"]);
+    let (sa, sb) = (dir.path().join("a.stats"), dir.path().join("b.stats"));
+    let mut a = gated_pod(
+        &rt,
+        &m,
+        &exe,
+        &["3200", "1", "0"],
+        arb.socket_dir(),
+        &sa,
+        "notebook-a",
+        &[],
+    );
+    let ob = finish(
+        spawn_cmd(
+            &rt,
+            &m,
+            &exe,
+            &["64", "1", "0"],
+            Some(arb.socket_dir()),
+            &sb,
+        )
+        .env("KIWI_POD_NAME", "notebook-b")
+        .spawn()
+        .expect("spawn B"),
+    );
+    open_gate(&mut a);
+    let oa = finish(a);
+    ends_ok("B (the newcomer)", &ob);
+    ends_ok("A (the idle holder)", &oa);
+    let b_pid: u32 = String::from_utf8_lossy(&ob.stdout)
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix("pid "))
+        .and_then(|p| p.parse().ok())
+        .expect("B prints its pid");
+    let ev = arb.events();
+    let b = ev
+        .iter()
+        .find(|e| matches!(e.kind, EventKind::Register { pid, .. } if pid == b_pid))
+        .and_then(|e| e.client);
+    let counted = ev
+        .iter()
+        .filter(|e| b.is_some() && e.client == b)
+        .find_map(|e| match e.kind {
+            EventKind::Unswappable { bytes } => Some(bytes),
+            _ => None,
+        })
+        .unwrap_or(0);
+    assert!(
+        (300 << 20..=332 << 20).contains(&counted),
+        "B's context was counted {} MiB, not its 300 MiB: {}",
+        counted >> 20,
+        text(&ob)
+    );
+}
+
 /// The same newcomer where the arbiter cannot evict whole processes (no checkpoint
 /// API; issue #24, "no silent livelock"): B's context would leave A's 3520 MiB no
 /// room beside both contexts, ever, so A would wait for as long as B lives. B's
