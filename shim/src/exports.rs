@@ -25,7 +25,7 @@ use crate::cuda::*;
 use crate::ipc::CUipcMemHandle;
 use crate::symbols::{Sym, ALL};
 // The hook paths of the declaration list resolve here.
-use crate::{appvmm, attrs, capture, hooks, ipc, pools, room};
+use crate::{appvmm, attrs, capture, hooks, ipc, modules, pools, room};
 
 /// `CUarray`: an opaque driver handle.
 type CUarray = *mut c_void;

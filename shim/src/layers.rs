@@ -12,7 +12,9 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("1 C ABI", &["exports", "dl", "procaddr"]),
     (
         "2 hooked behaviour",
-        &["hooks", "attrs", "ipc", "submit", "pools", "room", "appvmm"],
+        &[
+            "hooks", "attrs", "ipc", "submit", "pools", "room", "appvmm", "modules",
+        ],
     ),
     (
         "3 mechanisms",

@@ -50,6 +50,7 @@ pub mod live;
 pub mod log;
 pub mod managed;
 pub mod mem;
+pub mod modules;
 pub mod pools;
 pub mod procaddr;
 pub mod real;

@@ -74,7 +74,7 @@ macro_rules! for_each_export {
             hook cuCtxCreate_v3(pctx: *mut CUcontext, params: Opaque, num_params: c_int, flags: Uint, dev: CUdevice) => hooks::ctx_create_v3;
             hook cuCtxCreate_v4(pctx: *mut CUcontext, params: Opaque, flags: Uint, dev: CUdevice) => hooks::ctx_create_v4;
             /// Its modules and limits leave the GPU with it: their counts are given back; runs no work.
-            hook cuCtxDestroy_v2(ctx: CUcontext) => hooks::ctx_destroy;
+            hook cuCtxDestroy_v2(ctx: CUcontext) => modules::ctx_destroy;
 
             // --- allocation: VMM-backed, swappable, never waits for the GPU
             hook cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => hooks::mem_alloc;
@@ -110,26 +110,26 @@ macro_rules! for_each_export {
             hook cuMulticastBindMem(mc: CUmemGenericAllocationHandle, mc_offset: usize, handle: CUmemGenericAllocationHandle, offset: usize, size: usize, flags: u64) => appvmm::multicast_bind_mem;
 
             // --- a context's limits: the memory they take is counted as memory no swap frees
-            hook cuCtxSetLimit(limit: c_int, value: usize) => hooks::ctx_set_limit;
+            hook cuCtxSetLimit(limit: c_int, value: usize) => modules::ctx_set_limit;
 
             // --- modules: their device memory is counted as memory no swap frees
-            hook cuModuleLoad(module: *mut *mut c_void, fname: *const c_char) => hooks::module_load;
-            hook cuModuleLoadData(module: *mut *mut c_void, image: *const c_void) => hooks::module_load_data;
-            hook cuModuleLoadDataEx(module: *mut *mut c_void, image: *const c_void, n: Uint, options: *mut c_int, values: *mut *mut c_void) => hooks::module_load_data_ex;
-            hook cuModuleLoadFatBinary(module: *mut *mut c_void, image: *const c_void) => hooks::module_load_data;
-            hook cuModuleUnload(module: *mut c_void) => hooks::module_unload;
+            hook cuModuleLoad(module: *mut *mut c_void, fname: *const c_char) => modules::module_load;
+            hook cuModuleLoadData(module: *mut *mut c_void, image: *const c_void) => modules::module_load_data;
+            hook cuModuleLoadDataEx(module: *mut *mut c_void, image: *const c_void, n: Uint, options: *mut c_int, values: *mut *mut c_void) => modules::module_load_data_ex;
+            hook cuModuleLoadFatBinary(module: *mut *mut c_void, image: *const c_void) => modules::module_load_data;
+            hook cuModuleUnload(module: *mut c_void) => modules::module_unload;
             /// With lazy loading, a module's code is loaded (takes device memory) at its first function; runs no work.
-            hook cuModuleGetFunction(func: *mut *mut c_void, module: *mut c_void, name: *const c_char) => hooks::module_get_function;
-            hook cuLibraryLoadData(library: *mut *mut c_void, code: *const c_void, jit_options: *mut c_int, jit_values: *mut *mut c_void, n_jit: Uint, lib_options: *mut c_int, lib_values: *mut *mut c_void, n_lib: Uint) => hooks::library_load;
-            hook cuLibraryLoadFromFile(library: *mut *mut c_void, file: *const c_void, jit_options: *mut c_int, jit_values: *mut *mut c_void, n_jit: Uint, lib_options: *mut c_int, lib_values: *mut *mut c_void, n_lib: Uint) => hooks::library_load;
+            hook cuModuleGetFunction(func: *mut *mut c_void, module: *mut c_void, name: *const c_char) => modules::module_get_function;
+            hook cuLibraryLoadData(library: *mut *mut c_void, code: *const c_void, jit_options: *mut c_int, jit_values: *mut *mut c_void, n_jit: Uint, lib_options: *mut c_int, lib_values: *mut *mut c_void, n_lib: Uint) => modules::library_load;
+            hook cuLibraryLoadFromFile(library: *mut *mut c_void, file: *const c_void, jit_options: *mut c_int, jit_values: *mut *mut c_void, n_jit: Uint, lib_options: *mut c_int, lib_values: *mut *mut c_void, n_lib: Uint) => modules::library_load;
             /// The library's modules and its kernels' code leave every context with it: their counts are given back; runs no work.
-            hook cuLibraryUnload(library: *mut c_void) => hooks::library_unload;
+            hook cuLibraryUnload(library: *mut c_void) => modules::library_unload;
             /// The library's module in the current context: its code is loaded there (eagerly, or at the module's first function); runs no work.
-            hook cuLibraryGetModule(module: *mut *mut c_void, library: *mut c_void) => hooks::library_get_module;
+            hook cuLibraryGetModule(module: *mut *mut c_void, library: *mut c_void) => modules::library_get_module;
             /// Remembers the kernel's library, so its code's count goes with it; runs no work.
-            hook cuLibraryGetKernel(kernel: *mut *mut c_void, library: *mut c_void, name: *const c_char) => hooks::library_get_kernel;
+            hook cuLibraryGetKernel(kernel: *mut *mut c_void, library: *mut c_void, name: *const c_char) => modules::library_get_kernel;
             /// With lazy loading, the kernel's code is loaded into the current context now; runs no work.
-            hook cuKernelGetFunction(func: *mut *mut c_void, kernel: *mut c_void) => hooks::kernel_get_function;
+            hook cuKernelGetFunction(func: *mut *mut c_void, kernel: *mut c_void) => modules::kernel_get_function;
 
             // --- originals the shim itself uses
             /// Waits for the context's queued work (the shim drains with it); runs no work of its own.
