@@ -84,10 +84,21 @@ fn holder(arb: &Arbiter, sim: &str) -> std::process::Child {
         .unwrap()
 }
 
-/// Runs the notebook behind a holder; returns the script's JSON and stderr.
+/// Runs the notebook behind a holder; returns the script's JSON and stderr. The
+/// notebook starts first and waits at its start gate with everything but the cell
+/// done (Python's and IPython's imports took over 2 s on a loaded machine: started
+/// after the holder, the notebook found the holder's quantum spent and waited only
+/// for its swap-out, too short for the live line); the holder then takes the GPU,
+/// and once its quantum runs the cell asks for the GPU and waits it out.
 fn run_behind_holder(tag: &str, env: &[(&str, &str)]) -> (serde_json::Value, String) {
     let arb = Arbiter::start(&["--tq", "2"]);
     let sim = format!("notebook-{tag}-{}", std::process::id());
+    let mut nb = notebook(&arb, &sim, env)
+        .env("KIWI_TEST_GATE", "1")
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    kiwi_tests::read_stdout_until(&mut nb, "READY");
     let a = holder(&arb, &sim);
     // The holder's memory resident, so its quantum runs (before that, its quantum's
     // end is only bounded by the arbiter's 5 s grace: a loaded machine backing 700
@@ -99,7 +110,12 @@ fn run_behind_holder(tag: &str, env: &[(&str, &str)]) -> (serde_json::Value, Str
                 .any(|c| c.working_set_bytes > 0 && c.resident_bytes == c.working_set_bytes)
         })
     });
-    let o = notebook(&arb, &sim, env).output().unwrap();
+    {
+        use std::io::Write;
+        let mut gate = nb.stdin.take().expect("stdin piped");
+        gate.write_all(b"go\n").unwrap();
+    }
+    let o = nb.wait_with_output().unwrap();
     let oa = a.wait_with_output().unwrap();
     let _ = kiwi_sim_core::machine::reset(&sim);
     assert!(o.status.success(), "{}", text(&o));

@@ -2,7 +2,10 @@
 driver API (ctypes on libcuda.so.1, the simulator in the tests), with the `kiwi`
 extension loaded on a stand-in for IPython (`ip.events`), or a real IPython shell
 when KIWI_TEST_IPYTHON=1. Prints one JSON object: what kiwi.status() said before
-CUDA, while the cell waited and after it."""
+CUDA, while the cell waited and after it. With KIWI_TEST_GATE set it prints "READY"
+once everything but the cell is done (imports, the context, the allocation, the
+extension loaded) and waits for a line on stdin before the cell (a start gate: the
+test starts the holder's quantum, then lets the cell ask for the GPU)."""
 
 import ctypes
 import json
@@ -40,6 +43,12 @@ def watch():
         time.sleep(0.05)
 
 
+def gate():
+    if os.environ.get("KIWI_TEST_GATE"):
+        print("READY", flush=True)
+        sys.stdin.readline()
+
+
 t = threading.Thread(target=watch, daemon=True)
 t.start()
 if os.environ.get("KIWI_TEST_IPYTHON") == "1":
@@ -48,6 +57,7 @@ if os.environ.get("KIWI_TEST_IPYTHON") == "1":
     shell = InteractiveShell.instance()
     shell.run_cell("%load_ext kiwi", store_history=False)
     shell.user_ns["cell"] = cell
+    gate()
     r = shell.run_cell("cell()", store_history=False)
     out["ipython_ok"] = r.success
 else:
@@ -72,6 +82,7 @@ else:
     ip = FakeIPython()
     out["loaded"] = kiwi.load_ipython_extension(ip, interval=0.1)
     out["hooks"] = sorted(ip.events.callbacks)
+    gate()
     ip.events.fire("pre_run_cell", None)
     cell()
     ip.events.fire("post_run_cell", None)
