@@ -384,12 +384,7 @@ fn a_newcomers_context_gets_room_beside_an_idle_holder() {
     // B waited as a waiter does: registered before its context with the context's
     // estimate as memory to bring in (a GPU that no longer fits), then was granted
     // the GPU exclusively, once A let go of it.
-    let b_pid: u32 = String::from_utf8_lossy(&ob.stdout)
-        .lines()
-        .next()
-        .and_then(|l| l.strip_prefix("pid "))
-        .and_then(|p| p.parse().ok())
-        .expect("B prints its pid");
+    let b_pid = pid_of(&ob);
     let registered = ev
         .iter()
         .position(|e| matches!(e.kind, EventKind::Register { pid, .. } if pid == b_pid))
@@ -487,26 +482,8 @@ fn a_runtime_kernels_code_loaded_at_its_first_launch_gets_room_beside_an_idle_ho
         sa.get("swap_out_bytes").copied().unwrap_or(0) > 0,
         "A never swapped out: {sa:?}"
     );
-    let b_pid: u32 = String::from_utf8_lossy(&ob.stdout)
-        .lines()
-        .next()
-        .and_then(|l| l.strip_prefix("pid "))
-        .and_then(|p| p.parse().ok())
-        .expect("B prints its pid");
-    let ev = arb.events();
-    let b = ev
-        .iter()
-        .find(|e| matches!(e.kind, EventKind::Register { pid, .. } if pid == b_pid))
-        .and_then(|e| e.client);
-    let most = ev
-        .iter()
-        .filter(|e| b.is_some() && e.client == b)
-        .filter_map(|e| match e.kind {
-            EventKind::Unswappable { bytes } => Some(bytes),
-            _ => None,
-        })
-        .max()
-        .unwrap_or(0);
+    let b_pid = pid_of(&ob);
+    let most = unswappable_of(&arb, b_pid).into_iter().max().unwrap_or(0);
     assert!(
         most >= (300 + 704) << 20,
         "B's code was not counted as memory no swap frees (at most {} MiB)",
@@ -573,25 +550,8 @@ fn a_newcomers_context_is_counted_where_no_twin_fits() {
     let oa = finish(a);
     ends_ok("B (the newcomer)", &ob);
     ends_ok("A (the idle holder)", &oa);
-    let b_pid: u32 = String::from_utf8_lossy(&ob.stdout)
-        .lines()
-        .next()
-        .and_then(|l| l.strip_prefix("pid "))
-        .and_then(|p| p.parse().ok())
-        .expect("B prints its pid");
-    let ev = arb.events();
-    let b = ev
-        .iter()
-        .find(|e| matches!(e.kind, EventKind::Register { pid, .. } if pid == b_pid))
-        .and_then(|e| e.client);
-    let counted = ev
-        .iter()
-        .filter(|e| b.is_some() && e.client == b)
-        .find_map(|e| match e.kind {
-            EventKind::Unswappable { bytes } => Some(bytes),
-            _ => None,
-        })
-        .unwrap_or(0);
+    let b_pid = pid_of(&ob);
+    let counted = unswappable_of(&arb, b_pid).first().copied().unwrap_or(0);
     assert!(
         (300 << 20..=332 << 20).contains(&counted),
         "B's context was counted {} MiB, not its 300 MiB: {}",
@@ -832,6 +792,32 @@ fn told_free(o: &Output) -> u64 {
         .and_then(|l| l.split_whitespace().next())
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no free line: {}", text(o)))
+}
+
+/// The pid a program printed on its first line ("pid N").
+fn pid_of(o: &Output) -> u32 {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix("pid "))
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no pid line: {}", text(o)))
+}
+
+/// The memory no swap frees that process `pid` reported, in the arbiter's order.
+fn unswappable_of(arb: &Arbiter, pid: u32) -> Vec<u64> {
+    let ev = arb.events();
+    let client = ev
+        .iter()
+        .find(|e| matches!(e.kind, EventKind::Register { pid: p, .. } if p == pid))
+        .and_then(|e| e.client);
+    ev.iter()
+        .filter(|e| client.is_some() && e.client == client)
+        .filter_map(|e| match e.kind {
+            EventKind::Unswappable { bytes } => Some(bytes),
+            _ => None,
+        })
+        .collect()
 }
 
 fn ends_ok(tag: &str, o: &Output) {

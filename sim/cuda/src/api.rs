@@ -2436,6 +2436,15 @@ pub(crate) fn cuFuncSetAttribute(f: CUfunction, attrib: i32, value: i32) -> Resu
     Ok(())
 }
 
+/// The built-in of kernel handle `k`, asked about device `dev`.
+fn kernel_on(k: CUkernel, dev: CUdevice) -> Result<Builtin, CUresult> {
+    let d = driver()?;
+    if dev < 0 || dev as u32 >= d.gpus {
+        return Err(CUDA_ERROR_INVALID_DEVICE);
+    }
+    crate::library::kernel_kind(k)
+}
+
 /// A kernel's attribute on device `dev`: a function's.
 pub(crate) fn cuKernelGetAttribute(
     pi: *mut i32,
@@ -2443,12 +2452,7 @@ pub(crate) fn cuKernelGetAttribute(
     k: CUkernel,
     dev: CUdevice,
 ) -> Result<(), CUresult> {
-    let d = driver()?;
-    if dev < 0 || dev as u32 >= d.gpus {
-        return Err(CUDA_ERROR_INVALID_DEVICE);
-    }
-    let kind = crate::library::kernel_kind(k)?;
-    cuFuncGetAttribute(pi, attrib, kind.handle())
+    cuFuncGetAttribute(pi, attrib, kernel_on(k, dev)?.handle())
 }
 
 /// A kernel's attribute for device `dev`: set as a function's (every built-in has
@@ -2459,12 +2463,7 @@ pub(crate) fn cuKernelSetAttribute(
     k: CUkernel,
     dev: CUdevice,
 ) -> Result<(), CUresult> {
-    let d = driver()?;
-    if dev < 0 || dev as u32 >= d.gpus {
-        return Err(CUDA_ERROR_INVALID_DEVICE);
-    }
-    let kind = crate::library::kernel_kind(k)?;
-    cuFuncSetAttribute(kind.handle(), attrib, value)
+    cuFuncSetAttribute(kernel_on(k, dev)?.handle(), attrib, value)
 }
 
 /// `CU_MODULE_LAZY_LOADING` unless `CUDA_MODULE_LOADING=EAGER` (the driver's
