@@ -100,6 +100,7 @@ pub unsafe fn ctx_set_limit(
         // SAFETY: forwarding the caller's arguments.
         return unsafe { real(limit, value) };
     };
+    let prior = limit_now(limit);
     let mut before = free_and_own(d);
     // SAFETY: forwarding the caller's arguments.
     let mut r = unsafe { real(limit, value) };
@@ -116,19 +117,50 @@ pub unsafe fn ctx_set_limit(
     }
     let took = took_between(before, free_and_own(d));
     let key = (current_context() as usize, limit);
-    let mut counted = LIMITS.lock().unwrap_or_else(|p| p.into_inner());
-    let old = counted.get(&key).map_or(0, |&(_, b)| b);
+    let old = LIMITS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&key)
+        .map_or(0, |&(_, b)| b);
     let new = u64::try_from((i128::from(old) + took).max(0)).unwrap_or(0);
     if new != old {
         crate::kdebug!("GPU {d}: limit {limit} = {value} takes {new} bytes of device memory");
         turn.add_context_bytes(new as i64 - old as i64);
     }
+    // Made at once, where it leaves another's working set no room ever: the
+    // earlier value back, and out of memory.
+    if let Some(prior) = prior.filter(|_| new > old) {
+        let undo = || {
+            // SAFETY: the driver's own function, setting the value the limit had.
+            let _ = unsafe { real(limit, prior) };
+        };
+        if room::taken_back_if_blocking(d, "a context limit", new - old, undo) {
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    }
+    let mut counted = LIMITS.lock().unwrap_or_else(|p| p.into_inner());
     if new == 0 {
         counted.remove(&key);
     } else {
         counted.insert(key, (d, new));
     }
     r
+}
+
+/// The current context's value of `limit` (`cuCtxGetLimit`), `None` where the
+/// driver does not say.
+fn limit_now(limit: c_int) -> Option<usize> {
+    let f = crate::real::lookup(c"cuCtxGetLimit");
+    if f.is_null() {
+        return None;
+    }
+    // SAFETY: the driver's cuCtxGetLimit, with cuda.h's signature.
+    let f = unsafe {
+        std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*mut usize, c_int) -> CUresult>(f)
+    };
+    let mut v: usize = 0;
+    // SAFETY: a valid out pointer.
+    (crate::ffi::inside(|| unsafe { f(&mut v, limit) }) == CUDA_SUCCESS).then_some(v)
 }
 
 /// Runs `op`, a call that may take device memory no swap frees in the calling
@@ -171,12 +203,37 @@ fn counted(what: &str, mut op: impl FnMut() -> CUresult) -> (CUresult, Option<(u
 
 /// Runs `load`, a module or library load into the calling thread's current context
 /// that writes its handle through `handle`, counting the device memory it took
-/// ([`counted`]) until it is unloaded.
-fn counted_load(handle: *mut *mut c_void, load: impl FnMut() -> CUresult) -> CUresult {
+/// ([`counted`]) until it is unloaded (`unload`: the driver's function that does).
+/// A load whose memory leaves another client's working set no room, ever, is
+/// unloaded again and fails with out of memory ([`room::taken_back_if_blocking`]).
+fn counted_load(
+    handle: *mut *mut c_void,
+    unload: &std::ffi::CStr,
+    load: impl FnMut() -> CUresult,
+) -> CUresult {
     let (r, took) = counted("a module", load);
     if let Some((d, bytes)) = took.filter(|_| !handle.is_null()) {
         // SAFETY: the driver just wrote the handle through the caller's pointer.
         let h = unsafe { *handle } as usize;
+        let undo = || {
+            let f = crate::real::lookup(unload);
+            if !f.is_null() {
+                // SAFETY: the driver's cuModuleUnload or cuLibraryUnload, both
+                // `(handle) -> CUresult` as cuda.h declares them.
+                let f = unsafe {
+                    std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*mut c_void) -> CUresult>(
+                        f,
+                    )
+                };
+                // SAFETY: the handle the driver just made, not yet the caller's.
+                crate::ffi::inside(|| unsafe { f(h as *mut c_void) });
+            }
+        };
+        if bytes > 0 && room::taken_back_if_blocking(d, "a module", bytes, undo) {
+            // SAFETY: as above; the caller gets no handle with its error.
+            unsafe { *handle = std::ptr::null_mut() };
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
         let ctx = current_context() as usize;
         modules().insert(
             h,
@@ -450,7 +507,7 @@ pub unsafe fn module_load(
     fname: *const c_char,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    counted_load(module, || unsafe { real(module, fname) })
+    counted_load(module, c"cuModuleUnload", || unsafe { real(module, fname) })
 }
 
 /// `cuModuleLoadData` and `cuModuleLoadFatBinary`.
@@ -463,7 +520,7 @@ pub unsafe fn module_load_data(
     image: *const c_void,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    counted_load(module, || unsafe { real(module, image) })
+    counted_load(module, c"cuModuleUnload", || unsafe { real(module, image) })
 }
 
 /// # Safety
@@ -486,7 +543,7 @@ pub unsafe fn module_load_data_ex(
     values: *mut *mut c_void,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    counted_load(module, || unsafe {
+    counted_load(module, c"cuModuleUnload", || unsafe {
         real(module, image, n, options, values)
     })
 }
@@ -532,7 +589,7 @@ pub unsafe fn library_load(
     n_lib: Uint,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    counted_load(library, || unsafe {
+    counted_load(library, c"cuLibraryUnload", || unsafe {
         real(
             library,
             code,

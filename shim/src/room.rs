@@ -387,6 +387,26 @@ impl Undo {
     }
 }
 
+/// Memory no swap frees that the driver made at once (`what`, `made` bytes of it,
+/// counted already, on device `d`: the driver did not refuse it, so
+/// [`retry_with_room`] never looked): if it leaves another client's working set no
+/// room, ever ([`blocked_after`]), it is taken back (`undo`), its count given back,
+/// the line said, and true returned: the caller fails with the driver's out of
+/// memory, as a refused creation does.
+pub(crate) fn taken_back_if_blocking(d: usize, what: &str, made: u64, undo: impl FnOnce()) -> bool {
+    let Some(turn) = client::global().and_then(|c| c.turn_for(d)) else {
+        return false;
+    };
+    let Some(line) = blocked_after(turn, d, what, made) else {
+        return false;
+    };
+    crate::kerror!("{line}");
+    undo();
+    turn.add_context_bytes(-(made as i64));
+    client::report_now(d);
+    true
+}
+
 /// The memory no swap frees counted for this process on `dev` now (0 without a
 /// turn there): [`context_created`] takes what a creation added from it.
 pub(crate) fn counted_now(dev: CUdevice) -> u64 {
@@ -427,16 +447,10 @@ pub(crate) fn context_created(
     let first = crate::devices::APP_CTX[d].load(Ordering::Acquire).is_null();
     crate::devices::ensure_device(d, ctx);
     if first && !ctx.is_null() {
-        if let Some(turn) = client::global().and_then(|c| c.turn_for(d)) {
-            let made = turn.context_bytes().saturating_sub(before);
-            if let Some(line) = blocked_after(turn, d, "a context", made) {
-                crate::kerror!("{line}");
-                undo.run(ctx, dev);
-                turn.add_context_bytes(-(made as i64));
-                client::report_now(d);
-                crate::devices::APP_CTX[d].store(std::ptr::null_mut(), Ordering::Release);
-                return CUDA_ERROR_OUT_OF_MEMORY;
-            }
+        let made = counted_now(dev).saturating_sub(before);
+        if taken_back_if_blocking(d, "a context", made, || undo.run(ctx, dev)) {
+            crate::devices::APP_CTX[d].store(std::ptr::null_mut(), Ordering::Release);
+            return CUDA_ERROR_OUT_OF_MEMORY;
         }
     }
     // The newest context is the one the shim's threads swap and drain in: an

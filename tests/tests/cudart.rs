@@ -600,7 +600,12 @@ fn a_newcomers_context_that_would_block_an_idle_holder_fails_at_once_without_evi
     open_gate(&mut a);
     let oa = finish(a);
     // At once: no turn was waited for, nothing of A's was swapped for it.
-    refused_for_blocking(&ob, "notebook-a's working set of 3520 MiB", &oa);
+    refused_for_blocking(
+        &ob,
+        "a context",
+        "notebook-a's working set of 3520 MiB",
+        &oa,
+    );
     assert!(took < Duration::from_secs(10), "B took {took:?}");
     assert_eq!(
         stats(&sa).get("swap_out_bytes").copied().unwrap_or(0),
@@ -612,7 +617,7 @@ fn a_newcomers_context_that_would_block_an_idle_holder_fails_at_once_without_evi
 /// B's context was refused without waiting for a turn, with exactly one line naming
 /// `whose` working set (and the GPU's 4096 MiB) it would block; A, which it would
 /// have blocked, verified every byte.
-fn refused_for_blocking(ob: &Output, whose: &str, oa: &Output) {
+fn refused_for_blocking(ob: &Output, what: &str, whose: &str, oa: &Output) {
     let err = String::from_utf8_lossy(&ob.stderr);
     assert_ne!(ob.status.code(), Some(0), "B ran: {}", text(ob));
     assert!(
@@ -627,7 +632,7 @@ fn refused_for_blocking(ob: &Output, whose: &str, oa: &Output) {
     );
     let lines: Vec<&str> = err
         .lines()
-        .filter(|l| l.contains("out of memory for a context"))
+        .filter(|l| l.contains(&format!("out of memory for {what}")))
         .collect();
     assert_eq!(lines.len(), 1, "one line says why: {}", text(ob));
     assert!(
@@ -661,31 +666,147 @@ fn a_newcomers_context_made_at_once_that_would_block_an_idle_holder_is_taken_bac
     let dir = tempfile::tempdir().unwrap();
     let exe = compile(&rt, dir.path(), "cudart_notebook.c");
     let arb = Arbiter::start(&["--tq", "2"]);
-    let (sa, sb, sc) = (
-        dir.path().join("a.stats"),
-        dir.path().join("b.stats"),
-        dir.path().join("c.stats"),
-    );
-    let mut a = gated_pod(
-        &rt,
-        &m,
-        &exe,
-        &["3072", "1", "0"],
-        arb.socket_dir(),
-        &sa,
-        "notebook-a",
-        &[],
-    );
-    // C fits beside A's working set (300 + 300 + 3072 MiB); its 1536 MiB take turns
-    // with A, so A is partly swapped out once C is done.
-    let oc = finish(
+    let mut a = holder_partly_swapped_out(&rt, &m, &exe, &arb, dir.path());
+    let ob = finish(
         spawn_cmd(
             &rt,
             &m,
             &exe,
+            &["64", "1", "0"],
+            Some(arb.socket_dir()),
+            &dir.path().join("b.stats"),
+        )
+        .env("KIWI_POD_NAME", "notebook-b")
+        .env(
+            "KIWI_SIM_PROCESS_CONTEXT_MEMORY",
+            (800u64 << 20).to_string(),
+        )
+        .spawn()
+        .expect("spawn B"),
+    );
+    open_gate(&mut a);
+    let oa = finish(a);
+    // Made at once: the driver did not refuse it, so nothing waited for room.
+    refused_for_blocking(
+        &ob,
+        "a context",
+        "notebook-a's working set of 3072 MiB",
+        &oa,
+    );
+}
+
+/// The same for a module the driver loads at once (eager loading, a driver-API
+/// program: gpuburst): B's context fits beside A's working set, its 800 MiB module
+/// would not (300 + 300 + 800 + 3072 MiB of 4096), ever. The load is undone and
+/// fails with out of memory and the line naming A; A then verifies every byte. On
+/// the shim before, the module stayed and A waited for as long as B lived.
+#[test]
+fn a_module_loaded_at_once_that_would_block_an_idle_holder_is_unloaded() {
+    let Some(rt) = CudaRuntime::fetch_or_skip("a module loaded at once that would block") else {
+        return;
+    };
+    let m = real_contexts("cudart-module-direct", 4 << 30);
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile(&rt, dir.path(), "cudart_notebook.c");
+    let arb = Arbiter::start(&["--tq", "2"]);
+    let mut a = holder_partly_swapped_out(&rt, &m, &exe, &arb, dir.path());
+    let ob = finish(
+        spawn_cmd(
+            &rt,
+            &m,
+            &kiwi_tests::bin("gpuburst"),
+            &["--mem", "64MiB", "--bursts", "1", "--gpu-ms", "50"],
+            Some(arb.socket_dir()),
+            &dir.path().join("b.stats"),
+        )
+        .env("KIWI_POD_NAME", "notebook-b")
+        .env("CUDA_MODULE_LOADING", "EAGER")
+        .env("KIWI_SIM_MODULE_MEMORY", (800u64 << 20).to_string())
+        .spawn()
+        .expect("spawn B"),
+    );
+    open_gate(&mut a);
+    let oa = finish(a);
+    assert!(
+        String::from_utf8_lossy(&ob.stderr)
+            .contains("cuModuleLoadData failed: CUDA_ERROR_OUT_OF_MEMORY"),
+        "{}",
+        text(&ob)
+    );
+    refused_for_blocking(&ob, "a module", "notebook-a's working set of 3072 MiB", &oa);
+}
+
+/// The same for a stack size the driver reserves at once (`cudaDeviceSetLimit` of
+/// 4 KiB per thread: 690 MiB more on the simulated 108 × 2048 threads): B's context
+/// fits beside A's working set, the stack would not, ever. The limit is set back and
+/// the call fails with out of memory and the line naming A; A verifies every byte.
+#[test]
+fn a_stack_limit_set_at_once_that_would_block_an_idle_holder_is_set_back() {
+    let Some(rt) = CudaRuntime::fetch_or_skip("a limit set at once that would block") else {
+        return;
+    };
+    let m = real_contexts("cudart-limit-direct", 4 << 30);
+    let dir = tempfile::tempdir().unwrap();
+    let exe = compile(&rt, dir.path(), "cudart_notebook.c");
+    let limit = compile(&rt, dir.path(), "cudart_limit.c");
+    let arb = Arbiter::start(&["--tq", "2"]);
+    let mut a = holder_partly_swapped_out(&rt, &m, &exe, &arb, dir.path());
+    let ob = finish(
+        spawn_cmd(
+            &rt,
+            &m,
+            &limit,
+            &["4096"],
+            Some(arb.socket_dir()),
+            &dir.path().join("b.stats"),
+        )
+        .env("KIWI_POD_NAME", "notebook-b")
+        .spawn()
+        .expect("spawn B"),
+    );
+    open_gate(&mut a);
+    let oa = finish(a);
+    assert!(
+        String::from_utf8_lossy(&ob.stderr).contains("cudaDeviceSetLimit"),
+        "{}",
+        text(&ob)
+    );
+    refused_for_blocking(
+        &ob,
+        "a context limit",
+        "notebook-a's working set of 3072 MiB",
+        &oa,
+    );
+}
+
+/// A (`notebook-a`, 3072 MiB of `exe`) filled and idle at its start gate, partly
+/// swapped out: C's 1536 MiB fit beside A's working set (300 + 300 + 3072 MiB) and
+/// took turns with A before C exited.
+fn holder_partly_swapped_out(
+    rt: &CudaRuntime,
+    m: &SimMachine,
+    exe: &Path,
+    arb: &Arbiter,
+    dir: &Path,
+) -> Child {
+    let a = gated_pod(
+        rt,
+        m,
+        exe,
+        &["3072", "1", "0"],
+        arb.socket_dir(),
+        &dir.join("a.stats"),
+        "notebook-a",
+        &[],
+    );
+    let oc = finish(
+        spawn_cmd(
+            rt,
+            m,
+            exe,
             &["1536", "1", "0"],
             Some(arb.socket_dir()),
-            &sc,
+            &dir.join("c.stats"),
         )
         .env("KIWI_POD_NAME", "notebook-c")
         .spawn()
@@ -708,27 +829,7 @@ fn a_newcomers_context_made_at_once_that_would_block_an_idle_holder_is_taken_bac
         })
         .sum();
     assert!(a_out >= 1024 << 20, "A was not swapped out for C");
-    let ob = finish(
-        spawn_cmd(
-            &rt,
-            &m,
-            &exe,
-            &["64", "1", "0"],
-            Some(arb.socket_dir()),
-            &sb,
-        )
-        .env("KIWI_POD_NAME", "notebook-b")
-        .env(
-            "KIWI_SIM_PROCESS_CONTEXT_MEMORY",
-            (800u64 << 20).to_string(),
-        )
-        .spawn()
-        .expect("spawn B"),
-    );
-    open_gate(&mut a);
-    let oa = finish(a);
-    // Made at once: the driver did not refuse it, so nothing waited for room.
-    refused_for_blocking(&ob, "notebook-a's working set of 3072 MiB", &oa);
+    a
 }
 
 /// A newcomer whose context can never fit (issue #24, item 5): on a 1216 MiB GPU, the
