@@ -468,10 +468,15 @@ pub unsafe fn ctx_destroy(
 ) -> CUresult {
     // SAFETY: forwarding the caller's argument.
     let r = unsafe { real(ctx) };
-    if r != CUDA_SUCCESS || ctx.is_null() {
-        return r;
+    if r == CUDA_SUCCESS && !ctx.is_null() {
+        context_gone(ctx as usize);
     }
-    let key = ctx as usize;
+    r
+}
+
+/// Context `key` is gone (destroyed, or a primary context reset): what its modules, their code, its limits and its launches' code were
+/// counted is given back.
+fn context_gone(key: usize) {
     let gone: Vec<Counted> = {
         let mut m = modules();
         let gone = m.values().filter(|c| c.ctx == key).copied().collect();
@@ -495,6 +500,63 @@ pub unsafe fn ctx_destroy(
         give_back(d, bytes);
     }
     room::context_destroyed(key);
+}
+
+/// Device `dev`'s primary context, when it is active (`cuDevicePrimaryCtxGetState`);
+/// its handle from a retain the driver's own release takes back at once.
+fn active_primary(dev: CUdevice) -> Option<CUcontext> {
+    type State = unsafe extern "C" fn(CUdevice, *mut Uint, *mut c_int) -> CUresult;
+    type Retain = unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult;
+    type Release = unsafe extern "C" fn(CUdevice) -> CUresult;
+    let (state, retain, release) = (
+        crate::real::lookup(c"cuDevicePrimaryCtxGetState"),
+        crate::real::lookup(c"cuDevicePrimaryCtxRetain"),
+        crate::real::lookup(c"cuDevicePrimaryCtxRelease_v2"),
+    );
+    if state.is_null() || retain.is_null() || release.is_null() {
+        return None;
+    }
+    // SAFETY: the driver's functions of these names, with cuda.h's signatures.
+    let (state, retain, release) = unsafe {
+        (
+            std::mem::transmute::<*mut c_void, State>(state),
+            std::mem::transmute::<*mut c_void, Retain>(retain),
+            std::mem::transmute::<*mut c_void, Release>(release),
+        )
+    };
+    crate::ffi::inside(|| {
+        let (mut flags, mut active): (Uint, c_int) = (0, 0);
+        // SAFETY: valid out pointers; the application's device.
+        if unsafe { state(dev, &mut flags, &mut active) } != CUDA_SUCCESS || active == 0 {
+            return None;
+        }
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: as above; an active primary context: the retain makes nothing.
+        if unsafe { retain(&mut ctx, dev) } != CUDA_SUCCESS {
+            return None;
+        }
+        // SAFETY: the reference taken just above.
+        unsafe { release(dev) };
+        Some(ctx)
+    })
+}
+
+/// `cuDevicePrimaryCtxReset_v2` (`cudaDeviceReset`): the driver destroys the
+/// device's primary context, its modules and limits with it: given back as for a
+/// destroyed context.
+///
+/// # Safety
+/// `real` is the driver's original of this entry point; `dev` is the application's.
+pub unsafe fn primary_ctx_reset(
+    real: Real<unsafe extern "C" fn(CUdevice) -> CUresult>,
+    dev: CUdevice,
+) -> CUresult {
+    let primary = active_primary(dev);
+    // SAFETY: forwarding the caller's argument.
+    let r = unsafe { real(dev) };
+    if let (CUDA_SUCCESS, Some(ctx)) = (r, primary) {
+        context_gone(ctx as usize);
+    }
     r
 }
 

@@ -75,6 +75,8 @@ macro_rules! for_each_export {
             hook cuCtxCreate_v4(pctx: *mut CUcontext, params: Opaque, flags: Uint, dev: CUdevice) => hooks::ctx_create_v4;
             /// Its modules and limits leave the GPU with it: their counts are given back; runs no work.
             hook cuCtxDestroy_v2(ctx: CUcontext) => modules::ctx_destroy;
+            /// The primary context's modules and limits leave the GPU with it: their counts are given back; runs no work.
+            hook cuDevicePrimaryCtxReset_v2(dev: CUdevice) => modules::primary_ctx_reset;
 
             // --- allocation: VMM-backed, swappable, never waits for the GPU
             hook cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => hooks::mem_alloc;

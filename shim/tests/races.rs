@@ -60,16 +60,28 @@ fn a_destroyed_context_then_forced_drops_swaps_in_the_live_context() {
 /// at its first function) and the heap limit takes 64 MiB.
 #[test]
 fn a_destroyed_contexts_modules_and_limits_are_no_longer_counted() {
+    gone_contexts_modules_and_limits_are_no_longer_counted("modules");
+}
+
+/// The same where the context is the primary one and `cuDevicePrimaryCtxReset`
+/// (`cudaDeviceReset`) destroys it: without the reset hook the module and the heap
+/// stayed counted.
+#[test]
+fn a_reset_primary_contexts_modules_and_limits_are_no_longer_counted() {
+    gone_contexts_modules_and_limits_are_no_longer_counted("reset-modules");
+}
+
+fn gone_contexts_modules_and_limits_are_no_longer_counted(mode: &str) {
     let dir = tempfile::tempdir().unwrap();
     let Some(exe) = compile("ctx_churn", dir.path()) else {
         return;
     };
-    let m = SimMachine::new("churn-modules", 1, 1 << 30)
+    let m = SimMachine::new(&format!("churn-{mode}"), 1, 1 << 30)
         .unwrap()
         .with_env("KIWI_SIM_MODULE_MEMORY", &(256u64 << 20).to_string());
     let arb = Arbiter::start(&["--tq", "0.3"]);
     let mut a = Command::new(&exe);
-    let a = under_kiwi_on(a.args(["modules", "64", "20"]), &m, &arb)
+    let a = under_kiwi_on(a.args([mode, "64", "20"]), &m, &arb)
         .spawn()
         .expect("spawn ctx_churn");
     let pa = a.id();
