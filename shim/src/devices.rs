@@ -176,6 +176,63 @@ static MEMS: [Mutex<Option<Memory<RealDriver>>>; MAX_DEVICES] =
 /// before they swap or drain.
 pub(crate) static APP_CTX: [AtomicPtr<c_void>; MAX_DEVICES] =
     [const { AtomicPtr::new(null_mut()) }; MAX_DEVICES];
+/// Every context the application made and has not destroyed, by (device, context),
+/// newest last: a drain waits for the work of each one on its device, not only
+/// [`APP_CTX`]'s (a program that works in an older context while a newer one lives
+/// had its kernels' memory swapped out from under them).
+static LIVE: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+
+fn live() -> MutexGuard<'static, Vec<(usize, usize)>> {
+    LIVE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The application made (or retained) context `ctx` on device `d`.
+pub(crate) fn context_made(d: usize, ctx: CUcontext) {
+    let mut l = live();
+    l.retain(|&(_, c)| c != ctx as usize);
+    l.push((d, ctx as usize));
+}
+
+/// Context `ctx` is gone (destroyed, or taken back): no longer drained; where it was
+/// the one the shim works in on its device, the newest live one there takes over.
+pub(crate) fn context_destroyed(ctx: CUcontext) {
+    let mut l = live();
+    let Some(i) = l.iter().position(|&(_, c)| c == ctx as usize) else {
+        return;
+    };
+    let (d, _) = l.remove(i);
+    if let Some(&(_, newest)) = l.iter().rev().find(|&&(dd, _)| dd == d) {
+        let _ = APP_CTX[d].compare_exchange(
+            ctx,
+            newest as CUcontext,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+}
+
+/// Waits for the queued work of every live application context on device `d` but
+/// `current` (the calling thread's, already waited for), each made current for it
+/// and `current` again after. A context the driver no longer knows is forgotten.
+fn synchronize_others(d: usize, current: CUcontext) -> Result<(), CUresult> {
+    let others: Vec<usize> = live()
+        .iter()
+        .filter(|&&(dd, c)| dd == d && c != current as usize)
+        .map(|&(_, c)| c)
+        .collect();
+    for c in others {
+        let r = call!(cuCtxSetCurrent: fn(CUcontext)(c as CUcontext))
+            .and_then(|()| call!(cuCtxSynchronize: fn()()));
+        let _ = call!(cuCtxSetCurrent: fn(CUcontext)(current));
+        match r {
+            // CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_CONTEXT_IS_DESTROYED.
+            Err(201) | Err(709) => live().retain(|&(_, l)| l != c),
+            r => r?,
+        }
+    }
+    Ok(())
+}
+
 /// Devices with an allocator (bit per ordinal), so lookups by pointer visit only those.
 static DEVICES_SEEN: AtomicU64 = AtomicU64::new(0);
 /// Devices whose VMM is unavailable (bit per ordinal): their allocations pass through.
@@ -844,7 +901,11 @@ impl Residency for DeviceResidency {
                 } else {
                     crate::capture::CAPTURE_WAIT
                 };
-                let sync = || call!(cuCtxSynchronize: fn()());
+                let app = APP_CTX[self.0].load(Ordering::Acquire);
+                let sync = || {
+                    call!(cuCtxSynchronize: fn()())?;
+                    synchronize_others(self.0, app)
+                };
                 match crate::capture::sync_when_quiet(patience, sync) {
                     Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) if probing => Ok(()),
                     r => r,

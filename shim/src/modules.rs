@@ -470,6 +470,7 @@ pub unsafe fn ctx_destroy(
     let r = unsafe { real(ctx) };
     if r == CUDA_SUCCESS && !ctx.is_null() {
         context_gone(ctx as usize);
+        crate::devices::context_destroyed(ctx);
     }
     r
 }

@@ -454,9 +454,11 @@ pub(crate) fn context_created(
         }
     }
     // The newest context is the one the shim's threads swap and drain in: an
-    // earlier one may have been destroyed (`cuCtxDestroy`) or reset since.
+    // earlier one may have been destroyed (`cuCtxDestroy`) or reset since. Drains
+    // wait for every live one.
     if !ctx.is_null() {
         crate::devices::APP_CTX[d].store(ctx, Ordering::Release);
+        crate::devices::context_made(d, ctx);
     }
     r
 }

@@ -53,6 +53,62 @@ fn a_destroyed_context_then_forced_drops_swaps_in_the_live_context() {
     context_churn_then_forced_drops("destroy");
 }
 
+/// Work in flight in an older context while a newer one lives: a drop's drain waits
+/// for every live context of the process on the GPU, not only the newest, so the
+/// swap-out never takes memory from under a queued kernel. The program queues a
+/// 150 ms spin and a fill in its older context each burst while gpuburst over
+/// capacity forces drops; both verify every word. Draining the newest context only,
+/// the fill ran on memory swapped out from under it (`CUDA_ERROR_ILLEGAL_ADDRESS`).
+#[test]
+fn work_in_an_older_context_is_drained_before_a_swap_out() {
+    older_context_then_forced_drops(&[]);
+}
+
+/// The same where the newer context was destroyed first: the older one, still live,
+/// is the one the shim then drains and swaps in (it drained the primary context,
+/// which has none of the program's work: `CUDA_ERROR_ILLEGAL_ADDRESS`).
+#[test]
+fn after_the_newest_context_is_destroyed_the_older_one_is_drained() {
+    older_context_then_forced_drops(&["destroy-newer"]);
+}
+
+fn older_context_then_forced_drops(extra: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(exe) = compile("older_context", dir.path()) else {
+        return;
+    };
+    let m = SimMachine::new(&format!("older-context{}", extra.len()), 1, 1 << 30).unwrap();
+    let arb = Arbiter::start(&["--tq", "0.3"]);
+    let mut a = Command::new(&exe);
+    let a = under_kiwi_on(a.args(["500", "12"]).args(extra), &m, &arb)
+        .spawn()
+        .expect("spawn older_context");
+    std::thread::sleep(Duration::from_millis(300));
+    let mut b = gpuburst("500MiB", 4, 100);
+    let b = under_kiwi_on(&mut b, &m, &arb)
+        .spawn()
+        .expect("spawn gpuburst");
+    let pa = a.id();
+    let (oa, ob) = (finish(a), finish(b));
+    assert_eq!(
+        oa.status.code(),
+        Some(0),
+        "{}
+{}",
+        text(&oa),
+        text(&ob)
+    );
+    assert!(String::from_utf8_lossy(&oa.stdout).contains("OK"));
+    assert_eq!(ob.status.code(), Some(0), "{}", text(&ob));
+    let out = swapped_out(&arb, pa);
+    assert!(
+        out >= 100 << 20,
+        "the program swapped out {out} bytes\n{}\n{}",
+        text(&oa),
+        text(&ob)
+    );
+}
+
 /// A destroyed context's modules and limits leave the GPU with it: what they were
 /// counted as memory no swap frees is given back (the arbiter's `unswappable`
 /// figure for the program falls back), or the program would be scheduled for good
