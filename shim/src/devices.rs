@@ -176,38 +176,98 @@ static MEMS: [Mutex<Option<Memory<RealDriver>>>; MAX_DEVICES] =
 /// before they swap or drain.
 pub(crate) static APP_CTX: [AtomicPtr<c_void>; MAX_DEVICES] =
     [const { AtomicPtr::new(null_mut()) }; MAX_DEVICES];
-/// Every context the application made and has not destroyed, by (device, context),
-/// newest last: a drain waits for the work of each one on its device, not only
-/// [`APP_CTX`]'s (a program that works in an older context while a newer one lives
-/// had its kernels' memory swapped out from under them).
-static LIVE: Mutex<Vec<(usize, usize)>> = Mutex::new(Vec::new());
+/// Every context the application made and has not destroyed, by (device, context,
+/// bytes counted for it), newest last: a drain waits for the work of each one on
+/// its device, not only [`APP_CTX`]'s (a program that works in an older context
+/// while a newer one lives had its kernels' memory swapped out from under them).
+/// The first live context on a device is counted with the device's registration
+/// (0 here); each further one as much as the first ([`context_made`]).
+static LIVE: Mutex<Vec<(usize, usize, u64)>> = Mutex::new(Vec::new());
 
-fn live() -> MutexGuard<'static, Vec<(usize, usize)>> {
+fn live() -> MutexGuard<'static, Vec<(usize, usize, u64)>> {
     LIVE.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The application made (or retained) context `ctx` on device `d`.
-pub(crate) fn context_made(d: usize, ctx: CUcontext) {
-    let mut l = live();
-    l.retain(|&(_, c)| c != ctx as usize);
-    l.push((d, ctx as usize));
+/// What the process's first context on each device was counted (0: not known):
+/// every further live context there counts as much ([`context_made`]).
+static CONTEXT_COST: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
+
+/// The process's first context on device `d` was counted `bytes`.
+pub(crate) fn note_context_cost(d: usize, bytes: u64) {
+    if let Some(c) = CONTEXT_COST.get(d) {
+        c.store(bytes, Ordering::Release);
+    }
 }
 
-/// Context `ctx` is gone (destroyed, or taken back): no longer drained; where it was
-/// the one the shim works in on its device, the newest live one there takes over.
-pub(crate) fn context_destroyed(ctx: CUcontext) {
+/// Adds `delta` to what device `d`'s turn counts as memory no swap frees.
+fn count_context(d: usize, delta: i64) {
+    if let Some(turn) = client::global().and_then(|c| c.turn_for(d)) {
+        turn.add_context_bytes(delta);
+        client::report_now(d);
+    }
+}
+
+/// The application made (or retained) context `ctx` on device `d`. A context beyond
+/// the first live one there (a second `cuCtxCreate`, or the primary context beside
+/// one) costs as much as the first did: counted as memory no swap frees, and that
+/// count returned (0 for a context already live, or the first).
+pub(crate) fn context_made(d: usize, ctx: CUcontext) -> u64 {
     let mut l = live();
-    let Some(i) = l.iter().position(|&(_, c)| c == ctx as usize) else {
+    if let Some(i) = l.iter().position(|&(_, c, _)| c == ctx as usize) {
+        let e = l.remove(i);
+        l.push(e);
+        return 0;
+    }
+    let others = l.iter().any(|&(dd, _, _)| dd == d);
+    let managed = client::global().and_then(|c| c.turn_for(d)).is_some();
+    let cost = match CONTEXT_COST[d].load(Ordering::Acquire) {
+        c if others && managed => c,
+        _ => 0,
+    };
+    l.push((d, ctx as usize, cost));
+    drop(l);
+    if cost > 0 {
+        crate::kdebug!(
+            "GPU {d}: another context: {} MiB more no swap frees",
+            cost >> 20
+        );
+        count_context(d, cost as i64);
+    }
+    cost
+}
+
+/// Context `ctx` is gone (destroyed): no longer drained, and one context fewer
+/// counted where others live on its device (its own count, or, for the first, the
+/// count of the newest other, which takes its place); where it was the one the shim
+/// works in, the newest live one there takes over. `counted`: whether its count is
+/// still there to give back (a context taken back at once had it given back).
+pub(crate) fn context_destroyed(ctx: CUcontext, counted: bool) {
+    let mut l = live();
+    let Some(i) = l.iter().position(|&(_, c, _)| c == ctx as usize) else {
         return;
     };
-    let (d, _) = l.remove(i);
-    if let Some(&(_, newest)) = l.iter().rev().find(|&&(dd, _)| dd == d) {
+    let (d, _, own) = l.remove(i);
+    let give = if own > 0 || !counted {
+        own
+    } else {
+        // The uncounted first went: the newest counted other is now the first.
+        l.iter_mut()
+            .rev()
+            .find(|e| e.0 == d && e.2 > 0)
+            .map_or(0, |e| std::mem::take(&mut e.2))
+    };
+    let newest = l.iter().rev().find(|e| e.0 == d).map(|e| e.1);
+    drop(l);
+    if let Some(newest) = newest {
         let _ = APP_CTX[d].compare_exchange(
             ctx,
             newest as CUcontext,
             Ordering::AcqRel,
             Ordering::Acquire,
         );
+    }
+    if counted && give > 0 {
+        count_context(d, -(give as i64));
     }
 }
 
@@ -217,8 +277,8 @@ pub(crate) fn context_destroyed(ctx: CUcontext) {
 fn synchronize_others(d: usize, current: CUcontext) -> Result<(), CUresult> {
     let others: Vec<usize> = live()
         .iter()
-        .filter(|&&(dd, c)| dd == d && c != current as usize)
-        .map(|&(_, c)| c)
+        .filter(|&&(dd, c, _)| dd == d && c != current as usize)
+        .map(|&(_, c, _)| c)
         .collect();
     for c in others {
         let r = call!(cuCtxSetCurrent: fn(CUcontext)(c as CUcontext))
@@ -226,7 +286,7 @@ fn synchronize_others(d: usize, current: CUcontext) -> Result<(), CUresult> {
         let _ = call!(cuCtxSetCurrent: fn(CUcontext)(current));
         match r {
             // CUDA_ERROR_INVALID_CONTEXT, CUDA_ERROR_CONTEXT_IS_DESTROYED.
-            Err(201) | Err(709) => live().retain(|&(_, l)| l != c),
+            Err(201) | Err(709) => live().retain(|&(_, l, _)| l != c),
             r => r?,
         }
     }
@@ -577,6 +637,7 @@ pub(crate) fn ensure_device(d: usize, ctx: CUcontext) -> bool {
         }
     };
     info.context_bytes = context_cost(d, ctx);
+    note_context_cost(d, info.context_bytes);
     let added = c.add_device(info, || {
         create_mem(d, ctx, false).then(|| Box::new(DeviceResidency(d)) as Box<dyn Residency>)
     });

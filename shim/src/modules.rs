@@ -470,7 +470,7 @@ pub unsafe fn ctx_destroy(
     let r = unsafe { real(ctx) };
     if r == CUDA_SUCCESS && !ctx.is_null() {
         context_gone(ctx as usize);
-        crate::devices::context_destroyed(ctx);
+        crate::devices::context_destroyed(ctx, true);
     }
     r
 }
@@ -557,6 +557,8 @@ pub unsafe fn primary_ctx_reset(
     let r = unsafe { real(dev) };
     if let (CUDA_SUCCESS, Some(ctx)) = (r, primary) {
         context_gone(ctx as usize);
+        // Live again (and counted again) when it is next retained.
+        crate::devices::context_destroyed(ctx, true);
     }
     r
 }

@@ -99,6 +99,7 @@ pub(crate) fn create_context(
                 measured => measured,
             };
             turn.add_context_bytes(counted as i64);
+            crate::devices::note_context_cost(d, counted);
             client::report_now(d);
         }
     }
@@ -457,8 +458,20 @@ pub(crate) fn context_created(
     // earlier one may have been destroyed (`cuCtxDestroy`) or reset since. Drains
     // wait for every live one.
     if !ctx.is_null() {
-        crate::devices::APP_CTX[d].store(ctx, Ordering::Release);
-        crate::devices::context_made(d, ctx);
+        let previous = crate::devices::APP_CTX[d].swap(ctx, Ordering::AcqRel);
+        // A further context costs what the first did; one that leaves another
+        // client's working set no room, ever, is taken back as the first would be.
+        let extra = crate::devices::context_made(d, ctx);
+        if extra > 0 && taken_back_if_blocking(d, "a context", extra, || undo.run(ctx, dev)) {
+            crate::devices::context_destroyed(ctx, false);
+            let _ = crate::devices::APP_CTX[d].compare_exchange(
+                ctx,
+                previous,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
     }
     r
 }

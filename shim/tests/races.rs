@@ -158,4 +158,16 @@ fn gone_contexts_modules_and_limits_are_no_longer_counted(mode: &str) {
         "the destroyed context's module is still counted: {figures:?}\n{}",
         text(&oa)
     );
+    // One context lives at the end, counted once: as at the start.
+    let first = figures.first().copied().unwrap_or(0);
+    assert_eq!(last, first, "{figures:?}\n{}", text(&oa));
+    if mode == "modules" {
+        // Once the second context was made, it counted as much as the first (before
+        // the module and the heap); it used to count nothing.
+        assert!(
+            figures.contains(&(2 * first)),
+            "the second context was not counted: {figures:?}\n{}",
+            text(&oa)
+        );
+    }
 }
