@@ -456,9 +456,10 @@ fn give_back(d: usize, bytes: u64) {
 }
 
 /// `cuCtxDestroy_v2`: the driver unloads the context's modules and frees what its
-/// limits reserved, so what they were counted is given back. (The context's own
-/// cost stays counted: the shim swaps through the primary context where the
-/// application has no other; `docs/shim.md`, Limits.)
+/// limits reserved, so what they were counted is given back, and so is the context's
+/// own cost where another context lives on its GPU
+/// ([`crate::devices::context_destroyed`]; the last one's stays counted: the shim
+/// swaps through the primary context where the application has no other).
 ///
 /// # Safety
 /// `real` is the driver's original of this entry point; `ctx` is the application's.
