@@ -10,7 +10,9 @@
 #    programs with expandable_segments:True at 60% each (their own VMM memory swaps);
 #    two PyTorch notebooks that keep ~10x their live tensors cached, without and with
 #    kiwi.enable() (the discard hint): the bytes each swap-out copied;
-#    a newcomer's torch.cuda beside an idle notebook holding 95%; two JAX processes
+#    a newcomer's torch.cuda beside an idle notebook holding 95%; which calls load
+#    the runtime's kernels lazily (the shim's debug lines: the simulator assumes
+#    cuLibraryGetModule then cuModuleGetFunction at a kernel's first launch); two JAX processes
 #    with their default preallocation; CuPy managed memory beside a competitor; the
 #    README's `kiwictl demo --gpu`;
 # 3. with two GPUs or more: two gpuburst processes using GPUs 0 and 1 in opposite
@@ -133,6 +135,21 @@ PY
   rn1=0; wait $N1 || rn1=$?
   newcomer_result="newcomer exit $rn2: $(tail -1 "$WORK/n2.out"); holder exit $rn1: $(tail -1 "$WORK/n1.out")"
   echo "$newcomer_result"
+fi
+
+lazy_result="skipped: no python3 with torch"
+if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+  echo "== the runtime's kernels loaded lazily: what the shim measured, by call (KIWI_LOG=debug)"
+  cat >"$WORK/lazy.py" <<'PY'
+import torch
+x = torch.randn(1024, 1024, device="cuda")
+y = (x @ x).relu().sum() + x.softmax(0).mean() + torch.sort(x[0]).values[0]
+torch.cuda.synchronize()
+print("ok", y.item() == y.item())
+PY
+  rl=0; KIWI_LOG=debug CUDA_MODULE_LOADING=LAZY "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/lazy.py" >"$WORK/lazy.out" 2>&1 || rl=$?
+  lazy_result="exit $rl: $(grep -c "a module's code (loaded lazily) took" "$WORK/lazy.out" || true) lazy loads measured ($(grep -o "a module's code (loaded lazily) took [0-9]* bytes" "$WORK/lazy.out" | awk '{s+=$(NF-1)} END {printf "%d MiB", s/1048576}')), $(grep -c "a library's code took" "$WORK/lazy.out" || true) library modules measured, $(grep -c 'loaded code of' "$WORK/lazy.out" || true) launches that loaded code after waiting; $(grep -v '^\[kiwi\]' "$WORK/lazy.out" | tail -1)"
+  echo "$lazy_result"
 fi
 
 jax_result="skipped: no python3 with jax"
@@ -378,6 +395,7 @@ fi
   echo "- PyTorch pair under kiwictl run: ${torch_result}"
   echo "- PyTorch pair with expandable_segments:True at 60% each: ${expand_result}"
   echo "- newcomer's torch.cuda beside an idle notebook at 95%: ${newcomer_result}"
+  echo "- the runtime's kernels loaded lazily, as the shim measured them (PyTorch, KIWI_LOG=debug): ${lazy_result}"
   echo "- two JAX processes with default preallocation: ${jax_result}"
   echo "- CuPy managed memory beside a gpuburst competitor: ${managed_result}"
   echo "- kiwictl demo --gpu: ${demo_result}"
