@@ -24,9 +24,19 @@
 #    refusals, costs) and through the arbiter: a gpuburst notebook that three
 #    newcomers' contexts leave no room, which runs once idle newcomers are
 #    checkpointed (checkpoint and restore events, with their durations).
+#
+# KIWI_VALIDATE_STEPS=newcomer,lazy,... runs only those steps (burst, torch, expand,
+# newcomer, lazy, jax, managed, demo, graph, hint, multi, checkpoint, costs; all by
+# default), for a lent GPU's short time; KIWI_VALIDATE_STEP_TIMEOUT (seconds, 600)
+# bounds each program; KIWI_RELEASE_DIR names where the release build is
+# (target/release).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-R=target/release
+R=${KIWI_RELEASE_DIR:-target/release}
+T=${KIWI_VALIDATE_STEP_TIMEOUT:-600}
+want() { [ -z "${KIWI_VALIDATE_STEPS:-}" ] || [[ ",${KIWI_VALIDATE_STEPS}," == *",$1,"* ]]; }
+# What a step's result says when it does not run: why, or that it was not asked for.
+unless() { if want "$1"; then echo "$2"; else echo "not run (KIWI_VALIDATE_STEPS)"; fi; }
 for f in kiwi-arbiter kiwictl gpuburst kiwi-bench libkiwi.so; do
   [ -e "$R/$f" ] || { echo "missing $R/$f: run cargo build --release first" >&2; exit 1; }
 done
@@ -45,19 +55,22 @@ trap cleanup EXIT
 "$R/kiwi-arbiter" --socket-dir "$SOCK" --tq "${KIWI_TQ:-5}" 2>"$WORK/arbiter.log" &
 for _ in $(seq 100); do [ -S "$SOCK/client/arbiter.sock" ] && break; sleep 0.1; done
 
+ra=0; rb=0; burst_result=$(unless burst skipped)
+if want burst; then
 echo "== gpuburst pair, ${MEM_MIB} MiB each on ${GPU_NAME} (${TOTAL_MIB} MiB)"
 t0=$(date +%s.%N)
-"$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --mem "${MEM_MIB}MiB" --bursts 6 --gpu-ms 2000 --cpu-ms 1000 --name A --seed 1 >"$WORK/a.out" 2>&1 &
+timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --mem "${MEM_MIB}MiB" --bursts 6 --gpu-ms 2000 --cpu-ms 1000 --name A --seed 1 >"$WORK/a.out" 2>&1 &
 A=$!
-"$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --mem "${MEM_MIB}MiB" --bursts 6 --gpu-ms 2000 --cpu-ms 1000 --name B --seed 2 >"$WORK/b.out" 2>&1 &
+timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --mem "${MEM_MIB}MiB" --bursts 6 --gpu-ms 2000 --cpu-ms 1000 --name B --seed 2 >"$WORK/b.out" 2>&1 &
 B=$!
 ra=0; rb=0; wait $A || ra=$?; wait $B || rb=$?
 t1=$(date +%s.%N)
 burst_result="A exit $ra ($(grep -c 'all bytes as expected' "$WORK/a.out" || true) verified), B exit $rb ($(grep -c 'all bytes as expected' "$WORK/b.out" || true) verified), makespan $(awk "BEGIN{printf \"%.1f\", $t1 - $t0}") s"
 echo "$burst_result"
+fi
 
-torch_result="skipped: no python3 with torch"
-if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+torch_result=$(unless torch "skipped: no python3 with torch")
+if want torch && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   echo "== two PyTorch training loops under kiwictl run"
   cat >"$WORK/train.py" <<'PY'
 import sys, time, torch
@@ -80,15 +93,15 @@ torch.cuda.synchronize()
 print(f"ok loss={loss.item():.4f} {time.time()-t:.1f}s")
 PY
   GIB=$(awk "BEGIN{print $MEM_MIB / 1024 / 2}")
-  "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/train.py" 1 "$GIB" >"$WORK/t1.out" 2>&1 & P1=$!
-  "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/train.py" 2 "$GIB" >"$WORK/t2.out" 2>&1 & P2=$!
+  timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/train.py" 1 "$GIB" >"$WORK/t1.out" 2>&1 & P1=$!
+  timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/train.py" 2 "$GIB" >"$WORK/t2.out" 2>&1 & P2=$!
   r1=0; r2=0; wait $P1 || r1=$?; wait $P2 || r2=$?
   torch_result="loop 1 exit $r1: $(tail -1 "$WORK/t1.out"); loop 2 exit $r2: $(tail -1 "$WORK/t2.out")"
   echo "$torch_result"
 fi
 
-expand_result="skipped: no python3 with torch"
-if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+expand_result=$(unless expand "skipped: no python3 with torch")
+if want expand && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   echo "== two PyTorch programs with expandable_segments:True, 60% each (the application's own VMM memory swaps)"
   cat >"$WORK/expand.py" <<'PY'
 import sys, time, torch
@@ -104,15 +117,15 @@ bad = [i for i, x in enumerate(xs) if not bool((x == seed * 100 + i + 6).all())]
 print("ok" if not bad else f"WRONG tensors {bad}")
 PY
   EGIB=$(awk "BEGIN{print $MEM_MIB / 1024}")
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/expand.py" "$EGIB" 1 >"$WORK/e1.out" 2>&1 & E1=$!
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/expand.py" "$EGIB" 2 >"$WORK/e2.out" 2>&1 & E2=$!
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/expand.py" "$EGIB" 1 >"$WORK/e1.out" 2>&1 & E1=$!
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/expand.py" "$EGIB" 2 >"$WORK/e2.out" 2>&1 & E2=$!
   re1=0; re2=0; wait $E1 || re1=$?; wait $E2 || re2=$?
   expand_result="program 1 exit $re1: $(tail -1 "$WORK/e1.out"); program 2 exit $re2: $(tail -1 "$WORK/e2.out")"
   echo "$expand_result"
 fi
 
-newcomer_result="skipped: no python3 with torch"
-if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+newcomer_result=$(unless newcomer "skipped: no python3 with torch")
+if want newcomer && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   echo "== a newcomer starting torch.cuda beside an idle notebook holding 95% of the GPU"
   cat >"$WORK/holder.py" <<'PY'
 import sys, time, torch
@@ -129,16 +142,16 @@ t = time.time()
 torch.cuda.init(); y = torch.ones(1 << 20, device="cuda"); torch.cuda.synchronize()
 print(f"ok context ready in {time.time() - t:.2f} s" if y.sum().item() == (1 << 20) else "WRONG")
 PY
-  "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/holder.py" 20 >"$WORK/n1.out" 2>&1 & N1=$!
+  timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/holder.py" 20 >"$WORK/n1.out" 2>&1 & N1=$!
   for _ in $(seq 600); do grep -q holding "$WORK/n1.out" 2>/dev/null && break; sleep 0.1; done
-  rn2=0; "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/newcomer.py" >"$WORK/n2.out" 2>&1 || rn2=$?
+  rn2=0; timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/newcomer.py" >"$WORK/n2.out" 2>&1 || rn2=$?
   rn1=0; wait $N1 || rn1=$?
   newcomer_result="newcomer exit $rn2: $(tail -1 "$WORK/n2.out"); holder exit $rn1: $(tail -1 "$WORK/n1.out")"
   echo "$newcomer_result"
 fi
 
-lazy_result="skipped: no python3 with torch"
-if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+lazy_result=$(unless lazy "skipped: no python3 with torch")
+if want lazy && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   echo "== the runtime's kernels loaded lazily: what the shim measured, by call (KIWI_LOG=debug)"
   cat >"$WORK/lazy.py" <<'PY'
 import torch
@@ -147,13 +160,13 @@ y = (x @ x).relu().sum() + x.softmax(0).mean() + torch.sort(x[0]).values[0]
 torch.cuda.synchronize()
 print("ok", y.item() == y.item())
 PY
-  rl=0; KIWI_LOG=debug CUDA_MODULE_LOADING=LAZY "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/lazy.py" >"$WORK/lazy.out" 2>&1 || rl=$?
+  rl=0; KIWI_LOG=debug CUDA_MODULE_LOADING=LAZY timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/lazy.py" >"$WORK/lazy.out" 2>&1 || rl=$?
   lazy_result="exit $rl: $(grep -c "a module's code (loaded lazily) took" "$WORK/lazy.out" || true) lazy loads measured ($(grep -o "a module's code (loaded lazily) took [0-9]* bytes" "$WORK/lazy.out" | awk '{s+=$(NF-1)} END {printf "%d MiB", s/1048576}')), $(grep -c "a library's code took" "$WORK/lazy.out" || true) library modules measured, $(grep -c 'loaded code of' "$WORK/lazy.out" || true) launches that loaded code after waiting; $(grep -v '^\[kiwi\]' "$WORK/lazy.out" | tail -1)"
   echo "$lazy_result"
 fi
 
-jax_result="skipped: no python3 with jax"
-if python3 -c 'import jax; assert jax.devices("gpu")' 2>/dev/null; then
+jax_result=$(unless jax "skipped: no python3 with jax")
+if want jax && python3 -c 'import jax; assert jax.devices("gpu")' 2>/dev/null; then
   echo "== two JAX processes with the default preallocation (75% of what they are told is free)"
   cat >"$WORK/jaxjob.py" <<'PY'
 import sys, time, jax, jax.numpy as jnp
@@ -165,15 +178,15 @@ for _ in range(6):
 print("ok" if float(x[12345]) == float(sys.argv[1]) + 6 else "WRONG")
 PY
   # kiwictl run sets XLA_PYTHON_CLIENT_PREALLOCATE=false unless set: set it to JAX's default.
-  XLA_PYTHON_CLIENT_PREALLOCATE=true "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/jaxjob.py" 1 >"$WORK/j1.out" 2>&1 & J1=$!
-  XLA_PYTHON_CLIENT_PREALLOCATE=true "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/jaxjob.py" 2 >"$WORK/j2.out" 2>&1 & J2=$!
+  XLA_PYTHON_CLIENT_PREALLOCATE=true timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/jaxjob.py" 1 >"$WORK/j1.out" 2>&1 & J1=$!
+  XLA_PYTHON_CLIENT_PREALLOCATE=true timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/jaxjob.py" 2 >"$WORK/j2.out" 2>&1 & J2=$!
   rj1=0; rj2=0; wait $J1 || rj1=$?; wait $J2 || rj2=$?
   jax_result="job 1 exit $rj1: $(tail -1 "$WORK/j1.out"); job 2 exit $rj2: $(tail -1 "$WORK/j2.out")"
   echo "$jax_result"
 fi
 
-managed_result="skipped: no python3 with cupy"
-if python3 -c 'import cupy; cupy.cuda.runtime.getDeviceCount()' 2>/dev/null; then
+managed_result=$(unless managed "skipped: no python3 with cupy")
+if want managed && python3 -c 'import cupy; cupy.cuda.runtime.getDeviceCount()' 2>/dev/null; then
   echo "== CuPy managed memory beside a competitor"
   cat >"$WORK/managed.py" <<'PY'
 import sys, time, cupy as cp
@@ -187,21 +200,24 @@ for _ in range(6):
 print(("ok" if float(x[12345]) == 9.0 else "WRONG") + f" slowest burst {max(bursts):.2f} s")
 PY
   MGIB=$(awk "BEGIN{print $MEM_MIB / 1024 / 2}")
-  "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/managed.py" "$MGIB" >"$WORK/m1.out" 2>&1 & M1=$!
-  "$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --mem "${MEM_MIB}MiB" --bursts 4 --gpu-ms 500 --cpu-ms 1000 --name C >"$WORK/m2.out" 2>&1 & M2=$!
+  timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/managed.py" "$MGIB" >"$WORK/m1.out" 2>&1 & M1=$!
+  timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --mem "${MEM_MIB}MiB" --bursts 4 --gpu-ms 500 --cpu-ms 1000 --name C >"$WORK/m2.out" 2>&1 & M2=$!
   rm1=0; rm2=0; wait $M1 || rm1=$?; wait $M2 || rm2=$?
   managed_result="managed exit $rm1: $(tail -1 "$WORK/m1.out"); competitor exit $rm2 ($(grep -c 'all bytes as expected' "$WORK/m2.out" || true) verified)"
   echo "$managed_result"
 fi
 
-echo "== kiwictl demo --gpu (the README's demo on this GPU)"
-rd=0; timeout 300 "$R/kiwictl" demo --gpu >"$WORK/demo.out" 2>&1 || rd=$?
-demo_result="exit $rd: $(grep -v '^\s*$' "$WORK/demo.out" | tail -1)"
-echo "$demo_result"
+demo_result=$(unless demo skipped)
+if want demo; then
+  echo "== kiwictl demo --gpu (the README's demo on this GPU)"
+  rd=0; timeout 300 "$R/kiwictl" demo --gpu >"$WORK/demo.out" 2>&1 || rd=$?
+  demo_result="exit $rd: $(grep -v '^\s*$' "$WORK/demo.out" | tail -1)"
+  echo "$demo_result"
+fi
 
-graph_result="skipped: no python3 with torch"
-ipc_result="skipped: no python3 with torch"
-if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+graph_result=$(unless graph "skipped: no python3 with torch")
+ipc_result=$(unless graph "skipped: no python3 with torch")
+if want graph && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   echo "== torch.cuda.graph: capture under Kiwi, replay while a second program competes"
   cat >"$WORK/graph.py" <<'PY'
 import sys, time, torch
@@ -226,8 +242,8 @@ torch.cuda.synchronize()
 want = 3 + 2000 * 20              # captured work runs only when replayed
 print("ok" if bool((static == want).all()) and x.sum().item() == 0 else f"WRONG {static[0].item()} != {want}")
 PY
-  "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/graph.py" "$GIB" >"$WORK/g.out" 2>&1 & G1=$!
-  "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/train.py" 3 "$GIB" >"$WORK/g2.out" 2>&1 & G2=$!
+  timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/graph.py" "$GIB" >"$WORK/g.out" 2>&1 & G1=$!
+  timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/train.py" 3 "$GIB" >"$WORK/g2.out" 2>&1 & G2=$!
   rg=0; rg2=0; wait $G1 || rg=$?; wait $G2 || rg2=$?
   graph_result="graph exit $rg: $(tail -1 "$WORK/g.out"); competitor exit $rg2: $(tail -1 "$WORK/g2.out")"
   echo "$graph_result"
@@ -248,14 +264,14 @@ if __name__ == "__main__":
     p.join()
     print("ok" if p.exitcode == 0 else f"child exit {p.exitcode}")
 PY
-  ri=0; "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/ipc.py" >"$WORK/ipc.out" 2>&1 || ri=$?
+  ri=0; timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/ipc.py" >"$WORK/ipc.out" 2>&1 || ri=$?
   # The driver refuses legacy IPC of VMM memory: the shim brokers it (shim/src/ipc.rs).
   ipc_result="exit $ri: $(grep -E '^(child sum|ok|child exit)' "$WORK/ipc.out" | tr '\n' ' ')(expected: child sum 1048576.0 ok)"
   echo "$ipc_result"
 fi
 
-hint_result="skipped: no python3 with torch"
-if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+hint_result=$(unless hint "skipped: no python3 with torch")
+if want hint && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   echo "== two PyTorch notebooks reserving ~10x their live tensors: bytes per swap-out, without and with kiwi.enable()"
   cat >"$WORK/cached.py" <<'PY'
 import sys, time, torch
@@ -277,8 +293,8 @@ print(f"ok={ok} reserved {torch.cuda.memory_reserved() >> 20} MiB, live {torch.c
 PY
   hint_result=""
   for hint in 0 1; do
-    PYTHONPATH="$PWD/python" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/cached.py" "$MEM_MIB" "$hint" >"$WORK/h$hint-1.out" 2>&1 & H1=$!
-    PYTHONPATH="$PWD/python" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/cached.py" "$MEM_MIB" "$hint" >"$WORK/h$hint-2.out" 2>&1 & H2=$!
+    PYTHONPATH="$PWD/python" timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/cached.py" "$MEM_MIB" "$hint" >"$WORK/h$hint-1.out" 2>&1 & H1=$!
+    PYTHONPATH="$PWD/python" timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- python3 "$WORK/cached.py" "$MEM_MIB" "$hint" >"$WORK/h$hint-2.out" 2>&1 & H2=$!
     rh1=0; rh2=0; wait $H1 || rh1=$?; wait $H2 || rh2=$?
     "$R/kiwictl" --socket-dir "$SOCK" events >"$WORK/events-h$hint.jsonl" || true
     # kiwictl run execs python3: $H1 and $H2 are the pids the shim registered with.
@@ -297,17 +313,19 @@ PY
 fi
 
 GPUS=$(nvidia-smi -L | grep -c '^GPU ' || true)
-multi_result="skipped: one GPU"
-if [ "$GPUS" -ge 2 ]; then
+multi_result=$(unless multi "skipped: one GPU")
+if want multi && [ "$GPUS" -ge 2 ]; then
   echo "== two processes on GPUs 0 and 1 in opposite orders, ${MEM_MIB} MiB on each"
-  "$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --device 0,1 --mem "${MEM_MIB}MiB" --bursts 4 --gpu-ms 1000 --cpu-ms 500 --name M1 --seed 3 >"$WORK/m1.out" 2>&1 & M1=$!
-  "$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --device 1,0 --mem "${MEM_MIB}MiB" --bursts 4 --gpu-ms 1000 --cpu-ms 500 --name M2 --seed 4 >"$WORK/m2.out" 2>&1 & M2=$!
+  timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --device 0,1 --mem "${MEM_MIB}MiB" --bursts 4 --gpu-ms 1000 --cpu-ms 500 --name M1 --seed 3 >"$WORK/m1.out" 2>&1 & M1=$!
+  timeout "$T" "$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --device 1,0 --mem "${MEM_MIB}MiB" --bursts 4 --gpu-ms 1000 --cpu-ms 500 --name M2 --seed 4 >"$WORK/m2.out" 2>&1 & M2=$!
   rm1=0; rm2=0; wait $M1 || rm1=$?; wait $M2 || rm2=$?
   multi_result="M1 (0,1) exit $rm1, M2 (1,0) exit $rm2, verified: $(grep -c 'all bytes as expected' "$WORK/m1.out" "$WORK/m2.out" | tr '\n' ' ')"
   echo "$multi_result"
 fi
 
-ckpt_api="skipped: no python3 with torch"
+ckpt_api=$(unless checkpoint "skipped: no python3 with torch")
+ckpt_result=$(unless checkpoint skipped); HOLD_MIB=0
+if want checkpoint; then
 if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   echo "== the driver's checkpoint API, no Kiwi"
   timeout 180 python3 scripts/gpu-checkpoint.py 2 >"$WORK/ckpt-api.txt" 2>&1 || true
@@ -321,11 +339,11 @@ SOCK2="$WORK/sock2"
 "$R/kiwi-arbiter" --socket-dir "$SOCK2" --tq 2 --checkpoint auto 2>"$WORK/arbiter2.log" &
 ARB2=$!
 for _ in $(seq 100); do [ -S "$SOCK2/client/arbiter.sock" ] && break; sleep 0.1; done
-"$R/kiwictl" --socket-dir "$SOCK2" run -- "$R/gpuburst" --mem "${HOLD_MIB}MiB" --bursts 5 --gpu-ms 1000 --cpu-ms 1500 --name H --seed 5 >"$WORK/ck-h.out" 2>&1 & CH=$!
+timeout "$T" "$R/kiwictl" --socket-dir "$SOCK2" run -- "$R/gpuburst" --mem "${HOLD_MIB}MiB" --bursts 5 --gpu-ms 1000 --cpu-ms 1500 --name H --seed 5 >"$WORK/ck-h.out" 2>&1 & CH=$!
 sleep 8
 CN=()
 for i in 1 2 3; do
-  "$R/kiwictl" --socket-dir "$SOCK2" run -- "$R/gpuburst" --mem 64MiB --bursts 5 --gpu-ms 200 --cpu-ms 1500 --name "N$i" --seed $((5 + i)) >"$WORK/ck-n$i.out" 2>&1 & CN+=($!)
+  timeout "$T" "$R/kiwictl" --socket-dir "$SOCK2" run -- "$R/gpuburst" --mem 64MiB --bursts 5 --gpu-ms 200 --cpu-ms 1500 --name "N$i" --seed $((5 + i)) >"$WORK/ck-n$i.out" 2>&1 & CN+=($!)
 done
 rh=0; wait $CH || rh=$?
 rc_ck="H $rh"
@@ -344,6 +362,7 @@ print(f"{len(c)} checkpoints ({f(c)}), {len(r)} restores ({f(r)}), skipped: {sor
 PY
 )"
 echo "$ckpt_result"
+fi
 
 "$R/kiwictl" --socket-dir "$SOCK" events >"$WORK/events.jsonl" || true
 swaps=$(python3 - "$WORK/events.jsonl" <<'PY'
@@ -377,8 +396,8 @@ PY
 )
 echo "$swaps"
 
-costs="skipped: no python3 with torch"; rules="$costs"
-if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+costs=$(unless costs "skipped: no python3 with torch"); rules="$costs"
+if want costs && python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
   echo "== the driver's costs (what the simulator charges), no Kiwi"
   timeout 300 python3 scripts/gpu-costs.py 4 >"$WORK/costs.txt" 2>&1 || true
   cat "$WORK/costs.txt"; costs=$(cat "$WORK/costs.txt")
