@@ -447,6 +447,7 @@ impl Client {
             shared: AtomicBool::new(false),
             pin_trim: AtomicBool::new(false),
             pinning: AtomicBool::new(false),
+            pin_held_back: AtomicBool::new(false),
             swap_budget: AtomicU64::new(budget.unwrap_or(u64::MAX)),
             swapping: AtomicU32::new(0),
         });

@@ -467,14 +467,32 @@ pub(crate) fn context_cost(d: usize, ctx: CUcontext) -> u64 {
         if call!(cuCtxSetCurrent: fn(CUcontext)(ctx)).is_err() {
             return 0;
         }
+        // Free memory as the driver tells it in the application's context, or, where
+        // that context cannot answer yet (NVIDIA's runtime 13 makes its primary
+        // context before it can: seen on an H100 and an H200, driver 580), as NVML
+        // counts it, which needs no context. One source for every reading.
+        let uuid = device_uuid(d);
+        let use_nvml = free_memory().is_none();
+        let free_memory = || {
+            if use_nvml {
+                uuid.as_deref().and_then(nvml_free)
+            } else {
+                free_memory()
+            }
+        };
         let mut tries: Vec<CostTry> = Vec::new();
         while tries.len() < COST_TRIES {
             std::thread::sleep(try_jitter(tries.len()));
-            let Some(before) = free_memory() else { break };
+            let Some(before) = free_memory() else {
+                crate::kdebug!("GPU {d}: free memory unknown: no context cost");
+                break;
+            };
             let mut twin: CUcontext = null_mut();
-            if call!(cuCtxCreate_v2: fn(*mut CUcontext, Uint, CUdevice)(&mut twin, 0, d as CUdevice))
-                .is_err()
+            if let Err(e) = call!(cuCtxCreate_v2: fn(*mut CUcontext, Uint, CUdevice)(&mut twin, 0, d as CUdevice))
             {
+                crate::kdebug!(
+                    "GPU {d}: a twin context was refused (CUDA error {e}): no context cost"
+                );
                 break;
             }
             let with_twin = free_memory();

@@ -197,6 +197,7 @@ fn counted(what: &str, mut op: impl FnMut() -> CUresult) -> (CUresult, Option<(u
     if bytes > 0 {
         crate::kdebug!("GPU {d}: {what} took {bytes} bytes of device memory");
         turn.add_context_bytes(bytes as i64);
+        crate::stats::CODE_BYTES.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
     }
     (r, Some((d, bytes)))
 }
@@ -211,6 +212,9 @@ fn counted_load(
     unload: &std::ffi::CStr,
     load: impl FnMut() -> CUresult,
 ) -> CUresult {
+    if unload == c"cuModuleUnload" {
+        crate::stats::MODULE_LOADS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
     let (r, took) = counted("a module", load);
     if let Some((d, bytes)) = took.filter(|_| !handle.is_null()) {
         // SAFETY: the driver just wrote the handle through the caller's pointer.
@@ -284,6 +288,7 @@ pub unsafe fn module_get_function(
     module: *mut c_void,
     name: *const c_char,
 ) -> CUresult {
+    crate::stats::MODULE_GET_FUNCTIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     // SAFETY: forwarding the caller's arguments.
     code_loaded(module as usize, 0, || unsafe { real(func, module, name) })
 }
@@ -339,6 +344,7 @@ pub unsafe fn library_get_module(
     module: *mut *mut c_void,
     library: *mut c_void,
 ) -> CUresult {
+    crate::stats::LIBRARY_GET_MODULES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     // SAFETY: forwarding the caller's arguments.
     let (r, took) = counted("a library's code", || unsafe { real(module, library) });
     if let Some((d, bytes)) = took.filter(|_| !module.is_null()) {
@@ -371,6 +377,7 @@ pub unsafe fn library_get_kernel(
     library: *mut c_void,
     name: *const c_char,
 ) -> CUresult {
+    crate::stats::LIBRARY_GET_KERNELS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     // SAFETY: forwarding the caller's arguments.
     let r = unsafe { real(kernel, library, name) };
     if r == CUDA_SUCCESS && !kernel.is_null() {
@@ -392,6 +399,7 @@ pub unsafe fn kernel_get_function(
     func: *mut *mut c_void,
     kernel: *mut c_void,
 ) -> CUresult {
+    crate::stats::KERNEL_GET_FUNCTIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let library = kernels().get(&(kernel as usize)).copied().unwrap_or(0);
     // Counted under the kernel and context (the function is known only after),
     // with the top bit set, which no handle has (user-space addresses).
@@ -654,6 +662,7 @@ pub unsafe fn library_load(
     lib_values: *mut *mut c_void,
     n_lib: Uint,
 ) -> CUresult {
+    crate::stats::LIBRARY_LOADS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     // SAFETY: forwarding the caller's arguments.
     counted_load(library, c"cuLibraryUnload", || unsafe {
         real(

@@ -23,6 +23,16 @@ pub static PINNED_AHEAD_BYTES: AtomicU64 = AtomicU64::new(0);
 /// Swapped-out contents copied into pageable buffers (no pinned one was ready) and
 /// page-locked in place afterwards by the pinning thread.
 pub static REGISTERED_IN_PLACE_BYTES: AtomicU64 = AtomicU64::new(0);
+/// Calls that load code, or may (`modules.rs`): which ones a runtime makes tells where
+/// its kernels' code comes from (NVIDIA's runtime 12.x and 13.x differ).
+pub static MODULE_LOADS: AtomicU64 = AtomicU64::new(0);
+pub static LIBRARY_LOADS: AtomicU64 = AtomicU64::new(0);
+pub static MODULE_GET_FUNCTIONS: AtomicU64 = AtomicU64::new(0);
+pub static LIBRARY_GET_MODULES: AtomicU64 = AtomicU64::new(0);
+pub static LIBRARY_GET_KERNELS: AtomicU64 = AtomicU64::new(0);
+pub static KERNEL_GET_FUNCTIONS: AtomicU64 = AtomicU64::new(0);
+/// Device memory those calls were measured to take (memory no swap frees).
+pub static CODE_BYTES: AtomicU64 = AtomicU64::new(0);
 
 /// What the exit report reads besides the counters: the gate's submissions so far and
 /// the client's mode.
@@ -37,7 +47,9 @@ pub fn render(submissions: u32, mode: &str) -> String {
         "submissions {}\nslow_submits {}\ngrants {}\nreleases {}\nearly_releases {}\n\
          swap_out_bytes {}\nswap_in_bytes {}\nallocs {}\ndlsym_wrapped {}\n\
          procaddr_wrapped {}\nreconnects {}\ngpus {}\npinned_ahead_bytes {}\n\
-         registered_in_place_bytes {}\nmode {}\n",
+         registered_in_place_bytes {}\nmodule_loads {}\nlibrary_loads {}\n\
+         module_get_functions {}\nlibrary_get_modules {}\nlibrary_get_kernels {}\n\
+         kernel_get_functions {}\ncode_bytes {}\nmode {}\n",
         submissions,
         g(&SLOW_SUBMITS),
         g(&GRANTS),
@@ -52,6 +64,13 @@ pub fn render(submissions: u32, mode: &str) -> String {
         g(&GPUS),
         g(&PINNED_AHEAD_BYTES),
         g(&REGISTERED_IN_PLACE_BYTES),
+        g(&MODULE_LOADS),
+        g(&LIBRARY_LOADS),
+        g(&MODULE_GET_FUNCTIONS),
+        g(&LIBRARY_GET_MODULES),
+        g(&LIBRARY_GET_KERNELS),
+        g(&KERNEL_GET_FUNCTIONS),
+        g(&CODE_BYTES),
         mode,
     )
 }

@@ -125,6 +125,23 @@ impl Client {
         if target == 0 {
             return false;
         }
+        // Never pin ahead what the host cannot spare: two 60 GB JAX processes on an
+        // H100 host of 125 GiB each pinned a full swap-out's buffers ahead, and the
+        // kernel's OOM killer took one of them (exit 137). The swap-out itself still
+        // gets its buffers when it comes (on its critical path).
+        if let Some(avail) = host_available() {
+            if !may_pin_ahead(avail, PIN_STEP) {
+                if !turn.pin_held_back.swap(true, Ordering::Relaxed) {
+                    crate::kinfo!(
+                        "GPU {}: host memory is short ({} MiB available): not pinning swap buffers ahead",
+                        turn.info.ordinal,
+                        avail >> 20
+                    );
+                }
+                return false;
+            }
+            turn.pin_held_back.store(false, Ordering::Relaxed);
+        }
         let t = Instant::now();
         match turn.res.prepare_swap_out(target, PIN_STEP) {
             Ok(0) => {
@@ -154,5 +171,69 @@ impl Client {
                 false
             }
         }
+    }
+}
+
+/// Host memory pinning ahead leaves alone: what the rest of the node (other
+/// processes, their swap-outs, the page cache it needs) may want meanwhile.
+const HOST_KEEP: u64 = 8 << 30;
+
+/// Whether pinning `step` more bytes ahead leaves the host [`HOST_KEEP`] with
+/// `available` bytes available now.
+pub(super) fn may_pin_ahead(available: u64, step: u64) -> bool {
+    available >= HOST_KEEP.saturating_add(step)
+}
+
+/// Memory this process may still take on the host: `MemAvailable` of
+/// `/proc/meminfo`, or less where its cgroup (v2) limits it (`memory.max` less
+/// `memory.current`). `None` where neither can be read.
+fn host_available() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
+    let host = meminfo.as_deref().and_then(mem_available);
+    let read = |f: &str| std::fs::read_to_string(format!("/sys/fs/cgroup/{f}")).ok();
+    let cgroup = match (read("memory.max"), read("memory.current")) {
+        (Some(max), Some(cur)) => cgroup_room(&max, &cur),
+        _ => None,
+    };
+    match (host, cgroup) {
+        (Some(h), Some(c)) => Some(h.min(c)),
+        (h, c) => h.or(c),
+    }
+}
+
+/// `MemAvailable` in bytes from `/proc/meminfo`'s text.
+pub(super) fn mem_available(meminfo: &str) -> Option<u64> {
+    meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(|kb| kb << 10)
+}
+
+/// Room left under a cgroup v2 limit (`memory.max`, `memory.current`); `None` when
+/// unlimited (`max`) or unreadable.
+pub(super) fn cgroup_room(max: &str, current: &str) -> Option<u64> {
+    let max = max.trim().parse::<u64>().ok()?;
+    let cur = current.trim().parse::<u64>().ok()?;
+    Some(max.saturating_sub(cur))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_memory_figures_are_read_and_pinning_ahead_keeps_a_margin() {
+        let meminfo =
+            "MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   10485760 kB\n";
+        assert_eq!(mem_available(meminfo), Some(10 << 30));
+        assert_eq!(mem_available("MemTotal: 5 kB\n"), None);
+        assert_eq!(cgroup_room("max\n", "123\n"), None);
+        assert_eq!(cgroup_room("1073741824\n", "536870912\n"), Some(512 << 20));
+        assert_eq!(cgroup_room("100\n", "200\n"), Some(0));
+        assert!(may_pin_ahead(10 << 30, 64 << 20));
+        assert!(!may_pin_ahead(8 << 30, 64 << 20));
+        assert!(!may_pin_ahead(0, 64 << 20));
     }
 }

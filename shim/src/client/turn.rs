@@ -4,6 +4,9 @@
 
 use super::*;
 
+/// The driver answered a swap with `CUDA_ERROR_DEINITIALIZED`: the process is exiting.
+static DRIVER_GONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// One GPU's turn: its connection, its allocator and what the arbiter lets it use.
 pub struct Turn {
     pub(super) info: DeviceInfo,
@@ -70,6 +73,8 @@ pub struct Turn {
     /// The pinning thread pinned some buffers ahead and has not yet found all it
     /// needs prepared (then it says so once, in the log).
     pub(super) pinning: AtomicBool,
+    /// Pinning ahead was held back because host memory is short (said once per spell).
+    pub(super) pin_held_back: AtomicBool,
     /// The node's swap budget the arbiter announced (`u64::MAX`: none).
     pub(super) swap_budget: AtomicU64,
     /// A release or a swap of this turn is under way: the pinning thread starts no
@@ -400,9 +405,23 @@ impl Turn {
         if need == 0 {
             return;
         }
+        if DRIVER_GONE.load(Ordering::Relaxed) {
+            return;
+        }
         let _swapping = Swapping::enter(self);
         match self.res.evict(need) {
             Ok(s) => self.report_swap(SwapDirection::Out, s),
+            // The driver is shutting down: the process is exiting, and its memory
+            // goes with it. Said once; the arbiter's reclaims until the process is
+            // gone are not errors (an H100 run printed 460 such lines at one exit).
+            Err(crate::cuda::CUDA_ERROR_DEINITIALIZED) => {
+                if !DRIVER_GONE.swap(true, Ordering::Relaxed) {
+                    crate::kdebug!(
+                        "GPU {}: the driver is shutting down (the process exits): no more swaps",
+                        self.info.ordinal
+                    );
+                }
+            }
             Err(e) => crate::kerror!(
                 "GPU {}: swap-out failed with CUDA error {e}",
                 self.info.ordinal
