@@ -19,16 +19,24 @@ use kiwi_tests::Arbiter;
 /// swap-out ran in no context (CUDA error 201): nothing was swapped and the other
 /// program never fit.
 fn context_churn_then_forced_drops(mode: &str) {
+    beside_forced_drops("ctx_churn", &[mode, "500", "20"], &format!("churn-{mode}"));
+}
+
+/// Runs the driver-API test program `name` with `args` on a 1 GiB GPU (simulated
+/// machine `tag`) beside gpuburst over capacity (500 MiB each, TQ 0.3 s), so drops
+/// come while it works: both must finish and verify, and the program must have
+/// swapped out.
+fn beside_forced_drops(name: &str, args: &[&str], tag: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let Some(exe) = compile("ctx_churn", dir.path()) else {
+    let Some(exe) = compile(name, dir.path()) else {
         return;
     };
-    let m = SimMachine::new(&format!("churn-{mode}"), 1, 1 << 30).unwrap();
+    let m = SimMachine::new(tag, 1, 1 << 30).unwrap();
     let arb = Arbiter::start(&["--tq", "0.3"]);
     let mut a = Command::new(&exe);
-    let a = under_kiwi_on(a.args([mode, "500", "20"]), &m, &arb)
+    let a = under_kiwi_on(a.args(args), &m, &arb)
         .spawn()
-        .expect("spawn ctx_churn");
+        .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
     std::thread::sleep(Duration::from_millis(300));
     let mut b = gpuburst("500MiB", 4, 100);
     let b = under_kiwi_on(&mut b, &m, &arb)
@@ -36,7 +44,7 @@ fn context_churn_then_forced_drops(mode: &str) {
         .expect("spawn gpuburst");
     let pa = a.id();
     let (oa, ob) = (finish(a), finish(b));
-    assert_eq!(oa.status.code(), Some(0), "{}", text(&oa));
+    assert_eq!(oa.status.code(), Some(0), "{}\n{}", text(&oa), text(&ob));
     assert!(String::from_utf8_lossy(&oa.stdout).contains("OK"));
     assert_eq!(ob.status.code(), Some(0), "{}", text(&ob));
     let out = swapped_out(&arb, pa);
@@ -73,39 +81,12 @@ fn after_the_newest_context_is_destroyed_the_older_one_is_drained() {
 }
 
 fn older_context_then_forced_drops(extra: &[&str]) {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(exe) = compile("older_context", dir.path()) else {
-        return;
-    };
-    let m = SimMachine::new(&format!("older-context{}", extra.len()), 1, 1 << 30).unwrap();
-    let arb = Arbiter::start(&["--tq", "0.3"]);
-    let mut a = Command::new(&exe);
-    let a = under_kiwi_on(a.args(["500", "12"]).args(extra), &m, &arb)
-        .spawn()
-        .expect("spawn older_context");
-    std::thread::sleep(Duration::from_millis(300));
-    let mut b = gpuburst("500MiB", 4, 100);
-    let b = under_kiwi_on(&mut b, &m, &arb)
-        .spawn()
-        .expect("spawn gpuburst");
-    let pa = a.id();
-    let (oa, ob) = (finish(a), finish(b));
-    assert_eq!(
-        oa.status.code(),
-        Some(0),
-        "{}
-{}",
-        text(&oa),
-        text(&ob)
-    );
-    assert!(String::from_utf8_lossy(&oa.stdout).contains("OK"));
-    assert_eq!(ob.status.code(), Some(0), "{}", text(&ob));
-    let out = swapped_out(&arb, pa);
-    assert!(
-        out >= 100 << 20,
-        "the program swapped out {out} bytes\n{}\n{}",
-        text(&oa),
-        text(&ob)
+    let mut args = vec!["500", "12"];
+    args.extend_from_slice(extra);
+    beside_forced_drops(
+        "older_context",
+        &args,
+        &format!("older-context{}", extra.len()),
     );
 }
 
