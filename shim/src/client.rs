@@ -182,6 +182,9 @@ struct TurnState {
     /// queued work was seen done, and when (the end of the drain that saw it): the
     /// idle clock of an early release runs from there.
     work_done: Option<(u32, Instant)>,
+    /// [`Turn::room_waits`] at the last look: a wait for room starting or ending
+    /// counts as activity, as a submission does.
+    room_mark: u32,
     /// When the quantum of the current grant ends (the arbiter then drops us): an
     /// early release can only come before it.
     quantum_end: Option<Instant>,
@@ -440,6 +443,7 @@ impl Client {
             claimed: AtomicBool::new(false),
             context_bytes: AtomicU64::new(context_bytes),
             pending: AtomicU64::new(pending_bytes),
+            room_waits: AtomicU32::new(0),
             reports_unswappable: AtomicBool::new(reports),
             pipelined: AtomicBool::new(pipelined),
             pin_target: AtomicU64::new(0),
@@ -468,6 +472,7 @@ impl Client {
                 last_usage: None,
                 last_unswappable: reports.then_some(unswappable),
                 work_done: None,
+                room_mark: 0,
                 quantum_end: None,
                 tq: Duration::ZERO,
                 quantum_waits_for_swap_in: false,
@@ -993,6 +998,14 @@ impl Client {
             self.retry_short(&mut st, k);
         }
         let turn = st.slots[k].turn.clone();
+        // A thread waiting for room (`crate::room`) is not idle: the arbiter is making
+        // room for it (a large reclaim can take seconds). The idle clock starts anew
+        // when the wait ends, as after a submission.
+        let room_waits = turn.room_waits();
+        if room_waits != st.slots[k].ts.room_mark || turn.waits_for_room() {
+            st.slots[k].ts.room_mark = room_waits;
+            st.slots[k].ts.work_done = None;
+        }
         let ts = &st.slots[k].ts;
         // Once the submission count stopped moving, a drain says whether the work is
         // done, and when: the idle clock of an early release runs from there, and the
@@ -1007,8 +1020,11 @@ impl Client {
         let before_quantum_end = ts
             .quantum_end
             .is_none_or(|end| Instant::now() + threshold < end);
+        // A thread of the holder waiting for room for memory no swap frees
+        // (`crate::room`) is not idle: the arbiter is making room for it.
         if ts.phase == Phase::Holding
             && ts.short_since.is_none()
+            && !turn.waits_for_room()
             && !moved
             && ts.work_done.map(|w| w.0) != Some(subs)
             && (learning
@@ -1065,6 +1081,7 @@ impl Client {
             let idle = done.elapsed();
             if ts.contended > 0
                 && st.want == 0
+                && !turn.waits_for_room()
                 && mark == self.gate.submissions()
                 && idle >= threshold
             {

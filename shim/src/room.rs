@@ -194,11 +194,12 @@ pub(crate) fn retry_with_room(
             break r;
         }
     };
-    turn.set_pending(0);
-    client::report_now(d);
+    // Said before the wait ends: the idle detector may release the turn after.
     if result == CUDA_SUCCESS {
         crate::kinfo!("GPU {d}: room made for {what} in {:?}", started.elapsed());
     }
+    turn.set_pending(0);
+    client::report_now(d);
     result
 }
 

@@ -65,6 +65,21 @@ fn two_expandable_segment_programs_at_60_percent_take_turns() {
     let m = machine("app-vmm-pair");
     let arb = Arbiter::start(&["--tq", "1"]);
     let [(oa, pa), (ob, pb)] = pair(&m, &arb, &exe, &[]);
+    // Neither gave its turn back while it waited for room for its memory (not
+    // idle: the arbiter was making room for it).
+    for (o, who) in [(&oa, "A"), (&ob, "B")] {
+        let mut waiting = false;
+        for l in String::from_utf8_lossy(&o.stderr).lines() {
+            waiting = (waiting
+                || l.contains("waiting for this GPU's turn while the arbiter makes room"))
+                && !l.contains("room made");
+            assert!(
+                !(waiting && l.contains("releasing early")),
+                "{who} released while it waited for room: {}",
+                text(o)
+            );
+        }
+    }
     // Each one's own memory left the GPU for the other, whole handles of it.
     for (o, pid, who) in [(&oa, pa, "A"), (&ob, pb, "B")] {
         let out = swapped_out(&arb, pid);

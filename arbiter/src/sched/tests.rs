@@ -1117,6 +1117,47 @@ fn a_holder_short_of_room_gets_it_reclaimed() {
     assert!(s.holds_exclusive(2));
 }
 
+/// A holder that grows its memory 20 MiB at a time beside an idle client's (PyTorch's
+/// expandable segments) gets room reclaimed in batches that double within its hold,
+/// up to 1/16 of the GPU, not one reclaim per piece; its next hold starts over.
+#[test]
+fn a_growing_holder_gets_room_reclaimed_in_doubling_batches() {
+    let mut s = sched_4g();
+    reg_unswappable(&mut s, 0, 1, 3480 * MIB, Some(300 * MIB));
+    reg_unswappable(&mut s, 0, 2, 20 * MIB, Some(300 * MIB));
+    // The idle client: all in, not asking.
+    assert_eq!(granted(&s.request(0, 1), 1), Some(true));
+    s.usage(0, 1, usage(3480 * MIB, 3480 * MIB));
+    s.release(1, 1, usage(3480 * MIB, 3480 * MIB));
+    assert_eq!(granted(&s.request(2, 2), 2), Some(true));
+    // The room: 4096 − 600 of contexts. The client grows to 2000 MiB, 20 at a
+    // time; every reclaim is answered at once.
+    let (mut ws, mut res1, mut asked) = (20 * MIB, 3480 * MIB, Vec::new());
+    let mut t = 3;
+    while ws < 2000 * MIB {
+        ws += 20 * MIB;
+        t += 1;
+        let free = ((4096 - 600) * MIB).saturating_sub(res1 + ws - 20 * MIB);
+        let resident = if free >= 20 * MIB { ws } else { ws - 20 * MIB };
+        let mut ask = reclaims(&s.usage(t, 2, usage(ws, resident)), 1);
+        while ask > 0 {
+            asked.push(ask / MIB);
+            res1 -= ask.min(res1);
+            ask = reclaims(&s.reclaimed(t, 1, usage(3480 * MIB, res1)), 1);
+            ask += reclaims(&s.usage(t, 2, usage(ws, ws)), 1);
+        }
+    }
+    // 2000 − (3496 − 3480) MiB had to leave: 20, 20, 40, 80, 160, then 256 a time.
+    assert_eq!(asked[..5], [20, 20, 40, 80, 160], "{asked:?}");
+    assert!(asked[5..].iter().all(|&a| a == 256), "{asked:?}");
+    assert!(asked.len() <= 13, "{} reclaims: {asked:?}", asked.len());
+    // Its next hold starts from the piece again.
+    s.release(t + 1, 2, usage(ws, ws));
+    assert_eq!(granted(&s.request(t + 2, 2), 2), Some(true));
+    let outs = s.usage(t + 3, 2, usage(ws + 20 * MIB, ws));
+    assert!(reclaims(&outs, 1) <= 40 * MIB, "{outs:?}");
+}
+
 /// A report past the GPU's size (a lie or a bug) counts as the whole GPU, no more:
 /// the figures status shows stay within the GPU and no sum overflows.
 #[test]

@@ -50,6 +50,8 @@ pub struct Turn {
     /// frees it); the application's own VMM memory is added from the allocator.
     /// [`DeviceInfo::pending_bytes`], now.
     pub(super) pending: AtomicU64,
+    /// Times a wait for room started or ended ([`Turn::room_waits`]).
+    pub(super) room_waits: AtomicU32,
     pub(super) context_bytes: AtomicU64,
     /// The arbiter accepted `unswappable_bytes` at registration: usage reports leave
     /// the application's own VMM memory out of the working set, and `unswappable`
@@ -317,7 +319,20 @@ impl Turn {
     /// Sets the memory this turn waits for room for ([`DeviceInfo::pending_bytes`]);
     /// sent with the next usage report.
     pub fn set_pending(&self, bytes: u64) {
-        self.pending.store(bytes, Ordering::Relaxed);
+        let was = self.pending.swap(bytes, Ordering::Relaxed);
+        if (was == 0) != (bytes == 0) {
+            self.room_waits.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A thread of this process waits for room on this GPU ([`Turn::set_pending`]).
+    pub(super) fn waits_for_room(&self) -> bool {
+        self.pending.load(Ordering::Relaxed) > 0
+    }
+
+    /// Room waits started or ended on this GPU so far ([`Turn::set_pending`]).
+    pub(super) fn room_waits(&self) -> u32 {
+        self.room_waits.load(Ordering::Relaxed)
     }
 
     pub(super) fn usage(&self) -> Usage {

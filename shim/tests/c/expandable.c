@@ -6,7 +6,9 @@
  * then released), checks the rest, grows again and checks everything, and frees the
  * lower half as NCCL does (released while mapped, then unmapped). Usage:
  *   expandable MIB SEG_MIB BURSTS
- * With EXPORT set, the first handle asks for an exportable (POSIX fd) handle type
+ * With FILL_AS_MAPPED set, each handle is written as soon as it is mapped (as
+ * torch.full does while the segment grows); with IDLE_MS_AFTER_MAPPED, it idles
+ * that long once mapped. With EXPORT set, the first handle asks for an exportable (POSIX fd) handle type
  * and is exported after the first burst: it stays resident from then on.
  * Prints "MAPPED" once all its memory is mapped, a line per burst, then "OK". Exits
  * 2 on a failed call (its name printed), 3 on a wrong byte. */
@@ -75,10 +77,16 @@ int main(int argc, char **argv) {
         return 1;
     CUdeviceptr base;
     CHECK(cuMemAddressReserve(&base, n * seg, 0, 0, 0));
-    for (size_t i = 0; i < n; i++)
+    int touch = getenv("FILL_AS_MAPPED") != NULL;
+    for (size_t i = 0; i < n; i++) {
         map_one(base + i * seg, seg, &hs[i], i == 0 && export ? &shareable : &prop);
+        if (touch) /* as torch.full does: each piece is written as it grows */
+            CHECK(cuMemsetD8(base + i * seg, 0, seg));
+    }
     puts("MAPPED");
     fflush(stdout);
+    if (getenv("IDLE_MS_AFTER_MAPPED")) /* an idle notebook's memory */
+        usleep((useconds_t)atoi(getenv("IDLE_MS_AFTER_MAPPED")) * 1000);
     int bad;
     for (int b = 0; b < bursts; b++) {
         fill(base, seg, 0, n, b);
