@@ -76,9 +76,16 @@ pub enum GpusError {
 pub trait UsedMemory: Send + Sync + std::fmt::Debug {
     /// Bytes in use on the GPU with this UUID now; `None`: not known.
     fn used_bytes(&self, uuid: &str) -> Option<u64>;
+
+    /// Each process with memory on that GPU and how much (`(host pid, bytes)`);
+    /// `None`: not known.
+    fn process_bytes(&self, _uuid: &str) -> Option<Vec<(u32, u64)>> {
+        None
+    }
 }
 
-/// [`UsedMemory`] from NVML (`nvmlDeviceGetMemoryInfo`).
+/// [`UsedMemory`] from NVML (`nvmlDeviceGetMemoryInfo`,
+/// `nvmlDeviceGetComputeRunningProcesses_v3`).
 pub struct NvmlUsed(Nvml);
 
 impl std::fmt::Debug for NvmlUsed {
@@ -91,6 +98,11 @@ impl UsedMemory for NvmlUsed {
     fn used_bytes(&self, uuid: &str) -> Option<u64> {
         let d = self.0.handle_by_uuid(uuid).ok()?;
         self.0.memory(d).ok().map(|m| m.used)
+    }
+
+    fn process_bytes(&self, uuid: &str) -> Option<Vec<(u32, u64)>> {
+        let d = self.0.handle_by_uuid(uuid).ok()?;
+        self.0.compute_processes(d).ok()
     }
 }
 

@@ -141,8 +141,17 @@ struct Client {
     held_ns: u64,
     /// What it was last told while waiting (`wait_info` clients only).
     told: Option<WaitView>,
-    /// GPU memory of its that no swap frees (contexts, modules, its own VMM memory).
+    /// GPU memory of its that no swap frees (contexts, modules, its own VMM memory):
+    /// what it reported, plus `unreported`.
     unswappable: u64,
+    /// That memory as it reported it.
+    reported_unswappable: u64,
+    /// GPU memory the driver counts for its process beyond its reports (code NVIDIA's
+    /// runtime 13 loads inside launches): learned by [`GpuScheduler::reconcile`].
+    unreported: u64,
+    /// The looks at the driver's figure for its process since its reports last
+    /// changed: those reports, and what each look found beyond them.
+    looks: Option<(Usage, u64, Vec<u64>)>,
     /// The last [`ArbiterMsg::Room`] it was sent (`room_info` clients), and when.
     room_told: Option<RoomView>,
     room_sent: Option<Nanos>,
@@ -269,6 +278,19 @@ pub const NO_ROOM_SLACK: u64 = 256 << 20;
 /// The most a holder's growth is reclaimed ahead of it at once: 1/16 of the GPU
 /// ([`GpuScheduler::growth_ask`]; 5 GiB of an 80 GB GPU, about 0.2 s of PCIe).
 pub const GROWTH_AHEAD_DIVISOR: u64 = 16;
+
+/// How often the server gives each GPU's scheduler the driver's per-process figures
+/// ([`GpuScheduler::reconcile`]).
+pub const RECONCILE_INTERVAL_NS: u64 = 1_000_000_000;
+
+/// Looks in a row, the client's reports unchanged, before its process's memory
+/// beyond them is counted ([`GpuScheduler::reconcile`]).
+pub const RECONCILE_LOOKS: usize = 3;
+
+/// Memory the driver counts for a process beyond its reports that is not counted:
+/// allocation granularity and the driver's own bookkeeping
+/// ([`GpuScheduler::reconcile`]).
+pub const UNREPORTED_SLACK: u64 = 64 << 20;
 
 /// How long memory learned from `no_room` ([`GpuScheduler::no_room`]) is counted.
 pub const UNSEEN_TTL_NS: u64 = 60_000_000_000;
@@ -566,6 +588,9 @@ impl GpuScheduler {
                 held_ns: 0,
                 told: None,
                 unswappable,
+                reported_unswappable: unswappable,
+                unreported: 0,
+                looks: None,
                 room_told: None,
                 room_sent: None,
                 reclaim_pending: 0,
@@ -938,12 +963,83 @@ impl GpuScheduler {
         };
         // A report past the GPU's size is a lie or a bug: it cannot take more than all.
         let bytes = bytes.min(self.total);
-        if c.unswappable == bytes {
+        if c.reported_unswappable == bytes {
             return Vec::new();
         }
-        c.unswappable = bytes;
+        c.reported_unswappable = bytes;
+        c.unswappable = bytes.saturating_add(c.unreported).min(self.total);
         c.last_seen = now;
         self.log(Some(id), EventKind::Unswappable { bytes });
+        self.finish(now)
+    }
+
+    /// The driver's figure of each process's memory on this GPU (`(host pid, bytes)`,
+    /// from NVML), looked at every [`RECONCILE_INTERVAL_NS`]: what a client's process
+    /// holds beyond its reports (its resident and its memory no swap frees) is memory
+    /// no swap frees that the shim could not see — NVIDIA's runtime 13 loads kernel
+    /// code inside launches (190 MiB for PyTorch's first kernels on an H200,
+    /// docs/gpu-validation.md) — and is counted as such. Taken as the least of
+    /// [`RECONCILE_LOOKS`] looks in a row while the client's reports stayed the same
+    /// and no swap, reclaim or checkpoint of it was under way: a report that lags a
+    /// swap shows for one look, not for all. Below [`UNREPORTED_SLACK`], none.
+    pub fn reconcile(&mut self, now: Nanos, procs: &[(u32, u64)]) -> Vec<Output> {
+        let mut changed = Vec::new();
+        for (&id, c) in self.clients.iter_mut() {
+            let found = procs
+                .iter()
+                .find(|&&(pid, _)| pid != 0 && pid == c.info.host_pid);
+            let Some(&(_, bytes)) = found else {
+                c.looks = None;
+                continue;
+            };
+            let busy = c.reclaim_pending > 0
+                || c.ckpt != checkpoint::Ckpt::None
+                || self.draining.contains_key(&id)
+                || self.holders.get(&id).is_some_and(|h| h.drop_sent.is_some());
+            let beyond = bytes
+                .saturating_sub(c.usage.resident_bytes)
+                .saturating_sub(c.reported_unswappable);
+            match &mut c.looks {
+                Some((u, r, seen)) if !busy && *u == c.usage && *r == c.reported_unswappable => {
+                    seen.push(beyond);
+                    if seen.len() > RECONCILE_LOOKS {
+                        seen.remove(0);
+                    }
+                }
+                looks => {
+                    *looks = (!busy).then(|| (c.usage, c.reported_unswappable, vec![beyond]));
+                }
+            }
+            let Some((_, _, seen)) = &c.looks else {
+                continue;
+            };
+            if seen.len() < RECONCILE_LOOKS {
+                continue;
+            }
+            let least = seen.iter().copied().min().unwrap_or(0);
+            let unreported = if least >= UNREPORTED_SLACK {
+                least.min(self.total)
+            } else {
+                0
+            };
+            // Moves of less than the slack are noise, not news.
+            if unreported.abs_diff(c.unreported) >= UNREPORTED_SLACK
+                || (unreported == 0) != (c.unreported == 0)
+            {
+                c.unreported = unreported;
+                c.unswappable = c
+                    .reported_unswappable
+                    .saturating_add(unreported)
+                    .min(self.total);
+                changed.push((id, unreported));
+            }
+        }
+        if changed.is_empty() {
+            return Vec::new();
+        }
+        for (id, bytes) in changed {
+            self.log(Some(id), EventKind::Unreported { bytes });
+        }
         self.finish(now)
     }
 
@@ -1387,8 +1483,13 @@ impl GpuScheduler {
             // others' working sets take turns with it, whole processes evicted.
             return Some((self.unmovable_besides(id), None));
         }
+        // Its own memory beyond its reports (`reconcile`) is told too: the shim
+        // subtracts only what it reported.
         let fixed = self.fixed().saturating_sub(self.unseen);
-        Some((fixed.saturating_sub(c.unswappable), self.keep_besides(id)))
+        Some((
+            fixed.saturating_sub(c.reported_unswappable),
+            self.keep_besides(id),
+        ))
     }
 
     /// The largest working set of a client other than `id` (on a GPU whose

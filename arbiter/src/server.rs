@@ -760,6 +760,10 @@ pub async fn serve(
     containers::serve_recorded(&shared);
 
     let timer = tokio::spawn(run_timers(shared.clone(), stop_rx.clone()));
+    let reconcile = cfg
+        .used_memory
+        .clone()
+        .map(|used| tokio::spawn(run_reconcile(shared.clone(), used, stop_rx.clone())));
     let evictions = match (cfg.checkpointer.clone(), checkpoint_rx) {
         (Some(c), Some(rx)) => Some(tokio::spawn(checkpoints::run(
             shared.clone(),
@@ -797,6 +801,9 @@ pub async fn serve(
     log_line!("INFO", "shutting down");
     let _ = stop_tx.send(true);
     let _ = tokio::join!(timer, clients, control);
+    if let Some(r) = reconcile {
+        let _ = r.await;
+    }
     if let Some(e) = evictions {
         let _ = e.await;
     }
@@ -838,6 +845,58 @@ async fn run_timers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
             _ = shared.timer.notified() => {}
             _ = stop.changed() => return,
         }
+    }
+}
+
+/// Gives each GPU with clients the driver's per-process figures every
+/// [`crate::sched::RECONCILE_INTERVAL_NS`] ([`GpuScheduler::reconcile`]): NVML is
+/// asked outside the state lock, on a blocking thread, so a slow NVML holds up
+/// nobody.
+async fn run_reconcile(
+    shared: Arc<Shared>,
+    used: Arc<dyn gpus::UsedMemory>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let every = Duration::from_nanos(crate::sched::RECONCILE_INTERVAL_NS);
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = stop.changed() => return,
+        }
+        let uuids: Vec<String> = {
+            let st = shared.lock();
+            st.gpus
+                .iter()
+                .filter(|(_, g)| !g.sched.is_empty())
+                .map(|(u, _)| u.clone())
+                .collect()
+        };
+        if uuids.is_empty() {
+            continue;
+        }
+        let used = used.clone();
+        let Ok(figures) = tokio::task::spawn_blocking(move || {
+            uuids
+                .into_iter()
+                .filter_map(|u| used.process_bytes(&u).map(|p| (u, p)))
+                .collect::<Vec<_>>()
+        })
+        .await
+        else {
+            continue;
+        };
+        let mut st = shared.lock();
+        let now = monotonic_ns();
+        for (u, procs) in figures {
+            let outs = st
+                .gpus
+                .get_mut(&u)
+                .map(|g| g.sched.reconcile(now, &procs))
+                .unwrap_or_default();
+            st.dispatch(&u, outs);
+        }
+        drop(st);
+        shared.timer.notify_one();
     }
 }
 

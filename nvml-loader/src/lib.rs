@@ -61,6 +61,21 @@ pub mod sys {
         pub compute_instance_id: c_uint,
     }
 
+    /// `nvmlProcessInfo_t` (`nvmlProcessInfo_v2_t`'s layout), as the `_v3` process
+    /// queries fill it.
+    #[repr(C)]
+    #[derive(Debug, Default, Clone, Copy)]
+    pub struct ProcessInfo {
+        pub pid: c_uint,
+        pub used_gpu_memory: c_ulonglong,
+        pub gpu_instance_id: c_uint,
+        pub compute_instance_id: c_uint,
+    }
+
+    /// What `usedGpuMemory` holds where NVML cannot tell (no permission, WDDM).
+    pub const VALUE_NOT_AVAILABLE: c_ulonglong = c_ulonglong::MAX;
+    pub const ERROR_INSUFFICIENT_SIZE: NvmlReturn = 7;
+
     pub type Init = unsafe extern "C" fn() -> NvmlReturn;
     pub type Shutdown = unsafe extern "C" fn() -> NvmlReturn;
     pub type ErrorString = unsafe extern "C" fn(NvmlReturn) -> *const c_char;
@@ -72,6 +87,8 @@ pub mod sys {
     pub type DeviceGetMemoryInfo = unsafe extern "C" fn(Device, *mut Memory) -> NvmlReturn;
     pub type DeviceGetUint = unsafe extern "C" fn(Device, *mut c_uint) -> NvmlReturn;
     pub type DeviceGetPciInfo = unsafe extern "C" fn(Device, *mut PciInfo) -> NvmlReturn;
+    pub type DeviceGetProcesses =
+        unsafe extern "C" fn(Device, *mut c_uint, *mut ProcessInfo) -> NvmlReturn;
     pub type EventSetCreate = unsafe extern "C" fn(*mut EventSet) -> NvmlReturn;
     pub type DeviceRegisterEvents =
         unsafe extern "C" fn(Device, c_ulonglong, EventSet) -> NvmlReturn;
@@ -138,6 +155,7 @@ struct Fns {
     minor: Option<sys::DeviceGetUint>,
     pci: Option<sys::DeviceGetPciInfo>,
     index: Option<sys::DeviceGetUint>,
+    processes: Option<sys::DeviceGetProcesses>,
     set_create: Option<sys::EventSetCreate>,
     register: Option<sys::DeviceRegisterEvents>,
     supported: Option<sys::DeviceGetSupportedEventTypes>,
@@ -215,6 +233,7 @@ impl Nvml {
             minor: optional!("nvmlDeviceGetMinorNumber"),
             pci: optional!("nvmlDeviceGetPciInfo_v3"),
             index: optional!("nvmlDeviceGetIndex"),
+            processes: optional!("nvmlDeviceGetComputeRunningProcesses_v3"),
             set_create: optional!("nvmlEventSetCreate"),
             register: optional!("nvmlDeviceRegisterEvents"),
             supported: optional!("nvmlDeviceGetSupportedEventTypes"),
@@ -345,6 +364,34 @@ impl Nvml {
         // SAFETY: `d` came from NVML; `m` is a valid out pointer of the right layout.
         self.check("nvmlDeviceGetMemoryInfo", unsafe { f(d.0, &mut m) })?;
         Ok(m)
+    }
+
+    /// The processes with a compute context on `d` and the device memory each uses
+    /// (`nvmlDeviceGetComputeRunningProcesses_v3`), by host pid; a process whose use
+    /// NVML cannot tell is left out.
+    pub fn compute_processes(&self, d: DeviceHandle) -> Result<Vec<(u32, u64)>, NvmlError> {
+        const CALL: &str = "nvmlDeviceGetComputeRunningProcesses_v3";
+        let f = self.fns.processes.ok_or_else(|| Self::missing(CALL))?;
+        let mut cap: c_uint = 64;
+        // Processes start between the calls: a few tries with the size NVML asks for.
+        for _ in 0..4 {
+            let mut infos = vec![sys::ProcessInfo::default(); cap as usize];
+            let mut n = cap;
+            // SAFETY: `d` came from NVML; `infos` holds `n` entries of nvml.h's layout.
+            let r = unsafe { f(d.0, &mut n, infos.as_mut_ptr()) };
+            if r == sys::ERROR_INSUFFICIENT_SIZE {
+                cap = n.max(cap.saturating_mul(2)).min(4096);
+                continue;
+            }
+            self.check(CALL, r)?;
+            infos.truncate((n as usize).min(infos.len()));
+            return Ok(infos
+                .into_iter()
+                .filter(|p| p.used_gpu_memory != sys::VALUE_NOT_AVAILABLE)
+                .map(|p| (p.pid, p.used_gpu_memory))
+                .collect());
+        }
+        Err(self.error(CALL, sys::ERROR_INSUFFICIENT_SIZE))
     }
 
     fn uint(

@@ -663,6 +663,14 @@ pub enum EventKind {
     Unswappable {
         bytes: u64,
     },
+    /// The driver counts `bytes` of GPU memory for the client's process beyond what
+    /// it reported (its resident memory and its memory no swap frees), stable over
+    /// several looks: counted from now on as memory no swap frees (NVIDIA's runtime
+    /// 13 loads kernel code inside launches, where the shim cannot see it); 0: no
+    /// longer.
+    Unreported {
+        bytes: u64,
+    },
     /// A holder found no room for `missing_bytes` of its working set
     /// ([`ClientMsg::NoRoom`]); `unseen_bytes`: the GPU memory no client accounts
     /// for that the arbiter counts from now on. The reclaims it caused follow.

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::{CudaRuntime, SimMachine};
-use kiwi_tests::{profile_dir, read_stdout_until, Arbiter};
+use kiwi_tests::{bin, profile_dir, read_stdout_until, Arbiter};
 
 fn c_source(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -1046,6 +1046,98 @@ fn a_process_alone_is_told_the_truth_and_may_take_what_it_could_without_kiwi() {
     );
     let ninety = run("ninety-kiwi", &["p90", "2", "0"], Some(arb.socket_dir()));
     ends_ok("90% under Kiwi", &ninety);
+}
+
+/// Code the driver loads inside a launch, which the shim cannot see (NVIDIA's
+/// runtime 13 does this for every kernel: 190 MiB for PyTorch's first kernels on an
+/// H200): the arbiter reads each process's memory from NVML and counts what A's
+/// process holds beyond its reports (A's 512 MiB library, loaded at its first
+/// launch of a `CUkernel`) as memory no swap frees. So a TensorFlow-style newcomer
+/// beside the idle A is told the truth, takes all it was told but 64 MiB, and runs
+/// in its turn. Told 512 MiB more than could ever be resident beside A's code, it
+/// used to wait until A exited (58 s for an A idle for 60 s).
+#[test]
+fn code_loaded_inside_a_launch_is_counted_from_the_drivers_figure() {
+    let Some(rt) = CudaRuntime::fetch_or_skip("code loaded inside a launch") else {
+        return;
+    };
+    let m = real_contexts("cudart-unreported", 4 << 30);
+    let dir = tempfile::tempdir().unwrap();
+    let grab = compile(&rt, dir.path(), "cudart_grab.c");
+    // NVML found as a node's arbiter finds the driver's: the simulator's, through
+    // the dynamic linker.
+    let arb = Arbiter::start_with_env(&["--tq", "1", "--nvml", "auto"], m.env());
+    let mut a = spawn_cmd(
+        &rt,
+        &m,
+        &bin("gpuburst"),
+        &[
+            "--mem",
+            "1024MiB",
+            "--library",
+            "--script",
+            "gpu:100,idle:300000",
+        ],
+        Some(arb.socket_dir()),
+        &dir.path().join("a.stats"),
+    )
+    .env("KIWI_POD_NAME", "notebook-a")
+    .env("KIWI_SIM_MODULE_MEMORY", (512u64 << 20).to_string())
+    .spawn()
+    .expect("spawn A");
+    let a_pid = a.id();
+    let counted = || {
+        let ev = arb.events();
+        let client = ev
+            .iter()
+            .find(|e| matches!(e.kind, EventKind::Register { host_pid, .. } if host_pid == a_pid))
+            .and_then(|e| e.client);
+        ev.iter()
+            .rev()
+            .filter(|e| client.is_some() && e.client == client)
+            .find_map(|e| match e.kind {
+                EventKind::Unreported { bytes } => Some(bytes),
+                _ => None,
+            })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while counted().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let code = counted();
+    // B beside the idle A, which does not exit: B's turn comes once A's swappable
+    // memory is out.
+    let (ob, hung) = kiwi_tests::finish_within(
+        spawn_cmd(
+            &rt,
+            &m,
+            &grab,
+            &["64", "2", "0"],
+            Some(arb.socket_dir()),
+            &dir.path().join("b.stats"),
+        )
+        .env("KIWI_POD_NAME", "notebook-b")
+        .spawn()
+        .expect("spawn B"),
+        Duration::from_secs(60),
+    );
+    let _ = a.kill();
+    let oa = a.wait_with_output().expect("wait for A");
+    assert!(!hung, "B hung beside the idle A: {}", text(&ob));
+    ends_ok("B (TensorFlow's pattern)", &ob);
+    let code = code.unwrap_or_else(|| panic!("A's code was never counted: {}", text(&oa)));
+    assert!(
+        (448 << 20..=576 << 20).contains(&code),
+        "counted {} MiB of A's as unreported, not its 512 MiB library",
+        code >> 20
+    );
+    // Told the GPU less both contexts and A's code.
+    assert!(
+        told_free(&ob) <= (4096 - 600 - 448) << 20,
+        "told {} MiB free beside A's context and code: {}",
+        told_free(&ob) >> 20,
+        text(&ob)
+    );
 }
 
 /// TensorFlow's pattern, two at once (issue #24, the livelock row): both open their

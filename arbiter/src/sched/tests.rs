@@ -1944,3 +1944,94 @@ fn room_changes_are_coalesced_and_a_ping_gets_the_latest_at_once() {
     assert_eq!(room(&s.tick(due), 1), vec![400 * MIB]);
     assert_eq!(s.next_deadline(), None);
 }
+
+/// Registers client `id` with host pid `pid`, `ws` all resident, and `fixed` of
+/// memory no swap frees reported.
+fn reg_pid(s: &mut GpuScheduler, id: ClientId, pid: u32, ws: u64, fixed: u64) {
+    let info = ClientInfo {
+        host_pid: pid,
+        unswappable: Some(fixed),
+        ..ClientInfo::default()
+    };
+    s.register(0, id, info, usage(ws, ws), None);
+}
+
+fn unreported(outs: &[Output]) -> Vec<(Option<ClientId>, u64)> {
+    logged(outs)
+        .into_iter()
+        .filter_map(|(id, k)| match k {
+            EventKind::Unreported { bytes } => Some((id, bytes)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// What the driver counts for a client's process beyond its reports (code loaded
+/// inside launches) is counted as memory no swap frees after three looks in a row
+/// with its reports unchanged, at the least the looks saw (a report lagging a swap
+/// shows in one look only); a look after its reports changed starts over, and the
+/// count goes once the process's figure comes down to its reports.
+#[test]
+fn memory_beyond_a_clients_reports_is_counted_once_stable() {
+    let mut s = sched_4g();
+    reg_pid(&mut s, 1, 4242, 1000 * MIB, 300 * MIB);
+    reg_pid(&mut s, 2, 4343, 1000 * MIB, 300 * MIB);
+    let room = s.room();
+    let procs = |extra: u64| {
+        [
+            (4242, (1300 + extra) * MIB),
+            (4343, 1300 * MIB),
+            (99, 1024 * MIB),
+        ]
+    };
+    assert!(unreported(&s.reconcile(SEC, &procs(700))).is_empty());
+    assert!(unreported(&s.reconcile(2 * SEC, &procs(190))).is_empty());
+    let outs = s.reconcile(3 * SEC, &procs(200));
+    assert_eq!(unreported(&outs), vec![(Some(1), 190 * MIB)]);
+    assert_eq!(
+        s.room(),
+        room - 190 * MIB,
+        "counted as memory no swap frees"
+    );
+    // Stable again: nothing new to say.
+    assert!(unreported(&s.reconcile(4 * SEC, &procs(200))).is_empty());
+    // Its reports change (the shim counted the code itself): three looks again,
+    // and the count goes.
+    s.unswappable(5 * SEC, 1, 500 * MIB);
+    for t in 6..8 {
+        assert!(unreported(&s.reconcile(t * SEC, &procs(200))).is_empty());
+    }
+    assert_eq!(
+        unreported(&s.reconcile(8 * SEC, &procs(200))),
+        vec![(Some(1), 0)]
+    );
+    assert_eq!(s.room(), room - 200 * MIB);
+    // Within the slack: never counted.
+    for t in 9..14 {
+        assert!(unreported(&s.reconcile(t * SEC, &procs(200 + 60))).is_empty());
+    }
+}
+
+/// A client being reclaimed, or whose process NVML does not list, is not looked
+/// at: its reports lag the swap, or the figure is someone else's.
+#[test]
+fn a_busy_or_unlisted_client_is_not_reconciled() {
+    let mut s = sched_4g();
+    reg_pid(&mut s, 1, 4242, 3000 * MIB, 300 * MIB);
+    reg_pid(&mut s, 2, 4343, 1000 * MIB, 300 * MIB);
+    assert_eq!(granted(&s.request(0, 2), 2), Some(true));
+    assert!(
+        s.clients[&1].reclaim_pending > 0,
+        "client 1 is being reclaimed"
+    );
+    for t in 1..6 {
+        let outs = s.reconcile(t * SEC, &[(4242, 3900 * MIB), (4343, 1300 * MIB)]);
+        assert!(unreported(&outs).is_empty(), "{outs:?}");
+    }
+    // A pid NVML does not list (another pid namespace): nothing, ever.
+    let mut s = sched_4g();
+    reg_pid(&mut s, 1, 0, 1000 * MIB, 300 * MIB);
+    for t in 1..6 {
+        assert!(unreported(&s.reconcile(t * SEC, &[(0, 3000 * MIB)])).is_empty());
+    }
+}

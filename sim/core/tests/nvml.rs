@@ -1,5 +1,6 @@
 //! The NVML stand-in, loaded in this process as the device plugin loads NVML:
-//! same GPUs and UUIDs as the CUDA stand-in, memory info from the shared machine,
+//! same GPUs and UUIDs as the CUDA stand-in, memory info (each process's too) from
+//! the shared machine,
 //! Xid events and lost GPUs raised with `kiwi-sim fault`. (One test in this file:
 //! the library reads its knobs from this process's environment.)
 
@@ -59,6 +60,16 @@ type ByUuid = unsafe extern "C" fn(*const c_char, *mut usize) -> u32;
 type Str = unsafe extern "C" fn(usize, *mut c_char, c_uint) -> u32;
 type Uint = unsafe extern "C" fn(usize, *mut c_uint) -> u32;
 type Mem = unsafe extern "C" fn(usize, *mut Memory) -> u32;
+type Procs = unsafe extern "C" fn(usize, *mut c_uint, *mut ProcessInfo) -> u32;
+
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct ProcessInfo {
+    pid: c_uint,
+    used_gpu_memory: u64,
+    gpu_instance_id: c_uint,
+    compute_instance_id: c_uint,
+}
 type Pci = unsafe extern "C" fn(usize, *mut PciInfo) -> u32;
 type SetCreate = unsafe extern "C" fn(*mut usize) -> u32;
 type Register = unsafe extern "C" fn(usize, u64, usize) -> u32;
@@ -141,6 +152,35 @@ fn nvml_reports_the_simulated_gpus_faults_and_events() {
             assert_eq!(string(&pci.bus_id), ident::pci_bus_id(i as u32));
             assert_eq!(pci.bus, ident::pci_bus(i as u32));
         }
+        // Each process's memory: this one charges 96 MiB to GPU 1.
+        let procs: Procs = lib.sym("nvmlDeviceGetComputeRunningProcesses_v3");
+        let mut infos = [ProcessInfo::default(); 4];
+        let mut n: c_uint = 4;
+        assert_eq!(procs(handles[1], &mut n, infos.as_mut_ptr()), 0);
+        assert_eq!(n, 0, "nobody has memory on it yet");
+        let machine = kiwi_sim_core::Machine::open_existing(&m.name)
+            .unwrap()
+            .expect("the machine");
+        machine.reserve(1, 96 << 20).unwrap();
+        let mut none: c_uint = 0;
+        assert_eq!(
+            procs(handles[1], &mut none, std::ptr::null_mut()),
+            7,
+            "no room for the one process: INSUFFICIENT_SIZE"
+        );
+        assert_eq!(none, 1, "the count it needs");
+        n = 4;
+        assert_eq!(procs(handles[1], &mut n, infos.as_mut_ptr()), 0);
+        assert_eq!(n, 1);
+        assert_eq!(
+            (infos[0].pid, infos[0].used_gpu_memory),
+            (std::process::id(), 96 << 20)
+        );
+        machine.release(1, 96 << 20);
+        n = 4;
+        assert_eq!(procs(handles[0], &mut n, infos.as_mut_ptr()), 0);
+        assert_eq!(n, 0, "GPU 0 has none of it");
+
         let mut small = [0 as c_char; 8];
         assert_eq!(
             lib.sym::<Str>("nvmlDeviceGetName")(handles[0], small.as_mut_ptr(), 8),

@@ -1,6 +1,6 @@
 //! `libnvidia-ml.so.1` of the Kiwi GPU simulator: the NVML calls the device plugin
-//! uses (init, count, handles, UUID, name, memory, minor number, PCI info, Xid
-//! events), reporting the same simulated GPUs as the simulator's `libcuda.so.1`
+//! uses (init, count, handles, UUID, name, memory, each process's memory, minor
+//! number, PCI info, Xid events), reporting the same simulated GPUs as the simulator's `libcuda.so.1`
 //! (same machine segment, same UUIDs). `kiwi-sim fault` raises the faults it reports.
 //!
 //! Every export catches panics and returns `NVML_ERROR_UNKNOWN` instead.
@@ -314,6 +314,58 @@ extern "C" fn nvmlDeviceGetMemoryInfo(h: usize, mem: *mut NvmlMemory) -> NvmlRet
                 used: u.used,
             },
         )
+    })
+}
+
+/// `nvmlProcessInfo_t` (`nvmlProcessInfo_v2_t`'s layout).
+#[repr(C)]
+pub struct NvmlProcessInfo {
+    pid: c_uint,
+    used_gpu_memory: u64,
+    gpu_instance_id: c_uint,
+    compute_instance_id: c_uint,
+}
+
+/// No MIG: the instance ids NVML reports then.
+const NO_INSTANCE: c_uint = 0xFFFF_FFFF;
+
+/// Each process with memory on the GPU and how much: everything the simulator charges
+/// it (contexts, code, allocations), as the driver's per-process figure counts.
+/// `NVML_ERROR_INSUFFICIENT_SIZE` with the count needed when `*count` is too small.
+#[no_mangle]
+extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    h: usize,
+    count: *mut c_uint,
+    infos: *mut NvmlProcessInfo,
+) -> NvmlReturn {
+    guard(|| {
+        let (s, i) = device_index(h)?;
+        if count.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        let u = s.machine.usage(i).map_err(|_| NVML_ERROR_UNKNOWN)?;
+        let procs: Vec<_> = u.processes.iter().filter(|p| p.bytes > 0).collect();
+        // SAFETY: checked non-null; NVML's contract: a valid in/out count.
+        let room = unsafe { *count } as usize;
+        out(count, procs.len() as c_uint)?;
+        if procs.len() > room {
+            return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+        }
+        if !procs.is_empty() && infos.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        for (k, p) in procs.into_iter().enumerate() {
+            // SAFETY: the caller's array holds `room` >= k + 1 entries.
+            unsafe {
+                infos.add(k).write(NvmlProcessInfo {
+                    pid: p.pid,
+                    used_gpu_memory: p.bytes,
+                    gpu_instance_id: NO_INSTANCE,
+                    compute_instance_id: NO_INSTANCE,
+                })
+            };
+        }
+        Ok(())
     })
 }
 
