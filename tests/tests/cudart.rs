@@ -1052,7 +1052,8 @@ fn a_process_alone_is_told_the_truth_and_may_take_what_it_could_without_kiwi() {
 /// runtime 13 does this for every kernel: 190 MiB for PyTorch's first kernels on an
 /// H200): the arbiter reads each process's memory from NVML and counts what A's
 /// process holds beyond its reports (A's 512 MiB library, loaded at its first
-/// launch of a `CUkernel`) as memory no swap frees. So a TensorFlow-style newcomer
+/// launch of a `CUkernel`) as memory no swap frees, and nothing for C, whose module
+/// the shim measured. So a TensorFlow-style newcomer
 /// beside the idle A is told the truth, takes all it was told but 64 MiB, and runs
 /// in its turn. Told 512 MiB more than could ever be resident beside A's code, it
 /// used to wait until A exited (58 s for an A idle for 60 s).
@@ -1086,25 +1087,54 @@ fn code_loaded_inside_a_launch_is_counted_from_the_drivers_figure() {
     .spawn()
     .expect("spawn A");
     let a_pid = a.id();
-    let counted = || {
+    // The events the arbiter logged for process `pid`'s client, in order.
+    let events_of = |pid: u32| {
         let ev = arb.events();
         let client = ev
             .iter()
-            .find(|e| matches!(e.kind, EventKind::Register { host_pid, .. } if host_pid == a_pid))
+            .find(|e| matches!(e.kind, EventKind::Register { host_pid, .. } if host_pid == pid))
             .and_then(|e| e.client);
-        ev.iter()
-            .rev()
+        ev.into_iter()
             .filter(|e| client.is_some() && e.client == client)
-            .find_map(|e| match e.kind {
-                EventKind::Unreported { bytes } => Some(bytes),
-                _ => None,
-            })
+            .map(|e| e.kind)
+            .collect::<Vec<_>>()
+    };
+    // The last `unreported` figure of process `pid`.
+    let counted = |pid: u32| {
+        events_of(pid).into_iter().rev().find_map(|k| match k {
+            EventKind::Unreported { bytes } => Some(bytes),
+            _ => None,
+        })
     };
     let deadline = Instant::now() + Duration::from_secs(30);
-    while counted().is_none() && Instant::now() < deadline {
+    while counted(a_pid).is_none() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
     }
-    let code = counted();
+    let code = counted(a_pid);
+    // Started once A is counted: two processes measuring their contexts at once
+    // can miss each other's (which the driver's figure then catches too).
+    // C's code is loaded where the shim measures it (`cuModuleLoadData`).
+    let mut c = spawn_cmd(
+        &rt,
+        &m,
+        &bin("gpuburst"),
+        &["--mem", "256MiB", "--script", "gpu:100,idle:300000"],
+        Some(arb.socket_dir()),
+        &dir.path().join("c.stats"),
+    )
+    .env("KIWI_POD_NAME", "notebook-c")
+    .spawn()
+    .expect("spawn C");
+    let c_pid = c.id();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let c_resident = || {
+        events_of(c_pid).iter().any(
+            |k| matches!(k, EventKind::Usage { resident_bytes, .. } if *resident_bytes >= 256 << 20),
+        )
+    };
+    while !c_resident() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
     // B beside the idle A, which does not exit: B's turn comes once A's swappable
     // memory is out.
     let (ob, hung) = kiwi_tests::finish_within(
@@ -1121,15 +1151,21 @@ fn code_loaded_inside_a_launch_is_counted_from_the_drivers_figure() {
         .expect("spawn B"),
         Duration::from_secs(60),
     );
+    let c_counted = counted(c_pid);
+    let _ = c.kill();
+    let oc = c.wait_with_output().expect("wait for C");
     let _ = a.kill();
     let oa = a.wait_with_output().expect("wait for A");
     assert!(!hung, "B hung beside the idle A: {}", text(&ob));
+    // Nothing beyond C's whole reports was counted, over as many looks.
+    assert_eq!(c_counted.unwrap_or(0), 0, "{}", text(&oc));
     ends_ok("B (TensorFlow's pattern)", &ob);
     let code = code.unwrap_or_else(|| panic!("A's code was never counted: {}", text(&oa)));
     assert!(
         (448 << 20..=576 << 20).contains(&code),
-        "counted {} MiB of A's as unreported, not its 512 MiB library",
-        code >> 20
+        "counted {} MiB of A's as unreported, not its 512 MiB library: {}",
+        code >> 20,
+        text(&oa)
     );
     // Told the GPU less both contexts and A's code.
     assert!(
