@@ -153,12 +153,12 @@ fn an_applications_own_memory_gets_room_beside_an_idle_tenant() {
     );
 }
 
-/// An application that grows its own memory piece by piece beside the tenant, as
-/// PyTorch's expandable segments do (2000 MiB in handles of 20 MiB, each written as
-/// it is mapped, as `torch.full` does): the room for it is reclaimed from the tenant
-/// in batches that double within the turn, not one reclaim's round trip per piece
-/// (on an H100, 5,030 reclaims of 20 MiB made hand-offs of up to 5 s), and every
-/// byte verifies.
+/// An application that grows its own memory piece by piece beside a tenant, as
+/// PyTorch's expandable segments do (2000 MiB in handles of 20 MiB), the tenant
+/// itself made of such pieces: the room for it is reclaimed from the tenant in
+/// batches that double within the turn, not one reclaim's round trip per piece (49
+/// reclaims here before; on an H100, 5,030 reclaims of 20 MiB made hand-offs of up
+/// to 5 s), and every byte verifies.
 #[test]
 fn memory_grown_piece_by_piece_is_reclaimed_in_doubling_batches() {
     let dir = tempfile::tempdir().unwrap();
