@@ -572,6 +572,28 @@ pub unsafe fn primary_ctx_reset(
     r
 }
 
+/// `cuDevicePrimaryCtxRelease_v2`: "the context is automatically reset once the last
+/// reference to it is released" (Driver API reference): when this release was the
+/// last, given back as for [`primary_ctx_reset`].
+///
+/// # Safety
+/// `real` is the driver's original of this entry point; `dev` is the application's.
+pub unsafe fn primary_ctx_release(
+    real: Real<unsafe extern "C" fn(CUdevice) -> CUresult>,
+    dev: CUdevice,
+) -> CUresult {
+    let primary = active_primary(dev);
+    // SAFETY: forwarding the caller's argument.
+    let r = unsafe { real(dev) };
+    if let (CUDA_SUCCESS, Some(ctx)) = (r, primary) {
+        if active_primary(dev).is_none() {
+            context_gone(ctx as usize);
+            crate::devices::context_destroyed(ctx, true);
+        }
+    }
+    r
+}
+
 /// # Safety
 /// `real` is the driver's original of this entry point; the other arguments are the
 /// application's, valid as `cuda.h` documents them.

@@ -77,6 +77,7 @@ macro_rules! for_each_export {
             hook cuCtxDestroy_v2(ctx: CUcontext) => modules::ctx_destroy;
             /// The primary context's modules and limits leave the GPU with it: their counts are given back; runs no work.
             hook cuDevicePrimaryCtxReset_v2(dev: CUdevice) => modules::primary_ctx_reset;
+            hook cuDevicePrimaryCtxRelease_v2(dev: CUdevice) => modules::primary_ctx_release;
 
             // --- allocation: VMM-backed, swappable, never waits for the GPU
             hook cuMemAlloc_v2(dptr: *mut CUdeviceptr, size: usize) => hooks::mem_alloc;

@@ -108,6 +108,14 @@ fn a_reset_primary_contexts_modules_and_limits_are_no_longer_counted() {
     gone_contexts_modules_and_limits_are_no_longer_counted("reset-modules");
 }
 
+/// The same where the application only releases the primary context's last
+/// reference: the driver resets it then (the simulator used to keep it, and the
+/// shim to count its module and heap).
+#[test]
+fn a_released_primary_contexts_modules_and_limits_are_no_longer_counted() {
+    gone_contexts_modules_and_limits_are_no_longer_counted("release-modules");
+}
+
 fn gone_contexts_modules_and_limits_are_no_longer_counted(mode: &str) {
     let dir = tempfile::tempdir().unwrap();
     let Some(exe) = compile("ctx_churn", dir.path()) else {

@@ -1,5 +1,5 @@
 /* Contexts that come and go before the work (driver API, NVIDIA's cuda.h). Usage:
- *   ctx_churn destroy|reset|modules|reset-modules MIB BURSTS
+ *   ctx_churn destroy|reset|modules|reset-modules|release-modules MIB BURSTS
  * destroy: cuCtxCreate twice, then cuCtxDestroy of the first (the second lives on;
  *          created while the first lives, it cannot reuse its handle).
  * reset:   retain the primary context, cuDevicePrimaryCtxReset, release, then a
@@ -10,6 +10,8 @@
  * reset-modules: the same in the retained primary context, which
  *          cuDevicePrimaryCtxReset then destroys (as cudaDeviceReset), taking both
  *          with it; released, then a cuCtxCreate context.
+ * release-modules: the same, but only released: the driver resets the primary
+ *          context when its last reference goes.
  * Then allocates MIB MiB in the last context and runs BURSTS bursts: a memset to a
  * new value, every byte copied back and checked, 50 ms apart (another program over
  * capacity forces drops meanwhile). Prints "OK"; exits 2 on a failed call, 3 on a
@@ -24,7 +26,7 @@
 
 int main(int argc, char **argv) {
     if (argc != 4) {
-        fprintf(stderr, "usage: ctx_churn destroy|reset|modules|reset-modules MIB BURSTS\n");
+        fprintf(stderr, "usage: ctx_churn destroy|reset|modules|reset-modules|release-modules MIB BURSTS\n");
         return 1;
     }
     size_t n = (size_t)atoi(argv[2]) << 20;
@@ -51,7 +53,7 @@ int main(int argc, char **argv) {
         usleep(1000 * 1000);
         CHECK(cuCtxDestroy(c1));
         CHECK(cuCtxSetCurrent(c2));
-    } else if (strcmp(argv[1], "reset-modules") == 0) {
+    } else if (strcmp(argv[1], "reset-modules") == 0 || strcmp(argv[1], "release-modules") == 0) {
         CUmodule m;
         CUfunction f;
         CHECK(cuDevicePrimaryCtxRetain(&p, dev));
@@ -60,7 +62,8 @@ int main(int argc, char **argv) {
         CHECK(cuModuleGetFunction(&f, m, "kiwi_fill"));
         CHECK(cuCtxSetLimit(CU_LIMIT_MALLOC_HEAP_SIZE, 64u << 20));
         usleep(1000 * 1000);
-        CHECK(cuDevicePrimaryCtxReset(dev));
+        if (strcmp(argv[1], "reset-modules") == 0)
+            CHECK(cuDevicePrimaryCtxReset(dev));
         CHECK(cuDevicePrimaryCtxRelease(dev));
         CHECK(cuCtxCreate(&c2, 0, dev));
     } else {

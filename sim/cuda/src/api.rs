@@ -224,9 +224,15 @@ fn primary_release(dev: CUdevice) -> Result<(), CUresult> {
     if p.refs == 0 {
         return Err(CUDA_ERROR_INVALID_CONTEXT);
     }
-    // The context (and its memory) stays until reset or exit: a documented
-    // simplification; the next retain gets the same context back.
     p.refs -= 1;
+    // "The context is automatically reset once the last reference to it is
+    // released" (Driver API reference, cuDevicePrimaryCtxRelease): its memory,
+    // modules and limits go; the next retain activates the same handle again.
+    let last = (p.refs == 0).then(|| p.ctx.clone()).flatten();
+    drop(p);
+    if let Some(c) = last {
+        reset_context(d, g, &c);
+    }
     Ok(())
 }
 
@@ -247,17 +253,22 @@ fn primary_reset(dev: CUdevice) -> Result<(), CUresult> {
         .ctx
         .clone();
     if let Some(c) = ctx {
-        c.wait_all();
-        c.clear_local_storage();
-        d.drop_modules_of(c.handle());
-        d.mem.free_owned_by(c.handle());
-        c.sticky.store(CUDA_SUCCESS, Ordering::Release);
-        // The reset context gives its memory back until it is activated again
-        // (the next retain, or the runtime's lookup).
-        c.release_limits();
-        d.uncharge_context(g, &c.charged);
+        reset_context(d, g, &c);
     }
     Ok(())
+}
+
+/// A primary context reset (`cuDevicePrimaryCtxReset`, or its last release): its
+/// work waited for, its allocations, modules and limits gone, its memory given back
+/// until it is activated again (the next retain, or the runtime's lookup).
+fn reset_context(d: &Driver, g: u32, c: &Arc<Context>) {
+    c.wait_all();
+    c.clear_local_storage();
+    d.drop_modules_of(c.handle());
+    d.mem.free_owned_by(c.handle());
+    c.sticky.store(CUDA_SUCCESS, Ordering::Release);
+    c.release_limits();
+    d.uncharge_context(g, &c.charged);
 }
 
 pub(crate) fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) -> Result<(), CUresult> {
