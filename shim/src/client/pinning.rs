@@ -185,20 +185,55 @@ pub(super) fn may_pin_ahead(available: u64, step: u64) -> bool {
 }
 
 /// Memory this process may still take on the host: `MemAvailable` of
-/// `/proc/meminfo`, or less where its cgroup (v2) limits it (`memory.max` less
-/// `memory.current`). `None` where neither can be read.
+/// `/proc/meminfo`, or less where its memory cgroup limits it (pinned memory is
+/// charged there, and a pod over its limit is killed). `None` where neither can be
+/// read.
 fn host_available() -> Option<u64> {
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
     let host = meminfo.as_deref().and_then(mem_available);
-    let read = |f: &str| std::fs::read_to_string(format!("/sys/fs/cgroup/{f}")).ok();
-    let cgroup = match (read("memory.max"), read("memory.current")) {
-        (Some(max), Some(cur)) => cgroup_room(&max, &cur),
-        _ => None,
-    };
-    match (host, cgroup) {
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let cgroup = cgroup_files(&own).into_iter().find_map(|(max, cur)| {
+        let max = std::fs::read_to_string(max).ok()?;
+        let cur = std::fs::read_to_string(cur).ok()?;
+        Some(cgroup_room(&max, &cur))
+    });
+    match (host, cgroup.flatten()) {
         (Some(h), Some(c)) => Some(h.min(c)),
         (h, c) => h.or(c),
     }
+}
+
+/// Where this process's memory limit and use may be read, from its
+/// `/proc/self/cgroup` text, first found first: cgroup v2 (`0::PATH`:
+/// `memory.max`, `memory.current`) and v1 (the `memory` controller's line:
+/// `memory.limit_in_bytes`, `memory.usage_in_bytes`), each under its path, then at
+/// the mount's root (a container's own cgroup, mounted there with a cgroup
+/// namespace or by its runtime).
+pub(super) fn cgroup_files(own: &str) -> Vec<(String, String)> {
+    let mut files = Vec::new();
+    for line in own.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let path = path.trim_end_matches('/');
+        if controllers.is_empty() {
+            for dir in [format!("/sys/fs/cgroup{path}"), "/sys/fs/cgroup".into()] {
+                files.push((format!("{dir}/memory.max"), format!("{dir}/memory.current")));
+            }
+        } else if controllers.split(',').any(|c| c == "memory") {
+            let root = "/sys/fs/cgroup/memory";
+            for dir in [format!("{root}{path}"), root.into()] {
+                files.push((
+                    format!("{dir}/memory.limit_in_bytes"),
+                    format!("{dir}/memory.usage_in_bytes"),
+                ));
+            }
+        }
+    }
+    files.dedup();
+    files
 }
 
 /// `MemAvailable` in bytes from `/proc/meminfo`'s text.
@@ -211,12 +246,13 @@ pub(super) fn mem_available(meminfo: &str) -> Option<u64> {
         .map(|kb| kb << 10)
 }
 
-/// Room left under a cgroup v2 limit (`memory.max`, `memory.current`); `None` when
-/// unlimited (`max`) or unreadable.
+/// Room left under a cgroup's memory limit and use (v2's `memory.max` and
+/// `memory.current`, or v1's `memory.limit_in_bytes` and `memory.usage_in_bytes`);
+/// `None` when unlimited (v2's `max`, v1's page-rounded `i64::MAX`) or unreadable.
 pub(super) fn cgroup_room(max: &str, current: &str) -> Option<u64> {
     let max = max.trim().parse::<u64>().ok()?;
     let cur = current.trim().parse::<u64>().ok()?;
-    Some(max.saturating_sub(cur))
+    (max < 1 << 62).then(|| max.saturating_sub(cur))
 }
 
 #[cfg(test)]
@@ -232,6 +268,35 @@ mod tests {
         assert_eq!(cgroup_room("max\n", "123\n"), None);
         assert_eq!(cgroup_room("1073741824\n", "536870912\n"), Some(512 << 20));
         assert_eq!(cgroup_room("100\n", "200\n"), Some(0));
+        assert_eq!(cgroup_room("9223372036854771712\n", "5\n"), None, "v1 unlimited");
+        // Where to read them: v2 under the process's path, then the root; v1 the
+        // memory controller's likewise; other controllers are not looked at.
+        let v2 = cgroup_files("0::/kubepods/pod1/abc\n");
+        assert_eq!(
+            v2,
+            vec![
+                (
+                    "/sys/fs/cgroup/kubepods/pod1/abc/memory.max".to_string(),
+                    "/sys/fs/cgroup/kubepods/pod1/abc/memory.current".to_string()
+                ),
+                (
+                    "/sys/fs/cgroup/memory.max".to_string(),
+                    "/sys/fs/cgroup/memory.current".to_string()
+                ),
+            ]
+        );
+        assert_eq!(cgroup_files("0::/\n").len(), 1);
+        let v1 = cgroup_files("5:cpu,cpuacct:/x\n4:memory:/process_api/52dc\n0::/\n");
+        assert_eq!(
+            v1[0],
+            (
+                "/sys/fs/cgroup/memory/process_api/52dc/memory.limit_in_bytes".to_string(),
+                "/sys/fs/cgroup/memory/process_api/52dc/memory.usage_in_bytes".to_string()
+            )
+        );
+        assert_eq!(v1[1].0, "/sys/fs/cgroup/memory/memory.limit_in_bytes");
+        assert_eq!(v1[2].0, "/sys/fs/cgroup/memory.max");
+        assert!(cgroup_files("garbage\n\n").is_empty());
         assert!(may_pin_ahead(10 << 30, 64 << 20));
         assert!(!may_pin_ahead(8 << 30, 64 << 20));
         assert!(!may_pin_ahead(0, 64 << 20));
