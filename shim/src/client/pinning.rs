@@ -268,7 +268,11 @@ mod tests {
         assert_eq!(cgroup_room("max\n", "123\n"), None);
         assert_eq!(cgroup_room("1073741824\n", "536870912\n"), Some(512 << 20));
         assert_eq!(cgroup_room("100\n", "200\n"), Some(0));
-        assert_eq!(cgroup_room("9223372036854771712\n", "5\n"), None, "v1 unlimited");
+        assert_eq!(
+            cgroup_room("9223372036854771712\n", "5\n"),
+            None,
+            "v1 unlimited"
+        );
         // Where to read them: v2 under the process's path, then the root; v1 the
         // memory controller's likewise; other controllers are not looked at.
         let v2 = cgroup_files("0::/kubepods/pod1/abc\n");
