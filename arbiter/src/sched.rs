@@ -252,6 +252,11 @@ pub struct GpuScheduler {
     /// if not, the next `no_room` learns it again).
     unseen: u64,
     unseen_at: Nanos,
+    /// GPU memory of processes that are no client of this GPU (run without Kiwi, or
+    /// refused), as NVML counts it ([`GpuScheduler::reconcile`]), counted as fixed;
+    /// and the looks at each such process since it was first listed.
+    outside_kiwi: u64,
+    outside_looks: BTreeMap<u32, Vec<u64>>,
     /// Whole processes may be checkpointed to make room (the daemon has the driver's
     /// checkpoint API, [`crate::checkpoint`]).
     checkpoint_on: bool,
@@ -341,6 +346,8 @@ impl GpuScheduler {
             waiters_seen: None,
             unseen: 0,
             unseen_at: 0,
+            outside_kiwi: 0,
+            outside_looks: BTreeMap::new(),
             checkpoint_on: false,
             idle_since: None,
             out: Vec::new(),
@@ -424,6 +431,7 @@ impl GpuScheduler {
         reported
             .max(floor)
             .saturating_add(self.unseen)
+            .saturating_add(self.outside_kiwi)
             .min(self.total)
     }
 
@@ -923,7 +931,8 @@ impl GpuScheduler {
                     let outside = used
                         .saturating_sub(self.resident())
                         .saturating_sub(reported)
-                        .saturating_sub(self.unseen);
+                        .saturating_sub(self.unseen)
+                        .saturating_sub(self.outside_kiwi);
                     believed_free.min(outside)
                 }
                 None => believed_free,
@@ -1034,13 +1043,56 @@ impl GpuScheduler {
                 changed.push((id, unreported));
             }
         }
-        if changed.is_empty() {
+        let outside = self.reconcile_outside(procs);
+        if changed.is_empty() && outside.is_none() {
             return Vec::new();
         }
         for (id, bytes) in changed {
             self.log(Some(id), EventKind::Unreported { bytes });
         }
+        if let Some(bytes) = outside {
+            self.log(None, EventKind::OutsideKiwi { bytes });
+        }
         self.finish(now)
+    }
+
+    /// The processes NVML lists that are no client here: memory no swap frees, and
+    /// none of Kiwi's to evict (a process run without Kiwi, a shim its GPU refused, a
+    /// tool with a context). Each counts at the least of its last
+    /// [`RECONCILE_LOOKS`] looks (a process about to register is listed before it
+    /// does), from [`UNREPORTED_SLACK`] on. Only while every client's host pid is
+    /// known: one that is not (an arbiter outside the host's pid namespace) would be
+    /// counted twice. Returns the new total when it changed by the slack or more.
+    fn reconcile_outside(&mut self, procs: &[(u32, u64)]) -> Option<u64> {
+        let known = self.clients.values().all(|c| c.info.host_pid != 0);
+        let clients: std::collections::BTreeSet<u32> =
+            self.clients.values().map(|c| c.info.host_pid).collect();
+        let mut listed = std::collections::BTreeSet::new();
+        for &(pid, bytes) in procs {
+            if !known || pid == 0 || clients.contains(&pid) || !listed.insert(pid) {
+                continue;
+            }
+            let seen = self.outside_looks.entry(pid).or_default();
+            seen.push(bytes);
+            if seen.len() > RECONCILE_LOOKS {
+                seen.remove(0);
+            }
+        }
+        self.outside_looks.retain(|pid, _| listed.contains(pid));
+        let outside = self
+            .outside_looks
+            .values()
+            .filter(|seen| seen.len() >= RECONCILE_LOOKS)
+            .map(|seen| seen.iter().copied().min().unwrap_or(0))
+            .filter(|&b| b >= UNREPORTED_SLACK)
+            .fold(0u64, u64::saturating_add)
+            .min(self.total);
+        let news = outside.abs_diff(self.outside_kiwi) >= UNREPORTED_SLACK
+            || (outside == 0) != (self.outside_kiwi == 0);
+        news.then(|| {
+            self.outside_kiwi = outside;
+            outside
+        })
     }
 
     /// A swap finished (event log only).

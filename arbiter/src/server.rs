@@ -848,10 +848,12 @@ async fn run_timers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     }
 }
 
-/// Gives each GPU with clients the driver's per-process figures every
+/// Gives each GPU's scheduler the driver's per-process figures every
 /// [`crate::sched::RECONCILE_INTERVAL_NS`] ([`GpuScheduler::reconcile`]): NVML is
 /// asked outside the state lock, on a blocking thread, so a slow NVML holds up
-/// nobody.
+/// nobody. Every GPU NVML knows is asked, and one with processes but no entry yet
+/// gets one, as at its first client's registration: a process outside Kiwi is then
+/// counted before the first client arrives, and that client told the truth.
 async fn run_reconcile(
     shared: Arc<Shared>,
     used: Arc<dyn gpus::UsedMemory>,
@@ -865,11 +867,14 @@ async fn run_reconcile(
         }
         let uuids: Vec<String> = {
             let st = shared.lock();
-            st.gpus
-                .iter()
-                .filter(|(_, g)| !g.sched.is_empty())
-                .map(|(u, _)| u.clone())
-                .collect()
+            let known = match &st.cfg.gpus {
+                gpus::GpuTruth::Nvml(known) => known.iter().map(|k| k.uuid.clone()).collect(),
+                gpus::GpuTruth::Claims => Vec::new(),
+            };
+            let mut uuids: Vec<String> = st.gpus.keys().cloned().chain(known).collect();
+            uuids.sort();
+            uuids.dedup();
+            uuids
         };
         if uuids.is_empty() {
             continue;
@@ -888,6 +893,17 @@ async fn run_reconcile(
         let mut st = shared.lock();
         let now = monotonic_ns();
         for (u, procs) in figures {
+            if !st.gpus.contains_key(&u) && !procs.is_empty() {
+                let total = match &st.cfg.gpus {
+                    gpus::GpuTruth::Nvml(known) => {
+                        known.iter().find(|k| k.uuid == u).map(|k| k.total_bytes)
+                    }
+                    gpus::GpuTruth::Claims => None,
+                };
+                if let Some(total) = total {
+                    let _ = st.admit_gpu(now, &u, total);
+                }
+            }
             let outs = st
                 .gpus
                 .get_mut(&u)

@@ -671,6 +671,12 @@ pub enum EventKind {
     Unreported {
         bytes: u64,
     },
+    /// The GPU memory of processes that are no client of this GPU (run without
+    /// Kiwi, refused, a tool with a context), as NVML counts them, stable over
+    /// several looks: counted from now on as memory no swap frees (client `None`).
+    OutsideKiwi {
+        bytes: u64,
+    },
     /// A holder found no room for `missing_bytes` of its working set
     /// ([`ClientMsg::NoRoom`]); `unseen_bytes`: the GPU memory no client accounts
     /// for that the arbiter counts from now on. The reclaims it caused follow.

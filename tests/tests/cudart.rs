@@ -1176,6 +1176,74 @@ fn code_loaded_inside_a_launch_is_counted_from_the_drivers_figure() {
     );
 }
 
+/// A process that runs without Kiwi beside Kiwi's clients (a job started without
+/// `kiwictl run`, a tool with a context): its memory is no client's, and none Kiwi
+/// can evict. The arbiter reads it from NVML and counts it as memory no swap frees,
+/// so a TensorFlow-style newcomer is told the truth and runs. Told the outsider's
+/// 1.3 GiB as free, it used to wait for room that only the outsider's exit makes.
+#[test]
+fn a_process_outside_kiwi_is_counted_from_the_drivers_figure() {
+    let Some(rt) = CudaRuntime::fetch_or_skip("a process outside Kiwi") else {
+        return;
+    };
+    let m = real_contexts("cudart-outside", 4 << 30);
+    let dir = tempfile::tempdir().unwrap();
+    let grab = compile(&rt, dir.path(), "cudart_grab.c");
+    let arb = Arbiter::start_with_env(&["--tq", "1", "--nvml", "auto"], m.env());
+    // No shim: `spawn_cmd` without a socket directory preloads nothing.
+    let mut outsider = spawn_cmd(
+        &rt,
+        &m,
+        &bin("gpuburst"),
+        &["--mem", "1024MiB", "--script", "gpu:100,idle:300000"],
+        None,
+        &dir.path().join("o.stats"),
+    )
+    .spawn()
+    .expect("spawn the outsider");
+    let counted = || {
+        arb.events().into_iter().rev().find_map(|e| match e.kind {
+            EventKind::OutsideKiwi { bytes } => Some(bytes),
+            _ => None,
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while counted().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let outside = counted();
+    let (ob, hung) = kiwi_tests::finish_within(
+        spawn_cmd(
+            &rt,
+            &m,
+            &grab,
+            &["64", "2", "0"],
+            Some(arb.socket_dir()),
+            &dir.path().join("b.stats"),
+        )
+        .spawn()
+        .expect("spawn B"),
+        Duration::from_secs(60),
+    );
+    let _ = outsider.kill();
+    let oo = outsider.wait_with_output().expect("wait for the outsider");
+    assert!(!hung, "B hung beside the outsider: {}", text(&ob));
+    ends_ok("B (TensorFlow's pattern)", &ob);
+    let outside =
+        outside.unwrap_or_else(|| panic!("the outsider was never counted: {}", text(&oo)));
+    assert!(
+        outside >= (1024 + 300) << 20,
+        "counted {} MiB of the outsider's, not its context and 1 GiB",
+        outside >> 20
+    );
+    assert!(
+        told_free(&ob) <= (4096 - 600 - 1024) << 20,
+        "told {} MiB free beside the outsider: {}",
+        told_free(&ob) >> 20,
+        text(&ob)
+    );
+}
+
 /// TensorFlow's pattern, two at once (issue #24, the livelock row): both open their
 /// contexts, then each asks how much is free and takes all of it but 64 MiB. Each
 /// used to be told the GPU less the arbiter's reserve, which did not leave room for
