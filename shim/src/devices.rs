@@ -408,12 +408,57 @@ fn device_info(d: usize) -> Result<DeviceInfo, CUresult> {
 /// process whose first context was refused does not have); `None` where NVML does
 /// not load.
 pub(crate) fn nvml_free(uuid: &str) -> Option<u64> {
-    static NVML: std::sync::OnceLock<Option<kiwi_nvml::Nvml>> = std::sync::OnceLock::new();
-    let nvml = NVML
-        .get_or_init(|| kiwi_nvml::Nvml::load(kiwi_nvml::NVML_LIBRARY).ok())
-        .as_ref()?;
+    let nvml = nvml()?;
     let dev = nvml.handle_by_uuid(uuid).ok()?;
     nvml.memory(dev).ok().map(|m| m.free)
+}
+
+/// NVML, loaded once; `None` where it does not load.
+fn nvml() -> Option<&'static kiwi_nvml::Nvml> {
+    static NVML: std::sync::OnceLock<Option<kiwi_nvml::Nvml>> = std::sync::OnceLock::new();
+    NVML.get_or_init(|| kiwi_nvml::Nvml::load(kiwi_nvml::NVML_LIBRARY).ok())
+        .as_ref()
+}
+
+/// GPU `uuid` as NVML sees it at one moment: free memory, and each process's
+/// memory (`(pid, bytes)`; `None` where NVML cannot list them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct NvmlLook {
+    pub free: u64,
+    pub procs: Option<Vec<(u32, u64)>>,
+}
+
+/// [`NvmlLook`] of GPU `uuid` now.
+pub(crate) fn nvml_look(uuid: &str) -> Option<NvmlLook> {
+    let nvml = nvml()?;
+    let dev = nvml.handle_by_uuid(uuid).ok()?;
+    let free = nvml.memory(dev).ok()?.free;
+    Some(NvmlLook {
+        free,
+        procs: nvml.compute_processes(dev).ok(),
+    })
+}
+
+/// What this process's context creation (process `me`) took, from NVML's looks
+/// before and after it: its own growth where NVML lists it under `me`; else (a pid
+/// namespace of its own) the least growth of the processes that appeared or grew
+/// meanwhile, one of which is this one; never more than the drop in free memory.
+/// Newcomers starting together each counted the others' contexts as their own
+/// before (a notebook refused for a holder it would not have blocked).
+pub(crate) fn creation_cost(before: &NvmlLook, after: &NvmlLook, me: u32) -> u64 {
+    let drop = before.free.saturating_sub(after.free);
+    let (Some(b), Some(a)) = (&before.procs, &after.procs) else {
+        return drop;
+    };
+    let was = |pid: u32| b.iter().find(|p| p.0 == pid).map_or(0, |p| p.1);
+    if let Some(&(_, mine)) = a.iter().find(|p| p.0 == me) {
+        return mine.saturating_sub(was(me)).min(drop);
+    }
+    a.iter()
+        .map(|&(pid, bytes)| bytes.saturating_sub(was(pid)))
+        .filter(|&g| g > 0)
+        .min()
+        .map_or(drop, |g| g.min(drop))
 }
 
 /// Device `d`'s UUID as NVML names it (`GPU-…`); `None` where the driver cannot say.
@@ -1041,6 +1086,36 @@ pub fn exportable() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A context's creation cost from NVML's looks: the process's own growth where
+    /// NVML lists it; else the least growth among processes that grew (another
+    /// newcomer's context made at the same moment is not counted as its own);
+    /// capped by the drop in free memory.
+    #[test]
+    fn a_creation_costs_its_own_processes_growth() {
+        let look = |free: u64, procs: &[(u32, u64)]| NvmlLook {
+            free: free * MIB,
+            procs: Some(procs.iter().map(|&(p, b)| (p, b * MIB)).collect()),
+        };
+        let before = look(4000, &[(10, 1000)]);
+        // Alone: its pid appears with its context.
+        let after = look(3700, &[(10, 1000), (42, 300)]);
+        assert_eq!(creation_cost(&before, &after, 42), 300 * MIB);
+        // Another newcomer's context at the same moment: not its own.
+        let after = look(3400, &[(10, 1000), (42, 300), (43, 300)]);
+        assert_eq!(creation_cost(&before, &after, 42), 300 * MIB);
+        // Listed under another pid (its own pid namespace): the least growth.
+        let after = look(3350, &[(10, 1050), (900, 300), (901, 310)]);
+        assert_eq!(creation_cost(&before, &after, 42), 50 * MIB);
+        let after = look(3700, &[(10, 1000), (900, 300)]);
+        assert_eq!(creation_cost(&before, &after, 42), 300 * MIB);
+        // No process list: the drop in free memory, as before.
+        let bare = |free: u64| NvmlLook {
+            free: free * MIB,
+            procs: None,
+        };
+        assert_eq!(creation_cost(&bare(4000), &bare(3400), 42), 600 * MIB);
+    }
 
     const MIB: u64 = 1 << 20;
 

@@ -68,13 +68,22 @@ pub(crate) fn create_context(
     let uuid = d
         .filter(|&d| crate::devices::APP_CTX[d].load(Ordering::Acquire).is_null())
         .and_then(crate::devices::device_uuid);
-    let free_before = uuid.as_deref().and_then(nvml_free);
-    let r = create();
-    if let (Some(d), Some(b), true) = (d, free_before, r == CUDA_SUCCESS) {
-        if let Some(a) = uuid.as_deref().and_then(nvml_free) {
-            crate::devices::note_creation_drop(d, b.saturating_sub(a));
+    // Measured on every try, the one made after waiting for room included (not
+    // measured, a context made then counted the 512 MiB estimate: two newcomers
+    // beside an idle holder were refused for a holder one 300 MiB context could not
+    // block).
+    let mut create = || {
+        let before = uuid.as_deref().and_then(crate::devices::nvml_look);
+        let r = create();
+        if let (Some(d), Some(b), true) = (d, before, r == CUDA_SUCCESS) {
+            if let Some(a) = uuid.as_deref().and_then(crate::devices::nvml_look) {
+                let me = std::process::id();
+                crate::devices::note_creation_drop(d, crate::devices::creation_cost(&b, &a, me));
+            }
         }
-    }
+        r
+    };
+    let r = create();
     if r != CUDA_ERROR_OUT_OF_MEMORY || pctx.is_null() {
         return r;
     }
