@@ -561,13 +561,25 @@ pub unsafe fn primary_ctx_reset(
     real: Real<unsafe extern "C" fn(CUdevice) -> CUresult>,
     dev: CUdevice,
 ) -> CUresult {
-    let primary = active_primary(dev);
     // SAFETY: forwarding the caller's argument.
-    let r = unsafe { real(dev) };
+    primary_gone_after(dev, || unsafe { real(dev) }, |_| true)
+}
+
+/// Runs `call` on device `dev`'s primary context and, where it worked and
+/// `reset(dev)` says the context was reset by it, gives back what was counted for
+/// the context; live again (and counted again) when it is next retained.
+fn primary_gone_after(
+    dev: CUdevice,
+    call: impl FnOnce() -> CUresult,
+    reset: impl FnOnce(CUdevice) -> bool,
+) -> CUresult {
+    let primary = active_primary(dev);
+    let r = call();
     if let (CUDA_SUCCESS, Some(ctx)) = (r, primary) {
-        context_gone(ctx as usize);
-        // Live again (and counted again) when it is next retained.
-        crate::devices::context_destroyed(ctx, true);
+        if reset(dev) {
+            context_gone(ctx as usize);
+            crate::devices::context_destroyed(ctx, true);
+        }
     }
     r
 }
@@ -582,16 +594,12 @@ pub unsafe fn primary_ctx_release(
     real: Real<unsafe extern "C" fn(CUdevice) -> CUresult>,
     dev: CUdevice,
 ) -> CUresult {
-    let primary = active_primary(dev);
     // SAFETY: forwarding the caller's argument.
-    let r = unsafe { real(dev) };
-    if let (CUDA_SUCCESS, Some(ctx)) = (r, primary) {
-        if active_primary(dev).is_none() {
-            context_gone(ctx as usize);
-            crate::devices::context_destroyed(ctx, true);
-        }
-    }
-    r
+    primary_gone_after(
+        dev,
+        || unsafe { real(dev) },
+        |dev| active_primary(dev).is_none(),
+    )
 }
 
 /// # Safety

@@ -1137,20 +1137,7 @@ fn code_loaded_inside_a_launch_is_counted_from_the_drivers_figure() {
     }
     // B beside the idle A, which does not exit: B's turn comes once A's swappable
     // memory is out.
-    let (ob, hung) = kiwi_tests::finish_within(
-        spawn_cmd(
-            &rt,
-            &m,
-            &grab,
-            &["64", "2", "0"],
-            Some(arb.socket_dir()),
-            &dir.path().join("b.stats"),
-        )
-        .env("KIWI_POD_NAME", "notebook-b")
-        .spawn()
-        .expect("spawn B"),
-        Duration::from_secs(60),
-    );
+    let (ob, hung) = grab_within(&rt, &m, &grab, &arb, dir.path());
     let c_counted = counted(c_pid);
     let _ = c.kill();
     let oc = c.wait_with_output().expect("wait for C");
@@ -1174,6 +1161,31 @@ fn code_loaded_inside_a_launch_is_counted_from_the_drivers_figure() {
         told_free(&ob) >> 20,
         text(&ob)
     );
+}
+
+/// `cudart_grab` (TensorFlow's pattern: all it is told is free but 64 MiB) as pod
+/// `notebook-b` under `arb`, run to its end or killed after 60 s (then `true`).
+fn grab_within(
+    rt: &CudaRuntime,
+    m: &SimMachine,
+    grab: &Path,
+    arb: &Arbiter,
+    dir: &Path,
+) -> (Output, bool) {
+    kiwi_tests::finish_within(
+        spawn_cmd(
+            rt,
+            m,
+            grab,
+            &["64", "2", "0"],
+            Some(arb.socket_dir()),
+            &dir.join("b.stats"),
+        )
+        .env("KIWI_POD_NAME", "notebook-b")
+        .spawn()
+        .expect("spawn B"),
+        Duration::from_secs(60),
+    )
 }
 
 /// A process that runs without Kiwi beside Kiwi's clients (a job started without
@@ -1212,19 +1224,7 @@ fn a_process_outside_kiwi_is_counted_from_the_drivers_figure() {
         std::thread::sleep(Duration::from_millis(100));
     }
     let outside = counted();
-    let (ob, hung) = kiwi_tests::finish_within(
-        spawn_cmd(
-            &rt,
-            &m,
-            &grab,
-            &["64", "2", "0"],
-            Some(arb.socket_dir()),
-            &dir.path().join("b.stats"),
-        )
-        .spawn()
-        .expect("spawn B"),
-        Duration::from_secs(60),
-    );
+    let (ob, hung) = grab_within(&rt, &m, &grab, &arb, dir.path());
     let _ = outsider.kill();
     let oo = outsider.wait_with_output().expect("wait for the outsider");
     assert!(!hung, "B hung beside the outsider: {}", text(&ob));
