@@ -34,7 +34,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::clock::monotonic_ns;
-use crate::events::EventLog;
+use crate::events::{EventLog, Tenant};
 use crate::gpus;
 use crate::metrics::{ArbiterMetrics, NodeSwap};
 use crate::sched::{ClientId, ClientInfo, GpuScheduler, Output};
@@ -367,6 +367,9 @@ mod containers;
 struct ClientConn {
     peer: Arc<Peer>,
     gpu: Option<String>,
+    /// Its connection's cap group: whose share of the event log its events take
+    /// ([`crate::events`]).
+    tenant: Tenant,
     /// The connecting process (host pid, start time), read when it connected: the
     /// only process a checkpoint of this client may touch ([`checkpoints`]).
     process: Option<(u32, u64)>,
@@ -470,6 +473,17 @@ impl State {
 
     /// Applies scheduler outputs: messages to peers, events to the log.
     fn dispatch(&mut self, gpu: &str, outs: Vec<Output>) {
+        self.dispatch_leaving(gpu, outs, None)
+    }
+
+    /// [`State::dispatch`] for the outputs of a client's exit: `leaving` is that
+    /// client, no longer in `clients`, and its tenant.
+    fn dispatch_leaving(
+        &mut self,
+        gpu: &str,
+        outs: Vec<Output>,
+        leaving: Option<(ClientId, &Tenant)>,
+    ) {
         let now = monotonic_ns();
         // Messages first: a waiting client's grant must not wait for bookkeeping.
         for o in &outs {
@@ -483,7 +497,11 @@ impl State {
             match o {
                 Output::Log(id, kind) => {
                     self.metrics.observe(now, gpu, id, &kind);
-                    self.events.push(now, gpu, id, kind);
+                    let tenant = id.and_then(|id| match leaving {
+                        Some((l, t)) if l == id => Some(t),
+                        _ => self.clients.get(&id).map(|c| &c.tenant),
+                    });
+                    self.events.push(now, gpu, id, tenant, kind);
                 }
                 Output::Checkpoint { id, pid } | Output::Restore { id, pid } => {
                     let restore = matches!(o, Output::Restore { .. });
@@ -1071,6 +1089,7 @@ async fn client_connection(
     mut stop: watch::Receiver<bool>,
 ) {
     let host_pid = cred.and_then(|c| c.pid()).unwrap_or(0).max(0) as u32;
+    let tenant: Tenant = Arc::from(origin.group(cred));
     let stream = Arc::new(stream);
     let peer = Arc::new(Peer::new(stream.clone()));
     let id = {
@@ -1082,6 +1101,7 @@ async fn client_connection(
             ClientConn {
                 peer: peer.clone(),
                 gpu: None,
+                tenant,
                 process: checkpoints::identity(host_pid),
             },
         );
@@ -1237,7 +1257,7 @@ async fn client_connection(
                 .get_mut(&gpu)
                 .map(|g| g.sched.exit(now, id))
                 .unwrap_or_default();
-            st.dispatch(&gpu, outs);
+            st.dispatch_leaving(&gpu, outs, Some((id, &conn.tenant)));
             log_line!("INFO", "client {id} (pid {host_pid}) left GPU {gpu}");
             st.forget_gpu_if_unused(&gpu);
         }

@@ -523,3 +523,80 @@ fn an_honest_pair_that_fits_swaps_nothing_beside_a_holder_that_lies_about_room()
     assert_eq!(reclaims, 0, "reclaims were sent for the liar");
     drop(liar);
 }
+
+/// Issue #42, item 7: a client's `no_room`s at 19k/s for 8 s filled the GPU's event
+/// log (100,000 events), and every other client's registration, grant and release
+/// were gone from `kiwictl events`. The log now takes the flood's events from the
+/// flood's own share: with a log of 300 events, 3,000 `no_room`s leave the other
+/// client's history whole, in order, and the GPU's count bound holds.
+#[test]
+fn a_clients_flood_of_events_leaves_the_others_history() {
+    let arb = Arbiter::start(&["--event-log-capacity", "300"]);
+    let gpu = "GPU-42070000-0000-0000-0000-000000000007";
+    let granted = |m: &ArbiterMsg| matches!(m, ArbiterMsg::Grant { .. });
+    let pong = |m: &ArbiterMsg| matches!(m, ArbiterMsg::Pong { token: 7 });
+    let wait = Duration::from_secs(10);
+    // The honest client takes a turn and gives the GPU back.
+    let mut honest = Client::register(&arb.client_socket(), register_msg(gpu, GIB, 100 * MIB));
+    honest.conn.send(&ClientMsg::Request).unwrap();
+    assert!(honest.wait_for(wait, granted).is_some(), "no grant");
+    honest
+        .conn
+        .send(&ClientMsg::Release(Usage {
+            working_set_bytes: 100 * MIB,
+            resident_bytes: 0,
+        }))
+        .unwrap();
+    honest.conn.send(&ClientMsg::Ping { token: 7 }).unwrap();
+    assert!(honest.wait_for(wait, pong).is_some(), "no pong");
+    let before: Vec<_> = arb
+        .events()
+        .into_iter()
+        .filter(|e| e.client == Some(honest.id))
+        .collect();
+    let kinds = |evs: &[kiwi_protocol::Event]| -> Vec<String> {
+        evs.iter()
+            .map(|e| {
+                format!("{:?}", e.kind)
+                    .split([' ', '{'])
+                    .next()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect()
+    };
+    assert_eq!(kinds(&before), ["Register", "Request", "Grant", "Release"]);
+
+    // The flooder holds the GPU, nothing of it resident, and says so 3,000 times.
+    let mut flooder = Client::register(&arb.client_socket(), register_msg(gpu, GIB, 100 * MIB));
+    flooder.conn.send(&ClientMsg::Request).unwrap();
+    assert!(flooder.wait_for(wait, granted).is_some(), "no grant");
+    for _ in 0..3_000 {
+        flooder
+            .conn
+            .send(&ClientMsg::NoRoom {
+                missing_bytes: 100 * MIB,
+            })
+            .unwrap();
+    }
+    // Answered after every message before it: the flood has been logged.
+    flooder.conn.send(&ClientMsg::Ping { token: 7 }).unwrap();
+    assert!(flooder.wait_for(wait, pong).is_some(), "no pong");
+
+    let events = arb.events();
+    assert!(events.len() <= 300, "{} events", events.len());
+    let floods = events
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::NoRoom { .. }))
+        .count();
+    assert!(floods >= 250, "{floods} no_room events kept");
+    assert!(matches!(
+        events.last().map(|e| &e.kind),
+        Some(EventKind::NoRoom { .. })
+    ));
+    let after: Vec<_> = events
+        .into_iter()
+        .filter(|e| e.client == Some(honest.id))
+        .collect();
+    assert_eq!(after, before, "the honest client's history is whole");
+}
