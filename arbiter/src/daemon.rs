@@ -1,6 +1,6 @@
-//! Running the daemon on a socket directory: create it, bind both sockets with the
-//! right modes (refusing to steal a live arbiter's), serve, and remove the sockets
-//! on the way out. Used by the `kiwi-arbiter` binary and by benchmarks and demos
+//! Running the daemon on a socket directory: create it, make the container sockets'
+//! directory private, bind both sockets with the right modes (refusing to steal a
+//! live arbiter's), serve, and remove the sockets on the way out. Used by the `kiwi-arbiter` binary and by benchmarks and demos
 //! that run an arbiter of their own.
 
 use std::future::Future;
@@ -8,7 +8,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use kiwi_config::{client_dir, client_socket, control_socket};
+use kiwi_config::{client_dir, client_socket, containers, control_socket};
 use tokio::net::UnixListener;
 
 use crate::{serve, ServerConfig};
@@ -21,6 +21,10 @@ pub async fn run_daemon(
 ) -> Result<()> {
     std::fs::create_dir_all(client_dir(dir))
         .with_context(|| format!("cannot create socket directory {}", dir.display()))?;
+    // Root's alone (0700, records 0600), even where an older version left it open:
+    // host users must reach neither the containers' sockets nor their records.
+    containers::make_private(dir)
+        .context("cannot make the container sockets' directory private")?;
     cfg.socket_dir = Some(dir.to_path_buf());
     let client_path = client_socket(dir);
     let control_path = control_socket(dir);

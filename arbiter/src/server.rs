@@ -14,9 +14,10 @@
 //! make the daemon hold is bounded (`docs/protocol.md`, "Limits"): descriptors
 //! (client connections stop short of RLIMIT_NOFILE, leaving a reserve for the
 //! control socket; at most `max_conns_per_group` per container socket, or per uid
-//! on the node's socket), time (registration and each frame have deadlines), memory
-//! (one node-wide budget for partly received frames) and log volume (warnings about
-//! peers are rate-limited, and nothing a peer sends reaches the log unescaped).
+//! on the node's socket and from the host on container sockets), time
+//! (registration and each frame have deadlines), memory (one node-wide budget for
+//! partly received frames) and log volume (warnings about peers are rate-limited,
+//! and nothing a peer sends reaches the log unescaped).
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -936,7 +937,8 @@ async fn run_reconcile(
 
 /// Where a client connection came from, which decides what it may do: the node's
 /// socket (host processes; capped per uid), or one container's (capped per socket,
-/// speaking for that container only, on the GPUs it claimed).
+/// speaking for that container only, on the GPUs it claimed; root from the host is
+/// capped as on the node's socket).
 #[derive(Clone)]
 enum Origin {
     Node,
@@ -944,12 +946,15 @@ enum Origin {
 }
 
 impl Origin {
-    /// The connection-cap group of a peer: its container, or on the node's socket its
-    /// uid as the initial user namespace sees it (SO_PEERCRED translates it, so user
-    /// namespaces do not multiply a host user's share).
+    /// The connection-cap group of a peer: its container, or its uid as the initial
+    /// user namespace sees it (SO_PEERCRED translates it, so user namespaces do not
+    /// multiply a host user's share) on the node's socket and for a host process on
+    /// a container's: a uid's share is one, over every socket.
     fn group(&self, cred: Option<tokio::net::unix::UCred>) -> String {
+        let uid = || format!("uid {}", cred.map_or(u32::MAX, |c| c.uid()));
         match self {
-            Origin::Node => format!("uid {}", cred.map_or(u32::MAX, |c| c.uid())),
+            Origin::Node => uid(),
+            Origin::Container(c) if c.host_peer(cred).is_some() => uid(),
             Origin::Container(c) => format!("container {}", c.key),
         }
     }
@@ -978,11 +983,19 @@ async fn accept_clients(
                         continue;
                     };
                     let cred = stream.peer_cred().ok();
+                    if let Origin::Container(c) = &origin {
+                        if let Err(why) = c.admits(cred) {
+                            warn_throttled!(shared.warn, "container {}'s socket: refusing pid {}: {why}", c.key, cred.and_then(|c| c.pid()).unwrap_or(0));
+                            refuse(stream, ErrorCode::WrongSocket, &why).await;
+                            continue;
+                        }
+                    }
                     let group = origin.group(cred);
                     let Some(slot) = ConnSlot::take(&shared, group.clone(), permit) else {
                         let per = shared.limits.max_conns_per_group;
                         warn_throttled!(shared.warn, "{per} connections open from {group}, its limit; refusing pid {}", cred.and_then(|c| c.pid()).unwrap_or(0));
-                        refuse(stream, ErrorCode::RateLimited, &format!("too many connections from this container (limit {per})")).await;
+                        let whose = if group.starts_with("uid") { "user" } else { "container" };
+                        refuse(stream, ErrorCode::RateLimited, &format!("too many connections from this {whose} (limit {per})")).await;
                         continue;
                     };
                     let shared = shared.clone();

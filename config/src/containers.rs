@@ -10,11 +10,16 @@
 //! arbiter serves every record whose container still runs when it starts) and goes,
 //! with the directory, at `kiwi-hook poststop`.
 //!
-//! Only root writes here: the directory is the socket directory's, and the arbiter
-//! refuses a record that is not its own user's or root's, or that others may write.
+//! Only root writes here, and only root reads: `<socket-dir>/containers` is mode
+//! 0700 (made so, and tightened where an older version left it 0755), so host users
+//! can neither reach a container's socket nor read its record (0600), while inside
+//! the container, where the `<key>` directory (0755, its socket 0666) is bound at
+//! `/run/kiwi/client`, the path never passes through `containers/` and any uid
+//! connects. The arbiter refuses a record that is not its own user's or root's, or
+//! that others may write.
 
 use std::io::Write;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -30,6 +35,13 @@ pub const MAX_FIELD_LEN: usize = 253;
 pub const MAX_GPUS: usize = 64;
 /// A Unix socket path must fit `sun_path` (108 bytes with its NUL).
 pub const MAX_SOCKET_PATH: usize = 107;
+/// `<socket-dir>/containers`: root's (or the arbiter's own user's) alone.
+pub const CONTAINERS_DIR_MODE: u32 = 0o700;
+/// `<socket-dir>/containers/<key>`: what the container sees at `/run/kiwi/client`,
+/// traversable by every uid inside it.
+pub const CONTAINER_DIR_MODE: u32 = 0o755;
+/// `<socket-dir>/containers/<key>.json`.
+pub const RECORD_MODE: u32 = 0o600;
 
 /// `<socket-dir>/containers`.
 pub fn containers_dir(socket_dir: &Path) -> PathBuf {
@@ -162,9 +174,10 @@ impl ContainerRecord {
         process_start(self.pid) == Some(self.pid_start)
     }
 
-    /// Writes the record atomically (a temporary file renamed over it), mode 0644,
-    /// creating `<socket-dir>/containers` (0755) and the container's directory (0755).
-    /// Refuses to replace another container's record with the same key.
+    /// Writes the record atomically (a temporary file renamed over it), mode 0600,
+    /// creating `<socket-dir>/containers` (0700, or tightening it to that) and the
+    /// container's directory (0755). Refuses to replace another container's record
+    /// with the same key.
     pub fn write(&self, socket_dir: &Path) -> Result<PathBuf, ContainerError> {
         self.validate().map_err(|why| ContainerError::Invalid {
             path: socket_dir.to_path_buf(),
@@ -179,7 +192,7 @@ impl ContainerRecord {
             });
         }
         let top = containers_dir(socket_dir);
-        make_dir(&top)?;
+        make_dir(&top, CONTAINERS_DIR_MODE)?;
         let path = record_path(socket_dir, &key);
         if let Ok(old) = Self::read(&path) {
             if old.id != self.id {
@@ -192,7 +205,7 @@ impl ContainerRecord {
                 });
             }
         }
-        make_dir(&container_dir(socket_dir, &key))?;
+        make_dir(&container_dir(socket_dir, &key), CONTAINER_DIR_MODE)?;
         let tmp = top.join(format!(".{key}.json.tmp"));
         let body = serde_json::to_vec_pretty(self).map_err(|e| ContainerError::Invalid {
             path: path.clone(),
@@ -202,7 +215,7 @@ impl ContainerRecord {
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
-            .mode(0o644)
+            .mode(RECORD_MODE)
             .open(&tmp)
             .map_err(io(&tmp))?;
         f.write_all(&body).map_err(io(&tmp))?;
@@ -236,6 +249,27 @@ impl ContainerRecord {
         }
         Ok(rec)
     }
+}
+
+/// Makes `<socket-dir>/containers` private (mode 0700; created if missing) and its
+/// records 0600, also where an older version left them 0755 and 0644: what the
+/// arbiter does at start. Refuses a directory that others than root or us
+/// own or may write, as [`ContainerRecord::write`] does.
+pub fn make_private(socket_dir: &Path) -> Result<PathBuf, ContainerError> {
+    let top = containers_dir(socket_dir);
+    make_dir(&top, CONTAINERS_DIR_MODE)?;
+    for e in std::fs::read_dir(&top).map_err(io(&top))?.flatten() {
+        let path = e.path();
+        let is_record = e.file_name().to_str().is_some_and(|n| n.ends_with(".json"));
+        // Not following a link: only a regular file is tightened.
+        let loose = std::fs::symlink_metadata(&path)
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o077 != 0);
+        if is_record && loose {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(RECORD_MODE))
+                .map_err(io(&path))?;
+        }
+    }
+    Ok(top)
 }
 
 /// Removes a container's record, socket and directory (whatever of them exists).
@@ -286,12 +320,14 @@ fn check_owner(meta: &std::fs::Metadata) -> Result<(), String> {
     Ok(())
 }
 
-/// Creates `dir` (mode 0755) if missing; refuses one that is not a directory or
-/// that others than root or us may write.
-fn make_dir(dir: &Path) -> Result<(), ContainerError> {
-    match std::fs::create_dir(dir) {
+/// Creates `dir` with `mode` if missing; refuses one that is not a directory or
+/// that others than root or us own or may write; takes from one that exists the
+/// permissions `mode` does not give (an older version's 0755 `containers/`).
+fn make_dir(dir: &Path, mode: u32) -> Result<(), ContainerError> {
+    // Created with no more than `mode` (the umask may take more; set below).
+    match std::fs::DirBuilder::new().mode(mode).create(dir) {
         Ok(()) => {
-            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
                 .map_err(io(dir))?;
         }
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -307,7 +343,11 @@ fn make_dir(dir: &Path) -> Result<(), ContainerError> {
     check_owner(&meta).map_err(|why| ContainerError::Invalid {
         path: dir.to_path_buf(),
         why,
-    })
+    })?;
+    if meta.permissions().mode() & 0o777 & !mode != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(io(dir))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -345,6 +385,38 @@ mod tests {
         remove(dir.path(), &id[..32]);
         assert!(list_keys(dir.path()).is_empty());
         assert!(!container_dir(dir.path(), &id[..32]).exists());
+    }
+
+    #[test]
+    fn only_root_reaches_the_records_and_the_sockets() {
+        let dir = tempfile::tempdir().unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let path = rec("c1").write(dir.path()).unwrap();
+        let top = containers_dir(dir.path());
+        assert_eq!(mode(&top), 0o700);
+        assert_eq!(mode(&path), 0o600);
+        // Inside the container every uid must pass its directory.
+        assert_eq!(mode(&container_dir(dir.path(), "c1")), 0o755);
+        // What an older version left (0755, 0644) is tightened: by the next record...
+        std::fs::set_permissions(&top, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        rec("c2").write(dir.path()).unwrap();
+        assert_eq!(mode(&top), 0o700);
+        // ...and by the arbiter's start, records included.
+        std::fs::set_permissions(&top, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(make_private(dir.path()).unwrap(), top);
+        assert_eq!(mode(&top), 0o700);
+        assert_eq!(mode(&path), 0o600);
+        assert_eq!(mode(&record_path(dir.path(), "c2")), 0o600);
+        // One that others may write is refused, not tightened.
+        std::fs::set_permissions(&top, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = make_private(dir.path()).unwrap_err();
+        assert!(e.to_string().contains("writable"), "{e}");
+        assert!(rec("c3").write(dir.path()).is_err());
+        // A fresh socket directory gets it private at once.
+        let fresh = tempfile::tempdir().unwrap();
+        make_private(fresh.path()).unwrap();
+        assert_eq!(mode(&containers_dir(fresh.path())), 0o700);
     }
 
     #[test]

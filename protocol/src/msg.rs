@@ -416,7 +416,8 @@ pub enum ErrorCode {
     /// A message that needs registration came first, or registration came twice.
     NotRegistered,
     AlreadyRegistered,
-    /// A control request on the client socket, or a client request on the control socket.
+    /// A control request on the client socket, a client request on the control socket,
+    /// or a host process other than root on a container's socket.
     WrongSocket,
     /// Too many messages too fast, too many connections, or the node's buffer for
     /// partly received frames is full.

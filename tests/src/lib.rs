@@ -102,6 +102,224 @@ pub fn container_record(
     }
 }
 
+/// A stand-in for a claimed container, as runc makes one: an init in mount and pid
+/// namespaces of its own, in which the container's socket directory
+/// (`<socket-dir>/containers/<key>/`) is bound at [`FakeContainer::client_dir`], as
+/// `kiwi-hook` binds it at `/run/kiwi/client`. That bind is the way in for the
+/// container's processes, whatever their uid; on the host only root passes
+/// `<socket-dir>/containers/`. Once the bind is made the init runs as uid 65534 (a
+/// container's user). Needs `unshare`, `nsenter` and `setpriv`. Killed on drop.
+pub struct FakeContainer {
+    unshare: Child,
+    _stdin: std::process::ChildStdin,
+    /// The init's pid on the host (the record's).
+    pub init: u32,
+    /// Where the container's socket directory is bound, inside the container.
+    pub client_dir: PathBuf,
+    /// The arbiter's answer to `attach_container`.
+    pub attach_reply: ControlReply,
+    _root: tempfile::TempDir,
+}
+
+impl FakeContainer {
+    /// Starts the container, records it as `id` on `gpus` (its init as the record's
+    /// pid) and has the arbiter at `socket_dir` serve its socket, as `kiwi-hook` does.
+    pub fn start(
+        socket_dir: &Path,
+        id: &str,
+        gpus: &[&str],
+        pod: Option<(&str, &str)>,
+    ) -> FakeContainer {
+        use std::io::Write;
+        use std::os::unix::fs::PermissionsExt;
+        let root = tempfile::Builder::new()
+            .prefix("kiwi-ctr")
+            .tempdir()
+            .expect("tempdir");
+        std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let client_dir = root.path().join("client");
+        std::fs::create_dir(&client_dir).unwrap();
+        let key = kiwi_config::containers::key_for(id).unwrap();
+        let source = kiwi_config::containers::container_dir(socket_dir, &key);
+        // The bind waits for a line on stdin: the directory exists once the record is
+        // written, which needs the init's pid.
+        let mut unshare = Command::new("unshare")
+            .args([
+                "--mount",
+                "--propagation",
+                "private",
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "sh",
+                "-c",
+                "read go && mount --bind \"$0\" \"$1\" && echo READY && \
+                 exec setpriv --reuid=65534 --regid=65534 --clear-groups sleep 600",
+            ])
+            .arg(&source)
+            .arg(&client_dir)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("unshare");
+        let mut stdin = unshare.stdin.take().unwrap();
+        let mut out = BufReader::new(unshare.stdout.take().unwrap());
+        let mut init = None;
+        wait_until("the fake container's init", Duration::from_secs(10), || {
+            init = child_of(unshare.id());
+            init.is_some()
+        });
+        let init = init.unwrap();
+        let (attach_reply, _) =
+            attach_container(socket_dir, &container_record(id, init, gpus, pod));
+        writeln!(stdin, "go").unwrap();
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "READY", "the fake container's bind");
+        FakeContainer {
+            unshare,
+            _stdin: stdin,
+            init,
+            client_dir,
+            attach_reply,
+            _root: root,
+        }
+    }
+
+    /// The container's socket, as its processes name it.
+    pub fn socket(&self) -> PathBuf {
+        self.client_dir.join(kiwi_config::containers::SOCKET_NAME)
+    }
+
+    /// `program`, to be run inside the container (its mount and pid namespaces), as
+    /// root there; prefix `setpriv` for another uid.
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut c = Command::new("nsenter");
+        c.arg(format!("--target={}", self.init))
+            .args(["--mount", "--pid", "--"])
+            .arg(program);
+        c
+    }
+}
+
+impl Drop for FakeContainer {
+    fn drop(&mut self) {
+        // The init (pid 1 of its namespace) takes every process in it along.
+        // SAFETY: kill(2) on the pid of a process this test started.
+        unsafe { libc::kill(self.init as i32, libc::SIGKILL) };
+        let _ = self.unshare.kill();
+        let _ = self.unshare.wait();
+    }
+}
+
+/// A child of `pid`, if it has one.
+fn child_of(pid: u32) -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let p: u32 = e.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+        // Fields after the command name (which may hold spaces): state, ppid, ...
+        let ppid: u32 = stat[stat.rfind(')')? + 1..]
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        (ppid == pid).then_some(p)
+    })
+}
+
+/// `kiwi-hostile-client` (connections held open without registering, optionally
+/// each in the middle of a large frame), its output read line by line. Killed on
+/// drop.
+pub struct Hog {
+    child: Child,
+    stdin: Option<std::process::ChildStdin>,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Hog {
+    /// `kiwi-hostile-client` opening `conns` connections to `sock`, run under
+    /// `wrapper` (a command prefix such as `setpriv …`), if any.
+    pub fn spawn(sock: &Path, conns: usize, half_frame: Option<usize>, wrapper: &[&str]) -> Hog {
+        let cmd = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(bin("kiwi-hostile-client"));
+                c
+            }
+            None => Command::new(bin("kiwi-hostile-client")),
+        };
+        Self::spawn_with(cmd, sock, conns, half_frame)
+    }
+
+    /// [`Hog::spawn`] with `cmd`, a command that runs `kiwi-hostile-client` with
+    /// the arguments it is given (e.g. [`FakeContainer::command`]).
+    pub fn spawn_with(
+        mut cmd: Command,
+        sock: &Path,
+        conns: usize,
+        half_frame: Option<usize>,
+    ) -> Hog {
+        cmd.arg("--socket")
+            .arg(sock)
+            .arg("--conns")
+            .arg(conns.to_string());
+        if let Some(n) = half_frame {
+            cmd.arg("--half-frame").arg(n.to_string());
+        }
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("spawn kiwi-hostile-client");
+        let stdin = child.stdin.take();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        Hog { child, stdin, out }
+    }
+
+    fn line(&mut self, prefix: &str) -> usize {
+        let mut l = String::new();
+        self.out.read_line(&mut l).unwrap();
+        l.trim()
+            .strip_prefix(prefix)
+            .unwrap_or_else(|| panic!("expected {prefix}, got {l:?}"))
+            .trim()
+            .parse()
+            .unwrap()
+    }
+
+    /// How many connections it opened.
+    pub fn opened(&mut self) -> usize {
+        self.line("OPENED")
+    }
+
+    /// How many of its connections the arbiter has closed by now.
+    pub fn closed(&mut self) -> usize {
+        use std::io::Write;
+        writeln!(self.stdin.as_mut().unwrap()).unwrap();
+        self.line("CLOSED")
+    }
+
+    /// [`Hog::closed`], asked until it reaches `at_least` or `within` passed.
+    pub fn wait_closed(&mut self, at_least: usize, within: Duration) -> usize {
+        let deadline = Instant::now() + within;
+        loop {
+            let n = self.closed();
+            if n >= at_least || Instant::now() > deadline {
+                return n;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Hog {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// CLOCK_MONOTONIC in nanoseconds (the arbiter's clock).
 pub use kiwi_protocol::monotonic_ns;
 

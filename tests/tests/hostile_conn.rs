@@ -5,11 +5,11 @@
 //! connections over user and pid namespaces of its own, connections that never
 //! register, and half-sent frames.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kiwi_protocol::blocking::Connection;
@@ -17,7 +17,7 @@ use kiwi_protocol::{
     ArbiterMsg, ClientMsg, ControlReply, ControlRequest, ErrorCode, StatusReport, MAGIC,
     MAX_PAYLOAD, MAX_TEXT_BYTES, PROTOCOL_VERSION,
 };
-use kiwi_tests::{attach_container, bin, container_record, register_msg, require_tool};
+use kiwi_tests::{attach_container, bin, container_record, register_msg, require_tool, Hog};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -173,84 +173,6 @@ fn vm_kib(pid: u32, field: &str) -> u64 {
         .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
-}
-
-/// `kiwi-hostile-client`, in a pid namespace of its own (another container) when
-/// `own_pidns`.
-struct Hog {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    out: BufReader<ChildStdout>,
-}
-
-impl Hog {
-    /// `kiwi-hostile-client` opening `conns` connections to `sock`, run under
-    /// `wrapper` (a command prefix such as `setpriv …`), if any.
-    fn spawn(sock: &Path, conns: usize, half_frame: Option<usize>, wrapper: &[&str]) -> Hog {
-        let mut cmd = match wrapper.split_first() {
-            Some((first, rest)) => {
-                let mut c = Command::new(first);
-                c.args(rest).arg(bin("kiwi-hostile-client"));
-                c
-            }
-            None => Command::new(bin("kiwi-hostile-client")),
-        };
-        cmd.arg("--socket")
-            .arg(sock)
-            .arg("--conns")
-            .arg(conns.to_string());
-        if let Some(n) = half_frame {
-            cmd.arg("--half-frame").arg(n.to_string());
-        }
-        let mut child = cmd
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn kiwi-hostile-client");
-        let stdin = child.stdin.take();
-        let out = BufReader::new(child.stdout.take().unwrap());
-        Hog { child, stdin, out }
-    }
-
-    fn line(&mut self, prefix: &str) -> usize {
-        let mut l = String::new();
-        self.out.read_line(&mut l).unwrap();
-        l.trim()
-            .strip_prefix(prefix)
-            .unwrap_or_else(|| panic!("expected {prefix}, got {l:?}"))
-            .trim()
-            .parse()
-            .unwrap()
-    }
-
-    fn opened(&mut self) -> usize {
-        self.line("OPENED")
-    }
-
-    /// How many of its connections the arbiter has closed by now.
-    fn closed(&mut self) -> usize {
-        writeln!(self.stdin.as_mut().unwrap()).unwrap();
-        self.line("CLOSED")
-    }
-
-    fn wait_closed(&mut self, at_least: usize, within: Duration) -> usize {
-        let deadline = Instant::now() + within;
-        loop {
-            let n = self.closed();
-            if n >= at_least || Instant::now() > deadline {
-                return n;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
-impl Drop for Hog {
-    fn drop(&mut self) {
-        drop(self.stdin.take());
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Registers a client from this process; the arbiter must answer within 3 s.

@@ -7,11 +7,22 @@
 //! against that socket alone, and refuses registrations for GPUs the container did
 //! not claim. Each socket holds one place under the node's connection cap, so
 //! listeners cannot exhaust the daemon's descriptors either.
+//!
+//! Only the container and root on the host reach a socket (`<socket-dir>/containers`
+//! is 0700, `kiwi_config::containers`). A peer from the host (a process outside the
+//! container's pid namespace, [`Served::host_peer`]) that is not root, which found the
+//! socket another way (`/proc/<pid>/root` of a container process of its own uid), is
+//! refused; root's connections from the host count against root's node-wide share,
+//! as on the node's socket, not the container's.
 
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 
 use kiwi_config::containers::{self, ContainerRecord};
 use kiwi_protocol::{ControlReply, ErrorCode};
+use tokio::net::unix::UCred;
 use tokio::sync::{watch, OwnedSemaphorePermit};
 
 use super::{accept_clients, log_safe, Origin, Shared};
@@ -19,6 +30,8 @@ use crate::sched::ClientInfo;
 
 /// Container sockets served at once, at most (each also takes a connection place).
 pub(super) const MAX_CONTAINERS: usize = 1024;
+/// Pid namespaces nest at most 32 deep (the kernel's limit).
+const MAX_PID_NS_DEPTH: usize = 33;
 
 /// One container's socket as the daemon serves it.
 pub(super) struct Served {
@@ -43,6 +56,31 @@ impl Served {
         ))
     }
 
+    /// The uid of a peer that connected from outside the container: its pid
+    /// namespace (`SO_PEERCRED`'s pid, as the arbiter sees it: the arbiter runs in
+    /// the host's) is neither the container init's nor nested in it. `None` for a
+    /// peer inside, and whenever that cannot be told (its process gone, a kernel
+    /// without `NS_GET_PARENT`, a container in the host's pid namespace): only root
+    /// reaches the socket from the host, so a doubt is counted as the container's.
+    pub(super) fn host_peer(&self, cred: Option<UCred>) -> Option<u32> {
+        let cred = cred?;
+        let pid = cred.pid().filter(|p| *p > 0)?;
+        outside_pid_ns(pid, self.record.pid).then_some(cred.uid())
+    }
+
+    /// Whether a peer may use this socket: from inside the container, any; from the
+    /// host, root (or this arbiter's own user) only.
+    pub(super) fn admits(&self, cred: Option<UCred>) -> Result<(), String> {
+        match self.host_peer(cred) {
+            // SAFETY: geteuid has no preconditions.
+            Some(uid) if uid != 0 && uid != unsafe { libc::geteuid() } => Err(format!(
+                "this socket is a container's: on the host only root may use it (uid {uid}); \
+                 host processes use the node's socket"
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Puts the record's identity on a registering client.
     pub(super) fn label(&self, info: &mut ClientInfo) {
         info.container_id = Some(self.record.id.clone());
@@ -53,6 +91,35 @@ impl Served {
             .or_else(|| self.record.container_name.clone());
         info.pod_namespace = self.record.pod_namespace.clone();
     }
+}
+
+/// Whether `pid` runs in a pid namespace that is neither `init`'s nor one nested in
+/// it (walking up from `pid`'s with `NS_GET_PARENT`, which ends at the arbiter's own
+/// namespace with `EPERM`). False when that cannot be told.
+fn outside_pid_ns(pid: i32, init: i32) -> bool {
+    let Ok(target) = std::fs::metadata(format!("/proc/{init}/ns/pid")) else {
+        return false;
+    };
+    let Ok(mut ns) = File::open(format!("/proc/{pid}/ns/pid")) else {
+        return false;
+    };
+    for _ in 0..MAX_PID_NS_DEPTH {
+        let Ok(m) = ns.metadata() else {
+            return false;
+        };
+        if (m.dev(), m.ino()) == (target.dev(), target.ino()) {
+            return false;
+        }
+        // SAFETY: an ioctl on a namespace descriptor this function owns; it returns a
+        // new descriptor or -1, and touches no memory of ours.
+        let parent = unsafe { libc::ioctl(ns.as_raw_fd(), libc::NS_GET_PARENT) };
+        if parent < 0 {
+            return std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+        }
+        // SAFETY: the descriptor the ioctl just opened, owned by nothing else.
+        ns = unsafe { File::from_raw_fd(parent) };
+    }
+    false
 }
 
 fn error(code: ErrorCode, message: String) -> ControlReply {
@@ -149,6 +216,8 @@ fn start(
         ));
     };
     let path = containers::container_socket(dir, key);
+    // 0666: any uid inside the container connects (through its bind mount); on the
+    // host, `containers/` (0700) keeps everyone but root out.
     let listener = crate::daemon::bind(&path, 0o666)
         .map_err(|e| error(ErrorCode::Internal, format!("{e:#}")))?;
     let (tx, rx) = watch::channel(false);

@@ -62,7 +62,9 @@ fn main() {
         let mut reg = register_msg(&a.gpu, a.total, a.ws);
         reg.resident_bytes = if holding { a.ws } else { 0 };
         reg.resume = resume;
-        if conn.send(&ClientMsg::Register(reg)).is_err() {
+        // A refusal at accept may close the connection before the registration is
+        // sent: without `--reconnect`, its answer is still there to read.
+        if conn.send(&ClientMsg::Register(reg)).is_err() && a.reconnect {
             continue;
         }
         let mut release_at: Option<Instant> = None;
