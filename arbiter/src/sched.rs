@@ -94,6 +94,10 @@ pub struct ClientInfo {
     pub pipelined: bool,
     /// It asked for [`ArbiterMsg::Room`].
     pub room_info: bool,
+    /// Whose connection it came on: its container socket's, or its uid's on the
+    /// node's socket (set by the server). Evictions made on its behalf are counted
+    /// per tenant ([`checkpoint::TENANT_EVICTIONS`]).
+    pub tenant: Option<String>,
 }
 
 impl ClientInfo {
@@ -109,6 +113,7 @@ impl ClientInfo {
             unswappable: r.unswappable_bytes,
             pipelined: r.pipelined,
             room_info: r.room_info,
+            tenant: None,
         }
     }
 
@@ -149,9 +154,23 @@ struct Client {
     /// GPU memory the driver counts for its process beyond its reports (code NVIDIA's
     /// runtime 13 loads inside launches): learned by [`GpuScheduler::reconcile`].
     unreported: u64,
-    /// The looks at the driver's figure for its process since its reports last
-    /// changed: those reports, and what each look found beyond them.
-    looks: Option<(Usage, u64, Vec<u64>)>,
+    /// Its reports of memory no swap frees beyond what the driver shows its process
+    /// holds at all (a claim no process backs): not counted
+    /// ([`GpuScheduler::reconcile`]).
+    overclaimed: u64,
+    /// The last [`RECONCILE_LOOKS`] looks at the driver's figure for its process
+    /// while no swap of it was asked: (the driver's figure, what its reports
+    /// claimed then: resident + memory no swap frees). Not started over when its
+    /// reports change: a client that changes them at every look must not escape.
+    looks: VecDeque<(u64, u64)>,
+    /// The driver's figure for its process at the last look (`None`: not looked
+    /// at yet, or its host pid is unknown).
+    driver_bytes: Option<u64>,
+    /// When checkpoints of its process were chosen, within the last
+    /// [`checkpoint::EVICTION_WINDOW_NS`]: what others' shortfalls cost it.
+    evicted_at: VecDeque<Nanos>,
+    /// When the event log was last told why nobody was checkpointed for it.
+    eviction_noted: Option<Nanos>,
     /// The last [`ArbiterMsg::Room`] it was sent (`room_info` clients), and when.
     room_told: Option<RoomView>,
     room_sent: Option<Nanos>,
@@ -170,6 +189,14 @@ struct Client {
     /// a checkpoint or restore of it last failed (retried after a pause).
     ckpt: checkpoint::Ckpt,
     ckpt_failed_at: Option<Nanos>,
+}
+
+impl Client {
+    /// Its process is checkpointed and it does not wait for a turn: none of its
+    /// memory is on the GPU (a waiter's must come back first).
+    fn off_gpu(&self) -> bool {
+        self.ckpt == checkpoint::Ckpt::Checkpointed && self.requested_at.is_none()
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -263,6 +290,12 @@ pub struct GpuScheduler {
     /// Since when nobody holds, drains or waits: checkpointed clients are restored
     /// [`checkpoint::RESTORE_WHEN_IDLE_NS`] later.
     idle_since: Option<Nanos>,
+    /// When checkpoints were chosen on each tenant's behalf, within the last
+    /// [`checkpoint::EVICTION_WINDOW_NS`].
+    evicted_for: BTreeMap<String, VecDeque<Nanos>>,
+    /// NVML listed the process of some client of this GPU at the last look: the
+    /// driver's per-process figures are there to check claims against.
+    listing: bool,
     out: Vec<Output>,
 }
 
@@ -350,6 +383,8 @@ impl GpuScheduler {
             outside_looks: BTreeMap::new(),
             checkpoint_on: false,
             idle_since: None,
+            evicted_for: BTreeMap::new(),
+            listing: false,
             out: Vec::new(),
         }
     }
@@ -418,7 +453,7 @@ impl GpuScheduler {
         let reported = self
             .clients
             .values()
-            .filter(|c| c.ckpt != checkpoint::Ckpt::Checkpointed || c.requested_at.is_some())
+            .filter(|c| !c.off_gpu())
             .map(|c| c.unswappable)
             .fold(0u64, u64::saturating_add);
         // The reserve stands in for clients that do not report (shims that predate
@@ -486,6 +521,7 @@ impl GpuScheduler {
     fn resident(&self) -> u64 {
         self.clients
             .values()
+            .filter(|c| !c.off_gpu())
             .map(|c| c.usage.resident_bytes)
             .fold(0u64, u64::saturating_add)
     }
@@ -598,7 +634,11 @@ impl GpuScheduler {
                 unswappable,
                 reported_unswappable: unswappable,
                 unreported: 0,
-                looks: None,
+                overclaimed: 0,
+                looks: VecDeque::new(),
+                driver_bytes: None,
+                evicted_at: VecDeque::new(),
+                eviction_noted: None,
                 room_told: None,
                 room_sent: None,
                 reclaim_pending: 0,
@@ -916,6 +956,10 @@ impl GpuScheduler {
             missing = missing.saturating_sub(free);
         }
         let settled = self.draining.is_empty() && self.freeing() == 0;
+        // Reclaims overdue at `now` free nothing: paging has settled without them,
+        // and only a checkpoint takes their memory off the GPU.
+        let silent = self.freeing().saturating_sub(self.freeing_at(now));
+        let settled_but_silent = self.draining.is_empty() && self.freeing_at(now) == 0;
         if settled && !learned {
             if let Some(h) = self.holders.get_mut(&id) {
                 h.learned = true;
@@ -954,11 +998,12 @@ impl GpuScheduler {
             let need = missing.saturating_sub(self.freeing());
             let short = self.reclaim_growth(now, id, need);
             // What no swap of the others can give: their processes' contexts and
-            // modules, which only a checkpoint takes off the GPU. Decided once paging
-            // has settled (nobody else holds, drains or owes a reclaim): the next
-            // `no_room`, 250 ms on, sees what paging left short.
-            if settled && self.holders.len() == 1 {
-                self.checkpoint_for(now, id, short);
+            // modules, which only a checkpoint takes off the GPU, and what a client
+            // that does not answer its reclaim in time keeps. Decided once paging
+            // has settled (nobody else holds, drains or owes a reclaim still in
+            // time): the next `no_room`, 250 ms on, sees what paging left short.
+            if settled_but_silent && self.holders.len() == 1 {
+                self.checkpoint_for(now, id, short.saturating_add(silent).min(missing));
             }
         }
         self.finish(now)
@@ -976,79 +1021,118 @@ impl GpuScheduler {
             return Vec::new();
         }
         c.reported_unswappable = bytes;
-        c.unswappable = bytes.saturating_add(c.unreported).min(self.total);
+        c.unswappable = Self::counted_unswappable(c, self.total);
         c.last_seen = now;
         self.log(Some(id), EventKind::Unswappable { bytes });
         self.finish(now)
     }
 
     /// The driver's figure of each process's memory on this GPU (`(host pid, bytes)`,
-    /// from NVML), looked at every [`RECONCILE_INTERVAL_NS`]: what a client's process
-    /// holds beyond its reports (its resident and its memory no swap frees) is memory
-    /// no swap frees that the shim could not see — NVIDIA's runtime 13 loads kernel
-    /// code inside launches (190 MiB for PyTorch's first kernels on an H200,
-    /// docs/gpu-validation.md) — and is counted as such. Taken as the least of
-    /// [`RECONCILE_LOOKS`] looks in a row while the client's reports stayed the same
-    /// and no swap, reclaim or checkpoint of it was under way: a report that lags a
-    /// swap shows for one look, not for all. Below [`UNREPORTED_SLACK`], none.
+    /// from NVML), looked at every [`RECONCILE_INTERVAL_NS`], checks what each
+    /// client's reports claim (its resident memory and its memory no swap frees)
+    /// against what its process holds, over the last [`RECONCILE_LOOKS`] looks while
+    /// no swap, reclaim or checkpoint of it was under way:
+    ///
+    /// - What its process holds beyond its reports is memory no swap frees that the
+    ///   shim could not see — NVIDIA's runtime 13 loads kernel code inside launches
+    ///   (190 MiB for PyTorch's first kernels on an H200, docs/gpu-validation.md) —
+    ///   and is counted as such: the least figure of the looks less the least claim
+    ///   (a figure that leads a report by a moment shows in one look, not in all; a
+    ///   client that changes its reports at every look, claiming its memory one
+    ///   second and not the next, is counted at what it claimed least).
+    /// - Memory no swap frees it reports beyond what its process holds at all, in
+    ///   every look, is a claim no process backs (a client of a process with no GPU
+    ///   memory): not counted, so it keeps nobody checkpointed or waiting. Judged
+    ///   only where the driver lists the processes of some client of this GPU: where
+    ///   it lists none (a driver that does not say), no claim is doubted.
+    ///
+    /// Moves of less than [`UNREPORTED_SLACK`] are noise.
     pub fn reconcile(&mut self, now: Nanos, procs: &[(u32, u64)]) -> Vec<Output> {
+        let listing = procs
+            .iter()
+            .any(|&(pid, _)| pid != 0 && self.clients.values().any(|c| c.info.host_pid == pid));
+        self.listing = listing;
         let mut changed = Vec::new();
+        let mut doubted = Vec::new();
         for (&id, c) in self.clients.iter_mut() {
+            if c.info.host_pid == 0 {
+                continue;
+            }
             let found = procs
                 .iter()
-                .find(|&&(pid, _)| pid != 0 && pid == c.info.host_pid);
-            let Some(&(_, bytes)) = found else {
-                c.looks = None;
+                .find(|&&(pid, _)| pid == c.info.host_pid)
+                .map(|&(_, bytes)| bytes);
+            // A process NVML does not list holds nothing on this GPU, where NVML
+            // lists the others'.
+            let Some(bytes) = found.or(listing.then_some(0)) else {
+                c.looks.clear();
+                c.driver_bytes = None;
                 continue;
             };
+            c.driver_bytes = Some(bytes);
             let busy = c.reclaim_pending > 0
                 || c.ckpt != checkpoint::Ckpt::None
                 || self.draining.contains_key(&id)
                 || self.holders.get(&id).is_some_and(|h| h.drop_sent.is_some());
-            let beyond = bytes
-                .saturating_sub(c.usage.resident_bytes)
-                .saturating_sub(c.reported_unswappable);
-            match &mut c.looks {
-                Some((u, r, seen)) if !busy && *u == c.usage && *r == c.reported_unswappable => {
-                    seen.push(beyond);
-                    if seen.len() > RECONCILE_LOOKS {
-                        seen.remove(0);
-                    }
-                }
-                looks => {
-                    *looks = (!busy).then(|| (c.usage, c.reported_unswappable, vec![beyond]));
-                }
-            }
-            let Some((_, _, seen)) = &c.looks else {
-                continue;
-            };
-            if seen.len() < RECONCILE_LOOKS {
+            if busy {
+                c.looks.clear();
                 continue;
             }
-            let least = seen.iter().copied().min().unwrap_or(0);
-            let unreported = if least >= UNREPORTED_SLACK {
-                least.min(self.total)
+            let claimed = c
+                .usage
+                .resident_bytes
+                .saturating_add(c.reported_unswappable);
+            c.looks.push_back((bytes, claimed));
+            if c.looks.len() > RECONCILE_LOOKS {
+                c.looks.pop_front();
+            }
+            if c.looks.len() < RECONCILE_LOOKS {
+                continue;
+            }
+            let least_held = c.looks.iter().map(|l| l.0).min().unwrap_or(0);
+            let least_claimed = c.looks.iter().map(|l| l.1).min().unwrap_or(0);
+            let beyond = least_held.saturating_sub(least_claimed);
+            let unreported = if beyond >= UNREPORTED_SLACK {
+                beyond.min(self.total)
             } else {
                 0
             };
-            // Moves of less than the slack are noise, not news.
+            // Its memory no swap frees that no look found held, at any claim.
+            let unbacked = c
+                .looks
+                .iter()
+                .map(|&(held, claimed)| claimed.saturating_sub(held).min(c.reported_unswappable))
+                .min()
+                .unwrap_or(0);
+            let overclaimed = if listing && unbacked >= UNREPORTED_SLACK {
+                unbacked
+            } else {
+                0
+            };
+            if overclaimed.abs_diff(c.overclaimed) >= UNREPORTED_SLACK
+                || (overclaimed == 0) != (c.overclaimed == 0)
+            {
+                c.overclaimed = overclaimed;
+                c.unswappable = Self::counted_unswappable(c, self.total);
+                doubted.push((id, overclaimed));
+            }
             if unreported.abs_diff(c.unreported) >= UNREPORTED_SLACK
                 || (unreported == 0) != (c.unreported == 0)
             {
                 c.unreported = unreported;
-                c.unswappable = c
-                    .reported_unswappable
-                    .saturating_add(unreported)
-                    .min(self.total);
+                c.unswappable = Self::counted_unswappable(c, self.total);
                 changed.push((id, unreported));
             }
         }
         let outside = self.reconcile_outside(procs);
-        if changed.is_empty() && outside.is_none() {
+        if changed.is_empty() && doubted.is_empty() && outside.is_none() {
             return Vec::new();
         }
         for (id, bytes) in changed {
             self.log(Some(id), EventKind::Unreported { bytes });
+        }
+        for (id, bytes) in doubted {
+            self.log(Some(id), EventKind::Unbacked { bytes });
         }
         if let Some(bytes) = outside {
             self.log(None, EventKind::OutsideKiwi { bytes });
@@ -1093,6 +1177,15 @@ impl GpuScheduler {
             self.outside_kiwi = outside;
             outside
         })
+    }
+
+    /// The memory no swap frees that client `c` counts for: its reports, less what
+    /// no process backs, plus what its process holds beyond them.
+    fn counted_unswappable(c: &Client, total: u64) -> u64 {
+        c.reported_unswappable
+            .saturating_sub(c.overclaimed)
+            .saturating_add(c.unreported)
+            .min(total)
     }
 
     /// A swap finished (event log only).
@@ -1363,6 +1456,19 @@ impl GpuScheduler {
 
     /// Bytes on their way out of GPU memory: reclaims asked and not answered, and
     /// what drainers' drops asked them to evict.
+    /// [`Self::freeing`] less the reclaims that are overdue at `now`
+    /// ([`Self::reclaim_overdue_at`]): a client that never answers frees nothing,
+    /// and only a checkpoint of its process takes its memory off the GPU.
+    fn freeing_at(&self, now: Nanos) -> u64 {
+        let overdue = self
+            .clients
+            .values()
+            .filter(|c| self.reclaim_overdue_at(c).is_some_and(|t| now >= t))
+            .map(|c| c.reclaim_pending)
+            .fold(0u64, u64::saturating_add);
+        self.freeing().saturating_sub(overdue)
+    }
+
     fn freeing(&self) -> u64 {
         let reclaims = self
             .clients

@@ -1401,6 +1401,7 @@ fn handle_client_msg(
                 if r.resume.is_some() { " (resumed)" } else { "" }
             );
             let mut info = ClientInfo::from_register(&r, host_pid);
+            info.tenant = st.clients.get(&id).map(|c| c.tenant.to_string());
             if let Origin::Container(c) = origin {
                 // Who a container's client is comes from its record, not from itself.
                 c.label(&mut info);

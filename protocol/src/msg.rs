@@ -672,6 +672,13 @@ pub enum EventKind {
     Unreported {
         bytes: u64,
     },
+    /// `bytes` of the memory no swap frees that the client reports are held by no
+    /// process as the driver counts it (its process holds less than its reports
+    /// claim, over several looks): not counted from now on; 0: its reports are
+    /// backed again.
+    Unbacked {
+        bytes: u64,
+    },
     /// The GPU memory of processes that are no client of this GPU (run without
     /// Kiwi, refused, a tool with a context), as NVML counts them, stable over
     /// several looks: counted from now on as memory no swap frees (client `None`).

@@ -53,6 +53,21 @@ pub(super) const RETRY_NS: u64 = 1_000_000_000;
 /// to reclaim the room meanwhile.
 pub(super) const RESTORE_RETRY_NS: u64 = 250_000_000;
 
+/// The window over which evictions are counted, for a tenant on whose behalf they
+/// are made and for each process evicted.
+pub const EVICTION_WINDOW_NS: u64 = 10_000_000_000;
+
+/// Checkpoints chosen on behalf of one tenant (the connections of one container
+/// socket, or of one uid on the node's socket), at most, per [`EVICTION_WINDOW_NS`]:
+/// a tenant that asks over and over (by `no_room`s, or by processes started over
+/// and over) gets no more than a holder beside a few newcomers needs.
+pub const TENANT_EVICTIONS: usize = 4;
+
+/// Checkpoints of one process, at most, per [`EVICTION_WINDOW_NS`]: each costs it a
+/// checkpoint and a restore (about half a second on an H100 for a context); what
+/// others' shortfalls may cost it is bounded whoever asks.
+pub const VICTIM_EVICTIONS: usize = 2;
+
 /// Why a checkpoint or restore failed: one line, and whether it never will succeed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckpointFailure {
@@ -76,44 +91,110 @@ impl GpuScheduler {
         if !self.checkpoint_on || short == 0 {
             return;
         }
+        // What would stay short with every other process checkpointed is memory no
+        // eviction frees (processes outside Kiwi, ones the driver refuses): the
+        // holder would lack it alone too, so nobody pays a checkpoint for it.
+        if short > self.checkpointable_besides(now, holder) {
+            return;
+        }
+        // A claim the driver contradicts costs nobody anything: a process that holds
+        // no GPU memory at all (no context) has nothing to swap in. Where the driver
+        // lists processes, a holder not looked at yet is looked at first (within
+        // [`RECONCILE_INTERVAL_NS`]; its next `no_room` asks again).
+        let Some(h) = self.clients.get(&holder) else {
+            return;
+        };
+        match h.driver_bytes {
+            None if self.listing && h.info.host_pid != 0 => return,
+            Some(0) => {
+                self.note_eviction_limit(
+                    now,
+                    holder,
+                    "the driver shows its process holding no GPU memory".into(),
+                );
+                return;
+            }
+            _ => {}
+        }
+        let window_start = now.saturating_sub(EVICTION_WINDOW_NS);
+        let tenant = self.tenant_of(holder);
+        self.evicted_for.retain(|_, times| {
+            while times.front().is_some_and(|&t| t < window_start) {
+                times.pop_front();
+            }
+            !times.is_empty()
+        });
+        let mut allowed =
+            TENANT_EVICTIONS.saturating_sub(self.evicted_for.get(&tenant).map_or(0, VecDeque::len));
+        if allowed == 0 {
+            self.note_eviction_limit(
+                now,
+                holder,
+                format!(
+                    "{tenant} had {TENANT_EVICTIONS} processes checkpointed in the last {} s",
+                    EVICTION_WINDOW_NS / 1_000_000_000
+                ),
+            );
+            return;
+        }
         let coming: u64 = self
             .clients
             .values()
             .filter(|c| matches!(c.ckpt, Ckpt::Wanted | Ckpt::Checkpointing))
-            .map(|c| c.unswappable)
+            .map(|c| self.checkpoint_frees(now, c))
             .fold(0, u64::saturating_add);
         let mut need = short.saturating_sub(coming);
         if need == 0 {
             return;
         }
         let front = self.queue.front().copied();
+        let mut spared = false;
         // Idle clients first, then waiters (whose turn, and restore, comes sooner);
         // least recently heard from first.
-        let mut victims: Vec<(bool, Nanos, ClientId)> = self
+        let frees: BTreeMap<ClientId, u64> = self
             .clients
             .iter()
-            .filter(|(&id, c)| {
-                id != holder
-                    && Some(id) != front
-                    && !self.holders.contains_key(&id)
-                    && !self.draining.contains_key(&id)
-                    && c.ckpt == Ckpt::None
-                    && c.unswappable > 0
-                    && now >= Self::retry_due(c)
-                    && now >= c.last_seen.saturating_add(CHECKPOINT_IDLE_NS)
-            })
-            .map(|(&id, c)| (c.requested_at.is_some(), c.last_seen, id))
+            .map(|(&id, c)| (id, self.checkpoint_frees(now, c)))
             .collect();
+        let mut victims: Vec<(bool, Nanos, ClientId)> = Vec::new();
+        for (&id, c) in self.clients.iter_mut() {
+            while c.evicted_at.front().is_some_and(|&t| t < window_start) {
+                c.evicted_at.pop_front();
+            }
+            let eligible = id != holder
+                && Some(id) != front
+                && !self.holders.contains_key(&id)
+                && !self.draining.contains_key(&id)
+                && c.ckpt == Ckpt::None
+                && frees.get(&id).is_some_and(|&f| f > 0)
+                && now >= Self::retry_due(c)
+                && now >= c.last_seen.saturating_add(CHECKPOINT_IDLE_NS);
+            if !eligible {
+                continue;
+            }
+            if c.evicted_at.len() >= VICTIM_EVICTIONS {
+                spared = true;
+                continue;
+            }
+            victims.push((c.requested_at.is_some(), c.last_seen, id));
+        }
         victims.sort();
         for (_, _, id) in victims {
-            if need == 0 {
+            if need == 0 || allowed == 0 {
                 break;
             }
+            let frees = frees.get(&id).copied().unwrap_or(0);
             let Some(c) = self.clients.get_mut(&id) else {
                 continue;
             };
             c.ckpt = Ckpt::Wanted;
-            need = need.saturating_sub(c.unswappable);
+            c.evicted_at.push_back(now);
+            allowed -= 1;
+            self.evicted_for
+                .entry(tenant.clone())
+                .or_default()
+                .push_back(now);
+            need = need.saturating_sub(frees);
             // Its swappable memory leaves first, by its shim's own fast path.
             let left = c.usage.resident_bytes.saturating_sub(c.reclaim_pending);
             if left > 0 {
@@ -129,14 +210,72 @@ impl GpuScheduler {
                 self.send(id, ArbiterMsg::Reclaim { need_bytes: left });
             }
         }
+        if need > 0 && spared {
+            self.note_eviction_limit(
+                now,
+                holder,
+                format!(
+                    "the others' processes were checkpointed {VICTIM_EVICTIONS} times each in the last {} s",
+                    EVICTION_WINDOW_NS / 1_000_000_000
+                ),
+            );
+        }
     }
 
-    /// Starts the checkpoints of chosen clients whose reclaim was answered.
-    pub(super) fn start_checkpoints(&mut self, _now: Nanos) {
+    /// Whose shortfalls client `id`'s are counted with: its tenant (its connection's
+    /// container socket or uid), else itself.
+    fn tenant_of(&self, id: ClientId) -> String {
+        self.clients
+            .get(&id)
+            .and_then(|c| c.info.tenant.clone())
+            .unwrap_or_else(|| format!("client {id}"))
+    }
+
+    /// Says in the event log (at most once per [`EVICTION_WINDOW_NS`] per client) why
+    /// no process is checkpointed for holder `id`.
+    fn note_eviction_limit(&mut self, now: Nanos, id: ClientId, why: String) {
+        let Some(c) = self.clients.get_mut(&id) else {
+            return;
+        };
+        if c.eviction_noted
+            .is_some_and(|t| now < t.saturating_add(EVICTION_WINDOW_NS))
+        {
+            return;
+        }
+        c.eviction_noted = Some(now);
+        self.log(
+            Some(id),
+            EventKind::CheckpointSkipped {
+                reason: format!("no process checkpointed to make room for it: {why}"),
+            },
+        );
+    }
+
+    /// When a chosen client's reclaim counts as unanswered: past the grace period
+    /// and the slowest swap-out of what it was asked for. A client that never
+    /// answers (its hint provider silent, or its shim hostile) is checkpointed all
+    /// the same: the driver copies its resident memory too.
+    pub(super) fn reclaim_overdue_at(&self, c: &Client) -> Option<Nanos> {
+        let sent = c.reclaim_sent?;
+        Some(
+            sent.saturating_add(self.grace_ns).saturating_add(
+                c.reclaim_pending
+                    .saturating_mul(crate::sched::SLOWEST_SWAP_OUT_NS_PER_BYTE),
+            ),
+        )
+    }
+
+    /// Starts the checkpoints of chosen clients whose reclaim was answered, or is
+    /// overdue ([`GpuScheduler::reclaim_overdue_at`]).
+    pub(super) fn start_checkpoints(&mut self, now: Nanos) {
         let ready: Vec<ClientId> = self
             .clients
             .iter()
-            .filter(|(_, c)| c.ckpt == Ckpt::Wanted && c.reclaim_pending == 0)
+            .filter(|(_, c)| {
+                c.ckpt == Ckpt::Wanted
+                    && (c.reclaim_pending == 0
+                        || self.reclaim_overdue_at(c).is_some_and(|t| now >= t))
+            })
             .map(|(&id, _)| id)
             .collect();
         for id in ready {
@@ -189,14 +328,51 @@ impl GpuScheduler {
             .saturating_sub(self.resident())
     }
 
-    /// Checkpointed clients the idle GPU can take back, least recently active first,
-    /// as long as each fits (`now`: only those whose retry pause is over).
-    fn restorable_when_idle(&self, now: Option<Nanos>) -> Vec<ClientId> {
-        let mut free = self.free_by_count();
+    /// GPU memory free beside every holder's whole working set and what the next
+    /// waiter lacks: what a restore may take while others hold the GPU without
+    /// making anyone short (`None`: a hand-off is under way, or nobody holds).
+    fn free_beside_holders(&self) -> Option<u64> {
+        if !self.draining.is_empty() || self.holders.is_empty() {
+            return None;
+        }
+        let taken = self
+            .clients
+            .iter()
+            .map(|(id, c)| {
+                if self.holders.contains_key(id) {
+                    c.usage.working_set_bytes
+                } else {
+                    c.usage.resident_bytes
+                }
+            })
+            .fold(0u64, u64::saturating_add);
+        let next = self
+            .queue
+            .front()
+            .and_then(|id| self.clients.get(id))
+            .map_or(0, |c| {
+                c.usage
+                    .working_set_bytes
+                    .saturating_sub(c.usage.resident_bytes)
+            });
+        Some(
+            self.total
+                .saturating_sub(self.fixed())
+                .saturating_sub(taken)
+                .saturating_sub(next),
+        )
+    }
+
+    /// Checkpointed clients the GPU can take back within `free` bytes, least
+    /// recently active first, as long as each fits (`now`: only those whose retry
+    /// pause is over; `waiters`: those waiting for a turn too, whom a grant restores
+    /// otherwise).
+    fn restorable(&self, now: Option<Nanos>, mut free: u64, waiters: bool) -> Vec<ClientId> {
         let mut ids: Vec<(Nanos, ClientId)> = self
             .clients
             .iter()
             .filter(|(_, c)| c.ckpt == Ckpt::Checkpointed)
+            .filter(|(_, c)| waiters || c.requested_at.is_none())
             .filter(|(_, c)| now.is_none_or(|n| n >= Self::retry_due(c)))
             .map(|(&id, c)| (c.last_active, id))
             .collect();
@@ -213,17 +389,27 @@ impl GpuScheduler {
     }
 
     /// Restores checkpointed clients once nobody has held, drained or waited for
-    /// [`RESTORE_WHEN_IDLE_NS`].
+    /// [`RESTORE_WHEN_IDLE_NS`], and, while others hold the GPU, as soon as one fits
+    /// beside their whole working sets ([`GpuScheduler::free_beside_holders`]): a
+    /// thread of a checkpointed process blocked in a driver call outside any turn
+    /// (`cuMemGetInfo`, `cudaDeviceSynchronize` from a notebook cell) waits only as
+    /// long as the GPU cannot hold its memory, not for as long as another tenant
+    /// keeps the GPU or claims memory.
     pub(super) fn restore_when_idle(&mut self, now: Nanos) {
-        if !(self.holders.is_empty() && self.draining.is_empty() && self.queue.is_empty()) {
+        let ids = if self.holders.is_empty() && self.draining.is_empty() && self.queue.is_empty() {
+            let since = *self.idle_since.get_or_insert(now);
+            if now < since.saturating_add(RESTORE_WHEN_IDLE_NS) {
+                return;
+            }
+            self.restorable(Some(now), self.free_by_count(), true)
+        } else {
             self.idle_since = None;
-            return;
-        }
-        let since = *self.idle_since.get_or_insert(now);
-        if now < since.saturating_add(RESTORE_WHEN_IDLE_NS) {
-            return;
-        }
-        for id in self.restorable_when_idle(Some(now)) {
+            match self.free_beside_holders() {
+                Some(free) => self.restorable(Some(now), free, false),
+                None => return,
+            }
+        };
+        for id in ids {
             let c = self.clients.get_mut(&id).expect("listed");
             c.ckpt = Ckpt::Restoring;
             let pid = c.info.host_pid;
@@ -237,9 +423,21 @@ impl GpuScheduler {
         let mut d: Option<Nanos> = None;
         let mut at = |t: Nanos| d = Some(d.map_or(t, |x: Nanos| x.min(t)));
         if let Some(since) = self.idle_since {
-            for id in self.restorable_when_idle(None) {
+            for id in self.restorable(None, self.free_by_count(), true) {
                 let due = Self::retry_due(&self.clients[&id]);
                 at(due.max(since.saturating_add(RESTORE_WHEN_IDLE_NS)));
+            }
+        }
+        if let Some(free) = self.free_beside_holders() {
+            for id in self.restorable(None, free, false) {
+                at(Self::retry_due(&self.clients[&id]));
+            }
+        }
+        for c in self.clients.values() {
+            if c.ckpt == Ckpt::Wanted && c.reclaim_pending > 0 {
+                if let Some(t) = self.reclaim_overdue_at(c) {
+                    at(t);
+                }
             }
         }
         if let Some(c) = self.queue.front().and_then(|id| self.clients.get(id)) {
@@ -250,13 +448,55 @@ impl GpuScheduler {
         d
     }
 
-    /// What client `id`, in its turn, cannot have because no checkpoint takes it off
-    /// the GPU: the memory no swap frees of the clients the driver refused.
+    /// Whether the daemon can never checkpoint client `c`'s process: the driver
+    /// refused it, or its host pid is unknown (an arbiter outside the host's pid
+    /// namespace cannot name it).
+    fn unmovable(c: &Client) -> bool {
+        c.ckpt == Ckpt::Refused || c.info.host_pid == 0
+    }
+
+    /// What client `id`, in its turn, cannot have because neither a swap nor a
+    /// checkpoint takes it off the GPU: the memory no swap frees of the clients whose
+    /// processes cannot be checkpointed, the processes outside Kiwi (no client's: the
+    /// arbiter evicts none of them), and its own memory beyond its reports (code
+    /// loaded inside launches, [`GpuScheduler::reconcile`]: its shim subtracts only
+    /// what it reported). Told as less, a tenant sizing itself from `cuMemGetInfo`
+    /// (JAX's preallocation) waited for good for room only the outsider's exit makes.
     pub(super) fn unmovable_besides(&self, id: ClientId) -> u64 {
+        let own = self.clients.get(&id).map_or(0, |c| c.unreported);
         self.clients
             .iter()
-            .filter(|(&other, c)| other != id && c.ckpt == Ckpt::Refused)
+            .filter(|(&other, c)| other != id && Self::unmovable(c))
             .map(|(_, c)| c.unswappable)
+            .fold(own, u64::saturating_add)
+            .saturating_add(self.outside_kiwi)
+            .min(self.total)
+    }
+
+    /// What a checkpoint of client `c`'s process takes off the GPU that no swap
+    /// will: its memory no swap frees, and what it was asked to reclaim and did not
+    /// answer in time (`now`); or all its process holds as the driver last counted
+    /// it, when that is more (its reports may understate it: a checkpoint takes
+    /// everything).
+    fn checkpoint_frees(&self, now: Nanos, c: &Client) -> u64 {
+        let silent = if self.reclaim_overdue_at(c).is_some_and(|t| now >= t) {
+            c.reclaim_pending.min(c.usage.resident_bytes)
+        } else {
+            0
+        };
+        c.unswappable
+            .saturating_add(silent)
+            .max(c.driver_bytes.unwrap_or(0))
+    }
+
+    /// Memory that checkpoints of clients other than `holder` could take off the
+    /// GPU at `now`, at most (those chosen or under way included).
+    fn checkpointable_besides(&self, now: Nanos, holder: ClientId) -> u64 {
+        self.clients
+            .iter()
+            .filter(|(&id, c)| id != holder && !Self::unmovable(c))
+            .filter(|(_, c)| !matches!(c.ckpt, Ckpt::Checkpointed | Ckpt::Restoring))
+            .map(|(_, c)| self.checkpoint_frees(now, c))
             .fold(0, u64::saturating_add)
     }
 
@@ -292,6 +532,9 @@ impl GpuScheduler {
         let kind = match outcome {
             Ok(duration_ns) => {
                 c.ckpt = Ckpt::Checkpointed;
+                // Whatever it did not reclaim went with its process.
+                c.reclaim_pending = 0;
+                c.reclaim_sent = None;
                 EventKind::Checkpoint {
                     bytes: c.unswappable,
                     duration_ns,

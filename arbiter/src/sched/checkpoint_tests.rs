@@ -1,7 +1,9 @@
 //! Whole-process eviction in the scheduler ([`super::checkpoint`]), with simulated
 //! time.
 
-use super::checkpoint::{CHECKPOINT_IDLE_NS, RESTORE_RETRY_NS, RETRY_NS};
+use super::checkpoint::{
+    Ckpt, CHECKPOINT_IDLE_NS, RESTORE_RETRY_NS, RETRY_NS, TENANT_EVICTIONS, VICTIM_EVICTIONS,
+};
 use super::*;
 
 const MIB: u64 = 1 << 20;
@@ -243,4 +245,192 @@ fn room_names_the_working_set_that_memory_no_swap_frees_must_leave_room_for() {
     );
     let (s, _) = pair(true);
     assert_eq!(s.room_for(1), Some((0, None)));
+}
+
+/// Issue #42, item 1: a newcomer is told, as taken, what neither a swap nor a
+/// checkpoint takes off the GPU: the memory of processes outside Kiwi (NVML) and of
+/// processes the daemon cannot name, beside what the driver refused.
+#[test]
+fn what_no_eviction_moves_is_told_as_taken() {
+    let (mut s, _) = pair(true);
+    // A process outside Kiwi holds 1 GiB, for three looks.
+    for t in 1..=3 {
+        s.reconcile(
+            t * SEC,
+            &[(101, 3700 * MIB), (102, 300 * MIB), (777, 1024 * MIB)],
+        );
+    }
+    assert_eq!(s.room_for(1), Some((1024 * MIB, None)));
+    // A client whose host pid is unknown can never be checkpointed.
+    let info = ClientInfo {
+        host_pid: 0,
+        unswappable: Some(200 * MIB),
+        room_info: true,
+        ..ClientInfo::default()
+    };
+    s.register(4 * SEC, 3, info, usage(100 * MIB, 0), None);
+    assert_eq!(s.room_for(1), Some((1224 * MIB, None)));
+    // Nobody is checkpointed for a shortfall that only the outsider's exit ends.
+    let mut s = pair(true).0;
+    s.checkpoint_done(
+        700 * MS,
+        2,
+        Err(CheckpointFailure {
+            reason: "lock: CUDA_ERROR_NOT_READY".into(),
+            permanent: false,
+        }),
+    );
+    let t = 700 * MS + RETRY_NS;
+    s.usage(t, 1, usage(3600 * MIB, 3000 * MIB));
+    let outs = s.no_room(t + CHECKPOINT_IDLE_NS, 1, 600 * MIB, || None);
+    assert!(
+        checkpoints(&outs).is_empty(),
+        "600 MiB short beside a 300 MiB context: {outs:?}"
+    );
+}
+
+/// A 4000 MiB GPU: holder 1 (pid 101, tenant "uid 1000") and `victims` idle clients
+/// with 300 MiB contexts each (pids 201..), nothing of theirs resident.
+fn holder_beside(victims: u64) -> GpuScheduler {
+    let mut s = GpuScheduler::new(
+        4000 * MIB,
+        4000 * MIB,
+        Settings {
+            scheduler_on: true,
+            tq_ms: 1_000,
+        },
+        500,
+    )
+    .with_checkpoint(true);
+    let info = ClientInfo {
+        host_pid: 101,
+        unswappable: Some(300 * MIB),
+        tenant: Some("uid 1000".into()),
+        ..ClientInfo::default()
+    };
+    s.register(0, 1, info, usage(3600 * MIB, 0), None);
+    for v in 0..victims {
+        let info = ClientInfo {
+            host_pid: 201 + v as u32,
+            unswappable: Some(300 * MIB),
+            tenant: Some(format!("container v{v}")),
+            ..ClientInfo::default()
+        };
+        s.register(0, 2 + v, info, usage(0, 0), None);
+    }
+    s.request(MS, 1);
+    s.usage(2 * MS, 1, usage(3600 * MIB, 3000 * MIB));
+    s
+}
+
+/// Issue #42, item 2: a tenant that answers every turn with `no_room` gets a process
+/// checkpointed for it at most [`VICTIM_EVICTIONS`] times per window, whoever asks,
+/// and asks for at most [`TENANT_EVICTIONS`] per window; the log says why not.
+#[test]
+fn evictions_are_bounded_per_victim_and_per_tenant() {
+    let mut s = holder_beside(1);
+    let mut t = SEC;
+    let mut count = 0;
+    let mut said = false;
+    // Ten seconds of no_room, each checkpoint answered and restored at once.
+    while t < 10 * SEC {
+        let outs = s.no_room(t, 1, 300 * MIB, || None);
+        said |= logged(
+            &outs,
+            |k| matches!(k, EventKind::CheckpointSkipped { reason } if reason.contains("checkpointed 2 times each")),
+        );
+        for (id, _) in checkpoints(&outs) {
+            count += 1;
+            s.checkpoint_done(t + MS, id, Ok(MS));
+            // Restored at once (as a grant of its own would).
+            s.clients.get_mut(&id).unwrap().ckpt = Ckpt::None;
+        }
+        t += 250 * MS;
+    }
+    assert_eq!(
+        count, VICTIM_EVICTIONS,
+        "checkpoints of one idle process in 10 s"
+    );
+    assert!(said, "the limit is in the log");
+    // One tenant, many victims: at most TENANT_EVICTIONS per window.
+    let mut s = holder_beside(8);
+    s.usage(3 * MS, 1, usage(3600 * MIB, 1500 * MIB));
+    let outs = s.no_room(SEC, 1, 2100 * MIB, || None);
+    assert_eq!(
+        checkpoints(&outs).len(),
+        TENANT_EVICTIONS,
+        "7 contexts short, for one tenant: {outs:?}"
+    );
+}
+
+/// A holder whose process the driver shows holding no GPU memory at all (a
+/// protocol client with no context) gets nobody checkpointed, whatever it claims.
+#[test]
+fn a_claim_no_process_backs_gets_nobody_checkpointed() {
+    let mut s = holder_beside(1);
+    s.reconcile(500 * MS, &[(201, 300 * MIB)]);
+    let outs = s.no_room(SEC, 1, 300 * MIB, || None);
+    assert!(checkpoints(&outs).is_empty(), "{outs:?}");
+    assert!(s.clients.values().all(|c| c.ckpt == Ckpt::None));
+    assert!(logged(&outs, |k| matches!(
+        k,
+        EventKind::CheckpointSkipped { reason } if reason.contains("no GPU memory")
+    )));
+    // Listed with its context: it is believed.
+    s.reconcile(1100 * MS, &[(101, 3300 * MIB), (201, 300 * MIB)]);
+    let outs = s.no_room(2 * SEC, 1, 300 * MIB, || None);
+    assert_eq!(checkpoints(&outs), vec![(2, 201)], "{outs:?}");
+}
+
+/// Issue #42, item 4: a client that never answers its reclaim (a silent hint
+/// provider, a hostile shim) frees nothing: once the reclaim is overdue (the grace
+/// and the slowest swap-out of what it was asked), its process is checkpointed,
+/// instead of the holder waiting for it for good.
+#[test]
+fn a_client_that_never_answers_its_reclaim_is_checkpointed_once_overdue() {
+    let mut s = GpuScheduler::new(
+        4000 * MIB,
+        4000 * MIB,
+        Settings {
+            scheduler_on: true,
+            tq_ms: 1_000,
+        },
+        500,
+    )
+    .with_checkpoint(true);
+    for (id, pid, ws) in [(2, 201, 1000 * MIB), (1, 101, 3600 * MIB)] {
+        let info = ClientInfo {
+            host_pid: pid,
+            unswappable: Some(300 * MIB),
+            ..ClientInfo::default()
+        };
+        let resident = if id == 2 { ws } else { 0 };
+        s.register(0, id, info, usage(ws, resident), None);
+    }
+    s.request(MS, 1);
+    assert!(s.clients[&2].reclaim_pending > 0, "asked to make room");
+    s.usage(2 * MS, 1, usage(3600 * MIB, 2400 * MIB));
+    // Not overdue yet: its swap-out may still be on the way.
+    let outs = s.no_room(SEC, 1, 1200 * MIB, || None);
+    assert!(checkpoints(&outs).is_empty(), "{outs:?}");
+    let due = s.reclaim_overdue_at(&s.clients[&2]).expect("a reclaim");
+    assert!(due <= MS + 500 * MS + 1000 * MIB, "overdue at {due}");
+    let outs = s.no_room(due, 1, 1200 * MIB, || None);
+    assert_eq!(checkpoints(&outs), vec![(2, 201)], "{outs:?}");
+    // Checkpointed: none of its memory counts on the GPU any more.
+    s.checkpoint_done(due + MS, 2, Ok(MS));
+    assert_eq!(s.need_for(1), 0, "the holder's 1200 MiB fit");
+}
+
+/// Issue #42, item 3: a checkpointed process is restored as soon as the GPU can
+/// hold it beside the holders' whole working sets, not only once nobody holds.
+#[test]
+fn a_checkpointed_process_comes_back_as_soon_as_it_fits_beside_the_holder() {
+    let (mut s, _) = pair(true);
+    s.checkpoint_done(700 * MS, 2, Ok(MS));
+    // Client 1 still holds 3600 MiB beside 300 + 300: no room for 2's context.
+    assert!(restores(&s.tick(2 * SEC)).is_empty());
+    // It frees 400 MiB of its working set and keeps the GPU: 2 fits now.
+    let outs = s.usage(3 * SEC, 1, usage(3200 * MIB, 3200 * MIB));
+    assert_eq!(restores(&outs), vec![(2, 102)], "{outs:?}");
 }

@@ -2030,6 +2030,66 @@ fn a_busy_or_unlisted_client_is_not_reconciled() {
     }
 }
 
+/// Issue #42, item 6: a process outside Kiwi that registers a client of its own
+/// and changes its reports at every look (0, then 2.4 GiB resident, and back) no
+/// longer escapes the driver's figure: what it holds beyond what it claimed least
+/// is counted as memory no swap frees. Before, every change started the looks over
+/// and nothing was ever counted.
+#[test]
+fn a_client_that_changes_its_reports_at_every_look_is_counted_all_the_same() {
+    let mut s = sched_4g();
+    reg_pid(&mut s, 1, 4242, 0, 0);
+    let held = 2400 * MIB;
+    let mut counted = Vec::new();
+    for t in 1..8u64 {
+        let resident = if t % 2 == 0 { held } else { 0 };
+        s.usage(t * SEC - MS, 1, usage(held, resident));
+        counted.extend(unreported(&s.reconcile(t * SEC, &[(4242, held)])));
+    }
+    assert_eq!(counted, vec![(Some(1), held)]);
+    assert_eq!(s.clients[&1].unswappable, held);
+}
+
+/// Issue #42, item 3: memory no swap frees that a client reports and that its
+/// process does not hold, at any look, is a claim no process backs: it is not
+/// counted (so it keeps nobody checkpointed or waiting), and counts again once the
+/// driver shows it. Only where NVML lists some client's process: a driver that
+/// lists none doubts nobody.
+#[test]
+fn memory_no_swap_frees_that_no_process_holds_is_not_counted() {
+    let unbacked = |outs: &[Output]| {
+        logged(outs)
+            .into_iter()
+            .filter_map(|(id, k)| match k {
+                EventKind::Unbacked { bytes } => Some((id, bytes)),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut s = sched_4g();
+    reg_pid(&mut s, 1, 4242, 1000 * MIB, 300 * MIB);
+    // Client 2 claims 3.8 GiB of contexts; its process (4343) is not listed at all.
+    reg_pid(&mut s, 2, 4343, 0, 3800 * MIB);
+    assert_eq!(s.room(), 0, "the claim takes the whole GPU");
+    let mut said = Vec::new();
+    for t in 1..=3 {
+        said.extend(unbacked(&s.reconcile(t * SEC, &[(4242, 1300 * MIB)])));
+    }
+    assert_eq!(said, vec![(Some(2), 3800 * MIB)]);
+    assert_eq!(s.room(), (4096 - 300) * MIB, "only 1's context counts");
+    // Its process makes a 300 MiB context: that much is backed again.
+    for t in 4..=6 {
+        s.reconcile(t * SEC, &[(4242, 1300 * MIB), (4343, 300 * MIB)]);
+    }
+    assert_eq!(s.clients[&2].unswappable, 300 * MIB);
+    // A driver that lists no client's process: no claim is doubted.
+    let mut s = sched_4g();
+    reg_pid(&mut s, 2, 4343, 0, 3800 * MIB);
+    for t in 1..=4 {
+        assert!(unbacked(&s.reconcile(t * SEC, &[(999, 100 * MIB)])).is_empty());
+    }
+}
+
 /// Processes NVML lists that are no client here (run without Kiwi) count as memory
 /// no swap frees once listed for three looks, at the least of them; not while some
 /// client's host pid is unknown (it could be one of them).
