@@ -95,6 +95,11 @@ struct Args {
         help_heading = "Limits"
     )]
     limit_nofile: Option<u64>,
+    /// The longest a client's swap-out waits for its application to say which of its
+    /// memory is dead (the shim's KIWI_HINT_WAIT_MS is clamped to it): the next
+    /// tenant waits for that answer. Default 100; 0: never wait.
+    #[arg(long, value_name = "MS", help_heading = "Limits")]
+    max_hint_wait_ms: Option<u64>,
 }
 
 fn main() {
@@ -225,6 +230,11 @@ fn run() -> Result<()> {
         )?
         .unwrap_or(server_cfg.event_log_max_bytes),
         limit_nofile: positive("--limit-nofile", args.limit_nofile.or(a.limit_nofile))?,
+        // A bound on tenants, not on what the arbiter holds: 0 (never wait) is valid.
+        max_hint_wait_ms: args
+            .max_hint_wait_ms
+            .or(a.max_hint_wait_ms)
+            .unwrap_or(server_cfg.max_hint_wait_ms),
         ..server_cfg
     };
 

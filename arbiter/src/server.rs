@@ -74,6 +74,11 @@ pub struct ServerConfig {
     pub limit_nofile: Option<u64>,
     /// Messages per second a client may send (burst: one second's worth).
     pub max_msgs_per_sec: u32,
+    /// The longest a client's swap-out may wait for its application's answer to which
+    /// of its memory is dead, in ms (`--max-hint-wait-ms`): told to each client that
+    /// registers with `bounds` ([`ArbiterMsg::Bounds`]), which clamps its
+    /// `KIWI_HINT_WAIT_MS` to it. The next tenant waits for that answer.
+    pub max_hint_wait_ms: u64,
     /// Where to serve Prometheus metrics (`None`: nowhere).
     pub metrics_addr: Option<String>,
     /// The node's host-RAM swap budget in bytes, over every GPU (`None`: unlimited).
@@ -114,6 +119,7 @@ impl Default for ServerConfig {
             event_log_max_bytes: crate::events::DEFAULT_MAX_BYTES,
             limit_nofile: None,
             max_msgs_per_sec: 20_000,
+            max_hint_wait_ms: DEFAULT_MAX_HINT_WAIT_MS,
             metrics_addr: None,
             swap_budget_bytes: None,
             gpus: gpus::GpuTruth::Claims,
@@ -124,6 +130,12 @@ impl Default for ServerConfig {
         }
     }
 }
+
+/// The default of [`ServerConfig::max_hint_wait_ms`]: ten times the shim's own default
+/// (10 ms), room for a provider thread that needs a core or Python's GIL on a loaded
+/// host, and short beside any swap-out that moves memory (a GiB takes a few hundred
+/// ms over PCIe): what one holder's hint can add to a hand-off.
+pub const DEFAULT_MAX_HINT_WAIT_MS: u64 = 100;
 
 /// Bytes a slow reader may leave unread before it is disconnected. A client's
 /// messages are under 1 KiB each and it reads them as they come, so 64 KiB is far
@@ -734,13 +746,14 @@ pub async fn serve(
     };
     log_line!(
         "INFO",
-        "limits: {max_connections} client connections (RLIMIT_NOFILE {nofile}, {FD_RESERVE} descriptors kept for the control socket and the daemon; configured {}), {} per container, registration within {} ms, each frame within {} ms, {} MiB for partly received frames, event log {} MiB",
+        "limits: {max_connections} client connections (RLIMIT_NOFILE {nofile}, {FD_RESERVE} descriptors kept for the control socket and the daemon; configured {}), {} per container, registration within {} ms, each frame within {} ms, {} MiB for partly received frames, event log {} MiB, a swap-out's wait for its hints at most {} ms",
         cfg.max_connections,
         limits.max_conns_per_group,
         cfg.register_timeout_ms,
         cfg.frame_timeout_ms,
         cfg.partial_frame_budget_bytes >> 20,
-        cfg.event_log_max_bytes >> 20
+        cfg.event_log_max_bytes >> 20,
+        cfg.max_hint_wait_ms
     );
     let (stop_tx, stop_rx) = watch::channel(false);
     let limit = Arc::new(Semaphore::new(max_connections));
@@ -1410,11 +1423,22 @@ fn handle_client_msg(
                 working_set_bytes: r.working_set_bytes,
                 resident_bytes: r.resident_bytes,
             };
-            let outs = st
+            let mut outs = st
                 .gpus
                 .get_mut(&uuid)
                 .map(|g| g.sched.register(now, id, info, usage, r.resume))
                 .unwrap_or_default();
+            // The node's bounds, right after `registered` (the scheduler's), so the
+            // shim has them before any drop or reclaim; only to a client that asked.
+            let registered = outs.iter().position(
+                |o| matches!(o, Output::Send(to, ArbiterMsg::Registered { .. }) if *to == id),
+            );
+            if let (true, Some(k)) = (r.bounds, registered) {
+                let bounds = ArbiterMsg::Bounds {
+                    hint_wait_ms: st.cfg.max_hint_wait_ms,
+                };
+                outs.insert(k + 1, Output::Send(id, bounds));
+            }
             if r.resume.is_some() && host_pid != 0 {
                 checkpoints::restore_if_left(&st, &uuid, id, host_pid);
             }

@@ -38,6 +38,7 @@ fn register(socket: &Path, ws: u64) -> Result<Connection<ClientMsg, ArbiterMsg>>
         unswappable_bytes: None,
         pipelined: false,
         room_info: false,
+        bounds: false,
     };
     match c.call(&ClientMsg::Register(reg))? {
         ArbiterMsg::Registered { .. } => Ok(c),

@@ -280,6 +280,10 @@ fn arbiter_role(
         // Every benchmark client is a child of this process, in one cgroup; on a node
         // they are separate containers, each under its own per-container cap.
         max_conns_per_group: usize::MAX,
+        // Nor a stranger to protect from another's hint wait: the clients' own
+        // `KIWI_HINT_WAIT_MS` stands (`bench/tests/quick.rs` raises it for loaded
+        // hosts).
+        max_hint_wait_ms: u64::MAX,
         ..Default::default()
     };
     if let Some(ms) = idle_evict_ms {

@@ -344,6 +344,7 @@ fn swaps_alone(b: &Build, mem: u64, cycles: u32, pcie_gbps: f64) -> Result<(f64,
         unswappable_bytes: Some(crate::jobs::COSTS.context_memory),
         pipelined: false,
         room_info: false,
+        bounds: false,
     };
     match c.call(&ClientMsg::Register(reg))? {
         ArbiterMsg::Registered { .. } => {}
@@ -500,6 +501,7 @@ fn swap_out_after_growth(b: &Build, pageable: bool) -> Result<(f64, f64, f64)> {
         unswappable_bytes: Some(crate::jobs::COSTS.context_memory),
         pipelined: false,
         room_info: false,
+        bounds: false,
     };
     let me = match c.call(&ClientMsg::Register(reg))? {
         ArbiterMsg::Registered { client_id, .. } => client_id,

@@ -164,6 +164,11 @@ pub struct ArbiterConfig {
     pub partial_frame_budget_mib: Option<u64>,
     pub event_log_mib: Option<u64>,
     pub limit_nofile: Option<u64>,
+    /// The longest a client's swap-out may wait for its application's answer to which
+    /// of its memory is dead (the shim's `KIWI_HINT_WAIT_MS` is clamped to it), in ms:
+    /// the GPU and memory the next tenant needs wait for that answer. `None`: the
+    /// arbiter's default (100); 0: swap-outs never wait for it.
+    pub max_hint_wait_ms: Option<u64>,
 }
 
 impl Default for ArbiterConfig {
@@ -186,6 +191,7 @@ impl Default for ArbiterConfig {
             partial_frame_budget_mib: None,
             event_log_mib: None,
             limit_nofile: None,
+            max_hint_wait_ms: None,
         }
     }
 }
@@ -575,6 +581,16 @@ vgpus_per_gpu = 4
         assert_eq!(c.arbiter.max_conns_per_group, Some(8));
         assert_eq!(c.arbiter.frame_timeout_ms, Some(250));
         assert_eq!(c.arbiter.event_log_mib, Some(4));
+        assert_eq!(c.arbiter.max_hint_wait_ms, None);
+        // A bound on tenants, not on what the arbiter holds: 0 (never wait) is valid.
+        for ms in [0, 200] {
+            let c = Config::from_str_at(
+                &format!("[arbiter]\nmax_hint_wait_ms = {ms}\n"),
+                Path::new("c"),
+            )
+            .unwrap();
+            assert_eq!(c.arbiter.max_hint_wait_ms, Some(ms));
+        }
         for key in [
             "max_connections",
             "max_conns_per_group",

@@ -248,6 +248,7 @@ mod tests {
             unswappable_bytes: None,
             pipelined: false,
             room_info: false,
+            bounds: false,
         }))
         .unwrap();
         let mut d = FrameDecoder::new();

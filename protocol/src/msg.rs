@@ -111,6 +111,12 @@ pub struct Register {
     /// `wait_info`.
     #[serde(default, skip_serializing_if = "is_false")]
     pub room_info: bool,
+    /// The client keeps to the operator's bounds on its own settings that make other
+    /// tenants wait, and wants them ([`ArbiterMsg::Bounds`], right after
+    /// `registered`). Opt-in and left out when false, like `wait_info`: an arbiter
+    /// that predates it refuses the field and the client registers again without it.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub bounds: bool,
 }
 
 fn is_zero_u64(n: &u64) -> bool {
@@ -271,6 +277,16 @@ pub enum ArbiterMsg {
         /// must then send [`ClientMsg::Admit`] before growing its working set.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         swap_budget_bytes: Option<u64>,
+    },
+    /// To a client that registered with `bounds`, right after [`ArbiterMsg::Registered`]
+    /// (before anything else): the operator's bounds (`kiwi-arbiter
+    /// --max-hint-wait-ms`) on the client's own settings that make other tenants
+    /// wait. `hint_wait_ms`: the longest one of its swap-outs waits for the
+    /// application's answer to which of its memory is dead (`KIWI_HINT_WAIT_MS` is
+    /// clamped to it). Sent by the daemon, not a GPU's scheduler: the bounds are the
+    /// node's. Only to clients that asked: older shims refuse unknown message types.
+    Bounds {
+        hint_wait_ms: u64,
     },
     /// The GPU is this client's. `exclusive: false` means every working set fits (or
     /// the scheduler is off): run alongside the others, no swapping needed.
@@ -880,6 +896,45 @@ mod tests {
         assert_eq!(old, none);
     }
 
+    /// `bounds` is opt-in: a registration without it is what older shims send, and
+    /// `bounds` (a message older shims cannot decode) goes only to those that asked.
+    #[test]
+    fn bounds_are_opt_in_and_round_trip() {
+        let old =
+            r#"{"type":"register","version":1,"pid":7,"gpu_uuid":"GPU-1","gpu_total_memory":1024}"#;
+        let ClientMsg::Register(mut r) = serde_json::from_str::<ClientMsg>(old).unwrap() else {
+            panic!("not a register");
+        };
+        assert!(!r.bounds);
+        assert!(!serde_json::to_string(&ClientMsg::Register(r.clone()))
+            .unwrap()
+            .contains("bounds"));
+        r.bounds = true;
+        let j = serde_json::to_string(&ClientMsg::Register(r.clone())).unwrap();
+        assert!(j.ends_with(r#","bounds":true}"#), "{j}");
+        assert_eq!(
+            round_trip(&ClientMsg::Register(r.clone())),
+            ClientMsg::Register(r)
+        );
+
+        let b = ArbiterMsg::Bounds { hint_wait_ms: 200 };
+        assert_eq!(
+            serde_json::to_string(&b).unwrap(),
+            r#"{"type":"bounds","hint_wait_ms":200}"#
+        );
+        assert_eq!(round_trip(&b), b);
+        let max = ArbiterMsg::Bounds {
+            hint_wait_ms: u64::MAX,
+        };
+        assert_eq!(round_trip(&max), max);
+        // The bound is required; unknown fields are refused.
+        assert!(serde_json::from_str::<ArbiterMsg>(r#"{"type":"bounds"}"#).is_err());
+        assert!(serde_json::from_str::<ArbiterMsg>(
+            r#"{"type":"bounds","hint_wait_ms":1,"idle_ms":2}"#
+        )
+        .is_err());
+    }
+
     #[test]
     fn wait_info_is_opt_in_and_waiting_round_trips() {
         // A registration without the opt-in is what older shims send, and decodes.
@@ -1003,6 +1058,7 @@ mod tests {
             unswappable_bytes: None,
             pipelined: false,
             room_info: false,
+            bounds: false,
         };
         assert_eq!(r.validate(), Ok(()));
         r.name = Some("x".repeat(1 << 20));

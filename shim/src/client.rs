@@ -962,6 +962,9 @@ impl Client {
                 self.wake_pinning();
             }
             ArbiterMsg::Pong { token } => turn.on_pong(token),
+            // Said right after `registered`, where `register` applies it; one that
+            // came later still applies (only ever to the process's own wait).
+            ArbiterMsg::Bounds { hint_wait_ms } => register::apply_bounds(hint_wait_ms),
             ArbiterMsg::Registered { .. } => {}
         }
     }

@@ -30,7 +30,9 @@ pub struct ShimEnv {
     pub stats_file: Option<PathBuf>,
     /// `KIWI_HINT_WAIT_MS` (default 10 ms): how long a swap-out waits for the
     /// application's answer to which of its memory is dead (`crate::hint`), when a
-    /// thread of it waits for such questions.
+    /// thread of it waits for such questions. The next tenant waits for that
+    /// swap-out: at most the arbiter's bound (`bounds` at registration, `kiwi-arbiter
+    /// --max-hint-wait-ms`, default 100 ms) is used.
     pub hint_wait: Duration,
 }
 
@@ -48,7 +50,8 @@ pub fn parse_duration(s: &str, default_unit_ms: f64) -> Option<Duration> {
     if !v.is_finite() || v < 0.0 {
         return None;
     }
-    Some(Duration::from_secs_f64(v * mul / 1000.0))
+    // Past `Duration`'s range (`1e30`) is not a duration either: never a panic.
+    Duration::try_from_secs_f64(v * mul / 1000.0).ok()
 }
 
 fn flag(v: Option<String>) -> bool {
@@ -144,6 +147,7 @@ mod tests {
         let e = ShimEnv::from_lookup(|k| (k == "KIWI_IDLE_MS").then(|| "soon".to_string()));
         assert_eq!(e.idle, Duration::from_millis(100));
         assert_eq!(parse_duration("-1", 1.0), None);
+        assert_eq!(parse_duration("1e30", 1.0), None);
         assert_eq!(parse_duration("3s", 1.0), Some(Duration::from_secs(3)));
         assert_eq!(
             parse_duration("40ms", 1000.0),

@@ -9,6 +9,11 @@
 //! changes nothing (its discards are ignored), so a slow provider costs at most the
 //! wait, and a process without a provider waits not at all.
 //!
+//! The next tenant waits for that swap-out, so the wait is the operator's to bound:
+//! the arbiter says its bound at registration (`bounds`, `--max-hint-wait-ms`) and
+//! `KIWI_HINT_WAIT_MS` is clamped to it ([`set_bound`]). Without an arbiter, or with
+//! one that predates it, the tenant's own value stands.
+//!
 //! Discards made for a request carry the submission token of the moment the request
 //! opened, not of their own call: the provider's view (a snapshot of the framework's
 //! allocator) is taken after that moment, and any submission the application tried
@@ -17,17 +22,54 @@
 //! after the snapshot is never lost.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-/// How long a swap-out waits for an answer, in µs (`KIWI_HINT_WAIT_MS`, set when the
-/// client starts).
+/// How long a swap-out waits for an answer, in µs: the least of [`ASKED_US`] and
+/// [`BOUND_US`]. The one figure the swap path reads (no lock).
 static WAIT_US: AtomicU64 = AtomicU64::new(10_000);
+/// What the application asked for, in µs (`KIWI_HINT_WAIT_MS`, set when the client
+/// starts).
+static ASKED_US: AtomicU64 = AtomicU64::new(10_000);
+/// The arbiter's bound, in µs (`u64::MAX`: none said).
+static BOUND_US: AtomicU64 = AtomicU64::new(u64::MAX);
+/// The clamp was said on stderr (once per process).
+static CLAMP_SAID: AtomicBool = AtomicBool::new(false);
 
-/// Sets how long a swap-out waits for a provider's answer.
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// Sets how long the application asks a swap-out to wait for a provider's answer
+/// (`KIWI_HINT_WAIT_MS`); the arbiter's bound, if one was said, still applies.
 pub fn set_wait(limit: Duration) {
-    WAIT_US.store(limit.as_micros() as u64, Ordering::Relaxed);
+    ASKED_US.store(micros(limit), Ordering::Relaxed);
+    settle();
+}
+
+/// Sets the arbiter's bound on the wait (told at each registration, `bounds`): the
+/// wait is the application's, clamped to it. Says once, at info level, when it
+/// clamps the application's value. Returns the wait now in force.
+pub fn set_bound(bound: Duration) -> Duration {
+    BOUND_US.store(micros(bound), Ordering::Relaxed);
+    let (asked, now) = settle();
+    if asked > now && !CLAMP_SAID.swap(true, Ordering::Relaxed) {
+        crate::kinfo!(
+            "KIWI_HINT_WAIT_MS={} is more than the arbiter allows: a swap-out waits at most {} ms for the application's hints (kiwi-arbiter --max-hint-wait-ms)",
+            asked / 1000,
+            now / 1000
+        );
+    }
+    Duration::from_micros(now)
+}
+
+/// Recomputes [`WAIT_US`]; returns (asked, in force), in µs.
+fn settle() -> (u64, u64) {
+    let asked = ASKED_US.load(Ordering::Relaxed);
+    let now = asked.min(BOUND_US.load(Ordering::Relaxed));
+    WAIT_US.store(now, Ordering::Relaxed);
+    (asked, now)
 }
 
 /// How long a swap-out waits for a provider's answer.
@@ -54,6 +96,9 @@ struct State {
 /// that found nobody waiting in that gap used to go unanswered, and the swap-out
 /// copied what the provider would have discarded (1 GiB, on a loaded 2-core host).
 const PROVIDER_GAP: Duration = Duration::from_secs(1);
+
+/// The longest any wait here is taken to be (a figure past it means "for good").
+const LONGEST_WAIT: Duration = Duration::from_secs(86_400);
 
 static STATE: Mutex<State> = Mutex::new(State {
     providers: 0,
@@ -96,7 +141,8 @@ pub fn request(token: u64, limit: Duration) -> bool {
             st.last
         }
     };
-    let deadline = Instant::now() + limit;
+    // Whatever the figure, never an `Instant` past its range (that add panics).
+    let deadline = Instant::now() + limit.min(LONGEST_WAIT);
     while st.answered < id {
         let now = Instant::now();
         if now >= deadline {
@@ -175,6 +221,29 @@ pub fn discard_token(current: u64) -> Option<u64> {
 mod tests {
     use super::*;
     use std::sync::Arc;
+
+    #[test]
+    fn the_arbiters_bound_clamps_the_applications_wait() {
+        let ms = Duration::from_millis;
+        set_wait(ms(60_000));
+        assert_eq!(
+            wait(),
+            ms(60_000),
+            "no arbiter said a bound: the asked wait"
+        );
+        assert_eq!(set_bound(ms(200)), ms(200));
+        assert_eq!(wait(), ms(200));
+        // A later registration's bound replaces it (an arbiter restarted with another).
+        assert_eq!(set_bound(ms(1000)), ms(1000));
+        // Below the bound, the application's own wait stands.
+        set_wait(ms(10));
+        assert_eq!(wait(), ms(10));
+        assert_eq!(set_bound(ms(0)), ms(0), "0: never wait");
+        assert_eq!(set_bound(Duration::MAX), ms(10));
+        set_wait(Duration::MAX);
+        assert_eq!(wait(), Duration::from_micros(u64::MAX));
+        assert_eq!(set_bound(ms(100)), ms(100));
+    }
 
     // One test: the state is process-wide.
     #[test]

@@ -21,11 +21,13 @@
 //! | `KIWI_ARBITER_TIMEOUT` | seconds to wait for the arbiter at `cuInit` (default 30), then unmanaged |
 //! | `KIWI_REQUIRE_ARBITER` | `1`: fail `cuInit` instead of running unmanaged |
 //! | `KIWI_IDLE_MS` | idle time after which a contended holder releases early (default 100) |
+//! | `KIWI_IDLE_MIN_MS` | the shortest such idle time, whatever the process's pauses (default 10) |
+//! | `KIWI_PIPELINED` | `0`: no pipelined hand-offs (the next holder's swap-in waits for this one's whole swap-out; default on) |
 //! | `KIWI_REAL_LIBCUDA` | path of the real driver (default `libcuda.so.1`) |
 //! | `KIWI_LOG` | `error`, `warn` (default), `info`, `debug`; the two lines explaining a wait show unless it is `warn` or `error` |
 //! | `KIWI_IPC_TIMEOUT_MS` | how long `cuIpcOpenMemHandle` waits for the exporter (default 30000) |
 //! | `KIWI_STATS` | file the shim writes its counters to at exit |
-//! | `KIWI_HINT_WAIT_MS` | how long a swap-out waits for the application to say which memory is dead (default 10) |
+//! | `KIWI_HINT_WAIT_MS` | how long a swap-out waits for the application to say which memory is dead (default 10); at most the arbiter's `--max-hint-wait-ms` (default 100), which the shim is told at registration: the next tenant waits for that swap-out |
 //! | `KIWI_SWAP_PAGEABLE` | `1`: a swap-out that finds no pinned buffer ready copies into pageable memory, registered in place afterwards (default `0`: it page-locks one on its critical path; see `docs/shim.md`) |
 //! | `KIWI_POD_NAME`, `KIWI_POD_NAMESPACE`, `KIWI_CONTAINER_ID` | shown by `kiwictl status` |
 

@@ -203,10 +203,15 @@ fn a_shim_registers_with_an_arbiter_that_predates_wait_info() {
             let Ok(ClientMsg::Register(r)) = conn.recv() else {
                 continue;
             };
-            // It predates the four fields: the shim tries with all, then without
-            // `room_info`, then without `pipelined`, then without
-            // `unswappable_bytes`, then without `wait_info` too.
-            if r.wait_info || r.unswappable_bytes.is_some() || r.pipelined || r.room_info {
+            // It predates the five fields: the shim tries with all, then without
+            // `bounds`, then without `room_info`, then without `pipelined`, then
+            // without `unswappable_bytes`, then without `wait_info` too.
+            if r.wait_info
+                || r.unswappable_bytes.is_some()
+                || r.pipelined
+                || r.room_info
+                || r.bounds
+            {
                 refused += 1;
                 let _ = conn.send(&ArbiterMsg::Error {
                     code: ErrorCode::Malformed,
@@ -259,7 +264,7 @@ fn a_shim_registers_with_an_arbiter_that_predates_wait_info() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(0), "{err}");
     let (refused, registered) = old.join().unwrap();
-    assert_eq!((refused, registered), (4, 1), "{err}");
+    assert_eq!((refused, registered), (5, 1), "{err}");
     let s = std::fs::read_to_string(&stats).unwrap();
     assert!(
         s.contains("mode managed") && s.contains("gpus 1"),

@@ -67,7 +67,9 @@ fn pair(tag: &str, enable: bool) -> Option<Run> {
     let dir = tempfile::tempdir().unwrap();
     let exe = compile("discard", dir.path())?;
     let m = SimMachine::new(tag, 1, 1 << 30).unwrap();
-    let arb = Arbiter::start(&["--tq", "5"]);
+    // The arbiter allows the 1000 ms of hint wait asked below (its default bound is
+    // 100 ms).
+    let arb = Arbiter::start(&["--tq", "5", "--max-hint-wait-ms", "1000"]);
     let mut c = Command::new("python3");
     c.arg(root().join("shim/tests/py/hint_e2e.py"))
         .args(["512", "64", "6", "150"]);

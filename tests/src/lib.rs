@@ -555,6 +555,7 @@ pub fn register_msg(gpu: &str, total: u64, ws: u64) -> Register {
         unswappable_bytes: None,
         pipelined: false,
         room_info: false,
+        bounds: false,
     }
 }
 

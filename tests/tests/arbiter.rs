@@ -506,3 +506,61 @@ fn bad_swap_budget_values_are_refused() {
         );
     }
 }
+
+/// The operator's bound on a tenant's hint wait (`--max-hint-wait-ms`, config
+/// `max_hint_wait_ms`, default 100 ms; issue #42, item 4) is said right after
+/// `registered`, and only to a client that asked (`bounds`): a registration without
+/// it gets no `bounds` (older shims refuse unknown message types).
+#[test]
+fn the_hint_wait_bound_goes_right_after_registered_and_only_to_clients_that_ask() {
+    let cfg = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(cfg.path(), "[arbiter]\nmax_hint_wait_ms = 250\n").unwrap();
+    let path = cfg.path().to_str().unwrap();
+    for (args, want) in [
+        (vec![], 100),
+        (vec!["--config", path], 250),
+        (vec!["--config", path, "--max-hint-wait-ms", "40"], 40),
+        (vec!["--max-hint-wait-ms", "0"], 0),
+    ] {
+        let arb = Arbiter::start(&args);
+        for asks in [true, false] {
+            let mut conn = kiwi_protocol::blocking::Connection::<ClientMsg, ArbiterMsg>::connect(
+                &arb.client_socket(),
+            )
+            .unwrap();
+            conn.stream()
+                .set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            let mut reg = register_msg("GPU-bounds", GIB, 0);
+            reg.bounds = asks;
+            conn.send(&ClientMsg::Register(reg)).unwrap();
+            conn.send(&ClientMsg::Ping { token: 9 }).unwrap();
+            let mut got = Vec::new();
+            loop {
+                let m = conn.recv().unwrap();
+                if m == (ArbiterMsg::Pong { token: 9 }) {
+                    break;
+                }
+                got.push(m);
+            }
+            assert!(
+                matches!(got[0], ArbiterMsg::Registered { .. }),
+                "{args:?}: {got:?}"
+            );
+            let bounds: Vec<_> = got
+                .iter()
+                .filter(|m| matches!(m, ArbiterMsg::Bounds { .. }))
+                .collect();
+            if asks {
+                assert_eq!(
+                    got[1],
+                    ArbiterMsg::Bounds { hint_wait_ms: want },
+                    "{args:?}: {got:?}"
+                );
+                assert_eq!(bounds.len(), 1, "{args:?}: {got:?}");
+            } else {
+                assert!(bounds.is_empty(), "{args:?}: {got:?}");
+            }
+        }
+    }
+}

@@ -52,14 +52,17 @@ pub(super) struct Registration {
     pub(super) pipelined: bool,
 }
 
-/// Connects and registers one GPU, asking to be told why it waits (`wait_info`),
-/// reporting its memory no swap frees (`unswappable_bytes`) and taking part in
-/// pipelined hand-offs (`pipelined`). An arbiter that predates a field refuses it as
-/// malformed: the shim then registers again without the newest field first: without
-/// `pipelined` (hand-offs wait for its whole swap-out, buffers are pinned ahead only
-/// once others wait), then without `unswappable_bytes` (its working set then counts
-/// the application's own VMM memory, as before), then without `wait_info` too (and
-/// explains its waits with less).
+/// Connects and registers one GPU, taking the operator's bounds on its own settings
+/// (`bounds`), asking to be told the others' memory (`room_info`) and why it waits
+/// (`wait_info`), reporting its memory no swap frees (`unswappable_bytes`) and taking
+/// part in pipelined hand-offs (`pipelined`). An arbiter that predates a field
+/// refuses it as malformed: the shim then registers again without the newest field
+/// first: without `bounds` (an arbiter that has none to say: its own settings
+/// stand), without `room_info`, without `pipelined` (hand-offs wait for its whole
+/// swap-out, buffers are pinned ahead only once others wait), then without
+/// `unswappable_bytes` (its working set then counts the application's own VMM
+/// memory, as before), then without `wait_info` too (and explains its waits with
+/// less).
 pub(super) fn register(
     env: &ShimEnv,
     info: &DeviceInfo,
@@ -69,24 +72,36 @@ pub(super) fn register(
     resume: Option<Resume>,
 ) -> Result<Registration, StartError> {
     let u = Some(unswappable);
-    let mut r = register_once(env, info, slot, figures, resume, true, u, true, true);
+    let mut r = register_once(env, info, slot, figures, resume, true, u, true, true, true);
+    if let Err(StartError::Predates(m)) = &r {
+        crate::kdebug!("the arbiter does not know `bounds` ({m}); registering without it");
+        r = register_once(env, info, slot, figures, resume, true, u, true, true, false);
+    }
     if let Err(StartError::Predates(m)) = &r {
         crate::kdebug!("the arbiter does not know `room_info` ({m}); registering without it");
-        r = register_once(env, info, slot, figures, resume, true, u, true, false);
+        r = register_once(
+            env, info, slot, figures, resume, true, u, true, false, false,
+        );
     }
     if let Err(StartError::Predates(m)) = &r {
         crate::kdebug!("the arbiter does not know `pipelined` ({m}); registering without it");
-        r = register_once(env, info, slot, figures, resume, true, u, false, false);
+        r = register_once(
+            env, info, slot, figures, resume, true, u, false, false, false,
+        );
     }
     if let Err(StartError::Predates(m)) = &r {
         crate::kdebug!(
             "the arbiter does not know `unswappable_bytes` ({m}); registering without it"
         );
-        r = register_once(env, info, slot, figures, resume, true, None, false, false);
+        r = register_once(
+            env, info, slot, figures, resume, true, None, false, false, false,
+        );
     }
     if let Err(StartError::Predates(m)) = &r {
         crate::kdebug!("the arbiter does not know `wait_info` ({m}); registering without it");
-        r = register_once(env, info, slot, figures, resume, false, None, false, false);
+        r = register_once(
+            env, info, slot, figures, resume, false, None, false, false, false,
+        );
     }
     r
 }
@@ -102,6 +117,7 @@ pub(super) fn register_once(
     unswappable: Option<u64>,
     pipelined: bool,
     room_info: bool,
+    bounds: bool,
 ) -> Result<Registration, StartError> {
     let stream = UnixStream::connect(env.client_socket())?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
@@ -135,6 +151,7 @@ pub(super) fn register_once(
         unswappable_bytes: unswappable,
         pipelined,
         room_info,
+        bounds,
     }))?;
     let (capacity, swap_budget) = match conn.recv()? {
         ArbiterMsg::Registered {
@@ -155,7 +172,7 @@ pub(super) fn register_once(
         ArbiterMsg::Error {
             code: ErrorCode::Malformed,
             message,
-        } if wait_info || unswappable.is_some() || pipelined || room_info => {
+        } if wait_info || unswappable.is_some() || pipelined || room_info || bounds => {
             return Err(StartError::Predates(message))
         }
         ArbiterMsg::Error { code, message } => {
@@ -163,10 +180,25 @@ pub(super) fn register_once(
         }
         other => return Err(StartError::Refused(format!("unexpected reply {other:?}"))),
     };
+    // An arbiter that took `bounds` says them right after: applied before any swap-out
+    // of this turn (its thread handles a later `bounds` too). Anything else first (a
+    // peer that does not keep to that) is handled by the turn's thread.
+    let mut first = None;
+    if bounds {
+        match next_message(&mut conn, ROOM_WAIT)? {
+            Some(ArbiterMsg::Bounds { hint_wait_ms }) => apply_bounds(hint_wait_ms),
+            other => {
+                crate::kdebug!("no `bounds` right after `registered` (got {other:?})");
+                first = other;
+            }
+        }
+    }
     // An arbiter that took `room_info` says the others' memory right after, before
     // the application can ask what is free. Anything else first (a peer that does
     // not keep to that) is handled by the turn's thread like any message.
-    let (others_fixed, first) = if room_info {
+    let (others_fixed, first) = if first.is_some() {
+        (None, first)
+    } else if room_info {
         match next_message(&mut conn, ROOM_WAIT)? {
             Some(ArbiterMsg::Room {
                 others_unswappable_bytes,
@@ -193,6 +225,12 @@ pub(super) fn register_once(
         others_fixed,
         first,
     })
+}
+
+/// The arbiter's bounds on this process's own settings (`bounds`): its hint wait
+/// (`KIWI_HINT_WAIT_MS`) is clamped to `hint_wait_ms`.
+pub(super) fn apply_bounds(hint_wait_ms: u64) {
+    crate::hint::set_bound(Duration::from_millis(hint_wait_ms));
 }
 
 /// Waits up to `timeout` for the arbiter's next message on `conn`. The wait is a

@@ -14,14 +14,16 @@
  *   eager          discards the unused tail at once (it is dead until the next burst).
  *   hint           a thread answers the shim's questions (kiwi_hint_wait) by
  *                  discarding the unused tail.
+ *   mute           a thread takes each of the shim's questions and never answers
+ *                  (every byte is live): a swap-out waits its whole hint wait.
  *   all-then-part  discards the whole allocation, then writes the used part (the
  *                  write voids the discard: every byte must survive).
  *   discard-launch discards the tail, then launches a kernel over the whole
  *                  allocation (the launch voids it: every byte must survive).
  *   bad            only checks that bad ranges are refused (no rounds).
- * With none/eager/hint the tail is dead and only the used part is checked; with the
- * voided modes the whole allocation is. Exits 2 on a failed call, 3 on a wrong
- * checksum, 4 when the hint functions are missing. */
+ * With eager/hint the tail is dead and only the used part is checked; with none,
+ * mute and the voided modes the whole allocation is. Exits 2 on a failed call, 3 on
+ * a wrong checksum, 4 when the hint functions are missing. */
 #define _GNU_SOURCE
 #include <cuda.h>
 #include <dlfcn.h>
@@ -45,6 +47,7 @@ static CUdeviceptr tail;
 static size_t tail_bytes;
 static volatile int stopping;
 static volatile unsigned long long answered;
+static volatile unsigned long long taken;
 
 static void *provider(void *arg) {
     (void)arg;
@@ -60,6 +63,15 @@ static void *provider(void *arg) {
         kiwi_hint_done(id);
         answered++;
     }
+    return NULL;
+}
+
+/* Takes each question (the swap-out then waits for it) and never answers. */
+static void *mute_provider(void *arg) {
+    (void)arg;
+    while (!stopping)
+        if (kiwi_hint_wait(100) > 0)
+            taken++;
     return NULL;
 }
 
@@ -157,6 +169,8 @@ int main(int argc, char **argv) {
     pthread_t thread;
     if (!strcmp(mode, "hint"))
         pthread_create(&thread, NULL, provider, NULL);
+    if (!strcmp(mode, "mute"))
+        pthread_create(&thread, NULL, mute_provider, NULL);
     unsigned long long bursts = 0;
     char line[64];
     for (int r = 0; r <= rounds; r++) {
@@ -182,9 +196,10 @@ int main(int argc, char **argv) {
         }
     }
     stopping = 1;
-    if (!strcmp(mode, "hint"))
+    if (!strcmp(mode, "hint") || !strcmp(mode, "mute"))
         pthread_join(thread, NULL);
-    unsigned long long checked = voided || !strcmp(mode, "none") ? words : used_words;
+    int all_live = !strcmp(mode, "none") || !strcmp(mode, "mute");
+    unsigned long long checked = voided || all_live ? words : used_words;
     void *sum_args[] = {&d, &checked, &out};
     CHECK(cuLaunchKernel(sum, 64, 1, 1, 256, 1, 1, 0, NULL, sum_args, NULL));
     unsigned long long got = 0;
@@ -196,7 +211,7 @@ int main(int argc, char **argv) {
         return 3;
     }
     CHECK(cuMemFree(d));
-    printf("OK bursts %llu answered %llu\n", bursts, answered);
+    printf("OK bursts %llu answered %llu taken %llu\n", bursts, answered, taken);
     fflush(stdout);
     return 0;
 }
