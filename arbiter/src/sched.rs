@@ -94,6 +94,8 @@ pub struct ClientInfo {
     pub pipelined: bool,
     /// It asked for [`ArbiterMsg::Room`].
     pub room_info: bool,
+    /// It takes [`ArbiterMsg::Checkpointed`] (it registered with `bounds`).
+    pub notices: bool,
     /// Whose connection it came on: its container socket's, or its uid's on the
     /// node's socket (set by the server). Evictions made on its behalf are counted
     /// per tenant ([`checkpoint::TENANT_EVICTIONS`]).
@@ -113,6 +115,7 @@ impl ClientInfo {
             unswappable: r.unswappable_bytes,
             pipelined: r.pipelined,
             room_info: r.room_info,
+            notices: r.bounds,
             tenant: None,
         }
     }

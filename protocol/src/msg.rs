@@ -288,6 +288,14 @@ pub enum ArbiterMsg {
     Bounds {
         hint_wait_ms: u64,
     },
+    /// To a client that registered with `bounds` (this version's shims): the driver
+    /// checkpointed its process to make room for others (`restored: false`): its
+    /// CUDA calls wait inside the driver until it is restored, at its next turn or as
+    /// soon as the GPU has room for it; then `restored: true`. The shim says so when
+    /// the checkpoint lasts past a second.
+    Checkpointed {
+        restored: bool,
+    },
     /// The GPU is this client's. `exclusive: false` means every working set fits (or
     /// the scheduler is off): run alongside the others, no swapping needed.
     /// `waiting`: clients queued behind this one at the time of the grant.

@@ -454,6 +454,7 @@ impl Client {
             pin_held_back: AtomicBool::new(false),
             swap_budget: AtomicU64::new(budget.unwrap_or(u64::MAX)),
             swapping: AtomicU32::new(0),
+            checkpoint: Arc::default(),
         });
         turn.update_limit();
         turn.usage();
@@ -965,6 +966,7 @@ impl Client {
             // Said right after `registered`, where `register` applies it; one that
             // came later still applies (only ever to the process's own wait).
             ArbiterMsg::Bounds { hint_wait_ms } => register::apply_bounds(hint_wait_ms),
+            ArbiterMsg::Checkpointed { restored } => turn.on_checkpointed(restored),
             ArbiterMsg::Registered { .. } => {}
         }
     }

@@ -145,6 +145,53 @@ fn a_holder_beside_three_newcomers_contexts_runs_when_idle_processes_are_checkpo
         "no checkpoint of a context: {checkpoints:?}\n{log}"
     );
     assert!(restores > 0, "nobody restored\n{log}");
+    says_why_while_checkpointed(&outs, &events, &log);
+}
+
+/// Issue #42, item 3: a program checkpointed for more than a second says why its CUDA
+/// calls wait (the line comes a second in, from the arbiter's `checkpointed`); one
+/// never checkpointed never says so. Timed from the arbiter's own log: checkpoints
+/// that lasted 2 s or more must have the line.
+fn says_why_while_checkpointed(
+    outs: &[(String, Output, bool)],
+    events: &[kiwi_protocol::Event],
+    log: &str,
+) {
+    const LINE: &str = "is checkpointed to host memory";
+    let tag_of = |client: Option<u64>| {
+        events.iter().find_map(|e| match &e.kind {
+            EventKind::Register { pod_name, .. } if e.client == client => pod_name.clone(),
+            _ => None,
+        })
+    };
+    let mut longest = std::collections::BTreeMap::<String, u64>::new();
+    for (i, e) in events.iter().enumerate() {
+        if !matches!(e.kind, EventKind::Checkpoint { .. }) {
+            continue;
+        }
+        let end = events[i..]
+            .iter()
+            .find(|r| r.client == e.client && matches!(r.kind, EventKind::Restore { .. }))
+            .map_or(u64::MAX, |r| r.t_ns);
+        let tag = tag_of(e.client).unwrap_or_else(|| panic!("no registration\n{log}"));
+        let l = longest.entry(tag).or_default();
+        *l = (*l).max(end.saturating_sub(e.t_ns));
+    }
+    for (tag, o, _) in outs {
+        let said = String::from_utf8_lossy(&o.stderr).contains(LINE);
+        let held = longest.get(tag).copied();
+        eprintln!("{tag}: longest checkpoint {held:?} ns, said so: {said}");
+        if held.is_some_and(|ns| ns >= 2_000_000_000) {
+            assert!(
+                said,
+                "{tag} was checkpointed for {held:?} ns and said nothing: {}",
+                text(o)
+            );
+        }
+        if held.is_none() {
+            assert!(!said, "{tag} was never checkpointed: {}", text(o));
+        }
+    }
 }
 
 /// The same without the API (`--checkpoint off`): nothing hangs, nothing is
@@ -239,4 +286,74 @@ fn the_arbiter_says_whether_it_can_checkpoint() {
         line.contains("checkpoint: unavailable") && line.contains("does not support"),
         "{line}"
     );
+}
+
+/// `gpuburst` under the shim on `m`, as pod `tag`.
+fn burst(m: &SimMachine, arb: &Arbiter, tag: &str, args: &[&str]) -> std::process::Child {
+    let mut c = Command::new(kiwi_tests::bin("gpuburst"));
+    m.apply(&mut c)
+        .args(args)
+        .args(["--verify", "--name", tag])
+        .env("KIWI_LOG", "info")
+        .env("KIWI_POD_NAME", tag)
+        .env("LD_PRELOAD", profile_dir().join("libkiwi.so"))
+        .env("KIWI_SOCKET_DIR", arb.socket_dir())
+        .env("KIWI_REQUIRE_ARBITER", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c.spawn().expect("spawn gpuburst")
+}
+
+/// Issue #42, item 3: an idle notebook checkpointed to make room for a holder that
+/// keeps the GPU says, a second in, why its CUDA calls wait (they wait inside the
+/// driver, where nothing else says so), and that it was restored; it comes back as
+/// soon as the GPU has room for it and verifies every byte.
+#[test]
+fn a_process_checkpointed_for_long_says_why_its_calls_wait() {
+    let m = SimMachine::new("ckpt-line", 1, 4096 * MIB)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_env("KIWI_SIM_CONTEXT_MEMORY", "300MiB");
+    let arb = Arbiter::start_evicting(&["--tq", "1"], m.env());
+    let idle = burst(
+        &m,
+        &arb,
+        "idle",
+        &["--mem", "200MiB", "--script", "gpu:100,idle:7000,gpu:100"],
+    );
+    kiwi_tests::wait_until(
+        "the idle notebook's memory",
+        Duration::from_secs(30),
+        || {
+            arb.status()
+                .gpus
+                .iter()
+                .any(|g| g.clients.iter().any(|c| c.resident_bytes >= 200 * MIB))
+        },
+    );
+    // 3600 MiB beside two 300 MiB contexts: only a checkpoint of the idle notebook
+    // makes room, and it stays out while the holder's working set is on the GPU.
+    let holder = burst(
+        &m,
+        &arb,
+        "holder",
+        &["--mem", "3600MiB", "--script", "gpu:4000"],
+    );
+    let (ho, hhung) = finish(holder, Duration::from_secs(90));
+    let (io, ihung) = finish(idle, Duration::from_secs(90));
+    let events = arb.events();
+    let log = log_of(&events);
+    let outs = vec![
+        ("holder".to_string(), ho, hhung),
+        ("idle".to_string(), io, ihung),
+    ];
+    for (tag, o, hung) in &outs {
+        assert!(!hung && o.status.success(), "{tag}: {}\n{log}", text(o));
+    }
+    let err = String::from_utf8_lossy(&outs[1].1.stderr);
+    assert!(
+        err.contains("is checkpointed to host memory") && err.contains("restored after"),
+        "the idle notebook did not say why it waited: {err}\n{log}"
+    );
+    says_why_while_checkpointed(&outs, &events, &log);
 }

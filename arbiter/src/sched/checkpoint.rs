@@ -531,6 +531,12 @@ impl GpuScheduler {
         }
         let kind = match outcome {
             Ok(duration_ns) => {
+                if c.info.notices {
+                    self.out.push(Output::Send(
+                        id,
+                        ArbiterMsg::Checkpointed { restored: false },
+                    ));
+                }
                 c.ckpt = Ckpt::Checkpointed;
                 // Whatever it did not reclaim went with its process.
                 c.reclaim_pending = 0;
@@ -572,6 +578,12 @@ impl GpuScheduler {
             Ok(duration_ns) => {
                 c.ckpt = Ckpt::None;
                 c.ckpt_failed_at = None;
+                if c.info.notices {
+                    self.out.push(Output::Send(
+                        id,
+                        ArbiterMsg::Checkpointed { restored: true },
+                    ));
+                }
                 EventKind::Restore {
                     bytes: c.unswappable,
                     duration_ns,

@@ -83,6 +83,56 @@ pub struct Turn {
     /// step meanwhile (it would compete for the allocator's lock and the CPU with the
     /// critical path).
     pub(super) swapping: AtomicU32,
+    /// The driver's checkpoints of this process, as the arbiter tells them.
+    pub(super) checkpoint: Arc<CheckpointNote>,
+}
+
+/// How long a checkpoint lasts before the process says why its CUDA calls wait.
+pub(super) const CHECKPOINT_LINE_AFTER: Duration = Duration::from_secs(1);
+
+/// Whether the driver holds this process checkpointed ([`ArbiterMsg::Checkpointed`]),
+/// and whether the line saying so was written.
+#[derive(Default)]
+pub(super) struct CheckpointNote {
+    /// When the arbiter said so (monotonic ns; 0: not checkpointed).
+    at: AtomicU64,
+    said: AtomicBool,
+}
+
+impl CheckpointNote {
+    /// Checkpointed: a line follows if it lasts [`CHECKPOINT_LINE_AFTER`], written by
+    /// a thread of its own: the process's calls wait inside the driver, where the
+    /// shim cannot see them, and any of its threads may be among them (one that took
+    /// a lock of the shim's included). Restored: says so, if the line was written.
+    fn on_checkpointed(self: &Arc<Self>, ordinal: usize, restored: bool) {
+        if restored {
+            let since = self.at.swap(0, Ordering::Relaxed);
+            if self.said.swap(false, Ordering::Relaxed) && since > 0 {
+                let ms = kiwi_protocol::monotonic_ns().saturating_sub(since) / 1_000_000;
+                crate::kinfo!("GPU {ordinal}: restored after {ms} ms; CUDA calls go on");
+            }
+            return;
+        }
+        let since = kiwi_protocol::monotonic_ns().max(1);
+        self.said.store(false, Ordering::Relaxed);
+        self.at.store(since, Ordering::Relaxed);
+        crate::kdebug!("GPU {ordinal}: checkpointed by the driver");
+        let note = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kiwi-ckpt-note".into())
+            .spawn(move || {
+                std::thread::sleep(CHECKPOINT_LINE_AFTER);
+                if note.at.load(Ordering::Relaxed) == since && !note.said.swap(true, Ordering::Relaxed)
+                {
+                    crate::kwarn!(
+                        "GPU {ordinal}: this process is checkpointed to host memory (by the driver, to make room for others on the GPU); its CUDA calls wait until it is restored: at its next turn, or as soon as the GPU has room for it"
+                    );
+                }
+            });
+        if let Err(e) = spawned {
+            crate::kdebug!("no thread for the checkpoint line ({e})");
+        }
+    }
 }
 
 /// Marks a turn's release or swap as under way while alive ([`Turn::swapping`]).
@@ -106,6 +156,12 @@ impl Drop for Swapping<'_> {
 pub struct Admission(#[allow(dead_code)] Option<MutexGuard<'static, ()>>);
 
 impl Turn {
+    /// The arbiter says the driver checkpointed this process (`restored: false`) or
+    /// restored it.
+    pub(super) fn on_checkpointed(&self, restored: bool) {
+        self.checkpoint.on_checkpointed(self.info.ordinal, restored);
+    }
+
     pub fn info(&self) -> &DeviceInfo {
         &self.info
     }
