@@ -296,6 +296,11 @@ pub struct GpuScheduler {
     /// When checkpoints were chosen on each tenant's behalf, within the last
     /// [`checkpoint::EVICTION_WINDOW_NS`].
     evicted_for: BTreeMap<String, VecDeque<Nanos>>,
+    /// The GPU may run shared: it has not been oversubscribed for
+    /// [`STATE_INTERVAL_NS`] ([`GpuScheduler::settle_mode`]), as of
+    /// `oversubscribed_at`, when it last was.
+    relaxed: bool,
+    oversubscribed_at: Nanos,
     /// NVML listed the process of some client of this GPU at the last look: the
     /// driver's per-process figures are there to check claims against.
     listing: bool,
@@ -388,6 +393,8 @@ impl GpuScheduler {
             idle_since: None,
             evicted_for: BTreeMap::new(),
             listing: false,
+            relaxed: true,
+            oversubscribed_at: 0,
             out: Vec::new(),
         }
     }
@@ -529,9 +536,29 @@ impl GpuScheduler {
             .fold(0u64, u64::saturating_add)
     }
 
-    /// No arbitration needed: everybody runs side by side.
+    /// No arbitration needed: everybody runs side by side. Back from oversubscribed
+    /// only once the working sets have fit for [`STATE_INTERVAL_NS`]
+    /// ([`GpuScheduler::settle_mode`]).
     fn shared_mode(&self) -> bool {
-        !self.settings.scheduler_on || self.fits()
+        !self.settings.scheduler_on || (self.fits() && self.relaxed)
+    }
+
+    /// Hysteresis between shared and exclusive: a GPU that stops fitting turns
+    /// exclusive at once (the memory is needed now), and shared again only once it
+    /// has fit for [`STATE_INTERVAL_NS`]. A tenant that flips its working set across
+    /// the room (40,000 times in 3 s, issue #38) otherwise turned every flip into a
+    /// `drop` for each sharer and a grant after it: 20,000 drops, and an honest
+    /// notebook whose unread replies passed the cap lost its connection 5 times.
+    fn settle_mode(&mut self, now: Nanos) {
+        if self.settings.scheduler_on && !self.fits() {
+            self.oversubscribed_at = now;
+            self.relaxed = false;
+        } else if !self.relaxed
+            && (!self.settings.scheduler_on
+                || now >= self.oversubscribed_at.saturating_add(STATE_INTERVAL_NS))
+        {
+            self.relaxed = true;
+        }
     }
 
     /// Bytes that must leave GPU memory before `next` can bring all of its own in:
@@ -1271,7 +1298,7 @@ impl GpuScheduler {
                 at(q);
             }
         }
-        if self.settings.scheduler_on && !self.fits() {
+        if !self.shared_mode() {
             for h in self.holders.values() {
                 match self.grace_end(h) {
                     Some(end) => at(end),
@@ -1300,6 +1327,9 @@ impl GpuScheduler {
         }
         if let Some(due) = self.checkpoint_deadline() {
             at(due);
+        }
+        if !self.relaxed && self.fits() {
+            at(self.oversubscribed_at.saturating_add(STATE_INTERVAL_NS));
         }
         d
     }
@@ -1764,6 +1794,7 @@ impl GpuScheduler {
     }
 
     fn schedule(&mut self, now: Nanos) {
+        self.settle_mode(now);
         if self.quiet_until.is_some_and(|q| now >= q) {
             self.quiet_until = None;
         }
