@@ -2126,3 +2126,39 @@ fn processes_outside_kiwi_count_as_memory_no_swap_frees() {
         assert!(outside(&s.reconcile(t * SEC, &procs(900))).is_empty());
     }
 }
+
+/// Issue #38, item 1: a tenant that flips its working set across the room at every
+/// message turns the GPU exclusive at once, and shared again only once it has fit
+/// for [`STATE_INTERVAL_NS`]: a sharer gets one drop for a storm of flips, not one a
+/// flip, and its grant back follows the quiet interval.
+#[test]
+fn flips_across_the_room_turn_the_gpu_exclusive_at_once_and_shared_after_an_interval() {
+    let mut s = sched(1000 * MIB, 30_000, 5_000);
+    reg(&mut s, 0, 1, 400 * MIB);
+    reg(&mut s, 0, 2, 400 * MIB);
+    reg(&mut s, 0, 3, 0);
+    assert_eq!(granted(&s.request(MS, 1), 1), Some(false));
+    assert_eq!(granted(&s.request(MS, 2), 2), Some(false));
+    let mut drops = 0;
+    let mut t = 2 * MS;
+    for k in 0..8_000u64 {
+        let ws = if k % 2 == 0 { 900 * MIB } else { 0 };
+        let outs = s.usage(t, 3, usage(ws, 0));
+        drops += [1, 2]
+            .iter()
+            .filter(|&&id| dropped(&outs, id).is_some())
+            .count();
+        t += 10_000;
+    }
+    assert_eq!(drops, 1, "one sharer dropped once for 8,000 flips");
+    // It fits now (the last flip was to 0), but only an interval after the last
+    // oversubscription does the GPU run shared again.
+    let last = t - 20_000;
+    assert_eq!(s.next_deadline(), Some(last + STATE_INTERVAL_NS));
+    let dropped_one = if s.holders().contains(&1) { 2 } else { 1 };
+    s.release(t, dropped_one, usage(400 * MIB, 400 * MIB));
+    let outs = s.request(t + MS, dropped_one);
+    assert_eq!(granted(&outs, dropped_one), None, "not shared yet");
+    let outs = s.tick(last + STATE_INTERVAL_NS);
+    assert_eq!(granted(&outs, dropped_one), Some(false), "{outs:?}");
+}
