@@ -28,6 +28,11 @@ struct SwapLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClientLabels {
     gpu: String,
     client: String,
@@ -83,6 +88,7 @@ pub struct ArbiterMetrics {
     swap_need: Gauge,
     swap_in_use: Gauge,
     admissions_refused: Counter,
+    disconnects: Family<ReasonLabels, Counter>,
     /// Per GPU: when the GPU was last given back, to time the next hand-off.
     last_release_ns: HashMap<String, u64>,
     /// Per GPU: the client of its last exclusive grant. A release by another client
@@ -139,6 +145,7 @@ impl ArbiterMetrics {
             swap_need: Gauge::default(),
             swap_in_use: Gauge::default(),
             admissions_refused: Counter::default(),
+            disconnects: Family::default(),
             last_release_ns: HashMap::new(),
             last_exclusive: HashMap::new(),
             registry: Registry::default(),
@@ -272,12 +279,27 @@ impl ArbiterMetrics {
             "Working-set growths refused because they would exceed the swap budget",
             m.admissions_refused.clone(),
         );
+        registry.register(
+            "client_disconnects",
+            "Client connections the arbiter closed, by reason (a client's own close is not counted)",
+            m.disconnects.clone(),
+        );
         Self { registry, ..m }
     }
 
     /// Counts an `admit` refused for the swap budget.
     pub fn admission_refused(&self) {
         self.admissions_refused.inc();
+    }
+
+    /// Counts a client connection the arbiter closed, by why (a fixed set of
+    /// labels: see `server::Closed`).
+    pub fn disconnect(&self, reason: &'static str) {
+        self.disconnects
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_string(),
+            })
+            .inc();
     }
 
     /// Counts one logged scheduler event of `client`.

@@ -236,6 +236,56 @@ macro_rules! warn_throttled {
     };
 }
 
+/// How long a connection closed for its unread replies waits for the client to read
+/// the error that says why (its socket is full).
+const UNREAD_LINGER: Duration = Duration::from_secs(1);
+
+/// Why a client connection ended: each one the arbiter closes is logged (throttled)
+/// with what the client was told, counted in `kiwi_client_disconnects_total{reason}`,
+/// and told to the client where a message can still reach it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Closed {
+    /// The client closed it, or its process ended: not the arbiter's doing.
+    ByClient,
+    /// A frame or message that does not decode, or a control request.
+    Malformed,
+    /// Past the message rate.
+    RateLimited,
+    /// A frame that does not fit in what is left of the node's budget for partly
+    /// received frames.
+    FrameBudget,
+    /// No registration within its time.
+    NotRegistered,
+    /// A frame not completed within its time.
+    FrameTimeout,
+    /// Replies unread past the cap ([`MAX_PENDING_WRITE`]).
+    UnreadReplies,
+    /// Writing to it failed.
+    WriteFailed,
+    /// A message refused (a registration for another GPU, a wrong version, …).
+    Refused,
+    /// The daemon stops, or the container socket it came on was detached.
+    Shutdown,
+}
+
+impl Closed {
+    /// The metric's label.
+    fn label(self) -> &'static str {
+        match self {
+            Closed::ByClient => "client",
+            Closed::Malformed => "malformed",
+            Closed::RateLimited => "rate_limited",
+            Closed::FrameBudget => "frame_budget",
+            Closed::NotRegistered => "not_registered",
+            Closed::FrameTimeout => "frame_timeout",
+            Closed::UnreadReplies => "unread_replies",
+            Closed::WriteFailed => "write_failed",
+            Closed::Refused => "refused",
+            Closed::Shutdown => "shutdown",
+        }
+    }
+}
+
 /// The writing half of a client connection, shared with other tasks that must
 /// send to it (a release in one connection grants in another).
 struct Peer {
@@ -243,6 +293,11 @@ struct Peer {
     pending: Mutex<Outbox>,
     flush: Notify,
     closing: AtomicBool,
+    /// The connection closes because its unread replies passed the cap.
+    unread: AtomicBool,
+    /// The last error it was sent (`code: message`), for the line that says why its
+    /// connection closed.
+    told: Mutex<Option<String>>,
 }
 
 /// The messages that say a state (`pressure`, `room`, `waiting`, `contended`): a
@@ -294,6 +349,8 @@ impl Peer {
             pending: Mutex::new(Outbox::default()),
             flush: Notify::new(),
             closing: AtomicBool::new(false),
+            unread: AtomicBool::new(false),
+            told: Mutex::new(None),
         }
     }
 
@@ -325,6 +382,7 @@ impl Peer {
                 pending.settle_states();
                 if pending.bytes.len() + rest.len() > MAX_PENDING_WRITE {
                     // A client that never reads must not grow our memory.
+                    self.unread.store(true, Ordering::Relaxed);
                     self.closing.store(true, Ordering::Relaxed);
                 } else {
                     pending.bytes.extend_from_slice(rest);
@@ -335,10 +393,27 @@ impl Peer {
     }
 
     fn send(&self, msg: &ArbiterMsg) {
+        if let ArbiterMsg::Error { code, message } = msg {
+            *self.told.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some(format!("{code:?}: {message}"));
+        }
         let mut buf = Vec::with_capacity(96);
         if encode_into(msg, &mut buf).is_ok() {
             self.send_bytes(&buf, state_kind(msg));
         }
+    }
+
+    /// The last message of a connection closed for its unread replies, in place of
+    /// the backlog it did not read (lost with the connection anyway): it follows what
+    /// the socket already holds, once the client reads.
+    fn replace_with_last(&self, msg: &ArbiterMsg) {
+        if let ArbiterMsg::Error { code, message } = msg {
+            *self.told.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some(format!("{code:?}: {message}"));
+        }
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        *p = Outbox::default();
+        let _ = encode_into(msg, &mut p.bytes);
     }
 
     fn has_pending(&self) -> bool {
@@ -1151,6 +1226,7 @@ async fn client_connection(
     let mut frame_by: Option<tokio::time::Instant> = None;
     // This connection's share of the node's budget for partly received frames.
     let mut charged = 0usize;
+    let mut closed = Closed::ByClient;
     'conn: loop {
         if peer.closing.load(Ordering::Relaxed) {
             break;
@@ -1183,6 +1259,7 @@ async fn client_connection(
                     let msg = match msg {
                         Ok(m) => m,
                         Err(e) => {
+                            closed = Closed::Malformed;
                             let (code, text) = match &e {
                                 ClientDecodeError::Control => (
                                     ErrorCode::WrongSocket,
@@ -1196,13 +1273,12 @@ async fn client_connection(
                                     (p.code(), log_safe(&p.to_string()).into_owned())
                                 }
                             };
-                            warn_throttled!(shared.warn, "client {id} (pid {host_pid}): {text}; disconnecting");
                             peer.send(&ArbiterMsg::Error { code, message: text });
                             break 'conn;
                         }
                     };
                     if !rate.allow() {
-                        warn_throttled!(shared.warn, "client {id} (pid {host_pid}) floods requests; disconnecting");
+                        closed = Closed::RateLimited;
                         peer.send(&ArbiterMsg::Error {
                             code: ErrorCode::RateLimited,
                             message: "too many messages; slow down".into(),
@@ -1222,6 +1298,7 @@ async fn client_connection(
                         _ => None,
                     };
                     if !handle_client_msg(&shared, id, host_pid, &origin, &peer, msg, used) {
+                        closed = Closed::Refused;
                         break 'conn;
                     }
                     if registering {
@@ -1244,7 +1321,7 @@ async fn client_connection(
                 let want = partial.unwrap_or(0);
                 if !shared.partial.charge(&mut charged, want) {
                     let budget = shared.partial.limit;
-                    warn_throttled!(shared.warn, "client {id} (pid {host_pid}): a frame of {want} bytes does not fit in what is left of the {} MiB for partly received frames; disconnecting", budget >> 20);
+                    closed = Closed::FrameBudget;
                     peer.send(&ArbiterMsg::Error {
                         code: ErrorCode::RateLimited,
                         message: format!("the arbiter is buffering too many partly sent frames ({} MiB); a frame of {want} bytes is refused", budget >> 20),
@@ -1254,26 +1331,74 @@ async fn client_connection(
             }
             _ = expired => {
                 let (code, message) = if register_by.is_some_and(|d| d <= tokio::time::Instant::now()) {
+                    closed = Closed::NotRegistered;
                     (ErrorCode::NotRegistered, format!("no registration within {} ms of connecting; closing", limits.register_timeout.as_millis()))
                 } else {
+                    closed = Closed::FrameTimeout;
                     (ErrorCode::Timeout, format!("a frame was not completed within {} ms; closing", limits.frame_timeout.as_millis()))
                 };
-                warn_throttled!(shared.warn, "client {id} (pid {host_pid}): {message}");
                 peer.send(&ArbiterMsg::Error { code, message });
                 break;
             }
             r = stream.writable(), if want_write => {
-                if r.is_err() || peer.try_flush().is_err() { break; }
+                if r.is_err() || peer.try_flush().is_err() {
+                    closed = Closed::WriteFailed;
+                    break;
+                }
             }
             // Another task queued bytes for us: loop to re-check `want_write`.
             _ = peer.flush.notified() => {}
-            _ = stop.changed() => break,
+            _ = stop.changed() => {
+                closed = Closed::Shutdown;
+                break;
+            }
         }
+    }
+    if closed == Closed::ByClient && peer.closing.load(Ordering::Relaxed) {
+        closed = if peer.unread.load(Ordering::Relaxed) {
+            peer.replace_with_last(&ArbiterMsg::Error {
+                code: ErrorCode::RateLimited,
+                message: format!(
+                    "more than {} KiB of replies unread; closing (replies after the ones already sent are lost)",
+                    MAX_PENDING_WRITE >> 10
+                ),
+            });
+            // Its socket is full: give it a moment (bounded) to read, so it hears why.
+            let _ = tokio::time::timeout(UNREAD_LINGER, async {
+                while peer.has_pending() {
+                    if stream.writable().await.is_err() || peer.try_flush().is_err() {
+                        break;
+                    }
+                }
+            })
+            .await;
+            Closed::UnreadReplies
+        } else {
+            Closed::WriteFailed
+        };
     }
     shared.partial.charge(&mut charged, 0);
     drop(decoder);
     // Best effort: flush a final error message, then forget the client.
     let _ = peer.try_flush();
+    if closed != Closed::ByClient {
+        if closed != Closed::Shutdown {
+            let told = peer
+                .told
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+                .map(|t| format!("; told {t}"))
+                .unwrap_or_default();
+            warn_throttled!(
+                shared.warn,
+                "client {id} (pid {host_pid}): connection closed ({}){}",
+                closed.label(),
+                log_safe(&told)
+            );
+        }
+        shared.lock().metrics.disconnect(closed.label());
+    }
     let mut st = shared.lock();
     if let Some(conn) = st.clients.remove(&id) {
         if let Some(gpu) = conn.gpu {

@@ -455,6 +455,7 @@ impl Client {
             swap_budget: AtomicU64::new(budget.unwrap_or(u64::MAX)),
             swapping: AtomicU32::new(0),
             checkpoint: Arc::default(),
+            last_error: Mutex::new(None),
         });
         turn.update_limit();
         turn.usage();
@@ -913,7 +914,8 @@ impl Client {
                 s.tq_ms
             ),
             ArbiterMsg::Error { code, message } => {
-                crate::kwarn!("arbiter error {code:?}: {message}")
+                crate::kwarn!("arbiter error {code:?}: {message}");
+                *lock(&turn.last_error) = Some(format!("{code:?}: {message}"));
             }
             ArbiterMsg::Admitted { ok, .. } => turn.on_admitted(ok),
             ArbiterMsg::Waiting {
@@ -1239,7 +1241,11 @@ impl Client {
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    crate::kwarn!("lost the arbiter ({e}); reconnecting");
+                    let why = lock(&turn.last_error)
+                        .take()
+                        .map(|w| format!("; it said {w}"))
+                        .unwrap_or_default();
+                    crate::kwarn!("lost the arbiter ({e}{why}); reconnecting");
                     conn = self.reconnect(&turn);
                 }
             }

@@ -199,3 +199,71 @@ fn forgotten_gpus_leave_no_series_behind() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// Issue #38, item 2: every connection the arbiter closes is counted by why
+/// (`kiwi_client_disconnects_total{reason}`), and the client is told why where a
+/// message can still reach it; a client's own close is not counted. Before, a
+/// connection whose unread replies passed the cap was closed without a word.
+#[test]
+fn closed_connections_are_counted_by_reason_and_told_why() {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let arb = Arbiter::start(&["--metrics-addr", &addr]);
+    let gpu = "GPU-38000000-0000-0000-0000-000000000002";
+    // Bytes that are no frame: malformed.
+    let mut junk = std::os::unix::net::UnixStream::connect(arb.client_socket()).unwrap();
+    junk.write_all(b"not a frame at all, no magic here")
+        .unwrap();
+    let mut reply = Vec::new();
+    junk.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = junk.read_to_end(&mut reply);
+    assert!(
+        String::from_utf8_lossy(&reply).contains("malformed"),
+        "the client was not told why: {:?}",
+        String::from_utf8_lossy(&reply)
+    );
+    // A slow reader (a message every 2 ms, as a shim busy swapping) whose 6,000
+    // pings, sent at once, are answered faster than it reads: past the 64 KiB cap of
+    // unread replies it is closed, and, reading on, hears why before the end.
+    let mut slow = Client::register(&arb.client_socket(), register_msg(gpu, 1 << 30, 0));
+    let mut pings = Vec::new();
+    for token in 0..6_000u64 {
+        pings.extend(kiwi_protocol::encode(&ClientMsg::Ping { token }).unwrap());
+    }
+    let mut raw = slow.conn.stream().try_clone().unwrap();
+    let sender = std::thread::spawn(move || {
+        let _ = raw.write_all(&pings);
+    });
+    let mut last = None;
+    while let Ok(Some(m)) = slow.conn.recv_timeout(Duration::from_secs(5)) {
+        last = Some(m);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    sender.join().unwrap();
+    assert!(
+        matches!(&last, Some(ArbiterMsg::Error { message, .. }) if message.contains("unread")),
+        "its last message: {last:?}"
+    );
+    // A client that leaves on its own is not the arbiter's doing.
+    drop(Client::register(
+        &arb.client_socket(),
+        register_msg(gpu, 1 << 30, 0),
+    ));
+    let mut text = String::new();
+    for _ in 0..50 {
+        text = scrape(port);
+        if text.contains("reason=\"unread_replies\"") && text.contains("reason=\"malformed\"") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let closed = |reason: &str| {
+        value(
+            &text,
+            &format!("kiwi_client_disconnects_total{{reason=\"{reason}\"}}"),
+        )
+    };
+    assert_eq!(closed("malformed"), 1.0);
+    assert_eq!(closed("unread_replies"), 1.0);
+    assert!(!text.contains("reason=\"client\""), "{text}");
+}

@@ -85,6 +85,9 @@ pub struct Turn {
     pub(super) swapping: AtomicU32,
     /// The driver's checkpoints of this process, as the arbiter tells them.
     pub(super) checkpoint: Arc<CheckpointNote>,
+    /// The last error the arbiter sent on this turn's connection: why it closed it,
+    /// said in the line that tells the connection was lost.
+    pub(super) last_error: Mutex<Option<String>>,
 }
 
 /// How long a checkpoint lasts before the process says why its CUDA calls wait.
