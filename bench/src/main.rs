@@ -11,6 +11,7 @@ mod pipeline;
 mod procs;
 mod report;
 mod shimbench;
+mod soak;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -86,6 +87,25 @@ enum Scenario {
     /// an idle process's residual against the simulator's modelled cost, and the
     /// makespan against the four run one after another.
     Checkpoint,
+    /// A node under load and faults (issue #38): many verifying clients on several
+    /// simulated GPUs while clients and the arbiter are killed, and tenants storm or
+    /// never read; fails if any client loses a byte or waits past its bound, or if
+    /// anything is left behind. Prints hand-offs under load against a quiet run.
+    Soak {
+        #[arg(long, default_value_t = 4)]
+        gpus: u32,
+        #[arg(long, default_value_t = 32)]
+        clients: usize,
+        #[arg(long, default_value_t = 120)]
+        seconds: u64,
+        /// Replays a run (printed by every run); default: from the clock.
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Only these client patterns (comma-separated: notebook, grower, prealloc,
+        /// discard, idle), to replay a failure of one.
+        #[arg(long, value_delimiter = ',')]
+        patterns: Vec<String>,
+    },
     #[command(name = "__arbiter", hide = true)]
     Arbiter {
         #[arg(long)]
@@ -186,6 +206,19 @@ fn run(cli: Cli) -> Result<()> {
         Scenario::LiveBytes => livebytes::live_bytes(cli.quick)?,
         Scenario::Newcomer => newcomer::newcomer(cli.quick)?,
         Scenario::Checkpoint => checkpoint::checkpoint(cli.quick)?,
+        Scenario::Soak {
+            gpus,
+            clients,
+            seconds,
+            seed,
+            patterns,
+        } => soak::soak(&soak::SoakOptions {
+            gpus,
+            clients,
+            seconds,
+            seed: seed.unwrap_or_else(|| procs::monotonic_ns() % 1_000_000),
+            patterns,
+        })?,
         Scenario::NewcomerRole => return newcomer::newcomer_role(),
         Scenario::Arbiter {
             socket_dir,

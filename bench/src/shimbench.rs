@@ -460,8 +460,13 @@ pub fn launch_overhead(quick: bool) -> Result<Vec<Figure>> {
 
 /// Every event of a live arbiter.
 pub fn arbiter_events(arb: &ArbiterProc) -> Result<Vec<Event>> {
+    events_at(arb.socket_dir())
+}
+
+/// The whole event log of the arbiter serving `socket_dir`.
+pub fn events_at(socket_dir: &std::path::Path) -> Result<Vec<Event>> {
     let mut c: Connection<ControlRequest, ControlReply> =
-        Connection::connect(&kiwi_config::control_socket(arb.socket_dir()))?;
+        Connection::connect(&kiwi_config::control_socket(socket_dir))?;
     let mut out = Vec::new();
     let mut since = 0;
     loop {

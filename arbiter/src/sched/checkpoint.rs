@@ -100,13 +100,16 @@ impl GpuScheduler {
         // A claim the driver contradicts costs nobody anything: a process that holds
         // no GPU memory at all (no context) has nothing to swap in. Where the driver
         // lists processes, a holder not looked at yet is looked at first (within
-        // [`RECONCILE_INTERVAL_NS`]; its next `no_room` asks again).
+        // [`RECONCILE_INTERVAL_NS`]; its next `no_room` asks again). Judged by the
+        // last look taken while nothing of it was being swapped or checkpointed (a
+        // process just restored holds nothing at a look taken while it was
+        // checkpointed; the soak found one refused so).
         let Some(h) = self.clients.get(&holder) else {
             return;
         };
-        match h.driver_bytes {
-            None if self.listing && h.info.host_pid != 0 => return,
-            Some(0) => {
+        match (h.driver_bytes, h.looks.back()) {
+            (None, _) if self.listing && h.info.host_pid != 0 => return,
+            (Some(_), Some(&(0, _))) => {
                 self.note_eviction_limit(
                     now,
                     holder,

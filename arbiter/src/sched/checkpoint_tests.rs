@@ -380,6 +380,16 @@ fn a_claim_no_process_backs_gets_nobody_checkpointed() {
     s.reconcile(1100 * MS, &[(101, 3300 * MIB), (201, 300 * MIB)]);
     let outs = s.no_room(2 * SEC, 1, 300 * MIB, || None);
     assert_eq!(checkpoints(&outs), vec![(2, 201)], "{outs:?}");
+
+    // A process looked at while it was checkpointed holds nothing then: once
+    // restored it is not taken for one with no GPU memory (found by the soak).
+    let mut s = holder_beside(1);
+    s.clients.get_mut(&1).unwrap().ckpt = Ckpt::Checkpointed;
+    s.reconcile(500 * MS, &[(201, 300 * MIB)]);
+    assert_eq!(s.clients[&1].driver_bytes, Some(0));
+    s.clients.get_mut(&1).unwrap().ckpt = Ckpt::None;
+    let outs = s.no_room(SEC, 1, 300 * MIB, || None);
+    assert_eq!(checkpoints(&outs), vec![(2, 201)], "{outs:?}");
 }
 
 /// Issue #42, item 4: a client that never answers its reclaim (a silent hint
