@@ -192,6 +192,20 @@ struct ClientProc {
     log: PathBuf,
 }
 
+impl ClientProc {
+    /// One line: which client, after how long, `what`, and the last line it wrote.
+    fn failure(&self, what: &str) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        format!(
+            "{} on GPU {} (after {:.1} s) {what}: {}",
+            self.pattern.name(),
+            self.gpu,
+            self.started.elapsed().as_secs_f64(),
+            tail(&text)
+        )
+    }
+}
+
 /// The arbiter: the workspace's `kiwi-arbiter`, which the soak kills and restarts on
 /// the same socket directory.
 struct Arbiter {
@@ -490,28 +504,14 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
                     let c = live.swap_remove(i);
                     out.clients_run += 1;
                     if !status.success() {
-                        let text = std::fs::read_to_string(&c.log).unwrap_or_default();
-                        out.failures.push(format!(
-                            "{} on GPU {} (after {:.1} s) exited {status}: {}",
-                            c.pattern.name(),
-                            c.gpu,
-                            c.started.elapsed().as_secs_f64(),
-                            tail(&text)
-                        ));
+                        out.failures.push(c.failure(&format!("exited {status}")));
                     }
                 }
                 None if now > c.bound => {
                     let _ = c.child.kill();
                     let _ = c.child.wait();
                     let c = live.swap_remove(i);
-                    let text = std::fs::read_to_string(&c.log).unwrap_or_default();
-                    out.failures.push(format!(
-                        "{} on GPU {} waited past its bound ({:.1} s): {}",
-                        c.pattern.name(),
-                        c.gpu,
-                        c.started.elapsed().as_secs_f64(),
-                        tail(&text)
-                    ));
+                    out.failures.push(c.failure("waited past its bound"));
                 }
                 None => i += 1,
             }

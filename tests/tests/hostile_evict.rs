@@ -125,22 +125,15 @@ fn a_client_with_no_gpu_memory_gets_nobody_checkpointed() {
 /// A process run without Kiwi that holds `bytes` of the simulated GPU and also
 /// registers a client of its own from the same process (so it is no outsider), then
 /// changes its usage report every 700 ms: resident 0, then all, and back. Written in
-/// Python with ctypes over the simulator's libcuda and the wire protocol's frames.
+/// Python with ctypes over the simulator's libcuda (`shim/tests/py/simcuda.py`) and
+/// the wire protocol's frames.
 const FLIPPER: &str = r#"
 import ctypes, json, os, socket, struct, sys, time
+from simcuda import check, open_context
 sock_path, uuid, total, size = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-cu = ctypes.CDLL("libcuda.so.1")
-def ck(r, what):
-    if r != 0:
-        sys.exit(f"{what}: CUDA error {r}")
-ck(cu.cuInit(0), "cuInit")
-dev = ctypes.c_int()
-ck(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
-ctx = ctypes.c_void_p()
-ck(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
-ck(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+cu = open_context()
 ptr = ctypes.c_uint64()
-ck(cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size)), "cuMemAlloc")
+check(cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(size)), "cuMemAlloc")
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect(sock_path)
 def send(msg):
@@ -162,6 +155,11 @@ fn flipper(m: &SimMachine, arb: &Arbiter, dir: &Path, bytes: u64) -> Child {
     std::fs::write(&script, FLIPPER).unwrap();
     let mut cmd = Command::new("python3");
     m.apply(&mut cmd)
+        // The driver-API set-up the Python test scripts share.
+        .env(
+            "PYTHONPATH",
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../shim/tests/py"),
+        )
         .arg(&script)
         .arg(arb.client_socket())
         .arg(gpu_uuid_string(&m.name, 0))

@@ -63,6 +63,43 @@ fn arbiter_on_sim_nvml(m: &SimMachine, args: &[&str]) -> Arbiter {
     Arbiter::start_with_env(&args, m.env())
 }
 
+/// Two honest notebooks of 768 MiB that fit side by side (`gpuburst --verify`,
+/// `bursts` of 100 ms with `cpu_ms` between), once both are resident.
+fn honest_pair(
+    m: &SimMachine,
+    arb: &Arbiter,
+    bursts: &str,
+    cpu_ms: &str,
+) -> (std::process::Child, std::process::Child) {
+    let honest = |tag: &str| {
+        let mut cmd = Command::new(bin("gpuburst"));
+        cmd.args(["--mem", "768MiB", "--bursts", bursts, "--gpu-ms", "100"])
+            .args(["--cpu-ms", cpu_ms, "--verify", "--name", tag])
+            .env("LD_PRELOAD", bin("libkiwi.so"))
+            .env("KIWI_SOCKET_DIR", arb.socket_dir())
+            .env("KIWI_REQUIRE_ARBITER", "1")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        m.apply(&mut cmd);
+        cmd.spawn().expect("spawn gpuburst")
+    };
+    let pair = (honest("a"), honest("b"));
+    wait_until(
+        "both honest tenants are resident",
+        Duration::from_secs(20),
+        || {
+            arb.status().gpus.iter().any(|g| {
+                g.clients
+                    .iter()
+                    .filter(|c| c.resident_bytes >= 768 * MIB)
+                    .count()
+                    == 2
+            })
+        },
+    );
+    pair
+}
+
 // ---- item 1: a fake resume ----------------------------------------------------
 
 /// Re-registers as a holder (`resume {holding}`) every time it is revoked or refused,
@@ -448,32 +485,7 @@ fn an_honest_pair_that_fits_swaps_nothing_beside_a_holder_that_lies_about_room()
     };
     let arb = arbiter_on_sim_nvml(&m, &["--tq", "2"]);
     let uuid = gpu_uuid_string(&m.name, 0);
-    let honest = |tag: &str| {
-        let mut cmd = Command::new(bin("gpuburst"));
-        cmd.args(["--mem", "768MiB", "--bursts", "12", "--gpu-ms", "100"])
-            .args(["--cpu-ms", "100", "--verify", "--name", tag])
-            .env("LD_PRELOAD", bin("libkiwi.so"))
-            .env("KIWI_SOCKET_DIR", arb.socket_dir())
-            .env("KIWI_REQUIRE_ARBITER", "1")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        m.apply(&mut cmd);
-        cmd.spawn().expect("spawn gpuburst")
-    };
-    let (a, b) = (honest("a"), honest("b"));
-    wait_until(
-        "both honest tenants are resident",
-        Duration::from_secs(20),
-        || {
-            arb.status().gpus.iter().any(|g| {
-                g.clients
-                    .iter()
-                    .filter(|c| c.resident_bytes >= 768 * MIB)
-                    .count()
-                    == 2
-            })
-        },
-    );
+    let (a, b) = honest_pair(&m, &arb, "12", "100");
 
     // The liar: a pipelined client of 1 GiB, granted beside them, that reports none
     // of it resident and no room for it, as fast as the rate limit lets it.
@@ -614,28 +626,7 @@ fn a_tenant_flipping_the_gpu_in_and_out_of_oversubscription_costs_honest_holders
     };
     let arb = Arbiter::start_with_env(&["--tq", "2"], m.env());
     let uuid = gpu_uuid_string(&m.name, 0);
-    let honest = |tag: &str| {
-        let mut cmd = Command::new(bin("gpuburst"));
-        cmd.args(["--mem", "768MiB", "--bursts", "30", "--gpu-ms", "100"])
-            .args(["--cpu-ms", "50", "--verify", "--name", tag])
-            .env("LD_PRELOAD", bin("libkiwi.so"))
-            .env("KIWI_SOCKET_DIR", arb.socket_dir())
-            .env("KIWI_REQUIRE_ARBITER", "1")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        m.apply(&mut cmd);
-        cmd.spawn().expect("spawn gpuburst")
-    };
-    let (a, b) = (honest("a"), honest("b"));
-    wait_until("both honest tenants hold", Duration::from_secs(20), || {
-        arb.status().gpus.iter().any(|g| {
-            g.clients
-                .iter()
-                .filter(|c| c.resident_bytes >= 768 * MIB)
-                .count()
-                == 2
-        })
-    });
+    let (a, b) = honest_pair(&m, &arb, "30", "50");
     let mut reg = register_msg(&uuid, m.memory, 0);
     reg.unswappable_bytes = Some(0);
     let mut flipper = Client::register(&arb.client_socket(), reg);

@@ -21,16 +21,7 @@ fn usage(ws: u64, resident: u64) -> Usage {
 /// (host pids 101, 102): the TensorFlow-style pair of issue #24, which can never both
 /// be resident beside each other's context. Client 1 holds the GPU, 200 MiB short.
 fn pair(checkpoint: bool) -> (GpuScheduler, Vec<Output>) {
-    let mut s = GpuScheduler::new(
-        4000 * MIB,
-        4000 * MIB,
-        Settings {
-            scheduler_on: true,
-            tq_ms: 1_000,
-        },
-        500,
-    )
-    .with_checkpoint(checkpoint);
+    let mut s = sched_4000(checkpoint);
     for (id, pid) in [(1, 101), (2, 102)] {
         let info = ClientInfo {
             host_pid: pid,
@@ -44,6 +35,20 @@ fn pair(checkpoint: bool) -> (GpuScheduler, Vec<Output>) {
     s.usage(2 * MS, 1, usage(3600 * MIB, 3400 * MIB));
     let outs = s.no_room(600 * MS, 1, 200 * MIB, || None);
     (s, outs)
+}
+
+/// A 4000 MiB GPU, TQ 1 s, grace 500 ms; whole processes evicted when `checkpoint`.
+fn sched_4000(checkpoint: bool) -> GpuScheduler {
+    GpuScheduler::new(
+        4000 * MIB,
+        4000 * MIB,
+        Settings {
+            scheduler_on: true,
+            tq_ms: 1_000,
+        },
+        500,
+    )
+    .with_checkpoint(checkpoint)
 }
 
 fn checkpoints(outs: &[Output]) -> Vec<(ClientId, u32)> {
@@ -292,16 +297,7 @@ fn what_no_eviction_moves_is_told_as_taken() {
 /// A 4000 MiB GPU: holder 1 (pid 101, tenant "uid 1000") and `victims` idle clients
 /// with 300 MiB contexts each (pids 201..), nothing of theirs resident.
 fn holder_beside(victims: u64) -> GpuScheduler {
-    let mut s = GpuScheduler::new(
-        4000 * MIB,
-        4000 * MIB,
-        Settings {
-            scheduler_on: true,
-            tq_ms: 1_000,
-        },
-        500,
-    )
-    .with_checkpoint(true);
+    let mut s = sched_4000(true);
     let info = ClientInfo {
         host_pid: 101,
         unswappable: Some(300 * MIB),
@@ -398,16 +394,7 @@ fn a_claim_no_process_backs_gets_nobody_checkpointed() {
 /// instead of the holder waiting for it for good.
 #[test]
 fn a_client_that_never_answers_its_reclaim_is_checkpointed_once_overdue() {
-    let mut s = GpuScheduler::new(
-        4000 * MIB,
-        4000 * MIB,
-        Settings {
-            scheduler_on: true,
-            tq_ms: 1_000,
-        },
-        500,
-    )
-    .with_checkpoint(true);
+    let mut s = sched_4000(true);
     for (id, pid, ws) in [(2, 201, 1000 * MIB), (1, 101, 3600 * MIB)] {
         let info = ClientInfo {
             host_pid: pid,
