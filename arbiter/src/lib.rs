@@ -17,6 +17,7 @@ pub mod daemon;
 pub mod events;
 pub mod gpus;
 pub mod metrics;
+pub mod pool;
 pub mod sched;
 pub mod server;
 pub mod swap;
