@@ -137,6 +137,26 @@ impl SimMachine {
         cmd.envs(self.env())
     }
 
+    /// Creates the machine (if no process has yet) with this helper's knobs
+    /// ([`SimMachine::env`]), and populates each GPU's memory file up to its capacity
+    /// from this process (see `Machine::populate`): a process started later, in a
+    /// memory cgroup of its own, is charged for none of its device memory.
+    pub fn populate(&self) -> Result<(), String> {
+        let env = self.env();
+        let cfg = crate::SimConfig::from_lookup(|k| {
+            env.iter()
+                .rev()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.clone())
+        })
+        .map_err(|e| e.to_string())?;
+        let m = crate::Machine::open(&cfg).map_err(|e| e.to_string())?;
+        for g in 0..m.gpu_count() {
+            m.populate(g).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
     /// The kernel trace so far (empty if no kernel ran).
     pub fn read_trace(&self) -> Vec<TraceRecord> {
         if !Path::new(&self.trace).exists() {

@@ -15,8 +15,14 @@
 //! copies already queued keep it busy ([`Machine::link_reserve`]), shared by every
 //! process, so concurrent copies in one direction share its bandwidth.
 //!
-//! This module owns the segment layout and nothing else: device memory contents live
-//! in the owning process (see `sim/cuda`).
+//! Device memory contents live in one file per GPU next to the segment,
+//! `kiwi-sim-<name>.gpu<N>.mem` (sparse, created with the segment, removed by
+//! [`reset`]): a GPU's memory exists before anyone allocates it and is no process's
+//! memory. The segment keeps the allocator of that file: per GPU a table of 2 MiB
+//! granules, each free or owned by a process (pid + start time, as the usage table's
+//! entries), handed out as extents ([`Machine::extent_alloc`]) and reclaimed when
+//! their owner is dead. Freed granules keep their pages, so the next allocation
+//! reuses populated memory; [`Machine::populate`] fills a GPU's file ahead.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -30,7 +36,7 @@ use crate::knobs::{validate_name, SimConfig, MAX_GPUS};
 /// Most processes one simulated GPU tracks at once.
 pub const MAX_PROCS: usize = 256;
 const MAGIC: u64 = 0x4b49_5749_5349_4d31; // "KIWISIM1"
-const LAYOUT_VERSION: u64 = 6;
+const LAYOUT_VERSION: u64 = 7;
 
 /// Errors of the machine segment.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +59,8 @@ pub enum MachineError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("the memory file of simulated GPU {gpu} has no {granules} free granules of 2 MiB")]
+    FileFull { gpu: u32, granules: u64 },
     #[error("{0}: not a Kiwi simulator segment (or another layout version); remove it with `kiwi-sim reset`")]
     Corrupt(PathBuf),
 }
@@ -81,6 +89,13 @@ struct GpuSlot {
     /// busy with the copies reserved so far (see [`Machine::link_reserve`]).
     link_busy_until: [AtomicU64; 2],
     procs: [ProcSlot; MAX_PROCS],
+    /// Granules of the GPU's memory file, and where their table (one `AtomicU16`
+    /// each: 0 free, else 1 + the index of its owner in `owners`) starts, in bytes
+    /// from the segment's start.
+    granules: AtomicU64,
+    granule_table: AtomicU64,
+    /// Processes owning granules (`bytes` counts their granules).
+    owners: [ProcSlot; MAX_PROCS],
 }
 
 #[repr(C)]
@@ -92,7 +107,17 @@ struct Segment {
     hbm_bits: AtomicU64,
     /// Device memory each context costs (`KIWI_SIM_CONTEXT_MEMORY`), in bytes.
     context_bytes: AtomicU64,
+    /// Length of the segment file: this struct and the granule tables after it.
+    total_len: AtomicU64,
     gpu: [GpuSlot; MAX_GPUS as usize],
+}
+
+/// Granules in the memory file of a GPU of `capacity` bytes: twice the capacity's
+/// (sub-allocations and allocations rounded up to whole granules must never run out
+/// before the capacity does; the file is sparse, only touched pages cost) and a few
+/// more for the processes' small-allocation granules.
+pub fn file_granules(capacity: u64) -> u64 {
+    2 * capacity.div_ceil(crate::GRANULARITY) + 16
 }
 
 /// Settings fixed when the segment was created (they win over later processes' knobs).
@@ -152,7 +177,11 @@ pub struct Machine {
     path: PathBuf,
     file: File,
     seg: *const Segment,
+    /// Length of the mapping at `seg` (the whole segment file).
+    seg_len: usize,
     kernel_locks: Vec<KernelLock>,
+    /// Each GPU's memory file.
+    mem_files: Vec<File>,
     me: (u64, u64),
 }
 
@@ -189,6 +218,9 @@ impl Drop for KernelGuard<'_> {
 /// (a waiter that died blocked leaves its count behind: this bounds what it costs).
 const KERNEL_HANDOFF_WAIT: std::time::Duration = std::time::Duration::from_millis(2);
 
+/// `madvise` advice (Linux 5.14): fault the range in writable now.
+pub const MADV_POPULATE_WRITE: libc::c_int = 23;
+
 /// Where segments live (tmpfs, like POSIX shm_open).
 pub const SHM_DIR: &str = "/dev/shm";
 
@@ -202,6 +234,11 @@ pub fn segment_path(name: &str) -> PathBuf {
 /// `checkpoint` module); another process reaches it under `/proc/<pid>/root`.
 pub fn checkpoint_socket_path(name: &str, pid: u32) -> PathBuf {
     Path::new(SHM_DIR).join(format!("kiwi-sim-{name}.ckpt.{pid}"))
+}
+
+/// Path of the file holding the device memory of GPU `gpu` of machine `name`.
+pub fn mem_file_path(name: &str, gpu: u32) -> PathBuf {
+    Path::new(SHM_DIR).join(format!("kiwi-sim-{name}.gpu{gpu}.mem"))
 }
 
 fn kernel_lock_path(name: &str, gpu: u32) -> PathBuf {
@@ -279,27 +316,32 @@ impl Machine {
             .mode(0o666)
             .open(&path)
             .map_err(io)?;
-        let size = std::mem::size_of::<Segment>();
-        let seg = {
+        let head = std::mem::size_of::<Segment>();
+        let mut mem_files = Vec::new();
+        let (seg, seg_len) = {
             let _lock = FileLock::exclusive(&file);
             let len = file.metadata().map_err(io)?.len();
             let fresh = len == 0;
-            if fresh {
-                if create.is_none() {
-                    return Err(MachineError::Corrupt(path));
+            let total = match create {
+                Some(cfg) if fresh => {
+                    let tables: u64 = (0..cfg.gpus).map(|_| 2 * file_granules(cfg.memory)).sum();
+                    (head as u64 + tables).next_multiple_of(8)
                 }
-                file.set_len(size as u64).map_err(io)?;
+                None if fresh => return Err(MachineError::Corrupt(path)),
+                _ if len < head as u64 => return Err(MachineError::Corrupt(path)),
+                _ => len,
+            };
+            if fresh {
+                file.set_len(total).map_err(io)?;
                 // umask may have narrowed the mode; other users' processes share it.
                 // SAFETY: valid fd.
                 unsafe { libc::fchmod(file.as_raw_fd(), 0o666) };
-            } else if len != size as u64 {
-                return Err(MachineError::Corrupt(path));
             }
-            // SAFETY: mapping a file we hold open, of exactly `size` bytes, shared.
+            // SAFETY: mapping a file we hold open, of exactly `total` bytes, shared.
             let p = unsafe {
                 libc::mmap(
                     std::ptr::null_mut(),
-                    size,
+                    total as usize,
                     libc::PROT_READ | libc::PROT_WRITE,
                     libc::MAP_SHARED,
                     file.as_raw_fd(),
@@ -310,7 +352,7 @@ impl Machine {
                 return Err(io(std::io::Error::last_os_error()));
             }
             let seg = p as *const Segment;
-            // SAFETY: the mapping is valid, aligned (page) and at least `size` long.
+            // SAFETY: the mapping is valid, aligned (page) and at least `head` long.
             let s = unsafe { &*seg };
             if fresh {
                 let cfg = create.expect("checked above");
@@ -318,19 +360,61 @@ impl Machine {
                 s.pcie_bits.store(cfg.pcie_gbps.to_bits(), Ordering::SeqCst);
                 s.hbm_bits.store(cfg.hbm_gbps.to_bits(), Ordering::SeqCst);
                 s.context_bytes.store(cfg.context_memory, Ordering::SeqCst);
+                s.total_len.store(total, Ordering::SeqCst);
+                let mut table = head as u64;
                 for g in 0..cfg.gpus as usize {
+                    let granules = file_granules(cfg.memory);
                     s.gpu[g].capacity.store(cfg.memory, Ordering::SeqCst);
+                    s.gpu[g].granules.store(granules, Ordering::SeqCst);
+                    s.gpu[g].granule_table.store(table, Ordering::SeqCst);
+                    table += 2 * granules;
                 }
                 s.version.store(LAYOUT_VERSION, Ordering::SeqCst);
                 s.magic.store(MAGIC, Ordering::SeqCst);
             } else if s.magic.load(Ordering::SeqCst) != MAGIC
                 || s.version.load(Ordering::SeqCst) != LAYOUT_VERSION
+                || s.total_len.load(Ordering::SeqCst) != total
             {
                 // SAFETY: unmapping what we just mapped.
-                unsafe { libc::munmap(p, size) };
+                unsafe { libc::munmap(p, total as usize) };
                 return Err(MachineError::Corrupt(path));
             }
-            seg
+            // Each GPU's memory file: made (sparse, empty) with the segment, so a
+            // machine created anew never sees an older one's pages or owners.
+            let unmap = || {
+                // SAFETY: unmapping what we just mapped; nothing else refers to it.
+                unsafe { libc::munmap(p, total as usize) };
+            };
+            for g in 0..s.gpus.load(Ordering::SeqCst) as u32 {
+                let mp = mem_file_path(name, g);
+                let f = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(fresh)
+                    .truncate(false)
+                    .mode(0o666)
+                    .open(&mp);
+                let f = match f {
+                    Ok(f) => f,
+                    Err(source) => {
+                        unmap();
+                        return Err(MachineError::Io { path: mp, source });
+                    }
+                };
+                if fresh {
+                    let bytes =
+                        s.gpu[g as usize].granules.load(Ordering::SeqCst) * crate::GRANULARITY;
+                    let sized = f.set_len(0).and_then(|()| f.set_len(bytes));
+                    if let Err(source) = sized {
+                        unmap();
+                        return Err(MachineError::Io { path: mp, source });
+                    }
+                    // SAFETY: valid fd.
+                    unsafe { libc::fchmod(f.as_raw_fd(), 0o666) };
+                }
+                mem_files.push(f);
+            }
+            (seg, total as usize)
         };
         // SAFETY: seg valid as above.
         let gpus = unsafe { &*seg }.gpus.load(Ordering::SeqCst) as u32;
@@ -358,7 +442,9 @@ impl Machine {
             path,
             file,
             seg,
+            seg_len,
             kernel_locks,
+            mem_files,
             me,
         })
     }
@@ -508,6 +594,246 @@ impl Machine {
             .map_or(0, |p| p.bytes.load(Ordering::Relaxed))
     }
 
+    /// The granule table of `gpu`'s memory file.
+    fn granule_table(&self, slot: &GpuSlot) -> &[std::sync::atomic::AtomicU16] {
+        let n = slot.granules.load(Ordering::Relaxed) as usize;
+        let off = slot.granule_table.load(Ordering::Relaxed) as usize;
+        assert!(
+            off + 2 * n <= self.seg_len,
+            "granule table inside the segment"
+        );
+        // SAFETY: the table lies inside the mapping (checked above), 2-aligned (the
+        // header's size is a multiple of 8, tables are 2 bytes per granule), and is
+        // only ever accessed through atomics.
+        unsafe {
+            std::slice::from_raw_parts(
+                (self.seg as *const u8)
+                    .add(off)
+                    .cast::<std::sync::atomic::AtomicU16>(),
+                n,
+            )
+        }
+    }
+
+    /// Drops the granules of owners that no longer exist; returns granules in use
+    /// after.
+    fn collect_dead_owners(&self, slot: &GpuSlot) -> u64 {
+        let table = self.granule_table(slot);
+        let mut used = 0;
+        for (i, o) in slot.owners.iter().enumerate() {
+            let pid = o.pid.load(Ordering::Relaxed);
+            if pid == 0 {
+                continue;
+            }
+            let alive = u32::try_from(pid)
+                .ok()
+                .and_then(process_start_time)
+                .is_some_and(|t| t == o.start_time.load(Ordering::Relaxed));
+            if alive {
+                used += o.bytes.load(Ordering::Relaxed);
+                continue;
+            }
+            let tag = i as u16 + 1;
+            for g in table {
+                if g.load(Ordering::Relaxed) == tag {
+                    g.store(0, Ordering::Relaxed);
+                }
+            }
+            o.bytes.store(0, Ordering::Relaxed);
+            o.start_time.store(0, Ordering::Relaxed);
+            o.pid.store(0, Ordering::Relaxed);
+        }
+        used
+    }
+
+    /// Takes `count` granules of `gpu`'s memory file for this process, as runs
+    /// `(first granule, granules)`: the lowest run long enough when there is one,
+    /// else the lowest free granules in several runs. Granules of dead processes
+    /// are reclaimed before a refusal (`FileFull`).
+    pub fn extent_alloc(&self, gpu: u32, count: u64) -> Result<Vec<(u64, u64)>, MachineError> {
+        let slot = self.gpu(gpu)?;
+        let _lock = FileLock::exclusive(&self.file);
+        let table = self.granule_table(slot);
+        let free_runs = || {
+            let mut runs = Vec::new();
+            let mut at = 0;
+            while at < table.len() {
+                if table[at].load(Ordering::Relaxed) != 0 {
+                    at += 1;
+                    continue;
+                }
+                let start = at;
+                while at < table.len() && table[at].load(Ordering::Relaxed) == 0 {
+                    at += 1;
+                }
+                runs.push((start as u64, (at - start) as u64));
+            }
+            runs
+        };
+        let mut runs = free_runs();
+        if runs.iter().map(|r| r.1).sum::<u64>() < count {
+            self.collect_dead_owners(slot);
+            runs = free_runs();
+        }
+        let taken = if let Some(&(first, _)) = runs.iter().find(|r| r.1 >= count) {
+            vec![(first, count)]
+        } else {
+            let mut need = count;
+            let mut taken = Vec::new();
+            for &(first, n) in &runs {
+                if need == 0 {
+                    break;
+                }
+                let k = n.min(need);
+                taken.push((first, k));
+                need -= k;
+            }
+            if need > 0 {
+                return Err(MachineError::FileFull {
+                    gpu,
+                    granules: count,
+                });
+            }
+            taken
+        };
+        let idx = slot
+            .owners
+            .iter()
+            .position(|o| {
+                o.pid.load(Ordering::Relaxed) == self.me.0
+                    && o.start_time.load(Ordering::Relaxed) == self.me.1
+            })
+            .or_else(|| {
+                let i = slot
+                    .owners
+                    .iter()
+                    .position(|o| o.pid.load(Ordering::Relaxed) == 0)?;
+                let o = &slot.owners[i];
+                o.start_time.store(self.me.1, Ordering::Relaxed);
+                o.bytes.store(0, Ordering::Relaxed);
+                o.pid.store(self.me.0, Ordering::Relaxed);
+                Some(i)
+            })
+            .ok_or(MachineError::TooManyProcesses(gpu))?;
+        let tag = idx as u16 + 1;
+        for &(first, n) in &taken {
+            for g in &table[first as usize..(first + n) as usize] {
+                g.store(tag, Ordering::Relaxed);
+            }
+        }
+        slot.owners[idx].bytes.fetch_add(count, Ordering::Relaxed);
+        Ok(taken)
+    }
+
+    /// Gives back granules [`Machine::extent_alloc`] gave this process (their pages
+    /// stay populated for the next allocation).
+    pub fn extent_free(&self, gpu: u32, runs: &[(u64, u64)]) {
+        let Ok(slot) = self.gpu(gpu) else { return };
+        let _lock = FileLock::exclusive(&self.file);
+        let table = self.granule_table(slot);
+        let Some(idx) = slot.owners.iter().position(|o| {
+            o.pid.load(Ordering::Relaxed) == self.me.0
+                && o.start_time.load(Ordering::Relaxed) == self.me.1
+        }) else {
+            return;
+        };
+        let tag = idx as u16 + 1;
+        let mut freed = 0;
+        for &(first, n) in runs {
+            let end = (first + n).min(table.len() as u64);
+            for g in &table[first.min(end) as usize..end as usize] {
+                if g.load(Ordering::Relaxed) == tag {
+                    g.store(0, Ordering::Relaxed);
+                    freed += 1;
+                }
+            }
+        }
+        let o = &slot.owners[idx];
+        let left = o.bytes.load(Ordering::Relaxed).saturating_sub(freed);
+        o.bytes.store(left, Ordering::Relaxed);
+        if left == 0 {
+            o.start_time.store(0, Ordering::Relaxed);
+            o.pid.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Granules of `gpu`'s memory file: (owned by live processes, all), after
+    /// reclaiming dead owners' granules.
+    pub fn extents_in_use(&self, gpu: u32) -> Result<(u64, u64), MachineError> {
+        let slot = self.gpu(gpu)?;
+        let _lock = FileLock::exclusive(&self.file);
+        let used = self.collect_dead_owners(slot);
+        Ok((used, slot.granules.load(Ordering::Relaxed)))
+    }
+
+    /// The file holding `gpu`'s device memory (`kiwi-sim-<name>.gpu<N>.mem`), and
+    /// its length (granule `i` is bytes `[i × 2 MiB, (i + 1) × 2 MiB)`).
+    pub fn mem_file(&self, gpu: u32) -> Result<(&File, u64), MachineError> {
+        let slot = self.gpu(gpu)?;
+        let f = self
+            .mem_files
+            .get(gpu as usize)
+            .ok_or(MachineError::NoSuchGpu {
+                gpu,
+                count: self.gpu_count(),
+            })?;
+        Ok((
+            f,
+            slot.granules.load(Ordering::Relaxed) * crate::GRANULARITY,
+        ))
+    }
+
+    /// Populates `gpu`'s memory file up to its capacity (rounded up to a granule)
+    /// from this process, so its pages exist before any tenant allocates them and
+    /// are charged to this process's memory cgroup, not to the processes that later
+    /// map them (a memory cgroup charges a shared page to whoever faults it in
+    /// first). Contents are left as they are. Returns the bytes populated.
+    pub fn populate(&self, gpu: u32) -> Result<u64, MachineError> {
+        let (file, _) = self.mem_file(gpu)?;
+        let len = self.capacity(gpu)?.next_multiple_of(crate::GRANULARITY);
+        let path = mem_file_path(&self.name, gpu);
+        let io = |source| MachineError::Io {
+            path: path.clone(),
+            source,
+        };
+        // SAFETY: a new shared mapping of a file we hold open, inside its length.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_NORESERVE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io(std::io::Error::last_os_error()));
+        }
+        const PART: usize = 64 << 20;
+        let mut result = Ok(len);
+        for at in (0..len as usize).step_by(PART) {
+            let n = PART.min(len as usize - at);
+            // SAFETY: advice on a part of the mapping just made; populating a shared
+            // mapping writable faults its pages in without changing their bytes.
+            let r = unsafe { libc::madvise(p.cast::<u8>().add(at).cast(), n, MADV_POPULATE_WRITE) };
+            if r != 0 {
+                // Kernels before 5.14: allocate the pages (their contents stay).
+                // SAFETY: fallocate on a file we hold open; mode 0 only allocates.
+                let r = unsafe {
+                    libc::fallocate(file.as_raw_fd(), 0, at as libc::off_t, n as libc::off_t)
+                };
+                if r != 0 {
+                    result = Err(io(std::io::Error::last_os_error()));
+                    break;
+                }
+            }
+        }
+        // SAFETY: unmapping the mapping made above, which nothing else refers to.
+        unsafe { libc::munmap(p, len as usize) };
+        result
+    }
+
     /// Capacity and use of `gpu` (dead processes reclaimed first).
     pub fn usage(&self, gpu: u32) -> Result<GpuUsage, MachineError> {
         let slot = self.gpu(gpu)?;
@@ -632,17 +958,12 @@ impl Machine {
 impl Drop for Machine {
     fn drop(&mut self) {
         // SAFETY: unmapping the mapping created in open; no references outlive self.
-        unsafe {
-            libc::munmap(
-                self.seg as *mut libc::c_void,
-                std::mem::size_of::<Segment>(),
-            )
-        };
+        unsafe { libc::munmap(self.seg as *mut libc::c_void, self.seg_len) };
     }
 }
 
-/// Removes machine `name`'s segment and lock files. Processes still attached keep
-/// their (now private) copy; new processes create a fresh machine.
+/// Removes machine `name`'s segment, lock and memory files. Processes still attached
+/// keep their (now private) copy; new processes create a fresh machine.
 pub fn reset(name: &str) -> Result<bool, MachineError> {
     validate_name(name).map_err(|reason| MachineError::BadName {
         name: name.into(),
@@ -653,6 +974,7 @@ pub fn reset(name: &str) -> Result<bool, MachineError> {
     let _ = std::fs::remove_file(&path);
     for g in 0..MAX_GPUS {
         let _ = std::fs::remove_file(kernel_lock_path(name, g));
+        let _ = std::fs::remove_file(mem_file_path(name, g));
     }
     Ok(existed)
 }
@@ -738,6 +1060,63 @@ mod tests {
             .expect("dead process's 60MiB must be reclaimed");
         assert_eq!(m.usage(0).unwrap().used, 30 << 20);
         reset(&c.name).unwrap();
+    }
+
+    #[test]
+    fn extents_are_handed_out_freed_and_reclaimed() {
+        use std::os::unix::fs::MetadataExt;
+        let c = cfg("extent", 2, 64 << 20);
+        let m = Machine::open(&c).unwrap();
+        assert_eq!(file_granules(64 << 20), 80);
+        let (file, len) = m.mem_file(1).unwrap();
+        assert_eq!(len, 80 * crate::GRANULARITY);
+        assert_eq!(file.metadata().unwrap().len(), len);
+        assert_eq!(file.metadata().unwrap().blocks(), 0, "sparse until touched");
+        let a = m.extent_alloc(0, 10).unwrap();
+        assert_eq!(a, vec![(0, 10)]);
+        assert_eq!(m.extent_alloc(0, 5).unwrap(), vec![(10, 5)]);
+        m.extent_free(0, &a);
+        // The lowest run long enough, then the lowest granules in several runs.
+        assert_eq!(m.extent_alloc(0, 12).unwrap(), vec![(15, 12)]);
+        assert!(matches!(
+            m.extent_alloc(0, 64),
+            Err(MachineError::FileFull { gpu: 0, .. })
+        ));
+        assert_eq!(m.extent_alloc(0, 60).unwrap(), vec![(0, 10), (27, 50)]);
+        assert_eq!(m.extents_in_use(0).unwrap(), (77, 80));
+        assert_eq!(m.extents_in_use(1).unwrap(), (0, 80));
+        // A dead process's granules come back: forge them for a process that
+        // exited, then free ours.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        let start = process_start_time(pid);
+        child.wait().unwrap();
+        let slot = &m.seg().gpu[0];
+        let table = m.granule_table(slot);
+        slot.owners[5].pid.store(u64::from(pid), Ordering::Relaxed);
+        slot.owners[5]
+            .start_time
+            .store(start.unwrap_or(1), Ordering::Relaxed);
+        slot.owners[5].bytes.store(3, Ordering::Relaxed);
+        for g in &table[77..80] {
+            g.store(6, Ordering::Relaxed);
+        }
+        // All 80 granules are taken: an allocation reclaims the dead one's first.
+        assert_eq!(m.extent_alloc(0, 3).unwrap(), vec![(77, 3)]);
+        assert_eq!(m.extents_in_use(0).unwrap(), (80, 80));
+        assert_eq!(slot.owners[5].pid.load(Ordering::Relaxed), 0);
+        m.extent_free(0, &[(0, 80)]);
+        assert_eq!(m.extents_in_use(0).unwrap(), (0, 80));
+        // Populating fills the capacity's pages (the file stays sparse past it).
+        assert_eq!(m.populate(1).unwrap(), 64 << 20);
+        let blocks = m.mem_file(1).unwrap().0.metadata().unwrap().blocks();
+        assert!(
+            blocks * 512 >= 64 << 20 && blocks * 512 < 80 << 20,
+            "{blocks}"
+        );
+        reset(&c.name).unwrap();
+        assert!(!mem_file_path(&c.name, 0).exists());
+        assert!(!mem_file_path(&c.name, 1).exists());
     }
 
     #[test]

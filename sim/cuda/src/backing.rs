@@ -1,233 +1,472 @@
-//! Host memory backing this process's simulated device memory: freed backing kept
-//! for reuse by size, and backing prepared ahead, in the background, for the device
-//! address ranges the process reserved (`cuMemAddressReserve`) and never mapped (a
-//! range a swap-out unmapped comes back on its own freed backing, pooled).
-//! Fresh anonymous memory must be faulted in and zeroed by the kernel, which costs
-//! host time a GPU never spends (a swap-in of 500 MiB would pay ~100 ms of page
-//! faults); GPU memory from `cuMemCreate` is uninitialized anyway, so stale bytes of
-//! reused backing are fine.
+//! Where this process's simulated device memory lives: extents of each GPU's
+//! memory file (`kiwi-sim-<name>.gpu<N>.mem`, see `kiwi_sim_core::machine`), never
+//! the process's own memory.
 //!
-//! Why prepared ahead: a GPU's memory exists before anyone allocates it, and
-//! `cuMemCreate` on an H100 costs 15 µs plus 0.04 µs per 2 MiB (the
-//! `KIWI_SIM_MEMCREATE_US*` model), while faulting in fresh host pages costs the
-//! hosts these tests run on 2.8–5 GB/s. A newcomer that reserved 1 GiB and waited
-//! for its turn then paid ~365 ms of page faults inside its first hand-off, a cost no
-//! GPU has (issue #28, `handoff_at_newcomer_start`). Backing is prepared for what a
-//! process reserved, less what it mapped and what the pool of freed backing already
-//! holds, at most [`PREPARE_MAX`]; on with `KIWI_SIM_PREPARE=1` (off by default: the work
-//! slowed hand-offs in the busy-machine demo test on 2 cores; the benchmarks turn it on).
+//! A GPU's memory exists before anyone allocates it and is no process's memory:
+//! nothing of it is charged to the allocating process's memory cgroup, and a
+//! fresh allocation pays no page faults. So each physical allocation maps
+//! (`MAP_SHARED`) granules of its GPU's file, which the machine segment's allocator
+//! hands out and takes back (a dead process's too). Freed granules keep their pages:
+//! the next allocation on that GPU, by any process, reuses populated pages, charged
+//! to whoever touched them first (a memory cgroup's first-touch rule;
+//! `kiwi-sim populate` makes that a process outside the tenants).
+//!
+//! Each process maps each GPU's whole file once ([`window`], at its first use,
+//! never unmapped): an extent of one run of granules is reached there, so memory
+//! the process used before is mapped already (freeing and allocating again costs
+//! no page-table work). An extent in several runs (a fragmented file) gets an
+//! address of its own with the runs mapped side by side. Small allocations
+//! ([`small`]) share granules of this process ("slabs", in 512-byte units).
+//!
+//! A [`Backing`]'s bytes can move while nothing uses them: into host memory of the
+//! process at a checkpoint and back to the GPU at a restore ([`to_host`],
+//! [`to_device`]), into a memfd at the first export of shareable memory
+//! ([`Backing::replace`]). Its host address changes with it; device addresses never
+//! do.
+//!
+//! `KIWI_SIM_PREPARE` (backing prepared ahead for reserved ranges, and a pool of
+//! freed backing) is accepted and does nothing: both made up for private memory
+//! that had to be faulted in fresh, which device memory no longer is.
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
-/// `madvise` advice (Linux 5.14): fault the range in writable now.
-pub const MADV_POPULATE_WRITE: libc::c_int = 23;
+use kiwi_sim_core::machine::MADV_POPULATE_WRITE;
+use kiwi_sim_core::{Machine, GRANULARITY};
 
-/// Most bytes the pool of freed backing keeps; beyond it freed backing goes back to
-/// the kernel.
-const POOL_MAX_BYTES: usize = 4 << 30;
-/// Most bytes prepared ahead (with the pool's): host memory each process may hold
-/// for memory it has not allocated yet (an application's own reservations can be
-/// far larger than what it maps: PyTorch's expandable segments).
-const PREPARE_MAX: usize = 1 << 30;
-/// Bytes the background thread prepares in one step (the shim's segments are at
-/// most this; a larger allocation is backed fresh).
-const STEP: usize = 64 << 20;
-/// Bytes populated at a time by the preparing thread.
-const PART: usize = 4 << 20;
-/// How long a reservation stays unmapped before backing is prepared for it: most
-/// are mapped at once (an allocation backed on the spot), and preparing for those
-/// only made the thread populate and give back memory beside the application's own
-/// work (a loaded host's hint answers came late: `shim/tests/discard.rs`). A
-/// newcomer waiting for its turn waits far longer.
-const DELAY: Duration = Duration::from_millis(100);
-
-struct State {
-    /// Freed backing stores by length.
-    by_len: BTreeMap<usize, Vec<usize>>,
-    pooled: usize,
-    /// Prepared (populated, unused) ranges: (start, length), each a whole mapping
-    /// or the tail of one.
-    prepared: Vec<(usize, usize)>,
-    ready: usize,
-    /// Bytes reserved (`cuMemAddressReserve`) and never mapped.
-    unmapped: usize,
-    /// When a reservation last raised [`State::unmapped`].
-    raised_at: Option<Instant>,
+/// Where a [`Backing`]'s bytes are.
+enum Place {
+    /// Granules of the GPU's file, as runs `(first granule, granules)`; `own` when
+    /// they are mapped at an address of their own (several runs), not in the
+    /// process's window of the file.
+    File { runs: Vec<(u64, u64)>, own: bool },
+    /// A mapping of this process's own (unmapped when dropped): host memory of a
+    /// checkpointed process (`checkpointed`), or a memfd's shared mapping
+    /// (shareable memory exported or imported).
+    Mapped { checkpointed: bool },
+    /// Managed memory: a private mapping at its device address inside the device
+    /// window, made `PROT_NONE` again when dropped.
+    Window,
 }
 
-static STATE: Mutex<State> = Mutex::new(State {
-    by_len: BTreeMap::new(),
-    pooled: 0,
-    prepared: Vec::new(),
-    ready: 0,
-    unmapped: 0,
-    raised_at: None,
-});
-static WORK: Condvar = Condvar::new();
-/// Whether preparing ahead is on (the driver's `KIWI_SIM_PREPARE`).
-static ON: AtomicBool = AtomicBool::new(false);
-/// The process whose preparing thread runs (a forked child starts its own).
-static THREAD_PID: AtomicU32 = AtomicU32::new(0);
-
-fn state() -> MutexGuard<'static, State> {
-    STATE.lock().unwrap_or_else(|e| e.into_inner())
+/// The bytes behind device memory: one physical allocation's, or a slab shared by
+/// small ones.
+pub struct Backing {
+    pub gpu: u32,
+    pub len: usize,
+    host: AtomicPtr<u8>,
+    place: Mutex<Place>,
 }
 
-/// Turns preparing ahead on or off (at driver start).
-pub fn set_prepare(on: bool) {
-    ON.store(on, Ordering::Relaxed);
+/// A slab: one granule of this process's small allocations, in [`UNIT`]s.
+struct Slab {
+    backing: Arc<Backing>,
+    used: [u64; UNITS / 64],
+    count: usize,
 }
 
-impl State {
-    /// What the background thread should have ready.
-    fn target(&self) -> usize {
-        self.unmapped.min(PREPARE_MAX).saturating_sub(self.pooled)
+/// Allocation unit of a slab (`cuMemAlloc` rounds sizes to it).
+pub const UNIT: u64 = 512;
+const UNITS: usize = (GRANULARITY / UNIT) as usize;
+/// Allocations of at most this many bytes share slabs.
+pub const SMALL_MAX: u64 = GRANULARITY / 2;
+
+struct Store {
+    machine: &'static Machine,
+    /// Per GPU: this process's shared mapping of the whole file (address; 0 if it
+    /// could not be made).
+    windows: Vec<OnceLock<usize>>,
+    slabs: Vec<Mutex<Vec<Slab>>>,
+    /// Every backing in the GPUs' files or checkpointed, by address, for the
+    /// checkpoint.
+    live: Mutex<HashMap<usize, Weak<Backing>>>,
+}
+
+static STORE: OnceLock<Store> = OnceLock::new();
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sets up the store for `machine` (at driver start).
+pub fn init(machine: &'static Machine) {
+    let gpus = machine.gpu_count() as usize;
+    let _ = STORE.set(Store {
+        machine,
+        windows: (0..gpus).map(|_| OnceLock::new()).collect(),
+        slabs: (0..gpus).map(|_| Mutex::new(Vec::new())).collect(),
+        live: Mutex::new(HashMap::new()),
+    });
+}
+
+fn store() -> &'static Store {
+    STORE.get().expect("backing::init runs at driver start")
+}
+
+/// This process's mapping of `gpu`'s whole memory file.
+fn window(gpu: u32) -> Option<*mut u8> {
+    let s = store();
+    let w = *s.windows.get(gpu as usize)?.get_or_init(|| {
+        let Ok((file, len)) = s.machine.mem_file(gpu) else {
+            return 0;
+        };
+        // SAFETY: a new shared mapping of a file we hold open, of its whole length;
+        // only the granules this process is given are ever touched through it.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_NORESERVE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            0
+        } else {
+            p as usize
+        }
+    });
+    (w != 0).then_some(w as *mut u8)
+}
+
+/// Faults `[p, p+len)` in writable now, so copies and kernels do not (pages this
+/// process mapped before cost only a walk of its page tables).
+pub fn populate(p: *mut u8, len: usize) {
+    // SAFETY: advice on a mapping the caller owns; populating never changes bytes.
+    unsafe { libc::madvise(p.cast(), len, MADV_POPULATE_WRITE) };
+}
+
+/// Maps the granule runs of `gpu`'s file: in the process's window when one run,
+/// else side by side at an address of their own. Returns (address, own).
+fn map_runs(gpu: u32, runs: &[(u64, u64)]) -> Option<(*mut u8, bool)> {
+    if let [(first, _)] = runs {
+        // SAFETY: the run lies inside the file, which the window maps whole.
+        return Some((
+            unsafe { window(gpu)?.add((first * GRANULARITY) as usize) },
+            false,
+        ));
     }
-}
-
-/// A fresh private anonymous mapping of `len` bytes, populated writable; `None`
-/// when the kernel refuses it.
-pub fn fresh(len: usize) -> Option<*mut libc::c_void> {
-    fresh_in(len, len)
-}
-
-/// [`fresh`], populated `part` bytes at a time: the kernel holds the process's
-/// memory-map lock while it populates, and the preparing thread must not keep the
-/// application's own faults and mappings waiting behind a long stretch of it.
-fn fresh_in(len: usize, part: usize) -> Option<*mut libc::c_void> {
-    // SAFETY: anonymous private mapping; no existing memory is affected.
-    let p = unsafe {
+    let (file, _) = store().machine.mem_file(gpu).ok()?;
+    let len = (runs.iter().map(|r| r.1).sum::<u64>() * GRANULARITY) as usize;
+    // SAFETY: reserves fresh address space for the runs; no existing memory moves.
+    let base = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
             len,
-            libc::PROT_READ | libc::PROT_WRITE,
+            libc::PROT_NONE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
             -1,
             0,
         )
     };
-    if p == libc::MAP_FAILED {
+    if base == libc::MAP_FAILED {
         return None;
     }
-    for at in (0..len).step_by(part.max(4096)) {
-        let n = part.min(len - at);
-        // SAFETY: advice on a part of the mapping just made.
-        if unsafe { libc::madvise((p as *mut u8).add(at).cast(), n, MADV_POPULATE_WRITE) } != 0 {
-            // Kernels before 5.14: touch each page.
-            for off in (at..at + n).step_by(4096) {
-                // SAFETY: a byte of the mapping just made, which nobody else uses.
-                unsafe { std::ptr::write_volatile((p as *mut u8).add(off), 0) };
+    let mut at = 0usize;
+    for &(first, n) in runs {
+        let bytes = (n * GRANULARITY) as usize;
+        // SAFETY: replaces a part of the reservation just made with the run's
+        // granules of the file (held open), inside its length.
+        let p = unsafe {
+            libc::mmap(
+                base.cast::<u8>().add(at).cast(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                file.as_raw_fd(),
+                (first * GRANULARITY) as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            // SAFETY: unmapping the reservation made above, which nothing uses.
+            unsafe { libc::munmap(base, len) };
+            return None;
+        }
+        at += bytes;
+    }
+    Some((base.cast(), true))
+}
+
+impl Backing {
+    /// `granules` of `gpu`'s file for this process, mapped and populated; `None`
+    /// when the file has no room (or the mapping fails).
+    pub fn in_file(gpu: u32, granules: u64) -> Option<Arc<Backing>> {
+        let machine = store().machine;
+        let runs = machine.extent_alloc(gpu, granules).ok()?;
+        let Some((host, own)) = map_runs(gpu, &runs) else {
+            machine.extent_free(gpu, &runs);
+            return None;
+        };
+        let len = (granules * GRANULARITY) as usize;
+        populate(host, len);
+        let b = Arc::new(Backing {
+            gpu,
+            len,
+            host: AtomicPtr::new(host),
+            place: Mutex::new(Place::File { runs, own }),
+        });
+        lock(&store().live).insert(Arc::as_ptr(&b) as usize, Arc::downgrade(&b));
+        Some(b)
+    }
+
+    /// A mapping of `len` bytes at `host` that this backing owns from now on: a
+    /// memfd's shared mapping (imported memory).
+    pub fn mapped(gpu: u32, host: *mut u8, len: usize) -> Arc<Backing> {
+        Arc::new(Backing {
+            gpu,
+            len,
+            host: AtomicPtr::new(host),
+            place: Mutex::new(Place::Mapped {
+                checkpointed: false,
+            }),
+        })
+    }
+
+    /// Managed memory's private mapping at its device address, `len` bytes.
+    pub fn window(gpu: u32, host: *mut u8, len: usize) -> Arc<Backing> {
+        Arc::new(Backing {
+            gpu,
+            len,
+            host: AtomicPtr::new(host),
+            place: Mutex::new(Place::Window),
+        })
+    }
+
+    /// Host address of the first byte (changes only while nothing uses the bytes).
+    pub fn host(&self) -> *mut u8 {
+        self.host.load(Ordering::Acquire)
+    }
+
+    /// Moves the bytes to `host`, a mapping of `len` bytes holding a copy of them
+    /// that this backing owns from now on (a memfd's, at the first export); the
+    /// granules go back to the file. The caller makes sure nothing uses the bytes.
+    pub fn replace(&self, host: *mut u8) {
+        let mut place = lock(&self.place);
+        let old = std::mem::replace(
+            &mut *place,
+            Place::Mapped {
+                checkpointed: false,
+            },
+        );
+        let old_host = self.host.swap(host, Ordering::AcqRel);
+        self.let_go(old, old_host);
+    }
+
+    /// Gives up what `place` held at `host`: granules back to the file, an own
+    /// mapping unmapped.
+    fn let_go(&self, place: Place, host: *mut u8) {
+        match place {
+            Place::File { runs, own } => {
+                if own {
+                    // SAFETY: our own mapping of the runs, which nothing uses now.
+                    unsafe { libc::munmap(host.cast(), self.len) };
+                }
+                store().machine.extent_free(self.gpu, &runs);
+            }
+            Place::Mapped { .. } => {
+                // SAFETY: our own mapping, which nothing uses now.
+                unsafe { libc::munmap(host.cast(), self.len) };
+            }
+            Place::Window => {
+                // SAFETY: turns our own part of the device window back into an
+                // inaccessible reservation (never unmapped: the window stays whole).
+                unsafe {
+                    libc::mmap(
+                        host.cast(),
+                        self.len,
+                        libc::PROT_NONE,
+                        libc::MAP_PRIVATE
+                            | libc::MAP_ANONYMOUS
+                            | libc::MAP_FIXED
+                            | libc::MAP_NORESERVE,
+                        -1,
+                        0,
+                    )
+                };
             }
         }
     }
-    Some(p)
-}
 
-/// Backing for `len` bytes (a multiple of the page size): freed backing of that
-/// length, else prepared backing, else `None` (the caller maps it fresh).
-pub fn take(len: usize) -> Option<*mut libc::c_void> {
-    let mut s = state();
-    if let Some(addr) = s.by_len.get_mut(&len).and_then(|v| v.pop()) {
-        s.pooled -= len;
-        wake(&s);
-        return Some(addr as *mut libc::c_void);
-    }
-    let i = s.prepared.iter().position(|&(_, l)| l >= len)?;
-    let (start, l) = s.prepared[i];
-    if l == len {
-        s.prepared.swap_remove(i);
-    } else {
-        s.prepared[i] = (start + len, l - len);
-    }
-    s.ready -= len;
-    wake(&s);
-    Some(start as *mut libc::c_void)
-}
-
-/// Keeps `ptr` (a private anonymous mapping of `len` bytes) for reuse; `false` if
-/// the pool is full and the caller must unmap it.
-pub fn put(ptr: *mut libc::c_void, len: usize) -> bool {
-    let mut s = state();
-    if s.pooled + len > POOL_MAX_BYTES {
-        return false;
-    }
-    s.pooled += len;
-    s.by_len.entry(len).or_default().push(ptr as usize);
-    wake(&s);
-    true
-}
-
-/// `bytes` more (or fewer, negative) of the address space reserved were never mapped:
-/// a reservation, its release, a first map into it.
-pub fn unmapped(bytes: i64) {
-    let mut s = state();
-    s.unmapped = s.unmapped.saturating_add_signed(bytes as isize);
-    if bytes > 0 {
-        s.raised_at = Some(Instant::now());
-    }
-    wake(&s);
-}
-
-/// Tells the preparing thread the target moved, starting it in this process first.
-fn wake(s: &State) {
-    if !ON.load(Ordering::Relaxed) || s.ready == s.target() {
-        return;
-    }
-    // SAFETY: getpid has no preconditions.
-    let pid = unsafe { libc::getpid() } as u32;
-    if THREAD_PID.swap(pid, Ordering::AcqRel) != pid
-        && std::thread::Builder::new()
-            .name("kiwi-sim-prepare".into())
-            .spawn(prepare_loop)
-            .is_err()
-    {
-        ON.store(false, Ordering::Relaxed);
-    }
-    WORK.notify_one();
-}
-
-/// The preparing thread: populates [`STEP`]s until the target is ready, and gives
-/// back what is past it (a reservation released), never holding the lock while it
-/// populates.
-fn prepare_loop() {
-    // The lowest priority: preparing ahead must never take a core from the
-    // simulated application's own threads (nor delay its answers, on a loaded host).
-    // SAFETY: gettid and setpriority have no preconditions; this thread only.
-    unsafe {
-        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-        libc::setpriority(libc::PRIO_PROCESS, tid, 19);
-    }
-    loop {
-        let mut s = state();
-        // A little past the target is kept (steps are whole 2 MiB pages).
-        while s.ready >= s.target() && s.ready - s.target() < STEP {
-            s = WORK.wait(s).unwrap_or_else(|e| e.into_inner());
+    /// Checkpoint: the bytes move into a private mapping of this process and the
+    /// granules go back to the file. `false` (nothing changed) when host memory
+    /// could not be had.
+    fn move_to_host(&self) -> bool {
+        let mut place = lock(&self.place);
+        if !matches!(*place, Place::File { .. }) {
+            return true;
         }
-        if s.ready > s.target() {
-            // Past it: the last prepared range goes back to the kernel.
-            let (start, len) = s.prepared.pop().expect("ready > 0");
-            s.ready -= len;
-            drop(s);
-            // SAFETY: a prepared range, removed from the list above, used by nobody.
-            unsafe { libc::munmap(start as *mut libc::c_void, len) };
-            continue;
-        }
-        if let Some(young) = s.raised_at.map(|t| t.elapsed()).filter(|&e| e < DELAY) {
-            drop(s);
-            std::thread::sleep(DELAY - young);
-            continue;
-        }
-        let len = STEP.min(s.target() - s.ready).next_multiple_of(2 << 20);
-        drop(s);
-        let Some(p) = fresh_in(len, PART) else {
-            ON.store(false, Ordering::Relaxed);
-            return;
+        // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                self.len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
         };
-        let mut s = state();
-        s.prepared.push((p as usize, len));
-        s.ready += len;
+        if p == libc::MAP_FAILED {
+            return false;
+        }
+        let old_host = self.host();
+        // SAFETY: both ranges are `len` long and distinct; nothing uses the bytes
+        // (the process is locked, its work done).
+        unsafe { kiwi_sim_core::dma::copy(p.cast(), old_host, self.len) };
+        let old = std::mem::replace(&mut *place, Place::Mapped { checkpointed: true });
+        self.host.store(p.cast(), Ordering::Release);
+        self.let_go(old, old_host);
+        true
+    }
+
+    /// Restore: the bytes of a checkpointed backing move back into granules of the
+    /// GPU's file. `false` (nothing changed) when the file has no room.
+    fn move_to_device(&self) -> bool {
+        let mut place = lock(&self.place);
+        if !matches!(*place, Place::Mapped { checkpointed: true }) {
+            return true;
+        }
+        let machine = store().machine;
+        let granules = self.len as u64 / GRANULARITY;
+        let Ok(runs) = machine.extent_alloc(self.gpu, granules) else {
+            return false;
+        };
+        let Some((host, own)) = map_runs(self.gpu, &runs) else {
+            machine.extent_free(self.gpu, &runs);
+            return false;
+        };
+        populate(host, self.len);
+        let old_host = self.host();
+        // SAFETY: both ranges are `len` long and distinct; nothing uses the bytes.
+        unsafe { kiwi_sim_core::dma::copy(host, old_host, self.len) };
+        let old = std::mem::replace(&mut *place, Place::File { runs, own });
+        self.host.store(host, Ordering::Release);
+        self.let_go(old, old_host);
+        true
+    }
+}
+
+impl Drop for Backing {
+    fn drop(&mut self) {
+        if let Some(s) = STORE.get() {
+            lock(&s.live).remove(&(self as *const Backing as usize));
+        }
+        let place = std::mem::replace(
+            self.place.get_mut().unwrap_or_else(|e| e.into_inner()),
+            Place::Mapped {
+                checkpointed: false,
+            },
+        );
+        self.let_go(place, self.host());
+    }
+}
+
+/// Every backing of this process that is in a GPU's file.
+fn live() -> Vec<Arc<Backing>> {
+    lock(&store().live)
+        .values()
+        .filter_map(Weak::upgrade)
+        .collect()
+}
+
+/// Checkpoint: every byte of device memory moves into host memory of this process
+/// and its granules go back to the files, as the driver's checkpoint moves device
+/// memory into host memory. `false` when host memory ran out (what moved stays
+/// moved; a restore brings it back).
+pub fn to_host() -> bool {
+    live().iter().all(|b| b.move_to_host())
+}
+
+/// Restore: every checkpointed byte moves back into the GPUs' files. `false` when a
+/// file has no room (what moved stays; the rest can be tried again).
+pub fn to_device() -> bool {
+    live().iter().all(|b| b.move_to_device())
+}
+
+/// `size` bytes (a multiple of [`UNIT`], at most [`SMALL_MAX`]) in one of this
+/// process's slabs on `gpu`: (the slab, offset).
+pub fn small(gpu: u32, size: u64) -> Option<(Arc<Backing>, u64)> {
+    let units = size.div_ceil(UNIT) as usize;
+    let mut slabs = lock(store().slabs.get(gpu as usize)?);
+    for s in slabs.iter_mut() {
+        if let Some(at) = s.take(units) {
+            return Some((s.backing.clone(), at as u64 * UNIT));
+        }
+    }
+    let backing = Backing::in_file(gpu, 1)?;
+    let mut s = Slab {
+        backing,
+        used: [0; UNITS / 64],
+        count: 0,
+    };
+    let at = s.take(units).expect("a new slab has room");
+    let b = s.backing.clone();
+    slabs.push(s);
+    Some((b, at as u64 * UNIT))
+}
+
+/// Gives back a [`small`] allocation. A slab left empty goes back to the file,
+/// unless it is the only empty one (kept for the next small allocation).
+pub fn small_free(slab: &Arc<Backing>, offset: u64, size: u64) {
+    let Some(slabs) = store().slabs.get(slab.gpu as usize) else {
+        return;
+    };
+    let mut slabs = lock(slabs);
+    let Some(i) = slabs.iter().position(|s| Arc::ptr_eq(&s.backing, slab)) else {
+        return;
+    };
+    let first = (offset / UNIT) as usize;
+    let units = size.div_ceil(UNIT) as usize;
+    slabs[i].give(first, units);
+    if slabs[i].count == 0 && slabs.iter().filter(|s| s.count == 0).count() > 1 {
+        slabs.swap_remove(i);
+    }
+}
+
+impl Slab {
+    fn is_used(&self, u: usize) -> bool {
+        self.used[u / 64] & (1 << (u % 64)) != 0
+    }
+
+    fn set(&mut self, u: usize, on: bool) {
+        if on {
+            self.used[u / 64] |= 1 << (u % 64);
+        } else {
+            self.used[u / 64] &= !(1 << (u % 64));
+        }
+    }
+
+    /// The first free stretch of `units`, taken.
+    fn take(&mut self, units: usize) -> Option<usize> {
+        if UNITS - self.count < units {
+            return None;
+        }
+        let mut start = 0;
+        while start + units <= UNITS {
+            match (start..start + units).find(|&u| self.is_used(u)) {
+                Some(u) => start = u + 1,
+                None => {
+                    for u in start..start + units {
+                        self.set(u, true);
+                    }
+                    self.count += units;
+                    return Some(start);
+                }
+            }
+        }
+        None
+    }
+
+    fn give(&mut self, first: usize, units: usize) {
+        for u in first..(first + units).min(UNITS) {
+            if self.is_used(u) {
+                self.set(u, false);
+                self.count -= 1;
+            }
+        }
     }
 }

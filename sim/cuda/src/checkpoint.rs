@@ -15,10 +15,11 @@
 //! the process is not RUNNING. Lock stops new calls, waits for the calls in progress
 //! to return and then for every context's submitted work (until its timeout); a
 //! checkpoint takes the process's device memory, contexts and modules off the GPU's
-//! capacity in the machine segment (the bytes stay where the simulator keeps them,
-//! the process's own memory, which no call can touch meanwhile) and charges the
-//! modelled time; a restore puts them back (out of memory when they no longer fit)
-//! and leaves the process LOCKED; unlock lets the blocked calls go on.
+//! capacity in the machine segment, moves the bytes out of the GPUs' memory files
+//! into the process's own host memory (as the driver does; no call can touch them
+//! meanwhile) and charges the modelled time; a restore moves them back (out of
+//! memory when they no longer fit) and leaves the process LOCKED; unlock lets the
+//! blocked calls go on.
 
 #![allow(non_snake_case)]
 
@@ -252,6 +253,12 @@ fn checkpoint(d: &'static Driver) -> CUresult {
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     let t0 = Instant::now();
+    // The bytes move into this process's host memory, as the driver's checkpoint
+    // moves them into host memory of the process (its cgroup pays).
+    if !d.mem.to_host() {
+        d.mem.to_device();
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     let saved: Vec<u64> = (0..d.gpus).map(|g| d.machine.own_bytes(g)).collect();
     for (g, &b) in saved.iter().enumerate() {
         if b > 0 {
@@ -285,6 +292,17 @@ fn restore(d: &'static Driver) -> CUresult {
             }
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
+    }
+    if !d.mem.to_device() {
+        // The file has no room for what fits the capacity (fragmented by others'
+        // granule rounding): as out of memory; what moved back goes out again.
+        d.mem.to_host();
+        for (g, &c) in saved.iter().enumerate() {
+            if c > 0 {
+                d.machine.release(g as u32, c);
+            }
+        }
+        return CUDA_ERROR_OUT_OF_MEMORY;
     }
     charge(t0, d.restore_s, d.restore_bps, saved.iter().sum());
     STATE.store(CU_PROCESS_STATE_LOCKED, Ordering::SeqCst);

@@ -99,7 +99,6 @@ fn init_driver() -> Result<Driver, CUresult> {
         })?),
         None => None,
     };
-    crate::backing::set_prepare(cfg.prepare);
     let mem = Memory::new(machine)?;
     // SAFETY: registers a handler that only stores to an atomic (async-signal-safe).
     unsafe { libc::pthread_atfork(None, None, Some(after_fork_in_child)) };

@@ -6,31 +6,24 @@
 //!   reserved `PROT_NONE` (near `0x7000_0000_0000`, 2 TiB): the host can never get
 //!   memory there, and host code that dereferences a device pointer segfaults as it
 //!   would with a real GPU.
-//! - Contents of each physical allocation live in a private anonymous `mmap`
-//!   (`MAP_NORESERVE`), populated when allocated (a real driver commits memory at
-//!   allocation too) so copies and kernels are not slowed by page faults; freed
-//!   backing is pooled by size and reused (up to 4 GiB per process), and backing for
-//!   reserved address ranges not mapped yet is prepared in the background
-//!   (`crate::backing`: a GPU's memory exists before it is allocated). Capacity is
-//!   accounted in the shared machine segment: a physical allocation that does not fit fails with
-//!   `CUDA_ERROR_OUT_OF_MEMORY`, across processes.
+//! - Contents of each physical allocation live in its GPU's memory file, shared by
+//!   every process of the machine (`crate::backing`): a GPU's memory is not the
+//!   allocating process's memory, and pages freed by anyone are reused without page
+//!   faults. Capacity is accounted in the shared machine segment: a physical
+//!   allocation that does not fit fails with `CUDA_ERROR_OUT_OF_MEMORY`, across
+//!   processes.
 //! - `cuMemAlloc` allocations are accounted at their size rounded up to 512 bytes;
 //!   their addresses are 512-byte aligned (2 MiB aligned from 2 MiB up).
 //! - VMM: reserve VA, create physical (2 MiB granularity), map at offset 0, set
 //!   access (required after every map), unmap exactly whole mappings; a physical
 //!   allocation is freed when neither its handle nor any mapping is left.
 //! - Shareable VMM memory (`cuMemCreate` asking for
-//!   `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`) lives in private memory like any
+//!   `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`) lives in its GPU's file like any
 //!   other until its first `cuMemExportToShareableHandle`, which moves its bytes into
-//!   a `memfd` mapped shared at the same address (waiting for the copies and kernels
-//!   touching it to finish their part, holding new ones off meanwhile) and hands out
-//!   a duplicate of that fd. Another process that received it (`SCM_RIGHTS`) imports
+//!   a `memfd` (waiting for the copies and kernels touching it to finish their part,
+//!   holding new ones off meanwhile) and hands out a duplicate of that fd. Another process that received it (`SCM_RIGHTS`) imports
 //!   it with `cuMemImportFromShareableHandle` and maps the same bytes. The capacity
 //!   stays accounted to the exporter (as a real GPU counts an allocation once).
-//!   Faulting in a memfd's pages costs this kind of host ~1.7 times what private
-//!   pages cost; every allocation of the Kiwi shim asks for the shareable type, so
-//!   backing it with a memfd from the start made a start-up filling 1 GiB ~0.3 s
-//!   slower than without the shim, a cost no GPU has.
 
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -40,6 +33,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use kiwi_sim_core::{Machine, MachineError, GRANULARITY};
 
 use crate::abi::*;
+use crate::backing::Backing;
 
 /// Preferred start of the device address window.
 pub const VA_HINT: u64 = 0x7000_0000_0000;
@@ -77,17 +71,16 @@ fn reserve(machine: &Machine, gpu: u32, size: u64) -> Result<(), CUresult> {
 pub struct Phys {
     pub gpu: u32,
     pub size: u64,
-    host: *mut u8,
-    map_len: usize,
+    /// Where the bytes are: from `offset` of this backing on.
+    backing: Arc<Backing>,
+    offset: u64,
+    /// A small allocation in one of the process's slabs (`crate::backing::small`).
+    small: bool,
     machine: &'static Machine,
-    /// Managed memory: the host mapping sits at the device address, inside the
-    /// device window, and goes back to `PROT_NONE` when freed.
-    in_window: bool,
     /// Created asking for the POSIX fd handle type (or imported): exportable.
     shareable: bool,
-    /// The memfd holding the bytes, mapped shared at `host`: imported memory's from
-    /// the start; this process's own shareable memory's from its first export
-    /// ([`Phys::share`]; see the module docs for why not before).
+    /// The memfd holding the bytes: imported memory's from the start; this
+    /// process's own shareable memory's from its first export ([`Phys::share`]).
     fd: std::sync::OnceLock<OwnedFd>,
     /// Shareable memory: pieces alive (low bits) and the move's flags
     /// ([`MOVE_PENDING`], [`MOVE_RUNNING`]).
@@ -108,15 +101,11 @@ pub const MANAGED_BLOCK: u64 = 2 << 20;
 /// [`Phys::blocks`]: a block on the host.
 const ON_HOST: u8 = u8::MAX;
 
-// SAFETY: `host` is a private mapping owned by this Phys; concurrent access to the
-// bytes is the simulated program's business, as on a GPU.
-unsafe impl Send for Phys {}
-// SAFETY: as above.
-unsafe impl Sync for Phys {}
-
 impl Phys {
-    /// Accounts `size` bytes on `gpu` and allocates their backing store, private
-    /// memory (moved into a memfd when first exported, if `shareable`).
+    /// Accounts `size` bytes on `gpu` and takes their place in the GPU's memory file
+    /// (moved into a memfd when first exported, if `shareable`). Allocations of at
+    /// most [`crate::backing::SMALL_MAX`] share the process's slabs (never
+    /// shareable ones: they are `cuMemCreate`'s, whole granules).
     pub fn new(
         machine: &'static Machine,
         gpu: u32,
@@ -124,22 +113,23 @@ impl Phys {
         shareable: bool,
     ) -> Result<Arc<Phys>, CUresult> {
         reserve(machine, gpu, size)?;
-        let map_len = (size.max(1) as usize).next_multiple_of(4096);
-        // Freed or prepared backing (`crate::backing`), else fresh.
-        let p = crate::backing::take(map_len)
-            .or_else(|| crate::backing::fresh(map_len))
-            .unwrap_or(libc::MAP_FAILED);
-        if p == libc::MAP_FAILED {
+        let small = !shareable && size <= crate::backing::SMALL_MAX;
+        let placed = if small {
+            crate::backing::small(gpu, size)
+        } else {
+            Backing::in_file(gpu, size.max(1).div_ceil(GRANULARITY)).map(|b| (b, 0))
+        };
+        let Some((backing, offset)) = placed else {
             machine.release(gpu, size);
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
-        }
+        };
         Ok(Arc::new(Phys {
             gpu,
             size,
-            host: p.cast(),
-            map_len,
+            backing,
+            offset,
+            small,
             machine,
-            in_window: false,
             shareable,
             fd: Default::default(),
             users: AtomicU64::new(0),
@@ -198,32 +188,21 @@ impl Phys {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let host = Self::map_shared(&fd, size).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
-        Ok(Self::imported(machine, gpu, size, host, fd))
-    }
-
-    /// Memory another process exported, mapped at `host` from its memfd (the exporter
-    /// accounts it).
-    fn imported(
-        machine: &'static Machine,
-        gpu: u32,
-        size: u64,
-        host: *mut u8,
-        fd: OwnedFd,
-    ) -> Arc<Phys> {
-        Arc::new(Phys {
+        // The exporter accounts it.
+        Ok(Arc::new(Phys {
             gpu,
             size,
-            host,
-            map_len: size as usize,
+            backing: Backing::mapped(gpu, host, size as usize),
+            offset: 0,
+            small: false,
             machine,
-            in_window: false,
             shareable: true,
             fd: fd.into(),
             users: AtomicU64::new(0),
             moving: Mutex::new(()),
             accounted: false,
             blocks: None,
-        })
+        }))
     }
 
     /// Maps all of `fd` shared, its pages populated writable. `MAP_POPULATE` alone
@@ -247,7 +226,7 @@ impl Phys {
             return None;
         }
         // SAFETY: advice on the mapping just made.
-        if unsafe { libc::madvise(p, len, crate::backing::MADV_POPULATE_WRITE) } != 0 {
+        if unsafe { libc::madvise(p, len, kiwi_sim_core::machine::MADV_POPULATE_WRITE) } != 0 {
             // Kernels before 5.14 refuse it (EINVAL): populate read-only, mapping the
             // file again over the same range.
             // SAFETY: replaces exactly the mapping made above, of the same file.
@@ -321,29 +300,16 @@ impl Phys {
         Ok(self.fd.get_or_init(|| fd))
     }
 
-    /// Copies the bytes into a new memfd and maps it over the private mapping.
+    /// Copies the bytes into a new memfd and moves the backing there (its granules
+    /// go back to the GPU's file).
     fn move_to_memfd(&self) -> Result<OwnedFd, CUresult> {
-        let fd = Self::memfd(self.machine, self.gpu, self.map_len as u64)?;
-        let tmp = Self::map_shared(&fd, self.map_len as u64).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
-        // SAFETY: both mappings are map_len long and distinct; no piece of this
-        // memory is alive, so nothing writes `host` meanwhile (see `share`).
-        unsafe { kiwi_sim_core::dma::copy(tmp, self.host, self.map_len) };
-        // SAFETY: moves our own new mapping onto the range of our own private one,
-        // which MREMAP_FIXED unmaps in the same step (the address stays mapped).
-        let at = unsafe {
-            libc::mremap(
-                tmp.cast(),
-                self.map_len,
-                self.map_len,
-                libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
-                self.host.cast::<libc::c_void>(),
-            )
-        };
-        if at != self.host.cast() {
-            // SAFETY: the new mapping is still ours alone (the move failed).
-            unsafe { libc::munmap(tmp.cast(), self.map_len) };
-            return Err(CUDA_ERROR_OUT_OF_MEMORY);
-        }
+        let len = self.backing.len;
+        let fd = Self::memfd(self.machine, self.gpu, len as u64)?;
+        let tmp = Self::map_shared(&fd, len as u64).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        // SAFETY: both mappings are `len` long and distinct; no piece of this memory
+        // is alive, so nothing writes it meanwhile (see `share`).
+        unsafe { kiwi_sim_core::dma::copy(tmp, self.backing.host(), len) };
+        self.backing.replace(tmp);
         Ok(fd)
     }
 
@@ -406,10 +372,10 @@ impl Phys {
         Ok(Arc::new(Phys {
             gpu,
             size,
-            host: p.cast(),
-            map_len,
+            backing: Backing::window(gpu, p.cast(), map_len),
+            offset: 0,
+            small: false,
             machine,
-            in_window: true,
             shareable: false,
             fd: Default::default(),
             users: AtomicU64::new(0),
@@ -461,30 +427,16 @@ impl Phys {
     /// Host address of byte `offset`.
     pub fn host_ptr(&self, offset: u64) -> *mut u8 {
         debug_assert!(offset <= self.size);
-        // SAFETY: offset is within the mapping (callers resolve ranges first).
-        unsafe { self.host.add(offset as usize) }
+        // SAFETY: offset is within the allocation, which lies inside its backing's
+        // mapping (callers resolve ranges first).
+        unsafe { self.backing.host().add((self.offset + offset) as usize) }
     }
 }
 
 impl Drop for Phys {
     fn drop(&mut self) {
-        if self.in_window {
-            // SAFETY: turns our own part of the device window back into an
-            // inaccessible reservation (never unmapped: the window stays whole).
-            unsafe {
-                libc::mmap(
-                    self.host.cast(),
-                    self.map_len,
-                    libc::PROT_NONE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
-                    -1,
-                    0,
-                )
-            };
-        } else if self.fd.get().is_some() || !crate::backing::put(self.host.cast(), self.map_len) {
-            // Memory in a memfd is never reused: another process may map it.
-            // SAFETY: unmapping our own mapping; no references to it outlive self.
-            unsafe { libc::munmap(self.host.cast(), self.map_len) };
+        if self.small {
+            crate::backing::small_free(&self.backing, self.offset, self.size);
         }
         if self.accounted {
             self.machine.release(self.gpu, self.size);
@@ -537,10 +489,6 @@ enum RegionKind {
 struct Region {
     size: u64,
     kind: RegionKind,
-    /// Of a reservation, the bytes never mapped yet: what backing is prepared ahead
-    /// for (`crate::backing`). A range unmapped again (a swap-out) is not counted:
-    /// its freed backing is pooled for its return.
-    fresh: u64,
 }
 
 /// A piece of a resolved device range.
@@ -623,6 +571,7 @@ impl Memory {
         if p == libc::MAP_FAILED {
             return Err(CUDA_ERROR_OPERATING_SYSTEM);
         }
+        crate::backing::init(machine);
         // Start on a 2 MiB boundary and keep address 0 impossible.
         let base = round_up(p as u64, GRANULARITY);
         let len = VA_LEN - (base - p as u64);
@@ -726,7 +675,6 @@ impl Memory {
                     owner,
                     managed: false,
                 },
-                fresh: 0,
             },
         );
         Ok(at)
@@ -781,7 +729,6 @@ impl Memory {
                     owner,
                     managed: true,
                 },
-                fresh: 0,
             },
         );
         Ok(at)
@@ -874,6 +821,19 @@ impl Memory {
                 .any(|p| shared(p))
     }
 
+    /// Checkpoint: every byte of this process's device memory moves into its host
+    /// memory, the GPUs' files get their granules back (`false`: host memory ran
+    /// out).
+    pub fn to_host(&self) -> bool {
+        crate::backing::to_host()
+    }
+
+    /// Restore: the checkpointed bytes move back into the GPUs' files (`false`: a
+    /// file had no room).
+    pub fn to_device(&self) -> bool {
+        crate::backing::to_device()
+    }
+
     /// Frees every `cuMemAlloc` allocation owned by context `owner` (context destroy).
     pub fn free_owned_by(&self, owner: usize) {
         let mut va = self.write();
@@ -937,10 +897,8 @@ impl Memory {
                 kind: RegionKind::Reserved {
                     mappings: BTreeMap::new(),
                 },
-                fresh: size,
             },
         );
-        crate::backing::unmapped(size as i64);
         Ok(at)
     }
 
@@ -959,9 +917,8 @@ impl Memory {
             }
             _ => return Err(CUDA_ERROR_INVALID_VALUE),
         }
-        let fresh = va.regions.remove(&ptr).map_or(0, |r| r.fresh);
+        va.regions.remove(&ptr);
         Self::va_free(&mut va, ptr, size);
-        crate::backing::unmapped(-(fresh as i64));
         Ok(())
     }
 
@@ -1051,7 +1008,6 @@ impl Memory {
         let RegionKind::Reserved { mappings } = &mut region.kind else {
             return Err(CUDA_ERROR_INVALID_VALUE);
         };
-        let was_fresh = size.min(region.fresh);
         // No overlap with an existing mapping.
         if let Some((&ms, m)) = mappings.range(..ptr + size).next_back() {
             if ms + m.size > ptr {
@@ -1066,9 +1022,7 @@ impl Memory {
                 access: vec![Access::None; self.gpus as usize],
             },
         );
-        region.fresh -= was_fresh;
         drop(va);
-        crate::backing::unmapped(-(was_fresh as i64));
         Ok(())
     }
 

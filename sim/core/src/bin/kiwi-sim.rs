@@ -5,6 +5,8 @@
 //! kiwi-sim status [--name N] [--json]       capacity/use per GPU, processes, faults
 //! kiwi-sim fault --gpu G (--xid X [--lost] | --lost | --clear) [--name N]
 //! kiwi-sim reset [--name N]                 remove the machine's shared segment
+//! kiwi-sim populate [--name N] [--gpu G]    fault in each GPU's memory file up to
+//!                                           its capacity, from this process
 //! ```
 //! The machine is `--name`, else `KIWI_SIM_NAME`, else `default`.
 
@@ -13,7 +15,7 @@ use kiwi_sim_core::machine::{reset, Machine};
 use kiwi_sim_core::{ident, install_sim_dir, profile_dir_of_current_exe, SimConfig};
 use std::path::PathBuf;
 
-const USAGE: &str = "usage: kiwi-sim install-dir [--profile-dir DIR] | status [--name N] [--json] | fault --gpu G (--xid X [--lost] | --lost | --clear) [--name N] | reset [--name N]";
+const USAGE: &str = "usage: kiwi-sim install-dir [--profile-dir DIR] | status [--name N] [--json] | fault --gpu G (--xid X [--lost] | --lost | --clear) [--name N] | reset [--name N] | populate [--name N] [--gpu G]";
 
 struct Args {
     rest: Vec<String>,
@@ -133,7 +135,47 @@ fn run() -> Result<()> {
                 println!("no simulated machine named {name}");
             }
         }
+        "populate" => {
+            let name = a.name()?;
+            let gpu: Option<u32> = a
+                .value("--gpu")?
+                .map(|g| g.parse().context("--gpu must be a GPU index"))
+                .transpose()?;
+            a.done()?;
+            populate(&name, gpu)?;
+        }
         other => bail!("unknown command {other:?}; {USAGE}"),
+    }
+    Ok(())
+}
+
+/// Populates the memory files of machine `name` (created from the environment's
+/// knobs, as the first CUDA program would, when nobody has yet).
+fn populate(name: &str, gpu: Option<u32>) -> Result<()> {
+    let m = match Machine::open_existing(name)? {
+        Some(m) => m,
+        None => {
+            let mut cfg = SimConfig::from_env()?;
+            cfg.name = name.to_string();
+            Machine::open(&cfg)?
+        }
+    };
+    let gpus = match gpu {
+        Some(g) if g >= m.gpu_count() => {
+            bail!(
+                "simulated GPU {g} does not exist (the machine has {})",
+                m.gpu_count()
+            )
+        }
+        Some(g) => g..g + 1,
+        None => 0..m.gpu_count(),
+    };
+    for g in gpus {
+        let bytes = m.populate(g)?;
+        println!(
+            "populated {:.1} MiB of simulated GPU {g} of {name}",
+            bytes as f64 / (1u64 << 20) as f64
+        );
     }
     Ok(())
 }
