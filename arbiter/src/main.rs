@@ -52,6 +52,17 @@ struct Args {
     /// past it is refused the allocation. 0 or absent: unlimited.
     #[arg(long, value_name = "SIZE", allow_hyphen_values = true)]
     swap_budget: Option<String>,
+    /// The node's swap pool (config: [arbiter] swap_pool): host memory the arbiter
+    /// owns, populates ahead and lends to clients for their swap-outs, so a pod's
+    /// memory limit never pays for its GPU's idle memory. auto (half the host's
+    /// available memory), off (clients swap into their own memory), or a size; its
+    /// size bounds the swap budget too.
+    #[arg(long, value_name = "auto|off|SIZE")]
+    swap_pool: Option<String>,
+    /// Bytes of the swap pool populated at start and kept ready (config: [arbiter]
+    /// swap_pool_floor_mib; default 0: populated ahead as working sets grow).
+    #[arg(long, value_name = "SIZE")]
+    swap_pool_floor: Option<String>,
     /// Where to learn each GPU's UUID and memory (config: [arbiter] nvml): auto
     /// (libnvidia-ml.so.1 if it loads), off (a GPU's first registration sets its size),
     /// or the path of an NVML library, which must load. With NVML, registrations for
@@ -128,6 +139,7 @@ fn run() -> Result<()> {
             })?,
         },
     };
+    let swap_pool = swap_pool(&args, &cfg)?;
     // Parsed here rather than by clap, so a bad value is one line, like other errors.
     let idle_evict_s = match args.idle_evict_seconds.as_deref() {
         Some(s) => kiwi_config::parse_idle_evict_arg(s)
@@ -174,6 +186,7 @@ fn run() -> Result<()> {
         used_memory: loaded.used,
         startup_lines: vec![loaded.line, checkpoint_line],
         checkpointer,
+        swap_pool,
         ..ServerConfig::default()
     };
     // Each limit: the flag, then the config key, then the arbiter's default; 0 is
@@ -261,4 +274,37 @@ fn positive<T: PartialEq + From<u8>>(flag: &str, v: Option<T>) -> Result<Option<
         anyhow::bail!("{flag} must be at least 1");
     }
     Ok(v)
+}
+
+/// The swap pool's settings: the flag, else the config key; `None` when off.
+fn swap_pool(args: &Args, cfg: &Config) -> Result<Option<kiwi_arbiter::pool::PoolConfig>> {
+    let setting = args.swap_pool.as_deref().unwrap_or(&cfg.arbiter.swap_pool);
+    let size = match setting {
+        "off" => return Ok(None),
+        "auto" => kiwi_arbiter::pool::default_size(),
+        s => kiwi_config::parse_size(s).map_err(|e| {
+            anyhow::anyhow!(
+                "--swap-pool (or [arbiter] swap_pool) {s:?}: {e}; use auto, off or a size"
+            )
+        })?,
+    };
+    if size == 0 {
+        anyhow::bail!("--swap-pool (or [arbiter] swap_pool) is 0; use off to turn the pool off");
+    }
+    let floor = match args.swap_pool_floor.as_deref() {
+        Some(s) => {
+            kiwi_config::parse_size(s).map_err(|e| anyhow::anyhow!("--swap-pool-floor: {e}"))?
+        }
+        None => cfg
+            .arbiter
+            .swap_pool_floor_mib
+            .unwrap_or(0)
+            .checked_mul(1 << 20)
+            .context("[arbiter] swap_pool_floor_mib is too large (bytes overflow 64 bits)")?,
+    };
+    Ok(Some(kiwi_arbiter::pool::PoolConfig {
+        size,
+        floor: floor.min(size),
+        ..kiwi_arbiter::pool::PoolConfig::new(size)
+    }))
 }

@@ -28,6 +28,11 @@ struct SwapLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolLabels {
+    state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     reason: String,
 }
@@ -53,6 +58,18 @@ pub struct NodeSwap {
     pub need_bytes: u64,
     /// Σ over clients of working set − resident.
     pub in_use_bytes: u64,
+    /// The swap pool, when there is one.
+    pub pool: Option<PoolFigures>,
+}
+
+/// The swap pool's figures ([`crate::pool::PoolStats`]), exported at each scrape.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolFigures {
+    pub size: u64,
+    pub populated: u64,
+    pub ready: u64,
+    pub lent: u64,
+    pub scrubbing: u64,
 }
 type FCounter = Counter<f64, AtomicU64>;
 
@@ -87,6 +104,7 @@ pub struct ArbiterMetrics {
     swap_budget: Gauge,
     swap_need: Gauge,
     swap_in_use: Gauge,
+    swap_pool: Family<PoolLabels, Gauge>,
     admissions_refused: Counter,
     disconnects: Family<ReasonLabels, Counter>,
     /// Per GPU: when the GPU was last given back, to time the next hand-off.
@@ -146,6 +164,7 @@ impl ArbiterMetrics {
             swap_in_use: Gauge::default(),
             admissions_refused: Counter::default(),
             disconnects: Family::default(),
+            swap_pool: Family::default(),
             last_release_ns: HashMap::new(),
             last_exclusive: HashMap::new(),
             registry: Registry::default(),
@@ -263,6 +282,11 @@ impl ArbiterMetrics {
             "swap_budget_bytes",
             "Host RAM the node lends as GPU swap, over all GPUs (0: unlimited)",
             m.swap_budget.clone(),
+        );
+        registry.register(
+            "swap_pool_bytes",
+            "The node's swap pool by state: size, populated, ready (populated, not lent), lent, scrubbing (returned, not scrubbed yet)",
+            m.swap_pool.clone(),
         );
         registry.register(
             "swap_need_bytes",
@@ -432,6 +456,22 @@ impl ArbiterMetrics {
         self.swap_budget.set(clamp(swap.budget_bytes.unwrap_or(0)));
         self.swap_need.set(clamp(swap.need_bytes));
         self.swap_in_use.set(clamp(swap.in_use_bytes));
+        self.swap_pool.clear();
+        if let Some(p) = swap.pool {
+            for (state, v) in [
+                ("size", p.size),
+                ("populated", p.populated),
+                ("ready", p.ready),
+                ("lent", p.lent),
+                ("scrubbing", p.scrubbing),
+            ] {
+                self.swap_pool
+                    .get_or_create(&PoolLabels {
+                        state: state.into(),
+                    })
+                    .set(clamp(v));
+            }
+        }
         for f in [
             &self.holder,
             &self.holders,
@@ -524,9 +564,22 @@ mod tests {
                 budget_bytes: Some(100 << 20),
                 need_bytes: 54 << 20,
                 in_use_bytes: 950 << 20,
+                pool: Some(PoolFigures {
+                    size: 8 << 30,
+                    lent: 3 << 20,
+                    ..PoolFigures::default()
+                }),
             },
         );
         assert!(out.contains("kiwi_swap_budget_bytes 104857600"), "{out}");
+        assert!(
+            out.contains("kiwi_swap_pool_bytes{state=\"size\"} 8589934592"),
+            "{out}"
+        );
+        assert!(
+            out.contains("kiwi_swap_pool_bytes{state=\"lent\"} 3145728"),
+            "{out}"
+        );
         assert!(out.contains("kiwi_swap_need_bytes 56623104"), "{out}");
         assert!(out.contains("kiwi_swap_in_use_bytes 996147200"), "{out}");
         assert!(

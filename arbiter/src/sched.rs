@@ -503,6 +503,22 @@ impl GpuScheduler {
             .saturating_sub(self.room())
     }
 
+    /// Bytes of working sets whose swap-outs the pool should be ready for: every
+    /// client's when the GPU is shared (anyone may be asked for it), else none.
+    pub fn shared_working_sets(&self) -> u64 {
+        if self.clients.len() < 2 {
+            return 0;
+        }
+        self.working_sets()
+    }
+
+    /// Client `id`'s working set as last reported or admitted (0: not registered here).
+    pub fn working_set_of(&self, id: ClientId) -> u64 {
+        self.clients
+            .get(&id)
+            .map_or(0, |c| c.usage.working_set_bytes)
+    }
+
     /// Bytes swapped out to host memory now, over all clients (working set − resident).
     pub fn swapped_bytes(&self) -> u64 {
         self.clients

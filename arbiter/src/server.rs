@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use anyhow::Context as _;
 use kiwi_config::SchedulerMode;
 use kiwi_protocol::frame::{decode_payload, encode_into};
 use kiwi_protocol::{
@@ -100,6 +101,11 @@ pub struct ServerConfig {
     /// The driver's checkpoint API, when it can be used here: idle clients' whole
     /// processes may then be checkpointed to make room (see [`checkpoints`]).
     pub checkpointer: Option<Arc<dyn crate::checkpoint::Checkpointer>>,
+    /// The node's swap pool (`[arbiter] swap_pool`): host memory the arbiter owns and
+    /// lends to clients for their swap-outs ([`crate::pool`]); its size is then the
+    /// swap budget too (the smaller of both). `None`: clients swap into their own
+    /// memory.
+    pub swap_pool: Option<crate::pool::PoolConfig>,
 }
 
 impl Default for ServerConfig {
@@ -127,6 +133,7 @@ impl Default for ServerConfig {
             used_memory: None,
             socket_dir: None,
             checkpointer: None,
+            swap_pool: None,
         }
     }
 }
@@ -451,6 +458,7 @@ impl Peer {
 // After the logging macros, which it uses.
 mod checkpoints;
 mod containers;
+mod pool;
 
 struct ClientConn {
     peer: Arc<Peer>,
@@ -632,6 +640,7 @@ impl State {
             budget_bytes: self.cfg.swap_budget_bytes,
             need_bytes: swap::node_swap_need(scheds()),
             in_use_bytes: swap::node_swapped_bytes(scheds()),
+            pool: None,
         }
     }
 
@@ -661,6 +670,8 @@ struct Shared {
     stop: watch::Receiver<bool>,
     /// The container sockets being served, by key.
     containers: Mutex<HashMap<String, containers::Served>>,
+    /// The node's swap pool, when configured.
+    pool: Option<Arc<crate::pool::Pool>>,
 }
 
 /// The per-connection limits, fixed at start.
@@ -790,7 +801,7 @@ impl Shared {
 /// Serves until `shutdown` resolves. The caller binds the listeners (so tests can
 /// inject them) and removes the socket files afterwards.
 pub async fn serve(
-    cfg: ServerConfig,
+    mut cfg: ServerConfig,
     client_listener: UnixListener,
     control_listener: UnixListener,
     metrics_listener: Option<tokio::net::TcpListener>,
@@ -830,6 +841,23 @@ pub async fn serve(
         cfg.event_log_max_bytes >> 20,
         cfg.max_hint_wait_ms
     );
+    let pool = match cfg.swap_pool {
+        Some(p) => {
+            let pool = crate::pool::Pool::start(p).context("cannot start the node's swap pool")?;
+            let s = pool.stats();
+            cfg.swap_budget_bytes = Some(cfg.swap_budget_bytes.map_or(s.size, |b| b.min(s.size)));
+            log_line!(
+                "INFO",
+                "swap pool: {} MiB of host memory lent to clients for their swap-outs ({} pages, {} MiB populated at start), swap budget {} MiB",
+                s.size >> 20,
+                s.page_mode,
+                s.floor >> 20,
+                cfg.swap_budget_bytes.unwrap_or(0) >> 20
+            );
+            Some(pool)
+        }
+        None => None,
+    };
     let (stop_tx, stop_rx) = watch::channel(false);
     let limit = Arc::new(Semaphore::new(max_connections));
     let (checkpoint_tx, checkpoint_rx) = match &cfg.checkpointer {
@@ -844,6 +872,7 @@ pub async fn serve(
         conn_limit_total: max_connections,
         stop: stop_rx.clone(),
         containers: Mutex::new(HashMap::new()),
+        pool: pool.clone(),
         groups: Mutex::new(HashMap::new()),
         partial: FrameBudget {
             used: AtomicUsize::new(0),
@@ -880,6 +909,9 @@ pub async fn serve(
         ))),
         _ => None,
     };
+    let pool_wanted = pool
+        .clone()
+        .map(|p| tokio::spawn(pool::run_wanted(shared.clone(), p, stop_rx.clone())));
     let clients = tokio::spawn(accept_clients(
         shared.clone(),
         client_listener,
@@ -894,9 +926,20 @@ pub async fn serve(
     let metrics = metrics_listener.map(|l| {
         let s = shared.clone();
         let render: kiwi_metrics::Render = Arc::new(move || {
+            let pool = s.pool.as_ref().map(|p| {
+                let p = p.stats();
+                crate::metrics::PoolFigures {
+                    size: p.size,
+                    populated: p.populated,
+                    ready: p.ready,
+                    lent: p.lent,
+                    scrubbing: p.scrubbing,
+                }
+            });
             let st = s.lock();
-            st.metrics
-                .render(&st.gpu_statuses(monotonic_ns()), &st.node_swap())
+            let mut swap = st.node_swap();
+            swap.pool = pool;
+            st.metrics.render(&st.gpu_statuses(monotonic_ns()), &swap)
         });
         let mut stop = stop_rx.clone();
         tokio::spawn(kiwi_metrics::serve(l, render, async move {
@@ -917,6 +960,12 @@ pub async fn serve(
     containers::stop_all(&shared).await;
     if let Some(m) = metrics {
         let _ = m.await;
+    }
+    if let Some(w) = pool_wanted {
+        let _ = w.await;
+    }
+    if let Some(p) = pool {
+        p.shutdown();
     }
     Ok(())
 }
@@ -1191,6 +1240,7 @@ async fn client_connection(
 ) {
     let host_pid = cred.and_then(|c| c.pid()).unwrap_or(0).max(0) as u32;
     let tenant: Tenant = Arc::from(origin.group(cred));
+    let tenant_of_pool = tenant.clone();
     let stream = Arc::new(stream);
     let peer = Arc::new(Peer::new(stream.clone()));
     let id = {
@@ -1227,6 +1277,8 @@ async fn client_connection(
     // This connection's share of the node's budget for partly received frames.
     let mut charged = 0usize;
     let mut closed = Closed::ByClient;
+    // A `pool_open` as the first message makes this a pool connection.
+    let mut pool_conn = false;
     'conn: loop {
         if peer.closing.load(Ordering::Relaxed) {
             break;
@@ -1283,6 +1335,20 @@ async fn client_connection(
                             code: ErrorCode::RateLimited,
                             message: "too many messages; slow down".into(),
                         });
+                        break 'conn;
+                    }
+                    if matches!(msg, ClientMsg::PoolOpen) {
+                        if my_gpu.is_none() && shared.pool.is_some() {
+                            pool_conn = true;
+                            break 'conn;
+                        }
+                        closed = Closed::Refused;
+                        let message = if shared.pool.is_none() {
+                            "this node has no swap pool (kiwi-arbiter --swap-pool off)"
+                        } else {
+                            "pool_open must be a connection's first message"
+                        };
+                        peer.send(&ArbiterMsg::Error { code: ErrorCode::InvalidArgument, message: message.into() });
                         break 'conn;
                     }
                     let registering = matches!(msg, ClientMsg::Register(_));
@@ -1353,6 +1419,25 @@ async fn client_connection(
                 break;
             }
         }
+    }
+    if pool_conn {
+        shared.partial.charge(&mut charged, 0);
+        shared.lock().clients.remove(&id);
+        if let Some(p) = shared.pool.clone() {
+            pool::serve(
+                shared.clone(),
+                p,
+                stream,
+                decoder,
+                id,
+                host_pid,
+                tenant_of_pool,
+                rate,
+                stop,
+            )
+            .await;
+        }
+        return;
     }
     if closed == Closed::ByClient && peer.closing.load(Ordering::Relaxed) {
         closed = if peer.unread.load(Ordering::Relaxed) {
@@ -1579,6 +1664,14 @@ fn handle_client_msg(
             }
             (uuid, outs)
         }
+        (ClientMsg::PoolOpen | ClientMsg::PoolTake { .. } | ClientMsg::PoolGive { .. }, _) => {
+            peer.send(&ArbiterMsg::Error {
+                code: ErrorCode::InvalidArgument,
+                message: "swap pool messages belong on a pool connection (opened with pool_open)"
+                    .into(),
+            });
+            return true;
+        }
         (ClientMsg::Register(_), Some(_)) => {
             peer.send(&ArbiterMsg::Error {
                 code: ErrorCode::AlreadyRegistered,
@@ -1648,9 +1741,12 @@ fn handle_client_msg(
                 } => s.swapped(now, id, direction, bytes, duration_ns),
                 ClientMsg::Drained => s.drained(now, id),
                 ClientMsg::NoRoom { missing_bytes } => s.no_room(now, id, missing_bytes, || used),
-                ClientMsg::Register(_) | ClientMsg::Ping { .. } | ClientMsg::Admit { .. } => {
-                    Vec::new()
-                }
+                ClientMsg::Register(_)
+                | ClientMsg::Ping { .. }
+                | ClientMsg::Admit { .. }
+                | ClientMsg::PoolOpen
+                | ClientMsg::PoolTake { .. }
+                | ClientMsg::PoolGive { .. } => Vec::new(),
             };
             (uuid, outs)
         }
@@ -1927,6 +2023,7 @@ fn handle_control(shared: &Arc<Shared>, req: ControlRequest, who: &str) -> Contr
                     swap_budget_bytes: swap.budget_bytes,
                     swap_need_bytes: swap.need_bytes,
                     swap_in_use_bytes: swap.in_use_bytes,
+                    swap_pool: shared.pool.as_ref().map(|p| Box::new(pool::status(p))),
                     omitted_clients: 0,
                     omitted_gpus: 0,
                 };

@@ -142,8 +142,17 @@ pub struct ArbiterConfig {
     /// GPU memory held back for contexts and library workspaces, which cannot be
     /// swapped. `None`: 1536 MiB, but never more than an eighth of the GPU.
     pub reserve_mib: Option<u64>,
-    /// Host RAM the node lends as GPU swap, in MiB, over all clients. `None`: unlimited.
+    /// Host RAM the node lends as GPU swap, in MiB, over all clients. `None`: unlimited
+    /// (with a swap pool, the pool's size bounds it anyway).
     pub swap_budget_mib: Option<u64>,
+    /// The node's swap pool, host memory the arbiter owns and lends to clients for
+    /// their swap-outs (never charged to a pod's memory limit): "auto" (half the
+    /// host's available memory at start), "off" (clients swap into their own memory),
+    /// or a size such as "64GiB".
+    pub swap_pool: String,
+    /// Bytes of the pool populated at start and kept ready, in MiB (default 0: the
+    /// pool populates ahead as working sets grow on shared GPUs).
+    pub swap_pool_floor_mib: Option<u64>,
     /// Events kept per GPU in the in-memory event log.
     pub event_log_capacity: usize,
     /// Prometheus endpoint, e.g. "127.0.0.1:9400". `None`: no metrics server.
@@ -180,6 +189,8 @@ impl Default for ArbiterConfig {
             idle_evict_seconds: 30.0,
             reserve_mib: None,
             swap_budget_mib: None,
+            swap_pool: "auto".into(),
+            swap_pool_floor_mib: None,
             event_log_capacity: 100_000,
             metrics_addr: None,
             nvml: "auto".into(),

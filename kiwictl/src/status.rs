@@ -66,6 +66,32 @@ pub(crate) fn swap_line(r: &StatusReport) -> String {
     )
 }
 
+/// The node's swap pool, when it has one: its size, what it has populated and lent,
+/// and who borrows most.
+pub(crate) fn pool_line(r: &StatusReport) -> Option<String> {
+    let p = r.swap_pool.as_ref()?;
+    let top: Vec<String> = p
+        .tenants
+        .iter()
+        .take(3)
+        .map(|(t, b)| format!("{t} {}", mib(*b)))
+        .collect();
+    Some(format!(
+        "Swap pool: {} of {} lent, {} populated ({} ready, {} scrubbing), {} pages{}",
+        mib(p.lent_bytes),
+        mib(p.size_bytes),
+        mib(p.populated_bytes),
+        mib(p.ready_bytes),
+        mib(p.scrubbing_bytes),
+        p.page_mode,
+        if top.is_empty() {
+            String::new()
+        } else {
+            format!("; most lent to {}", top.join(", "))
+        }
+    ))
+}
+
 /// The line saying what the arbiter left out to fit its reply in one frame.
 pub(crate) fn omitted_line(r: &StatusReport) -> Option<String> {
     if r.omitted_clients == 0 && r.omitted_gpus == 0 {
@@ -89,6 +115,9 @@ pub fn render(r: &StatusReport) -> String {
 fn render_gpus(r: &StatusReport) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "{}", swap_line(r));
+    if let Some(l) = pool_line(r) {
+        let _ = writeln!(s, "{l}");
+    }
     if r.gpus.is_empty() {
         let _ = writeln!(
             s,
@@ -197,9 +226,32 @@ mod tests {
             swap_budget_bytes: budget,
             swap_need_bytes: need,
             swap_in_use_bytes: in_use,
+            swap_pool: None,
             omitted_clients: 0,
             omitted_gpus: 0,
         }
+    }
+
+    #[test]
+    fn the_pool_line_shows_size_use_and_who_borrows_most() {
+        let mut r = report(Some(1 << 30), 0, 0);
+        assert!(pool_line(&r).is_none(), "no pool, no line");
+        r.swap_pool = Some(Box::new(kiwi_protocol::PoolStatus {
+            size_bytes: 8 << 30,
+            populated_bytes: 3 << 30,
+            ready_bytes: 1 << 30,
+            lent_bytes: 2 << 30,
+            scrubbing_bytes: 0,
+            page_mode: "4KiB".into(),
+            tenants: vec![("team-a/nb".into(), 3 << 29), ("uid 1000".into(), 1 << 29)],
+        }));
+        let t = render(&r);
+        let line = t.lines().find(|l| l.starts_with("Swap pool:")).expect(&t);
+        assert!(line.contains("2048 MiB of 8192 MiB lent"), "{line}");
+        assert!(
+            line.contains("most lent to team-a/nb 1536 MiB, uid 1000 512 MiB"),
+            "{line}"
+        );
     }
 
     #[test]

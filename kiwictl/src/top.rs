@@ -25,7 +25,9 @@ use kiwi_protocol::{
 };
 
 use crate::control::Control;
-use crate::status::{client_state, client_where, mib, omitted_line, secs, swap_line, CKPT_LEGEND};
+use crate::status::{
+    client_state, client_where, mib, omitted_line, pool_line, secs, swap_line, CKPT_LEGEND,
+};
 
 #[derive(clap::Args, Debug)]
 pub struct TopArgs {
@@ -199,6 +201,9 @@ impl Tracker {
             if live { "   q: quit" } else { "" }
         )));
         out.push(Line::plain(swap_line(report)));
+        if let Some(l) = pool_line(report) {
+            out.push(Line::plain(l));
+        }
         if report.gpus.is_empty() {
             out.push(Line::plain(format!(
                 "No GPU has clients yet. Defaults: scheduler {}, TQ {} s.",

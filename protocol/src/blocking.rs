@@ -4,8 +4,10 @@
 //! `Connection<ClientMsg, ArbiterMsg>` for a client, `Connection<ControlRequest,
 //! ControlReply>` for kiwictl.
 
-use std::io::{ErrorKind, Read, Write};
+use std::collections::VecDeque;
+use std::io::{ErrorKind, Write};
 use std::marker::PhantomData;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -21,6 +23,9 @@ pub struct Connection<S, R> {
     stream: UnixStream,
     decoder: FrameDecoder,
     out: Vec<u8>,
+    /// Descriptors received with messages (`SCM_RIGHTS`), in order: see
+    /// [`Connection::take_fd`].
+    fds: VecDeque<OwnedFd>,
     _types: PhantomData<fn(S) -> R>,
 }
 
@@ -36,6 +41,7 @@ impl<S: Serialize, R: DeserializeOwned> Connection<S, R> {
             stream,
             decoder: FrameDecoder::new(),
             out: Vec::with_capacity(256),
+            fds: VecDeque::new(),
             _types: PhantomData,
         }
     }
@@ -119,9 +125,16 @@ impl<S: Serialize, R: DeserializeOwned> Connection<S, R> {
         }
     }
 
+    /// The oldest descriptor received and not taken yet: a message that carries
+    /// descriptors ([`crate::ArbiterMsg::PoolLent`]) finds its own here, in order,
+    /// once it is decoded (they arrive with its first byte).
+    pub fn take_fd(&mut self) -> Option<OwnedFd> {
+        self.fds.pop_front()
+    }
+
     fn read_once(&mut self) -> Result<(), ProtocolError> {
         let mut buf = [0u8; 16 * 1024];
-        let n = self.stream.read(&mut buf)?;
+        let n = crate::fds::recv_with_fds(self.stream.as_raw_fd(), &mut buf, &mut self.fds)?;
         if n == 0 {
             return Err(ProtocolError::Closed);
         }

@@ -10,6 +10,7 @@
 
 pub mod blocking;
 pub mod clock;
+pub mod fds;
 pub mod frame;
 pub mod msg;
 

@@ -228,7 +228,34 @@ pub enum ClientMsg {
     NoRoom {
         missing_bytes: u64,
     },
+    /// The first message of a **pool connection** (instead of [`ClientMsg::Register`]):
+    /// this connection borrows host memory from the node's swap pool for the swap-outs
+    /// of the same process's registered clients. Answered by
+    /// [`ArbiterMsg::PoolOpened`], or an error from an arbiter without a pool. A pool
+    /// connection carries only `pool_take` and `pool_give` after it.
+    PoolOpen,
+    /// Lend me at least `bytes` (rounded up to the pool's 2 MiB unit) of populated
+    /// host memory: answered, in order, by [`ArbiterMsg::PoolLent`] (its descriptors
+    /// attached) or [`ArbiterMsg::PoolRefused`]. `ahead`: for buffers prepared before
+    /// any swap-out needs them (refused first when the pool runs low). At most
+    /// [`MAX_POOL_TAKE_BYTES`] per request; what one process holds is bounded by the
+    /// working sets it registered.
+    PoolTake {
+        bytes: u64,
+        #[serde(default, skip_serializing_if = "is_false")]
+        ahead: bool,
+    },
+    /// These slices come back (the client unmapped them): the arbiter scrubs them
+    /// and never lends them again. Ids this connection was not lent are ignored.
+    PoolGive {
+        ids: Vec<u64>,
+    },
 }
+
+/// Most bytes one [`ClientMsg::PoolTake`] asks for.
+pub const MAX_POOL_TAKE_BYTES: u64 = 4 << 30;
+/// Most ids one [`ClientMsg::PoolGive`] returns.
+pub const MAX_POOL_GIVE_IDS: usize = 256;
 
 impl ClientMsg {
     /// Checks the limits serde cannot express (string lengths and characters). The
@@ -236,9 +263,32 @@ impl ClientMsg {
     pub fn validate(&self) -> Result<(), FieldError> {
         match self {
             ClientMsg::Register(r) => r.validate(),
+            ClientMsg::PoolTake { bytes, .. } if *bytes == 0 || *bytes > MAX_POOL_TAKE_BYTES => {
+                Err(FieldError {
+                    field: "bytes",
+                    problem: format!("must be 1 to {MAX_POOL_TAKE_BYTES}"),
+                })
+            }
+            ClientMsg::PoolGive { ids } if ids.len() > MAX_POOL_GIVE_IDS => Err(FieldError {
+                field: "ids",
+                problem: format!(
+                    "has {} entries; the limit is {MAX_POOL_GIVE_IDS}",
+                    ids.len()
+                ),
+            }),
             _ => Ok(()),
         }
     }
+}
+
+/// One slice of the node's swap pool lent to a client ([`ArbiterMsg::PoolLent`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSlice {
+    /// What the client names it by when it gives it back.
+    pub id: u64,
+    /// Its length: the client maps all of it.
+    pub bytes: u64,
 }
 
 /// Why the arbiter asks a holder to give the GPU back.
@@ -391,6 +441,23 @@ pub enum ArbiterMsg {
         ok: bool,
         swap_needed_bytes: u64,
         swap_budget_bytes: u64,
+    },
+    /// Answer to [`ClientMsg::PoolOpen`]: the pool's size and its slices' usual size.
+    PoolOpened {
+        size_bytes: u64,
+        slice_bytes: u64,
+    },
+    /// Answer to [`ClientMsg::PoolTake`]: one descriptor per slice rides with this
+    /// message (`SCM_RIGHTS`), in the same order. Each is a memfd whose pages the
+    /// arbiter populated (they are charged to Kiwi, not to the client's memory
+    /// cgroup); map it `MAP_SHARED`, whole.
+    PoolLent {
+        slices: Vec<PoolSlice>,
+    },
+    /// Answer to [`ClientMsg::PoolTake`]: nothing lent; `message` is one line for the
+    /// application's stderr, naming the pool and who fills it.
+    PoolRefused {
+        message: String,
     },
     /// A refused request. Fatal errors are followed by closing the connection.
     Error {
@@ -551,6 +618,9 @@ pub struct StatusReport {
     /// resident.
     #[serde(default)]
     pub swap_in_use_bytes: u64,
+    /// The node's swap pool (`kiwi-arbiter --swap-pool`); absent when it is off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub swap_pool: Option<Box<PoolStatus>>,
     /// Clients left out of `gpus[].clients` so that the reply fits in one frame
     /// (their ids still appear in `holders` and `queue`). Absent when 0.
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -563,6 +633,26 @@ pub struct StatusReport {
 
 fn is_zero(n: &u64) -> bool {
     *n == 0
+}
+
+/// The node's swap pool in a [`StatusReport`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolStatus {
+    /// Most bytes it holds (populated and lent together).
+    pub size_bytes: u64,
+    /// Bytes with pages now: ready to lend, lent, or being scrubbed.
+    pub populated_bytes: u64,
+    /// Populated and not lent.
+    pub ready_bytes: u64,
+    /// Lent to clients (their swapped-out memory and buffers prepared ahead).
+    pub lent_bytes: u64,
+    /// Returned, not scrubbed yet.
+    pub scrubbing_bytes: u64,
+    /// `4KiB`, `thp` or `hugetlb`.
+    pub page_mode: String,
+    /// Who borrows most: (tenant, bytes), largest first, at most 16.
+    #[serde(default)]
+    pub tenants: Vec<(String, u64)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -965,6 +965,10 @@ impl Client {
                 self.wake_pinning();
             }
             ArbiterMsg::Pong { token } => turn.on_pong(token),
+            // The swap pool's answers come on its own connection (`crate::pool`).
+            ArbiterMsg::PoolOpened { .. }
+            | ArbiterMsg::PoolLent { .. }
+            | ArbiterMsg::PoolRefused { .. } => {}
             // Said right after `registered`, where `register` applies it; one that
             // came later still applies (only ever to the process's own wait).
             ArbiterMsg::Bounds { hint_wait_ms } => register::apply_bounds(hint_wait_ms),
@@ -1404,6 +1408,7 @@ extern "C" fn after_fork_in_child() {
             unsafe { libc::close(fd) };
         }
     }
+    crate::pool::close_in_child();
     crate::gate::GATE.open();
 }
 

@@ -1293,6 +1293,17 @@ mod pinned {
 
     pub fn alloc(size: u64) -> Result<*mut u8, CUresult> {
         entry_points().ok_or(CUDA_ERROR_NOT_FOUND)?;
+        // The node's swap pool first: its pages are populated already, and charged to
+        // Kiwi rather than to this process's memory limit.
+        if let Some(p) = crate::pool::map(size) {
+            match register(p, size) {
+                Ok(()) => return Ok(p),
+                Err(r) => {
+                    crate::kdebug!("cannot page-lock a slice of the swap pool (CUDA error {r}); using this process's memory");
+                    crate::pool::unmap(p);
+                }
+            }
+        }
         let p = map(size).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
         populate(p, mapped_len(size));
         if let Err(r) = register(p.cast(), size) {
@@ -1315,10 +1326,13 @@ mod pinned {
             return None;
         }
         entry_points()?;
-        map(size).map(|p| p.cast())
+        crate::pool::map(size).or_else(|| map(size).map(|p| p.cast()))
     }
 
     pub fn free_pageable(p: *mut u8, size: u64) {
+        if crate::pool::unmap(p) {
+            return;
+        }
         // SAFETY: the mapping `alloc_pageable` made for `size` bytes, not registered,
         // freed once.
         unsafe { libc::munmap(p.cast(), mapped_len(size)) };
@@ -1340,6 +1354,9 @@ mod pinned {
         if let Some((_, unregister)) = entry_points() {
             // SAFETY: `p` was registered by `alloc` and is no longer copied to or from.
             let _ = unsafe { unregister(p.cast()) };
+        }
+        if crate::pool::unmap(p) {
+            return;
         }
         // SAFETY: the mapping `alloc` made for `size` bytes, freed once.
         unsafe { libc::munmap(p.cast(), mapped_len(size)) };

@@ -19,7 +19,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     (
         "3 mechanisms",
         &[
-            "gate", "mem", "client", "status", "capture", "devices", "hint", "managed",
+            "gate", "mem", "client", "status", "capture", "devices", "hint", "managed", "pool",
         ],
     ),
     ("4 real driver", &["real", "symbols", "ffi"]),

@@ -29,6 +29,7 @@
 //! | `KIWI_STATS` | file the shim writes its counters to at exit |
 //! | `KIWI_HINT_WAIT_MS` | how long a swap-out waits for the application to say which memory is dead (default 10); at most the arbiter's `--max-hint-wait-ms` (default 100), which the shim is told at registration: the next tenant waits for that swap-out |
 //! | `KIWI_SWAP_PAGEABLE` | `1`: a swap-out that finds no pinned buffer ready copies into pageable memory, registered in place afterwards (default `0`: it page-locks one on its critical path; see `docs/shim.md`) |
+//! | `KIWI_SWAP_POOL` | `0`: swap into this process's own memory, not the node's swap pool (default: borrow the pool's slices where the arbiter has one; see `pool`) |
 //! | `KIWI_POD_NAME`, `KIWI_POD_NAMESPACE`, `KIWI_CONTAINER_ID` | shown by `kiwictl status` |
 
 pub mod appvmm;
@@ -53,6 +54,7 @@ pub mod log;
 pub mod managed;
 pub mod mem;
 pub mod modules;
+pub mod pool;
 pub mod pools;
 pub mod procaddr;
 pub mod real;

@@ -47,6 +47,8 @@ impl Client {
         // Pinning is a potentially unsafe call: relaxed, it never invalidates the
         // application's captures.
         crate::capture::relax_this_thread();
+        // Its buffers are prepared ahead: the swap pool refuses them first.
+        crate::pool::mark_ahead();
         loop {
             let busy = self.turns().any(|t| {
                 t.pressure.load(Ordering::Relaxed)

@@ -1,0 +1,273 @@
+//! Host memory for swap-outs, borrowed from the node's swap pool (issue #37): the
+//! arbiter lends populated memfds (slices) over a connection of this process's own
+//! (`pool_open`), whose pages are charged to Kiwi, not to this process's memory
+//! cgroup. A buffer is one or more slices mapped `MAP_SHARED` back to back; when it is
+//! freed it is unmapped and its slices are given back (the arbiter scrubs them and
+//! never lends them again). Where the pool cannot lend (an arbiter without one, its
+//! refusal, a lost connection) the caller falls back to this process's own memory,
+//! and a refusal that a swap-out meets says so on stderr.
+//!
+//! Buffers prepared ahead (the pinning thread marks itself with [`mark_ahead`]) ask
+//! with `ahead`, which the arbiter refuses first when the pool runs low.
+//! `KIWI_SWAP_POOL=0` turns borrowing off.
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use kiwi_protocol::blocking::Connection;
+use kiwi_protocol::{ArbiterMsg, ClientMsg, MAX_POOL_GIVE_IDS, MAX_POOL_TAKE_BYTES};
+
+type Conn = Connection<ClientMsg, ArbiterMsg>;
+
+/// How long an answer of the arbiter may take (a take may populate memory first).
+const ANSWER_WAIT: Duration = Duration::from_secs(10);
+/// After a failure to reach the pool, how long before trying again.
+const RETRY_AFTER: Duration = Duration::from_secs(5);
+/// How often a refusal is said on stderr.
+const SAY_EVERY: Duration = Duration::from_secs(10);
+
+thread_local! {
+    static AHEAD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks this thread as preparing buffers ahead of need (the pinning thread).
+pub fn mark_ahead() {
+    AHEAD.with(|a| a.set(true));
+}
+
+struct Mapping {
+    len: usize,
+    ids: Vec<u64>,
+    /// The connection the slices were lent on: ids mean nothing to another one.
+    generation: u64,
+}
+
+#[derive(Default)]
+struct State {
+    conn: Option<Conn>,
+    generation: u64,
+    retry_at: Option<Instant>,
+    said_at: Option<Instant>,
+    maps: HashMap<usize, Mapping>,
+}
+
+static STATE: Mutex<Option<State>> = Mutex::new(None);
+/// The pool connection's descriptor, closed in a forked child ([`close_in_child`]).
+static CONN_FD: AtomicI32 = AtomicI32::new(-1);
+
+/// In a forked child (async-signal-safe): closes the inherited pool connection, so the
+/// arbiter sees it close when the parent goes. The child never borrows.
+pub fn close_in_child() {
+    let fd = CONN_FD.swap(-1, Ordering::Relaxed);
+    if fd >= 0 {
+        // SAFETY: closing a descriptor this process inherited; nothing in the child
+        // uses it (its allocator is off).
+        unsafe { libc::close(fd) };
+    }
+}
+
+fn lock() -> MutexGuard<'static, Option<State>> {
+    STATE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KIWI_SWAP_POOL").map_or(true, |v| v != "0"))
+}
+
+/// Whether `p` is a buffer [`map`] returned and [`unmap`] has not taken back.
+pub fn owns(p: *mut u8) -> bool {
+    lock()
+        .as_ref()
+        .is_some_and(|s| s.maps.contains_key(&(p as usize)))
+}
+
+/// A buffer of at least `size` bytes of the node's swap pool, mapped read-write,
+/// its pages present; `None`: none could be borrowed (the caller uses its own
+/// memory).
+pub fn map(size: u64) -> Option<*mut u8> {
+    if !enabled() || size == 0 || size > MAX_POOL_TAKE_BYTES {
+        return None;
+    }
+    let ahead = AHEAD.with(Cell::get);
+    let mut g = lock();
+    let st = g.get_or_insert_with(State::default);
+    if st.conn.is_none() {
+        if st.retry_at.is_some_and(|t| Instant::now() < t) {
+            return None;
+        }
+        match open() {
+            Ok(c) => {
+                st.conn = Some(c);
+                st.generation += 1;
+                st.retry_at = None;
+            }
+            Err(why) => {
+                crate::kdebug!(
+                    "swap pool unavailable ({why}); swapping into this process's memory"
+                );
+                st.retry_at = Some(Instant::now() + RETRY_AFTER);
+                return None;
+            }
+        }
+    }
+    let conn = st.conn.as_mut()?;
+    let answer = conn
+        .send(&ClientMsg::PoolTake { bytes: size, ahead })
+        .and_then(|()| conn.recv());
+    match answer {
+        Ok(ArbiterMsg::PoolLent { slices }) => {
+            let fds: Vec<Option<OwnedFd>> = slices.iter().map(|_| conn.take_fd()).collect();
+            let ids: Vec<u64> = slices.iter().map(|s| s.id).collect();
+            let lens: Vec<u64> = slices.iter().map(|s| s.bytes).collect();
+            match map_slices(&fds, &lens, size) {
+                Some((p, len)) => {
+                    let generation = st.generation;
+                    st.maps.insert(
+                        p as usize,
+                        Mapping {
+                            len,
+                            ids,
+                            generation,
+                        },
+                    );
+                    Some(p)
+                }
+                None => {
+                    let _ = conn.send(&ClientMsg::PoolGive { ids });
+                    None
+                }
+            }
+        }
+        Ok(ArbiterMsg::PoolRefused { message }) => {
+            if !ahead && st.said_at.is_none_or(|t| t.elapsed() >= SAY_EVERY) {
+                st.said_at = Some(Instant::now());
+                crate::kwarn!("{message}; this swap-out uses the process's own memory (its memory limit pays for it)");
+            }
+            None
+        }
+        Ok(other) => {
+            crate::kwarn!("the swap pool answered {other:?}; swapping into this process's memory");
+            drop_conn(st);
+            None
+        }
+        Err(e) => {
+            crate::kdebug!("lost the swap pool ({e}); swapping into this process's memory");
+            drop_conn(st);
+            None
+        }
+    }
+}
+
+/// Takes back a buffer [`map`] returned: unmaps it and gives its slices back.
+/// `false`: `p` is not one (the caller frees its own memory).
+pub fn unmap(p: *mut u8) -> bool {
+    let mut g = lock();
+    let Some(st) = g.as_mut() else {
+        return false;
+    };
+    let Some(m) = st.maps.remove(&(p as usize)) else {
+        return false;
+    };
+    // SAFETY: the mapping `map` made of `m.len` bytes at `p`; its owner is done with it
+    // (and unregistered it from the driver).
+    unsafe { libc::munmap(p.cast(), m.len) };
+    if m.generation == st.generation {
+        if let Some(conn) = st.conn.as_mut() {
+            for ids in m.ids.chunks(MAX_POOL_GIVE_IDS) {
+                if conn
+                    .send(&ClientMsg::PoolGive { ids: ids.to_vec() })
+                    .is_err()
+                {
+                    drop_conn(st);
+                    break;
+                }
+            }
+        }
+    }
+    true
+}
+
+/// Forgets a broken connection (its lent slices stay mapped until freed) and tries
+/// again later.
+fn drop_conn(st: &mut State) {
+    CONN_FD.store(-1, Ordering::Relaxed);
+    st.conn = None;
+    st.retry_at = Some(Instant::now() + RETRY_AFTER);
+}
+
+/// Opens a pool connection.
+fn open() -> Result<Conn, String> {
+    let path = crate::env::ShimEnv::from_env().client_socket();
+    let stream = UnixStream::connect(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    stream
+        .set_read_timeout(Some(ANSWER_WAIT))
+        .map_err(|e| e.to_string())?;
+    CONN_FD.store(stream.as_raw_fd(), Ordering::Relaxed);
+    let mut conn = Conn::new(stream);
+    match conn.call(&ClientMsg::PoolOpen) {
+        Ok(ArbiterMsg::PoolOpened { .. }) => Ok(conn),
+        Ok(ArbiterMsg::Error { message, .. }) => Err(message),
+        Ok(other) => Err(format!("unexpected answer {other:?}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Maps the slices back to back at one address: `(address, length)`; `None` if a
+/// descriptor is missing or a mapping fails (nothing stays mapped then).
+fn map_slices(fds: &[Option<OwnedFd>], lens: &[u64], size: u64) -> Option<(*mut u8, usize)> {
+    let total: u64 = lens.iter().sum();
+    if total < size || fds.iter().any(Option::is_none) || lens.iter().any(|l| l % 4096 != 0) {
+        return None;
+    }
+    let len = usize::try_from(total).ok()?;
+    // SAFETY: a fresh reservation of address space; nothing else is affected.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return None;
+    }
+    let mut at = 0usize;
+    for (fd, &l) in fds.iter().zip(lens) {
+        let fd = fd.as_ref()?;
+        let l = l as usize;
+        // SAFETY: replaces part of the reservation made above with a shared mapping
+        // of the slice, whole.
+        let p = unsafe {
+            libc::mmap(
+                base.cast::<u8>().add(at).cast(),
+                l,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            // SAFETY: the reservation made above and the slices mapped into it.
+            unsafe { libc::munmap(base, len) };
+            return None;
+        }
+        at += l;
+    }
+    // Page-table entries now, not at the first copy: the pages exist (the arbiter
+    // populated them), so this allocates nothing this process is charged for.
+    // SAFETY: advice on the mapping just made.
+    unsafe {
+        libc::madvise(base, len, 23 /* MADV_POPULATE_WRITE */)
+    };
+    Some((base.cast(), len))
+}
