@@ -1,0 +1,383 @@
+//! Issue #37: swapped-out memory lives in the node's swap pool, host memory the
+//! arbiter owns, never charged to a tenant's memory cgroup. On the simulator, whose
+//! device memory (since #37) lives outside every process as a GPU's does, with real
+//! memory cgroups (v1 or v2, whichever the machine has), real processes and sockets.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use kiwi_protocol::EventKind;
+use kiwi_sim_core::harness::SimMachine;
+use kiwi_tests::{bin, finish_within, output_text, wait_until, Arbiter};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// A memory cgroup of its own, removed when dropped (its processes gone).
+struct MemCgroup {
+    dir: PathBuf,
+    v2: bool,
+}
+
+impl MemCgroup {
+    /// A fresh memory cgroup limited to `limit` bytes; `None` where the machine has no
+    /// memory controller this test can use (a failure under `CI=true`).
+    fn new(tag: &str, limit: u64) -> Option<MemCgroup> {
+        let name = format!("kiwi-test-{tag}-{}", std::process::id());
+        let v2_root = PathBuf::from("/sys/fs/cgroup");
+        let v2 = std::fs::read_to_string(v2_root.join("cgroup.controllers"))
+            .is_ok_and(|c| c.split_whitespace().any(|w| w == "memory"));
+        let (dir, file) = if v2 {
+            // The controller must be on for children of the root.
+            let _ = std::fs::write(v2_root.join("cgroup.subtree_control"), "+memory");
+            (v2_root.join(&name), "memory.max")
+        } else {
+            let v1 = PathBuf::from("/sys/fs/cgroup/memory");
+            if !v1.join("memory.limit_in_bytes").exists() {
+                assert!(
+                    !kiwi_tests::engines::is_ci(),
+                    "no memory cgroup (v1 or v2) on this machine: the swap pool's test needs one"
+                );
+                eprintln!("skipped: no memory cgroup on this machine");
+                return None;
+            }
+            (v1.join(&name), "memory.limit_in_bytes")
+        };
+        let _ = std::fs::remove_dir(&dir);
+        std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        std::fs::write(dir.join(file), limit.to_string())
+            .unwrap_or_else(|e| panic!("{}/{file}: {e}", dir.display()));
+        Some(MemCgroup { dir, v2 })
+    }
+
+    /// `program args…` started inside the cgroup (a shell moves itself in, then execs).
+    fn command(&self, program: &std::path::Path, args: &[&str]) -> Command {
+        let mut cmd = Command::new("/bin/sh");
+        cmd.arg("-c")
+            .arg("echo $$ > \"$0/cgroup.procs\" && exec \"$@\"")
+            .arg(&self.dir)
+            .arg(program)
+            .args(args);
+        cmd
+    }
+
+    /// Whether the kernel's OOM killer acted in the cgroup.
+    fn oom_kills(&self) -> u64 {
+        if self.v2 {
+            let ev = std::fs::read_to_string(self.dir.join("memory.events")).unwrap_or_default();
+            ev.lines()
+                .find_map(|l| l.strip_prefix("oom_kill "))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0)
+        } else {
+            let ctl =
+                std::fs::read_to_string(self.dir.join("memory.oom_control")).unwrap_or_default();
+            ctl.lines()
+                .find_map(|l| l.strip_prefix("oom_kill "))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0)
+        }
+    }
+
+    /// The most memory the cgroup was charged at once.
+    fn peak(&self) -> u64 {
+        let f = if self.v2 {
+            "memory.peak"
+        } else {
+            "memory.max_usage_in_bytes"
+        };
+        std::fs::read_to_string(self.dir.join(f))
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for MemCgroup {
+    fn drop(&mut self) {
+        for _ in 0..100 {
+            if std::fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn gpuburst(m: &SimMachine, arb: &Arbiter, mut cmd: Command, pool: bool) -> Child {
+    m.apply(&mut cmd)
+        .env("LD_PRELOAD", bin("libkiwi.so"))
+        .env("KIWI_SOCKET_DIR", arb.socket_dir())
+        .env("KIWI_REQUIRE_ARBITER", "1")
+        .env("KIWI_SWAP_POOL", if pool { "1" } else { "0" })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd.spawn().expect("spawn gpuburst")
+}
+
+/// Bytes swapped out so far, from the arbiter's event log.
+fn swapped_out(arb: &Arbiter) -> u64 {
+    arb.events()
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::SwapOut { bytes, .. } => Some(*bytes),
+            _ => None,
+        })
+        .sum()
+}
+
+/// A notebook with 1.5 GiB on a 2 GiB GPU, in a memory cgroup limited to 768 MiB, is
+/// swapped out and back by a competitor, verifies every byte and is never
+/// OOM-killed: its swapped-out memory is the pool's. The same notebook swapping into
+/// its own memory (`KIWI_SWAP_POOL=0`, what every version before #37 did) is killed
+/// at its first swap-out, so the test shows the pool is what saves it.
+#[test]
+fn a_notebook_in_a_memory_limited_cgroup_is_swapped_out_and_back_without_being_killed() {
+    let m = SimMachine::new("pool-cg", 1, 2 * GIB).unwrap_or_else(|e| panic!("{e}"));
+    // A GPU's memory exists before anyone allocates it: populated from here, outside
+    // the notebook's cgroup.
+    m.populate().unwrap_or_else(|e| panic!("{e}"));
+    let arb = Arbiter::start(&["--tq", "0.5", "--swap-pool", "3GiB"]);
+    let mut outcomes = Vec::new();
+    for pool in [true, false] {
+        let Some(cg) = MemCgroup::new(if pool { "pool" } else { "own" }, 768 * MIB) else {
+            return;
+        };
+        let notebook = gpuburst(
+            &m,
+            &arb,
+            cg.command(
+                &bin("gpuburst"),
+                &[
+                    "--mem",
+                    "1536MiB",
+                    "--script",
+                    "gpu:200,idle:2500,gpu:200",
+                    "--verify",
+                    "--name",
+                    "notebook",
+                ],
+            ),
+            pool,
+        );
+        wait_until("the notebook is resident", Duration::from_secs(30), || {
+            arb.status()
+                .gpus
+                .iter()
+                .any(|g| g.clients.iter().any(|c| c.resident_bytes >= 1536 * MIB))
+        });
+        let mut cmd = Command::new(bin("gpuburst"));
+        cmd.args([
+            "--mem",
+            "1200MiB",
+            "--script",
+            "gpu:300",
+            "--verify",
+            "--name",
+            "competitor",
+        ]);
+        let competitor = gpuburst(&m, &arb, cmd, true);
+        let (c, _) = finish_within(competitor, Duration::from_secs(60));
+        assert!(c.status.success(), "competitor: {}", output_text(&c));
+        let (n, _) = finish_within(notebook, Duration::from_secs(60));
+        outcomes.push((swapped_out(&arb), n, cg.oom_kills(), cg.peak()));
+    }
+    let swapped = outcomes[0].0;
+    assert!(
+        swapped > 768 * MIB,
+        "the competitor made the notebook swap out more than its cgroup's limit (swapped out {} MiB)",
+        swapped >> 20
+    );
+    let (_, with_pool, kills, peak) = &outcomes[0];
+    assert!(
+        with_pool.status.success() && *kills == 0,
+        "with the pool the notebook verifies and is not killed (OOM kills {kills}, peak {} MiB): {}",
+        peak >> 20,
+        output_text(with_pool)
+    );
+    assert!(
+        *peak < 768 * MIB,
+        "its cgroup stayed under its limit (peak {} MiB)",
+        peak >> 20
+    );
+    let (_, own, kills, _) = &outcomes[1];
+    assert!(
+        !own.status.success() && *kills > 0,
+        "swapping into its own memory, the same notebook is OOM-killed (kills {kills}): {}",
+        output_text(own)
+    );
+}
+
+mod protocol_level {
+    use std::os::fd::{AsRawFd, OwnedFd};
+    use std::time::Duration;
+
+    use kiwi_protocol::blocking::Connection;
+    use kiwi_protocol::{ArbiterMsg, ClientMsg, ErrorCode};
+    use kiwi_tests::{register_msg, wait_until, Arbiter, Client};
+
+    use super::MIB;
+
+    type Conn = Connection<ClientMsg, ArbiterMsg>;
+
+    fn pool_conn(arb: &Arbiter) -> Conn {
+        let mut c = Conn::connect(&arb.client_socket()).expect("connect");
+        c.stream()
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        match c.call(&ClientMsg::PoolOpen).expect("pool_open") {
+            ArbiterMsg::PoolOpened { size_bytes, .. } => assert_eq!(size_bytes, 256 * MIB),
+            other => panic!("unexpected {other:?}"),
+        }
+        c
+    }
+
+    /// (allocated bytes, size) of a descriptor's file.
+    fn blocks(fd: &OwnedFd) -> (u64, u64) {
+        // SAFETY: fstat into a zeroed struct, on a descriptor we own.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, 0);
+        (st.st_blocks as u64 * 512, st.st_size as u64)
+    }
+
+    /// The pool lends populated slices (their pages exist before the client maps
+    /// them: charged to the arbiter) only against working sets the same process
+    /// registered; a returned slice is scrubbed at once, and one a client still
+    /// holds a descriptor of is never lent again; bad requests get one-line errors and
+    /// never take the daemon down.
+    #[test]
+    fn slices_are_populated_bounded_by_the_working_set_and_scrubbed_when_returned() {
+        let arb = Arbiter::start(&["--swap-pool", "256MiB"]);
+        let mut pool = pool_conn(&arb);
+        match pool
+            .call(&ClientMsg::PoolTake {
+                bytes: 8 * MIB,
+                ahead: false,
+            })
+            .unwrap()
+        {
+            ArbiterMsg::PoolRefused { message } => {
+                assert!(message.contains("registered"), "{message}")
+            }
+            other => panic!("a process with no registration borrows nothing: {other:?}"),
+        }
+        let _client = Client::register(
+            &arb.client_socket(),
+            register_msg("GPU-pool", 1 << 30, 100 * MIB),
+        );
+        let (id, fd) = match pool
+            .call(&ClientMsg::PoolTake {
+                bytes: 60 * MIB,
+                ahead: false,
+            })
+            .unwrap()
+        {
+            ArbiterMsg::PoolLent { slices } => {
+                assert_eq!(slices.len(), 1, "{slices:?}");
+                assert_eq!(slices[0].bytes, 60 * MIB);
+                (slices[0].id, pool.take_fd().expect("its descriptor"))
+            }
+            other => panic!("unexpected {other:?}"),
+        };
+        assert_eq!(
+            blocks(&fd),
+            (60 * MIB, 60 * MIB),
+            "populated before it is lent"
+        );
+        // Over the working set (100 MiB + a unit of slack): refused, saying why.
+        match pool
+            .call(&ClientMsg::PoolTake {
+                bytes: 200 * MIB,
+                ahead: false,
+            })
+            .unwrap()
+        {
+            ArbiterMsg::PoolRefused { message } => {
+                assert!(message.contains("working set"), "{message}")
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        // Another connection's id, or one never lent: ignored.
+        pool.send(&ClientMsg::PoolGive {
+            ids: vec![id + 1000],
+        })
+        .unwrap();
+        pool.send(&ClientMsg::PoolGive { ids: vec![id] }).unwrap();
+        wait_until(
+            "the returned slice is scrubbed",
+            Duration::from_secs(10),
+            || blocks(&fd).0 == 0,
+        );
+        // Writing through the kept descriptor after it came back: the pages are the
+        // writer's own, and the next loan is another file.
+        // SAFETY: fstat into a zeroed struct.
+        let mut old: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        unsafe { libc::fstat(fd.as_raw_fd(), &mut old) };
+        match pool
+            .call(&ClientMsg::PoolTake {
+                bytes: 60 * MIB,
+                ahead: false,
+            })
+            .unwrap()
+        {
+            ArbiterMsg::PoolLent { .. } => {
+                let fresh = pool.take_fd().expect("its descriptor");
+                // SAFETY: as above.
+                let mut st: libc::stat = unsafe { std::mem::zeroed() };
+                // SAFETY: as above.
+                unsafe { libc::fstat(fresh.as_raw_fd(), &mut st) };
+                assert_ne!(
+                    st.st_ino, old.st_ino,
+                    "a returned slice is never lent again"
+                );
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        // A pool message on a registered connection: an error, the connection lives.
+        let mut c = Client::register(&arb.client_socket(), register_msg("GPU-pool", 1 << 30, 0));
+        c.conn
+            .send(&ClientMsg::PoolTake {
+                bytes: MIB,
+                ahead: false,
+            })
+            .unwrap();
+        let e = c
+            .wait_for(Duration::from_secs(5), |m| {
+                matches!(m, ArbiterMsg::Error { .. })
+            })
+            .expect("an error");
+        assert!(
+            matches!(
+                e,
+                ArbiterMsg::Error {
+                    code: ErrorCode::InvalidArgument,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        c.conn.send(&ClientMsg::Ping { token: 7 }).unwrap();
+        assert!(c
+            .wait_for(Duration::from_secs(5), |m| matches!(
+                m,
+                ArbiterMsg::Pong { token: 7 }
+            ))
+            .is_some());
+        // A zero-byte take is malformed: one error, the connection closes.
+        pool.send(&ClientMsg::PoolTake {
+            bytes: 0,
+            ahead: false,
+        })
+        .unwrap();
+        match pool.recv() {
+            Ok(ArbiterMsg::Error { message, .. }) => assert!(!message.contains('\n'), "{message}"),
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(pool.recv().is_err(), "closed after the error");
+        // The daemon still serves.
+        let _again = pool_conn(&arb);
+    }
+}
