@@ -84,11 +84,10 @@ pub struct SimConfig {
     /// `cuCheckpointProcess*` call is `CUDA_ERROR_NOT_SUPPORTED`, as a driver older
     /// than 570). Default on.
     pub checkpoint: bool,
-    /// `KIWI_SIM_PREPARE=1`: host memory for the device address ranges a process
-    /// reserved is prepared ahead in the background (a GPU's memory exists before it
-    /// is allocated; the simulator's must be faulted in). Default off: the work it
-    /// adds slowed hand-offs in the busy-machine demo test on 2 cores; the
-    /// benchmarks turn it on.
+    /// `KIWI_SIM_PREPARE` (`0` or `1`): accepted and ignored. It prepared host
+    /// memory ahead for reserved device ranges while device memory lived in the
+    /// process; it now lives in each GPU's memory file, whose freed pages are
+    /// reused, and `kiwi-sim populate` fills them ahead.
     pub prepare: bool,
     /// `KIWI_SIM_CHECKPOINT_MS` / `KIWI_SIM_CHECKPOINT_GBPS`: what a checkpoint of
     /// this process costs, a fixed part plus its device memory at a rate; likewise

@@ -20,8 +20,8 @@
 //!    process sees them), `pool_usage` (which pool each allocation came from).
 //! 8. `memory` (device address space, VMM), `ffi` (the panic guard and pointer
 //!    helpers), `abi` (types and values of `cuda.h`).
-//! 9. `backing` (host memory behind device memory: freed backing reused, backing
-//!    for reserved ranges prepared ahead).
+//! 9. `backing` (where device memory lives: extents of each GPU's memory file,
+//!    slabs of small allocations, moves to host memory at a checkpoint).
 //!
 //! This crate is only ever built as a cdylib, so no test binary contains `cu*`
 //! symbols; shared logic lives in `kiwi-sim-core`.
