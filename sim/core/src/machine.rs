@@ -36,7 +36,7 @@ use crate::knobs::{validate_name, SimConfig, MAX_GPUS};
 /// Most processes one simulated GPU tracks at once.
 pub const MAX_PROCS: usize = 256;
 const MAGIC: u64 = 0x4b49_5749_5349_4d31; // "KIWISIM1"
-const LAYOUT_VERSION: u64 = 7;
+const LAYOUT_VERSION: u64 = 8;
 
 /// Errors of the machine segment.
 #[derive(Debug, thiserror::Error)]
@@ -109,6 +109,9 @@ struct Segment {
     context_bytes: AtomicU64,
     /// Length of the segment file: this struct and the granule tables after it.
     total_len: AtomicU64,
+    /// `CLOCK_MONOTONIC` ns of the last open, extent taken or given back, or
+    /// populate: how long the machine has been idle (see [`sweep_idle_machines`]).
+    last_active: AtomicU64,
     gpu: [GpuSlot; MAX_GPUS as usize],
 }
 
@@ -283,7 +286,12 @@ impl Drop for FileLock<'_> {
 impl Machine {
     /// Opens machine `cfg.name`, creating it with `cfg`'s knobs if it does not exist.
     pub fn open(cfg: &SimConfig) -> Result<Machine, MachineError> {
-        Self::open_inner(&cfg.name, Some(cfg))
+        let (m, fresh) = Self::open_inner(&cfg.name, Some(cfg))?;
+        m.touch();
+        if fresh {
+            sweep_idle_machines(&cfg.name);
+        }
+        Ok(m)
     }
 
     /// Opens an existing machine; `Ok(None)` when no process has created it yet.
@@ -295,10 +303,12 @@ impl Machine {
         if !segment_path(name).exists() {
             return Ok(None);
         }
-        Self::open_inner(name, None).map(Some)
+        let (m, _) = Self::open_inner(name, None)?;
+        m.touch();
+        Ok(Some(m))
     }
 
-    fn open_inner(name: &str, create: Option<&SimConfig>) -> Result<Machine, MachineError> {
+    fn open_inner(name: &str, create: Option<&SimConfig>) -> Result<(Machine, bool), MachineError> {
         validate_name(name).map_err(|reason| MachineError::BadName {
             name: name.into(),
             reason,
@@ -318,10 +328,12 @@ impl Machine {
             .map_err(io)?;
         let head = std::mem::size_of::<Segment>();
         let mut mem_files = Vec::new();
+        let fresh_machine;
         let (seg, seg_len) = {
             let _lock = FileLock::exclusive(&file);
             let len = file.metadata().map_err(io)?.len();
             let fresh = len == 0;
+            fresh_machine = fresh;
             let total = match create {
                 Some(cfg) if fresh => {
                     let tables: u64 = (0..cfg.gpus).map(|_| 2 * file_granules(cfg.memory)).sum();
@@ -374,6 +386,15 @@ impl Machine {
             } else if s.magic.load(Ordering::SeqCst) != MAGIC
                 || s.version.load(Ordering::SeqCst) != LAYOUT_VERSION
                 || s.total_len.load(Ordering::SeqCst) != total
+                || s.gpus.load(Ordering::SeqCst) > u64::from(MAX_GPUS)
+                || s.gpu.iter().any(|g| {
+                    let end = g
+                        .granules
+                        .load(Ordering::SeqCst)
+                        .saturating_mul(2)
+                        .saturating_add(g.granule_table.load(Ordering::SeqCst));
+                    end > total
+                })
             {
                 // SAFETY: unmapping what we just mapped.
                 unsafe { libc::munmap(p, total as usize) };
@@ -437,7 +458,7 @@ impl Machine {
         }
         let pid = std::process::id();
         let me = (u64::from(pid), process_start_time(pid).unwrap_or(0));
-        Ok(Machine {
+        let m = Machine {
             name: name.to_string(),
             path,
             file,
@@ -446,7 +467,45 @@ impl Machine {
             kernel_locks,
             mem_files,
             me,
-        })
+        };
+        Ok((m, fresh_machine))
+    }
+
+    /// [`Machine::open_existing`] without stamping the machine active.
+    fn open_existing_quiet(name: &str) -> Result<Option<Machine>, MachineError> {
+        if !segment_path(name).exists() {
+            return Ok(None);
+        }
+        Ok(Some(Self::open_inner(name, None)?.0))
+    }
+
+    /// See [`sweep_idle_machines`].
+    fn punch_if_idle(&self) {
+        let _lock = FileLock::exclusive(&self.file);
+        let idle = crate::trace::monotonic_ns()
+            .saturating_sub(self.seg().last_active.load(Ordering::Relaxed));
+        if idle < IDLE_SWEEP_NS {
+            return;
+        }
+        for g in 0..self.gpu_count() {
+            let Ok(slot) = self.gpu(g) else { return };
+            if Self::collect_garbage(slot) > 0 || self.collect_dead_owners(slot) > 0 {
+                return;
+            }
+        }
+        for (g, f) in self.mem_files.iter().enumerate() {
+            let len = self.seg().gpu[g].granules.load(Ordering::Relaxed) * crate::GRANULARITY;
+            // SAFETY: fallocate on a file we hold open; punching a hole frees its
+            // pages (reads give zeros), and no living process holds memory there.
+            unsafe {
+                libc::fallocate(
+                    f.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    0,
+                    len as libc::off_t,
+                )
+            };
+        }
     }
 
     fn seg(&self) -> &Segment {
@@ -615,6 +674,12 @@ impl Machine {
         }
     }
 
+    fn touch(&self) {
+        self.seg()
+            .last_active
+            .store(crate::trace::monotonic_ns(), Ordering::Relaxed);
+    }
+
     /// Drops the granules of owners that no longer exist; returns granules in use
     /// after.
     fn collect_dead_owners(&self, slot: &GpuSlot) -> u64 {
@@ -722,6 +787,7 @@ impl Machine {
             }
         }
         slot.owners[idx].bytes.fetch_add(count, Ordering::Relaxed);
+        self.touch();
         Ok(taken)
     }
 
@@ -748,6 +814,7 @@ impl Machine {
                 }
             }
         }
+        self.touch();
         let o = &slot.owners[idx];
         let left = o.bytes.load(Ordering::Relaxed).saturating_sub(freed);
         o.bytes.store(left, Ordering::Relaxed);
@@ -811,6 +878,7 @@ impl Machine {
             return Err(io(std::io::Error::last_os_error()));
         }
         const PART: usize = 64 << 20;
+        self.touch();
         let mut result = Ok(len);
         for at in (0..len as usize).step_by(PART) {
             let n = PART.min(len as usize - at);
@@ -959,6 +1027,39 @@ impl Drop for Machine {
     fn drop(&mut self) {
         // SAFETY: unmapping the mapping created in open; no references outlive self.
         unsafe { libc::munmap(self.seg as *mut libc::c_void, self.seg_len) };
+    }
+}
+
+/// How long a machine must have been idle, with no living process holding memory
+/// on it, before [`sweep_idle_machines`] takes its memory files' pages.
+pub const IDLE_SWEEP_NS: u64 = 60_000_000_000;
+
+/// Gives back the pages of machines nobody uses: every other machine (but `except`)
+/// whose processes all died and that has been idle for [`IDLE_SWEEP_NS`] gets its
+/// memory files hole-punched (the files and the segment stay; the next allocation
+/// there faults pages in afresh). Run when a machine is created. Tests that never
+/// reset their machines would otherwise leave their populated pages in `/dev/shm`
+/// (tmpfs, RAM) for good.
+pub fn sweep_idle_machines(except: &str) {
+    let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
+        return;
+    };
+    for e in dir.flatten() {
+        let file = e.file_name();
+        let Some(name) = file
+            .to_str()
+            .and_then(|f| f.strip_prefix("kiwi-sim-"))
+            .and_then(|f| f.strip_suffix(".gpu0.mem"))
+        else {
+            continue;
+        };
+        if name == except || validate_name(name).is_err() {
+            continue;
+        }
+        let Ok(Some(m)) = Machine::open_existing_quiet(name) else {
+            continue;
+        };
+        m.punch_if_idle();
     }
 }
 
@@ -1117,6 +1218,37 @@ mod tests {
         reset(&c.name).unwrap();
         assert!(!mem_file_path(&c.name, 0).exists());
         assert!(!mem_file_path(&c.name, 1).exists());
+    }
+
+    #[test]
+    fn idle_machines_nobody_holds_memory_on_give_their_pages_back() {
+        use std::os::unix::fs::MetadataExt;
+        let c = cfg("sweep", 1, 16 << 20);
+        let m = Machine::open(&c).unwrap();
+        m.populate(0).unwrap();
+        let blocks = || m.mem_file(0).unwrap().0.metadata().unwrap().blocks();
+        assert!(blocks() * 512 >= 16 << 20);
+        let runs = m.extent_alloc(0, 2).unwrap();
+        let age = |m: &Machine| {
+            m.seg().last_active.store(
+                crate::trace::monotonic_ns() - IDLE_SWEEP_NS - 1,
+                Ordering::Relaxed,
+            )
+        };
+        // Recently active: kept.
+        sweep_idle_machines("none");
+        assert!(blocks() * 512 >= 16 << 20);
+        // Idle, but a living process (this one) owns granules: kept.
+        age(&m);
+        sweep_idle_machines("none");
+        assert!(blocks() * 512 >= 16 << 20);
+        // Idle, nobody holds anything: the pages go, the machine stays usable.
+        m.extent_free(0, &runs);
+        age(&m);
+        sweep_idle_machines(&format!("not-{}", c.name));
+        assert_eq!(blocks(), 0);
+        assert_eq!(m.extent_alloc(0, 1).unwrap(), vec![(0, 1)]);
+        reset(&c.name).unwrap();
     }
 
     #[test]
