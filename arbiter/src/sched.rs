@@ -512,6 +512,11 @@ impl GpuScheduler {
         self.working_sets()
     }
 
+    /// Whether client `id` registered with `bounds` (it takes this version's notices).
+    pub fn takes_notices(&self, id: ClientId) -> bool {
+        self.clients.get(&id).is_some_and(|c| c.info.notices)
+    }
+
     /// Client `id`'s working set as last reported or admitted (0: not registered here).
     pub fn working_set_of(&self, id: ClientId) -> u64 {
         self.clients

@@ -1532,6 +1532,37 @@ fn decode_client(payload: &[u8]) -> Result<ClientMsg, ClientDecodeError> {
     }
 }
 
+/// The line a refused growth prints: what bounds it (the swap pool, or the budget)
+/// and who fills the pool most.
+fn refusal_line(
+    a: &swap::Admission,
+    working_set: u64,
+    pool: Option<&crate::pool::PoolStats>,
+) -> String {
+    let what = match pool {
+        Some(p) if p.size <= a.budget => format!("the node's swap pool ({} MiB)", p.size >> 20),
+        _ => format!("the node's swap budget ({} MiB)", a.budget >> 20),
+    };
+    let mut line = format!(
+        "growing this GPU's working set to {} MiB would need {} MiB of GPU memory swapped out on this node, more than {what} holds",
+        working_set >> 20,
+        a.need_after >> 20
+    );
+    if let Some(p) = pool {
+        let mut top = p.tenants.clone();
+        top.sort_by_key(|t| std::cmp::Reverse(t.1));
+        let names: Vec<String> = top
+            .iter()
+            .take(3)
+            .map(|(t, b)| format!("{} ({} MiB)", log_safe(t), b >> 20))
+            .collect();
+        if !names.is_empty() {
+            line.push_str(&format!("; it is lent most to {}", names.join(", ")));
+        }
+    }
+    line
+}
+
 /// Handles one client message. `false`: close the connection.
 fn handle_client_msg(
     shared: &Shared,
@@ -1698,10 +1729,15 @@ fn handle_client_msg(
                 working_set_bytes,
             );
             // The answer first: the client is blocked in its allocator waiting for it.
+            let message = (!a.ok && g.sched.takes_notices(id)).then(|| {
+                let pool = shared.pool.as_ref().map(|p| p.stats());
+                refusal_line(&a, working_set_bytes, pool.as_ref())
+            });
             peer.send(&ArbiterMsg::Admitted {
                 ok: a.ok,
                 swap_needed_bytes: a.need_after,
                 swap_budget_bytes: a.budget,
+                message,
             });
             if !a.ok {
                 st.metrics.admission_refused();

@@ -441,6 +441,11 @@ pub enum ArbiterMsg {
         ok: bool,
         swap_needed_bytes: u64,
         swap_budget_bytes: u64,
+        /// When refused, to a client that registered with `bounds` (this version's
+        /// shims): one line for the application's stderr naming what bounds the
+        /// growth (the node's swap pool, or its budget) and who fills it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        message: Option<String>,
     },
     /// Answer to [`ClientMsg::PoolOpen`]: the pool's size and its slices' usual size.
     PoolOpened {
@@ -945,6 +950,7 @@ mod tests {
             ok: false,
             swap_needed_bytes: 123,
             swap_budget_bytes: u64::MAX,
+            message: None,
         };
         assert_eq!(
             serde_json::to_string(&admitted).unwrap(),

@@ -433,6 +433,7 @@ impl Client {
             budgeted: AtomicBool::new(budget.is_some()),
             admitting: Mutex::new(()),
             admitted: Mutex::new(None),
+            refusal: Mutex::new(None),
             admitted_cv: Condvar::new(),
             ping_sent: AtomicU64::new(0),
             pong_seen: Mutex::new(0),
@@ -917,7 +918,7 @@ impl Client {
                 crate::kwarn!("arbiter error {code:?}: {message}");
                 *lock(&turn.last_error) = Some(format!("{code:?}: {message}"));
             }
-            ArbiterMsg::Admitted { ok, .. } => turn.on_admitted(ok),
+            ArbiterMsg::Admitted { ok, message, .. } => turn.on_admitted(ok, message),
             ArbiterMsg::Waiting {
                 holder,
                 other_holders,

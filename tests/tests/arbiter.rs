@@ -326,6 +326,7 @@ fn admit(c: &mut Client, working_set_bytes: u64) -> (bool, u64, u64) {
             ok,
             swap_needed_bytes,
             swap_budget_bytes,
+            ..
         }) => (ok, swap_needed_bytes, swap_budget_bytes),
         other => panic!("no admitted: {other:?}"),
     }
@@ -455,7 +456,8 @@ fn racing_admits_cannot_both_take_the_last_of_the_budget() {
 
 #[test]
 fn without_a_budget_admit_is_always_ok() {
-    let arb = Arbiter::start(&[]);
+    // The swap pool, on by default, is a budget too.
+    let arb = Arbiter::start(&["--swap-pool", "off"]);
     let (mut a, capacity, told) = register_full(&arb, "GPU-free", GIB);
     assert_eq!(told, None, "no budget, no field");
     assert_eq!(

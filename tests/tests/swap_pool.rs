@@ -381,3 +381,70 @@ mod protocol_level {
         let _again = pool_conn(&arb);
     }
 }
+
+/// The pool is admission: a growth whose swap need the pool cannot hold fails at
+/// allocation with out-of-memory and one line naming the pool, while a notebook
+/// resident beside it and a smaller newcomer, whose swap-out the pool holds, verify.
+#[test]
+fn a_growth_the_pool_cannot_hold_fails_with_a_line_and_the_others_verify() {
+    let m = SimMachine::new("pool-full", 1, 2 * GIB).unwrap_or_else(|e| panic!("{e}"));
+    let arb = Arbiter::start(&["--tq", "0.5", "--swap-pool", "256MiB"]);
+    let burst = |args: &[&str]| {
+        let mut cmd = Command::new(bin("gpuburst"));
+        cmd.args(args);
+        gpuburst(&m, &arb, cmd, true)
+    };
+    let notebook = burst(&[
+        "--mem",
+        "1536MiB",
+        "--script",
+        "gpu:200,idle:3000,gpu:200",
+        "--verify",
+        "--name",
+        "notebook",
+    ]);
+    wait_until("the notebook is resident", Duration::from_secs(30), || {
+        arb.status()
+            .gpus
+            .iter()
+            .any(|g| g.clients.iter().any(|c| c.resident_bytes >= 1536 * MIB))
+    });
+    let (big, hung) = finish_within(
+        burst(&[
+            "--mem", "1536MiB", "--script", "gpu:100", "--verify", "--name", "big",
+        ]),
+        Duration::from_secs(60),
+    );
+    assert!(
+        !hung && !big.status.success(),
+        "the growth past the pool fails: {}",
+        output_text(&big)
+    );
+    let err = String::from_utf8_lossy(&big.stderr);
+    let line = err
+        .lines()
+        .find(|l| l.contains("swap pool (256 MiB)"))
+        .unwrap_or_else(|| panic!("one line names the pool: {}", output_text(&big)));
+    assert!(line.contains("out of memory"), "{line}");
+    let (small, _) = finish_within(
+        burst(&[
+            "--mem", "600MiB", "--script", "gpu:200", "--verify", "--name", "small",
+        ]),
+        Duration::from_secs(60),
+    );
+    assert!(
+        small.status.success(),
+        "a growth the pool holds runs: {}",
+        output_text(&small)
+    );
+    let (nb, _) = finish_within(notebook, Duration::from_secs(60));
+    assert!(
+        nb.status.success(),
+        "the notebook verifies: {}",
+        output_text(&nb)
+    );
+    assert!(
+        swapped_out(&arb) > 0,
+        "the small one made the notebook swap out into the pool"
+    );
+}

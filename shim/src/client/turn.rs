@@ -29,6 +29,8 @@ pub struct Turn {
     pub(super) admitting: Mutex<()>,
     /// The arbiter's answer to the admission in flight, put there by the turn's thread.
     pub(super) admitted: Mutex<Option<bool>>,
+    /// The arbiter's line for the last refused admission.
+    pub(super) refusal: Mutex<Option<String>>,
     pub(super) admitted_cv: Condvar,
     /// The last `ping` token sent ([`Turn::sync_room`]) and the highest `pong` the
     /// turn's thread has handled (every message the arbiter sent before it, too).
@@ -289,10 +291,13 @@ impl Turn {
         if answer.take() == Some(true) {
             Some(Admission(Some(guard)))
         } else {
-            crate::kwarn!(
-                "GPU {}: growing to {working_set} bytes would pass the node's swap budget in host RAM: out of memory",
-                self.info.ordinal
-            );
+            match lock(&self.refusal).take() {
+                Some(why) => crate::kwarn!("GPU {}: {why}: out of memory", self.info.ordinal),
+                None => crate::kwarn!(
+                    "GPU {}: growing to {working_set} bytes would pass the node's swap budget in host RAM: out of memory",
+                    self.info.ordinal
+                ),
+            }
             None
         }
     }
@@ -334,7 +339,8 @@ impl Turn {
         self.pong_cv.notify_all();
     }
 
-    pub(super) fn on_admitted(&self, ok: bool) {
+    pub(super) fn on_admitted(&self, ok: bool, message: Option<String>) {
+        *lock(&self.refusal) = message;
         *lock(&self.admitted) = Some(ok);
         self.admitted_cv.notify_all();
     }
