@@ -295,6 +295,10 @@ struct State {
     ready_bytes: u64,
     lent: HashMap<u64, Held>,
     lent_bytes: u64,
+    /// Slices an earlier arbiter lent that a client still maps (it says so after a
+    /// restart, [`Pool::keep`]): counted against the size, by owner.
+    kept: HashMap<Owner, (String, u64)>,
+    kept_bytes: u64,
     tenants: HashMap<String, u64>,
     /// Bytes of takes in flight (slices chosen or being populated, not yet lent).
     reserved: u64,
@@ -320,11 +324,41 @@ struct State {
 impl State {
     /// Every byte the pool accounts for; never past the size.
     fn held(&self) -> u64 {
-        self.ready_bytes + self.lent_bytes + self.reserved + self.populating + self.scrubbing
+        self.ready_bytes
+            + self.lent_bytes
+            + self.kept_bytes
+            + self.reserved
+            + self.populating
+            + self.scrubbing
     }
 
     fn committed(&self) -> u64 {
-        self.lent_bytes + self.reserved
+        self.lent_bytes + self.kept_bytes + self.reserved
+    }
+
+    fn add_tenant(&mut self, tenant: &str, bytes: u64) {
+        *self.tenants.entry(tenant.to_string()).or_default() += bytes;
+    }
+
+    fn sub_tenant(&mut self, tenant: &str, bytes: u64) {
+        if let Some(t) = self.tenants.get_mut(tenant) {
+            *t = t.saturating_sub(bytes);
+            if *t == 0 {
+                self.tenants.remove(tenant);
+            }
+        }
+    }
+
+    /// Forgets what `owner` said it keeps; the bytes.
+    fn unkeep(&mut self, owner: Owner) -> u64 {
+        match self.kept.remove(&owner) {
+            Some((tenant, b)) => {
+                self.kept_bytes -= b;
+                self.sub_tenant(&tenant, b);
+                b
+            }
+            None => 0,
+        }
     }
 
     /// What the thread keeps ready: `min(max(floor, wanted - lent), size - lent)`.
@@ -617,6 +651,7 @@ impl Pool {
     /// Takes back everything lent to `owner` (its connection closed). Returns the bytes.
     pub fn release_owner(&self, owner: Owner) -> u64 {
         let mut st = self.inner.lock();
+        st.unkeep(owner);
         let ids: Vec<u64> = st
             .lent
             .iter()
@@ -647,6 +682,32 @@ impl Pool {
         self.inner.changed.notify_all();
     }
 
+    /// `owner` (a client after an arbiter restart) still maps `bytes` of slices an
+    /// earlier arbiter lent it: they count against the size (as much as there is room
+    /// for, ready slices given up first) until the owner says otherwise or goes.
+    /// Replaces what it said before; returns the bytes counted.
+    pub fn keep(&self, owner: Owner, tenant: &str, bytes: u64) -> u64 {
+        let cfg = self.inner.cfg;
+        let mut st = self.inner.lock();
+        st.unkeep(owner);
+        let busy = st.held() - st.ready_bytes;
+        let counted = bytes.min(cfg.size.saturating_sub(busy));
+        if counted > 0 {
+            st.kept.insert(owner, (tenant.to_string(), counted));
+            st.kept_bytes += counted;
+            st.add_tenant(tenant, counted);
+            // Ready slices past the size go back to the kernel.
+            while st.held() > cfg.size {
+                let Some(s) = st.ready.pop() else { break };
+                st.ready_bytes -= s.bytes;
+            }
+        }
+        st.idle = false;
+        drop(st);
+        self.inner.changed.notify_all();
+        counted
+    }
+
     /// How much the arbiter expects to lend soon; the thread keeps
     /// `min(max(floor, wanted - lent), size - lent)` ready.
     pub fn set_wanted(&self, bytes: u64) {
@@ -668,7 +729,7 @@ impl Pool {
             wanted: st.wanted,
             populated: st.ready_bytes + st.lent_bytes,
             ready: st.ready_bytes,
-            lent: st.lent_bytes,
+            lent: st.lent_bytes + st.kept_bytes,
             populating: st.populating + st.take_populating,
             scrubbing: st.scrubbing,
             memfds: st.ready.len() + st.lent.len() + st.scrub.len(),

@@ -1695,7 +1695,13 @@ fn handle_client_msg(
             }
             (uuid, outs)
         }
-        (ClientMsg::PoolOpen | ClientMsg::PoolTake { .. } | ClientMsg::PoolGive { .. }, _) => {
+        (
+            ClientMsg::PoolOpen
+            | ClientMsg::PoolTake { .. }
+            | ClientMsg::PoolGive { .. }
+            | ClientMsg::PoolKept { .. },
+            _,
+        ) => {
             peer.send(&ArbiterMsg::Error {
                 code: ErrorCode::InvalidArgument,
                 message: "swap pool messages belong on a pool connection (opened with pool_open)"
@@ -1782,7 +1788,8 @@ fn handle_client_msg(
                 | ClientMsg::Admit { .. }
                 | ClientMsg::PoolOpen
                 | ClientMsg::PoolTake { .. }
-                | ClientMsg::PoolGive { .. } => Vec::new(),
+                | ClientMsg::PoolGive { .. }
+                | ClientMsg::PoolKept { .. } => Vec::new(),
             };
             (uuid, outs)
         }

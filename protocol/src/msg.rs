@@ -250,6 +250,13 @@ pub enum ClientMsg {
     PoolGive {
         ids: Vec<u64>,
     },
+    /// On a pool connection: this process still maps `bytes` of slices that an
+    /// earlier arbiter (before a restart) lent it. The arbiter counts them against
+    /// the pool (within what the process may hold) until the next `pool_kept` or the
+    /// connection's end. Sent after `pool_opened` and whenever the figure changes.
+    PoolKept {
+        bytes: u64,
+    },
 }
 
 /// Most bytes one [`ClientMsg::PoolTake`] asks for.

@@ -106,6 +106,9 @@ pub fn map(size: u64) -> Option<*mut u8> {
                 st.conn = Some(c);
                 st.generation += 1;
                 st.retry_at = None;
+                // Slices an earlier arbiter lent and this process still maps: the
+                // new one counts them against its pool.
+                tell_kept(st);
             }
             Err(why) => {
                 crate::kdebug!(
@@ -177,20 +180,37 @@ pub fn unmap(p: *mut u8) -> bool {
     // SAFETY: the mapping `map` made of `m.len` bytes at `p`; its owner is done with it
     // (and unregistered it from the driver).
     unsafe { libc::munmap(p.cast(), m.len) };
-    if m.generation == st.generation {
-        if let Some(conn) = st.conn.as_mut() {
-            for ids in m.ids.chunks(MAX_POOL_GIVE_IDS) {
-                if conn
-                    .send(&ClientMsg::PoolGive { ids: ids.to_vec() })
-                    .is_err()
-                {
-                    drop_conn(st);
-                    break;
-                }
+    if m.generation != st.generation {
+        tell_kept(st);
+    } else if let Some(conn) = st.conn.as_mut() {
+        for ids in m.ids.chunks(MAX_POOL_GIVE_IDS) {
+            if conn
+                .send(&ClientMsg::PoolGive { ids: ids.to_vec() })
+                .is_err()
+            {
+                drop_conn(st);
+                break;
             }
         }
     }
     true
+}
+
+/// Tells the pool connection how much this process maps of slices lent on earlier
+/// connections (0 included, so a figure said before is withdrawn).
+fn tell_kept(st: &mut State) {
+    let generation = st.generation;
+    let kept: u64 = st
+        .maps
+        .values()
+        .filter(|m| m.generation != generation)
+        .map(|m| m.len as u64)
+        .sum();
+    if let Some(conn) = st.conn.as_mut() {
+        if conn.send(&ClientMsg::PoolKept { bytes: kept }).is_err() {
+            drop_conn(st);
+        }
+    }
 }
 
 /// Forgets a broken connection (its lent slices stay mapped until freed) and tries

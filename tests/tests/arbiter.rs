@@ -477,8 +477,24 @@ fn swap_budget_from_config_and_flag() {
     for (args, want) in [
         (vec!["--config", path], Some(64 * MIB)),
         (vec!["--config", path, "--swap-budget", "1GiB"], Some(GIB)),
-        (vec!["--config", path, "--swap-budget", "0"], None),
+        (
+            vec!["--config", path, "--swap-budget", "0", "--swap-pool", "off"],
+            None,
+        ),
         (vec!["--swap-budget", "512MiB"], Some(512 * MIB)),
+        // The swap pool bounds the budget: the smaller of both.
+        (
+            vec!["--swap-budget", "0", "--swap-pool", "256MiB"],
+            Some(256 * MIB),
+        ),
+        (
+            vec!["--swap-budget", "1GiB", "--swap-pool", "256MiB"],
+            Some(256 * MIB),
+        ),
+        (
+            vec!["--swap-budget", "128MiB", "--swap-pool", "256MiB"],
+            Some(128 * MIB),
+        ),
     ] {
         let arb = Arbiter::start(&args);
         let (_, _, told) = register_full(&arb, "GPU-cfg", GIB);

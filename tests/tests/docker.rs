@@ -382,6 +382,20 @@ fn docker_runs_claimed_and_unclaimed_containers_and_a_simulated_pair_takes_turns
     let sim_name = format!("kiwi-docker-{}", std::process::id());
     let _sim = SimReset(sim_name.clone());
     let volume = format!("{}:/out", out_dir.display());
+    // A GPU's memory is no container's: the simulated GPU's is populated from here,
+    // so each container's memory limit pays only for its host work (issue #37).
+    {
+        let cfg = kiwi_sim_core::SimConfig::from_lookup(|k| match k {
+            "KIWI_SIM_NAME" => Some(sim_name.clone()),
+            "KIWI_SIM_MEMORY" => Some("1GiB".into()),
+            "KIWI_SIM_CONTEXT_MEMORY" => Some("48MiB".into()),
+            _ => None,
+        })
+        .unwrap();
+        kiwi_sim_core::Machine::open(&cfg)
+            .and_then(|m| m.populate(0))
+            .unwrap_or_else(|e| panic!("populate the simulated GPU: {e}"));
+    }
     let start = |tag: &str| {
         let (sim, stats) = (
             format!("KIWI_SIM_NAME={sim_name}"),
@@ -396,6 +410,13 @@ fn docker_runs_claimed_and_unclaimed_containers_and_a_simulated_pair_takes_turns
             "none",
             "--ipc=host",
             "--pid=host",
+            // Below the 700 MiB each swaps out: the node's swap pool holds it, not
+            // the container's memory (issue #37; with `--swap-pool off` the first
+            // container is OOM-killed at its first swap-out).
+            "--memory",
+            "384m",
+            "--memory-swap",
+            "384m",
             UNCONFINED,
             "-v",
             &volume,

@@ -456,3 +456,31 @@ fn default_size_is_half_of_available_at_least_256_mib() {
     assert_eq!(default_size_from("MemAvailable: 1048577 kB\n") % UNIT, 0);
     assert!(default_size() >= MIN_DEFAULT_SIZE);
 }
+
+#[test]
+fn slices_an_earlier_arbiter_lent_count_until_their_owner_lets_go() {
+    let p = pool(64 * M, 32 * M, 8 * M);
+    assert_eq!(settled(&p).ready, 32 * M);
+    // A client kept 48 MiB of a dead arbiter's slices: counted, ready given up for it.
+    assert_eq!(p.keep(7, "team/nb", 48 * M), 48 * M);
+    let s = p.stats();
+    assert_eq!(s.lent, 48 * M);
+    assert!(s.ready + s.lent <= 64 * M, "{s:?}");
+    assert_eq!(s.tenants, vec![("team/nb".to_string(), 48 * M)]);
+    // The room left is the size less what is kept.
+    assert!(matches!(
+        p.take(1, "other", 24 * M),
+        Err(PoolError::Full { .. })
+    ));
+    let lent = p.take(1, "other", 16 * M).expect("16 MiB fit beside it");
+    // More than there is room for: counted up to the size.
+    assert_eq!(p.keep(7, "team/nb", 100 * M), 48 * M);
+    // It lets go (a smaller figure, then its connection ends): the room comes back.
+    assert_eq!(p.keep(7, "team/nb", 8 * M), 8 * M);
+    assert_eq!(p.stats().lent, 16 * M + 8 * M);
+    p.release_owner(7);
+    p.give(1, &ids(&lent));
+    let s = settled(&p);
+    assert_eq!(s.lent, 0);
+    assert!(s.tenants.is_empty(), "{s:?}");
+}

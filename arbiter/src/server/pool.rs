@@ -116,6 +116,10 @@ pub(super) async fn serve(
                     }
                     // The descriptors sent are the client's now; ours close here.
                 }
+                ClientMsg::PoolKept { bytes } => {
+                    let may = allowance(&shared, host_pid).saturating_add(SLACK);
+                    pool.keep(conn_id, &tenant, bytes.min(may));
+                }
                 ClientMsg::PoolGive { ids } => {
                     held = held.saturating_sub(pool.give(conn_id, &ids));
                 }
@@ -202,20 +206,12 @@ async fn take(
     bytes: u64,
     ahead: bool,
 ) -> Result<(ArbiterMsg, Vec<crate::pool::Lent>), String> {
-    let (allowance, need, swapped) = {
+    let allowance = allowance(shared, host_pid);
+    let (need, swapped) = {
         let st = shared.lock();
-        let allowance = st
-            .clients
-            .iter()
-            .filter(|(_, c)| c.process.is_some_and(|(pid, _)| pid == host_pid))
-            .filter_map(|(id, c)| {
-                let g = st.gpus.get(c.gpu.as_ref()?)?;
-                Some(g.sched.working_set_of(*id))
-            })
-            .fold(0u64, u64::saturating_add);
         let need = crate::swap::node_swap_need(st.gpus.values().map(|g| &g.sched));
         let swapped = crate::swap::node_swapped_bytes(st.gpus.values().map(|g| &g.sched));
-        (allowance, need, swapped)
+        (need, swapped)
     };
     if allowance == 0 {
         return Err(format!(
@@ -257,6 +253,19 @@ async fn take(
         }
         Err(e) => Err(refusal(&e)),
     }
+}
+
+/// What one process may borrow: the working sets its registered clients report.
+fn allowance(shared: &Shared, host_pid: u32) -> u64 {
+    let st = shared.lock();
+    st.clients
+        .iter()
+        .filter(|(_, c)| c.process.is_some_and(|(pid, _)| pid == host_pid))
+        .filter_map(|(id, c)| {
+            let g = st.gpus.get(c.gpu.as_ref()?)?;
+            Some(g.sched.working_set_of(*id))
+        })
+        .fold(0u64, u64::saturating_add)
 }
 
 /// One line for a refused take: the pool, and who fills it.
