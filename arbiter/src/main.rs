@@ -181,7 +181,12 @@ fn run() -> Result<()> {
             .unwrap_or(cfg.arbiter.event_log_capacity)
             .max(1),
         metrics_addr: args.metrics_addr.or(cfg.arbiter.metrics_addr.clone()),
-        swap_budget_bytes: (swap_budget_bytes > 0).then_some(swap_budget_bytes),
+        // The pool bounds the budget (the smaller of both), said in the start line.
+        swap_budget_bytes: match (swap_budget_bytes, &swap_pool) {
+            (0, None) => None,
+            (0, Some(p)) => Some(p.size),
+            (b, p) => Some(p.as_ref().map_or(b, |p| b.min(p.size))),
+        },
         gpus: loaded.truth,
         used_memory: loaded.used,
         startup_lines: vec![loaded.line, checkpoint_line],

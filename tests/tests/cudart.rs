@@ -1106,8 +1106,13 @@ fn code_loaded_inside_a_launch_is_counted_from_the_drivers_figure() {
             _ => None,
         })
     };
+    // The driver's figure is judged over three looks a second apart; while A's
+    // start-up (its swap-in, its first burst) spans them on a loaded host, a look can
+    // see memory its batched reports have not claimed yet, and the first figure runs
+    // high until the next looks correct it. What counts is where it settles.
+    let library = 448 << 20..=576 << 20;
     let deadline = Instant::now() + Duration::from_secs(30);
-    while counted(a_pid).is_none() && Instant::now() < deadline {
+    while !counted(a_pid).is_some_and(|c| library.contains(&c)) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));
     }
     let code = counted(a_pid);
@@ -1149,7 +1154,7 @@ fn code_loaded_inside_a_launch_is_counted_from_the_drivers_figure() {
     ends_ok("B (TensorFlow's pattern)", &ob);
     let code = code.unwrap_or_else(|| panic!("A's code was never counted: {}", text(&oa)));
     assert!(
-        (448 << 20..=576 << 20).contains(&code),
+        library.contains(&code),
         "counted {} MiB of A's as unreported, not its 512 MiB library: {}",
         code >> 20,
         text(&oa)
