@@ -970,6 +970,14 @@ pub async fn serve(
     Ok(())
 }
 
+/// Sleeps until `deadline`; forever without one.
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending::<()>().await,
+    }
+}
+
 async fn run_timers(shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
     loop {
         let wait = {
@@ -1285,12 +1293,7 @@ async fn client_connection(
         }
         let want_write = peer.has_pending();
         let deadline = register_by.into_iter().chain(frame_by).min();
-        let expired = async {
-            match deadline {
-                Some(d) => tokio::time::sleep_until(d).await,
-                None => std::future::pending::<()>().await,
-            }
-        };
+        let expired = sleep_until(deadline);
         tokio::select! {
             r = stream.readable() => {
                 if r.is_err() { break; }

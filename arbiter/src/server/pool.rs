@@ -145,12 +145,7 @@ pub(super) async fn serve(
             .await;
             break;
         }
-        let expired = async {
-            match frame_by {
-                Some(d) => tokio::time::sleep_until(d).await,
-                None => std::future::pending::<()>().await,
-            }
-        };
+        let expired = super::sleep_until(frame_by);
         tokio::select! {
             r = stream.readable() => {
                 if r.is_err() { break; }
