@@ -512,6 +512,20 @@ impl GpuScheduler {
         self.working_sets()
     }
 
+    /// GPU memory process `host_pid` holds on this GPU: the driver's figure where it
+    /// has one, else what its client reports resident and unswappable. What a
+    /// checkpoint of the process would keep in its host memory.
+    pub fn process_device_bytes(&self, host_pid: u32) -> u64 {
+        self.clients
+            .values()
+            .filter(|c| host_pid != 0 && c.info.host_pid == host_pid)
+            .map(|c| {
+                c.driver_bytes
+                    .unwrap_or(c.usage.resident_bytes.saturating_add(c.unswappable))
+            })
+            .fold(0u64, u64::saturating_add)
+    }
+
     /// Whether client `id` registered with `bounds` (it takes this version's notices).
     pub fn takes_notices(&self, id: ClientId) -> bool {
         self.clients.get(&id).is_some_and(|c| c.info.notices)

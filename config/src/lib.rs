@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize};
 
+pub mod cgroup;
 pub mod containers;
 pub mod report;
 pub use report::one_line;

@@ -357,3 +357,83 @@ fn a_process_checkpointed_for_long_says_why_its_calls_wait() {
     );
     says_why_while_checkpointed(&outs, &events, &log);
 }
+
+/// Issue #37, item 4: the driver keeps a checkpointed process's GPU memory in that
+/// process's host memory, which its memory limit pays for. An idle notebook in a
+/// memory cgroup with less room than its GPU memory is not checkpointed (the kernel
+/// would kill it): the event log says why, and it verifies every byte, whatever the
+/// holder that wanted the room can then do.
+#[test]
+fn a_process_whose_memory_limit_cannot_hold_its_gpu_memory_is_not_checkpointed() {
+    let m = SimMachine::new("ckpt-cg", 1, 4096 * MIB)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_env("KIWI_SIM_CONTEXT_MEMORY", "300MiB");
+    // Its device memory is the GPU's, not the notebook's (populated from here).
+    m.populate().unwrap_or_else(|e| panic!("{e}"));
+    let arb = Arbiter::start_evicting(&["--tq", "1"], m.env());
+    let Some(cg) = kiwi_tests::MemCgroup::new("ckpt", 192 * MIB) else {
+        return;
+    };
+    let mut cmd = cg.command(
+        &kiwi_tests::bin("gpuburst"),
+        &[
+            "--mem",
+            "300MiB",
+            "--script",
+            "gpu:100,idle:6000,gpu:100",
+            "--verify",
+            "--name",
+            "idle",
+        ],
+    );
+    m.apply(&mut cmd)
+        .env("KIWI_LOG", "info")
+        .env("KIWI_POD_NAME", "idle")
+        .env("LD_PRELOAD", profile_dir().join("libkiwi.so"))
+        .env("KIWI_SOCKET_DIR", arb.socket_dir())
+        .env("KIWI_REQUIRE_ARBITER", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let idle = cmd.spawn().expect("spawn the idle notebook");
+    kiwi_tests::wait_until(
+        "the idle notebook's memory",
+        Duration::from_secs(30),
+        || {
+            arb.status()
+                .gpus
+                .iter()
+                .any(|g| g.clients.iter().any(|c| c.resident_bytes >= 300 * MIB))
+        },
+    );
+    // 3700 MiB beside two 300 MiB contexts: only a checkpoint of the idle notebook
+    // (its context goes only with its process) would make room.
+    let holder = burst(
+        &m,
+        &arb,
+        "holder",
+        &["--mem", "3700MiB", "--script", "gpu:2000"],
+    );
+    let (_, hhung) = finish(holder, Duration::from_secs(90));
+    let (io, ihung) = finish(idle, Duration::from_secs(90));
+    let events = arb.events();
+    let log = log_of(&events);
+    assert!(!hhung, "the holder hung\n{log}");
+    assert!(
+        !ihung && io.status.success() && cg.oom_kills() == 0,
+        "the idle notebook verifies and is not killed (OOM kills {}): {}\n{log}",
+        cg.oom_kills(),
+        text(&io)
+    );
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e.kind, EventKind::Checkpoint { .. })),
+        "nobody was checkpointed\n{log}"
+    );
+    assert!(
+        events.iter().any(|e| matches!(&e.kind,
+            EventKind::CheckpointSkipped { reason } if reason.contains("memory limit has"))),
+        "the event log says why it was not checkpointed\n{log}"
+    );
+}

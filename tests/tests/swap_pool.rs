@@ -3,107 +3,15 @@
 //! device memory (since #37) lives outside every process as a GPU's does, with real
 //! memory cgroups (v1 or v2, whichever the machine has), real processes and sockets.
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use kiwi_protocol::EventKind;
 use kiwi_sim_core::harness::SimMachine;
-use kiwi_tests::{bin, finish_within, output_text, wait_until, Arbiter};
+use kiwi_tests::{bin, finish_within, output_text, wait_until, Arbiter, MemCgroup};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
-
-/// A memory cgroup of its own, removed when dropped (its processes gone).
-struct MemCgroup {
-    dir: PathBuf,
-    v2: bool,
-}
-
-impl MemCgroup {
-    /// A fresh memory cgroup limited to `limit` bytes; `None` where the machine has no
-    /// memory controller this test can use (a failure under `CI=true`).
-    fn new(tag: &str, limit: u64) -> Option<MemCgroup> {
-        let name = format!("kiwi-test-{tag}-{}", std::process::id());
-        let v2_root = PathBuf::from("/sys/fs/cgroup");
-        let v2 = std::fs::read_to_string(v2_root.join("cgroup.controllers"))
-            .is_ok_and(|c| c.split_whitespace().any(|w| w == "memory"));
-        let (dir, file) = if v2 {
-            // The controller must be on for children of the root.
-            let _ = std::fs::write(v2_root.join("cgroup.subtree_control"), "+memory");
-            (v2_root.join(&name), "memory.max")
-        } else {
-            let v1 = PathBuf::from("/sys/fs/cgroup/memory");
-            if !v1.join("memory.limit_in_bytes").exists() {
-                assert!(
-                    !kiwi_tests::engines::is_ci(),
-                    "no memory cgroup (v1 or v2) on this machine: the swap pool's test needs one"
-                );
-                eprintln!("skipped: no memory cgroup on this machine");
-                return None;
-            }
-            (v1.join(&name), "memory.limit_in_bytes")
-        };
-        let _ = std::fs::remove_dir(&dir);
-        std::fs::create_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-        std::fs::write(dir.join(file), limit.to_string())
-            .unwrap_or_else(|e| panic!("{}/{file}: {e}", dir.display()));
-        Some(MemCgroup { dir, v2 })
-    }
-
-    /// `program args…` started inside the cgroup (a shell moves itself in, then execs).
-    fn command(&self, program: &std::path::Path, args: &[&str]) -> Command {
-        let mut cmd = Command::new("/bin/sh");
-        cmd.arg("-c")
-            .arg("echo $$ > \"$0/cgroup.procs\" && exec \"$@\"")
-            .arg(&self.dir)
-            .arg(program)
-            .args(args);
-        cmd
-    }
-
-    /// Whether the kernel's OOM killer acted in the cgroup.
-    fn oom_kills(&self) -> u64 {
-        if self.v2 {
-            let ev = std::fs::read_to_string(self.dir.join("memory.events")).unwrap_or_default();
-            ev.lines()
-                .find_map(|l| l.strip_prefix("oom_kill "))
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(0)
-        } else {
-            let ctl =
-                std::fs::read_to_string(self.dir.join("memory.oom_control")).unwrap_or_default();
-            ctl.lines()
-                .find_map(|l| l.strip_prefix("oom_kill "))
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(0)
-        }
-    }
-
-    /// The most memory the cgroup was charged at once.
-    fn peak(&self) -> u64 {
-        let f = if self.v2 {
-            "memory.peak"
-        } else {
-            "memory.max_usage_in_bytes"
-        };
-        std::fs::read_to_string(self.dir.join(f))
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
-    }
-}
-
-impl Drop for MemCgroup {
-    fn drop(&mut self) {
-        for _ in 0..100 {
-            if std::fs::remove_dir(&self.dir).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
 
 fn gpuburst(m: &SimMachine, arb: &Arbiter, mut cmd: Command, pool: bool) -> Child {
     m.apply(&mut cmd)

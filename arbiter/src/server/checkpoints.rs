@@ -82,22 +82,42 @@ pub(super) async fn run(
                 return;
             }
         };
-        let skip = {
+        let (skip, keeps) = {
             let st = shared.lock();
             if !st.clients.contains_key(&job.id) {
                 continue;
             }
-            refuse(&st, &job)
+            let keeps: u64 = st
+                .gpus
+                .values()
+                .map(|g| g.sched.process_device_bytes(job.pid))
+                .fold(0, u64::saturating_add);
+            (refuse(&st, &job), keeps)
         };
-        let outcome = match skip {
-            Some(why) => Err(CheckpointFailure {
+        // The driver keeps a checkpointed process's GPU memory in that process's
+        // host memory, which its memory limit pays for: where that has no room, the
+        // checkpoint would have the kernel kill it. Skipped, and tried again later.
+        let short = (!job.restore && skip.is_none())
+            .then(|| kiwi_config::cgroup::memory_room(job.pid))
+            .flatten()
+            .filter(|&room| room < keeps);
+        let outcome = match (skip, short) {
+            (Some(why), _) => Err(CheckpointFailure {
                 reason: format!(
                     "{} skipped: {why}",
                     if job.restore { "restore" } else { "checkpoint" }
                 ),
                 permanent: true,
             }),
-            None => {
+            (None, Some(room)) => Err(CheckpointFailure {
+                reason: format!(
+                    "checkpoint skipped: the driver would keep its {} MiB of GPU memory in the process, and its memory limit has {} MiB free",
+                    keeps >> 20,
+                    room >> 20
+                ),
+                permanent: false,
+            }),
+            (None, None) => {
                 let c = checkpointer.clone();
                 let (pid, restore) = (job.pid, job.restore);
                 let ran = tokio::task::spawn_blocking(move || {
