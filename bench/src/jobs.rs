@@ -136,13 +136,30 @@ impl Sim {
                 kiwi_sim_core::knobs::DEFAULT_PAGEABLE_D2H_GBPS.to_string(),
             )
             .env("KIWI_SIM_PCIE_GBPS", self.pcie_gbps.to_string())
-            // A GPU's memory exists before it is allocated (`docs/simulator.md`).
-            .env("KIWI_SIM_PREPARE", "1")
             .env("KIWI_SIM_HBM_GBPS", COSTS.hbm_gbps.to_string());
         match &self.trace {
             Some(t) => cmd.env("KIWI_SIM_TRACE", t),
             None => cmd.env_remove("KIWI_SIM_TRACE"),
         }
+    }
+}
+
+impl Sim {
+    /// The machine with its GPU's memory populated from here: a GPU's memory exists
+    /// before anyone allocates it, so a measured process pays no host page faults for
+    /// fresh device memory (`docs/simulator.md`). For the one-GPU machines whose
+    /// figures are hand-offs and swaps.
+    pub fn populated(tag: &str, memory: u64) -> Result<Sim> {
+        let sim = Sim::new(tag, memory);
+        let cfg = kiwi_sim_core::SimConfig::from_lookup(|k| match k {
+            "KIWI_SIM_NAME" => Some(sim.name.clone()),
+            "KIWI_SIM_MEMORY" => Some(memory.to_string()),
+            "KIWI_SIM_CONTEXT_MEMORY" => Some(COSTS.context_memory.to_string()),
+            _ => None,
+        })?;
+        let m = kiwi_sim_core::Machine::open(&cfg)?;
+        m.populate(0)?;
+        Ok(sim)
     }
 }
 

@@ -298,10 +298,10 @@ impl Observed {
     }
 }
 
-fn traced_sim(tag: &str, dir: &Path) -> Sim {
-    let mut sim = Sim::new(tag, GPU);
+fn traced_sim(tag: &str, dir: &Path) -> Result<Sim> {
+    let mut sim = Sim::populated(tag, GPU)?;
     sim.trace = Some(dir.join("trace"));
-    sim
+    Ok(sim)
 }
 
 fn ms(ns: u64) -> f64 {
@@ -315,7 +315,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// A's swap-out and swap-in, each alone on the link, in ms (medians, the first
 /// swap-out and swap-in left out: those are cold), and the MiB moved.
 fn swaps_alone(b: &Build, mem: u64, cycles: u32, pcie_gbps: f64) -> Result<(f64, f64, f64)> {
-    let mut sim = Sim::new("alone", GPU);
+    let mut sim = Sim::populated("alone", GPU)?;
     sim.pcie_gbps = pcie_gbps;
     // A TQ well above a swap, so each of A's turns runs work after its swap-in.
     let arb = ArbiterProc::start(1.0, &[])?;
@@ -414,7 +414,7 @@ fn measure_handoffs(b: &Build, mem: u64, quick: bool, pcie_gbps: f64) -> Result<
     // starts once A runs, so the first hand-off is the first ever: A's first
     // swap-out, B's first turn.
     let dir = tempfile::tempdir()?;
-    let mut sim = traced_sim("handoff", dir.path());
+    let mut sim = traced_sim("handoff", dir.path())?;
     sim.pcie_gbps = pcie_gbps;
     // A TQ well above a swap (with the costs on, a cold one takes a second), so
     // every turn runs work: the TQ counts from the grant, swap-in included.
@@ -478,7 +478,7 @@ fn measure_handoffs(b: &Build, mem: u64, quick: bool, pcie_gbps: f64) -> Result<
 fn swap_out_after_growth(b: &Build, pageable: bool) -> Result<(f64, f64, f64)> {
     const BASE: u64 = 64 << 20;
     const GROWN: u64 = 1536 << 20;
-    let sim = Sim::new("growth", 4 << 30);
+    let sim = Sim::populated("growth", 4 << 30)?;
     let (d2h, _) = crate::shimbench::pinned_copy_rates(b, &sim)?;
     // TQ 50 ms: the drop comes as soon as the other asks.
     let arb = ArbiterProc::start(0.05, &[])?;
@@ -700,7 +700,7 @@ pub fn idle_partner(quick: bool) -> Result<Vec<Figure>> {
     let b = Build::find()?;
     let mem = job_mem(70);
     let dir = tempfile::tempdir()?;
-    let sim = traced_sim("idlepartner", dir.path());
+    let sim = traced_sim("idlepartner", dir.path())?;
     // Idle eviction after 1 s: A computes once, then idles; B, idle until then,
     // asks for the GPU after A has been idle long enough to be evicted.
     let arb = ArbiterProc::start(5.0, &["--idle-evict-ms", "1000"])?;
@@ -762,7 +762,7 @@ pub fn early_release(quick: bool) -> Result<Vec<Figure>> {
     let b = Build::find()?;
     let mem = job_mem(70);
     let dir = tempfile::tempdir()?;
-    let sim = traced_sim("early", dir.path());
+    let sim = traced_sim("early", dir.path())?;
     // A TQ no turn reaches: every hand-off is an early release by an idle holder
     // while the other waits.
     let arb = ArbiterProc::start(30.0, &[])?;

@@ -494,7 +494,7 @@ pub fn events_at(socket_dir: &std::path::Path) -> Result<Vec<Event>> {
 
 /// Two apps of 70% of the GPU under Kiwi, taking turns, with `env`; the arbiter's log.
 fn contend(b: &Build, job: Job, tq: f64, env: &[(&str, &str)]) -> Result<Vec<Event>> {
-    let sim = Sim::new("swap", GPU);
+    let sim = Sim::populated("swap", GPU)?;
     let arb = ArbiterProc::start(tq, &[])?;
     let kids = vec![
         spawn_job_with(b, &sim, job, 1, Some(arb.socket_dir()), env)?,

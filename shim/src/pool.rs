@@ -47,16 +47,34 @@ struct Mapping {
     generation: u64,
 }
 
+/// The pool connection, held across a round trip to the arbiter (a take may wait
+/// for the arbiter to populate memory).
 #[derive(Default)]
 struct State {
     conn: Option<Conn>,
     generation: u64,
     retry_at: Option<Instant>,
     said_at: Option<Instant>,
+}
+
+/// What this process maps and owes the arbiter: held for moments only, never across
+/// a round trip, so that freeing a buffer (a turn's thread, after a swap-in) never
+/// waits behind a take in flight.
+#[derive(Default)]
+struct Books {
     maps: HashMap<usize, Mapping>,
+    /// Slices unmapped while the connection was busy: (connection, ids), given back
+    /// with the next message.
+    owed: Vec<(u64, Vec<u64>)>,
+    /// Bumped when the connection changes; the owed ids of older ones are dropped.
+    generation: u64,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
+static BOOKS: Mutex<Option<Books>> = Mutex::new(None);
+/// How long a swap-out on the critical path waits for the connection while another
+/// thread's take is in flight, before it uses the process's own memory.
+const BUSY_WAIT: Duration = Duration::from_millis(200);
 /// The pool connection's descriptor, closed in a forked child ([`close_in_child`]).
 static CONN_FD: AtomicI32 = AtomicI32::new(-1);
 
@@ -75,6 +93,29 @@ fn lock() -> MutexGuard<'static, Option<State>> {
     STATE.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+fn books() -> MutexGuard<'static, Option<Books>> {
+    BOOKS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The connection's lock; a thread preparing ahead waits for it, a swap-out on the
+/// critical path at most [`BUSY_WAIT`] (`None`: busy, use the process's memory).
+fn lock_for(ahead: bool) -> Option<MutexGuard<'static, Option<State>>> {
+    if ahead {
+        return Some(lock());
+    }
+    let until = Instant::now() + BUSY_WAIT;
+    loop {
+        match STATE.try_lock() {
+            Ok(g) => return Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => return Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) if Instant::now() < until => {
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        }
+    }
+}
+
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("KIWI_SWAP_POOL").map_or(true, |v| v != "0"))
@@ -82,9 +123,9 @@ fn enabled() -> bool {
 
 /// Whether `p` is a buffer [`map`] returned and [`unmap`] has not taken back.
 pub fn owns(p: *mut u8) -> bool {
-    lock()
+    books()
         .as_ref()
-        .is_some_and(|s| s.maps.contains_key(&(p as usize)))
+        .is_some_and(|b| b.maps.contains_key(&(p as usize)))
 }
 
 /// A buffer of at least `size` bytes of the node's swap pool, mapped read-write,
@@ -95,7 +136,7 @@ pub fn map(size: u64) -> Option<*mut u8> {
         return None;
     }
     let ahead = AHEAD.with(Cell::get);
-    let mut g = lock();
+    let mut g = lock_for(ahead)?;
     let st = g.get_or_insert_with(State::default);
     if st.conn.is_none() {
         if st.retry_at.is_some_and(|t| Instant::now() < t) {
@@ -106,6 +147,7 @@ pub fn map(size: u64) -> Option<*mut u8> {
                 st.conn = Some(c);
                 st.generation += 1;
                 st.retry_at = None;
+                books().get_or_insert_with(Books::default).generation = st.generation;
                 // Slices an earlier arbiter lent and this process still maps: the
                 // new one counts them against its pool.
                 tell_kept(st);
@@ -119,6 +161,7 @@ pub fn map(size: u64) -> Option<*mut u8> {
             }
         }
     }
+    give_owed(st);
     let conn = st.conn.as_mut()?;
     let answer = conn
         .send(&ClientMsg::PoolTake { bytes: size, ahead })
@@ -131,7 +174,7 @@ pub fn map(size: u64) -> Option<*mut u8> {
             match map_slices(&fds, &lens, size) {
                 Some((p, len)) => {
                     let generation = st.generation;
-                    st.maps.insert(
+                    books().get_or_insert_with(Books::default).maps.insert(
                         p as usize,
                         Mapping {
                             len,
@@ -167,45 +210,72 @@ pub fn map(size: u64) -> Option<*mut u8> {
     }
 }
 
-/// Takes back a buffer [`map`] returned: unmaps it and gives its slices back.
-/// `false`: `p` is not one (the caller frees its own memory).
+/// Takes back a buffer [`map`] returned: unmaps it and gives its slices back (with
+/// the connection's next message when another thread is using it: this never waits
+/// for a round trip). `false`: `p` is not one (the caller frees its own memory).
 pub fn unmap(p: *mut u8) -> bool {
-    let mut g = lock();
-    let Some(st) = g.as_mut() else {
-        return false;
-    };
-    let Some(m) = st.maps.remove(&(p as usize)) else {
-        return false;
+    let (m, current) = {
+        let mut b = books();
+        let Some(books) = b.as_mut() else {
+            return false;
+        };
+        let Some(m) = books.maps.remove(&(p as usize)) else {
+            return false;
+        };
+        (m, books.generation)
     };
     // SAFETY: the mapping `map` made of `m.len` bytes at `p`; its owner is done with it
     // (and unregistered it from the driver).
     unsafe { libc::munmap(p.cast(), m.len) };
-    if m.generation != st.generation {
-        tell_kept(st);
-    } else if let Some(conn) = st.conn.as_mut() {
-        for ids in m.ids.chunks(MAX_POOL_GIVE_IDS) {
-            if conn
-                .send(&ClientMsg::PoolGive { ids: ids.to_vec() })
-                .is_err()
-            {
-                drop_conn(st);
-                break;
+    if m.generation == current {
+        if let Some(b) = books().as_mut() {
+            b.owed.push((m.generation, m.ids));
+        }
+    }
+    // Given now where the connection is free; else by whoever takes it next.
+    if let Ok(mut g) = STATE.try_lock() {
+        if let Some(st) = g.as_mut() {
+            give_owed(st);
+            if m.generation != current {
+                tell_kept(st);
             }
         }
     }
     true
 }
 
+/// Gives back the slices unmapped since the last message, on the connection they
+/// were lent on (older ones' ids mean nothing to this arbiter: dropped).
+fn give_owed(st: &mut State) {
+    let owed = std::mem::take(&mut books().get_or_insert_with(Books::default).owed);
+    let generation = st.generation;
+    let Some(conn) = st.conn.as_mut() else {
+        return;
+    };
+    for (_, ids) in owed.into_iter().filter(|(g, _)| *g == generation) {
+        for ids in ids.chunks(MAX_POOL_GIVE_IDS) {
+            if conn
+                .send(&ClientMsg::PoolGive { ids: ids.to_vec() })
+                .is_err()
+            {
+                drop_conn(st);
+                return;
+            }
+        }
+    }
+}
+
 /// Tells the pool connection how much this process maps of slices lent on earlier
 /// connections (0 included, so a figure said before is withdrawn).
 fn tell_kept(st: &mut State) {
     let generation = st.generation;
-    let kept: u64 = st
-        .maps
-        .values()
-        .filter(|m| m.generation != generation)
-        .map(|m| m.len as u64)
-        .sum();
+    let kept: u64 = books().as_ref().map_or(0, |b| {
+        b.maps
+            .values()
+            .filter(|m| m.generation != generation)
+            .map(|m| m.len as u64)
+            .sum()
+    });
     if let Some(conn) = st.conn.as_mut() {
         if conn.send(&ClientMsg::PoolKept { bytes: kept }).is_err() {
             drop_conn(st);

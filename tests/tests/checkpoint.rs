@@ -353,7 +353,8 @@ fn a_process_checkpointed_for_long_says_why_its_calls_wait() {
     let err = String::from_utf8_lossy(&outs[1].1.stderr);
     assert!(
         err.contains("is checkpointed to host memory") && err.contains("restored after"),
-        "the idle notebook did not say why it waited: {err}\n{log}"
+        "the idle notebook did not say why it waited: {err}\n--- holder\n{}\n{log}",
+        text(&outs[0].1)
     );
     says_why_while_checkpointed(&outs, &events, &log);
 }
