@@ -15,7 +15,7 @@ use std::cell::Cell;
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -72,9 +72,8 @@ struct Books {
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
 static BOOKS: Mutex<Option<Books>> = Mutex::new(None);
-/// How long a swap-out on the critical path waits for the connection while another
-/// thread's take is in flight, before it uses the process's own memory.
-const BUSY_WAIT: Duration = Duration::from_millis(200);
+/// Swap-outs on the critical path waiting for the connection.
+static CRITICAL: AtomicUsize = AtomicUsize::new(0);
 /// The pool connection's descriptor, closed in a forked child ([`close_in_child`]).
 static CONN_FD: AtomicI32 = AtomicI32::new(-1);
 
@@ -97,23 +96,20 @@ fn books() -> MutexGuard<'static, Option<Books>> {
     BOOKS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The connection's lock; a thread preparing ahead waits for it, a swap-out on the
-/// critical path at most [`BUSY_WAIT`] (`None`: busy, use the process's memory).
+/// The connection's lock. A swap-out on the critical path waits for it (at most one
+/// round trip: freeing never holds it), and says so first, so that the thread preparing
+/// ahead stands back rather than taking it again (`None`: it stands back now).
 fn lock_for(ahead: bool) -> Option<MutexGuard<'static, Option<State>>> {
     if ahead {
+        if CRITICAL.load(Ordering::Acquire) > 0 {
+            return None;
+        }
         return Some(lock());
     }
-    let until = Instant::now() + BUSY_WAIT;
-    loop {
-        match STATE.try_lock() {
-            Ok(g) => return Some(g),
-            Err(std::sync::TryLockError::Poisoned(p)) => return Some(p.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) if Instant::now() < until => {
-                std::thread::sleep(Duration::from_micros(500));
-            }
-            Err(std::sync::TryLockError::WouldBlock) => return None,
-        }
-    }
+    CRITICAL.fetch_add(1, Ordering::AcqRel);
+    let g = lock();
+    CRITICAL.fetch_sub(1, Ordering::AcqRel);
+    Some(g)
 }
 
 fn enabled() -> bool {
