@@ -55,8 +55,8 @@ struct Args {
     /// The node's swap pool (config: [arbiter] swap_pool): host memory the arbiter
     /// owns, populates ahead and lends to clients for their swap-outs, so a pod's
     /// memory limit never pays for its GPU's idle memory. auto (half the host's
-    /// available memory), off (clients swap into their own memory), or a size; its
-    /// size bounds the swap budget too.
+    /// available memory), off (clients swap into their own memory), or a size; it
+    /// bounds a swap budget set beside it.
     #[arg(long, value_name = "auto|off|SIZE")]
     swap_pool: Option<String>,
     /// Bytes of the swap pool populated at start and kept ready (config: [arbiter]
@@ -181,10 +181,12 @@ fn run() -> Result<()> {
             .unwrap_or(cfg.arbiter.event_log_capacity)
             .max(1),
         metrics_addr: args.metrics_addr.or(cfg.arbiter.metrics_addr.clone()),
-        // The pool bounds the budget (the smaller of both), said in the start line.
+        // A budget the operator sets is bounded by the pool (the smaller of both),
+        // said in the start line. Without one, growth is not asked for: an
+        // allocation waits for nobody, and a swap-out the full pool refuses goes to
+        // the process's own memory with a line.
         swap_budget_bytes: match (swap_budget_bytes, &swap_pool) {
-            (0, None) => None,
-            (0, Some(p)) => Some(p.size),
+            (0, _) => None,
             (b, p) => Some(p.as_ref().map_or(b, |p| b.min(p.size))),
         },
         gpus: loaded.truth,

@@ -102,8 +102,8 @@ pub struct ServerConfig {
     /// processes may then be checkpointed to make room (see [`checkpoints`]).
     pub checkpointer: Option<Arc<dyn crate::checkpoint::Checkpointer>>,
     /// The node's swap pool (`[arbiter] swap_pool`): host memory the arbiter owns and
-    /// lends to clients for their swap-outs ([`crate::pool`]); its size is then the
-    /// swap budget too (the smaller of both). `None`: clients swap into their own
+    /// lends to clients for their swap-outs ([`crate::pool`]); its size bounds a swap
+    /// budget (the smaller of both). `None`: clients swap into their own
     /// memory.
     pub swap_pool: Option<crate::pool::PoolConfig>,
 }
@@ -845,14 +845,15 @@ pub async fn serve(
         Some(p) => {
             let pool = crate::pool::Pool::start(p).context("cannot start the node's swap pool")?;
             let s = pool.stats();
-            cfg.swap_budget_bytes = Some(cfg.swap_budget_bytes.map_or(s.size, |b| b.min(s.size)));
+            cfg.swap_budget_bytes = cfg.swap_budget_bytes.map(|b| b.min(s.size));
             log_line!(
                 "INFO",
-                "swap pool: {} MiB of host memory lent to clients for their swap-outs ({} pages, {} MiB populated at start), swap budget {} MiB",
+                "swap pool: {} MiB of host memory lent to clients for their swap-outs ({} pages, {} MiB populated at start), swap budget {}",
                 s.size >> 20,
                 s.page_mode,
                 s.floor >> 20,
-                cfg.swap_budget_bytes.unwrap_or(0) >> 20
+                cfg.swap_budget_bytes
+                    .map_or("none".to_string(), |b| format!("{} MiB", b >> 20))
             );
             Some(pool)
         }

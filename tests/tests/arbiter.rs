@@ -456,8 +456,7 @@ fn racing_admits_cannot_both_take_the_last_of_the_budget() {
 
 #[test]
 fn without_a_budget_admit_is_always_ok() {
-    // The swap pool, on by default, is a budget too.
-    let arb = Arbiter::start(&["--swap-pool", "off"]);
+    let arb = Arbiter::start(&[]);
     let (mut a, capacity, told) = register_full(&arb, "GPU-free", GIB);
     assert_eq!(told, None, "no budget, no field");
     assert_eq!(
@@ -482,11 +481,9 @@ fn swap_budget_from_config_and_flag() {
             None,
         ),
         (vec!["--swap-budget", "512MiB"], Some(512 * MIB)),
-        // The swap pool bounds the budget: the smaller of both.
-        (
-            vec!["--swap-budget", "0", "--swap-pool", "256MiB"],
-            Some(256 * MIB),
-        ),
+        // The swap pool bounds a budget the operator sets (the smaller of both),
+        // and is none by itself.
+        (vec!["--swap-budget", "0", "--swap-pool", "256MiB"], None),
         (
             vec!["--swap-budget", "1GiB", "--swap-pool", "256MiB"],
             Some(256 * MIB),

@@ -290,13 +290,20 @@ mod protocol_level {
     }
 }
 
-/// The pool is admission: a growth whose swap need the pool cannot hold fails at
+/// With a swap budget, the pool bounds it: a growth whose swap need the pool cannot hold fails at
 /// allocation with out-of-memory and one line naming the pool, while a notebook
 /// resident beside it and a smaller newcomer, whose swap-out the pool holds, verify.
 #[test]
 fn a_growth_the_pool_cannot_hold_fails_with_a_line_and_the_others_verify() {
     let m = SimMachine::new("pool-full", 1, 2 * GIB).unwrap_or_else(|e| panic!("{e}"));
-    let arb = Arbiter::start(&["--tq", "0.5", "--swap-pool", "256MiB"]);
+    let arb = Arbiter::start(&[
+        "--tq",
+        "0.5",
+        "--swap-pool",
+        "256MiB",
+        "--swap-budget",
+        "1GiB",
+    ]);
     let burst = |args: &[&str]| {
         let mut cmd = Command::new(bin("gpuburst"));
         cmd.args(args);
