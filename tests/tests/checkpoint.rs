@@ -314,6 +314,10 @@ fn a_process_checkpointed_for_long_says_why_its_calls_wait() {
     let m = SimMachine::new("ckpt-line", 1, 4096 * MIB)
         .unwrap_or_else(|e| panic!("{e}"))
         .with_env("KIWI_SIM_CONTEXT_MEMORY", "300MiB");
+    // A GPU's memory exists before it is allocated: populated here, the holder's
+    // 3.6 GiB cost it no host page faults (on a loaded CI host they took it 11-15 s
+    // to allocate, past the moment the checkpoint was due).
+    m.populate().unwrap_or_else(|e| panic!("{e}"));
     let arb = Arbiter::start_evicting(&["--tq", "1"], m.env());
     let idle = burst(
         &m,
