@@ -107,8 +107,21 @@ fn two_700mib_programs_do_not_fit_and_the_second_gets_out_of_memory() {
 #[test]
 fn programs_on_two_gpus_run_kernels_at_the_same_time() {
     let m = SimMachine::new("two-gpus", 2, 256 << 20).unwrap_or_else(|e| panic!("{e}"));
+    // A start gate, not luck: on a loaded CI host one process started its bursts after
+    // the other had finished them.
+    let start = (kiwi_sim_core::trace::monotonic_ns() + 3_000_000_000).to_string();
     let args = [
-        "--mem", "16MiB", "--bursts", "2", "--gpu-ms", "100", "--cpu-ms", "10", "--json",
+        "--mem",
+        "16MiB",
+        "--bursts",
+        "2",
+        "--gpu-ms",
+        "300",
+        "--cpu-ms",
+        "10",
+        "--json",
+        "--start-at-ns",
+        &start,
     ];
     let a = gpuburst(&m, &[&args[..], &["--device", "0"]].concat());
     let b = gpuburst(&m, &[&args[..], &["--device", "1"]].concat());
