@@ -63,6 +63,15 @@ struct Args {
     /// swap_pool_floor_mib; default 0: populated ahead as working sets grow).
     #[arg(long, value_name = "SIZE")]
     swap_pool_floor: Option<String>,
+    /// The swap pool's disk tier (config: [arbiter] spill_dir): a directory on local
+    /// disk where the swapped-out memory of the processes idle longest moves when the
+    /// pool runs short. Absent: no disk tier.
+    #[arg(long, value_name = "DIR")]
+    spill_dir: Option<std::path::PathBuf>,
+    /// The most the disk tier holds (config: [arbiter] spill_budget_mib). Absent:
+    /// the disk's free space, less a reserve of 5% (at most 1 GiB).
+    #[arg(long, value_name = "SIZE")]
+    spill_budget: Option<String>,
     /// Where to learn each GPU's UUID and memory (config: [arbiter] nvml): auto
     /// (libnvidia-ml.so.1 if it loads), off (a GPU's first registration sets its size),
     /// or the path of an NVML library, which must load. With NVML, registrations for
@@ -140,6 +149,7 @@ fn run() -> Result<()> {
         },
     };
     let swap_pool = swap_pool(&args, &cfg)?;
+    let spill = spill(&args, &cfg, swap_pool.is_some())?;
     // Parsed here rather than by clap, so a bad value is one line, like other errors.
     let idle_evict_s = match args.idle_evict_seconds.as_deref() {
         Some(s) => kiwi_config::parse_idle_evict_arg(s)
@@ -194,6 +204,7 @@ fn run() -> Result<()> {
         startup_lines: vec![loaded.line, checkpoint_line],
         checkpointer,
         swap_pool,
+        spill,
         ..ServerConfig::default()
     };
     // Each limit: the flag, then the config key, then the arbiter's default; 0 is
@@ -314,4 +325,44 @@ fn swap_pool(args: &Args, cfg: &Config) -> Result<Option<kiwi_arbiter::pool::Poo
         floor: floor.min(size),
         ..kiwi_arbiter::pool::PoolConfig::new(size)
     }))
+}
+
+/// The disk tier's settings: the flags, else the config keys; `None` when no
+/// directory is set. It needs the pool.
+fn spill(args: &Args, cfg: &Config, pool: bool) -> Result<Option<kiwi_arbiter::pool::SpillConfig>> {
+    let dir = match (&args.spill_dir, &cfg.arbiter.spill_dir) {
+        (Some(d), _) => d.clone(),
+        (None, Some(d)) => std::path::PathBuf::from(d),
+        (None, None) => {
+            if args.spill_budget.is_some() || cfg.arbiter.spill_budget_mib.is_some() {
+                anyhow::bail!(
+                    "a spill budget needs a spill directory (--spill-dir or [arbiter] spill_dir)"
+                );
+            }
+            return Ok(None);
+        }
+    };
+    if !pool {
+        anyhow::bail!(
+            "the disk tier ({}) needs the swap pool, which is off (--swap-pool off)",
+            dir.display()
+        );
+    }
+    let budget = match args.spill_budget.as_deref() {
+        Some(s) => {
+            Some(kiwi_config::parse_size(s).map_err(|e| anyhow::anyhow!("--spill-budget: {e}"))?)
+        }
+        None => cfg
+            .arbiter
+            .spill_budget_mib
+            .map(|m| {
+                m.checked_mul(1 << 20)
+                    .context("[arbiter] spill_budget_mib is too large (bytes overflow 64 bits)")
+            })
+            .transpose()?,
+    };
+    if budget == Some(0) {
+        anyhow::bail!("the spill budget is 0; leave out the spill directory to have no disk tier");
+    }
+    Ok(Some(kiwi_arbiter::pool::SpillConfig { dir, budget }))
 }

@@ -32,14 +32,31 @@
 //!   are free for a slice, else transparent huge pages when `shmem_enabled` allows them
 //!   for a memfd (`always`/`within_size`/`force`: `fallocate`; `advise`: a temporary
 //!   mapping with `MADV_HUGEPAGE` and `MADV_POPULATE_WRITE`), else 4 KiB pages.
+//! - **The disk tier** (optional, [`Pool::enable_spill`], `[arbiter] spill_dir` and
+//!   `spill_budget`). A client that no longer uses some lent slices (unregistered and
+//!   unmapped) has the pool move them to disk ([`Pool::spill`]): each slice is copied
+//!   to a spill file of its own (a nameless `O_TMPFILE` in the directory, see
+//!   `pool/spill.rs`), then taken back exactly as a [`Pool::give`] takes it (scrubbed,
+//!   never lent again), and the client is sent a *read-only* descriptor of the file,
+//!   from which it reads its data back itself at swap-in. The pool owns the spill files
+//!   and their bound: the bytes in them at once (at most [`SpillConfig::budget`], and
+//!   never past the disk's free space less a reserve of `min(5%, 1 GiB)`), and its own
+//!   read-write descriptor of each, closed when the client gives the spill id back or
+//!   its connection goes (the file's blocks are freed once the client's descriptor is
+//!   closed too). The client's descriptor is a separate read-only open, so the client
+//!   cannot write to the file or grow it past what the budget counted. Spilled bytes
+//!   are host memory no longer: they are not part of the lent or populated figures,
+//!   nor of the size.
 //!
 //! Everything here is thread-safe and blocking: tokio code calls [`Pool::take`] (which
-//! may populate) from `spawn_blocking`; [`Pool::give`], [`Pool::release_owner`],
-//! [`Pool::set_wanted`] and [`Pool::stats`] only take the pool's lock briefly.
+//! may populate) and [`Pool::spill`] (which writes to disk) from `spawn_blocking`;
+//! [`Pool::give`], [`Pool::release_owner`], [`Pool::set_wanted`] and [`Pool::stats`]
+//! only take the pool's lock briefly.
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -204,6 +221,11 @@ impl PageMode {
 pub enum PoolError {
     #[error("swap pool: bad configuration: {0}")]
     Config(String),
+    /// The disk tier refused or failed: none configured, its directory missing or not
+    /// usable, its budget full, the disk too full, or an I/O error on a spill file.
+    /// `reason` is one line and names the directory where one is involved.
+    #[error("swap pool spill: {reason}")]
+    Spill { reason: String },
     #[error(
         "swap pool full: {bytes} bytes asked, {lent} of {size} lent (largest holders: {})",
         holders_text(holders)
@@ -248,6 +270,38 @@ pub struct Lent {
     pub fd: OwnedFd,
 }
 
+/// Where and how much the pool may spill (`[arbiter] spill_dir`, `spill_budget`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SpillConfig {
+    /// The directory spill files are made in (nameless `O_TMPFILE`s: nothing of them
+    /// is ever visible there).
+    pub dir: PathBuf,
+    /// The most bytes in spill files at once. None: bounded only by the disk's free
+    /// space (less its reserve).
+    pub budget: Option<u64>,
+}
+
+/// A slice written to its spill file, not committed yet ([`Pool::spill`]).
+struct Written {
+    from: u64,
+    bytes: u64,
+    /// The pool's read-write descriptor and the client's read-only one.
+    file: OwnedFd,
+    client: OwnedFd,
+}
+
+/// One slice moved to disk.
+#[derive(Debug)]
+pub struct Spilled {
+    /// The slice id it replaces.
+    pub from: u64,
+    /// Its new id (give it back with [`Pool::give`] when read back).
+    pub id: u64,
+    pub bytes: u64,
+    /// Read-only descriptor of the spill file (for the client).
+    pub fd: OwnedFd,
+}
+
 /// The pool's figures at one moment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PoolStats {
@@ -273,6 +327,22 @@ pub struct PoolStats {
     pub scrub_failures: u64,
     /// The last error populating in the background, if any.
     pub last_error: Option<String>,
+    /// Bytes in spill files now (the disk tier; not part of `lent` or `populated`, not
+    /// counted against `size`).
+    pub spilled: u64,
+    /// Spill files the pool holds open.
+    pub spill_files: usize,
+    /// The disk tier's budget (None: the disk's free space less its reserve, or no
+    /// disk tier).
+    pub spill_budget: Option<u64>,
+    /// The disk tier's directory; None: no disk tier.
+    pub spill_dir: Option<String>,
+    /// Bytes in spill files per tenant, largest first; a tenant with none is absent.
+    pub spilled_tenants: Vec<(String, u64)>,
+    /// Spills that failed or were refused (each [`Pool::spill`] that stopped short).
+    pub spill_failures: u64,
+    /// The last spill failure's line, if any.
+    pub last_spill_error: Option<String>,
 }
 
 /// One memfd of the pool.
@@ -287,6 +357,15 @@ struct Held {
     owner: Owner,
     tenant: String,
     slice: Slice,
+}
+
+/// A slice's contents on disk: the pool's read-write descriptor of its spill file.
+#[derive(Debug)]
+struct SpillFile {
+    owner: Owner,
+    tenant: String,
+    bytes: u64,
+    fd: OwnedFd,
 }
 
 #[derive(Debug, Default)]
@@ -319,6 +398,16 @@ struct State {
     retry_at: Option<Instant>,
     last_error: Option<String>,
     scrub_failures: u64,
+    /// The disk tier; None: not enabled.
+    spill: Option<SpillConfig>,
+    /// Spill files by id (ids from `next_id`, shared with slices).
+    spills: HashMap<u64, SpillFile>,
+    spilled_bytes: u64,
+    /// Bytes of spills being written now (counted against the budget).
+    spilling: u64,
+    spill_tenants: HashMap<String, u64>,
+    spill_failures: u64,
+    last_spill_error: Option<String>,
 }
 
 impl State {
@@ -370,9 +459,25 @@ impl State {
     }
 
     fn holders(&self) -> Vec<(String, u64)> {
-        let mut v: Vec<(String, u64)> = self.tenants.iter().map(|(t, b)| (t.clone(), *b)).collect();
-        v.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-        v
+        largest_first(&self.tenants)
+    }
+
+    /// Forgets `owner`'s spill file `id`; its descriptor (to be closed outside the
+    /// lock), None when `id` is no spill file of `owner`'s.
+    fn drop_spill(&mut self, owner: Owner, id: u64) -> Option<OwnedFd> {
+        match self.spills.get(&id) {
+            Some(f) if f.owner == owner => {}
+            _ => return None,
+        }
+        let f = self.spills.remove(&id)?;
+        self.spilled_bytes -= f.bytes;
+        if let Some(t) = self.spill_tenants.get_mut(&f.tenant) {
+            *t = t.saturating_sub(f.bytes);
+            if *t == 0 {
+                self.spill_tenants.remove(&f.tenant);
+            }
+        }
+        Some(f.fd)
     }
 
     /// Takes `id` back from `owner` into the scrub queue; its bytes, 0 when `id` is not
@@ -638,17 +743,30 @@ impl Pool {
         Ok(())
     }
 
-    /// Takes back the slices `ids` lent to `owner`; ids not lent to `owner` are
-    /// ignored. They are scrubbed on the background thread, never lent again. Returns
-    /// the bytes taken back.
+    /// Takes back the slices `ids` lent to `owner`, and drops its spill files among
+    /// `ids` ([`Pool::spill`]'s [`Spilled::id`]: the pool closes its descriptor; the
+    /// file's blocks are freed once the client's is closed too); ids that are neither
+    /// are ignored. Slices are scrubbed on the background thread, never lent again.
+    /// Returns the bytes of *slices* taken back (host memory): spill files given back
+    /// add nothing, as they were no longer lent (their bytes left the lent figure at
+    /// the spill).
     pub fn give(&self, owner: Owner, ids: &[u64]) -> u64 {
         let mut st = self.inner.lock();
-        let bytes = ids.iter().map(|&id| st.give_back(owner, id)).sum();
+        let mut closing = Vec::new();
+        let mut bytes = 0;
+        for &id in ids {
+            bytes += st.give_back(owner, id);
+            closing.extend(st.drop_spill(owner, id));
+        }
         self.after_return(st);
+        // Closing a spill file the client has closed already frees its blocks: not
+        // under the lock.
+        drop(closing);
         bytes
     }
 
-    /// Takes back everything lent to `owner` (its connection closed). Returns the bytes.
+    /// Takes back everything lent to `owner` and drops all its spill files (its
+    /// connection closed). Returns the bytes of slices taken back, as [`Pool::give`].
     pub fn release_owner(&self, owner: Owner) -> u64 {
         let mut st = self.inner.lock();
         st.unkeep(owner);
@@ -659,8 +777,178 @@ impl Pool {
             .map(|(&id, _)| id)
             .collect();
         let bytes = ids.iter().map(|&id| st.give_back(owner, id)).sum();
+        let spill_ids: Vec<u64> = st
+            .spills
+            .iter()
+            .filter(|(_, f)| f.owner == owner)
+            .map(|(&id, _)| id)
+            .collect();
+        let closing: Vec<OwnedFd> = spill_ids
+            .iter()
+            .filter_map(|&id| st.drop_spill(owner, id))
+            .collect();
         self.after_return(st);
+        drop(closing);
         bytes
+    }
+
+    /// Enables the disk tier: checks that `cfg.dir` is a directory where an
+    /// `O_TMPFILE` can be created (one is created and closed), else
+    /// [`PoolError::Spill`] with a one-line reason naming the path. A later call
+    /// replaces the configuration (spill files already made stay, and count against
+    /// the new budget).
+    pub fn enable_spill(&self, cfg: SpillConfig) -> Result<(), PoolError> {
+        spill::check_dir(&cfg.dir)?;
+        self.inner.lock().spill = Some(cfg);
+        Ok(())
+    }
+
+    /// Moves the slices `ids` lent to `owner` to disk, all or none (see the module
+    /// doc): each is copied to a spill file of its own; once every copy is written,
+    /// each slice is taken back as by [`Pool::give`] and its file recorded under a
+    /// new id, labelled `tenant`. Returns one [`Spilled`] per slice, in the order of
+    /// `ids`; ids not lent to `owner` are skipped silently. On any failure nothing
+    /// moved: the files written are dropped, every slice stays lent, untouched, and
+    /// the error is returned (counted in [`PoolStats::spill_failures`] and kept in
+    /// [`PoolStats::last_spill_error`]). All or none, because the client has given up
+    /// its mapping's registration for the spill and must know which contents are
+    /// where. Blocking (it writes to disk, without the pool's lock): call it from a
+    /// blocking thread. Refused when no disk tier is enabled, and once the pool is
+    /// shut down.
+    pub fn spill(
+        &self,
+        owner: Owner,
+        tenant: &str,
+        ids: &[u64],
+    ) -> Result<Vec<Spilled>, PoolError> {
+        let mut written: Vec<Written> = Vec::new();
+        let mut result = {
+            let st = self.inner.lock();
+            if st.stopping {
+                return Err(PoolError::ShutDown);
+            }
+            if st.spill.is_none() {
+                Err(no_spill_dir())
+            } else {
+                Ok(())
+            }
+        };
+        if result.is_ok() {
+            for &from in ids {
+                match self.write_one(owner, from) {
+                    Ok(Some(w)) => written.push(w),
+                    Ok(None) => {}
+                    Err(e) => {
+                        result = Err(e);
+                        break;
+                    }
+                }
+            }
+        }
+        let mut st = self.inner.lock();
+        st.spilling -= written.iter().map(|w| w.bytes).sum::<u64>();
+        if result.is_ok() && st.stopping {
+            result = Err(PoolError::ShutDown);
+        }
+        if result.is_ok()
+            && !written
+                .iter()
+                .all(|w| st.lent.get(&w.from).is_some_and(|h| h.owner == owner))
+        {
+            // Never while the owner's connection is served one message at a time.
+            result = Err(PoolError::Spill {
+                reason: "a slice stopped being lent while it was written".into(),
+            });
+        }
+        if let Err(e) = result {
+            if !matches!(e, PoolError::ShutDown) {
+                st.spill_failures += 1;
+                st.last_spill_error = Some(e.to_string());
+            }
+            drop(st);
+            self.inner.changed.notify_all();
+            drop(written);
+            return Err(e);
+        }
+        let mut moved = Vec::with_capacity(written.len());
+        for w in written {
+            st.give_back(owner, w.from);
+            let id = st.next_id;
+            st.next_id += 1;
+            st.spilled_bytes += w.bytes;
+            *st.spill_tenants.entry(tenant.to_owned()).or_insert(0) += w.bytes;
+            st.spills.insert(
+                id,
+                SpillFile {
+                    owner,
+                    tenant: tenant.to_owned(),
+                    bytes: w.bytes,
+                    fd: w.file,
+                },
+            );
+            moved.push(Spilled {
+                from: w.from,
+                id,
+                bytes: w.bytes,
+                fd: w.client,
+            });
+        }
+        self.after_return(st);
+        Ok(moved)
+    }
+
+    /// Writes one slice to a spill file of its own, its bytes reserved against the
+    /// budget (`spilling`) until [`Pool::spill`] commits or drops it; `None` when
+    /// `from` is not lent to `owner`.
+    fn write_one(&self, owner: Owner, from: u64) -> Result<Option<Written>, PoolError> {
+        let (dir, src, bytes) = {
+            let mut st = self.inner.lock();
+            if st.stopping {
+                return Err(PoolError::ShutDown);
+            }
+            let Some(cfg) = st.spill.clone() else {
+                return Err(no_spill_dir());
+            };
+            let Some(held) = st.lent.get(&from).filter(|h| h.owner == owner) else {
+                return Ok(None);
+            };
+            let bytes = held.slice.bytes;
+            if let Some(budget) = cfg.budget {
+                let used = st.spilled_bytes + st.spilling;
+                if used.saturating_add(bytes) > budget {
+                    return Err(PoolError::Spill {
+                        reason: format!(
+                            "spill budget of {} is full ({} spilled)",
+                            spill::mib(budget),
+                            spill::mib(used)
+                        ),
+                    });
+                }
+            }
+            let src = held.slice.fd.try_clone().map_err(|source| PoolError::Io {
+                op: "duplicating a slice's descriptor to spill it",
+                source,
+            })?;
+            st.spilling += bytes;
+            (cfg.dir, src, bytes)
+        };
+        // The copy, without the lock: the owner's connection is served sequentially,
+        // so the slice stays lent meanwhile (checked again at the commit all the same).
+        let result = spill::write(&dir, &src, bytes);
+        drop(src);
+        match result {
+            Ok((file, client)) => Ok(Some(Written {
+                from,
+                bytes,
+                file,
+                client,
+            })),
+            Err(e) => {
+                self.inner.lock().spilling -= bytes;
+                self.inner.changed.notify_all();
+                Err(e)
+            }
+        }
     }
 
     /// Wakes the thread; once it has exited, scrubs here.
@@ -737,6 +1025,16 @@ impl Pool {
             page_mode: self.inner.mode.name(),
             scrub_failures: st.scrub_failures,
             last_error: st.last_error.clone(),
+            spilled: st.spilled_bytes,
+            spill_files: st.spills.len(),
+            spill_budget: st.spill.as_ref().and_then(|c| c.budget),
+            spill_dir: st
+                .spill
+                .as_ref()
+                .map(|c| c.dir.to_string_lossy().into_owned()),
+            spilled_tenants: largest_first(&st.spill_tenants),
+            spill_failures: st.spill_failures,
+            last_spill_error: st.last_spill_error.clone(),
         }
     }
 
@@ -757,18 +1055,23 @@ impl Pool {
         }
     }
 
-    /// Stops the thread (after it has scrubbed what was returned) and frees every ready
-    /// slice. Lent slices stay lent until given back (then scrubbed on the returner's
-    /// thread) or until the pool is dropped. Takes fail from now on. Idempotent; also
-    /// run on drop.
+    /// Stops the thread (after it has scrubbed what was returned), frees every ready
+    /// slice and drops every spill file (clients keep what they read through their own
+    /// descriptors). Lent slices stay lent until given back (then scrubbed on the
+    /// returner's thread) or until the pool is dropped. Takes and spills fail from now
+    /// on. Idempotent; also run on drop.
     pub fn shutdown(&self) {
         let mut st = self.inner.lock();
         st.stopping = true;
         let ready = std::mem::take(&mut st.ready);
         st.ready_bytes = 0;
+        let spills = std::mem::take(&mut st.spills);
+        st.spill_tenants.clear();
+        st.spilled_bytes = 0;
         drop(st);
         self.inner.changed.notify_all();
         drop(ready);
+        drop(spills);
         let handle = self
             .thread
             .lock()
@@ -878,6 +1181,20 @@ fn background(inner: &Inner) {
         }
         inner.changed.notify_all();
     }
+}
+
+/// The refusal when no disk tier is enabled.
+fn no_spill_dir() -> PoolError {
+    PoolError::Spill {
+        reason: "no spill_dir is configured".into(),
+    }
+}
+
+/// `(name, bytes)` of a per-tenant map, largest first (then by name).
+fn largest_first(map: &HashMap<String, u64>) -> Vec<(String, u64)> {
+    let mut v: Vec<(String, u64)> = map.iter().map(|(t, b)| (t.clone(), *b)).collect();
+    v.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    v
 }
 
 fn largest(slices: &[Slice]) -> Option<usize> {
@@ -1046,6 +1363,8 @@ fn scrub(s: &Slice) -> Result<(), PoolError> {
     }
     Ok(())
 }
+
+mod spill;
 
 #[cfg(test)]
 mod tests;

@@ -628,6 +628,17 @@ impl GpuScheduler {
         self.queue.iter().copied().collect()
     }
 
+    /// Where client `id` stands for the swap pool's disk tier, which takes the
+    /// processes idle longest first: `None` while it holds the GPU (or is not
+    /// registered here), else whether it waits for it and its last activity.
+    pub fn activity(&self, id: ClientId) -> Option<(bool, Nanos)> {
+        let c = self.clients.get(&id)?;
+        if self.holders.contains_key(&id) {
+            return None;
+        }
+        Some((c.requested_at.is_some(), c.last_seen))
+    }
+
     fn send(&mut self, id: ClientId, msg: ArbiterMsg) {
         self.out.push(Output::Send(id, msg));
     }

@@ -106,6 +106,8 @@ pub struct ServerConfig {
     /// budget (the smaller of both). `None`: clients swap into their own
     /// memory.
     pub swap_pool: Option<crate::pool::PoolConfig>,
+    /// The swap pool's disk tier (`--spill-dir`); needs `swap_pool`.
+    pub spill: Option<crate::pool::SpillConfig>,
 }
 
 impl Default for ServerConfig {
@@ -134,6 +136,7 @@ impl Default for ServerConfig {
             socket_dir: None,
             checkpointer: None,
             swap_pool: None,
+            spill: None,
         }
     }
 }
@@ -672,6 +675,8 @@ struct Shared {
     containers: Mutex<HashMap<String, containers::Served>>,
     /// The node's swap pool, when configured.
     pool: Option<Arc<crate::pool::Pool>>,
+    /// What each process borrows from the pool, for the disk tier ([`pool::Book`]).
+    pool_book: pool::Book,
 }
 
 /// The per-connection limits, fixed at start.
@@ -855,6 +860,20 @@ pub async fn serve(
                 cfg.swap_budget_bytes
                     .map_or("none".to_string(), |b| format!("{} MiB", b >> 20))
             );
+            if let Some(spill) = cfg.spill.clone() {
+                let dir = spill.dir.display().to_string();
+                let budget = spill
+                    .budget
+                    .map_or("the disk's free space".to_string(), |b| {
+                        format!("{} MiB", b >> 20)
+                    });
+                pool.enable_spill(spill)
+                    .context("cannot use the swap pool's disk tier")?;
+                log_line!(
+                    "INFO",
+                    "swap pool disk tier: {dir} (at most {budget}): the swapped-out memory of the processes idle longest moves there when the pool runs short"
+                );
+            }
             Some(pool)
         }
         None => None,
@@ -874,6 +893,7 @@ pub async fn serve(
         stop: stop_rx.clone(),
         containers: Mutex::new(HashMap::new()),
         pool: pool.clone(),
+        pool_book: pool::Book::default(),
         groups: Mutex::new(HashMap::new()),
         partial: FrameBudget {
             used: AtomicUsize::new(0),
@@ -1703,7 +1723,8 @@ fn handle_client_msg(
             ClientMsg::PoolOpen
             | ClientMsg::PoolTake { .. }
             | ClientMsg::PoolGive { .. }
-            | ClientMsg::PoolKept { .. },
+            | ClientMsg::PoolKept { .. }
+            | ClientMsg::PoolSpill { .. },
             _,
         ) => {
             peer.send(&ArbiterMsg::Error {
@@ -1793,7 +1814,8 @@ fn handle_client_msg(
                 | ClientMsg::PoolOpen
                 | ClientMsg::PoolTake { .. }
                 | ClientMsg::PoolGive { .. }
-                | ClientMsg::PoolKept { .. } => Vec::new(),
+                | ClientMsg::PoolKept { .. }
+                | ClientMsg::PoolSpill { .. } => Vec::new(),
             };
             (uuid, outs)
         }

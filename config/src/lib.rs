@@ -154,6 +154,13 @@ pub struct ArbiterConfig {
     /// Bytes of the pool populated at start and kept ready, in MiB (default 0: the
     /// pool populates ahead as working sets grow on shared GPUs).
     pub swap_pool_floor_mib: Option<u64>,
+    /// The swap pool's disk tier: a directory on local disk where swapped-out memory
+    /// of the processes idle longest moves when the pool runs short (files with no
+    /// name, gone with the arbiter). `None`: no disk tier.
+    pub spill_dir: Option<String>,
+    /// The most the disk tier holds, in MiB. `None`: bounded by the disk's free
+    /// space (a reserve of 5%, at most 1 GiB, is always left).
+    pub spill_budget_mib: Option<u64>,
     /// Events kept per GPU in the in-memory event log.
     pub event_log_capacity: usize,
     /// Prometheus endpoint, e.g. "127.0.0.1:9400". `None`: no metrics server.
@@ -192,6 +199,8 @@ impl Default for ArbiterConfig {
             swap_budget_mib: None,
             swap_pool: "auto".into(),
             swap_pool_floor_mib: None,
+            spill_dir: None,
+            spill_budget_mib: None,
             event_log_capacity: 100_000,
             metrics_addr: None,
             nvml: "auto".into(),

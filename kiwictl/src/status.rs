@@ -76,20 +76,50 @@ pub(crate) fn pool_line(r: &StatusReport) -> Option<String> {
         .take(3)
         .map(|(t, b)| format!("{t} {}", mib(*b)))
         .collect();
-    Some(format!(
-        "Swap pool: {} of {} lent, {} populated ({} ready, {} scrubbing), {} pages{}",
-        mib(p.lent_bytes),
-        mib(p.size_bytes),
-        mib(p.populated_bytes),
-        mib(p.ready_bytes),
-        mib(p.scrubbing_bytes),
-        p.page_mode,
-        if top.is_empty() {
-            String::new()
-        } else {
-            format!("; most lent to {}", top.join(", "))
-        }
-    ))
+    Some(
+        format!(
+            "Swap pool: {} of {} lent, {} populated ({} ready, {} scrubbing), {} pages{}",
+            mib(p.lent_bytes),
+            mib(p.size_bytes),
+            mib(p.populated_bytes),
+            mib(p.ready_bytes),
+            mib(p.scrubbing_bytes),
+            p.page_mode,
+            if top.is_empty() {
+                String::new()
+            } else {
+                format!("; most lent to {}", top.join(", "))
+            }
+        ) + &p.spill.as_ref().map_or(String::new(), |s| {
+            let most: Vec<String> = s
+                .tenants
+                .iter()
+                .take(3)
+                .map(|(t, b)| format!("{t} {}", mib(*b)))
+                .collect();
+            format!(
+                "; on disk {} in {} files{}{}{}",
+                mib(s.spilled_bytes),
+                s.files,
+                s.budget_bytes
+                    .map_or(String::new(), |b| format!(" (budget {})", mib(b))),
+                if most.is_empty() {
+                    String::new()
+                } else {
+                    format!(", most from {}", most.join(", "))
+                },
+                if s.failures > 0 {
+                    format!(
+                        "; {} spills refused, last: {}",
+                        s.failures,
+                        s.last_error.as_deref().unwrap_or("?")
+                    )
+                } else {
+                    String::new()
+                }
+            )
+        }),
+    )
 }
 
 /// The line saying what the arbiter left out to fit its reply in one frame.
@@ -244,12 +274,35 @@ mod tests {
             scrubbing_bytes: 0,
             page_mode: "4KiB".into(),
             tenants: vec![("team-a/nb".into(), 3 << 29), ("uid 1000".into(), 1 << 29)],
+            spill: None,
         }));
         let t = render(&r);
         let line = t.lines().find(|l| l.starts_with("Swap pool:")).expect(&t);
         assert!(line.contains("2048 MiB of 8192 MiB lent"), "{line}");
         assert!(
             line.contains("most lent to team-a/nb 1536 MiB, uid 1000 512 MiB"),
+            "{line}"
+        );
+        assert!(!line.contains("on disk"), "{line}");
+        r.swap_pool.as_mut().unwrap().spill = Some(kiwi_protocol::SpillStatus {
+            dir: "/var/lib/kiwi/spill".into(),
+            spilled_bytes: 3 << 30,
+            budget_bytes: Some(100 << 30),
+            files: 48,
+            failures: 2,
+            tenants: vec![("team-b/nb".into(), 3 << 30)],
+            last_error: Some("swap pool spill: spill budget of 100 MiB is full".into()),
+        });
+        let t = render(&r);
+        let line = t.lines().find(|l| l.starts_with("Swap pool:")).expect(&t);
+        assert!(
+            line.contains(
+                "on disk 3072 MiB in 48 files (budget 102400 MiB), most from team-b/nb 3072 MiB"
+            ),
+            "{line}"
+        );
+        assert!(
+            line.contains("2 spills refused, last: swap pool spill"),
             "{line}"
         );
     }

@@ -257,12 +257,23 @@ pub enum ClientMsg {
     PoolKept {
         bytes: u64,
     },
+    /// On a pool connection: move the contents of these slices (lent to this
+    /// connection, unregistered from the driver and no longer touched by the client)
+    /// to the pool's disk tier. Answered by [`ArbiterMsg::PoolSpilled`] (every slice
+    /// moved: each is taken back and scrubbed, as by `pool_give`) or
+    /// [`ArbiterMsg::PoolRefused`] (none moved; the slices stay lent, untouched). At
+    /// most [`MAX_POOL_SPILL_IDS`] ids.
+    PoolSpill {
+        ids: Vec<u64>,
+    },
 }
 
 /// Most bytes one [`ClientMsg::PoolTake`] asks for.
 pub const MAX_POOL_TAKE_BYTES: u64 = 4 << 30;
 /// Most ids one [`ClientMsg::PoolGive`] returns.
 pub const MAX_POOL_GIVE_IDS: usize = 256;
+/// Most ids one [`ClientMsg::PoolSpill`] moves (the slices of one take).
+pub const MAX_POOL_SPILL_IDS: usize = 64;
 
 impl ClientMsg {
     /// Checks the limits serde cannot express (string lengths and characters). The
@@ -283,6 +294,15 @@ impl ClientMsg {
                     ids.len()
                 ),
             }),
+            ClientMsg::PoolSpill { ids } if ids.is_empty() || ids.len() > MAX_POOL_SPILL_IDS => {
+                Err(FieldError {
+                    field: "ids",
+                    problem: format!(
+                        "has {} entries; it must have 1 to {MAX_POOL_SPILL_IDS}",
+                        ids.len()
+                    ),
+                })
+            }
             _ => Ok(()),
         }
     }
@@ -470,6 +490,22 @@ pub enum ArbiterMsg {
     /// application's stderr, naming the pool and who fills it.
     PoolRefused {
         message: String,
+    },
+    /// Answer to [`ClientMsg::PoolSpill`]: one read-only descriptor per slice rides
+    /// with this message (`SCM_RIGHTS`), in the order of the ids asked. Each is the
+    /// slice's spill file (no name on disk), `bytes` long: the client reads its
+    /// contents back from it itself, then gives `id` back with `pool_give` (the file's
+    /// blocks are freed once both sides closed it).
+    PoolSpilled {
+        files: Vec<PoolSlice>,
+    },
+    /// To a client whose process borrows from the node's swap pool (it opened a pool
+    /// connection), when the pool runs short and has a disk tier: give back the pool
+    /// memory it holds for nothing (spare buffers) and move up to `bytes` of its
+    /// swapped-out contents to the disk tier (`pool_spill`). Sent to the processes
+    /// idle longest first; nothing is answered on this connection.
+    PoolReclaim {
+        bytes: u64,
     },
     /// A refused request. Fatal errors are followed by closing the connection.
     Error {
@@ -665,6 +701,30 @@ pub struct PoolStatus {
     /// Who borrows most: (tenant, bytes), largest first, at most 16.
     #[serde(default)]
     pub tenants: Vec<(String, u64)>,
+    /// The disk tier (`kiwi-arbiter --spill-dir`); absent when there is none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spill: Option<SpillStatus>,
+}
+
+/// The swap pool's disk tier in a [`PoolStatus`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpillStatus {
+    pub dir: String,
+    /// Bytes in spill files now.
+    pub spilled_bytes: u64,
+    /// `--spill-budget`; absent: bounded by the disk's free space.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget_bytes: Option<u64>,
+    pub files: u64,
+    /// Spills refused or failed since start.
+    #[serde(default)]
+    pub failures: u64,
+    /// Who has most on disk: (tenant, bytes), largest first, at most 16.
+    #[serde(default)]
+    pub tenants: Vec<(String, u64)>,
+    /// The last failure's line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

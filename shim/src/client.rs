@@ -126,6 +126,14 @@ pub trait Residency: Send + Sync {
     fn trim_spare_buffers(&self) -> u64 {
         0
     }
+    /// Gives back up to about `budget` bytes of the node's swap pool: spare buffers,
+    /// then swapped-out contents moved to the pool's disk tier (the arbiter's
+    /// `pool_reclaim`); returns the bytes given back (0: nothing more can be).
+    /// Called from the pinning thread.
+    fn spill(&self, budget: u64) -> u64 {
+        let _ = budget;
+        0
+    }
     /// Waits until this process's queued GPU work on this GPU is done.
     fn drain(&self) -> Result<(), CUresult>;
     /// Runs `f` with the allocator locked, so its residency cannot change meanwhile
@@ -254,6 +262,9 @@ pub struct Client {
     pin_work: Mutex<bool>,
     pin_cv: Condvar,
     pin_started: OnceLock<()>,
+    /// Bytes of the node's swap pool the arbiter asked back (`pool_reclaim`), for
+    /// the pinning thread to give back ([`Residency::spill`]).
+    spill_want: AtomicU64,
 }
 
 /// Raw fds of every turn's connection (two per slot), closed in a forked child so the
@@ -338,6 +349,7 @@ impl Client {
             pin_work: Mutex::new(false),
             pin_cv: Condvar::new(),
             pin_started: OnceLock::new(),
+            spill_want: AtomicU64::new(0),
         }))
     }
 
@@ -967,8 +979,13 @@ impl Client {
             }
             ArbiterMsg::Pong { token } => turn.on_pong(token),
             // The swap pool's answers come on its own connection (`crate::pool`).
+            ArbiterMsg::PoolReclaim { bytes } => {
+                self.spill_want.fetch_max(bytes, Ordering::AcqRel);
+                self.wake_pinning();
+            }
             ArbiterMsg::PoolOpened { .. }
             | ArbiterMsg::PoolLent { .. }
+            | ArbiterMsg::PoolSpilled { .. }
             | ArbiterMsg::PoolRefused { .. } => {}
             // Said right after `registered`, where `register` applies it; one that
             // came later still applies (only ever to the process's own wait).

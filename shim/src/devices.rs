@@ -118,6 +118,31 @@ impl Driver for RealDriver {
     fn host_register(&self, p: *mut u8, size: u64) -> Result<(), CUresult> {
         pinned::register(p, size)
     }
+    fn host_spill(&self, p: *mut u8, size: u64) -> Option<u64> {
+        pinned::spill(p, size)
+    }
+    fn spilled_to_device(&self, h: u64, va: u64, pieces: &[(u64, u64)]) -> Result<(), CUresult> {
+        crate::pool::read_back(h, |base, len| {
+            for &(off, n) in pieces {
+                if off.checked_add(n).is_none_or(|end| end > len as u64) {
+                    return Err(CUDA_ERROR_INVALID_VALUE);
+                }
+                // SAFETY: `[base + off, base + off + n)` lies in the read-only mapping
+                // of the spill files, valid for the whole closure.
+                unsafe { self.to_device(va + off, base.add(off as usize), n) }?;
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|| {
+            crate::kerror!(
+                "cannot map this process's swapped-out memory back from the swap pool's disk tier"
+            );
+            Err(CUDA_ERROR_UNKNOWN)
+        })
+    }
+    fn spill_free(&self, h: u64) {
+        crate::pool::forget(h)
+    }
     unsafe fn to_host(&self, dst: *mut u8, src: u64, n: u64) -> Result<(), CUresult> {
         call!(cuMemcpyDtoH_v2: fn(*mut c_void, CUdeviceptr, usize)(dst as *mut c_void, src, n as usize))
     }
@@ -1006,6 +1031,19 @@ impl Residency for DeviceResidency {
     fn trim_spare_buffers(&self) -> u64 {
         self.with(0, |m| m.release_spares())
     }
+    /// One buffer per hold of the allocator's lock: a swap-in waits for one spill at
+    /// most.
+    fn spill(&self, budget: u64) -> u64 {
+        let mut done = 0;
+        while done < budget {
+            let n = self.with(0, |m| m.spill_one());
+            if n == 0 {
+                break;
+            }
+            done += n;
+        }
+        done
+    }
     fn locked(&self, f: &mut dyn FnMut(bool) -> bool) -> bool {
         let guard = mem_lock(self.0);
         f(guard.as_ref().is_none_or(|m| m.all_resident()))
@@ -1336,6 +1374,30 @@ mod pinned {
         // SAFETY: the mapping `alloc_pageable` made for `size` bytes, not registered,
         // freed once.
         unsafe { libc::munmap(p.cast(), mapped_len(size)) };
+    }
+
+    /// Moves the contents of a buffer `alloc` made from the node's swap pool to the
+    /// pool's disk tier ([`crate::pool::spill`]): unregistered first (the pages go
+    /// back to the arbiter, which frees them), registered again when the spill is
+    /// refused. `None`: not a pool buffer, or refused (the buffer is as it was).
+    pub fn spill(p: *mut u8, size: u64) -> Option<u64> {
+        if !crate::pool::owns(p) {
+            return None;
+        }
+        let (_, unregister) = entry_points()?;
+        // SAFETY: `p` was registered by `alloc`; no copy to or from it is in flight
+        // (the caller holds the allocator's lock and the buffer is a swapped-out
+        // segment's, copied in full).
+        if unsafe { unregister(p.cast()) } != CUDA_SUCCESS {
+            return None;
+        }
+        let h = crate::pool::spill(p);
+        if h.is_none() {
+            if let Err(r) = register(p, size) {
+                crate::kdebug!("cannot page-lock a swap buffer again after a refused spill (CUDA error {r}); it is copied from pageable memory");
+            }
+        }
+        h
     }
 
     /// Registers a mapping `alloc_pageable` made, in place (its contents kept).

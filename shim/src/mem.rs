@@ -131,6 +131,24 @@ pub trait Driver: Send {
     fn copies_done(&self) -> Option<bool> {
         None
     }
+    /// Moves the contents of the pinned buffer `p` ([`Driver::host_alloc`], `size`
+    /// bytes, no copy in flight) to the node's disk tier and frees the buffer: a
+    /// handle for [`Driver::spilled_to_device`]. `None` (the default): it stays as
+    /// it was.
+    fn host_spill(&self, p: *mut u8, size: u64) -> Option<u64> {
+        let _ = (p, size);
+        None
+    }
+    /// Copies `pieces` (offset, length) of the spilled contents `h` to device memory
+    /// at `va` + offset, synchronously.
+    fn spilled_to_device(&self, h: u64, va: u64, pieces: &[(u64, u64)]) -> Result<(), CUresult> {
+        let _ = (h, va, pieces);
+        Err(crate::cuda::CUDA_ERROR_NOT_SUPPORTED)
+    }
+    /// Forgets spilled contents (read back, or their segment freed).
+    fn spill_free(&self, h: u64) {
+        let _ = h;
+    }
     /// Waits until every piece of work of this process's context is done.
     fn sync(&self) -> Result<(), CUresult>;
     /// Grants other devices access to the mapping at `va` (`cuMemSetAccess`), beyond
@@ -215,6 +233,9 @@ struct Segment {
     /// The application's own handle, mapped by it whole at `va` (its range, not the
     /// allocator's): recreated with these properties on a swap-in.
     app: Option<AppProp>,
+    /// While swapped out, instead of `host`: its contents moved to the node's disk
+    /// tier ([`Driver::host_spill`]), by handle.
+    spilled: Option<u64>,
 }
 
 enum Alloc {
@@ -738,6 +759,7 @@ impl<D: Driver> Memory<D> {
                 dead: Dead::default(),
                 pieces: None,
                 app: None,
+                spilled: None,
             });
             segs.push(i);
             off += len;
@@ -808,6 +830,7 @@ impl<D: Driver> Memory<D> {
             dead: Dead::default(),
             pieces: None,
             app: None,
+            spilled: None,
         });
         self.working_set += self.gran;
         if self.backing_allowed {
@@ -834,6 +857,9 @@ impl<D: Driver> Memory<D> {
         }
         if let Some(b) = s.host {
             self.recycle(b);
+        }
+        if let Some(h) = s.spilled {
+            self.drv.spill_free(h);
         }
         self.working_set -= s.size;
         self.free_slots.push(i);

@@ -10,6 +10,12 @@
 //! Buffers prepared ahead (the pinning thread marks itself with [`mark_ahead`]) ask
 //! with `ahead`, which the arbiter refuses first when the pool runs low.
 //! `KIWI_SWAP_POOL=0` turns borrowing off.
+//!
+//! The disk tier: asked by the arbiter (`pool_reclaim`), the pinning thread moves a
+//! swapped-out buffer's slices to disk ([`spill`]: `pool_spill`); the arbiter writes
+//! them to spill files and hands back one read-only descriptor per slice, from which
+//! the swap-in reads the contents back ([`read_back`]) before giving the ids back
+//! ([`forget`]). Only this process's own contents are reachable through them.
 
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -57,12 +63,22 @@ struct State {
     said_at: Option<Instant>,
 }
 
+/// Contents moved to the disk tier: the spill files (descriptor, length, id) in the
+/// order of the buffer's slices.
+struct Disk {
+    files: Vec<(OwnedFd, u64, u64)>,
+    generation: u64,
+}
+
 /// What this process maps and owes the arbiter: held for moments only, never across
 /// a round trip, so that freeing a buffer (a turn's thread, after a swap-in) never
 /// waits behind a take in flight.
 #[derive(Default)]
 struct Books {
     maps: HashMap<usize, Mapping>,
+    /// Spilled contents by handle ([`spill`]).
+    disk: HashMap<u64, Disk>,
+    next_disk: u64,
     /// Slices unmapped while the connection was busy: (connection, ids), given back
     /// with the next message.
     owed: Vec<(u64, Vec<u64>)>,
@@ -238,6 +254,169 @@ pub fn unmap(p: *mut u8) -> bool {
         }
     }
     true
+}
+
+/// Moves the contents of `p`, a buffer [`map`] returned (unregistered from the
+/// driver, copied to or from by nobody), to the node's disk tier: on success `p` is
+/// unmapped and the handle returned reads the contents back ([`read_back`]). `None`:
+/// nothing moved, `p` is as it was (no disk tier, a refusal, a connection in use by
+/// a swap-out, slices lent by an earlier arbiter).
+pub fn spill(p: *mut u8) -> Option<u64> {
+    let (ids, len, generation) = {
+        let b = books();
+        let m = b.as_ref()?.maps.get(&(p as usize))?;
+        (m.ids.clone(), m.len, m.generation)
+    };
+    if ids.is_empty() || ids.len() > kiwi_protocol::MAX_POOL_SPILL_IDS {
+        return None;
+    }
+    let mut g = lock_for(true)?;
+    let st = g.as_mut()?;
+    if st.generation != generation {
+        return None;
+    }
+    give_owed(st);
+    let conn = st.conn.as_mut()?;
+    let answer = conn
+        .send(&ClientMsg::PoolSpill { ids: ids.clone() })
+        .and_then(|()| conn.recv());
+    match answer {
+        Ok(ArbiterMsg::PoolSpilled { files }) => {
+            let fds: Vec<Option<OwnedFd>> = files.iter().map(|_| conn.take_fd()).collect();
+            let total: u64 = files.iter().map(|f| f.bytes).sum();
+            if files.len() != ids.len() || fds.iter().any(Option::is_none) || total < len as u64 {
+                // The arbiter took the slices back: what it sent is all there is.
+                crate::kerror!(
+                    "the swap pool's disk tier answered {} files ({} descriptors) for {} slices; {} bytes of swapped-out memory may be lost",
+                    files.len(),
+                    fds.iter().flatten().count(),
+                    ids.len(),
+                    len
+                );
+            }
+            let disk = Disk {
+                files: files
+                    .iter()
+                    .zip(fds)
+                    .filter_map(|(f, fd)| Some((fd?, f.bytes, f.id)))
+                    .collect(),
+                generation,
+            };
+            let mut b = books();
+            let books = b.get_or_insert_with(Books::default);
+            books.maps.remove(&(p as usize));
+            let h = books.next_disk;
+            books.next_disk += 1;
+            books.disk.insert(h, disk);
+            drop(b);
+            // SAFETY: the mapping `map` made of `len` bytes at `p`; its owner gave it
+            // up for the spill (it is unregistered and nobody copies to or from it).
+            unsafe { libc::munmap(p.cast(), len) };
+            Some(h)
+        }
+        Ok(ArbiterMsg::PoolRefused { message }) => {
+            crate::kdebug!("the swap pool's disk tier refused a spill: {message}");
+            None
+        }
+        Ok(other) => {
+            crate::kwarn!("the swap pool answered {other:?} to a spill");
+            drop_conn(st);
+            None
+        }
+        Err(e) => {
+            crate::kdebug!("lost the swap pool during a spill ({e})");
+            drop_conn(st);
+            None
+        }
+    }
+}
+
+/// Runs `f` over the contents of spilled buffer `h`, mapped read-only at one
+/// address (`f(address, length)`); `None` when `h` is unknown or the mapping failed.
+/// The pages read are dropped from the page cache afterwards.
+pub fn read_back<T>(h: u64, f: impl FnOnce(*const u8, usize) -> T) -> Option<T> {
+    let fds: Vec<(i32, u64)> = {
+        let b = books();
+        let d = b.as_ref()?.disk.get(&h)?;
+        d.files
+            .iter()
+            .map(|(fd, n, _)| (fd.as_raw_fd(), *n))
+            .collect()
+    };
+    let len = usize::try_from(fds.iter().map(|f| f.1).sum::<u64>()).ok()?;
+    if len == 0 {
+        return None;
+    }
+    // SAFETY: a fresh reservation of address space; nothing else is affected.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return None;
+    }
+    let mut at = 0usize;
+    for &(fd, n) in &fds {
+        let n = n as usize;
+        // SAFETY: replaces part of the reservation made above with a read-only
+        // mapping of the spill file, whole (the descriptors stay open meanwhile:
+        // only `forget`, on this thread's caller, closes them).
+        let q = unsafe {
+            libc::mmap(
+                base.cast::<u8>().add(at).cast(),
+                n,
+                libc::PROT_READ,
+                libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
+                fd,
+                0,
+            )
+        };
+        if q == libc::MAP_FAILED {
+            // SAFETY: the reservation made above and the files mapped into it.
+            unsafe { libc::munmap(base, len) };
+            return None;
+        }
+        at += n;
+    }
+    let out = f(base.cast::<u8>().cast_const(), len);
+    // SAFETY: the mapping made above, used by nobody now.
+    unsafe { libc::munmap(base, len) };
+    for &(fd, n) in &fds {
+        // SAFETY: advice on an open descriptor: its cached pages may go.
+        unsafe { libc::posix_fadvise(fd, 0, n as i64, libc::POSIX_FADV_DONTNEED) };
+    }
+    Some(out)
+}
+
+/// Forgets spilled buffer `h` (read back, or its memory freed): its files are closed
+/// and their ids given back with the connection's next message.
+pub fn forget(h: u64) {
+    let owed = {
+        let mut b = books();
+        let Some(books) = b.as_mut() else {
+            return;
+        };
+        let Some(d) = books.disk.remove(&h) else {
+            return;
+        };
+        let ids: Vec<u64> = d.files.iter().map(|f| f.2).collect();
+        if d.generation == books.generation {
+            books.owed.push((d.generation, ids));
+        }
+        d.files
+    };
+    drop(owed);
+    if let Ok(mut g) = STATE.try_lock() {
+        if let Some(st) = g.as_mut() {
+            give_owed(st);
+        }
+    }
 }
 
 /// Gives back the slices unmapped since the last message, on the connection they

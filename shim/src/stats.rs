@@ -23,6 +23,9 @@ pub static PINNED_AHEAD_BYTES: AtomicU64 = AtomicU64::new(0);
 /// Swapped-out contents copied into pageable buffers (no pinned one was ready) and
 /// page-locked in place afterwards by the pinning thread.
 pub static REGISTERED_IN_PLACE_BYTES: AtomicU64 = AtomicU64::new(0);
+/// Swap pool memory given back when the arbiter asked (`pool_reclaim`): spare
+/// buffers and swapped-out contents moved to the pool's disk tier.
+pub static SPILLED_BYTES: AtomicU64 = AtomicU64::new(0);
 /// Calls that load code, or may (`modules.rs`): which ones a runtime makes tells where
 /// its kernels' code comes from (NVIDIA's runtime 12.x and 13.x differ).
 pub static MODULE_LOADS: AtomicU64 = AtomicU64::new(0);
@@ -49,7 +52,7 @@ pub fn render(submissions: u32, mode: &str) -> String {
          procaddr_wrapped {}\nreconnects {}\ngpus {}\npinned_ahead_bytes {}\n\
          registered_in_place_bytes {}\nmodule_loads {}\nlibrary_loads {}\n\
          module_get_functions {}\nlibrary_get_modules {}\nlibrary_get_kernels {}\n\
-         kernel_get_functions {}\ncode_bytes {}\nmode {}\n",
+         kernel_get_functions {}\ncode_bytes {}\nspilled_bytes {}\nmode {}\n",
         submissions,
         g(&SLOW_SUBMITS),
         g(&GRANTS),
@@ -71,6 +74,7 @@ pub fn render(submissions: u32, mode: &str) -> String {
         g(&LIBRARY_GET_KERNELS),
         g(&KERNEL_GET_FUNCTIONS),
         g(&CODE_BYTES),
+        g(&SPILLED_BYTES),
         mode,
     )
 }

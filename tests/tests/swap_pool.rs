@@ -117,6 +117,186 @@ fn a_notebook_in_a_memory_limited_cgroup_is_swapped_out_and_back_without_being_k
     );
 }
 
+/// The largest figure of the pool's disk tier seen while `children` run, and
+/// their outputs in order.
+fn run_watching_spill(arb: &Arbiter, children: Vec<Child>) -> (u64, Vec<std::process::Output>) {
+    let mut most = 0u64;
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let mut children = children;
+    loop {
+        if let Some(s) = arb.status().swap_pool.and_then(|p| p.spill) {
+            most = most.max(s.spilled_bytes);
+        }
+        let all_done = children
+            .iter_mut()
+            .all(|c| c.try_wait().ok().flatten().is_some());
+        if all_done {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the notebooks did not finish within 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let outs = children
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("wait"))
+        .collect();
+    (most, outs)
+}
+
+/// `spilled_bytes` of a shim's `KIWI_STATS` file.
+fn spilled_of(stats: &std::path::Path) -> u64 {
+    std::fs::read_to_string(stats)
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("spilled_bytes "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The disk tier: three notebooks of 512 MiB take turns on a 1 GiB GPU, each in a
+/// memory cgroup of 384 MiB (less than its working set: swapping into its own memory
+/// would kill it), beside a swap pool of 512 MiB. Two of them are swapped out at
+/// once (1 GiB, twice the pool): the pool asks the one idle longest to move its
+/// swapped-out memory to the spill directory, it comes back from there at its next
+/// turn, and every notebook verifies every byte, none OOM-killed.
+#[test]
+fn notebooks_whose_swapped_out_total_is_twice_the_pool_all_verify_through_the_disk_tier() {
+    let m = SimMachine::new("pool-disk", 1, GIB).unwrap_or_else(|e| panic!("{e}"));
+    m.populate().unwrap_or_else(|e| panic!("{e}"));
+    let spill = tempfile::tempdir().expect("spill dir");
+    let stats = tempfile::tempdir().expect("stats dir");
+    let arb = Arbiter::start(&[
+        "--tq",
+        "0.5",
+        "--swap-pool",
+        "512MiB",
+        "--spill-dir",
+        spill.path().to_str().unwrap(),
+    ]);
+    let mut cgroups = Vec::new();
+    let mut children = Vec::new();
+    for i in 0..3 {
+        let Some(cg) = MemCgroup::new(&format!("disk{i}"), 384 * MIB) else {
+            return;
+        };
+        let name = format!("nb{i}");
+        let mut cmd = cg.command(
+            &bin("gpuburst"),
+            &[
+                "--mem",
+                "512MiB",
+                "--script",
+                "gpu:300,idle:1200,gpu:300,idle:1200,gpu:300,idle:1200,gpu:300",
+                "--verify",
+                "--seed",
+                &i.to_string(),
+                "--name",
+                &name,
+            ],
+        );
+        cmd.env("KIWI_STATS", stats.path().join(&name));
+        children.push(gpuburst(&m, &arb, cmd, true));
+        cgroups.push(cg);
+    }
+    let (most, outs) = run_watching_spill(&arb, children);
+    for ((out, cg), i) in outs.iter().zip(&cgroups).zip(0..) {
+        assert!(
+            out.status.success() && cg.oom_kills() == 0,
+            "notebook {i} verifies, not killed (OOM kills {}): {}",
+            cg.oom_kills(),
+            output_text(out)
+        );
+    }
+    let spilled: u64 = (0..3)
+        .map(|i| spilled_of(&stats.path().join(format!("nb{i}"))))
+        .sum();
+    assert!(
+        most > 0 && spilled > 0,
+        "the disk tier held swapped-out memory (at most {} MiB at once; the notebooks gave back {} MiB)",
+        most >> 20,
+        spilled >> 20
+    );
+    assert!(
+        swapped_out(&arb) >= 2 * 512 * MIB,
+        "the notebooks swapped out more than twice the pool ({} MiB)",
+        swapped_out(&arb) >> 20
+    );
+    // Everything comes back: no spill file is left, none was ever named.
+    wait_until(
+        "the spill files are dropped",
+        Duration::from_secs(10),
+        || {
+            arb.status()
+                .swap_pool
+                .and_then(|p| p.spill)
+                .is_some_and(|s| s.files == 0 && s.spilled_bytes == 0)
+        },
+    );
+    assert_eq!(std::fs::read_dir(spill.path()).unwrap().count(), 0);
+}
+
+/// A full spill disk (its budget spent) makes no spill: the swap-out that found the
+/// pool full waits no longer than the refusal, goes to the process's own memory with
+/// a line naming the pool, and every notebook still verifies; the refusal is in the
+/// pool's status.
+#[test]
+fn a_full_spill_disk_refuses_and_nothing_is_lost() {
+    let m = SimMachine::new("pool-full", 1, GIB).unwrap_or_else(|e| panic!("{e}"));
+    m.populate().unwrap_or_else(|e| panic!("{e}"));
+    let spill = tempfile::tempdir().expect("spill dir");
+    let arb = Arbiter::start(&[
+        "--tq",
+        "0.5",
+        "--swap-pool",
+        "512MiB",
+        "--spill-dir",
+        spill.path().to_str().unwrap(),
+        "--spill-budget",
+        "32MiB",
+    ]);
+    let children = (0..3)
+        .map(|i| {
+            let mut cmd = Command::new(bin("gpuburst"));
+            cmd.args([
+                "--mem",
+                "512MiB",
+                "--script",
+                "gpu:300,idle:1200,gpu:300,idle:1200,gpu:300",
+                "--verify",
+                "--seed",
+                &i.to_string(),
+                "--name",
+                &format!("nb{i}"),
+            ]);
+            gpuburst(&m, &arb, cmd, true)
+        })
+        .collect();
+    let (_, outs) = run_watching_spill(&arb, children);
+    for (out, i) in outs.iter().zip(0..) {
+        assert!(out.status.success(), "notebook {i}: {}", output_text(out));
+    }
+    let s = arb
+        .status()
+        .swap_pool
+        .and_then(|p| p.spill)
+        .expect("the disk tier in status");
+    assert!(s.failures > 0, "{s:?}");
+    assert!(
+        s.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("spill budget of 32 MiB")),
+        "{s:?}"
+    );
+    let lines: String = outs.iter().map(output_text).collect();
+    assert!(
+        lines.contains("swap pool full") && lines.contains("uses the process's own memory"),
+        "a refused swap-out says so: {lines}"
+    );
+}
+
 mod protocol_level {
     use std::os::fd::{AsRawFd, OwnedFd};
     use std::time::Duration;

@@ -10,10 +10,19 @@
 //! (`ahead`) are refused first: they never take the room the node's admitted swap
 //! need still has to find in the pool. Whatever a connection holds comes back when it
 //! closes.
+//!
+//! With a disk tier (`--spill-dir`), [`Book`] keeps what each process borrows, and
+//! the pool's tick ([`run_wanted`]) asks the processes idle longest
+//! ([`ArbiterMsg::PoolReclaim`], on one of their registered connections) to give
+//! back their spare buffers and move swapped-out contents to disk (`pool_spill`),
+//! whenever the pool's free memory falls below a quarter of it, or a swap-out's take
+//! found it full: such a take waits (at most [`SPILL_WAIT`]) for the room the
+//! spills make, rather than going to the process's own memory.
 
+use std::collections::HashMap;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use kiwi_protocol::fds::send_with_fds;
 use kiwi_protocol::frame::{encode, FrameDecoder};
@@ -32,6 +41,54 @@ use crate::pool::{Pool, PoolError};
 const SLACK: u64 = 64 << 20;
 /// How long a reply may wait for a client that does not read it.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a swap-out's take that found the pool full waits for the disk tier to
+/// make room (within the shim's 10 s wait for an answer).
+pub(super) const SPILL_WAIT: Duration = Duration::from_secs(8);
+/// How often a take waiting for room tries again.
+const SPILL_RETRY: Duration = Duration::from_millis(25);
+/// A process asked to reclaim is not asked again before this.
+const ASK_EVERY: Duration = Duration::from_secs(1);
+
+/// What each process borrows from the pool (by host pid), and what the disk tier's
+/// tick must find: the bytes of takes waiting for room, and whom it asked when.
+#[derive(Debug, Default)]
+pub(super) struct Book {
+    inner: Mutex<BookInner>,
+}
+
+#[derive(Debug, Default)]
+struct BookInner {
+    held: HashMap<u32, u64>,
+    asked: HashMap<u32, Instant>,
+    /// The largest take now waiting for room.
+    short: u64,
+}
+
+impl Book {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BookInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn add(&self, pid: u32, bytes: u64) {
+        *self.lock().held.entry(pid).or_default() += bytes;
+    }
+
+    fn sub(&self, pid: u32, bytes: u64) {
+        let mut b = self.lock();
+        if let Some(h) = b.held.get_mut(&pid) {
+            *h = h.saturating_sub(bytes);
+            if *h == 0 {
+                b.held.remove(&pid);
+                b.asked.remove(&pid);
+            }
+        }
+    }
+
+    fn short(&self, bytes: u64) {
+        let mut b = self.lock();
+        b.short = b.short.max(bytes);
+    }
+}
 
 /// Serves a pool connection after its `pool_open`; `decoder` holds what arrived
 /// behind it.
@@ -99,7 +156,9 @@ pub(super) async fn serve(
                     )
                     .await;
                     if let Ok((_, lent)) = &reply {
-                        held += lent.iter().map(|l| l.bytes).sum::<u64>();
+                        let n = lent.iter().map(|l| l.bytes).sum::<u64>();
+                        held += n;
+                        shared.pool_book.add(host_pid, n);
                     }
                     let fds: Vec<BorrowedFd<'_>> = match &reply {
                         Ok((_, lent)) => lent.iter().map(|l| l.fd.as_fd()).collect(),
@@ -121,7 +180,57 @@ pub(super) async fn serve(
                     pool.keep(conn_id, &tenant, bytes.min(may));
                 }
                 ClientMsg::PoolGive { ids } => {
-                    held = held.saturating_sub(pool.give(conn_id, &ids));
+                    let n = pool.give(conn_id, &ids).min(held);
+                    held -= n;
+                    shared.pool_book.sub(host_pid, n);
+                }
+                ClientMsg::PoolSpill { ids } => {
+                    let p = pool.clone();
+                    let who = tenant.to_string();
+                    let asked = ids.len();
+                    let got =
+                        tokio::task::spawn_blocking(move || p.spill(conn_id, &who, &ids)).await;
+                    let files = match got {
+                        Ok(Ok(files)) if files.len() == asked => Ok(files),
+                        Ok(Ok(files)) => {
+                            // Never: the pool moves all of a request or none. Said,
+                            // not hidden; the client keeps what it was told of.
+                            log_line!(
+                                "WARN",
+                                "swap pool: a spill of pid {host_pid} moved {} of {asked} slices",
+                                files.len()
+                            );
+                            Ok(files)
+                        }
+                        Ok(Err(e)) => Err(refusal(&e)),
+                        Err(e) => Err(format!("the swap pool failed: {e}")),
+                    };
+                    let msg = match &files {
+                        Ok(files) => {
+                            let n = files.iter().map(|f| f.bytes).sum::<u64>().min(held);
+                            held -= n;
+                            shared.pool_book.sub(host_pid, n);
+                            ArbiterMsg::PoolSpilled {
+                                files: files
+                                    .iter()
+                                    .map(|f| PoolSlice {
+                                        id: f.id,
+                                        bytes: f.bytes,
+                                    })
+                                    .collect(),
+                            }
+                        }
+                        Err(message) => ArbiterMsg::PoolRefused {
+                            message: message.clone(),
+                        },
+                    };
+                    let fds: Vec<BorrowedFd<'_>> = match &files {
+                        Ok(files) => files.iter().map(|f| f.fd.as_fd()).collect(),
+                        Err(_) => Vec::new(),
+                    };
+                    if send(&stream, &msg, &fds).await.is_err() {
+                        break 'conn;
+                    }
                 }
                 other => {
                     let what = format!(
@@ -164,6 +273,7 @@ pub(super) async fn serve(
         }
     }
     let back = pool.release_owner(conn_id);
+    shared.pool_book.sub(host_pid, held);
     if back > 0 {
         log_line!(
             "INFO",
@@ -230,11 +340,29 @@ async fn take(
             );
         }
     }
-    let p = pool.clone();
-    let who = tenant.to_string();
-    let got = tokio::task::spawn_blocking(move || p.take(conn_id, &who, bytes))
-        .await
-        .map_err(|e| format!("the swap pool failed: {e}"))?;
+    // A swap-out that finds the pool full waits while the disk tier makes room.
+    let start = pool.stats();
+    let spills = !ahead && start.spill_dir.is_some();
+    let deadline = Instant::now() + SPILL_WAIT;
+    let got = loop {
+        let p = pool.clone();
+        let who = tenant.to_string();
+        let got = tokio::task::spawn_blocking(move || p.take(conn_id, &who, bytes))
+            .await
+            .map_err(|e| format!("the swap pool failed: {e}"))?;
+        match got {
+            // Until the disk tier refuses a spill (full, missing): then no room comes.
+            Err(PoolError::Full { .. })
+                if spills
+                    && Instant::now() < deadline
+                    && pool.stats().spill_failures == start.spill_failures =>
+            {
+                shared.pool_book.short(bytes);
+                tokio::time::sleep(SPILL_RETRY).await;
+            }
+            got => break got,
+        }
+    };
     match got {
         Ok(lent) => {
             let slices = lent
@@ -320,9 +448,108 @@ pub(super) async fn run_wanted(
                         .fold(0u64, u64::saturating_add)
                 };
                 pool.set_wanted(wanted);
+                reclaim(&shared, &pool);
             }
             _ = stop.changed() => return,
         }
+    }
+}
+
+/// The free memory the disk tier keeps in the pool: a quarter of it, for the next
+/// swap-outs.
+fn free_target(size: u64) -> u64 {
+    size / 4
+}
+
+/// With a disk tier: when the pool's free memory is below [`free_target`], or a take
+/// waits for room, asks the processes idle longest (none of whose clients holds or
+/// waits for a GPU) to give back what they borrow, enough to cover the shortfall,
+/// each at most once per [`ASK_EVERY`].
+fn reclaim(shared: &Shared, pool: &Pool) {
+    let s = pool.stats();
+    if s.spill_dir.is_none() {
+        return;
+    }
+    let free = s.size.saturating_sub(s.lent + s.populating + s.scrubbing);
+    let now = Instant::now();
+    let (mut want, held) = {
+        let mut b = shared.pool_book.lock();
+        let short = std::mem::take(&mut b.short);
+        let want = free_target(s.size).saturating_sub(free).max(short);
+        let asked = &b.asked;
+        let held: Vec<(u32, u64)> = b
+            .held
+            .iter()
+            .filter(|(pid, _)| {
+                asked
+                    .get(pid)
+                    .is_none_or(|t| now.duration_since(*t) >= ASK_EVERY)
+            })
+            .map(|(&pid, &h)| (pid, h))
+            .collect();
+        (want, held)
+    };
+    if want == 0 || held.is_empty() {
+        return;
+    }
+    let asks = {
+        let st = shared.lock();
+        // Each candidate's standing (idle before waiting, then its last activity,
+        // the latest over its clients) and a connection to ask on; a process with a
+        // client holding a GPU is never asked (it swaps now, or soon).
+        let mut idle: Vec<(bool, u64, u32, u64, u64)> = Vec::new();
+        for (pid, bytes) in held {
+            let (mut waits, mut last) = (false, 0u64);
+            let mut to = None;
+            let mut busy = false;
+            for (&id, c) in st.clients.iter() {
+                if c.process.is_none_or(|(p, _)| p != pid) {
+                    continue;
+                }
+                let standing = c
+                    .gpu
+                    .as_ref()
+                    .and_then(|g| st.gpus.get(g))
+                    .map(|g| g.sched.activity(id));
+                match standing {
+                    Some(Some((w, t))) => {
+                        waits |= w;
+                        last = last.max(t);
+                        to.get_or_insert(id);
+                    }
+                    Some(None) => busy = true,
+                    None => {}
+                }
+            }
+            if let (false, Some(to)) = (busy, to) {
+                idle.push((waits, last, pid, to, bytes));
+            }
+        }
+        idle.sort_unstable();
+        let mut asks = Vec::new();
+        for (_, _, pid, to, bytes) in idle {
+            if want == 0 {
+                break;
+            }
+            let ask = bytes.min(want);
+            want -= ask;
+            if let Some(c) = st.clients.get(&to) {
+                c.peer.send(&ArbiterMsg::PoolReclaim { bytes: ask });
+                asks.push((pid, ask));
+            }
+        }
+        asks
+    };
+    let mut b = shared.pool_book.lock();
+    for (pid, ask) in asks {
+        b.asked.insert(pid, now);
+        log_line!(
+            "INFO",
+            "swap pool: {} MiB free of {} MiB; asked pid {pid} (idle longest) to move up to {} MiB of its swapped-out memory to the disk tier",
+            free >> 20,
+            s.size >> 20,
+            ask >> 20
+        );
     }
 }
 
@@ -340,5 +567,18 @@ pub(super) fn status(pool: &Pool) -> kiwi_protocol::PoolStatus {
         scrubbing_bytes: s.scrubbing,
         page_mode: s.page_mode.to_string(),
         tenants,
+        spill: s.spill_dir.clone().map(|dir| {
+            let mut tenants = s.spilled_tenants.clone();
+            tenants.truncate(16);
+            kiwi_protocol::SpillStatus {
+                dir,
+                spilled_bytes: s.spilled,
+                budget_bytes: s.spill_budget,
+                files: s.spill_files as u64,
+                failures: s.spill_failures,
+                tenants,
+                last_error: s.last_spill_error.clone(),
+            }
+        }),
     }
 }

@@ -71,6 +71,10 @@ impl Client {
                 }
                 *w = false;
             }
+            let want = self.spill_want.swap(0, Ordering::AcqRel);
+            if want > 0 {
+                self.give_back_pool(want);
+            }
             loop {
                 let mut more = false;
                 for turn in self.turns() {
@@ -81,6 +85,31 @@ impl Client {
                 }
                 std::thread::yield_now();
             }
+        }
+    }
+
+    /// The arbiter asked for `want` bytes of the node's swap pool back: spare buffers,
+    /// then swapped-out contents moved to the pool's disk tier, from the GPUs with no
+    /// swap under way.
+    fn give_back_pool(&self, want: u64) {
+        let t = Instant::now();
+        let mut done = 0u64;
+        for turn in self.turns() {
+            if done >= want {
+                break;
+            }
+            if turn.swapping.load(Ordering::Acquire) > 0 {
+                continue;
+            }
+            done += turn.res.spill(want - done);
+        }
+        if done > 0 {
+            stats::SPILLED_BYTES.fetch_add(done, Ordering::Relaxed);
+            crate::kinfo!(
+                "gave back {} MiB of the node's swap pool in {:?} (spare buffers, and swapped-out memory moved to its disk tier; it comes back from there at the next swap-in)",
+                done >> 20,
+                t.elapsed()
+            );
         }
     }
 

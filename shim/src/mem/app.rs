@@ -46,6 +46,7 @@ impl<D: Driver> Memory<D> {
             dead: Dead::default(),
             pieces: None,
             app: Some(prop),
+            spilled: None,
         });
         self.working_set += size;
         self.resident += size;
@@ -99,6 +100,9 @@ impl<D: Driver> Memory<D> {
         let s = self.segs[i].take().expect("live segment");
         if let Some(b) = s.host {
             self.recycle(b);
+        }
+        if let Some(h) = s.spilled {
+            self.drv.spill_free(h);
         }
         self.working_set -= size;
         self.free_slots.push(i);

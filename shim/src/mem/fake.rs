@@ -48,6 +48,11 @@ pub struct State {
     pub unregistered: BTreeMap<usize, usize>,
     pub pageable_allocs: u64,
     pub registrations: u64,
+    /// Offer a disk tier ([`Driver::host_spill`]); off: none.
+    pub spill: bool,
+    /// Spilled contents by handle.
+    pub disk: HashMap<u64, Vec<u8>>,
+    pub next_disk: u64,
 }
 
 pub struct FakeDriver {
@@ -287,6 +292,41 @@ impl Driver for FakeDriver {
         // SAFETY: dst lies in a live host buffer of at least n bytes (checked).
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, n as usize) };
         Ok(())
+    }
+    // `p` is checked to be a live buffer this fake allocated before it is read.
+    #[allow(clippy::not_unsafe_ptr_arg_deref)]
+    fn host_spill(&self, p: *mut u8, size: u64) -> Option<u64> {
+        if !self.st.borrow().spill {
+            return None;
+        }
+        self.check_host(p as usize, size);
+        // SAFETY: `p` is a live host buffer of `size` bytes (checked above).
+        let data = unsafe { std::slice::from_raw_parts(p, size as usize) }.to_vec();
+        self.host_free(p, size);
+        let mut st = self.st.borrow_mut();
+        let h = st.next_disk;
+        st.next_disk += 1;
+        st.disk.insert(h, data);
+        Some(h)
+    }
+    fn spilled_to_device(&self, h: u64, va: u64, pieces: &[(u64, u64)]) -> Result<(), CUresult> {
+        let data = self
+            .st
+            .borrow()
+            .disk
+            .get(&h)
+            .cloned()
+            .expect("a live spill handle");
+        for &(off, n) in pieces {
+            self.poke(va + off, &data[off as usize..(off + n) as usize])?;
+        }
+        Ok(())
+    }
+    fn spill_free(&self, h: u64) {
+        assert!(
+            self.st.borrow_mut().disk.remove(&h).is_some(),
+            "double or bad spill free"
+        );
     }
     unsafe fn to_device(&self, dst: u64, src: *const u8, n: u64) -> Result<(), CUresult> {
         self.check_host(src as usize, n);

@@ -34,11 +34,23 @@ impl<D: Driver> Memory<D> {
             // Mapped during the previous copy, unless there was no room yet.
             self.map_fresh_until(i, deadline)?;
             let next = todo.get(k + 1).copied();
-            let (va, host, pieces) = {
+            let (va, host, spilled, pieces) = {
                 let s = self.seg(i);
                 let pieces = s.pieces.clone().unwrap_or_else(|| vec![(0, s.size)]);
-                (s.va, s.host.as_ref().map(|b| b.ptr), pieces)
+                (s.va, s.host.as_ref().map(|b| b.ptr), s.spilled, pieces)
             };
+            if let (None, Some(h)) = (host, spilled) {
+                // From the disk tier: read back now (bound by the disk, not the copy).
+                if let Err(e) = self.drv.spilled_to_device(h, va, &pieces) {
+                    self.unmap_fresh(i);
+                    return Err(e);
+                }
+                let s = self.seg(i);
+                s.spilled = None;
+                s.pieces = None;
+                self.drv.spill_free(h);
+                bytes += pieces.iter().map(|p| p.1).sum::<u64>();
+            }
             if let Some(host) = host {
                 for &(off, len) in &pieces {
                     // SAFETY: the segment's host buffer holds at least its size (the
@@ -224,6 +236,54 @@ impl<D: Driver> Memory<D> {
         self.host_bytes += cap;
         self.spare.push(HostBuf::pinned(ptr, cap));
         self.trim_spare();
+    }
+
+    /// Gives back host memory for the node's swap pool (the arbiter's
+    /// `pool_reclaim`): every spare buffer, then the buffer of the swapped-out segment
+    /// used least recently, moved to the disk tier ([`Driver::host_spill`]). One
+    /// buffer per call, so that the allocator's lock is held for one spill at a time.
+    /// Returns the bytes given back; 0: nothing (more) can be.
+    pub fn spill_one(&mut self) -> u64 {
+        let freed = self.release_spares();
+        if freed > 0 {
+            return freed;
+        }
+        let victim = self
+            .segs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| Some((i, s.as_ref()?)))
+            .filter(|(_, s)| {
+                s.handle.is_none() && s.host.as_ref().is_some_and(|b| b.pinned && !b.registering)
+            })
+            .min_by_key(|(_, s)| s.touch)
+            .map(|(i, _)| i);
+        let Some(i) = victim else {
+            return 0;
+        };
+        let (ptr, cap) = {
+            let b = self.seg(i).host.as_ref().expect("chosen above");
+            (b.ptr, b.cap)
+        };
+        match self.drv.host_spill(ptr, cap) {
+            Some(h) => {
+                let s = self.seg(i);
+                s.host = None;
+                s.spilled = Some(h);
+                self.host_bytes -= cap;
+                cap
+            }
+            None => 0,
+        }
+    }
+
+    /// Bytes of swapped-out contents on the disk tier now.
+    pub fn spilled_segments(&self) -> usize {
+        self.segs
+            .iter()
+            .flatten()
+            .filter(|s| s.spilled.is_some())
+            .count()
     }
 
     /// Frees every spare pinned buffer (those holding a swapped-out segment's contents

@@ -685,3 +685,70 @@ fn a_buffer_being_registered_outlives_its_segments_swap_in() {
     assert!(m.driver().st.borrow().host.is_empty());
     assert_eq!(m.host_buffer_bytes(), 0);
 }
+
+#[test]
+fn spilled_segments_come_back_from_the_disk_tier_byte_for_byte() {
+    for d in drivers(1 << 30) {
+        d.st.borrow_mut().spill = true;
+        let mut m = Memory::new(d).unwrap();
+        let big = m.alloc(150 << 20).unwrap();
+        let small = m.alloc(4096).unwrap();
+        let data = pattern(3, 150 << 20);
+        m.driver().poke(big, &data).unwrap();
+        m.driver().poke(small, &pattern(5, 4096)).unwrap();
+        // Dead bytes are not copied; what is left is spilled and comes back.
+        m.discard(big + (100 << 20), 10 << 20, None).unwrap();
+        // Resident: nothing to spill (no spares yet, nothing swapped out).
+        assert_eq!(m.spill_one(), 0);
+        m.evict(u64::MAX).unwrap();
+        let host = m.host_buffer_bytes();
+        assert!(host > 0);
+        let mut spilled = 0;
+        loop {
+            let n = m.spill_one();
+            if n == 0 {
+                break;
+            }
+            spilled += n;
+        }
+        assert_eq!(spilled, host, "every swapped-out buffer moves to disk");
+        assert_eq!(m.host_buffer_bytes(), 0);
+        assert_eq!(m.driver().st.borrow().host_used, 0);
+        assert_eq!(m.spilled_segments(), 4, "three large segments and a chunk");
+        m.swap_in_all().unwrap();
+        assert!(m.all_resident());
+        assert_eq!(m.spilled_segments(), 0);
+        assert!(
+            m.driver().st.borrow().disk.is_empty(),
+            "read back and forgotten"
+        );
+        let back = m.driver().peek(big, data.len()).unwrap();
+        assert_eq!(&back[..100 << 20], &data[..100 << 20]);
+        assert_eq!(&back[110 << 20..], &data[110 << 20..]);
+        assert_eq!(m.driver().peek(small, 4096).unwrap(), pattern(5, 4096));
+        // After a swap-in the buffers are spares: a reclaim gives them back first.
+        m.evict(u64::MAX).unwrap();
+        m.swap_in_all().unwrap();
+        let spares = m.host_buffer_bytes();
+        assert!(spares > 0);
+        assert_eq!(m.spill_one(), spares);
+        // A segment freed while on disk forgets its spill.
+        m.evict(u64::MAX).unwrap();
+        while m.spill_one() > 0 {}
+        assert!(!m.driver().st.borrow().disk.is_empty());
+        m.free(big).unwrap();
+        m.free(small).unwrap();
+        assert!(m.driver().st.borrow().disk.is_empty());
+    }
+}
+
+#[test]
+fn without_a_disk_tier_nothing_is_spilled() {
+    let mut m = Memory::new(FakeDriver::new(1 << 30)).unwrap();
+    let p = m.alloc(64 << 20).unwrap();
+    m.driver().poke(p, &pattern(1, 64 << 20)).unwrap();
+    m.evict(u64::MAX).unwrap();
+    assert_eq!(m.spill_one(), 0);
+    m.swap_in_all().unwrap();
+    assert_eq!(m.driver().peek(p, 64 << 20).unwrap(), pattern(1, 64 << 20));
+}
