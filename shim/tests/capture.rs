@@ -9,7 +9,7 @@
 //! `pip` (a failure under `CI=true`, a loud skip otherwise).
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
@@ -69,14 +69,14 @@ fn stats(path: &Path) -> HashMap<String, u64> {
 }
 
 /// A runtime program on machine `m` under Kiwi (the arbiter in `socket_dir`).
-fn spawn(
+fn command(
     rt: &CudaRuntime,
     m: &SimMachine,
     exe: &Path,
     args: &[&str],
     socket_dir: &Path,
     stats: &Path,
-) -> Child {
+) -> Command {
     let shim = profile_dir().join("libkiwi.so");
     assert!(
         shim.exists(),
@@ -94,7 +94,37 @@ fn spawn(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    c.spawn().expect("spawn the runtime program")
+    c
+}
+
+fn spawn(
+    rt: &CudaRuntime,
+    m: &SimMachine,
+    exe: &Path,
+    args: &[&str],
+    socket_dir: &Path,
+    stats: &Path,
+) -> Child {
+    command(rt, m, exe, args, socket_dir, stats)
+        .spawn()
+        .expect("spawn the runtime program")
+}
+
+/// [`spawn`] with the test start gate: the program prints `READY` once its memory is
+/// filled and waits for a line on its stdin (piped).
+fn spawn_gated(
+    rt: &CudaRuntime,
+    m: &SimMachine,
+    exe: &Path,
+    args: &[&str],
+    socket_dir: &Path,
+    stats: &Path,
+) -> Child {
+    command(rt, m, exe, args, socket_dir, stats)
+        .env("KIWI_TEST_GATE", "1")
+        .stdin(Stdio::piped())
+        .spawn()
+        .expect("spawn the runtime program")
 }
 
 /// Reads a child's stdout on a thread: each line with the CLOCK_MONOTONIC time it was
@@ -152,10 +182,12 @@ fn a_graph_captured_while_another_waits_survives_the_drop_and_replays_across_tur
     let arb = Arbiter::start(&["--tq", "0.5"]);
     let (sa, sb) = (dir.path().join("cap.stats"), dir.path().join("nb.stats"));
 
-    // The notebook holds the GPU first; the capturing program comes second (the
-    // younger, so it is not a sharer dropped for the notebook's growth), takes its
-    // turn, and captures while the notebook asks for the GPU again after a CPU phase.
-    let mut b = spawn(
+    // The notebook holds the GPU first and fills its memory; the capturing program
+    // comes second (the younger, so it is not a sharer dropped for the notebook's
+    // growth), takes its turn, and captures while the notebook asks for the GPU:
+    // the notebook's rounds start at a gate opened when the capture has begun (on a
+    // loaded CI host, rounds started earlier were over before the capture began).
+    let mut b = spawn_gated(
         &rt,
         &m,
         &notebook,
@@ -163,10 +195,11 @@ fn a_graph_captured_while_another_waits_survives_the_drop_and_replays_across_tur
         arb.socket_dir(),
         &sb,
     );
+    let mut gate_b = b.stdin.take().expect("piped stdin");
     let (rx_b, reader_b) = lines(&mut b);
     assert!(
-        wait_line(&rx_b, "round 0").is_some(),
-        "the notebook never ran"
+        wait_line(&rx_b, "READY").is_some(),
+        "the notebook never filled its memory"
     );
     let mut a = spawn(
         &rt,
@@ -178,6 +211,8 @@ fn a_graph_captured_while_another_waits_survives_the_drop_and_replays_across_tur
     );
     let (rx, reader) = lines(&mut a);
     let capturing = wait_line(&rx, "capturing");
+    writeln!(gate_b, "go").expect("open the notebook's gate");
+    drop(gate_b);
     let captured = wait_line(&rx, "captured");
     let oa = finish(a);
     let out_a = reader.join().unwrap();
