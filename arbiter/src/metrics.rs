@@ -70,6 +70,8 @@ pub struct PoolFigures {
     pub ready: u64,
     pub lent: u64,
     pub scrubbing: u64,
+    /// Bytes on the disk tier (0 without one).
+    pub spilled: u64,
 }
 type FCounter = Counter<f64, AtomicU64>;
 
@@ -464,6 +466,7 @@ impl ArbiterMetrics {
                 ("ready", p.ready),
                 ("lent", p.lent),
                 ("scrubbing", p.scrubbing),
+                ("spilled", p.spilled),
             ] {
                 self.swap_pool
                     .get_or_create(&PoolLabels {
@@ -567,6 +570,7 @@ mod tests {
                 pool: Some(PoolFigures {
                     size: 8 << 30,
                     lent: 3 << 20,
+                    spilled: 5 << 20,
                     ..PoolFigures::default()
                 }),
             },
@@ -578,6 +582,10 @@ mod tests {
         );
         assert!(
             out.contains("kiwi_swap_pool_bytes{state=\"lent\"} 3145728"),
+            "{out}"
+        );
+        assert!(
+            out.contains("kiwi_swap_pool_bytes{state=\"spilled\"} 5242880"),
             "{out}"
         );
         assert!(out.contains("kiwi_swap_need_bytes 56623104"), "{out}");

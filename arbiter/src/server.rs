@@ -955,6 +955,7 @@ pub async fn serve(
                     ready: p.ready,
                     lent: p.lent,
                     scrubbing: p.scrubbing,
+                    spilled: p.spilled,
                 }
             });
             let st = s.lock();

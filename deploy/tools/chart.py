@@ -130,6 +130,8 @@ VARIANTS = [
         "installer": {"restartContainerd": True, "dropIn": True, "setAsDefault": True, "cdi": True},
         "devicePlugin": {"runtimeClassName": ""},
         "imagePullSecrets": [{"name": "regcred"}],
+        "spillDir": "/var/lib/kiwi/spill",
+        "spillBudgetMiB": 65536,
     },
     {"installer": {"enabled": False}, "devicePlugin": {"enabled": False}, "runtimeClass": {"create": False}},
     # The monitoring objects (docs/install.md, "Dashboard and alerts").
