@@ -663,6 +663,21 @@ impl GpuScheduler {
         self.settings.scheduler_on && !self.fits()
     }
 
+    /// What the next swap-outs here will need in host memory: the resident bytes of
+    /// the holders, when the GPU is oversubscribed (0 otherwise). The swap pool's
+    /// disk tier keeps that much free ahead, so a dropped holder's swap-out does not
+    /// wait for a spill.
+    pub fn next_swap_out(&self) -> u64 {
+        if !self.oversubscribed() {
+            return 0;
+        }
+        self.holders
+            .keys()
+            .filter_map(|id| self.clients.get(id))
+            .map(|c| c.usage.resident_bytes)
+            .fold(0u64, u64::saturating_add)
+    }
+
     /// More than one client is registered: the GPU is shared, whether or not its
     /// working sets fit.
     fn shared_now(&self) -> bool {

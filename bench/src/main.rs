@@ -12,6 +12,7 @@ mod procs;
 mod report;
 mod shimbench;
 mod soak;
+mod spill;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -54,6 +55,14 @@ enum Scenario {
     Swap,
     /// Time from a drop to the release for apps queueing 10,000 short kernels.
     DropLatency,
+    /// The swap pool's disk tier (spill out, read back) vs. plain writes and reads of
+    /// the same bytes on the same disk.
+    Spill {
+        /// Where the spill directory is made (a fresh subdirectory, removed at the
+        /// end); default: the temp dir.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
     /// Every scenario, one after the other.
     All {
         /// Also write the figures as Markdown.
@@ -181,6 +190,7 @@ fn run(cli: Cli) -> Result<()> {
         Scenario::LaunchOverhead => shimbench::launch_overhead(cli.quick)?,
         Scenario::Swap => shimbench::swap(cli.quick)?,
         Scenario::DropLatency => shimbench::drop_latency(cli.quick)?,
+        Scenario::Spill { dir } => spill::spill(cli.quick, dir.as_deref())?,
         Scenario::LaunchOverheadRole { shim } => return shimbench::launch_overhead_role(&shim),
         Scenario::CopyBandwidthRole {
             bytes,
@@ -254,6 +264,7 @@ fn run_all(quick: bool, json: bool, markdown: Option<PathBuf>) -> Result<()> {
         ("launch-overhead", Box::new(shimbench::launch_overhead)),
         ("swap", Box::new(shimbench::swap)),
         ("drop-latency", Box::new(shimbench::drop_latency)),
+        ("spill", Box::new(|q| spill::spill(q, None))),
         ("handoff-swap", Box::new(pipeline::handoff_swap)),
         ("idle-partner", Box::new(pipeline::idle_partner)),
         ("early-release", Box::new(pipeline::early_release)),

@@ -121,6 +121,9 @@ impl Driver for RealDriver {
     fn host_spill(&self, p: *mut u8, size: u64) -> Option<u64> {
         pinned::spill(p, size)
     }
+    fn host_spillable(&self, p: *mut u8) -> bool {
+        crate::pool::owns(p)
+    }
     fn spilled_to_device(&self, h: u64, va: u64, pieces: &[(u64, u64)]) -> Result<(), CUresult> {
         crate::pool::read_back(h, |base, len| {
             for &(off, n) in pieces {

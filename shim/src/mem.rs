@@ -139,6 +139,13 @@ pub trait Driver: Send {
         let _ = (p, size);
         None
     }
+    /// Whether [`Driver::host_spill`] may move buffer `p` (it is the node's swap
+    /// pool's: the process's own memory never goes to the disk tier). The default:
+    /// none may.
+    fn host_spillable(&self, p: *mut u8) -> bool {
+        let _ = p;
+        false
+    }
     /// Copies `pieces` (offset, length) of the spilled contents `h` to device memory
     /// at `va` + offset, synchronously.
     fn spilled_to_device(&self, h: u64, va: u64, pieces: &[(u64, u64)]) -> Result<(), CUresult> {

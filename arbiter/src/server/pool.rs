@@ -15,7 +15,8 @@
 //! the pool's tick ([`run_wanted`]) asks the processes idle longest
 //! ([`ArbiterMsg::PoolReclaim`], on one of their registered connections) to give
 //! back their spare buffers and move swapped-out contents to disk (`pool_spill`),
-//! whenever the pool's free memory falls below a quarter of it, or a swap-out's take
+//! whenever the pool's free memory falls below what the holders of oversubscribed
+//! GPUs will swap out next (at least a quarter of the pool), or a swap-out's take
 //! found it full: such a take waits (at most [`SPILL_WAIT`]) for the room the
 //! spills make, rather than going to the process's own memory.
 
@@ -42,7 +43,7 @@ const SLACK: u64 = 64 << 20;
 /// How long a reply may wait for a client that does not read it.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a swap-out's take that found the pool full waits for the disk tier to
-/// make room (within the shim's 10 s wait for an answer).
+/// make room (within the shim's 10 s wait for an answer, and half the grace period).
 pub(super) const SPILL_WAIT: Duration = Duration::from_secs(8);
 /// How often a take waiting for room tries again.
 const SPILL_RETRY: Duration = Duration::from_millis(25);
@@ -343,7 +344,13 @@ async fn take(
     // A swap-out that finds the pool full waits while the disk tier makes room.
     let start = pool.stats();
     let spills = !ahead && start.spill_dir.is_some();
-    let deadline = Instant::now() + SPILL_WAIT;
+    // Within half the grace period: the swap-out waiting here is a dropped holder's,
+    // which the arbiter revokes past the grace.
+    let grace = Duration::from_millis(shared.lock().cfg.grace_ms);
+    let deadline = Instant::now() + SPILL_WAIT.min(grace / 2);
+    // What this swap-out may still take: the room to ask the idle for at once, not
+    // one buffer at a time.
+    let short = bytes.max(allowance.saturating_sub(held));
     let got = loop {
         let p = pool.clone();
         let who = tenant.to_string();
@@ -357,7 +364,7 @@ async fn take(
                     && Instant::now() < deadline
                     && pool.stats().spill_failures == start.spill_failures =>
             {
-                shared.pool_book.short(bytes);
+                shared.pool_book.short(short);
                 tokio::time::sleep(SPILL_RETRY).await;
             }
             got => break got,
@@ -455,14 +462,15 @@ pub(super) async fn run_wanted(
     }
 }
 
-/// The free memory the disk tier keeps in the pool: a quarter of it, for the next
-/// swap-outs.
-fn free_target(size: u64) -> u64 {
-    size / 4
+/// The free memory the disk tier keeps in the pool: what the holders of
+/// oversubscribed GPUs will swap out next (`next`), at least a quarter of the pool,
+/// at most all of it.
+fn free_target(size: u64, next: u64) -> u64 {
+    next.max(size / 4).min(size)
 }
 
-/// With a disk tier: when the pool's free memory is below [`free_target`], or a take
-/// waits for room, asks the processes idle longest (none of whose clients holds or
+/// With a disk tier: when the pool's free memory is below [`free_target`] (what the
+/// holders of oversubscribed GPUs will swap out next), or a take waits for room, asks the processes idle longest (none of whose clients holds or
 /// waits for a GPU) to give back what they borrow, enough to cover the shortfall,
 /// each at most once per [`ASK_EVERY`].
 fn reclaim(shared: &Shared, pool: &Pool) {
@@ -471,11 +479,18 @@ fn reclaim(shared: &Shared, pool: &Pool) {
         return;
     }
     let free = s.size.saturating_sub(s.lent + s.populating + s.scrubbing);
+    let next = {
+        let st = shared.lock();
+        st.gpus
+            .values()
+            .map(|g| g.sched.next_swap_out())
+            .fold(0u64, u64::saturating_add)
+    };
     let now = Instant::now();
     let (mut want, held) = {
         let mut b = shared.pool_book.lock();
         let short = std::mem::take(&mut b.short);
-        let want = free_target(s.size).saturating_sub(free).max(short);
+        let want = free_target(s.size, next).max(short).saturating_sub(free);
         let asked = &b.asked;
         let held: Vec<(u32, u64)> = b
             .held

@@ -52,6 +52,8 @@ pub struct State {
     pub spill: bool,
     /// Spilled contents by handle.
     pub disk: HashMap<u64, Vec<u8>>,
+    /// Host buffers that are "the process's own memory" (never spillable).
+    pub own: std::collections::HashSet<usize>,
     pub next_disk: u64,
 }
 
@@ -308,6 +310,10 @@ impl Driver for FakeDriver {
         st.next_disk += 1;
         st.disk.insert(h, data);
         Some(h)
+    }
+    fn host_spillable(&self, p: *mut u8) -> bool {
+        let st = self.st.borrow();
+        st.spill && !st.own.contains(&(p as usize))
     }
     fn spilled_to_device(&self, h: u64, va: u64, pieces: &[(u64, u64)]) -> Result<(), CUresult> {
         let data = self

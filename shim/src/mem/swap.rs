@@ -254,7 +254,10 @@ impl<D: Driver> Memory<D> {
             .enumerate()
             .filter_map(|(i, s)| Some((i, s.as_ref()?)))
             .filter(|(_, s)| {
-                s.handle.is_none() && s.host.as_ref().is_some_and(|b| b.pinned && !b.registering)
+                s.handle.is_none()
+                    && s.host.as_ref().is_some_and(|b| {
+                        b.pinned && !b.registering && self.drv.host_spillable(b.ptr)
+                    })
             })
             .min_by_key(|(_, s)| s.touch)
             .map(|(i, _)| i);

@@ -752,3 +752,33 @@ fn without_a_disk_tier_nothing_is_spilled() {
     m.swap_in_all().unwrap();
     assert_eq!(m.driver().peek(p, 64 << 20).unwrap(), pattern(1, 64 << 20));
 }
+
+#[test]
+fn the_process_s_own_buffers_are_never_spilled_and_do_not_stop_the_others() {
+    let d = FakeDriver::new(1 << 30);
+    d.st.borrow_mut().spill = true;
+    let mut m = Memory::new(d).unwrap();
+    let p = m.alloc(192 << 20).unwrap();
+    m.driver().poke(p, &pattern(4, 192 << 20)).unwrap();
+    m.evict(u64::MAX).unwrap();
+    // Every buffer but the last allocated one is the pool's; the oldest segment's
+    // (least recently used, tried first) is the process's own memory.
+    let own = *m.driver().st.borrow().host.keys().next().unwrap();
+    m.driver().st.borrow_mut().own.insert(own);
+    let own_len = m.driver().st.borrow().host[&own] as u64;
+    let mut spilled = 0;
+    loop {
+        let n = m.spill_one();
+        if n == 0 {
+            break;
+        }
+        spilled += n;
+    }
+    assert_eq!(spilled, (192 << 20) - own_len);
+    assert_eq!(m.host_buffer_bytes(), own_len, "the own buffer stays");
+    m.swap_in_all().unwrap();
+    assert_eq!(
+        m.driver().peek(p, 192 << 20).unwrap(),
+        pattern(4, 192 << 20)
+    );
+}
