@@ -147,3 +147,21 @@ fn newcomer_quick_json() {
     assert!(f["value"].as_f64().unwrap() > 0.0, "{f}");
     assert!(f["ratio"].as_f64().unwrap() > 0.0, "{f}");
 }
+
+/// The disk tier against the plain disk: every figure has its baseline from the same
+/// run, the read-back was checked byte for byte (the run fails otherwise), and the
+/// pool had nothing left at the end.
+#[test]
+fn spill_quick_json() {
+    let figs = run(&["spill", "--quick", "--json"]);
+    for metric in ["spill_out", "spill_in"] {
+        let f = figure(&figs, metric);
+        assert_eq!(f["unit"], "GB/s", "{f}");
+        let (v, b) = (
+            f["value"].as_f64().unwrap(),
+            f["baseline"].as_f64().unwrap(),
+        );
+        assert!(v > 0.0 && b > 0.0, "{f}");
+        assert!((f["ratio"].as_f64().unwrap() - v / b).abs() < 1e-6, "{f}");
+    }
+}
