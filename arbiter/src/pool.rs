@@ -28,6 +28,10 @@
 //!   itself), then closes the pool's descriptor. New slices are always fresh memfds
 //!   (`MFD_CLOEXEC`), never reachable by path. A client can return only what was lent
 //!   to it; unknown ids are ignored.
+//! - **Never scrubbed under a live client.** A slice is scrubbed only when its client
+//!   gave it back, its process has exited, or the answer to its spill was sent
+//!   ([`Pool::spill_sent`]); a connection that closes under a live process leaves
+//!   what it was lent to the process ([`Pool::release_owner`], [`Pool::reap`]).
 //! - **Page size.** Detected at start ([`PageMode::detect`]): hugetlb pages when enough
 //!   are free for a slice, else transparent huge pages when `shmem_enabled` allows them
 //!   for a memfd (`always`/`within_size`/`force`: `fallocate`; `advise`: a temporary
@@ -63,6 +67,9 @@ use std::time::{Duration, Instant};
 
 /// Who holds lent slices: the server's connection id.
 pub type Owner = u64;
+/// A client process: (host pid, start time in clock ticks since boot), which tells a
+/// pid reused by another process from the one that borrowed.
+pub type Process = (u32, u64);
 
 const MIB: u64 = 1 << 20;
 /// Every take and every slice is a multiple of this (2 MiB: a PMD-sized huge page).
@@ -378,6 +385,14 @@ struct State {
     /// restart, [`Pool::keep`]): counted against the size, by owner.
     kept: HashMap<Owner, (String, u64)>,
     kept_bytes: u64,
+    /// What was lent on connections that closed while their process lived, by that
+    /// process: never scrubbed under it (it may hold swapped-out memory there), counted
+    /// against the size, until the process exits ([`Pool::reap`]).
+    orphans: HashMap<Process, Vec<Held>>,
+    orphan_bytes: u64,
+    /// Slices spilled whose answer is not sent yet, by owner: still lent, scrubbed
+    /// only once the client has its spill files ([`Pool::spill_sent`]).
+    unsent: HashMap<Owner, Vec<u64>>,
     tenants: HashMap<String, u64>,
     /// Bytes of takes in flight (slices chosen or being populated, not yet lent).
     reserved: u64,
@@ -416,13 +431,14 @@ impl State {
         self.ready_bytes
             + self.lent_bytes
             + self.kept_bytes
+            + self.orphan_bytes
             + self.reserved
             + self.populating
             + self.scrubbing
     }
 
     fn committed(&self) -> u64 {
-        self.lent_bytes + self.kept_bytes + self.reserved
+        self.lent_bytes + self.kept_bytes + self.orphan_bytes + self.reserved
     }
 
     fn add_tenant(&mut self, tenant: &str, bytes: u64) {
@@ -765,18 +781,36 @@ impl Pool {
         bytes
     }
 
-    /// Takes back everything lent to `owner` and drops all its spill files (its
-    /// connection closed). Returns the bytes of slices taken back, as [`Pool::give`].
-    pub fn release_owner(&self, owner: Owner) -> u64 {
+    /// `owner`'s connection closed: drops all its spill files (the client reads its
+    /// own descriptors of them), and takes back everything lent to it, scrubbed,
+    /// unless `alive` names its process, still running: then what it was lent is
+    /// its process's until that exits ([`Pool::reap`]), unscrubbed and counted
+    /// against the size, because a connection can close under a live client (a
+    /// timeout, a refusal, an answer lost) whose swapped-out memory is in those
+    /// slices. Returns the bytes of slices taken back now, as [`Pool::give`].
+    pub fn release_owner(&self, owner: Owner, alive: Option<Process>) -> u64 {
         let mut st = self.inner.lock();
         st.unkeep(owner);
+        st.unsent.remove(&owner);
         let ids: Vec<u64> = st
             .lent
             .iter()
             .filter(|(_, h)| h.owner == owner)
             .map(|(&id, _)| id)
             .collect();
-        let bytes = ids.iter().map(|&id| st.give_back(owner, id)).sum();
+        let bytes = match alive {
+            Some(process) => {
+                for id in ids {
+                    if let Some(h) = st.lent.remove(&id) {
+                        st.lent_bytes -= h.slice.bytes;
+                        st.orphan_bytes += h.slice.bytes;
+                        st.orphans.entry(process).or_default().push(h);
+                    }
+                }
+                0
+            }
+            None => ids.iter().map(|&id| st.give_back(owner, id)).sum(),
+        };
         let spill_ids: Vec<u64> = st
             .spills
             .iter()
@@ -792,15 +826,62 @@ impl Pool {
         bytes
     }
 
+    /// Scrubs what the processes that have exited were lent on connections that
+    /// closed before them (`alive` says whether a process still runs). Returns the
+    /// bytes taken back.
+    pub fn reap(&self, alive: impl Fn(Process) -> bool) -> u64 {
+        let mut st = self.inner.lock();
+        let gone: Vec<Process> = st.orphans.keys().copied().filter(|&p| !alive(p)).collect();
+        let mut bytes = 0;
+        for p in gone {
+            for h in st.orphans.remove(&p).unwrap_or_default() {
+                let n = h.slice.bytes;
+                st.orphan_bytes -= n;
+                st.sub_tenant(&h.tenant, n);
+                st.scrubbing += n;
+                st.scrub.push_back(h.slice);
+                bytes += n;
+            }
+        }
+        if bytes > 0 {
+            st.idle = false;
+        }
+        self.after_return(st);
+        bytes
+    }
+
+    /// Bytes lent on earlier connections of `process` that closed while it lived.
+    pub fn orphaned(&self, process: Process) -> u64 {
+        self.inner
+            .lock()
+            .orphans
+            .get(&process)
+            .map_or(0, |v| v.iter().map(|h| h.slice.bytes).sum())
+    }
+
+    /// The answer to `owner`'s last [`Pool::spill`] is sent: the slices it moved are
+    /// taken back and scrubbed now. Until then they stay lent, intact: a client that
+    /// never got the answer (the arbiter died, the connection broke) still holds its
+    /// memory in them. Returns the bytes taken back.
+    pub fn spill_sent(&self, owner: Owner) -> u64 {
+        let mut st = self.inner.lock();
+        let ids = st.unsent.remove(&owner).unwrap_or_default();
+        let bytes = ids.iter().map(|&id| st.give_back(owner, id)).sum();
+        self.after_return(st);
+        bytes
+    }
+
     /// Enables the disk tier: checks that `cfg.dir` is a directory where an
     /// `O_TMPFILE` can be created (one is created and closed), else
-    /// [`PoolError::Spill`] with a one-line reason naming the path. A later call
-    /// replaces the configuration (spill files already made stay, and count against
-    /// the new budget).
+    /// [`PoolError::Spill`] with a one-line reason naming the path. The tier is
+    /// configured either way: while the directory is unusable (a disk not mounted
+    /// yet, removed), each spill is refused with that reason, and spills work once it
+    /// is back. A later call replaces the configuration (spill files already made
+    /// stay, and count against the new budget).
     pub fn enable_spill(&self, cfg: SpillConfig) -> Result<(), PoolError> {
-        spill::check_dir(&cfg.dir)?;
+        let checked = spill::check_dir(&cfg.dir);
         self.inner.lock().spill = Some(cfg);
-        Ok(())
+        checked
     }
 
     /// Moves the slices `ids` lent to `owner` to disk, all or none (see the module
@@ -872,7 +953,8 @@ impl Pool {
         }
         let mut moved = Vec::with_capacity(written.len());
         for w in written {
-            st.give_back(owner, w.from);
+            // Taken back once the answer is sent ([`Pool::spill_sent`]).
+            st.unsent.entry(owner).or_default().push(w.from);
             let id = st.next_id;
             st.next_id += 1;
             st.spilled_bytes += w.bytes;
@@ -893,7 +975,8 @@ impl Pool {
                 fd: w.client,
             });
         }
-        self.after_return(st);
+        drop(st);
+        self.inner.changed.notify_all();
         Ok(moved)
     }
 
@@ -974,10 +1057,16 @@ impl Pool {
     /// earlier arbiter lent it: they count against the size (as much as there is room
     /// for, ready slices given up first) until the owner says otherwise or goes.
     /// Replaces what it said before; returns the bytes counted.
-    pub fn keep(&self, owner: Owner, tenant: &str, bytes: u64) -> u64 {
+    pub fn keep(&self, owner: Owner, process: Option<Process>, tenant: &str, bytes: u64) -> u64 {
         let cfg = self.inner.cfg;
         let mut st = self.inner.lock();
         st.unkeep(owner);
+        // What this pool still counts for the process (lent on a connection that
+        // closed under it) is not counted twice.
+        let orphaned: u64 = process
+            .and_then(|p| st.orphans.get(&p))
+            .map_or(0, |v| v.iter().map(|h| h.slice.bytes).sum());
+        let bytes = bytes.saturating_sub(orphaned);
         let busy = st.held() - st.ready_bytes;
         let counted = bytes.min(cfg.size.saturating_sub(busy));
         if counted > 0 {
@@ -1017,10 +1106,13 @@ impl Pool {
             wanted: st.wanted,
             populated: st.ready_bytes + st.lent_bytes,
             ready: st.ready_bytes,
-            lent: st.lent_bytes + st.kept_bytes,
+            lent: st.lent_bytes + st.kept_bytes + st.orphan_bytes,
             populating: st.populating + st.take_populating,
             scrubbing: st.scrubbing,
-            memfds: st.ready.len() + st.lent.len() + st.scrub.len(),
+            memfds: st.ready.len()
+                + st.lent.len()
+                + st.scrub.len()
+                + st.orphans.values().map(Vec::len).sum::<usize>(),
             tenants: st.holders(),
             page_mode: self.inner.mode.name(),
             scrub_failures: st.scrub_failures,

@@ -867,12 +867,18 @@ pub async fn serve(
                     .map_or("the disk's free space".to_string(), |b| {
                         format!("{} MiB", b >> 20)
                     });
-                pool.enable_spill(spill)
-                    .context("cannot use the swap pool's disk tier")?;
-                log_line!(
-                    "INFO",
-                    "swap pool disk tier: {dir} (at most {budget}): the swapped-out memory of the processes idle longest moves there when the pool runs short"
-                );
+                match pool.enable_spill(spill) {
+                    Ok(()) => log_line!(
+                        "INFO",
+                        "swap pool disk tier: {dir} (at most {budget}): the swapped-out memory of the processes idle longest moves there when the pool runs short"
+                    ),
+                    // The node's GPUs work without it: spills are refused, with the
+                    // reason, until the directory is usable.
+                    Err(e) => log_line!(
+                        "WARN",
+                        "swap pool disk tier {dir} is unusable now ({e}); spills are refused until it is"
+                    ),
+                }
             }
             Some(pool)
         }

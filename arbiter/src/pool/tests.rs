@@ -240,8 +240,8 @@ fn release_owner_returns_everything_it_holds() {
     let a1 = p.take(1, "a", 6 * M).unwrap();
     let a2 = p.take(1, "a", 2 * M).unwrap();
     let b = p.take(2, "b", 4 * M).unwrap();
-    assert_eq!(p.release_owner(1), 8 * M);
-    assert_eq!(p.release_owner(1), 0);
+    assert_eq!(p.release_owner(1, None), 8 * M);
+    assert_eq!(p.release_owner(1, None), 0);
     assert_eq!(p.give(1, &ids(&a1)), 0);
     assert_eq!(p.give(1, &ids(&a2)), 0);
     let s = settled(&p);
@@ -378,7 +378,7 @@ fn concurrent_takes_stay_within_the_size() {
                         Err(e) => panic!("{e}"),
                     }
                 }
-                p.release_owner(owner);
+                p.release_owner(owner, None);
                 lent_total
             })
         })
@@ -462,7 +462,7 @@ fn slices_an_earlier_arbiter_lent_count_until_their_owner_lets_go() {
     let p = pool(64 * M, 32 * M, 8 * M);
     assert_eq!(settled(&p).ready, 32 * M);
     // A client kept 48 MiB of a dead arbiter's slices: counted, ready given up for it.
-    assert_eq!(p.keep(7, "team/nb", 48 * M), 48 * M);
+    assert_eq!(p.keep(7, None, "team/nb", 48 * M), 48 * M);
     let s = p.stats();
     assert_eq!(s.lent, 48 * M);
     assert!(s.ready + s.lent <= 64 * M, "{s:?}");
@@ -474,11 +474,11 @@ fn slices_an_earlier_arbiter_lent_count_until_their_owner_lets_go() {
     ));
     let lent = p.take(1, "other", 16 * M).expect("16 MiB fit beside it");
     // More than there is room for: counted up to the size.
-    assert_eq!(p.keep(7, "team/nb", 100 * M), 48 * M);
+    assert_eq!(p.keep(7, None, "team/nb", 100 * M), 48 * M);
     // It lets go (a smaller figure, then its connection ends): the room comes back.
-    assert_eq!(p.keep(7, "team/nb", 8 * M), 8 * M);
+    assert_eq!(p.keep(7, None, "team/nb", 8 * M), 8 * M);
     assert_eq!(p.stats().lent, 16 * M + 8 * M);
-    p.release_owner(7);
+    p.release_owner(7, None);
     p.give(1, &ids(&lent));
     let s = settled(&p);
     assert_eq!(s.lent, 0);
@@ -581,6 +581,7 @@ fn a_spilled_slice_reads_back_through_a_read_only_descriptor() {
     fill(&lent[1], 2);
 
     let spilled = p.spill(1, "alice", &[lent[0].id]).unwrap();
+    p.spill_sent(1);
     assert_eq!(spilled.len(), 1);
     let s0 = &spilled[0];
     assert_eq!((s0.from, s0.bytes), (lent[0].id, 4 * M));
@@ -644,6 +645,7 @@ fn give_takes_slices_and_spill_files_back_together() {
     let p = spill_pool(&dir, None);
     let lent = p.take(1, "a", 12 * M).unwrap();
     let spilled = p.spill(1, "a", &[lent[0].id]).unwrap();
+    p.spill_sent(1);
     assert_eq!(
         p.give(1, &[spilled[0].id, lent[1].id, lent[2].id]),
         8 * M,
@@ -660,8 +662,10 @@ fn release_owner_drops_its_spill_files() {
     let a = p.take(1, "a", 8 * M).unwrap();
     let b = p.take(2, "b", 4 * M).unwrap();
     let sa = p.spill(1, "a", &ids(&a)).unwrap();
+    p.spill_sent(1);
     assert_eq!(sa.len(), 2);
     let sb = p.spill(2, "b", &ids(&b)).unwrap();
+    p.spill_sent(2);
     assert_eq!(sb.len(), 1);
     let s = p.stats();
     assert_eq!((s.spilled, s.spill_files, s.lent), (12 * M, 3, 0));
@@ -669,7 +673,7 @@ fn release_owner_drops_its_spill_files() {
         s.spilled_tenants,
         vec![("a".to_string(), 8 * M), ("b".to_string(), 4 * M)]
     );
-    assert_eq!(p.release_owner(1), 0, "no slices left lent to it");
+    assert_eq!(p.release_owner(1, None), 0, "no slices left lent to it");
     let s = p.stats();
     assert_eq!((s.spilled, s.spill_files), (4 * M, 1));
     assert_eq!(s.spilled_tenants, vec![("b".to_string(), 4 * M)]);
@@ -687,6 +691,7 @@ fn the_budget_bounds_the_spilled_bytes() {
     fill(&lent[0], 3);
     fill(&lent[1], 4);
     let first = p.spill(1, "a", &[lent[0].id]).unwrap();
+    p.spill_sent(1);
     let reason = spill_reason(p.spill(1, "a", &[lent[1].id]).unwrap_err());
     assert!(
         reason.contains("spill budget of 4 MiB is full (4 MiB spilled)"),
@@ -801,8 +806,22 @@ fn enable_spill_checks_the_directory() {
         .unwrap_err(),
     );
     assert!(reason.contains("is not a directory"), "{reason}");
-    let s = p.stats();
-    assert_eq!((s.spill_dir, s.spill_budget), (None, None));
+    // The tier stays configured: each spill says why it is refused, and works once
+    // the directory is usable.
+    assert_eq!(p.stats().spill_dir.as_deref(), file.to_str());
+    let reason = spill_reason(p.spill(1, "a", &ids(&lent)).unwrap_err());
+    assert!(reason.contains(file.to_str().unwrap()), "{reason}");
+    let later = dir.0.join("mounted-later");
+    let _ = p.enable_spill(SpillConfig {
+        dir: later.clone(),
+        budget: None,
+    });
+    std::fs::create_dir(&later).unwrap();
+    let moved = p.spill(1, "a", &ids(&lent)).unwrap();
+    p.spill_sent(1);
+    assert_eq!(moved.len(), 1);
+    p.give(1, &[moved[0].id]);
+    let lent = p.take(1, "a", 4 * M).unwrap();
 
     // A second call replaces the first.
     p.enable_spill(dir.cfg(Some(64 * M))).unwrap();
@@ -818,6 +837,7 @@ fn shutdown_drops_spill_files_and_refuses_spills() {
     let lent = p.take(1, "a", 8 * M).unwrap();
     fill(&lent[0], 5);
     let spilled = p.spill(1, "a", &[lent[0].id]).unwrap();
+    p.spill_sent(1);
     p.shutdown();
     let s = p.stats();
     assert_eq!((s.spilled, s.spill_files), (0, 0));
@@ -855,6 +875,7 @@ fn concurrent_spills_stay_within_the_budget() {
                 let moved = p
                     .spill(owner, &format!("t{owner}"), &ids(&lent))
                     .unwrap_or_default();
+                p.spill_sent(owner);
                 assert!(p.stats().spilled <= 16 * M);
                 moved.len()
             })
@@ -869,4 +890,78 @@ fn concurrent_spills_stay_within_the_budget() {
     assert!(total <= 6, "{moved:?}");
     assert_eq!((s.spilled, s.spill_files), (total as u64 * 2 * M, total));
     assert_eq!(s.lent, 48 * M - total as u64 * 2 * M);
+}
+
+/// A spill whose answer never reached the client (the arbiter died, the connection
+/// broke) leaves the slices intact: the client still holds its memory in them. Before
+/// this, the slices were scrubbed at the spill, and a client that never got the answer
+/// swapped zeros back in (seen in CI: an arbiter SIGKILLed during spills).
+#[test]
+fn a_spill_whose_answer_was_not_sent_leaves_the_slices_intact() {
+    let dir = TempDir::new("unsent");
+    let p = spill_pool(&dir, None);
+    let lent = p.take(1, "a", 8 * M).unwrap();
+    fill(&lent[0], 7);
+    fill(&lent[1], 8);
+    let spilled = p.spill(1, "a", &ids(&lent)).unwrap();
+    assert_eq!(spilled.len(), 2);
+    // Not sent: the connection closes while its process lives.
+    let me = (std::process::id(), 1);
+    assert_eq!(p.release_owner(1, Some(me)), 0, "nothing scrubbed");
+    let s = settled(&p);
+    assert_eq!(
+        (s.lent, s.spill_files),
+        (8 * M, 0),
+        "still counted, files gone"
+    );
+    assert_eq!(read_all(lent[0].fd.as_fd(), 4 * M), pattern(7, 4 * M));
+    assert_eq!(read_all(lent[1].fd.as_fd(), 4 * M), pattern(8, 4 * M));
+    assert_eq!(p.orphaned(me), 8 * M);
+    // A process still running keeps them; once it has exited they are scrubbed.
+    assert_eq!(p.reap(|_| true), 0);
+    assert_eq!(read_all(lent[0].fd.as_fd(), 4 * M), pattern(7, 4 * M));
+    assert_eq!(p.reap(|_| false), 8 * M);
+    let s = settled(&p);
+    assert_eq!((s.lent, s.scrubbing), (0, 0));
+    assert_eq!(blocks_bytes(lent[0].fd.as_fd()), 0, "scrubbed");
+    assert_eq!(p.orphaned(me), 0);
+}
+
+/// Sent, the spilled slices are scrubbed at once.
+#[test]
+fn a_spill_answered_scrubs_its_slices() {
+    let dir = TempDir::new("sent");
+    let p = spill_pool(&dir, None);
+    let lent = p.take(1, "a", 4 * M).unwrap();
+    fill(&lent[0], 3);
+    let spilled = p.spill(1, "a", &ids(&lent)).unwrap();
+    assert_eq!(p.stats().lent, 4 * M, "lent until the answer is sent");
+    assert_eq!(p.spill_sent(1), 4 * M);
+    let s = settled(&p);
+    assert_eq!((s.lent, s.spilled), (0, 4 * M));
+    assert_eq!(blocks_bytes(lent[0].fd.as_fd()), 0);
+    assert_eq!(read_all(spilled[0].fd.as_fd(), 4 * M), pattern(3, 4 * M));
+}
+
+/// A connection that closes under a live process (a timeout, a refusal) leaves what
+/// it was lent to the process: not scrubbed, counted against the size and, through
+/// `keep`, not twice.
+#[test]
+fn a_connection_closed_under_a_live_process_leaves_its_slices_to_it() {
+    let p = pool(32 * M, 0, 4 * M);
+    let lent = p.take(1, "a", 8 * M).unwrap();
+    fill(&lent[0], 5);
+    let me = (4242, 99);
+    assert_eq!(p.release_owner(1, Some(me)), 0);
+    let s = settled(&p);
+    assert_eq!(s.lent, 8 * M);
+    assert_eq!(read_all(lent[0].fd.as_fd(), 4 * M), pattern(5, 4 * M));
+    // The process reconnects and says it still maps them: counted once.
+    assert_eq!(p.keep(2, Some(me), "a", 8 * M), 0);
+    assert_eq!(p.stats().lent, 8 * M);
+    // The size holds: 24 MiB more fit, not 32.
+    assert!(p.take(2, "a", 28 * M).is_err());
+    let more = p.take(2, "a", 24 * M).unwrap();
+    assert_eq!(more.iter().map(|l| l.bytes).sum::<u64>(), 24 * M);
+    assert_eq!(p.reap(|q| q != me), 8 * M);
 }

@@ -9,7 +9,9 @@
 //! `SO_PEERCRED`), plus a unit of rounding per request. Buffers prepared ahead
 //! (`ahead`) are refused first: they never take the room the node's admitted swap
 //! need still has to find in the pool. Whatever a connection holds comes back when it
-//! closes.
+//! closes: scrubbed at once when its process has exited, else left to the process
+//! until it does (a connection can close under a live client that still has
+//! swapped-out memory in its slices), counted in what the process may hold.
 //!
 //! With a disk tier (`--spill-dir`), [`Book`] keeps what each process borrows, and
 //! the pool's tick ([`run_wanted`]) asks the processes idle longest
@@ -34,7 +36,7 @@ use tokio::sync::watch;
 
 use super::{decode_client, log_safe, read_into, ClientDecodeError, RateLimit, Shared};
 use crate::events::Tenant;
-use crate::pool::{Pool, PoolError};
+use crate::pool::{Pool, PoolError, Process};
 
 /// Slack over a process's working sets that it may hold: requests are rounded up to
 /// the pool's unit, and a buffer is sized before the working set it serves is
@@ -110,8 +112,11 @@ pub(super) async fn serve(
         size_bytes: stats.size,
         slice_bytes: stats.slice,
     };
+    // The process, to tell it from a later one with its pid: what it was lent stays
+    // its own while it lives, even past this connection.
+    let process = super::checkpoints::identity(host_pid);
     if send(&stream, &opened, &[]).await.is_err() {
-        pool.release_owner(conn_id);
+        pool.release_owner(conn_id, alive(process));
         return;
     }
     let frame_timeout = shared.limits.frame_timeout;
@@ -152,8 +157,10 @@ pub(super) async fn serve(
             }
             match msg {
                 ClientMsg::PoolTake { bytes, ahead } => {
+                    // What earlier connections of this process left it counts too.
+                    let holds = held + process.map_or(0, |p| pool.orphaned(p));
                     let reply = take(
-                        &shared, &pool, conn_id, host_pid, &tenant, held, bytes, ahead,
+                        &shared, &pool, conn_id, host_pid, &tenant, holds, bytes, ahead,
                     )
                     .await;
                     if let Ok((_, lent)) = &reply {
@@ -178,7 +185,7 @@ pub(super) async fn serve(
                 }
                 ClientMsg::PoolKept { bytes } => {
                     let may = allowance(&shared, host_pid).saturating_add(SLACK);
-                    pool.keep(conn_id, &tenant, bytes.min(may));
+                    pool.keep(conn_id, process, &tenant, bytes.min(may));
                 }
                 ClientMsg::PoolGive { ids } => {
                     let n = pool.give(conn_id, &ids).min(held);
@@ -230,8 +237,12 @@ pub(super) async fn serve(
                         Err(_) => Vec::new(),
                     };
                     if send(&stream, &msg, &fds).await.is_err() {
+                        // The client may not have its spill files: the slices stay
+                        // its own (the connection's end keeps them while it lives).
                         break 'conn;
                     }
+                    // It has them: the slices are scrubbed now, never before.
+                    pool.spill_sent(conn_id);
                 }
                 other => {
                     let what = format!(
@@ -273,7 +284,7 @@ pub(super) async fn serve(
             _ = stop.changed() => break,
         }
     }
-    let back = pool.release_owner(conn_id);
+    let back = pool.release_owner(conn_id, alive(process));
     shared.pool_book.sub(host_pid, held);
     if back > 0 {
         log_line!(
@@ -282,6 +293,15 @@ pub(super) async fn serve(
             back >> 20
         );
     }
+}
+
+/// `process` if it still runs (the same pid, started at the same time).
+fn alive(process: Option<Process>) -> Option<Process> {
+    process.filter(|&p| runs(p))
+}
+
+fn runs((pid, start): Process) -> bool {
+    kiwi_config::containers::process_start(pid as i32) == Some(start)
 }
 
 fn error(code: ErrorCode, message: &str) -> ArbiterMsg {
@@ -455,6 +475,9 @@ pub(super) async fn run_wanted(
                         .fold(0u64, u64::saturating_add)
                 };
                 pool.set_wanted(wanted);
+                // What connections that closed under a live process left it is
+                // scrubbed once the process has exited.
+                pool.reap(runs);
                 reclaim(&shared, &pool);
             }
             _ = stop.changed() => return,
