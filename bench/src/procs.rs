@@ -75,14 +75,23 @@ impl Drop for ArbiterProc {
 
 /// Resident set size of `pid` in bytes.
 pub fn rss_bytes(pid: u32) -> Result<u64> {
+    status_kib(pid, "VmRSS:").map(|kb| kb * 1024)
+}
+
+/// The part of `pid`'s resident memory that is its own (`RssAnon`): not the shared
+/// memory it maps for a while (the swap pool's slices, which the arbiter maps to
+/// populate or spill them and which the pool's size bounds).
+pub fn anon_rss_bytes(pid: u32) -> Result<u64> {
+    status_kib(pid, "RssAnon:").map(|kb| kb * 1024)
+}
+
+fn status_kib(pid: u32, field: &str) -> Result<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kb: u64 = s
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+    s.lines()
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
-        .context("no VmRSS")?;
-    Ok(kb * 1024)
+        .with_context(|| format!("no {field} in /proc/{pid}/status"))
 }
 
 /// User + system CPU time of `pid`, in seconds.

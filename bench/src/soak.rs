@@ -15,9 +15,16 @@
 //! (no faults), grants per second, bytes swapped, the faults injected and survived,
 //! and the seed: a failure replays with `--seed`.
 //!
+//! The arbiter runs with a swap pool smaller than the clients' swapped-out memory
+//! ([`SWAP_POOL`]) and a disk tier in the run's directory, so swap-outs borrow from the
+//! pool, idle clients are asked to spill, and swap-ins read back from disk; a fault
+//! takes the spill directory away for a few seconds (a missing disk: spills are
+//! refused, nothing may be lost). At the end the pool must have nothing lent and no
+//! spill file left.
+//!
 //! Not covered yet: clients of the application's own VMM memory, managed memory and
-//! CUDA IPC (C test programs, not gpuburst), clients in containers on their own
-//! sockets, and a full spill disk (no disk tier yet).
+//! CUDA IPC (C test programs, not gpuburst), and clients in containers on their own
+//! sockets.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -36,6 +43,11 @@ const MIB: u64 = 1 << 20;
 const GPU_MEMORY: u64 = 4 << 30;
 /// The arbiter's time quantum.
 const TQ_S: u64 = 1;
+/// The arbiter's swap pool: less than the clients' swapped-out memory, so the disk
+/// tier works.
+const SWAP_POOL: &str = "1GiB";
+/// How long the spill directory is gone in a [`Fault::DiskGone`].
+const DISK_GONE: Duration = Duration::from_secs(3);
 /// The most the arbiter may hold resident, and descriptors beyond its clients'.
 const MAX_ARBITER_RSS: u64 = 256 << 20;
 const SPARE_FDS: usize = 64;
@@ -76,13 +88,16 @@ enum Fault {
     Storm,
     Deaf,
     Restart,
+    /// The spill directory disappears for [`DISK_GONE`] (a missing disk).
+    DiskGone,
 }
 
-const FAULTS: [Fault; 6] = [
+const FAULTS: [Fault; 7] = [
     Fault::Kill,
     Fault::Storm,
     Fault::Kill,
     Fault::Deaf,
+    Fault::DiskGone,
     Fault::Kill,
     Fault::Restart,
 ];
@@ -224,6 +239,7 @@ impl Arbiter {
         if !exe.exists() {
             bail!("{} is missing: build the workspace first", exe.display());
         }
+        std::fs::create_dir_all(spill_dir(dir)).context("cannot make the spill directory")?;
         let mut a = Arbiter {
             exe,
             dir: dir.to_path_buf(),
@@ -247,7 +263,11 @@ impl Arbiter {
                 "auto",
                 "--checkpoint",
                 "auto",
+                "--swap-pool",
+                SWAP_POOL,
             ])
+            .arg("--spill-dir")
+            .arg(spill_dir(&self.dir))
             // Every soak client is a child of this process, of one uid.
             .args(["--max-conns-per-group", "100000"])
             .stdin(Stdio::null())
@@ -286,9 +306,11 @@ impl Drop for Arbiter {
     }
 }
 
-/// The arbiter's resident memory and open descriptors.
+/// The arbiter's own resident memory (anonymous) and open descriptors.
 fn arbiter_footprint(pid: u32) -> Option<(u64, usize)> {
-    let rss = crate::procs::rss_bytes(pid).ok()?;
+    // Its own memory: the swap pool's slices it maps while it populates or spills
+    // them are the pool's, bounded by its size.
+    let rss = crate::procs::anon_rss_bytes(pid).ok()?;
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count();
     Some((rss, fds))
 }
@@ -305,6 +327,8 @@ struct Outcome {
     faults: BTreeMap<&'static str, usize>,
     peak_rss: u64,
     peak_fds: usize,
+    /// The most the swap pool's disk tier held at once (sampled every second).
+    peak_spilled: u64,
     failures: Vec<String>,
 }
 
@@ -429,6 +453,7 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
     let mut out = Outcome::default();
     let mut live: Vec<ClientProc> = Vec::new();
     let mut tenants: Vec<std::thread::JoinHandle<Result<()>>> = Vec::new();
+    let mut last_look = Instant::now();
     let mut log_so_far: Vec<Event> = Vec::new();
     let start = Instant::now();
     let end = start + Duration::from_secs(o.seconds);
@@ -551,6 +576,16 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
                     }));
                     *out.faults.entry("client that never reads").or_default() += 1;
                 }
+                Fault::DiskGone => {
+                    let (here, away) = (spill_dir(&dir), dir.join("spill.gone"));
+                    tenants.push(std::thread::spawn(move || {
+                        std::fs::rename(&here, &away)?;
+                        std::thread::sleep(DISK_GONE);
+                        std::fs::rename(&away, &here)?;
+                        Ok(())
+                    }));
+                    *out.faults.entry("spill directory gone").or_default() += 1;
+                }
                 Fault::Restart => {
                     // What this arbiter logged, before its log goes with it.
                     log_so_far.extend(events(&dir).unwrap_or_default());
@@ -562,10 +597,24 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
                 _ => {}
             }
         }
+        if last_look.elapsed() >= Duration::from_secs(1) {
+            last_look = Instant::now();
+            if let Some(spill) = status(&dir).and_then(|s| s.swap_pool).and_then(|p| p.spill) {
+                out.peak_spilled = out.peak_spilled.max(spill.spilled_bytes);
+            }
+        }
         if let Some((rss, fds)) = arbiter_footprint(arb.pid()) {
             out.peak_rss = out.peak_rss.max(rss);
             out.peak_fds = out.peak_fds.max(fds);
-            let bound = o.clients + tenants.len() + SPARE_FDS;
+            let mut bound = o.clients + tenants.len() + SPARE_FDS;
+            if fds > bound + 64 {
+                // The swap pool's memfds and spill files are the arbiter's to hold,
+                // bounded by the pool and the disk tier.
+                bound += status(&dir)
+                    .and_then(|s| s.swap_pool)
+                    .map_or(0, |p| p.memfds + p.spill.map_or(0, |s| s.files))
+                    as usize;
+            }
             if rss > MAX_ARBITER_RSS || fds > bound + 64 {
                 out.failures.push(format!(
                     "the arbiter holds {} MiB and {fds} descriptors (bounds: {} MiB, {})",
@@ -604,24 +653,36 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
     Ok(out)
 }
 
-/// Waits (up to 10 s) until the arbiter has no client and the simulated GPUs no
-/// memory in use; why not otherwise.
+/// The disk tier's directory in the run's directory.
+fn spill_dir(dir: &Path) -> PathBuf {
+    dir.join("spill")
+}
+
+/// Waits (up to 10 s) until the arbiter has no client, the simulated GPUs no memory in
+/// use, and the swap pool nothing lent and no spill file; why not otherwise.
 fn wait_for_nothing_left(dir: &Path, sim: &str, gpus: u32) -> std::result::Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let clients = client_count(dir);
+        let (clients, pool) = match status(dir) {
+            Some(s) => (
+                Some(s.gpus.iter().map(|g| g.clients.len()).sum::<usize>()),
+                s.swap_pool
+                    .map(|p| (p.lent_bytes, p.spill.map_or(0, |s| s.files))),
+            ),
+            None => (None, None),
+        };
         let used: Vec<u64> = match kiwi_sim_core::Machine::open_existing(sim) {
             Ok(Some(m)) => (0..gpus)
                 .map(|g| m.usage(g).map(|u| u.used).unwrap_or(0))
                 .collect(),
             _ => vec![0],
         };
-        if clients == Some(0) && used.iter().all(|&u| u == 0) {
+        if clients == Some(0) && used.iter().all(|&u| u == 0) && pool == Some((0, 0)) {
             return Ok(());
         }
         if Instant::now() > deadline {
             return Err(format!(
-                "left behind once every client exited: {clients:?} clients in the arbiter, device memory in use {:?} MiB",
+                "left behind once every client exited: {clients:?} clients in the arbiter, device memory in use {:?} MiB, swap pool (lent bytes, spill files) {pool:?}",
                 used.iter().map(|u| u >> 20).collect::<Vec<_>>()
             ));
         }
@@ -629,16 +690,14 @@ fn wait_for_nothing_left(dir: &Path, sim: &str, gpus: u32) -> std::result::Resul
     }
 }
 
-fn client_count(dir: &Path) -> Option<usize> {
+fn status(dir: &Path) -> Option<kiwi_protocol::StatusReport> {
     let mut c: Connection<kiwi_protocol::ControlRequest, kiwi_protocol::ControlReply> =
         Connection::connect(&kiwi_config::control_socket(dir)).ok()?;
     match c
         .call(&kiwi_protocol::ControlRequest::Status { gpu: None })
         .ok()?
     {
-        kiwi_protocol::ControlReply::Status(s) => {
-            Some(s.gpus.iter().map(|g| g.clients.len()).sum())
-        }
+        kiwi_protocol::ControlReply::Status(s) => Some(s),
         _ => None,
     }
 }
@@ -737,6 +796,16 @@ pub fn soak(o: &SoakOptions) -> Result<Vec<Figure>> {
         .against(
             quiet.swapped_bytes as f64 / MIB as f64,
             "the same clients without faults (half as long), same run",
+        ),
+        Figure::new(
+            s,
+            "spilled_peak",
+            loaded.peak_spilled as f64 / MIB as f64,
+            "MiB",
+        )
+        .against(
+            quiet.peak_spilled as f64 / MIB as f64,
+            "the same clients without faults, same run; the pool is 1 GiB",
         ),
         Figure::new(s, "faults_survived", injected as f64, "faults")
             .against(

@@ -273,6 +273,7 @@ mod tests {
             lent_bytes: 2 << 30,
             scrubbing_bytes: 0,
             page_mode: "4KiB".into(),
+            memfds: 12,
             tenants: vec![("team-a/nb".into(), 3 << 29), ("uid 1000".into(), 1 << 29)],
             spill: None,
         }));

@@ -698,6 +698,10 @@ pub struct PoolStatus {
     pub scrubbing_bytes: u64,
     /// `4KiB`, `thp` or `hugetlb`.
     pub page_mode: String,
+    /// Descriptors the pool holds open (its memfds: ready, lent, being scrubbed, left
+    /// to processes whose connection closed); spill files are `spill.files`.
+    #[serde(default)]
+    pub memfds: u64,
     /// Who borrows most: (tenant, bytes), largest first, at most 16.
     #[serde(default)]
     pub tenants: Vec<(String, u64)>,

@@ -604,6 +604,7 @@ pub(super) fn status(pool: &Pool) -> kiwi_protocol::PoolStatus {
         lent_bytes: s.lent,
         scrubbing_bytes: s.scrubbing,
         page_mode: s.page_mode.to_string(),
+        memfds: s.memfds as u64,
         tenants,
         spill: s.spill_dir.clone().map(|dir| {
             let mut tenants = s.spilled_tenants.clone();
