@@ -101,8 +101,10 @@ pub fn spill(quick: bool, parent: Option<&Path>) -> Result<Vec<Figure>> {
                     .spill(OWNER, TENANT, &ids)
                     .context("spilling the slices")?;
                 out_pool.push(gbps(bytes, t.elapsed().as_nanos()));
-                // The spilled slices are scrubbed on the pool's thread: not beside
-                // the next measurement.
+                // As the arbiter does once its answer is sent: the slices are taken
+                // back, scrubbed on the pool's thread, not beside the next
+                // measurement.
+                pool.spill_sent(OWNER);
                 pool.settle(std::time::Duration::from_secs(10));
                 check_spilled(&spilled, &lent, bytes)?;
             } else if turn == 1 {
