@@ -298,7 +298,7 @@ mod tests {
         let line = t.lines().find(|l| l.starts_with("Swap pool:")).expect(&t);
         assert!(
             line.contains(
-                "on disk 3072 MiB in 48 files (budget 102400 MiB), most from team-b/nb 3072 MiB"
+                "on disk 3072 MiB in 48 files (budget 100.0 GiB), most from team-b/nb 3072 MiB"
             ),
             "{line}"
         );

@@ -343,50 +343,12 @@ pub fn read_back<T>(h: u64, f: impl FnOnce(*const u8, usize) -> T) -> Option<T> 
             .map(|(fd, n, _)| (fd.as_raw_fd(), *n))
             .collect()
     };
-    let len = usize::try_from(fds.iter().map(|f| f.1).sum::<u64>()).ok()?;
-    if len == 0 {
-        return None;
-    }
-    // SAFETY: a fresh reservation of address space; nothing else is affected.
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    if base == libc::MAP_FAILED {
-        return None;
-    }
-    let mut at = 0usize;
-    for &(fd, n) in &fds {
-        let n = n as usize;
-        // SAFETY: replaces part of the reservation made above with a read-only
-        // mapping of the spill file, whole (the descriptors stay open meanwhile:
-        // only `forget`, on this thread's caller, closes them).
-        let q = unsafe {
-            libc::mmap(
-                base.cast::<u8>().add(at).cast(),
-                n,
-                libc::PROT_READ,
-                libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
-                fd,
-                0,
-            )
-        };
-        if q == libc::MAP_FAILED {
-            // SAFETY: the reservation made above and the files mapped into it.
-            unsafe { libc::munmap(base, len) };
-            return None;
-        }
-        at += n;
-    }
-    let out = f(base.cast::<u8>().cast_const(), len);
+    // The descriptors stay open meanwhile: only `forget`, on this thread's caller,
+    // closes them.
+    let (base, len) = map_files(&fds, libc::PROT_READ, libc::MAP_SHARED | libc::MAP_POPULATE)?;
+    let out = f(base.cast_const(), len);
     // SAFETY: the mapping made above, used by nobody now.
-    unsafe { libc::munmap(base, len) };
+    unsafe { libc::munmap(base.cast(), len) };
     for &(fd, n) in &fds {
         // SAFETY: advice on an open descriptor: its cached pages may go.
         unsafe { libc::posix_fadvise(fd, 0, n as i64, libc::POSIX_FADV_DONTNEED) };
@@ -487,10 +449,32 @@ fn open() -> Result<Conn, String> {
 /// descriptor is missing or a mapping fails (nothing stays mapped then).
 fn map_slices(fds: &[Option<OwnedFd>], lens: &[u64], size: u64) -> Option<(*mut u8, usize)> {
     let total: u64 = lens.iter().sum();
-    if total < size || fds.iter().any(Option::is_none) || lens.iter().any(|l| l % 4096 != 0) {
+    if total < size || lens.iter().any(|l| l % 4096 != 0) {
         return None;
     }
-    let len = usize::try_from(total).ok()?;
+    let files: Vec<(i32, u64)> = fds
+        .iter()
+        .zip(lens)
+        .map(|(fd, &l)| Some((fd.as_ref()?.as_raw_fd(), l)))
+        .collect::<Option<_>>()?;
+    let (base, len) = map_files(&files, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED)?;
+    // Page-table entries now, not at the first copy: the pages exist (the arbiter
+    // populated them), so this allocates nothing this process is charged for.
+    // SAFETY: advice on the mapping just made.
+    unsafe {
+        libc::madvise(base.cast(), len, 23 /* MADV_POPULATE_WRITE */)
+    };
+    Some((base, len))
+}
+
+/// Maps `files` (descriptor, length: each whole, lengths page multiples) back to back
+/// at one address, with `prot` and `flags` (`MAP_FIXED` added): `(address, length)`;
+/// `None` if a mapping fails (nothing stays mapped then) or there is nothing to map.
+fn map_files(files: &[(i32, u64)], prot: i32, flags: i32) -> Option<(*mut u8, usize)> {
+    let len = usize::try_from(files.iter().map(|f| f.1).sum::<u64>()).ok()?;
+    if len == 0 {
+        return None;
+    }
     // SAFETY: a fresh reservation of address space; nothing else is affected.
     let base = unsafe {
         libc::mmap(
@@ -506,33 +490,26 @@ fn map_slices(fds: &[Option<OwnedFd>], lens: &[u64], size: u64) -> Option<(*mut 
         return None;
     }
     let mut at = 0usize;
-    for (fd, &l) in fds.iter().zip(lens) {
-        let fd = fd.as_ref()?;
-        let l = l as usize;
-        // SAFETY: replaces part of the reservation made above with a shared mapping
-        // of the slice, whole.
+    for &(fd, n) in files {
+        let n = n as usize;
+        // SAFETY: replaces part of the reservation made above with a mapping of the
+        // file, whole; the caller keeps the descriptor open while it maps.
         let p = unsafe {
             libc::mmap(
                 base.cast::<u8>().add(at).cast(),
-                l,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_FIXED,
-                fd.as_raw_fd(),
+                n,
+                prot,
+                flags | libc::MAP_FIXED,
+                fd,
                 0,
             )
         };
         if p == libc::MAP_FAILED {
-            // SAFETY: the reservation made above and the slices mapped into it.
+            // SAFETY: the reservation made above and the files mapped into it.
             unsafe { libc::munmap(base, len) };
             return None;
         }
-        at += l;
+        at += n;
     }
-    // Page-table entries now, not at the first copy: the pages exist (the arbiter
-    // populated them), so this allocates nothing this process is charged for.
-    // SAFETY: advice on the mapping just made.
-    unsafe {
-        libc::madvise(base, len, 23 /* MADV_POPULATE_WRITE */)
-    };
     Some((base.cast(), len))
 }

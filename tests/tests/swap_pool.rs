@@ -117,6 +117,19 @@ fn a_notebook_in_a_memory_limited_cgroup_is_swapped_out_and_back_without_being_k
     );
 }
 
+/// A 1 GiB simulated GPU (its memory populated) and an arbiter with a 512 MiB swap
+/// pool and a disk tier in a fresh directory (`extra` arguments added).
+fn disk_tier(name: &str, extra: &[&str]) -> (SimMachine, tempfile::TempDir, Arbiter) {
+    let m = SimMachine::new(name, 1, GIB).unwrap_or_else(|e| panic!("{e}"));
+    m.populate().unwrap_or_else(|e| panic!("{e}"));
+    let spill = tempfile::tempdir().expect("spill dir");
+    let dir = spill.path().to_str().unwrap().to_string();
+    let mut args = vec!["--tq", "0.5", "--swap-pool", "512MiB", "--spill-dir", &dir];
+    args.extend_from_slice(extra);
+    let arb = Arbiter::start(&args);
+    (m, spill, arb)
+}
+
 /// The largest figure of the pool's disk tier seen while `children` run, and
 /// their outputs in order.
 fn run_watching_spill(arb: &Arbiter, children: Vec<Child>) -> (u64, Vec<std::process::Output>) {
@@ -164,18 +177,8 @@ fn spilled_of(stats: &std::path::Path) -> u64 {
 /// turn, and every notebook verifies every byte, none OOM-killed.
 #[test]
 fn notebooks_whose_swapped_out_total_is_twice_the_pool_all_verify_through_the_disk_tier() {
-    let m = SimMachine::new("pool-disk", 1, GIB).unwrap_or_else(|e| panic!("{e}"));
-    m.populate().unwrap_or_else(|e| panic!("{e}"));
-    let spill = tempfile::tempdir().expect("spill dir");
+    let (m, spill, arb) = disk_tier("pool-disk", &[]);
     let stats = tempfile::tempdir().expect("stats dir");
-    let arb = Arbiter::start(&[
-        "--tq",
-        "0.5",
-        "--swap-pool",
-        "512MiB",
-        "--spill-dir",
-        spill.path().to_str().unwrap(),
-    ]);
     let mut cgroups = Vec::new();
     let mut children = Vec::new();
     for i in 0..3 {
@@ -245,19 +248,7 @@ fn notebooks_whose_swapped_out_total_is_twice_the_pool_all_verify_through_the_di
 /// more than its budget, and the refusal is in the pool's status.
 #[test]
 fn a_full_spill_disk_refuses_and_nothing_is_lost() {
-    let m = SimMachine::new("pool-full", 1, GIB).unwrap_or_else(|e| panic!("{e}"));
-    m.populate().unwrap_or_else(|e| panic!("{e}"));
-    let spill = tempfile::tempdir().expect("spill dir");
-    let arb = Arbiter::start(&[
-        "--tq",
-        "0.5",
-        "--swap-pool",
-        "512MiB",
-        "--spill-dir",
-        spill.path().to_str().unwrap(),
-        "--spill-budget",
-        "32MiB",
-    ]);
+    let (m, _spill, arb) = disk_tier("pool-full", &["--spill-budget", "32MiB"]);
     let children = (0..3)
         .map(|i| {
             let mut cmd = Command::new(bin("gpuburst"));
@@ -304,17 +295,7 @@ fn a_full_spill_disk_refuses_and_nothing_is_lost() {
 /// notebook verifies every byte.
 #[test]
 fn an_arbiter_killed_while_memory_is_in_the_pool_and_on_disk_loses_nothing() {
-    let m = SimMachine::new("pool-restart", 1, GIB).unwrap_or_else(|e| panic!("{e}"));
-    m.populate().unwrap_or_else(|e| panic!("{e}"));
-    let spill = tempfile::tempdir().expect("spill dir");
-    let mut arb = Arbiter::start(&[
-        "--tq",
-        "0.5",
-        "--swap-pool",
-        "512MiB",
-        "--spill-dir",
-        spill.path().to_str().unwrap(),
-    ]);
+    let (m, spill, mut arb) = disk_tier("pool-restart", &[]);
     let mut children: Vec<Child> = (0..3)
         .map(|i| {
             let mut cmd = Command::new(bin("gpuburst"));
