@@ -15,6 +15,7 @@ pub mod checkpoint;
 pub mod clock;
 pub mod daemon;
 pub mod events;
+pub mod gang;
 pub mod gpus;
 pub mod metrics;
 pub mod pool;

@@ -192,6 +192,9 @@ struct Client {
     /// a checkpoint or restore of it last failed (retried after a pause).
     ckpt: checkpoint::Ckpt,
     ckpt_failed_at: Option<Nanos>,
+    /// Its group, while the group spans several GPUs ([`gang`]): it is granted only
+    /// in its group's turn.
+    gang: Option<GangId>,
 }
 
 impl Client {
@@ -304,6 +307,10 @@ pub struct GpuScheduler {
     /// NVML listed the process of some client of this GPU at the last look: the
     /// driver's per-process figures are there to check claims against.
     listing: bool,
+    /// Gang turns ([`gang`]): whom exclusive turns belong to, and whether a group
+    /// waits for this GPU while another group has it.
+    reserve: Reserve,
+    gang_wanted: bool,
     out: Vec<Output>,
 }
 
@@ -395,6 +402,8 @@ impl GpuScheduler {
             listing: false,
             relaxed: true,
             oversubscribed_at: 0,
+            reserve: Reserve::Free,
+            gang_wanted: false,
             out: Vec::new(),
         }
     }
@@ -738,6 +747,7 @@ impl GpuScheduler {
                 revoked: false,
                 ckpt: checkpoint::Ckpt::None,
                 ckpt_failed_at: None,
+                gang: None,
             },
         );
         self.send(
@@ -952,7 +962,7 @@ impl GpuScheduler {
         } else if self.draining.contains_key(&id) {
             Some("this client said it already after its drop")
         } else if let Some(h) = self.holders.get(&id) {
-            if h.drop_sent.is_none() && (!h.exclusive || self.queue.is_empty()) {
+            if h.drop_sent.is_none() && (!h.exclusive || !self.contended_now()) {
                 return Vec::new();
             }
             None
@@ -978,7 +988,7 @@ impl GpuScheduler {
             // the room the first in line needs, within the grace as after a drop.
             h.early = true;
             h.drop_sent = Some(now);
-            h.drop_need = self.queue.front().map_or(0, |&n| self.need_for(n));
+            h.drop_need = self.next_for_need().map_or(0, |n| self.need_for(n));
         }
         // What it says it has resident, at most the GPU: a lie buys a hostile client no
         // more than a GPU's worth of swap-out time, once per turn.
@@ -1363,7 +1373,7 @@ impl GpuScheduler {
             for h in self.holders.values() {
                 match self.grace_end(h) {
                     Some(end) => at(end),
-                    None if !self.queue.is_empty() => at(self.quantum_end(h)),
+                    None if self.contended_now() => at(self.quantum_end(h)),
                     None => {}
                 }
             }
@@ -1518,32 +1528,16 @@ impl GpuScheduler {
         if self.shared_mode() || !self.holders.is_empty() {
             return;
         }
-        if self.quiet_until.is_some_and(|q| now < q) {
-            return;
-        }
-        let Some(&next) = self.queue.front() else {
+        // The first in line that the GPU's reservation allows ([`gang`]).
+        let Some(next) = self.next_in_line() else {
             return;
         };
         // A checkpointed process is restored before its turn.
-        if !self.ready_for_grant(now, next) {
+        if !self.grantable(now, next) {
             return;
         }
-        // A swap-out is still under way (its client drained): only a client that takes
-        // part in pipelined hand-offs and has memory to swap in starts that swap-in
-        // beside it, and beside one swap-out at most. Others wait for the release, as
-        // before: one with nothing swapped out would open its gate at once and its new
-        // allocations and module loads meet a GPU still full of the drainer's memory.
         let pipelined = !self.draining.is_empty();
-        if pipelined
-            && (self.draining.len() > 1
-                || self.draining.contains_key(&next)
-                || !self.clients.get(&next).is_some_and(|c| {
-                    c.info.pipelined && c.usage.working_set_bytes > c.usage.resident_bytes
-                }))
-        {
-            return;
-        }
-        self.queue.pop_front();
+        self.queue.retain(|&q| q != next);
         self.reclaim_for(now, next);
         self.grant(now, next, true, pipelined);
     }
@@ -1969,37 +1963,42 @@ impl GpuScheduler {
         self.make_room_for_holder(now);
 
         // TQ: drop the holder only when someone waits.
-        if !self.queue.is_empty() {
+        if self.contended_now() {
             let due: Vec<ClientId> = self
                 .holders
                 .iter()
                 .filter(|(_, h)| h.drop_sent.is_none() && now >= self.quantum_end(h))
                 .map(|(id, _)| *id)
                 .collect();
-            let next = self.queue.front().copied();
             for id in due {
-                let need = next.map_or(0, |n| self.need_for(n));
-                if let Some(h) = self.holders.get_mut(&id) {
-                    h.drop_sent = Some(now);
-                    h.drop_need = need;
-                }
-                self.log(
-                    Some(id),
-                    EventKind::Drop {
-                        need_bytes: need,
-                        reason: DropReason::TqExpired,
-                    },
-                );
-                self.send(
-                    id,
-                    ArbiterMsg::Drop {
-                        need_bytes: need,
-                        reason: DropReason::TqExpired,
-                    },
-                );
+                self.drop_holder(now, id, DropReason::TqExpired);
             }
         }
         self.notify_contention();
+    }
+
+    /// Asks holder `id` to give the GPU back, telling it the bytes the next one
+    /// needs.
+    fn drop_holder(&mut self, now: Nanos, id: ClientId, reason: DropReason) {
+        let need = self.next_for_need().map_or(0, |n| self.need_for(n));
+        if let Some(h) = self.holders.get_mut(&id) {
+            h.drop_sent = Some(now);
+            h.drop_need = need;
+        }
+        self.log(
+            Some(id),
+            EventKind::Drop {
+                need_bytes: need,
+                reason,
+            },
+        );
+        self.send(
+            id,
+            ArbiterMsg::Drop {
+                need_bytes: need,
+                reason,
+            },
+        );
     }
 
     /// When a hold that was asked to let go loses the GPU: the grace after its drop,
@@ -2046,12 +2045,15 @@ impl GpuScheduler {
     fn notify_contention(&mut self) {
         let waiting = if self.shared_mode() {
             0
+        } else if self.queue.is_empty() && self.contended_now() {
+            // A group waits for the GPU, though none of its members here does yet.
+            1
         } else {
             self.queue.len() as u32
         };
         let contended = waiting > 0;
         let need = if contended {
-            self.queue.front().map_or(0, |&n| self.need_for(n))
+            self.next_for_need().map_or(0, |n| self.need_for(n))
         } else {
             0
         };
@@ -2199,6 +2201,8 @@ impl GpuScheduler {
 
 mod checkpoint;
 pub use checkpoint::{CheckpointFailure, RESTORE_WHEN_IDLE_NS};
+mod gang;
+pub use gang::{GangId, Reserve};
 
 #[cfg(test)]
 mod checkpoint_tests;

@@ -907,6 +907,13 @@ pub enum EventKind {
     Tq {
         tq_ms: u64,
     },
+    /// A group's turn started (issue #41): the clients of one job on several GPUs
+    /// (`group`: its key) are granted together on its `gpus` GPUs; logged (client
+    /// `None`) on each of them in the same step, before the grants.
+    GroupTurn {
+        group: String,
+        gpus: u32,
+    },
 }
 
 #[cfg(test)]

@@ -1,0 +1,368 @@
+//! Gang turns on real schedulers with simulated time: clients that answer every drop
+//! with a release after a short while, and an invariant checked after every step.
+
+use super::*;
+use kiwi_protocol::{ArbiterMsg, Settings, Usage};
+use proptest::prelude::*;
+
+use crate::sched::ClientInfo;
+
+const GIB: u64 = 1 << 30;
+const MS: u64 = 1_000_000;
+
+/// A node of simulated GPUs and the clients on them.
+struct Node {
+    scheds: BTreeMap<String, GpuScheduler>,
+    gangs: Gangs,
+    /// Each client's GPU and group key.
+    clients: BTreeMap<ClientId, (String, Option<String>)>,
+    /// Who holds, by GPU (from the grants and releases seen).
+    holding: BTreeSet<ClientId>,
+    /// Drops to answer: (when, client).
+    drops: Vec<(Nanos, ClientId)>,
+    /// Grants seen: (when, client, GPU).
+    grants: Vec<(Nanos, ClientId, String)>,
+    turns_logged: Vec<(Nanos, String, String)>,
+    now: Nanos,
+    /// How long a dropped client takes to release.
+    release_after: Nanos,
+}
+
+impl Node {
+    fn new(gpus: &[&str], tq_ms: u64) -> Self {
+        let scheds = gpus
+            .iter()
+            .map(|g| {
+                let s = GpuScheduler::new(
+                    10 * GIB,
+                    10 * GIB,
+                    Settings {
+                        scheduler_on: true,
+                        tq_ms,
+                    },
+                    2_000,
+                );
+                (g.to_string(), s)
+            })
+            .collect();
+        Node {
+            scheds,
+            gangs: Gangs::default(),
+            clients: BTreeMap::new(),
+            holding: BTreeSet::new(),
+            drops: Vec::new(),
+            grants: Vec::new(),
+            turns_logged: Vec::new(),
+            now: 1_000 * MS,
+            release_after: 5 * MS,
+        }
+    }
+
+    fn apply(&mut self, outs: Outs) {
+        for (gpu, os) in outs {
+            self.apply_gpu(&gpu, os);
+        }
+    }
+
+    fn apply_gpu(&mut self, gpu: &str, outs: Vec<Output>) {
+        for o in outs {
+            match o {
+                Output::Send(id, ArbiterMsg::Grant { .. }) => {
+                    self.holding.insert(id);
+                    self.grants.push((self.now, id, gpu.to_string()));
+                }
+                Output::Send(id, ArbiterMsg::Drop { .. }) => {
+                    self.drops.push((self.now + self.release_after, id));
+                }
+                Output::Send(id, ArbiterMsg::Revoked { .. }) => {
+                    self.holding.remove(&id);
+                }
+                Output::Log(None, EventKind::GroupTurn { group, .. }) => {
+                    self.turns_logged.push((self.now, group, gpu.to_string()));
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Runs one scheduler input on `gpu`, then the coordinator, as the server does.
+    fn on(&mut self, gpu: &str, f: impl FnOnce(&mut GpuScheduler, Nanos) -> Vec<Output>) {
+        let now = self.now;
+        let outs = f(self.scheds.get_mut(gpu).expect("gpu"), now);
+        self.apply_gpu(gpu, outs);
+        let outs = self.gangs.step(&mut self.scheds, now);
+        self.apply(outs);
+    }
+
+    fn add(&mut self, id: ClientId, gpu: &str, group: Option<&str>, ws: u64) {
+        let now = self.now;
+        self.clients
+            .insert(id, (gpu.to_string(), group.map(str::to_string)));
+        let usage = Usage {
+            working_set_bytes: ws,
+            resident_bytes: ws,
+        };
+        self.on(gpu, |s, now| {
+            s.register(now, id, ClientInfo::default(), usage, None)
+        });
+        if let Some(key) = group {
+            let (ok, outs) = self.gangs.join(&mut self.scheds, now, id, key, gpu);
+            assert!(ok);
+            self.apply(outs);
+        }
+    }
+
+    fn gpu_of(&self, id: ClientId) -> String {
+        self.clients[&id].0.clone()
+    }
+
+    fn request(&mut self, id: ClientId) {
+        let gpu = self.gpu_of(id);
+        self.on(&gpu, |s, now| s.request(now, id));
+    }
+
+    fn release(&mut self, id: ClientId) {
+        let gpu = self.gpu_of(id);
+        self.holding.remove(&id);
+        let ws = self.scheds[&gpu].working_set_of(id);
+        let usage = Usage {
+            working_set_bytes: ws,
+            resident_bytes: 0,
+        };
+        self.on(&gpu, |s, now| s.release(now, id, usage));
+    }
+
+    fn exit(&mut self, id: ClientId) {
+        let gpu = self.gpu_of(id);
+        self.holding.remove(&id);
+        self.on(&gpu, |s, now| s.exit(now, id));
+        let outs = self.gangs.leave(&mut self.scheds, self.now, id);
+        self.apply(outs);
+        self.clients.remove(&id);
+    }
+
+    /// Advances time to `until`, answering drops and ticking deadlines.
+    fn run_until(&mut self, until: Nanos, mut on_release: impl FnMut(&mut Node, ClientId)) {
+        loop {
+            let next_drop = self.drops.iter().map(|d| d.0).min();
+            let next_tick = self
+                .scheds
+                .values()
+                .filter_map(|s| s.next_deadline())
+                .min();
+            let next = [next_drop, next_tick].into_iter().flatten().min();
+            let Some(t) = next.filter(|&t| t <= until) else {
+                self.now = until;
+                return;
+            };
+            self.now = self.now.max(t);
+            if let Some(k) = self.drops.iter().position(|d| d.0 <= self.now) {
+                let (_, id) = self.drops.remove(k);
+                if self.holding.contains(&id) {
+                    self.release(id);
+                    on_release(self, id);
+                }
+            } else {
+                let gpus: Vec<String> = self.scheds.keys().cloned().collect();
+                for g in gpus {
+                    self.on(&g, |s, now| s.tick(now));
+                }
+            }
+            self.check_invariant();
+        }
+    }
+
+    /// No member of a ganged group holds a GPU while a peer of it waits in a queue
+    /// with someone outside the group holding that peer's GPU: nobody spins
+    /// against a peer that waits.
+    fn check_invariant(&self) {
+        for (&id, (gpu, key)) in &self.clients {
+            let Some(key) = key else { continue };
+            if !self.scheds[gpu].holds_exclusive(id) || self.gangs.ganged_key(id).is_none() {
+                continue;
+            }
+            for (&peer, (pgpu, pkey)) in &self.clients {
+                if peer == id || pkey.as_deref() != Some(key) || pgpu == gpu {
+                    continue;
+                }
+                let s = &self.scheds[pgpu];
+                let outsider_holds = s.holders().iter().any(|h| {
+                    self.clients
+                        .get(h)
+                        .is_some_and(|(_, k)| k.as_deref() != Some(key.as_str()))
+                });
+                assert!(
+                    !(s.queue().contains(&peer) && outsider_holds),
+                    "t={} ms: {id} holds {gpu} while its peer {peer} waits behind another \
+                     tenant on {pgpu} (holders {:?})",
+                    self.now / MS,
+                    s.holders()
+                );
+            }
+        }
+    }
+}
+
+/// Every client of the scenario asks again as soon as it released: all are busy.
+fn busy(n: &mut Node, id: ClientId) {
+    n.request(id);
+}
+
+#[test]
+fn crosswise_jobs_and_notebooks_take_whole_turns() {
+    let mut n = Node::new(&["a", "b"], 100);
+    // Job J: rank 1 on a, rank 2 on b. Job K crosswise: rank 3 on b, rank 4 on a.
+    // A notebook on each GPU. Any two of 6 GiB overfill a 10 GiB GPU.
+    n.add(1, "a", Some("J"), 6 * GIB);
+    n.add(2, "b", Some("J"), 6 * GIB);
+    n.add(3, "b", Some("K"), 6 * GIB);
+    n.add(4, "a", Some("K"), 6 * GIB);
+    n.add(5, "a", None, 6 * GIB);
+    n.add(6, "b", None, 6 * GIB);
+    for id in [5, 6, 1, 2, 3, 4] {
+        n.request(id);
+        n.check_invariant();
+    }
+    let start = n.now;
+    n.run_until(start + 5_000 * MS, busy);
+
+    // Round-robin over the three on each GPU: job J, job K, the notebook, each a
+    // third of the turns (±1).
+    let counts: Vec<usize> = (1..=6)
+        .map(|id| n.grants.iter().filter(|g| g.1 == id).count())
+        .collect();
+    let (min, max) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
+    assert!(*min >= 10 && max - min <= 1, "turns per client 1..=6: {counts:?}");
+    // Each group's grants come in pairs in one step: rank 1's with rank 2's.
+    for (a, b) in [(1, 2), (3, 4)] {
+        let ta: Vec<Nanos> = n.grants.iter().filter(|g| g.1 == a).map(|g| g.0).collect();
+        let tb: Vec<Nanos> = n.grants.iter().filter(|g| g.1 == b).map(|g| g.0).collect();
+        assert_eq!(ta, tb, "ranks {a} and {b} granted at different times");
+    }
+    // One GroupTurn per GPU per turn.
+    let j_turns = n.turns_logged.iter().filter(|t| t.1 == "J").count();
+    let j_grants = n.grants.iter().filter(|g| g.1 == 1).count();
+    assert_eq!(j_turns, 2 * j_grants);
+    assert!(n.gangs.turns() >= 6);
+}
+
+#[test]
+fn a_group_on_one_gpu_is_no_gang() {
+    let mut n = Node::new(&["a", "b"], 100);
+    n.add(1, "a", Some("J"), 6 * GIB);
+    n.add(2, "a", Some("J"), 6 * GIB);
+    assert_eq!(n.gangs.ganged_key(1), None);
+    n.request(1);
+    n.request(2);
+    assert!(n.holding.contains(&1), "an ungrouped pair takes turns as before");
+    assert!(n.turns_logged.is_empty());
+}
+
+#[test]
+fn a_group_that_loses_its_second_gpu_turns_back_into_clients() {
+    let mut n = Node::new(&["a", "b"], 100);
+    n.add(1, "a", Some("J"), 6 * GIB);
+    n.add(2, "b", Some("J"), 6 * GIB);
+    n.add(5, "b", None, 6 * GIB);
+    n.add(6, "a", None, 6 * GIB);
+    n.request(5);
+    assert!(n.holding.contains(&5));
+    // Rank 1 waits for its group's turn: rank 2's GPU is held by the notebook.
+    n.request(1);
+    assert!(!n.holding.contains(&1));
+    assert_eq!(n.gangs.reserved_for("a"), Some(("J", false)));
+    // Rank 2 exits: rank 1 is a lone client of a free GPU and is granted.
+    n.exit(2);
+    assert_eq!(n.gangs.ganged_key(1), None);
+    assert!(n.holding.contains(&1));
+    assert_eq!(n.gangs.reserved_for("a"), None);
+    assert_eq!(n.gangs.reserved_for("b"), None);
+}
+
+#[test]
+fn a_claimed_gpu_drops_its_lone_holder_at_its_quantum_end() {
+    let mut n = Node::new(&["a", "b"], 100);
+    n.add(1, "a", Some("J"), 6 * GIB);
+    n.add(2, "b", Some("J"), 6 * GIB);
+    n.add(5, "b", None, 6 * GIB);
+    n.add(6, "a", None, 6 * GIB);
+    n.request(5);
+    // Only rank 1 asks; on b nobody waits, yet the group's claim ends 5's quantum.
+    n.request(1);
+    let t0 = n.now;
+    n.run_until(t0 + 1_000 * MS, |_, _| {});
+    let g1 = n.grants.iter().find(|g| g.1 == 1).expect("rank 1 granted");
+    assert!(
+        g1.0 >= t0 + 100 * MS && g1.0 <= t0 + 100 * MS + n.release_after,
+        "rank 1 granted at {} ms, the notebook's quantum ended at 100 ms",
+        (g1.0 - t0) / MS
+    );
+    assert_eq!(n.gangs.reserved_for("b"), Some(("J", true)));
+    // Rank 2 asks during the turn: granted at once on the reserved GPU.
+    n.request(2);
+    assert!(n.holding.contains(&2));
+}
+
+#[test]
+fn an_early_release_keeps_the_gpu_for_the_group_until_all_let_go() {
+    let mut n = Node::new(&["a", "b"], 100);
+    n.add(1, "a", Some("J"), 6 * GIB);
+    n.add(2, "b", Some("J"), 6 * GIB);
+    n.add(5, "a", None, 6 * GIB);
+    n.add(6, "b", None, 6 * GIB);
+    n.request(1);
+    n.request(2);
+    assert!(n.holding.contains(&1) && n.holding.contains(&2));
+    n.request(5);
+    // Rank 1 goes idle and releases; its peer still works: the notebook waits.
+    n.release(1);
+    assert!(!n.holding.contains(&5), "GPU a stays the group's while rank 2 holds b");
+    n.request(1);
+    assert!(n.holding.contains(&1), "rank 1 comes back into its group's turn");
+    n.release(1);
+    n.release(2);
+    assert!(n.holding.contains(&5), "all let go: the notebook's turn");
+    assert_eq!(n.gangs.reserved_for("a"), None);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Random groups over three GPUs, random request and release patterns: the
+    /// invariant holds at every step, and every client that keeps asking is granted.
+    #[test]
+    fn random_groups_never_spin_and_all_progress(
+        layout in proptest::collection::vec((0usize..3, 0usize..4), 3..9),
+        tq in 20u64..200,
+        release_ms in 1u64..40,
+        seed in any::<u64>(),
+    ) {
+        let mut n = Node::new(&["a", "b", "c"], tq);
+        n.release_after = release_ms * MS;
+        let gpus = ["a", "b", "c"];
+        let keys = [None, Some("J"), Some("K"), Some("L")];
+        for (i, &(g, k)) in layout.iter().enumerate() {
+            n.add(i as u64 + 1, gpus[g], keys[k], 6 * GIB);
+        }
+        let ids: Vec<ClientId> = n.clients.keys().copied().collect();
+        for &id in &ids {
+            n.request(id);
+            n.check_invariant();
+        }
+        let mut rng = seed;
+        let start = n.now;
+        n.run_until(start + 20 * tq * MS * ids.len() as u64, |n, id| {
+            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            // Most ask again at once; some go idle for good.
+            if (rng >> 33) % 4 != 0 {
+                n.request(id);
+            }
+        });
+        for &id in &ids {
+            prop_assert!(
+                n.grants.iter().any(|g| g.1 == id),
+                "client {} ({:?}) never granted; layout {:?}", id, n.clients[&id], layout
+            );
+        }
+    }
+}
