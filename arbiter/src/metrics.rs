@@ -83,6 +83,7 @@ pub struct ArbiterMetrics {
     drops_no_fit: Family<GpuLabels, Counter>,
     early_releases: Family<GpuLabels, Counter>,
     revocations: Family<GpuLabels, Counter>,
+    group_turns: Family<GpuLabels, Counter>,
     checkpoints: Family<GpuLabels, Counter>,
     checkpoint_bytes: Family<GpuLabels, Counter>,
     restores: Family<GpuLabels, Counter>,
@@ -141,6 +142,7 @@ impl ArbiterMetrics {
             drops_no_fit: Family::default(),
             early_releases: Family::default(),
             revocations: Family::default(),
+            group_turns: Family::default(),
             checkpoints: Family::default(),
             checkpoint_bytes: Family::default(),
             restores: Family::default(),
@@ -191,6 +193,11 @@ impl ArbiterMetrics {
             "revocations",
             "Holders that ignored a drop past the grace period",
             m.revocations.clone(),
+        );
+        registry.register(
+            "group_turns",
+            "Turns of a group (one job on several GPUs) that started on this GPU, granted together with its other GPUs",
+            m.group_turns.clone(),
         );
         registry.register(
             "checkpoints",
@@ -388,6 +395,9 @@ impl ArbiterMetrics {
             EventKind::Restore { .. } => {
                 self.restores.get_or_create(&g).inc();
             }
+            EventKind::GroupTurn { .. } => {
+                self.group_turns.get_or_create(&g).inc();
+            }
             EventKind::CheckpointSkipped { .. } => {
                 self.checkpoints_skipped.get_or_create(&g).inc();
             }
@@ -422,6 +432,7 @@ impl ArbiterMetrics {
             &self.drops_no_fit,
             &self.early_releases,
             &self.revocations,
+            &self.group_turns,
             &self.checkpoints,
             &self.checkpoint_bytes,
             &self.restores,

@@ -2181,6 +2181,7 @@ impl GpuScheduler {
                     held_ns: c.held_ns + held_extra,
                     idle_since_ns: idle.then_some(c.last_seen),
                     checkpointed: c.ckpt == checkpoint::Ckpt::Checkpointed,
+                    group: None,
                 }
             })
             .collect();
@@ -2195,6 +2196,7 @@ impl GpuScheduler {
             holders: self.holders(),
             queue,
             clients,
+            group_turn: None,
         }
     }
 }

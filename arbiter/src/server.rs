@@ -37,6 +37,7 @@ use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::clock::monotonic_ns;
 use crate::events::{EventLog, Tenant};
+use crate::gang::{self, Gangs};
 use crate::gpus;
 use crate::metrics::{ArbiterMetrics, NodeSwap};
 use crate::sched::{ClientId, ClientInfo, GpuScheduler, Output};
@@ -492,6 +493,17 @@ struct State {
     resume_until: u64,
     /// Checkpoints and restores the schedulers asked for, to the task that runs them.
     checkpoint_jobs: Option<tokio::sync::mpsc::UnboundedSender<checkpoints::Job>>,
+    /// Groups of clients granted their GPUs together ([`crate::gang`]), moved on
+    /// after every scheduler step ([`State::dispatch_leaving`]); `settling` while it
+    /// moves them (its own outputs do not move them again).
+    gangs: Gangs,
+    settling: bool,
+}
+
+impl gang::Scheds for BTreeMap<String, Gpu> {
+    fn sched(&mut self, gpu: &str) -> Option<&mut GpuScheduler> {
+        self.get_mut(gpu).map(|g| &mut g.sched)
+    }
 }
 
 impl gpus::Entries for BTreeMap<String, Gpu> {
@@ -616,6 +628,31 @@ impl State {
                 Output::Send(..) => {}
             }
         }
+        // Any step may move a group's turn on (a release ends it, a request claims).
+        if !self.settling {
+            self.settling = true;
+            let outs = self.gangs.step(&mut self.gpus, now);
+            for (u, o) in outs {
+                self.dispatch(&u, o);
+            }
+            self.settling = false;
+        }
+    }
+
+    /// Puts client `id` (registered on `gpu`) in group `key` and dispatches what that
+    /// changes.
+    fn join_group(&mut self, now: u64, id: ClientId, key: &str, gpu: &str) {
+        let (joined, outs) = self.gangs.join(&mut self.gpus, now, id, key, gpu);
+        if !joined {
+            log_line!(
+                "WARN",
+                "client {id}: the node keeps {} groups already; granted on its own",
+                gang::MAX_GROUPS
+            );
+        }
+        for (u, o) in outs {
+            self.dispatch(&u, o);
+        }
     }
 
     fn resolve_gpu(&self, sel: &str) -> Option<String> {
@@ -632,7 +669,20 @@ impl State {
     fn gpu_statuses(&self, now: u64) -> Vec<kiwi_protocol::GpuStatus> {
         self.gpus
             .iter()
-            .map(|(u, g)| g.sched.status(now, g.index, u))
+            .map(|(u, g)| {
+                let mut s = g.sched.status(now, g.index, u);
+                for c in &mut s.clients {
+                    c.group = self.gangs.ganged_key(c.id).map(str::to_string);
+                }
+                s.group_turn =
+                    self.gangs
+                        .reserved_for(u)
+                        .map(|(group, running)| kiwi_protocol::GroupTurn {
+                            group: group.to_string(),
+                            running,
+                        });
+                s
+            })
             .collect()
     }
 
@@ -917,6 +967,8 @@ pub async fn serve(
             next_client: 1,
             resume_until: monotonic_ns() + crate::sched::RESUME_CLAIM_WINDOW_NS,
             checkpoint_jobs: checkpoint_tx,
+            gangs: Gangs::default(),
+            settling: false,
         }),
         timer: Notify::new(),
     });
@@ -1525,12 +1577,42 @@ async fn client_connection(
                 .map(|g| g.sched.exit(now, id))
                 .unwrap_or_default();
             st.dispatch_leaving(&gpu, outs, Some((id, &conn.tenant)));
+            let st = &mut *st;
+            for (u, o) in st.gangs.leave(&mut st.gpus, now, id) {
+                st.dispatch(&u, o);
+            }
             log_line!("INFO", "client {id} (pid {host_pid}) left GPU {gpu}");
             st.forget_gpu_if_unused(&gpu);
         }
     }
     drop(st);
     shared.timer.notify_one();
+}
+
+/// The group a registering client belongs to ([`crate::gang`]): the name it gives
+/// (`KIWI_GROUP`), scoped to its tenant so no tenant joins another's group; else its
+/// container's pod or the container (from the container's record); else its process
+/// (a process using several GPUs is one job); a client whose process is unknown is a
+/// group of its own.
+fn group_key(
+    origin: &Origin,
+    tenant: Option<&str>,
+    named: Option<&str>,
+    host_pid: u32,
+    id: ClientId,
+) -> String {
+    if let Some(name) = named {
+        return format!("{} / {name}", tenant.unwrap_or("?"));
+    }
+    if let Origin::Container(c) = origin {
+        if tenant.is_some_and(|t| t.starts_with("container ")) {
+            return c.group_key();
+        }
+    }
+    if host_pid != 0 {
+        return format!("pid {host_pid}");
+    }
+    format!("client {id}")
 }
 
 enum ClientDecodeError {
@@ -1691,6 +1773,13 @@ fn handle_client_msg(
                 // Who a container's client is comes from its record, not from itself.
                 c.label(&mut info);
             }
+            let group = group_key(
+                origin,
+                info.tenant.as_deref(),
+                r.group.as_deref(),
+                host_pid,
+                id,
+            );
             let usage = Usage {
                 working_set_bytes: r.working_set_bytes,
                 resident_bytes: r.resident_bytes,
@@ -1724,7 +1813,9 @@ fn handle_client_msg(
                     "client {id} (pid {host_pid}) claims to hold GPU {uuid}, which the arbiter did not grant it: refused, queued"
                 );
             }
-            (uuid, outs)
+            st.dispatch(&uuid, outs);
+            st.join_group(now, id, &group, &uuid);
+            (uuid, Vec::new())
         }
         (
             ClientMsg::PoolOpen

@@ -39,6 +39,7 @@ fn register(socket: &Path, ws: u64) -> Result<Connection<ClientMsg, ArbiterMsg>>
         pipelined: false,
         room_info: false,
         bounds: false,
+        group: None,
     };
     match c.call(&ClientMsg::Register(reg))? {
         ArbiterMsg::Registered { .. } => Ok(c),

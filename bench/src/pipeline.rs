@@ -345,6 +345,7 @@ fn swaps_alone(b: &Build, mem: u64, cycles: u32, pcie_gbps: f64) -> Result<(f64,
         pipelined: false,
         room_info: false,
         bounds: false,
+        group: None,
     };
     match c.call(&ClientMsg::Register(reg))? {
         ArbiterMsg::Registered { .. } => {}
@@ -502,6 +503,7 @@ fn swap_out_after_growth(b: &Build, pageable: bool) -> Result<(f64, f64, f64)> {
         pipelined: false,
         room_info: false,
         bounds: false,
+        group: None,
     };
     let me = match c.call(&ClientMsg::Register(reg))? {
         ArbiterMsg::Registered { client_id, .. } => client_id,

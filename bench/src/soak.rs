@@ -438,6 +438,7 @@ fn register(uuid: &str, total: u64) -> Register {
         pipelined: false,
         room_info: false,
         bounds: false,
+        group: None,
     }
 }
 

@@ -76,6 +76,12 @@ pub fn run(cfg: &Config, socket_dir: &Path, gpu: Option<&str>, args: RunArgs) ->
     if let Some(g) = gpu {
         cmd.env("CUDA_VISIBLE_DEVICES", g);
     }
+    // The processes of one run are one job (torchrun's ranks, say): granted their
+    // GPUs together (issue #41). A group the caller names is kept. The program keeps
+    // this process's pid (exec), so the name is unique on the node while it runs.
+    if std::env::var_os("KIWI_GROUP").is_none_or(|g| g.is_empty()) {
+        cmd.env("KIWI_GROUP", format!("kiwictl run {}", std::process::id()));
+    }
     // Frameworks are told not to hoard the whole GPU Kiwi reports free; a variable the
     // caller's environment sets (even empty) is passed on as it is.
     for (key, value) in cfg.hook.framework_env() {

@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use kiwi_protocol::{ClientState, ClientStatus, StatusReport};
+use kiwi_protocol::{ClientState, ClientStatus, GpuStatus, StatusReport};
 
 pub(crate) fn mib(b: u64) -> String {
     if b >= 10 << 30 {
@@ -44,6 +44,51 @@ pub(crate) fn client_state(c: &ClientStatus) -> &'static str {
         (true, _) => "ckpt",
         (false, s) => state_name(s),
     }
+}
+
+/// A client's state with `*` when it is granted with its group (one job on several
+/// GPUs, issue #41), as the tables show it.
+pub(crate) fn client_state_marked(c: &ClientStatus) -> String {
+    let s = client_state(c);
+    if c.group.is_some() {
+        format!("{s}*")
+    } else {
+        s.to_string()
+    }
+}
+
+/// The lines under a GPU's table about groups: whose turn the GPU is reserved for,
+/// and what `*` means for each group with clients here.
+pub(crate) fn group_lines(g: &GpuStatus) -> Vec<String> {
+    let mut lines = Vec::new();
+    if let Some(t) = &g.group_turn {
+        lines.push(format!(
+            "  turn reserved for group {}: {}",
+            t.group,
+            if t.running {
+                "its turn runs on all its GPUs"
+            } else {
+                "waiting for its other GPUs to come free"
+            }
+        ));
+    }
+    let mut groups: Vec<(&str, Vec<u64>)> = Vec::new();
+    for c in &g.clients {
+        if let Some(k) = c.group.as_deref() {
+            match groups.iter_mut().find(|(g, _)| *g == k) {
+                Some((_, ids)) => ids.push(c.id),
+                None => groups.push((k, vec![c.id])),
+            }
+        }
+    }
+    for (k, ids) in groups {
+        let ids: Vec<String> = ids.iter().map(u64::to_string).collect();
+        lines.push(format!(
+            "  * group {k} (clients {} here): granted together with its other GPUs",
+            ids.join(", ")
+        ));
+    }
+    lines
 }
 
 /// What `ckpt` means, for the line under a table that shows one.
@@ -210,7 +255,7 @@ fn render_gpus(r: &StatusReport) -> String {
         );
         for c in &g.clients {
             let where_ = client_where(c);
-            let state = client_state(c);
+            let state = client_state_marked(c);
             let _ = writeln!(
                 s,
                 "  {:>4} {:>7} {:>8} {:<16} {:<28} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8}",
@@ -235,6 +280,9 @@ fn render_gpus(r: &StatusReport) -> String {
         }
         if g.clients.iter().any(|c| c.checkpointed) {
             let _ = writeln!(s, "{CKPT_LEGEND}");
+        }
+        for line in group_lines(g) {
+            let _ = writeln!(s, "{line}");
         }
     }
     s

@@ -26,7 +26,8 @@ use kiwi_protocol::{
 
 use crate::control::Control;
 use crate::status::{
-    client_state, client_where, mib, omitted_line, pool_line, secs, swap_line, CKPT_LEGEND,
+    client_state_marked, client_where, group_lines, mib, omitted_line, pool_line, secs, swap_line,
+    CKPT_LEGEND,
 };
 
 #[derive(clap::Args, Debug)]
@@ -331,7 +332,7 @@ impl Tracker {
                 c.host_pid,
                 cut(c.name.as_deref().unwrap_or("-"), 16),
                 cut(&client_where(c), 24),
-                client_state(c),
+                client_state_marked(c),
                 mib(c.resident_bytes),
                 mib(c.swapped_bytes),
                 secs(c.waited_ns),
@@ -342,6 +343,9 @@ impl Tracker {
         }
         if g.clients.iter().any(|c| c.checkpointed) {
             out.push(Line::plain(CKPT_LEGEND.to_string()));
+        }
+        for line in group_lines(g) {
+            out.push(Line::plain(line));
         }
     }
 }

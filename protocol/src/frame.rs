@@ -249,6 +249,7 @@ mod tests {
             pipelined: false,
             room_info: false,
             bounds: false,
+            group: None,
         }))
         .unwrap();
         let mut d = FrameDecoder::new();

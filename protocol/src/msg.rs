@@ -117,6 +117,13 @@ pub struct Register {
     /// that predates it refuses the field and the client registers again without it.
     #[serde(default, skip_serializing_if = "is_false")]
     pub bounds: bool,
+    /// The job it belongs to (`KIWI_GROUP`): clients of one group on several GPUs
+    /// are granted those GPUs together (issue #41). Scoped by the arbiter to the
+    /// client's tenant (its container, or its uid on the node's socket), so no
+    /// tenant joins another's group. Left out: its pod or container, else its
+    /// process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
 }
 
 fn is_zero_u64(n: &u64) -> bool {
@@ -140,7 +147,8 @@ impl Register {
         check_opt("container_id", &self.container_id)?;
         check_opt("pod_name", &self.pod_name)?;
         check_opt("pod_namespace", &self.pod_namespace)?;
-        check_opt("name", &self.name)
+        check_opt("name", &self.name)?;
+        check_opt("group", &self.group)
     }
 }
 
@@ -746,6 +754,18 @@ pub struct GpuStatus {
     /// Waiting client ids, first in line first.
     pub queue: Vec<u64>,
     pub clients: Vec<ClientStatus>,
+    /// The group this GPU's turns are reserved for (issue #41), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_turn: Option<GroupTurn>,
+}
+
+/// A GPU reserved for a group's turn.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GroupTurn {
+    pub group: String,
+    /// Its turn runs (`false`: claimed, waiting for its other GPUs to come free).
+    pub running: bool,
 }
 
 /// What a client is doing, as `kiwictl status` shows it.
@@ -787,6 +807,10 @@ pub struct ClientStatus {
     /// false.
     #[serde(default, skip_serializing_if = "is_false")]
     pub checkpointed: bool,
+    /// The group it is granted with (one job on several GPUs, issue #41): its key.
+    /// Left out for a client whose group is on one GPU only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
 }
 
 /// One entry of a GPU's event log.
@@ -1241,6 +1265,7 @@ mod tests {
             pipelined: false,
             room_info: false,
             bounds: false,
+            group: None,
         };
         assert_eq!(r.validate(), Ok(()));
         r.name = Some("x".repeat(1 << 20));

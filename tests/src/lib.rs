@@ -556,6 +556,7 @@ pub fn register_msg(gpu: &str, total: u64, ws: u64) -> Register {
         pipelined: false,
         room_info: false,
         bounds: false,
+        group: None,
     }
 }
 

@@ -145,11 +145,7 @@ impl Node {
     fn run_until(&mut self, until: Nanos, mut on_release: impl FnMut(&mut Node, ClientId)) {
         loop {
             let next_drop = self.drops.iter().map(|d| d.0).min();
-            let next_tick = self
-                .scheds
-                .values()
-                .filter_map(|s| s.next_deadline())
-                .min();
+            let next_tick = self.scheds.values().filter_map(|s| s.next_deadline()).min();
             let next = [next_drop, next_tick].into_iter().flatten().min();
             let Some(t) = next.filter(|&t| t <= until) else {
                 self.now = until;
@@ -232,7 +228,10 @@ fn crosswise_jobs_and_notebooks_take_whole_turns() {
         .map(|id| n.grants.iter().filter(|g| g.1 == id).count())
         .collect();
     let (min, max) = (counts.iter().min().unwrap(), counts.iter().max().unwrap());
-    assert!(*min >= 10 && max - min <= 1, "turns per client 1..=6: {counts:?}");
+    assert!(
+        *min >= 10 && max - min <= 1,
+        "turns per client 1..=6: {counts:?}"
+    );
     // Each group's grants come in pairs in one step: rank 1's with rank 2's.
     for (a, b) in [(1, 2), (3, 4)] {
         let ta: Vec<Nanos> = n.grants.iter().filter(|g| g.1 == a).map(|g| g.0).collect();
@@ -254,7 +253,10 @@ fn a_group_on_one_gpu_is_no_gang() {
     assert_eq!(n.gangs.ganged_key(1), None);
     n.request(1);
     n.request(2);
-    assert!(n.holding.contains(&1), "an ungrouped pair takes turns as before");
+    assert!(
+        n.holding.contains(&1),
+        "an ungrouped pair takes turns as before"
+    );
     assert!(n.turns_logged.is_empty());
 }
 
@@ -316,9 +318,15 @@ fn an_early_release_keeps_the_gpu_for_the_group_until_all_let_go() {
     n.request(5);
     // Rank 1 goes idle and releases; its peer still works: the notebook waits.
     n.release(1);
-    assert!(!n.holding.contains(&5), "GPU a stays the group's while rank 2 holds b");
+    assert!(
+        !n.holding.contains(&5),
+        "GPU a stays the group's while rank 2 holds b"
+    );
     n.request(1);
-    assert!(n.holding.contains(&1), "rank 1 comes back into its group's turn");
+    assert!(
+        n.holding.contains(&1),
+        "rank 1 comes back into its group's turn"
+    );
     n.release(1);
     n.release(2);
     assert!(n.holding.contains(&5), "all let go: the notebook's turn");

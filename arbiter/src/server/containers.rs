@@ -81,6 +81,15 @@ impl Served {
         }
     }
 
+    /// The group a client of this container belongs to unless it names one: its pod
+    /// (a pod's containers run one job), else the container.
+    pub(super) fn group_key(&self) -> String {
+        match (&self.record.pod_namespace, &self.record.pod_name) {
+            (Some(ns), Some(name)) => format!("pod {ns}/{name}"),
+            _ => format!("container {}", self.record.id),
+        }
+    }
+
     /// Puts the record's identity on a registering client.
     pub(super) fn label(&self, info: &mut ClientInfo) {
         info.container_id = Some(self.record.id.clone());

@@ -152,6 +152,7 @@ pub(super) fn register_once(
         pipelined,
         room_info,
         bounds,
+        group: std::env::var("KIWI_GROUP").ok().filter(|g| !g.is_empty()),
     }))?;
     let (capacity, swap_budget) = match conn.recv()? {
         ArbiterMsg::Registered {
