@@ -664,6 +664,10 @@ mod handoff_tests {
             EventKind::CheckpointSkipped {
                 reason: "lock: CUDA_ERROR_NOT_READY".into(),
             },
+            EventKind::GroupTurn {
+                group: "uid 0 / J".into(),
+                gpus: 2,
+            },
         ] {
             m.observe(1, "GPU-0", Some(1), &kind);
         }
@@ -673,6 +677,7 @@ mod handoff_tests {
             "kiwi_checkpoint_bytes_total{gpu=\"GPU-0\"} 314572800",
             "kiwi_restores_total{gpu=\"GPU-0\"} 1",
             "kiwi_checkpoints_skipped_total{gpu=\"GPU-0\"} 1",
+            "kiwi_group_turns_total{gpu=\"GPU-0\"} 1",
         ] {
             assert!(out.contains(want), "{want} in\n{out}");
         }

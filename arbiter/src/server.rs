@@ -668,22 +668,27 @@ impl State {
 
     fn gpu_statuses(&self, now: u64) -> Vec<kiwi_protocol::GpuStatus> {
         self.gpus
-            .iter()
-            .map(|(u, g)| {
-                let mut s = g.sched.status(now, g.index, u);
-                for c in &mut s.clients {
-                    c.group = self.gangs.ganged_key(c.id).map(str::to_string);
-                }
-                s.group_turn =
-                    self.gangs
-                        .reserved_for(u)
-                        .map(|(group, running)| kiwi_protocol::GroupTurn {
-                            group: group.to_string(),
-                            running,
-                        });
-                s
-            })
+            .keys()
+            .filter_map(|u| self.gpu_status(now, u))
             .collect()
+    }
+
+    /// GPU `uuid`'s status: its scheduler's, with the groups of its clients and of
+    /// its turn.
+    fn gpu_status(&self, now: u64, uuid: &str) -> Option<kiwi_protocol::GpuStatus> {
+        let g = self.gpus.get(uuid)?;
+        let mut s = g.sched.status(now, g.index, uuid);
+        for c in &mut s.clients {
+            c.group = self.gangs.ganged_key(c.id).map(str::to_string);
+        }
+        s.group_turn =
+            self.gangs
+                .reserved_for(uuid)
+                .map(|(group, running)| kiwi_protocol::GroupTurn {
+                    group: group.to_string(),
+                    running,
+                });
+        Some(s)
     }
 
     /// The node's swap figures for status and metrics.
@@ -2182,10 +2187,7 @@ fn handle_control(shared: &Arc<Shared>, req: ControlRequest, who: &str) -> Contr
                 let swap = st.node_swap();
                 let mut report = StatusReport {
                     default_settings: st.defaults,
-                    gpus: uuids
-                        .iter()
-                        .filter_map(|u| st.gpus.get(u).map(|g| g.sched.status(now, g.index, u)))
-                        .collect(),
+                    gpus: uuids.iter().filter_map(|u| st.gpu_status(now, u)).collect(),
                     now_ns: now,
                     swap_budget_bytes: swap.budget_bytes,
                     swap_need_bytes: swap.need_bytes,
