@@ -77,9 +77,10 @@ pub fn run(cfg: &Config, socket_dir: &Path, gpu: Option<&str>, args: RunArgs) ->
         cmd.env("CUDA_VISIBLE_DEVICES", g);
     }
     // The processes of one run are one job (torchrun's ranks, say): granted their
-    // GPUs together (issue #41). A group the caller names is kept. The program keeps
-    // this process's pid (exec), so the name is unique on the node while it runs.
-    if std::env::var_os("KIWI_GROUP").is_none_or(|g| g.is_empty()) {
+    // GPUs together (issue #41). A group the caller names is kept, and an empty one
+    // names none. The program keeps this process's pid (exec), so the name is unique
+    // on the node while it runs.
+    if std::env::var_os("KIWI_GROUP").is_none() {
         cmd.env("KIWI_GROUP", format!("kiwictl run {}", std::process::id()));
     }
     // Frameworks are told not to hoard the whole GPU Kiwi reports free; a variable the

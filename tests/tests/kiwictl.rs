@@ -167,6 +167,15 @@ fn install_and_uninstall_through_kiwictl() {
 /// is needed (kiwictl only warns); the shim is a stand-in file, which the loader skips
 /// with a line on stderr, so `sh` runs without it.
 fn run_echo_framework_env(config: &str, env: &[(&str, &str)]) -> Output {
+    run_sh(
+        config,
+        env,
+        "echo $XLA_PYTHON_CLIENT_PREALLOCATE $TF_FORCE_GPU_ALLOW_GROWTH",
+    )
+}
+
+/// `kiwictl run -- sh -c SCRIPT`, as [`run_echo_framework_env`].
+fn run_sh(config: &str, env: &[(&str, &str)], script: &str) -> Output {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("kiwi.toml");
     std::fs::write(&cfg, config).unwrap();
@@ -179,18 +188,30 @@ fn run_echo_framework_env(config: &str, env: &[(&str, &str)]) -> Output {
         .env_remove("LD_PRELOAD")
         .env_remove("XLA_PYTHON_CLIENT_PREALLOCATE")
         .env_remove("TF_FORCE_GPU_ALLOW_GROWTH")
+        .env_remove("KIWI_GROUP")
         .envs(env.iter().copied())
         .arg("--socket-dir")
         .arg(dir.path())
         .args(["run", "--shim"])
         .arg(&shim)
-        .args([
-            "--",
-            "sh",
-            "-c",
-            "echo $XLA_PYTHON_CLIENT_PREALLOCATE $TF_FORCE_GPU_ALLOW_GROWTH",
-        ]);
+        .args(["--", "sh", "-c", script]);
     c.output().expect("run kiwictl")
+}
+
+#[test]
+fn run_makes_its_processes_one_group_unless_the_caller_names_one() {
+    let line = |env: &[(&str, &str)]| {
+        let o = run_sh("", env, "echo \"$KIWI_GROUP|$$\"");
+        assert!(o.status.success(), "{}", text(&o));
+        let out = String::from_utf8_lossy(&o.stdout).trim_end().to_string();
+        let (group, pid) = out.split_once('|').expect("group|pid");
+        (group.to_string(), pid.to_string())
+    };
+    // The program keeps kiwictl's pid (exec): the group is named after it.
+    let (group, pid) = line(&[]);
+    assert_eq!(group, format!("kiwictl run {pid}"));
+    assert_eq!(line(&[("KIWI_GROUP", "train")]).0, "train");
+    assert_eq!(line(&[("KIWI_GROUP", "")]).0, "");
 }
 
 #[test]

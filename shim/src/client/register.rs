@@ -74,7 +74,9 @@ pub(super) fn register(
     let u = Some(unswappable);
     let mut r = register_once(env, info, slot, figures, resume, true, u, true, true, true);
     if let Err(StartError::Predates(m)) = &r {
-        crate::kdebug!("the arbiter does not know `bounds` ({m}); registering without it");
+        crate::kdebug!(
+            "the arbiter does not know `bounds` or `group` ({m}); registering without them"
+        );
         r = register_once(env, info, slot, figures, resume, true, u, true, true, false);
     }
     if let Err(StartError::Predates(m)) = &r {
@@ -152,7 +154,11 @@ pub(super) fn register_once(
         pipelined,
         room_info,
         bounds,
-        group: std::env::var("KIWI_GROUP").ok().filter(|g| !g.is_empty()),
+        // The newest field goes with the next newest: an arbiter that refuses it is
+        // asked again without both.
+        group: std::env::var("KIWI_GROUP")
+            .ok()
+            .filter(|g| bounds && !g.is_empty()),
     }))?;
     let (capacity, swap_budget) = match conn.recv()? {
         ArbiterMsg::Registered {
