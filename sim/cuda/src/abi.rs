@@ -262,6 +262,33 @@ pub const CU_LAUNCH_PARAM_END: usize = 0;
 pub const CU_LAUNCH_PARAM_BUFFER_POINTER: usize = 1;
 pub const CU_LAUNCH_PARAM_BUFFER_SIZE: usize = 2;
 
+/// `CU_MEMHOSTALLOC_DEVICEMAP` / `CU_MEMHOSTREGISTER_DEVICEMAP` (the same bit):
+/// the host memory is mapped into the device address space.
+pub const CU_MEMHOST_DEVICEMAP: u32 = 0x02;
+/// `CU_MEMHOSTREGISTER_READ_ONLY`: the device may only read the registered range.
+pub const CU_MEMHOSTREGISTER_READ_ONLY: u32 = 0x08;
+
+/// `CUstreamWaitValue_flags`: the condition (low bits) and the flush bit.
+pub const CU_STREAM_WAIT_VALUE_GEQ: u32 = 0x0;
+pub const CU_STREAM_WAIT_VALUE_EQ: u32 = 0x1;
+pub const CU_STREAM_WAIT_VALUE_AND: u32 = 0x2;
+pub const CU_STREAM_WAIT_VALUE_NOR: u32 = 0x3;
+pub const CU_STREAM_WAIT_VALUE_FLUSH: u32 = 1 << 30;
+/// `CUstreamWriteValue_flags` (`NO_MEMORY_BARRIER`: "not supported in the v2 API").
+pub const CU_STREAM_WRITE_VALUE_DEFAULT: u32 = 0x0;
+pub const CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER: u32 = 0x1;
+/// `CUstreamBatchMemOpType`.
+pub const CU_STREAM_MEM_OP_WAIT_VALUE_32: u32 = 1;
+pub const CU_STREAM_MEM_OP_WRITE_VALUE_32: u32 = 2;
+pub const CU_STREAM_MEM_OP_FLUSH_REMOTE_WRITES: u32 = 3;
+pub const CU_STREAM_MEM_OP_WAIT_VALUE_64: u32 = 4;
+pub const CU_STREAM_MEM_OP_WRITE_VALUE_64: u32 = 5;
+/// Only in the `_v2` API.
+pub const CU_STREAM_MEM_OP_BARRIER: u32 = 6;
+/// `CUstreamMemoryBarrier_flags`.
+pub const CU_STREAM_MEMORY_BARRIER_TYPE_SYS: u32 = 0x0;
+pub const CU_STREAM_MEMORY_BARRIER_TYPE_GPU: u32 = 0x1;
+
 pub const CU_MEM_ATTACH_GLOBAL: u32 = 1;
 pub const CU_MEM_ATTACH_HOST: u32 = 2;
 pub const CU_DEVICE_CPU: i32 = -1;
@@ -377,6 +404,26 @@ pub struct CUlaunchConfig {
     pub num_attrs: u32,
 }
 
+/// `CUstreamBatchMemOpParams`, a 48-byte union in `cuda.h`, read through the
+/// layout its members share: `waitValue` and `writeValue` are `{operation, address,
+/// value (32-bit, little-endian, or value64), flags, alias}`; `flushRemoteWrites`
+/// and `memoryBarrier` are `{operation, flags}` (here `op_flags`, at offset 4, where
+/// the value operations have padding).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CUstreamBatchMemOpParams {
+    pub operation: u32,
+    pub op_flags: u32,
+    pub address: CUdeviceptr,
+    pub value: u64,
+    pub flags: u32,
+    pub _pad: u32,
+    /// "For driver internal use. Initial value is unimportant."
+    pub alias: CUdeviceptr,
+    pub _rest: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<CUstreamBatchMemOpParams>() == 48);
 const _: () = assert!(std::mem::size_of::<CUmemAllocationProp>() == 32);
 const _: () = assert!(std::mem::size_of::<CUmemAccessDesc>() == 12);
 const _: () = assert!(std::mem::size_of::<CUlaunchConfig>() == 56);
@@ -420,13 +467,20 @@ pub mod attr {
     pub const MAX_REGISTERS_PER_MULTIPROCESSOR: i32 = 82;
     pub const MANAGED_MEMORY: i32 = 83;
     pub const CONCURRENT_MANAGED_ACCESS: i32 = 89;
+    pub const CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: i32 = 91;
+    pub const CAN_USE_STREAM_MEM_OPS_V1: i32 = 92;
+    pub const CAN_USE_64_BIT_STREAM_MEM_OPS_V1: i32 = 93;
+    pub const CAN_USE_STREAM_WAIT_VALUE_NOR_V1: i32 = 94;
     pub const COOPERATIVE_LAUNCH: i32 = 95;
     pub const MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: i32 = 97;
+    pub const CAN_FLUSH_REMOTE_WRITES: i32 = 98;
     pub const HOST_REGISTER_SUPPORTED: i32 = 99;
     pub const VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: i32 = 102;
     pub const HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: i32 = 103;
     pub const MAX_BLOCKS_PER_MULTIPROCESSOR: i32 = 106;
     pub const MEMORY_POOLS_SUPPORTED: i32 = 115;
+    pub const CAN_USE_64_BIT_STREAM_MEM_OPS: i32 = 122;
+    pub const CAN_USE_STREAM_WAIT_VALUE_NOR: i32 = 123;
     /// One past the largest attribute of CUDA 12.9 (`CU_DEVICE_ATTRIBUTE_MAX`).
     pub const MAX: i32 = 144;
 }

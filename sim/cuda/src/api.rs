@@ -17,7 +17,8 @@ use crate::capture;
 use crate::driver::{self, driver, Driver};
 use crate::exec::{Builtin, Context, Event, EventState, Op, Side, Stream, BUILTINS};
 use crate::ffi::{c_str, out, read, write_c_string};
-use crate::memory::Access;
+use crate::memop::{self, Api, MemOp, Submitter};
+use crate::memory::{Access, HostMap};
 
 /// The driver version the simulator claims (CUDA 12.4).
 pub const DRIVER_VERSION: i32 = 12040;
@@ -116,6 +117,16 @@ pub(crate) fn attribute_value(d: &Driver, a: i32, g: u32) -> Result<i32, CUresul
         HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED => 1,
         MANAGED_MEMORY | CONCURRENT_MANAGED_ACCESS => 0,
         MAX_BLOCKS_PER_MULTIPROCESSOR => 32,
+        // Registered host memory is reached at its host address
+        // (`cuMemHostGetDevicePointer` gives the host pointer back).
+        CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM => 1,
+        // Stream memory operations: the v2 API with 64-bit words, NOR and flushes;
+        // the v1 API only with `NVreg_EnableStreamMemOPs=1` (`crate::memop`).
+        CAN_USE_64_BIT_STREAM_MEM_OPS | CAN_USE_STREAM_WAIT_VALUE_NOR => 1,
+        CAN_FLUSH_REMOTE_WRITES => 1,
+        CAN_USE_STREAM_MEM_OPS_V1
+        | CAN_USE_64_BIT_STREAM_MEM_OPS_V1
+        | CAN_USE_STREAM_WAIT_VALUE_NOR_V1 => i32::from(memop::V1_ENABLED),
         a if a > 0 && a < MAX => {
             let _ = d;
             0
@@ -946,7 +957,7 @@ fn pin_seconds(d: &Driver, bytes: usize) -> f64 {
     }
 }
 
-fn host_alloc(pp: *mut *mut c_void, size: usize) -> Result<(), CUresult> {
+fn host_alloc(pp: *mut *mut c_void, size: usize, map: HostMap) -> Result<(), CUresult> {
     let start = std::time::Instant::now();
     let d = driver()?;
     driver::current()?;
@@ -971,14 +982,14 @@ fn host_alloc(pp: *mut *mut c_void, size: usize) -> Result<(), CUresult> {
     if p == libc::MAP_FAILED {
         return Err(CUDA_ERROR_OUT_OF_MEMORY);
     }
-    d.mem.host_add(p as usize, size, true)?;
+    d.mem.host_add(p as usize, size, true, map)?;
     out(pp, p)?;
     take_time(start, pin_seconds(d, size));
     Ok(())
 }
 
 pub(crate) fn cuMemAllocHost_v2(pp: *mut *mut c_void, size: usize) -> Result<(), CUresult> {
-    host_alloc(pp, size)
+    host_alloc(pp, size, HostMap::default())
 }
 
 pub(crate) fn cuMemHostAlloc(
@@ -989,7 +1000,11 @@ pub(crate) fn cuMemHostAlloc(
     if flags & !0x7 != 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    host_alloc(pp, size)
+    let map = HostMap {
+        device_map: flags & CU_MEMHOST_DEVICEMAP != 0,
+        read_only: false,
+    };
+    host_alloc(pp, size, map)
 }
 
 pub(crate) fn cuMemFreeHost(p: *mut c_void) -> Result<(), CUresult> {
@@ -1013,7 +1028,11 @@ pub(crate) fn cuMemHostRegister_v2(
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let start = std::time::Instant::now();
-    d.mem.host_add(p as usize, size, false)?;
+    let map = HostMap {
+        device_map: flags & CU_MEMHOST_DEVICEMAP != 0,
+        read_only: flags & CU_MEMHOSTREGISTER_READ_ONLY != 0,
+    };
+    d.mem.host_add(p as usize, size, false, map)?;
     // The real driver page-locks the range, populating every page now, inside the
     // charged time, not at the first copy into it (its cost with fresh memory,
     // docs/gpu-validation.md).
@@ -1053,6 +1072,32 @@ pub(crate) fn cuMemHostUnregister(p: *mut c_void) -> Result<(), CUresult> {
     let d = driver()?;
     capture::refuse_unsafe()?;
     d.mem.host_remove(p as usize, false).map(|_| ())
+}
+
+/// `cuMemHostGetDevicePointer_v2`: the device pointer of host memory allocated
+/// (`cuMemHostAlloc`) or registered (`cuMemHostRegister`) with `DEVICEMAP`, which
+/// is the host pointer itself, as on a 64-bit system whose devices all have
+/// `CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM` (Driver API
+/// reference: "the device pointer returned ... will match the original pointer");
+/// an address inside such a range gives its own. Memory not mapped so (pageable,
+/// pinned without the flag, device memory) is `CUDA_ERROR_INVALID_VALUE` ("will fail
+/// if the CU_MEMHOSTALLOC_DEVICEMAP flag was not specified"), as is any flag ("must
+/// be 0"). The v1 symbol, with its 32-bit device pointer, is not exported (as
+/// `cuMemAlloc`'s is not).
+pub(crate) fn cuMemHostGetDevicePointer_v2(
+    pdptr: *mut CUdeviceptr,
+    p: *mut c_void,
+    flags: u32,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    driver::current()?;
+    if pdptr.is_null() || p.is_null() || flags != 0 {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    match d.mem.host_map(p as usize, 1) {
+        Some(m) if m.device_map => out(pdptr, p as CUdeviceptr),
+        _ => Err(CUDA_ERROR_INVALID_VALUE),
+    }
 }
 
 // ---------------------------------------------------------------- copies and memsets
@@ -1922,6 +1967,185 @@ pub(crate) fn cuStreamGetPriority(s: CUstream, prio: *mut i32) -> Result<(), CUr
 pub(crate) fn cuStreamGetCtx(s: CUstream, pctx: *mut CUcontext) -> Result<(), CUresult> {
     let st = driver()?.stream(s, false)?;
     out(pctx, st.ctx.handle() as CUcontext)
+}
+
+// ---------------------------------------------------------------- stream memory operations
+
+/// Queues the stream memory operation `build` makes (`crate::memop` checks what it
+/// names) on `stream`: captured like any work while the stream captures (a batch
+/// memory-operation node). The v1 API is refused first, as by a driver without
+/// `NVreg_EnableStreamMemOPs=1` ([`memop::V1_ENABLED`]).
+fn memops(
+    stream: CUstream,
+    pt: bool,
+    api: Api,
+    build: impl FnOnce(&Driver, Submitter) -> Result<Op, CUresult>,
+) -> Result<(), CUresult> {
+    let d = driver()?;
+    let s = d.stream(stream, pt)?;
+    s.ctx.check()?;
+    if api == Api::V1 && !memop::V1_ENABLED {
+        return Err(CUDA_ERROR_NOT_SUPPORTED);
+    }
+    let by = Submitter {
+        device: s.ctx.device,
+        ctx: s.ctx.handle(),
+    };
+    let op = build(d, by)?;
+    capture::submit(&s.ctx, &s, op).map(|_| ())
+}
+
+fn wait_value(
+    stream: CUstream,
+    addr: CUdeviceptr,
+    value: u64,
+    flags: u32,
+    wide: bool,
+    pt: bool,
+    api: Api,
+) -> Result<(), CUresult> {
+    memops(stream, pt, api, |d, by| {
+        memop::wait(&d.mem, by, addr, value, flags, wide).map(Op::MemOp)
+    })
+}
+
+fn write_value(
+    stream: CUstream,
+    addr: CUdeviceptr,
+    value: u64,
+    flags: u32,
+    wide: bool,
+    pt: bool,
+    api: Api,
+) -> Result<(), CUresult> {
+    memops(stream, pt, api, |d, by| {
+        memop::write(&d.mem, by, addr, value, flags, wide, api).map(Op::MemOp)
+    })
+}
+
+/// `cuStreamBatchMemOp`: 1 to 255 operations ("Must be less than 256"), `flags` 0;
+/// every entry is checked before any is queued, so a refused batch queues nothing.
+fn batch_mem_op(
+    stream: CUstream,
+    count: u32,
+    params: *mut CUstreamBatchMemOpParams,
+    flags: u32,
+    pt: bool,
+    api: Api,
+) -> Result<(), CUresult> {
+    memops(stream, pt, api, |d, by| {
+        if params.is_null() || count == 0 || count >= memop::BATCH_LIMIT || flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let ops = (0..count as usize)
+            .map(|i| {
+                // SAFETY: the caller passes an array of `count` entries.
+                let p = read(unsafe { params.add(i) })?;
+                memop::batch_entry(&d.mem, by, &p, api)
+            })
+            .collect::<Result<Vec<MemOp>, CUresult>>()?;
+        Ok(Op::MemOps(ops.into()))
+    })
+}
+
+pub(crate) fn cuStreamWaitValue32(
+    s: CUstream,
+    addr: CUdeviceptr,
+    value: u32,
+    flags: u32,
+    pt: bool,
+) -> Result<(), CUresult> {
+    wait_value(s, addr, value.into(), flags, false, pt, Api::V1)
+}
+
+pub(crate) fn cuStreamWaitValue32_v2(
+    s: CUstream,
+    addr: CUdeviceptr,
+    value: u32,
+    flags: u32,
+    pt: bool,
+) -> Result<(), CUresult> {
+    wait_value(s, addr, value.into(), flags, false, pt, Api::V2)
+}
+
+pub(crate) fn cuStreamWaitValue64(
+    s: CUstream,
+    addr: CUdeviceptr,
+    value: u64,
+    flags: u32,
+    pt: bool,
+) -> Result<(), CUresult> {
+    wait_value(s, addr, value, flags, true, pt, Api::V1)
+}
+
+pub(crate) fn cuStreamWaitValue64_v2(
+    s: CUstream,
+    addr: CUdeviceptr,
+    value: u64,
+    flags: u32,
+    pt: bool,
+) -> Result<(), CUresult> {
+    wait_value(s, addr, value, flags, true, pt, Api::V2)
+}
+
+pub(crate) fn cuStreamWriteValue32(
+    s: CUstream,
+    addr: CUdeviceptr,
+    value: u32,
+    flags: u32,
+    pt: bool,
+) -> Result<(), CUresult> {
+    write_value(s, addr, value.into(), flags, false, pt, Api::V1)
+}
+
+pub(crate) fn cuStreamWriteValue32_v2(
+    s: CUstream,
+    addr: CUdeviceptr,
+    value: u32,
+    flags: u32,
+    pt: bool,
+) -> Result<(), CUresult> {
+    write_value(s, addr, value.into(), flags, false, pt, Api::V2)
+}
+
+pub(crate) fn cuStreamWriteValue64(
+    s: CUstream,
+    addr: CUdeviceptr,
+    value: u64,
+    flags: u32,
+    pt: bool,
+) -> Result<(), CUresult> {
+    write_value(s, addr, value, flags, true, pt, Api::V1)
+}
+
+pub(crate) fn cuStreamWriteValue64_v2(
+    s: CUstream,
+    addr: CUdeviceptr,
+    value: u64,
+    flags: u32,
+    pt: bool,
+) -> Result<(), CUresult> {
+    write_value(s, addr, value, flags, true, pt, Api::V2)
+}
+
+pub(crate) fn cuStreamBatchMemOp(
+    s: CUstream,
+    count: u32,
+    params: *mut CUstreamBatchMemOpParams,
+    flags: u32,
+    pt: bool,
+) -> Result<(), CUresult> {
+    batch_mem_op(s, count, params, flags, pt, Api::V1)
+}
+
+pub(crate) fn cuStreamBatchMemOp_v2(
+    s: CUstream,
+    count: u32,
+    params: *mut CUstreamBatchMemOpParams,
+    flags: u32,
+    pt: bool,
+) -> Result<(), CUresult> {
+    batch_mem_op(s, count, params, flags, pt, Api::V2)
 }
 
 pub(crate) fn cuEventCreate(ph: *mut CUevent, flags: u32) -> Result<(), CUresult> {

@@ -2,11 +2,12 @@
 //!
 //! Each context has two executor lanes, each one worker thread that runs queued work
 //! (kernels, async copies and memsets, event records, host functions, stream waits,
-//! async frees) in submission order: the legacy lane (the legacy stream, blocking
-//! streams, per-thread streams) and the non-blocking lane (`CU_STREAM_NON_BLOCKING`
-//! streams), so a non-blocking stream is not ordered with the legacy stream, as on
-//! hardware. Streams of one lane are serialized (documented simplification: stream
-//! order is kept, concurrency within a lane is not modelled). Each lane's queue is
+//! stream memory operations, async frees) in submission order: the legacy lane (the
+//! legacy stream, blocking streams, per-thread streams) and the non-blocking lane
+//! (`CU_STREAM_NON_BLOCKING` streams), so a non-blocking stream is not ordered with
+//! the legacy stream, as on hardware. Streams of one lane are serialized (documented
+//! simplification: stream order is kept, concurrency within a lane is not
+//! modelled; a stream memory wait holds its whole lane). Each lane's queue is
 //! bounded at [`QUEUE_DEPTH`] pending operations; a submission blocks while it is
 //! full, as a launch does on hardware.
 //!
@@ -24,6 +25,7 @@ use kiwi_sim_core::{dma, monotonic_ns, LinkDir, TraceRecord};
 
 use crate::abi::*;
 use crate::hw::Hw;
+use crate::memop::{self, MemOp};
 use crate::memory::Fault;
 
 /// Most operations queued on one context before submission blocks.
@@ -168,6 +170,11 @@ pub enum Op {
         n: u64,
         to: Option<u32>,
     },
+    /// A stream memory operation (`cuStreamWaitValue*`, `cuStreamWriteValue*`): a
+    /// wait keeps the stream, and with it the lane, busy until its condition holds.
+    MemOp(MemOp),
+    /// The operations of one `cuStreamBatchMemOp`, in array order.
+    MemOps(Arc<[MemOp]>),
     /// Keeps stream order for work that has nothing to do here.
     Nop,
 }
@@ -863,7 +870,21 @@ impl Context {
                 let moved = d.mem.migrate(ptr, n, to).unwrap_or(0);
                 pace(start, moved as f64 / d.pcie_bps);
             }
+            Op::MemOp(m) => self.run_memops(std::slice::from_ref(&m)),
+            Op::MemOps(ms) => self.run_memops(&ms),
             Op::Nop => {}
+        }
+    }
+
+    /// Runs stream memory operations in order; one whose memory went away since
+    /// submission fails as a kernel would (sticky `CUDA_ERROR_ILLEGAL_ADDRESS`).
+    fn run_memops(&self, ops: &[MemOp]) {
+        let broken = || self.sticky.load(Ordering::Acquire) != CUDA_SUCCESS;
+        for m in ops {
+            if memop::run(self.driver, self.device, m, &broken).is_err() {
+                self.fail(CUDA_ERROR_ILLEGAL_ADDRESS);
+                return;
+            }
         }
     }
 

@@ -178,6 +178,7 @@ exports! {
     cuMemFreeHost(p: *mut c_void) = 2000;
     cuMemHostRegister_v2(p: *mut c_void, size: usize, flags: u32) = 6050;
     cuMemHostUnregister(p: *mut c_void) = 4000;
+    cuMemHostGetDevicePointer_v2(pdptr: *mut CUdeviceptr, p: *mut c_void, flags: u32) = 3020;
 
     // copies and memsets
     cuMemcpy(dst: CUdeviceptr, src: CUdeviceptr, n: usize) = 4000, per_thread cuMemcpy_ptds;
@@ -229,6 +230,19 @@ exports! {
     cuStreamGetFlags(s: CUstream, flags: *mut u32) = 5050;
     cuStreamGetPriority(s: CUstream, prio: *mut i32) = 5050;
     cuStreamGetCtx(s: CUstream, pctx: *mut CUcontext) = 9020;
+
+    // stream memory operations: v1 (CUDA 8.0/9.0) and v2 (CUDA 11.7)
+    cuStreamWaitValue32(s: CUstream, addr: CUdeviceptr, value: u32, flags: u32) = 8000, per_thread cuStreamWaitValue32_ptsz;
+    cuStreamWaitValue64(s: CUstream, addr: CUdeviceptr, value: u64, flags: u32) = 9000, per_thread cuStreamWaitValue64_ptsz;
+    cuStreamWriteValue32(s: CUstream, addr: CUdeviceptr, value: u32, flags: u32) = 8000, per_thread cuStreamWriteValue32_ptsz;
+    cuStreamWriteValue64(s: CUstream, addr: CUdeviceptr, value: u64, flags: u32) = 9000, per_thread cuStreamWriteValue64_ptsz;
+    cuStreamBatchMemOp(s: CUstream, count: u32, params: *mut CUstreamBatchMemOpParams, flags: u32) = 8000, per_thread cuStreamBatchMemOp_ptsz;
+    cuStreamWaitValue32_v2(s: CUstream, addr: CUdeviceptr, value: u32, flags: u32) = 11070, per_thread cuStreamWaitValue32_v2_ptsz;
+    cuStreamWaitValue64_v2(s: CUstream, addr: CUdeviceptr, value: u64, flags: u32) = 11070, per_thread cuStreamWaitValue64_v2_ptsz;
+    cuStreamWriteValue32_v2(s: CUstream, addr: CUdeviceptr, value: u32, flags: u32) = 11070, per_thread cuStreamWriteValue32_v2_ptsz;
+    cuStreamWriteValue64_v2(s: CUstream, addr: CUdeviceptr, value: u64, flags: u32) = 11070, per_thread cuStreamWriteValue64_v2_ptsz;
+    cuStreamBatchMemOp_v2(s: CUstream, count: u32, params: *mut CUstreamBatchMemOpParams, flags: u32) = 11070, per_thread cuStreamBatchMemOp_v2_ptsz;
+
     cuEventCreate(ph: *mut CUevent, flags: u32) = 2000;
     cuEventDestroy_v2(e: CUevent) = 4000;
     cuEventRecord(e: CUevent, s: CUstream) = 2000, per_thread cuEventRecord_ptsz;

@@ -16,12 +16,14 @@
 //! 5. `driver`: the process's registry (contexts, streams, events, modules, graphs)
 //!    and each thread's context stack.
 //! 6. `exec`: contexts' executors, streams, events, built-in kernels.
-//! 7. `hw` (the machine, rates and costs, the trace, the address space as this
+//! 7. `memop` (stream memory operations: what submission takes, what a wait and
+//!    a write do when their stream reaches them).
+//! 8. `hw` (the machine, rates and costs, the trace, the address space as this
 //!    process sees them), `pool_usage` (which pool each allocation came from).
-//! 8. `memory` (device address space, VMM), `ffi` (the panic guard and pointer
+//! 9. `memory` (device address space, VMM), `ffi` (the panic guard and pointer
 //!    helpers), `abi` (types and values of `cuda.h`).
-//! 9. `backing` (where device memory lives: extents of each GPU's memory file,
-//!    slabs of small allocations, moves to host memory at a checkpoint).
+//! 10. `backing` (where device memory lives: extents of each GPU's memory file,
+//!     slabs of small allocations, moves to host memory at a checkpoint).
 //!
 //! This crate is only ever built as a cdylib, so no test binary contains `cu*`
 //! symbols; shared logic lives in `kiwi-sim-core`.
@@ -38,6 +40,7 @@ mod exports;
 mod ffi;
 mod hw;
 mod library;
+mod memop;
 mod memory;
 mod pool;
 mod pool_usage;
