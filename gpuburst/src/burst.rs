@@ -15,12 +15,20 @@
 //! `--device 1,0` uses several GPUs: `--mem` is allocated on each, and every burst
 //! does its part on each device in the listed order (its context made current),
 //! then synchronizes them all; verification covers every device.
+//!
+//! `--exchange FILE:RANK` ([`crate::exchange`]) ends every burst (a step) on each
+//! device with a write of the step into its rank's slot and a wait for the peer's,
+//! enqueued on the legacy stream after the step's work; the step's synchronization
+//! then polls `cuStreamQuery` so that a peer that never comes fails the program
+//! after `--exchange-timeout-ms` instead of hanging it.
 
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use crate::cu;
 use crate::driver::{CUdevice, CUdeviceptr, Cuda, CudaError, Handle};
+use crate::driver::{CUDA_ERROR_NOT_READY, CUDA_SUCCESS};
+use crate::exchange::{self, Exchange, ExchangeSpec};
 use crate::kernels::{BLOCK, GRID, PTX};
 
 /// Command-line options.
@@ -71,6 +79,12 @@ pub struct Options {
     /// context-independent loading, as the runtime does) and launch them by their
     /// `CUkernel` handles: with lazy loading their code is loaded at the first launch.
     pub library: bool,
+    /// `--exchange FILE:RANK` (RANK 0, 1 or `both` with two devices): every burst
+    /// is a step that ends only once the peer rank has reached it too.
+    pub exchange: Option<ExchangeSpec>,
+    /// `--exchange-timeout-ms N` (default 60000): a step whose synchronization
+    /// takes longer fails the program (exit code 4).
+    pub exchange_timeout_ms: u64,
 }
 
 /// One step of a `--script`.
@@ -159,7 +173,7 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N | --start-on-stdin] [--kernel-us 5000] [--queue-ms 100] [--prealloc 0.75 [--discard]] [--library] [--verify] [--json] [--device 0[,1,...]] [--name LABEL] [--seed 1]";
+pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N | --start-on-stdin] [--kernel-us 5000] [--queue-ms 100] [--prealloc 0.75 [--discard]] [--library] [--verify] [--json] [--device 0[,1,...]] [--exchange FILE:0|1|both [--exchange-timeout-ms 60000]] [--name LABEL] [--seed 1]";
 
 impl Options {
     /// Parses arguments (without the program name).
@@ -184,7 +198,10 @@ impl Options {
             prealloc: None,
             discard: false,
             library: false,
+            exchange: None,
+            exchange_timeout_ms: exchange::DEFAULT_TIMEOUT_MS,
         };
+        let mut exchange_timeout_given = false;
         let mut it = args.iter();
         while let Some(a) = it.next() {
             let (flag, inline) = match a.split_once('=') {
@@ -234,6 +251,14 @@ impl Options {
                 }
                 "--discard" => o.discard = true,
                 "--library" => o.library = true,
+                "--exchange" => o.exchange = Some(exchange::parse_exchange(&value()?)?),
+                "--exchange-timeout-ms" => {
+                    o.exchange_timeout_ms = num(value()?)?;
+                    exchange_timeout_given = true;
+                    if o.exchange_timeout_ms == 0 {
+                        return Err("--exchange-timeout-ms must be at least 1".into());
+                    }
+                }
                 "--kernel-us" => {
                     o.kernel_us = num(value()?)?;
                     if o.kernel_us == 0 {
@@ -253,6 +278,13 @@ impl Options {
                     .into(),
             );
         }
+        match &o.exchange {
+            Some(x) => x.check_devices(&o.devices)?,
+            None if exchange_timeout_given => {
+                return Err("--exchange-timeout-ms needs --exchange".into())
+            }
+            None => {}
+        }
         Ok(o)
     }
 }
@@ -264,8 +296,12 @@ pub enum Failure {
     Cuda(CudaError),
     /// Device memory did not hold what the program wrote (exit code 3).
     Mismatch(String),
-    /// Bad input at run time (`--start-on-stdin` got no start time; exit code 1).
+    /// Bad input at run time (`--start-on-stdin` got no start time, an unusable
+    /// `--exchange` file or a driver without its entry points; exit code 1).
     Input(String),
+    /// An `--exchange` step did not finish within `--exchange-timeout-ms` (exit
+    /// code 4).
+    Timeout(String),
 }
 
 impl From<CudaError> for Failure {
@@ -656,16 +692,19 @@ fn grow(cuda: &Cuda, o: &Options, devs: &mut [Device], bytes: u64) -> Result<(),
 /// One GPU burst of `gpu_ms` per device. On each device in turn (its context made
 /// current): a 1 ms probe kernel (its wait is the time the GPU kept us waiting),
 /// `kiwi_add` over every allocation, then short spin kernels queued asynchronously
-/// until the burst's GPU time on that device is made up. Then every device's
-/// context is synchronized (and verified with `--verify`).
+/// until the burst's GPU time on that device is made up (with `--exchange`, then
+/// the step's write and wait on the peer). Then every device's context is
+/// synchronized (and verified with `--verify`). Returns the step's time in ms:
+/// from the first submission to the end of the synchronization.
 fn burst(
     cuda: &Cuda,
     o: &Options,
     rep: &Report,
     devs: &mut [Device],
+    ex: Option<&Exchange>,
     b: u32,
     gpu_ms: u64,
-) -> Result<(), Failure> {
+) -> Result<f64, Failure> {
     const FIRST_NS: u64 = 1_000_000;
     let start_ms = rep.ms();
     let submit = Instant::now();
@@ -704,11 +743,23 @@ fn burst(
                 mem_kernel(cuda, d.k.add, a, 1)?;
             }
         }
+        if let Some(x) = ex {
+            x.enqueue_step(cuda, di, b + 1)?;
+        }
+    }
+    if let Some(x) = ex {
+        let timeout = Duration::from_millis(o.exchange_timeout_ms);
+        if !sync_within(cuda, devs, timeout)? {
+            return Err(Failure::Timeout(
+                x.timeout_message(b + 1, o.exchange_timeout_ms),
+            ));
+        }
     }
     for d in devs.iter() {
         make_current(cuda, devs, d)?;
         cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
     }
+    let step_ms = submit.elapsed().as_secs_f64() * 1e3;
     if o.verify {
         verify_all(cuda, devs)?;
     }
@@ -730,14 +781,48 @@ fn burst(
         .map(|w| format!("{w:.3}"))
         .collect::<Vec<_>>()
         .join(",");
+    let human_step = if ex.is_some() {
+        format!(", step {step_ms:.1} ms")
+    } else {
+        String::new()
+    };
     rep.line(
-        format!("burst {b}: start {start_ms:.1} ms, duration {dur_ms:.1} ms, wait {wait_ms:.1} ms{human_waits}"),
+        format!("burst {b}: start {start_ms:.1} ms, duration {dur_ms:.1} ms, wait {wait_ms:.1} ms{human_waits}{human_step}"),
         format!(
-            "{{\"event\":\"burst\",\"name\":\"{}\",\"index\":{b},\"start_ms\":{start_ms:.3},\"duration_ms\":{dur_ms:.3},\"wait_ms\":{wait_ms:.3},\"device_wait_ms\":[{json_waits}]}}",
+            "{{\"event\":\"burst\",\"name\":\"{}\",\"index\":{b},\"start_ms\":{start_ms:.3},\"duration_ms\":{dur_ms:.3},\"step_ms\":{step_ms:.3},\"wait_ms\":{wait_ms:.3},\"device_wait_ms\":[{json_waits}]}}",
             o.name
         ),
     );
-    Ok(())
+    Ok(step_ms)
+}
+
+/// Waits until every device's legacy stream is idle, polling `cuStreamQuery` (with a
+/// short sleep) so the wait can end: `false` when `timeout` passed first.
+fn sync_within(cuda: &Cuda, devs: &[Device], timeout: Duration) -> Result<bool, CudaError> {
+    let deadline = Instant::now() + timeout;
+    let mut pending: Vec<usize> = (0..devs.len()).collect();
+    loop {
+        let mut still = Vec::with_capacity(pending.len());
+        for &i in &pending {
+            make_current(cuda, devs, &devs[i])?;
+            // SAFETY: cuStreamQuery takes a stream handle; NULL is the legacy stream
+            // of the current context.
+            let r = unsafe { (cuda.stream_query)(std::ptr::null_mut()) };
+            match r {
+                CUDA_SUCCESS => {}
+                CUDA_ERROR_NOT_READY => still.push(i),
+                e => cuda.check("cuStreamQuery", e)?,
+            }
+        }
+        if still.is_empty() {
+            return Ok(true);
+        }
+        if Instant::now() >= deadline {
+            return Ok(false);
+        }
+        pending = still;
+        std::thread::sleep(Duration::from_micros(200));
+    }
 }
 
 /// Runs the whole program; prints as it goes.
@@ -789,6 +874,12 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
         name: o.name.clone(),
         t0: Instant::now(),
     };
+    // The exchange's file and entry points first: a bad file or a driver without
+    // stream memory operations fails before any GPU work.
+    let mut ex = match &o.exchange {
+        Some(spec) => Some(Exchange::open(cuda, spec).map_err(Failure::Input)?),
+        None => None,
+    };
     cu!(cuda, init, "cuInit", 0)?;
     // Several GPUs: a context on each before any work, as a program that sets up all
     // its devices first does. Under Kiwi every GPU is then registered before the first
@@ -814,6 +905,15 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
         make_current(cuda, &devs, d)?;
         cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
     }
+    if let Some(x) = ex.as_mut() {
+        // Registered once (portable), its device address looked up in each context.
+        make_current(cuda, &devs, &devs[0])?;
+        x.register(cuda)?;
+        for (d, rank) in devs.iter().zip(x.spec.device_ranks()) {
+            make_current(cuda, &devs, d)?;
+            x.add_device(cuda, rank)?;
+        }
+    }
     if o.discard {
         start_discarding(&o.name, devs.iter().filter_map(|d| d.tail).collect());
     }
@@ -830,14 +930,27 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
     } else {
         String::new()
     };
+    let (human_exchange, json_exchange) = match &ex {
+        Some(x) => {
+            let ranks = (0..devs.len())
+                .map(|i| x.rank_of(i).to_string())
+                .collect::<Vec<_>>()
+                .join(",");
+            (
+                format!(", exchange rank {ranks} via {}", x.file.path().display()),
+                format!(",\"exchange_ranks\":[{ranks}]"),
+            )
+        }
+        None => (String::new(), String::new()),
+    };
     rep.line(
         format!(
-            "ready: pid {pid}, {} bytes{human_devices} in {allocations} allocations, at {:.1} ms",
+            "ready: pid {pid}, {} bytes{human_devices} in {allocations} allocations{human_exchange}, at {:.1} ms",
             o.mem,
             rep.ms()
         ),
         format!(
-            "{{\"event\":\"ready\",\"name\":\"{}\",\"pid\":{pid},\"mem_bytes\":{},\"allocations\":{allocations},\"t_ms\":{:.3},\"devices\":{},\"device_ordinals\":[{ordinals}]}}",
+            "{{\"event\":\"ready\",\"name\":\"{}\",\"pid\":{pid},\"mem_bytes\":{},\"allocations\":{allocations},\"t_ms\":{:.3},\"devices\":{},\"device_ordinals\":[{ordinals}]{json_exchange}}}",
             o.name,
             o.mem,
             rep.ms(),
@@ -881,6 +994,7 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
         }
     };
     let mut b: u32 = 0;
+    let mut step_ms: Vec<f64> = Vec::new();
     for phase in phases {
         let start_ns = monotonic_ns();
         match phase {
@@ -888,7 +1002,7 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
             Phase::Idle(ms) => std::thread::sleep(Duration::from_millis(ms)),
             Phase::Grow(mib) => grow(cuda, o, &mut devs, mib << 20)?,
             Phase::Gpu(ms) => {
-                burst(cuda, o, &rep, &mut devs, b, ms)?;
+                step_ms.push(burst(cuda, o, &rep, &mut devs, ex.as_ref(), b, ms)?);
                 b += 1;
             }
         }
@@ -927,6 +1041,10 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
         ),
     );
     verified?;
+    if let Some(x) = ex.as_mut() {
+        // Every stream is idle: the last step was synchronized.
+        x.unregister(cuda)?;
+    }
     for d in &devs {
         make_current(cuda, &devs, d)?;
         for a in &d.allocs {
@@ -942,12 +1060,31 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
             d.dev
         )?;
     }
+    let p50 = exchange::percentile(&step_ms, 50.0);
+    let max = exchange::percentile(&step_ms, 100.0);
+    let json_ms = |v: Option<f64>| v.map_or("null".to_string(), |v| format!("{v:.3}"));
+    let human_steps = match (&ex, p50, max) {
+        (Some(_), Some(p50), Some(max)) => {
+            format!(
+                ", {} steps: p50 {p50:.1} ms, max {max:.1} ms",
+                step_ms.len()
+            )
+        }
+        _ => String::new(),
+    };
     rep.line(
-        format!("done in {:.1} ms", rep.ms()),
+        format!("done in {:.1} ms{human_steps}", rep.ms()),
         format!(
-            "{{\"event\":\"end\",\"name\":\"{}\",\"total_ms\":{:.3}}}",
+            "{{\"event\":\"end\",\"name\":\"{}\",\"total_ms\":{:.3},\"step_ms\":[{}],\"step_p50_ms\":{},\"step_max_ms\":{}}}",
             o.name,
-            rep.ms()
+            rep.ms(),
+            step_ms
+                .iter()
+                .map(|v| format!("{v:.3}"))
+                .collect::<Vec<_>>()
+                .join(","),
+            json_ms(p50),
+            json_ms(max)
         ),
     );
     Ok(())
@@ -1057,6 +1194,45 @@ mod tests {
         ] {
             let e = Options::parse(&args(bad)).unwrap_err();
             assert!(e.starts_with("--device"), "{bad}: {e}");
+            assert!(!e.contains('\n'), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn exchange_options_parse() {
+        let o = Options::parse(&[]).unwrap();
+        assert_eq!(o.exchange, None);
+        assert_eq!(o.exchange_timeout_ms, exchange::DEFAULT_TIMEOUT_MS);
+        let o = Options::parse(&args("--exchange /dev/shm/job:1 --device 2")).unwrap();
+        let x = o.exchange.unwrap();
+        assert_eq!(x.path, std::path::PathBuf::from("/dev/shm/job"));
+        assert_eq!(x.ranks, exchange::Ranks::One(1));
+        let o = Options::parse(&args(
+            "--exchange=f:both --device 0,1 --exchange-timeout-ms 2000",
+        ))
+        .unwrap();
+        assert_eq!(o.exchange.unwrap().ranks, exchange::Ranks::Both);
+        assert_eq!(o.exchange_timeout_ms, 2000);
+        assert_eq!(
+            Options::parse(&args("--exchange f:0")).unwrap().devices,
+            vec![0]
+        );
+        for bad in [
+            "--exchange",
+            "--exchange f",
+            "--exchange f:2",
+            "--exchange f:",
+            "--exchange :0",
+            "--exchange f:both",
+            "--exchange f:both --device 0",
+            "--exchange f:both --device 0,1,2",
+            "--exchange f:0 --device 0,1",
+            "--exchange f:0 --exchange-timeout-ms 0",
+            "--exchange f:0 --exchange-timeout-ms soon",
+            "--exchange-timeout-ms 100",
+        ] {
+            let e = Options::parse(&args(bad)).unwrap_err();
+            assert!(e.starts_with("--exchange"), "{bad}: {e}");
             assert!(!e.contains('\n'), "{bad}: {e}");
         }
     }

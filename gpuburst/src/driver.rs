@@ -160,6 +160,18 @@ driver_api! {
     mem_get_allocation_granularity = "cuMemGetAllocationGranularity": fn(*mut usize, *const MemAllocationProp, i32);
 }
 
+/// Entry points only `--exchange` uses (stream memory operations, mapped host
+/// memory), resolved on demand by [`Cuda::exchange_api`] so that a driver lacking
+/// them still runs every other mode.
+pub struct ExchangeApi {
+    pub mem_host_register: unsafe extern "C" fn(*mut c_void, usize, u32) -> CUresult,
+    pub mem_host_unregister: unsafe extern "C" fn(*mut c_void) -> CUresult,
+    pub mem_host_get_device_pointer:
+        unsafe extern "C" fn(*mut CUdeviceptr, *mut c_void, u32) -> CUresult,
+    pub stream_write_value32: unsafe extern "C" fn(Handle, CUdeviceptr, u32, u32) -> CUresult,
+    pub stream_wait_value32: unsafe extern "C" fn(Handle, CUdeviceptr, u32, u32) -> CUresult,
+}
+
 /// Resolves `name` through `cuGetProcAddress_v2`.
 pub fn resolve(gpa: GetProcAddress, name: &str, version: i32, flags: u64) -> Option<*mut c_void> {
     let c = CString::new(name).ok()?;
@@ -204,6 +216,51 @@ impl Cuda {
         // SAFETY: cuGetProcAddress_v2 has this signature in cuda.h (CUDA 12).
         let gpa = unsafe { std::mem::transmute::<*mut c_void, GetProcAddress>(p) };
         Self::resolve_all(h, gpa)
+    }
+
+    /// The entry points of `--exchange` (CUDA 12.0 resolves the base names to
+    /// `cuMemHostRegister_v2`, `cuMemHostGetDevicePointer_v2`,
+    /// `cuStreamWriteValue32_v2` and `cuStreamWaitValue32_v2`). The error names the
+    /// first one the driver lacks.
+    pub fn exchange_api(&self) -> Result<ExchangeApi, LoadError> {
+        let get = |name: &str| {
+            resolve(self.get_proc_address, name, 12000, 0)
+                .ok_or_else(|| LoadError::Missing(name.to_string()))
+        };
+        let host_register = get("cuMemHostRegister")?;
+        let host_unregister = get("cuMemHostUnregister")?;
+        let host_get_device_pointer = get("cuMemHostGetDevicePointer")?;
+        let write_value32 = get("cuStreamWriteValue32")?;
+        let wait_value32 = get("cuStreamWaitValue32")?;
+        // SAFETY: each pointer is the driver's entry point for that base name at CUDA
+        // 12.0; the signatures are cuda.h's (`cuMemHostRegister_v2(void *, size_t,
+        // unsigned)`, `cuMemHostUnregister(void *)`, `cuMemHostGetDevicePointer_v2(
+        // CUdeviceptr *, void *, unsigned)`, `cuStreamWriteValue32_v2` and
+        // `cuStreamWaitValue32_v2(CUstream, CUdeviceptr, cuuint32_t, unsigned)`).
+        unsafe {
+            Ok(ExchangeApi {
+                mem_host_register: std::mem::transmute::<
+                    *mut c_void,
+                    unsafe extern "C" fn(*mut c_void, usize, u32) -> CUresult,
+                >(host_register),
+                mem_host_unregister: std::mem::transmute::<
+                    *mut c_void,
+                    unsafe extern "C" fn(*mut c_void) -> CUresult,
+                >(host_unregister),
+                mem_host_get_device_pointer: std::mem::transmute::<
+                    *mut c_void,
+                    unsafe extern "C" fn(*mut CUdeviceptr, *mut c_void, u32) -> CUresult,
+                >(host_get_device_pointer),
+                stream_write_value32: std::mem::transmute::<
+                    *mut c_void,
+                    unsafe extern "C" fn(Handle, CUdeviceptr, u32, u32) -> CUresult,
+                >(write_value32),
+                stream_wait_value32: std::mem::transmute::<
+                    *mut c_void,
+                    unsafe extern "C" fn(Handle, CUdeviceptr, u32, u32) -> CUresult,
+                >(wait_value32),
+            })
+        }
     }
 
     /// `dlsym` in the driver library (for tests comparing entry points).

@@ -13,4 +13,5 @@
 
 pub mod burst;
 pub mod driver;
+pub mod exchange;
 pub mod kernels;

@@ -1,5 +1,6 @@
 //! `gpuburst`: see the crate docs. Exit codes: 0 ok, 1 bad usage, bad input or no driver,
-//! 2 a CUDA call failed (the call and error name are printed), 3 verification failed.
+//! 2 a CUDA call failed (the call and error name are printed), 3 verification failed,
+//! 4 an `--exchange` step did not finish within `--exchange-timeout-ms`.
 
 use gpuburst::burst::{run, Failure, Options};
 use gpuburst::driver::Cuda;
@@ -33,6 +34,10 @@ fn main() {
         Err(Failure::Mismatch(m)) => {
             eprintln!("gpuburst [{}]: verification failed: {m}", opts.name);
             std::process::exit(3);
+        }
+        Err(Failure::Timeout(m)) => {
+            eprintln!("gpuburst [{}]: {m}", opts.name);
+            std::process::exit(4);
         }
     }
 }
