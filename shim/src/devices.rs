@@ -362,6 +362,128 @@ pub fn synchronize_current() -> Result<(), CUresult> {
     crate::ffi::inside(|| call!(cuCtxSynchronize: fn()()))
 }
 
+/// The queue bound's wait, [`synchronize_current`], for at most `limit` in a process
+/// with contexts on several GPUs; `Ok(false)`: it did not finish in time (or an
+/// earlier one had not), and the caller goes on.
+///
+/// Such a process's queue may hold work that waits for work the same thread is about
+/// to submit to another GPU: a collective's kernel on GPU 0 spins until its peer on
+/// GPU 1 starts (NCCL from one thread, as `torch.nn.DataParallel` drives it), a
+/// stream wait for a write queued next. Waiting for that queue from the submitting
+/// thread would never end. So the context is synchronized on the shim's drainer
+/// thread and the submitting thread waits for it at most `limit`; the queue then
+/// stays bounded in all but that case, where a drop's drain takes longer instead.
+pub fn synchronize_current_within(limit: std::time::Duration) -> Result<bool, CUresult> {
+    if APP_CTX
+        .iter()
+        .filter(|c| !c.load(Ordering::Acquire).is_null())
+        .count()
+        < 2
+    {
+        return synchronize_current().map(|()| true);
+    }
+    let ctx = current_context();
+    if ctx.is_null() {
+        return Ok(true);
+    }
+    drainer::drain(ctx, limit)
+}
+
+/// The thread that synchronizes a context for [`synchronize_current_within`].
+mod drainer {
+    use std::sync::{Condvar, Mutex, OnceLock};
+    use std::time::{Duration, Instant};
+
+    use crate::cuda::{CUcontext, CUresult, CUDA_SUCCESS};
+    use crate::real::call_real as call;
+
+    #[derive(Default)]
+    struct State {
+        /// The context to synchronize (its address: the driver's handle).
+        job: Option<usize>,
+        /// Synchronizations asked and finished; the last one's result.
+        asked: u64,
+        done: u64,
+        result: CUresult,
+    }
+
+    static STATE: Mutex<State> = Mutex::new(State {
+        job: None,
+        asked: 0,
+        done: 0,
+        result: CUDA_SUCCESS,
+    });
+    static CHANGED: Condvar = Condvar::new();
+    static STARTED: OnceLock<bool> = OnceLock::new();
+
+    fn lock() -> std::sync::MutexGuard<'static, State> {
+        STATE.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn drain(ctx: CUcontext, limit: Duration) -> Result<bool, CUresult> {
+        let started = *STARTED.get_or_init(|| {
+            std::thread::Builder::new()
+                .name("kiwi-drainer".into())
+                .spawn(run)
+                .is_ok()
+        });
+        if !started {
+            // No thread to wait on: wait here, as a one-GPU process does.
+            return super::synchronize_current().map(|()| true);
+        }
+        let deadline = Instant::now() + limit;
+        let mut s = lock();
+        // One at a time: an earlier synchronization still running is waited for
+        // (within the limit) and counts as this one not finished.
+        let own = s.done == s.asked;
+        if own {
+            s.job = Some(ctx as usize);
+            s.asked += 1;
+            CHANGED.notify_all();
+        }
+        let want = s.asked;
+        while s.done < want {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(false);
+            }
+            s = CHANGED
+                .wait_timeout(s, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        match s.result {
+            _ if !own => Ok(false),
+            CUDA_SUCCESS => Ok(true),
+            e => Err(e),
+        }
+    }
+
+    fn run() {
+        loop {
+            let ctx = {
+                let mut s = lock();
+                loop {
+                    if let Some(c) = s.job.take() {
+                        break c;
+                    }
+                    s = CHANGED.wait(s).unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            let r = crate::ffi::inside(|| {
+                call!(cuCtxSetCurrent: fn(CUcontext)(ctx as CUcontext))?;
+                let r = call!(cuCtxSynchronize: fn()());
+                let _ = call!(cuCtxSetCurrent: fn(CUcontext)(std::ptr::null_mut()));
+                r
+            });
+            let mut s = lock();
+            s.result = r.err().unwrap_or(CUDA_SUCCESS);
+            s.done = s.asked;
+            CHANGED.notify_all();
+        }
+    }
+}
+
 /// The application's context on a device, current on this thread until dropped; then
 /// the thread's own context is current again. Swaps and drains run on the shim's
 /// threads and on application threads waiting for their turn: an application thread

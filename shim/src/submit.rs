@@ -88,10 +88,18 @@ fn submit_slow(
 }
 
 /// The queue bound's wait: the calling thread's context's queued work. False when it
-/// could not wait (a stream captures).
+/// could not wait (a stream captures) or did not wait to the end (a process on
+/// several GPUs waits at most four times the bound's target: its queue may wait for
+/// what this thread submits next, [`crate::devices::synchronize_current_within`]);
+/// such a wait is not timed.
 fn drain_queue() -> bool {
     // An error here (a broken context) reaches the application on its own next
     // synchronizing call; the bound only waits. Never while a stream captures:
     // the driver would refuse and invalidate the capture (the bound resumes after).
-    crate::capture::sync_unless_capturing(crate::devices::synchronize_current).is_some()
+    let limit = QUEUE_BOUND.target() * 4;
+    let mut whole = true;
+    let r = crate::capture::sync_unless_capturing(|| {
+        crate::devices::synchronize_current_within(limit).map(|done| whole = done)
+    });
+    r.is_some() && whole
 }

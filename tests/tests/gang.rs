@@ -173,3 +173,156 @@ fn crosswise_two_gpu_jobs_and_notebooks_are_granted_by_group() {
     let k_first = grant_at(k0.id)[0].min(grant_at(k1.id)[0]);
     assert!(k_first >= released(j0.id).max(released(j1.id)));
 }
+
+/// A gpuburst under Kiwi on `m`: `args`, in group `group` (none: its process alone).
+fn gpuburst(
+    m: &kiwi_sim_core::harness::SimMachine,
+    arb: &Arbiter,
+    group: Option<&str>,
+    args: &[&str],
+) -> std::process::Child {
+    let mut c = std::process::Command::new(kiwi_tests::bin("gpuburst"));
+    m.apply(&mut c)
+        .args(args)
+        .args(["--verify", "--json"])
+        .env("LD_PRELOAD", kiwi_tests::bin("libkiwi.so"))
+        .env("KIWI_SOCKET_DIR", arb.socket_dir())
+        .env("KIWI_REQUIRE_ARBITER", "1")
+        .env_remove("KIWI_GROUP")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    if let Some(g) = group {
+        c.env("KIWI_GROUP", g);
+    }
+    c.spawn().expect("spawn gpuburst")
+}
+
+/// Two 2-GPU jobs crosswise (ranks that wait for each other every step through
+/// stream memory operations, as NCCL ranks do) and a notebook on each GPU, real
+/// processes under the shim on two simulated GPUs that none of the pairs fits: all
+/// six finish and verify every byte, and every group turn starts on both GPUs in
+/// one step.
+#[test]
+fn crosswise_exchanging_jobs_and_notebooks_finish_and_verify_under_kiwi() {
+    use kiwi_sim_core::harness::SimMachine;
+    const MIB: u64 = 1 << 20;
+    let m = SimMachine::new("gang-jobs", 2, 1024 * MIB).unwrap_or_else(|e| panic!("{e}"));
+    let arb = Arbiter::start(&["--tq", "0.3", "--grace-ms", "10000"]);
+    let dir = tempfile::tempdir().unwrap();
+    let file = |n: &str, rank: u32| format!("{}:{rank}", dir.path().join(n).display());
+    let steps = [
+        "--mem", "400MiB", "--bursts", "3", "--gpu-ms", "60", "--cpu-ms", "30",
+    ];
+    let mut kids = Vec::new();
+    for (name, dev) in [("notebook-0", "0"), ("notebook-1", "1")] {
+        let mut a = steps.to_vec();
+        a.extend(["--device", dev, "--name", name]);
+        kids.push((name, gpuburst(&m, &arb, None, &a)));
+    }
+    // Job J: rank 0 on GPU 0, rank 1 on GPU 1; job K crosswise.
+    let (j0, j1, k0, k1) = (file("J", 0), file("J", 1), file("K", 0), file("K", 1));
+    for (name, group, dev, ex) in [
+        ("J0", "J", "0", &j0),
+        ("J1", "J", "1", &j1),
+        ("K0", "K", "1", &k0),
+        ("K1", "K", "0", &k1),
+    ] {
+        let mut a = steps.to_vec();
+        a.extend(["--device", dev, "--name", name, "--exchange", ex]);
+        a.extend(["--exchange-timeout-ms", "90000"]);
+        kids.push((name, gpuburst(&m, &arb, Some(group), &a)));
+    }
+    let mut failed = Vec::new();
+    for (name, c) in kids {
+        let (out, hung) = kiwi_tests::finish_within(c, Duration::from_secs(150));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let verified = text.contains("\"event\":\"verify\"") && text.contains("\"ok\":true");
+        if hung || !out.status.success() || !verified {
+            failed.push(format!("{name} (hung {hung}, {:?}):\n{text}", out.status));
+        }
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+
+    // Every group turn started on both GPUs in one step (the arbiter's clock).
+    let ev = arb.events();
+    let turns: Vec<(u64, &str, &str)> = ev
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::GroupTurn { group, .. } => Some((e.t_ns, group.as_str(), e.gpu.as_str())),
+            _ => None,
+        })
+        .collect();
+    assert!(turns.len() >= 4, "both jobs had turns: {turns:?}");
+    for pair in turns.chunks(2) {
+        assert!(
+            pair.len() == 2 && pair[0].1 == pair[1].1 && pair[0].2 != pair[1].2,
+            "group turns come in pairs, one per GPU: {turns:?}"
+        );
+        assert!(
+            pair[1].0 - pair[0].0 < 5_000_000,
+            "a group's turn started {} µs apart on its GPUs",
+            (pair[1].0 - pair[0].0) / 1000
+        );
+    }
+}
+
+/// One process with both ranks of a 2-GPU job (`--exchange F:both`: on GPU 0 a write
+/// and a wait for GPU 1's write, then GPU 1's, from one thread, as NCCL from one
+/// thread launches a collective's kernels device by device) beside a notebook on each
+/// GPU. The shim's queue bound must not wait for GPU 0's queue before the thread has
+/// submitted GPU 1's part: that wait would never end.
+#[test]
+fn one_process_with_both_ranks_is_not_held_up_by_its_own_queue_bound() {
+    use kiwi_sim_core::harness::SimMachine;
+    const MIB: u64 = 1 << 20;
+    let m = SimMachine::new("gang-both", 2, 1024 * MIB).unwrap_or_else(|e| panic!("{e}"));
+    let arb = Arbiter::start(&["--tq", "0.3", "--grace-ms", "10000"]);
+    let dir = tempfile::tempdir().unwrap();
+    let ex = format!("{}:both", dir.path().join("X").display());
+    // Many short steps: the bound comes round often (its limit adapts down to 1).
+    let steps = ["--mem", "600MiB", "--gpu-ms", "20", "--cpu-ms", "5"];
+    let mut kids = Vec::new();
+    for (name, dev) in [("notebook-0", "0"), ("notebook-1", "1")] {
+        let mut a = steps.to_vec();
+        a.extend(["--bursts", "3", "--device", dev, "--name", name]);
+        kids.push((name, gpuburst(&m, &arb, None, &a)));
+    }
+    let mut a = steps.to_vec();
+    a.extend([
+        "--bursts",
+        "40",
+        "--device",
+        "0,1",
+        "--name",
+        "both",
+        "--exchange",
+        &ex,
+    ]);
+    a.extend(["--exchange-timeout-ms", "60000", "--kernel-us", "500"]);
+    kids.push(("both", gpuburst(&m, &arb, None, &a)));
+    let mut failed = Vec::new();
+    for (name, c) in kids {
+        let (out, hung) = kiwi_tests::finish_within(c, Duration::from_secs(120));
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let verified = text.contains("\"event\":\"verify\"") && text.contains("\"ok\":true");
+        if hung || !out.status.success() || !verified {
+            failed.push(format!("{name} (hung {hung}, {:?}):\n{text}", out.status));
+        }
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+    // Its two GPUs were granted together (one process on two GPUs is one group).
+    let turns = arb
+        .events()
+        .iter()
+        .filter(|e| matches!(e.kind, EventKind::GroupTurn { .. }))
+        .count();
+    assert!(turns >= 2, "the process's turns were group turns");
+}
