@@ -196,8 +196,21 @@ pub fn spawn_job_with(
     kiwi: Option<&Path>,
     env: &[(&str, &str)],
 ) -> Result<Child> {
+    spawn_job_args(b, sim, job, seed, kiwi, env, &[])
+}
+
+/// [`spawn_job_with`] with more gpuburst arguments (`--device`, `--exchange`).
+pub fn spawn_job_args(
+    b: &Build,
+    sim: &Sim,
+    job: Job,
+    seed: u64,
+    kiwi: Option<&Path>,
+    env: &[(&str, &str)],
+    args: &[&str],
+) -> Result<Child> {
     let mut cmd = Command::new(&b.gpuburst);
-    cmd.envs(env.iter().copied());
+    cmd.args(args);
     cmd.args([
         "--mem",
         &job.mem.to_string(),
@@ -216,10 +229,12 @@ pub fn spawn_job_with(
         "--json",
     ])
     .env_remove("LD_PRELOAD")
+    .env_remove("KIWI_GROUP")
     .stdin(Stdio::null())
     .stdout(Stdio::piped())
     .stderr(Stdio::piped());
     sim.apply(b, &mut cmd);
+    cmd.envs(env.iter().copied());
     if let Some(dir) = kiwi {
         cmd.env("LD_PRELOAD", &b.shim)
             .env("KIWI_SOCKET_DIR", dir)

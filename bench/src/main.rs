@@ -2,6 +2,7 @@
 //! baseline measured in the same run, as a ratio (`--json`: one object per line).
 
 mod checkpoint;
+mod gang;
 mod handoff;
 mod jobs;
 mod livebytes;
@@ -76,6 +77,10 @@ enum Scenario {
     Oversub,
     /// Two jobs that fit: Kiwi vs. the scheduler off.
     Fit,
+    /// 2-GPU jobs (two ranks that wait for each other every step) beside a notebook
+    /// on each GPU, and two such jobs crosswise: group turns against the ideal
+    /// interleave and against per-GPU turns (issue #41).
+    Gang,
     /// The cold (first ever) and a steady hand-off, and the hand-off against
     /// max(swap-out alone, swap-in alone).
     HandoffSwap,
@@ -210,6 +215,7 @@ fn run(cli: Cli) -> Result<()> {
             return shimbench::create_rate_role(bytes, segment)
         }
         Scenario::Fit => jobs::fit(cli.quick)?,
+        Scenario::Gang => gang::gang(cli.quick)?,
         Scenario::HandoffSwap => pipeline::handoff_swap(cli.quick)?,
         Scenario::IdlePartner => pipeline::idle_partner(cli.quick)?,
         Scenario::EarlyRelease => pipeline::early_release(cli.quick)?,
@@ -273,6 +279,7 @@ fn run_all(quick: bool, json: bool, markdown: Option<PathBuf>) -> Result<()> {
         ("checkpoint", Box::new(checkpoint::checkpoint)),
         ("oversub", Box::new(jobs::oversub)),
         ("fit", Box::new(jobs::fit)),
+        ("gang", Box::new(gang::gang)),
     ];
     let mut figures = Vec::new();
     let mut errors = Vec::new();
