@@ -34,7 +34,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use kiwi_protocol::EventKind;
+use kiwi_protocol::{DropReason, EventKind};
 
 use crate::sched::{ClientId, GangId, GpuScheduler, Nanos, Output, Reserve};
 
@@ -271,8 +271,33 @@ impl Gangs {
             }
         }
 
-        // 2. Who waits for a turn, oldest first.
-        let mut waiting: Vec<(Nanos, GangId)> = Vec::new();
+        // 1b. A member that holds a GPU taken in turns outside its group's turn (it
+        //     was granted before its group spanned GPUs, or kept when its shared GPU
+        //     stopped fitting) is asked to drop at once: its work may wait for peers
+        //     that are not running, and the longer it runs the likelier it is caught
+        //     mid-exchange by a drop it cannot drain (two such members crosswise
+        //     hold memory each other's peers need, for good). Its group's turn
+        //     brings it back.
+        for &gid in &ids {
+            let g = &self.groups[&gid];
+            if matches!(g.turn, Turn::Running | Turn::Ending) || !g.ganged() {
+                continue;
+            }
+            for u in g.gpus() {
+                if let Some(s) = scheds.sched(&u) {
+                    let o = s.drop_gang(now, gid, DropReason::NoLongerFits);
+                    outs.push((u.clone(), o));
+                }
+            }
+        }
+
+        // 2. Who waits for a turn: first the groups a member of which already holds a
+        //    GPU outside a turn of theirs (it was granted before its group spanned
+        //    GPUs, or while its GPU ran shared): its work may wait for its peers', and
+        //    a member dropped there cannot drain, so its memory would stay and block
+        //    whoever comes next (two such jobs crosswise block each other for good);
+        //    then the oldest.
+        let mut waiting: Vec<(bool, Nanos, GangId)> = Vec::new();
         for &gid in &ids {
             let g = &self.groups[&gid];
             if matches!(g.turn, Turn::Running | Turn::Ending) || !g.ganged() {
@@ -283,8 +308,12 @@ impl Gangs {
                 .iter()
                 .filter_map(|u| scheds.sched(u).and_then(|s| s.gang_waits(gid)))
                 .min();
+            let started = g
+                .gpus()
+                .iter()
+                .any(|u| scheds.sched(u).is_some_and(|s| s.gang_holds(gid)));
             match since {
-                Some(t) => waiting.push((t, gid)),
+                Some(t) => waiting.push((!started, t, gid)),
                 None if g.turn == Turn::Claimed => {
                     self.release(gid, None);
                     self.groups.get_mut(&gid).expect("listed").turn = Turn::Idle;
@@ -307,7 +336,7 @@ impl Gangs {
         }
         let mut wanted: BTreeSet<String> = BTreeSet::new();
         let mut partial_taken = false;
-        for &(since, gid) in &waiting {
+        for &(fresh, since, gid) in &waiting {
             let gpus = self.groups[&gid].gpus();
             let mut blocked = false;
             let mut free = Vec::new();
@@ -319,10 +348,12 @@ impl Gangs {
                         wanted.insert(u.clone());
                     }
                     None => {
-                        let earlier = scheds
-                            .sched(u)
-                            .and_then(|s| s.first_outsider_wait())
-                            .is_some_and(|t| t < since);
+                        // A started group finishes first, whoever asked earlier.
+                        let earlier = fresh
+                            && scheds
+                                .sched(u)
+                                .and_then(|s| s.first_outsider_wait())
+                                .is_some_and(|t| t < since);
                         if earlier {
                             blocked = true;
                         } else {
@@ -360,7 +391,7 @@ impl Gangs {
         }
 
         // 4. Start the turns whose GPUs are all claimed and ready.
-        for &(_, gid) in &waiting {
+        for &(_, _, gid) in &waiting {
             let g = &self.groups[&gid];
             if g.turn != Turn::Claimed || g.reserved != g.gpus() {
                 continue;

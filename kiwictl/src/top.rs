@@ -762,6 +762,33 @@ mod tests {
     }
 
     #[test]
+    fn group_members_are_marked_and_the_gpus_turn_says_whose_it_is() {
+        let t = Tracker::default();
+        let mut r = report(1, &[2], false);
+        assert!(!text(&t, &r).contains("group"));
+        r.gpus[0].clients[0].group = Some("uid 0 / train".into());
+        r.gpus[0].group_turn = Some(kiwi_protocol::GroupTurn {
+            group: "uid 0 / train".into(),
+            running: true,
+        });
+        for s in [text(&t, &r), crate::status::render(&r)] {
+            let row = s
+                .lines()
+                .find(|l| l.split_whitespace().next() == Some("1"))
+                .unwrap();
+            assert!(row.contains("holding*"), "{s}");
+            assert!(
+                s.contains("turn reserved for group uid 0 / train: its turn runs on all its GPUs"),
+                "{s}"
+            );
+            assert!(
+                s.contains("* group uid 0 / train (clients 1 here): granted together"),
+                "{s}"
+            );
+        }
+    }
+
+    #[test]
     fn a_checkpointed_client_says_so_and_the_legend_says_what_it_means() {
         let t = Tracker::default();
         let mut r = report(1, &[2], false);

@@ -333,6 +333,28 @@ fn an_early_release_keeps_the_gpu_for_the_group_until_all_let_go() {
     assert_eq!(n.gangs.reserved_for("a"), None);
 }
 
+#[test]
+fn a_member_granted_before_its_group_spanned_gpus_is_dropped_when_it_does() {
+    let mut n = Node::new(&["a", "b"], 10_000);
+    n.add(2, "b", Some("J"), 6 * GIB);
+    n.add(6, "b", None, 6 * GIB);
+    n.add(5, "a", None, 6 * GIB);
+    // Rank 1 alone in its group: an ordinary client, granted on its own.
+    n.request(2);
+    assert!(n.scheds["b"].holds_exclusive(2));
+    assert!(n.drops.is_empty());
+    // Rank 0 registers on GPU a: the group spans two GPUs, and rank 1 holds b
+    // outside any turn of its group: asked to drop at once, not at its 10 s quantum.
+    n.add(1, "a", Some("J"), 6 * GIB);
+    assert_eq!(n.drops.iter().map(|d| d.1).collect::<Vec<_>>(), vec![2]);
+    // Back in the group's turn, both ranks together.
+    n.request(1);
+    let t0 = n.now;
+    n.run_until(t0 + 100 * MS, |n, id| n.request(id));
+    assert!(n.scheds["a"].holds_exclusive(1) && n.scheds["b"].holds_exclusive(2));
+    assert_eq!(n.gangs.reserved_for("a"), Some(("J", true)));
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
