@@ -341,7 +341,12 @@ pub fn gang(quick: bool) -> Result<Vec<Figure>> {
             )
             .against(
                 gang_t.as_secs_f64(),
-                &format!("with group turns; per-GPU turns: {e:#}"),
+                // What each process said last is long; the first words say what
+                // happened.
+                &format!(
+                    "with group turns; per-GPU turns: {}…",
+                    format!("{e:#}").chars().take(160).collect::<String>()
+                ),
             ),
         ),
     }
