@@ -197,6 +197,25 @@ fn gpuburst(
     c.spawn().expect("spawn gpuburst")
 }
 
+/// Waits for every gpuburst of `kids` (each at most `limit`): each must exit 0 having
+/// verified every byte; the failures' output otherwise.
+fn all_verified(kids: Vec<(&str, std::process::Child)>, limit: Duration) {
+    let mut failed = Vec::new();
+    for (name, c) in kids {
+        let (out, hung) = kiwi_tests::finish_within(c, limit);
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let verified = text.contains("\"event\":\"verify\"") && text.contains("\"ok\":true");
+        if hung || !out.status.success() || !verified {
+            failed.push(format!("{name} (hung {hung}, {:?}):\n{text}", out.status));
+        }
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
 /// Two 2-GPU jobs crosswise (ranks that wait for each other every step through
 /// stream memory operations, as NCCL ranks do) and a notebook on each GPU, real
 /// processes under the shim on two simulated GPUs that none of the pairs fits: all
@@ -232,20 +251,7 @@ fn crosswise_exchanging_jobs_and_notebooks_finish_and_verify_under_kiwi() {
         a.extend(["--exchange-timeout-ms", "90000"]);
         kids.push((name, gpuburst(&m, &arb, Some(group), &a)));
     }
-    let mut failed = Vec::new();
-    for (name, c) in kids {
-        let (out, hung) = kiwi_tests::finish_within(c, Duration::from_secs(150));
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let verified = text.contains("\"event\":\"verify\"") && text.contains("\"ok\":true");
-        if hung || !out.status.success() || !verified {
-            failed.push(format!("{name} (hung {hung}, {:?}):\n{text}", out.status));
-        }
-    }
-    assert!(failed.is_empty(), "{}", failed.join("\n"));
+    all_verified(kids, Duration::from_secs(150));
 
     // Every group turn started on both GPUs in one step (the arbiter's clock).
     let ev = arb.events();
@@ -304,20 +310,7 @@ fn one_process_with_both_ranks_is_not_held_up_by_its_own_queue_bound() {
     ]);
     a.extend(["--exchange-timeout-ms", "60000", "--kernel-us", "500"]);
     kids.push(("both", gpuburst(&m, &arb, None, &a)));
-    let mut failed = Vec::new();
-    for (name, c) in kids {
-        let (out, hung) = kiwi_tests::finish_within(c, Duration::from_secs(120));
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let verified = text.contains("\"event\":\"verify\"") && text.contains("\"ok\":true");
-        if hung || !out.status.success() || !verified {
-            failed.push(format!("{name} (hung {hung}, {:?}):\n{text}", out.status));
-        }
-    }
-    assert!(failed.is_empty(), "{}", failed.join("\n"));
+    all_verified(kids, Duration::from_secs(120));
     // Its two GPUs were granted together (one process on two GPUs is one group).
     let turns = arb
         .events()

@@ -112,6 +112,17 @@ impl Node {
         }
     }
 
+    /// Job J (rank 1 on a, rank 2 on b) and a notebook on each GPU (5 on a, 6 on
+    /// b), none asking yet; TQ 100 ms. Any two overfill a GPU.
+    fn job_beside_notebooks() -> Self {
+        let mut n = Node::new(&["a", "b"], 100);
+        n.add(1, "a", Some("J"), 6 * GIB);
+        n.add(2, "b", Some("J"), 6 * GIB);
+        n.add(5, "a", None, 6 * GIB);
+        n.add(6, "b", None, 6 * GIB);
+        n
+    }
+
     fn gpu_of(&self, id: ClientId) -> String {
         self.clients[&id].0.clone()
     }
@@ -262,13 +273,9 @@ fn a_group_on_one_gpu_is_no_gang() {
 
 #[test]
 fn a_group_that_loses_its_second_gpu_turns_back_into_clients() {
-    let mut n = Node::new(&["a", "b"], 100);
-    n.add(1, "a", Some("J"), 6 * GIB);
-    n.add(2, "b", Some("J"), 6 * GIB);
-    n.add(5, "b", None, 6 * GIB);
-    n.add(6, "a", None, 6 * GIB);
-    n.request(5);
-    assert!(n.holding.contains(&5));
+    let mut n = Node::job_beside_notebooks();
+    n.request(6);
+    assert!(n.holding.contains(&6));
     // Rank 1 waits for its group's turn: rank 2's GPU is held by the notebook.
     n.request(1);
     assert!(!n.holding.contains(&1));
@@ -283,13 +290,9 @@ fn a_group_that_loses_its_second_gpu_turns_back_into_clients() {
 
 #[test]
 fn a_claimed_gpu_drops_its_lone_holder_at_its_quantum_end() {
-    let mut n = Node::new(&["a", "b"], 100);
-    n.add(1, "a", Some("J"), 6 * GIB);
-    n.add(2, "b", Some("J"), 6 * GIB);
-    n.add(5, "b", None, 6 * GIB);
-    n.add(6, "a", None, 6 * GIB);
-    n.request(5);
-    // Only rank 1 asks; on b nobody waits, yet the group's claim ends 5's quantum.
+    let mut n = Node::job_beside_notebooks();
+    n.request(6);
+    // Only rank 1 asks; on b nobody waits, yet the group's claim ends 6's quantum.
     n.request(1);
     let t0 = n.now;
     n.run_until(t0 + 1_000 * MS, |_, _| {});
@@ -307,11 +310,7 @@ fn a_claimed_gpu_drops_its_lone_holder_at_its_quantum_end() {
 
 #[test]
 fn an_early_release_keeps_the_gpu_for_the_group_until_all_let_go() {
-    let mut n = Node::new(&["a", "b"], 100);
-    n.add(1, "a", Some("J"), 6 * GIB);
-    n.add(2, "b", Some("J"), 6 * GIB);
-    n.add(5, "a", None, 6 * GIB);
-    n.add(6, "b", None, 6 * GIB);
+    let mut n = Node::job_beside_notebooks();
     n.request(1);
     n.request(2);
     assert!(n.holding.contains(&1) && n.holding.contains(&2));
