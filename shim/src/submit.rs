@@ -89,14 +89,20 @@ fn submit_slow(
 
 /// The queue bound's wait: the calling thread's context's queued work. False when it
 /// could not wait (a stream captures) or did not wait to the end (a process on
-/// several GPUs waits at most four times the bound's target: its queue may wait for
-/// what this thread submits next, [`crate::devices::synchronize_current_within`]);
-/// such a wait is not timed.
+/// several GPUs waits at most [`MULTI_GPU_BOUND_WAIT`]: its queue may wait for what
+/// this thread submits next, [`crate::devices::synchronize_current_within`]); such a
+/// wait is not timed.
+/// How long the queue bound waits in a process on several GPUs. Short: the thread
+/// waits between two of its submissions, and a drop that lands meanwhile closes the
+/// gate before the second, on which the first GPU's queue may wait (its drain would
+/// then wait for work the gate holds back).
+const MULTI_GPU_BOUND_WAIT: std::time::Duration = std::time::Duration::from_millis(2);
+
 fn drain_queue() -> bool {
     // An error here (a broken context) reaches the application on its own next
     // synchronizing call; the bound only waits. Never while a stream captures:
     // the driver would refuse and invalidate the capture (the bound resumes after).
-    let limit = QUEUE_BOUND.target() * 4;
+    let limit = MULTI_GPU_BOUND_WAIT;
     let mut whole = true;
     let r = crate::capture::sync_unless_capturing(|| {
         crate::devices::synchronize_current_within(limit).map(|done| whole = done)
