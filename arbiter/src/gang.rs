@@ -26,8 +26,11 @@
 //! 3. The turn ends on every GPU at once: when one member is asked to drop (its
 //!    quantum ended with someone waiting, the GPU stopped fitting), every member is,
 //!    and none is granted again in that turn; once none holds any of the group's
-//!    GPUs, the reservations go and round-robin goes on. A member's early release keeps its GPU reserved for the group (its
-//!    peer may still be waiting for it): the turn ends when all have let go.
+//!    GPUs, the reservations go and round-robin goes on. A member's early release
+//!    keeps its GPU reserved for the group (its peer may still be waiting for it):
+//!    the turn ends when all have let go. Someone outside the group waiting on any
+//!    of its GPUs ends the turn's quantum on all of them (a member left holding
+//!    alone elsewhere would otherwise keep the whole turn).
 //!
 //! GPUs whose working sets fit run shared, as before: a reservation changes nothing
 //! there.
@@ -239,6 +242,7 @@ impl Gangs {
             return outs;
         }
         let ids: Vec<GangId> = self.groups.keys().copied().collect();
+        let mut wanted: BTreeSet<String> = BTreeSet::new();
 
         // 1. Running turns: end them when nobody of the group holds any more, drop
         //    every member when one is dropped.
@@ -334,7 +338,6 @@ impl Gangs {
                 owner.insert(u.clone(), gid);
             }
         }
-        let mut wanted: BTreeSet<String> = BTreeSet::new();
         let mut partial_taken = false;
         for &(fresh, since, gid) in &waiting {
             let gpus = self.groups[&gid].gpus();
@@ -431,7 +434,19 @@ impl Gangs {
             }
         }
 
-        // 5. GPUs a group waits for while another group has them.
+        // 5. GPUs a group waits for while another group has them; and every GPU of
+        //    a running turn when someone outside the group waits on any of them (a
+        //    member holding alone on another GPU would keep the whole turn, the GPU
+        //    the waiter needs included, past its quantum).
+        for (&gid, g) in &self.groups {
+            if g.turn == Turn::Running
+                && g.reserved
+                    .iter()
+                    .any(|u| scheds.sched(u).is_some_and(|s| s.others_wait(gid)))
+            {
+                wanted.extend(g.reserved.iter().cloned());
+            }
+        }
         let before = std::mem::take(&mut self.wanted);
         for u in before.symmetric_difference(&wanted) {
             if let Some(s) = scheds.sched(u) {

@@ -355,7 +355,7 @@ fn a_member_granted_before_its_group_spanned_gpus_is_dropped_when_it_does() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     /// Random groups over three GPUs, random request and release patterns: the
     /// invariant holds at every step, and every client that keeps asking is granted.
@@ -394,4 +394,43 @@ proptest! {
             );
         }
     }
+}
+
+#[test]
+fn a_turn_held_on_one_gpu_ends_at_its_quantum_when_someone_waits_on_another() {
+    // Job J: rank 1 on a, ranks 2 and 4 on b (they take turns on b within J's
+    // turns); a notebook, 3, on a. Ranks 1 and 2 stop; 4 then holds b alone in a
+    // turn of J that still reserves a, where the notebook waits.
+    let mut n = Node::new(&["a", "b"], 20);
+    n.release_after = MS;
+    n.add(1, "a", Some("J"), 6 * GIB);
+    n.add(2, "b", Some("J"), 6 * GIB);
+    n.add(3, "a", None, 6 * GIB);
+    n.add(4, "b", Some("J"), 6 * GIB);
+    for id in 1..=4 {
+        n.request(id);
+    }
+    assert!(n.holding.contains(&1) && n.holding.contains(&2));
+    let t0 = n.now;
+    n.run_until(t0 + 200 * MS, |n, id| {
+        if id == 4 || id == 3 {
+            n.request(id);
+        }
+    });
+    let when = |id| {
+        n.grants
+            .iter()
+            .filter(|g| g.1 == id)
+            .map(|g| (g.0 - t0) / MS)
+            .collect::<Vec<_>>()
+    };
+    let (g3, g4) = (when(3), when(4));
+    assert!(
+        !g3.is_empty() && g3[0] <= 2 * 20 + 2,
+        "the notebook waited past two quanta: granted at {g3:?} ms (rank 4 at {g4:?})"
+    );
+    assert!(
+        g3.len() >= 2 && g4.len() >= 2,
+        "turns alternate: 3 at {g3:?}, 4 at {g4:?}"
+    );
 }

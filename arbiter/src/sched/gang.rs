@@ -189,6 +189,12 @@ impl GpuScheduler {
             .min()
     }
 
+    /// Someone outside group `g` waits here for a turn (a client in line, or
+    /// another group's member), the GPU taken in turns.
+    pub fn others_wait(&self, g: GangId) -> bool {
+        !self.shared_mode() && self.queue.iter().any(|&id| self.gang_of(id) != Some(g))
+    }
+
     /// Group `g`'s turn could start here now: nobody outside it holds, and its first
     /// waiting member (if any) could be granted at once. Also starts the restore of a
     /// checkpointed member (its outputs are returned).
