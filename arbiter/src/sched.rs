@@ -836,6 +836,7 @@ impl GpuScheduler {
             // confirm idempotently.
             let exclusive = h.exclusive;
             let waiting = self.queue.len() as u32;
+            let group = exclusive && self.gang_of(id).is_some();
             self.send(
                 id,
                 ArbiterMsg::Grant {
@@ -843,6 +844,7 @@ impl GpuScheduler {
                     tq_ms: self.settings.tq_ms,
                     waiting,
                     pipelined: false,
+                    group,
                 },
             );
             return self.finish(now);
@@ -1505,6 +1507,7 @@ impl GpuScheduler {
                 waited_ns: waited,
             },
         );
+        let group = exclusive && self.gang_of(id).is_some();
         self.send(
             id,
             ArbiterMsg::Grant {
@@ -1512,6 +1515,7 @@ impl GpuScheduler {
                 tq_ms: self.settings.tq_ms,
                 waiting,
                 pipelined,
+                group,
             },
         );
         self.contended = exclusive && waiting > 0;

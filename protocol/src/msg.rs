@@ -395,6 +395,12 @@ pub enum ArbiterMsg {
         /// `pipelined`; left out when false.
         #[serde(default, skip_serializing_if = "is_false")]
         pipelined: bool,
+        /// The client's group spans GPUs and this is its group's turn (issue #41):
+        /// its queued work may wait for a peer's on another GPU, so at a drop it
+        /// drains within a bound and never holds the GPU waiting for a peer that the
+        /// drop stopped too. Left out when false.
+        #[serde(default, skip_serializing_if = "is_false")]
+        group: bool,
     },
     /// Sent to the holder(s) when the queue goes from empty to non-empty
     /// (`waiting > 0`) or back to empty (`waiting == 0`). A holder that goes idle
@@ -962,11 +968,24 @@ mod tests {
             tq_ms: 30000,
             waiting: 1,
             pipelined: false,
+            group: false,
         })
         .unwrap();
         assert_eq!(
             j,
             r#"{"type":"grant","exclusive":true,"tq_ms":30000,"waiting":1}"#
+        );
+        let j = serde_json::to_string(&ArbiterMsg::Grant {
+            exclusive: true,
+            tq_ms: 300,
+            waiting: 0,
+            pipelined: false,
+            group: true,
+        })
+        .unwrap();
+        assert_eq!(
+            j,
+            r#"{"type":"grant","exclusive":true,"tq_ms":300,"waiting":0,"group":true}"#
         );
     }
 

@@ -33,7 +33,7 @@ use kiwi_protocol::{
 
 use crate::cuda::{
     CUresult, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_SYSTEM_NOT_READY,
-    CUDA_SUCCESS,
+    CUDA_ERROR_TIMEOUT, CUDA_SUCCESS,
 };
 use crate::env::ShimEnv;
 use crate::gate::Gate;
@@ -136,6 +136,13 @@ pub trait Residency: Send + Sync {
     }
     /// Waits until this process's queued GPU work on this GPU is done.
     fn drain(&self) -> Result<(), CUresult>;
+    /// [`Residency::drain`] for at most `limit`: `Ok(false)` when the work was not
+    /// done by then (it may wait for work not yet submitted: a peer's part of a
+    /// collective on another GPU).
+    fn drain_within(&self, limit: Duration) -> Result<bool, CUresult> {
+        let _ = limit;
+        self.drain().map(|()| true)
+    }
     /// Runs `f` with the allocator locked, so its residency cannot change meanwhile
     /// (an allocation left unbacked closes the gate under that lock), passing whether
     /// everything is resident; returns `f`'s answer.
@@ -204,6 +211,11 @@ struct TurnState {
     /// The arbiter's idle eviction delay while the GPU is oversubscribed
     /// ([`ArbiterMsg::Pressure`]); `None`: not oversubscribed, or eviction off.
     idle_evict: Option<Duration>,
+    /// The last grant was a turn of a group that spans GPUs (`Grant { group }`).
+    group: bool,
+    /// A drop that came while another turn's drop was settling: that one answers
+    /// it (`need_bytes`).
+    drop_pending: Option<u64>,
 }
 
 struct Slot {
@@ -231,6 +243,9 @@ struct State {
     order: Vec<usize>,
     /// The wait being explained: the slot named in its line, and when it began.
     explained: Option<(usize, Instant)>,
+    /// A drop is being settled ([`Client::settle`]): the gate may open and close
+    /// again meanwhile, and other drops wait for it.
+    settling: bool,
 }
 
 impl State {
@@ -238,10 +253,39 @@ impl State {
         self.slots[k].ts.phase == Phase::Holding
     }
 
+    /// Whether turn `k`'s queued work may wait for work on another GPU (its group
+    /// spans GPUs, or the process has turns on several): then no drain of it waits
+    /// without a bound ([`PEER_WAIT`]), since the work it waits for may be held back
+    /// by a closed gate, this process's or a peer's.
+    fn bounded(&self, k: usize) -> bool {
+        self.slots[k].ts.group || self.slots.iter().filter(|s| s.turn.claimed()).count() >= 2
+    }
+
     /// Position of slot `k` in the acquisition order.
     fn position(&self, k: usize) -> usize {
         self.order.iter().position(|&i| i == k).unwrap_or(0)
     }
+}
+
+/// How long a drain of a turn whose work may wait for another GPU's
+/// ([`State::bounded`]) waits in all before it gives up: a drop then releases the
+/// turn with its memory resident (nothing is evicted under work that still runs; a
+/// later reclaim drains again). Well under the arbiter's grace (5 s by default).
+const PEER_WAIT: Duration = Duration::from_secs(2);
+/// One try of a drop's drain in such a turn; between tries the gate opens again for
+/// as long, so the process's threads submit the part of a step its queue waits for
+/// ([`Client::settle`]).
+const PEER_SLICE: Duration = Duration::from_millis(20);
+
+/// How a release's drain went before [`Client::give_back`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Drained {
+    /// Not tried: `give_back` drains.
+    No,
+    /// Done, with the gate closed since.
+    Yes,
+    /// Not done within [`PEER_WAIT`] (or failed): nothing is evicted.
+    Stuck,
 }
 
 /// A drain that took this long waited for work: the queue ran dry as it returned.
@@ -343,6 +387,7 @@ impl Client {
                 slots: Vec::new(),
                 order: Vec::new(),
                 explained: None,
+                settling: false,
             }),
             cv: Condvar::new(),
             by_device: [const { OnceLock::new() }; MAX_TURNS],
@@ -492,6 +537,8 @@ impl Client {
                 tq: Duration::ZERO,
                 quantum_waits_for_swap_in: false,
                 idle_evict: None,
+                group: false,
+                drop_pending: None,
             },
         });
         let mut order: Vec<usize> = (0..st.slots.len()).collect();
@@ -703,6 +750,19 @@ impl Client {
     /// `drained` as soon as its work is done, before its swap-out, so the next holder
     /// can start swapping in while the memory is freed segment by segment.
     fn give_back(&self, st: &mut State, k: usize, need: u64, early: bool, dropped: bool) {
+        self.give_back_drained(st, k, need, early, dropped, Drained::No)
+    }
+
+    /// [`Client::give_back`] after a drain tried already (`drained`).
+    fn give_back_drained(
+        &self,
+        st: &mut State,
+        k: usize,
+        need: u64,
+        early: bool,
+        dropped: bool,
+        drained: Drained,
+    ) {
         self.gate.close_and_wait();
         let turn = st.slots[k].turn.clone();
         let _swapping = Swapping::enter(&turn);
@@ -714,15 +774,22 @@ impl Client {
             && self.env.pipelined;
         // The idle detector saw the queued work done and nothing was submitted since
         // (the gate is closed now): no drain needed.
-        let done = st.slots[k].ts.work_done.map(|w| w.0) == Some(self.gate.submissions())
-            && !crate::capture::active();
+        let done = drained == Drained::Yes
+            || (st.slots[k].ts.work_done.map(|w| w.0) == Some(self.gate.submissions())
+                && !crate::capture::active());
         if done {
             if announce {
                 turn.send(&ClientMsg::Drained);
             }
             turn.evict(need);
+        } else if drained == Drained::Stuck {
+            crate::kwarn!(
+                "GPU {}: its queued work still waits after {PEER_WAIT:?}, likely for a peer on another GPU that is not running now; released with its memory resident (nothing swapped out under running work), the next turn finishes it",
+                turn.info.ordinal
+            );
         } else {
-            Self::drain_then_evict(&turn, need, "release", announce);
+            let limit = st.bounded(k).then_some(PEER_WAIT);
+            Self::drain_then_evict(&turn, need, "release", announce, limit);
         }
         // What went out into pageable buffers is registered in place now.
         self.wake_pinning();
@@ -826,6 +893,12 @@ impl Client {
     fn on_drop(&self, k: usize, need: u64) {
         let mut st = lock(&self.state);
         match st.slots[k].ts.phase {
+            Phase::Holding if st.bounded(k) => {
+                st.slots[k].ts.drop_pending = Some(need);
+                if !st.settling {
+                    st = self.settle(st);
+                }
+            }
             Phase::Holding => self.give_back(&mut st, k, need, false, true),
             // Not holding and not asking: a drop that crossed our (early) release, or an
             // arbiter that thinks we hold. Answering is harmless.
@@ -841,6 +914,74 @@ impl Client {
         self.cv.notify_all();
     }
 
+    /// Answers the drops of turns whose work may wait for another GPU's
+    /// ([`State::bounded`]): drains every held turn's queue with the gate closed, each
+    /// within [`PEER_SLICE`]. A queue that is not done may wait for what the
+    /// process's threads were about to submit to another GPU (NCCL from one thread
+    /// launches a collective's kernels device by device; a rank's step writes for its
+    /// peer, then waits): the gate then opens again for a slice, every turn still
+    /// held, and the drains are tried again, for [`PEER_WAIT`] in all. Then each turn
+    /// with a drop pending is given back: swapped out if its queue drained, else
+    /// released with its memory resident (its work may wait for a peer process that
+    /// the drop stopped too; waiting for it would hold this turn, and the peer's next
+    /// turn with it, for good). Drops that come meanwhile are answered here too.
+    fn settle<'a>(&'a self, mut st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        st.settling = true;
+        let start = Instant::now();
+        let drained = loop {
+            self.gate.close_and_wait();
+            let mut all = Drained::Yes;
+            for j in 0..st.slots.len() {
+                if !st.holding(j) || !st.slots[j].turn.claimed() {
+                    continue;
+                }
+                match st.slots[j].turn.res.drain_within(PEER_SLICE) {
+                    Ok(true) => {}
+                    Ok(false) => all = Drained::No,
+                    Err(e) => {
+                        crate::kerror!(
+                            "GPU {}: draining before a release failed with CUDA error {e}: nothing swapped out, its memory stays resident",
+                            st.slots[j].turn.info.ordinal
+                        );
+                        all = Drained::Stuck;
+                        break;
+                    }
+                }
+            }
+            if all != Drained::No {
+                break all;
+            }
+            if start.elapsed() >= PEER_WAIT {
+                break Drained::Stuck;
+            }
+            // Let the threads submit what the queues wait for, the turns still held.
+            self.open_gate(&st);
+            drop(st);
+            self.cv.notify_all();
+            std::thread::sleep(PEER_SLICE);
+            st = lock(&self.state);
+        };
+        self.gate.close_and_wait();
+        for j in 0..st.slots.len() {
+            let Some(need) = st.slots[j].ts.drop_pending.take() else {
+                continue;
+            };
+            match st.slots[j].ts.phase {
+                Phase::Holding => self.give_back_drained(&mut st, j, need, false, true, drained),
+                // Revoked meanwhile, or released: answering is harmless (see on_drop).
+                Phase::Idle => {
+                    let turn = st.slots[j].turn.clone();
+                    turn.send(&ClientMsg::Release(turn.usage()));
+                }
+                Phase::Requested => {}
+            }
+        }
+        st.settling = false;
+        // Turns still held and not dropped go on.
+        self.open_gate(&st);
+        st
+    }
+
     /// Drains, then evicts `need` bytes (saying `drained` in between when `announce`).
     /// A failed drain evicts nothing: work still
     /// queued may read or write the memory, so copying it out then unmapping it could
@@ -848,14 +989,34 @@ impl Client {
     /// caller's answer (`release`, `reclaimed`) says so; the arbiter then asks this
     /// idle client to evict with a `reclaim` when the next holder needs the room,
     /// which drains again.
-    fn drain_then_evict(turn: &Turn, need: u64, before: &str, announce: bool) {
-        match turn.res.drain() {
+    /// `limit`: the drain waits at most that long ([`State::bounded`]); not done by
+    /// then counts as failed.
+    fn drain_then_evict(
+        turn: &Turn,
+        need: u64,
+        before: &str,
+        announce: bool,
+        limit: Option<Duration>,
+    ) {
+        let r = match limit {
+            None => turn.res.drain(),
+            Some(l) => match turn.res.drain_within(l) {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(CUDA_ERROR_TIMEOUT),
+                Err(e) => Err(e),
+            },
+        };
+        match r {
             Ok(()) => {
                 if announce {
                     turn.send(&ClientMsg::Drained);
                 }
                 turn.evict(need)
             }
+            Err(CUDA_ERROR_TIMEOUT) => crate::kwarn!(
+                "GPU {}: its queued work still waits after {PEER_WAIT:?} before {before}, likely for a peer on another GPU that is not running now: nothing swapped out, its memory stays resident",
+                turn.info.ordinal
+            ),
             Err(e) if need > 0 => crate::kerror!(
                 "GPU {}: draining before {before} failed with CUDA error {e}: nothing swapped out, its memory stays resident",
                 turn.info.ordinal
@@ -871,7 +1032,8 @@ impl Client {
         let mut st = lock(&self.state);
         let turn = st.slots[k].turn.clone();
         if !st.holding(k) {
-            Self::drain_then_evict(&turn, need, "a reclaim", false);
+            let limit = st.bounded(k).then_some(PEER_WAIT);
+            Self::drain_then_evict(&turn, need, "a reclaim", false, limit);
             self.wake_pinning();
         }
         let u = turn.usage();
@@ -884,7 +1046,11 @@ impl Client {
         let mut st = lock(&self.state);
         self.gate.close_and_wait();
         let turn = st.slots[k].turn.clone();
-        let _ = turn.res.drain();
+        let _ = if st.bounded(k) {
+            turn.res.drain_within(PEER_WAIT).map(|_| ())
+        } else {
+            turn.res.drain()
+        };
         turn.res.set_backing_allowed(false);
         lock(&turn.view).stop(Instant::now());
         st.slots[k].ts.phase = Phase::Idle;
@@ -902,7 +1068,11 @@ impl Client {
                 waiting,
                 pipelined,
                 tq_ms,
-            } => self.on_grant(k, exclusive, waiting, pipelined, tq_ms),
+                group,
+            } => {
+                lock(&self.state).slots[k].ts.group = group;
+                self.on_grant(k, exclusive, waiting, pipelined, tq_ms)
+            }
             ArbiterMsg::Drop { need_bytes, .. } => self.on_drop(k, need_bytes),
             ArbiterMsg::Contended {
                 waiting,
@@ -1061,11 +1231,19 @@ impl Client {
                 || st.quiet_since.elapsed() >= self.env.idle)
         {
             // Not under the state lock: a drop or a waiting thread must not wait for it.
+            let bounded = st.bounded(k);
             drop(st);
             let settled = self.gate.wait_no_call_in_flight(SETTLE_MAX);
             let capturing = crate::capture::active();
             let start = Instant::now();
-            let r = turn.res.drain();
+            // A queue that may wait for another GPU's work is looked at, not waited
+            // for: not done within the slice is busy.
+            let mut whole = true;
+            let r = if bounded {
+                turn.res.drain_within(PEER_SLICE).map(|w| whole = w)
+            } else {
+                turn.res.drain()
+            };
             let end = Instant::now();
             st = lock(&self.state);
             match r {
@@ -1082,6 +1260,7 @@ impl Client {
             }
             let quiet = settled
                 && r.is_ok()
+                && whole
                 && self.gate.submissions() == subs
                 && !crate::gate::QUEUE_BOUND.syncing()
                 && !capturing
@@ -1092,6 +1271,7 @@ impl Client {
                 self.gate.pause();
             } else if settled
                 && r.is_ok()
+                && whole
                 && st.slots[k].ts.phase == Phase::Holding
                 && self.gate.submissions() != subs
                 && end - start >= MIN_WAITED_DRAIN

@@ -23,6 +23,7 @@ pub type Opaque = *const c_void;
 pub const CUDA_SUCCESS: CUresult = 0;
 pub const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
 pub const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
+pub const CUDA_ERROR_TIMEOUT: CUresult = 909;
 pub const CUDA_ERROR_OUT_OF_MEMORY: CUresult = 2;
 pub const CUDA_ERROR_NOT_INITIALIZED: CUresult = 3;
 pub const CUDA_ERROR_NO_DEVICE: CUresult = 100;

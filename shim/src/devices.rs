@@ -386,14 +386,21 @@ pub fn synchronize_current_within(limit: std::time::Duration) -> Result<bool, CU
     if ctx.is_null() {
         return Ok(true);
     }
-    drainer::drain(ctx, limit)
+    let Some(d) = current_device() else {
+        return synchronize_current().map(|()| true);
+    };
+    drainer::drain(d, ctx, limit).unwrap_or_else(|| synchronize_current().map(|()| true))
 }
 
-/// The thread that synchronizes a context for [`synchronize_current_within`].
+/// The threads that synchronize a context with a bound on the wait
+/// ([`synchronize_current_within`], [`Residency::drain_within`]): one lane per
+/// device, started at its first use, so a synchronization stuck on one GPU (its queue
+/// waits for a peer) does not hold back another GPU's.
 mod drainer {
     use std::sync::{Condvar, Mutex, OnceLock};
     use std::time::{Duration, Instant};
 
+    use super::MAX_DEVICES;
     use crate::cuda::{CUcontext, CUresult, CUDA_SUCCESS};
     use crate::real::call_real as call;
 
@@ -407,67 +414,85 @@ mod drainer {
         result: CUresult,
     }
 
-    static STATE: Mutex<State> = Mutex::new(State {
-        job: None,
-        asked: 0,
-        done: 0,
-        result: CUDA_SUCCESS,
-    });
-    static CHANGED: Condvar = Condvar::new();
-    static STARTED: OnceLock<bool> = OnceLock::new();
-
-    fn lock() -> std::sync::MutexGuard<'static, State> {
-        STATE.lock().unwrap_or_else(|p| p.into_inner())
+    struct Lane {
+        state: Mutex<State>,
+        changed: Condvar,
+        started: OnceLock<bool>,
     }
 
-    pub(super) fn drain(ctx: CUcontext, limit: Duration) -> Result<bool, CUresult> {
-        let started = *STARTED.get_or_init(|| {
+    static LANES: [Lane; MAX_DEVICES] = [const {
+        Lane {
+            state: Mutex::new(State {
+                job: None,
+                asked: 0,
+                done: 0,
+                result: CUDA_SUCCESS,
+            }),
+            changed: Condvar::new(),
+            started: OnceLock::new(),
+        }
+    }; MAX_DEVICES];
+
+    fn lock(lane: &Lane) -> std::sync::MutexGuard<'_, State> {
+        lane.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Synchronizes `ctx` (a context on device `d`) on `d`'s lane, waiting at most
+    /// `limit`; `Ok(false)`: not finished in time, or an earlier synchronization on
+    /// the lane is still running (it is waited for within the limit, and counts as
+    /// this one not finished). `None` when no thread could be started: the caller
+    /// waits itself.
+    pub(super) fn drain(
+        d: usize,
+        ctx: CUcontext,
+        limit: Duration,
+    ) -> Option<Result<bool, CUresult>> {
+        let lane: &'static Lane = LANES.get(d)?;
+        let started = *lane.started.get_or_init(|| {
             std::thread::Builder::new()
                 .name("kiwi-drainer".into())
-                .spawn(run)
+                .spawn(move || run(lane))
                 .is_ok()
         });
         if !started {
-            // No thread to wait on: wait here, as a one-GPU process does.
-            return super::synchronize_current().map(|()| true);
+            return None;
         }
         let deadline = Instant::now() + limit;
-        let mut s = lock();
-        // One at a time: an earlier synchronization still running is waited for
-        // (within the limit) and counts as this one not finished.
+        let mut s = lock(lane);
         let own = s.done == s.asked;
         if own {
             s.job = Some(ctx as usize);
             s.asked += 1;
-            CHANGED.notify_all();
+            lane.changed.notify_all();
         }
         let want = s.asked;
         while s.done < want {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Ok(false);
+                return Some(Ok(false));
             }
-            s = CHANGED
+            s = lane
+                .changed
                 .wait_timeout(s, left)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        match s.result {
+        Some(match s.result {
             _ if !own => Ok(false),
             CUDA_SUCCESS => Ok(true),
             e => Err(e),
-        }
+        })
     }
 
-    fn run() {
+    fn run(lane: &'static Lane) {
         loop {
             let ctx = {
-                let mut s = lock();
+                let mut s = lock(lane);
                 loop {
                     if let Some(c) = s.job.take() {
                         break c;
                     }
-                    s = CHANGED.wait(s).unwrap_or_else(|p| p.into_inner());
+                    s = lane.changed.wait(s).unwrap_or_else(|p| p.into_inner());
                 }
             };
             let r = crate::ffi::inside(|| {
@@ -476,10 +501,10 @@ mod drainer {
                 let _ = call!(cuCtxSetCurrent: fn(CUcontext)(std::ptr::null_mut()));
                 r
             });
-            let mut s = lock();
+            let mut s = lock(lane);
             s.result = r.err().unwrap_or(CUDA_SUCCESS);
             s.done = s.asked;
-            CHANGED.notify_all();
+            lane.changed.notify_all();
         }
     }
 }
@@ -1179,6 +1204,33 @@ impl Residency for DeviceResidency {
     /// [`crate::capture::CAPTURE_WAIT`]. The idle detector drains with the gate open:
     /// for it a capture in progress is work in progress, and the drain returns after
     /// [`crate::capture::IDLE_PROBE`], which it reads as busy.
+    /// [`Self::drain`], waiting at most `limit` for the context's queue (on the
+    /// device's drainer lane, which goes on waiting in the background): `Ok(false)`
+    /// when it did not finish in time, or a capture did not end within
+    /// [`crate::capture::CAPTURE_WAIT`].
+    fn drain_within(&self, limit: std::time::Duration) -> Result<bool, CUresult> {
+        crate::ffi::inside(|| match AppContext::enter(self.0) {
+            Some(_ctx) => {
+                let ctx = current_context();
+                let app = APP_CTX[self.0].load(Ordering::Acquire);
+                let done = std::cell::Cell::new(false);
+                let sync = || {
+                    let whole = drainer::drain(self.0, ctx, limit)
+                        .unwrap_or_else(|| call!(cuCtxSynchronize: fn()()).map(|()| true))?;
+                    if whole {
+                        synchronize_others(self.0, app)?;
+                    }
+                    done.set(whole);
+                    Ok(())
+                };
+                match crate::capture::sync_when_quiet(crate::capture::CAPTURE_WAIT, sync) {
+                    Err(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) => Ok(false),
+                    r => r.map(|()| done.get()),
+                }
+            }
+            None => Ok(true),
+        })
+    }
     fn drain(&self) -> Result<(), CUresult> {
         crate::ffi::inside(|| match AppContext::enter(self.0) {
             Some(_ctx) => {

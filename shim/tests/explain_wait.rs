@@ -236,6 +236,7 @@ fn a_shim_registers_with_an_arbiter_that_predates_wait_info() {
                         tq_ms: 1000,
                         waiting: 0,
                         pipelined: false,
+                        group: false,
                     });
                 }
             }

@@ -786,6 +786,7 @@ fn drop_every_grant(dir: &Path) -> std::thread::JoinHandle<FakeCounts> {
                             tq_ms: 3,
                             waiting: 1,
                             pipelined: false,
+                            group: false,
                         })
                         .unwrap();
                         std::thread::sleep(Duration::from_millis(1));

@@ -222,14 +222,12 @@ fn all_verified(kids: Vec<(&str, std::process::Child)>, limit: Duration) {
 /// six finish and verify every byte, and every group turn starts on both GPUs in
 /// one step.
 ///
-/// Ignored in the suite: it hung in 1 run of 4 on this 2-core machine (all six
-/// killed at 150 s). A group drop that lands between the two ranks' submissions of a
-/// step leaves the first rank's drain waiting for its peer, which the closed gate
-/// holds back until the group's next turn; when both jobs are caught so, each holds
-/// memory the other's peer needs (`docs/shim.md`, limits). Run it with
-/// `cargo test -p kiwi-tests --test gang -- --ignored`.
+/// It hung in 1 run of 4 before a drop's drain was bounded in a group's turn: a
+/// group drop that lands between the two ranks' submissions of a step leaves the
+/// first rank's drain waiting for its peer, which the closed gate holds back until
+/// the group's next turn (`docs/shim.md`, limits). Now that rank releases with its
+/// memory resident after the bound, and its work finishes in the group's next turn.
 #[test]
-#[ignore = "known hang (#41): a drop between the ranks' step submissions; see the doc comment"]
 fn crosswise_exchanging_jobs_and_notebooks_finish_and_verify_under_kiwi() {
     use kiwi_sim_core::harness::SimMachine;
     const MIB: u64 = 1 << 20;
@@ -333,4 +331,52 @@ fn one_process_with_both_ranks_is_not_held_up_by_its_own_queue_bound() {
     ];
     let kids = vec![("both", gpuburst(&m, &arb, None, &args))];
     all_verified(kids, Duration::from_secs(120));
+}
+
+/// One process with both ranks of a 2-GPU job (`--exchange F:both`) beside a
+/// notebook on each GPU, TQ 0.1 s. The job never pauses (so never releases early),
+/// and its group turn is dropped many times, often between GPU 0's part of a step (a
+/// write, then a wait for GPU 1's write) and GPU 1's (60 ms of kernels, then its
+/// write). The drop's drain must let the thread submit GPU 1's part (the gate opens
+/// again while both turns are held) instead of waiting for it behind the closed gate:
+/// it did wait, for good (the process hung; `docs/shim.md`, limits). All three finish
+/// and verify every byte.
+#[test]
+fn a_process_on_two_gpus_dropped_between_its_parts_of_a_step_finishes() {
+    use kiwi_sim_core::harness::SimMachine;
+    const MIB: u64 = 1 << 20;
+    let m = SimMachine::new("gang-both-drops", 2, 1024 * MIB).unwrap_or_else(|e| panic!("{e}"));
+    let arb = Arbiter::start(&["--tq", "0.1", "--grace-ms", "10000"]);
+    let dir = tempfile::tempdir().unwrap();
+    let ex = format!("{}:both", dir.path().join("X").display());
+    let mut kids = Vec::new();
+    for (name, dev) in [("notebook-0", "0"), ("notebook-1", "1")] {
+        let notebook = format!(
+            "--mem 600MiB --bursts 4 --gpu-ms 100 --cpu-ms 40 --device {dev} --name {name}"
+        );
+        let a: Vec<&str> = notebook.split(' ').collect();
+        kids.push((name, gpuburst(&m, &arb, None, &a)));
+    }
+    let job = format!(
+        "--mem 600MiB --gpu-ms 60 --cpu-ms 0 --bursts 30 --kernel-us 500 --device 0,1 \
+         --name both --exchange {ex} --exchange-timeout-ms 60000"
+    );
+    let a: Vec<&str> = job.split_whitespace().collect();
+    kids.push(("both", gpuburst(&m, &arb, None, &a)));
+    all_verified(kids, Duration::from_secs(120));
+    // The job's turns were taken back at their quantum's end, mid-step.
+    let ev = arb.events();
+    let tq_drops = ev
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.kind,
+                EventKind::Drop {
+                    reason: kiwi_protocol::DropReason::TqExpired,
+                    ..
+                }
+            )
+        })
+        .count();
+    assert!(tq_drops >= 4, "turns changed hands: {tq_drops} drops");
 }

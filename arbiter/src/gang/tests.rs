@@ -22,6 +22,8 @@ struct Node {
     drops: Vec<(Nanos, ClientId)>,
     /// Grants seen: (when, client, GPU).
     grants: Vec<(Nanos, ClientId, String)>,
+    /// Each client's last grant's `group` flag.
+    group_flag: BTreeMap<ClientId, bool>,
     turns_logged: Vec<(Nanos, String, String)>,
     now: Nanos,
     /// How long a dropped client takes to release.
@@ -52,6 +54,7 @@ impl Node {
             holding: BTreeSet::new(),
             drops: Vec::new(),
             grants: Vec::new(),
+            group_flag: BTreeMap::new(),
             turns_logged: Vec::new(),
             now: 1_000 * MS,
             release_after: 5 * MS,
@@ -67,7 +70,8 @@ impl Node {
     fn apply_gpu(&mut self, gpu: &str, outs: Vec<Output>) {
         for o in outs {
             match o {
-                Output::Send(id, ArbiterMsg::Grant { .. }) => {
+                Output::Send(id, ArbiterMsg::Grant { group, .. }) => {
+                    self.group_flag.insert(id, group);
                     self.holding.insert(id);
                     self.grants.push((self.now, id, gpu.to_string()));
                 }
@@ -254,6 +258,23 @@ fn crosswise_jobs_and_notebooks_take_whole_turns() {
     let j_grants = n.grants.iter().filter(|g| g.1 == 1).count();
     assert_eq!(j_turns, 2 * j_grants);
     assert!(n.gangs.turns() >= 6);
+}
+
+#[test]
+fn grants_in_a_group_turn_say_so_and_others_do_not() {
+    let mut n = Node::job_beside_notebooks();
+    n.request(1);
+    n.request(2);
+    n.request(5);
+    assert_eq!(n.group_flag.get(&1), Some(&true));
+    assert_eq!(n.group_flag.get(&2), Some(&true));
+    let t0 = n.now;
+    n.run_until(t0 + 500 * MS, |_, _| {});
+    assert_eq!(
+        n.group_flag.get(&5),
+        Some(&false),
+        "the notebook's own turn"
+    );
 }
 
 #[test]
