@@ -37,7 +37,9 @@
 //!   holds nor waits, has memory resident and has sent nothing for the idle time is
 //!   asked to reclaim all of it, one at a time, least recently seen first, only while
 //!   no hand-off is under way (no drop outstanding, nobody draining, no reclaim
-//!   younger than the grace unanswered). `pipelined` clients hear `pressure` whenever
+//!   younger than the grace unanswered), and never a member of a group whose turn
+//!   has this GPU (it released early and comes back in that turn; its peers may be
+//!   waiting for it). `pipelined` clients hear `pressure` whenever
 //!   the GPU starts or stops being oversubscribed, and at registration if it is.
 //! - After an arbiter restart a client may say it still holds the GPU (`resume
 //!   {holding}`). The claim is believed only while nothing can refute it: inside the
@@ -1659,6 +1661,7 @@ impl GpuScheduler {
                     && c.reclaim_pending == 0
                     && !self.holders.contains_key(id)
                     && !self.draining.contains_key(id)
+                    && !self.in_group_turn(c.gang)
             })
             .map(|(&id, c)| (c.last_seen.saturating_add(self.idle_evict_ns), id))
             .min()

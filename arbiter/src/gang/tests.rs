@@ -24,6 +24,8 @@ struct Node {
     grants: Vec<(Nanos, ClientId, String)>,
     /// Each client's last grant's `group` flag.
     group_flag: BTreeMap<ClientId, bool>,
+    /// Reclaims sent: (when, client).
+    reclaims: Vec<(Nanos, ClientId)>,
     turns_logged: Vec<(Nanos, String, String)>,
     now: Nanos,
     /// How long a dropped client takes to release.
@@ -55,6 +57,7 @@ impl Node {
             drops: Vec::new(),
             grants: Vec::new(),
             group_flag: BTreeMap::new(),
+            reclaims: Vec::new(),
             turns_logged: Vec::new(),
             now: 1_000 * MS,
             release_after: 5 * MS,
@@ -77,6 +80,9 @@ impl Node {
                 }
                 Output::Send(id, ArbiterMsg::Drop { .. }) => {
                     self.drops.push((self.now + self.release_after, id));
+                }
+                Output::Send(id, ArbiterMsg::Reclaim { .. }) => {
+                    self.reclaims.push((self.now, id));
                 }
                 Output::Send(id, ArbiterMsg::Revoked { .. }) => {
                     self.holding.remove(&id);
@@ -274,6 +280,71 @@ fn grants_in_a_group_turn_say_so_and_others_do_not() {
         n.group_flag.get(&5),
         Some(&false),
         "the notebook's own turn"
+    );
+}
+
+#[test]
+fn a_member_idle_in_its_groups_turn_is_not_evicted_until_the_turn_ends() {
+    let mut n = Node::new(&["a", "b"], 300);
+    for s in n.scheds.values_mut() {
+        *s = std::mem::replace(
+            s,
+            GpuScheduler::new(
+                10 * GIB,
+                10 * GIB,
+                Settings {
+                    scheduler_on: true,
+                    tq_ms: 300,
+                },
+                2_000,
+            ),
+        )
+        .with_idle_evict(50);
+    }
+    n.add(1, "a", Some("J"), 6 * GIB);
+    n.add(2, "b", Some("J"), 6 * GIB);
+    n.add(5, "a", None, 6 * GIB);
+    n.add(6, "b", None, 6 * GIB);
+    // All four, idle since registration, are evicted one by one; they answer.
+    for _ in 0..4 {
+        let t = n.now;
+        n.run_until(t + 100 * MS, |_, _| {});
+        for (_, id) in std::mem::take(&mut n.reclaims) {
+            let gpu = n.gpu_of(id);
+            let swapped = Usage {
+                working_set_bytes: 6 * GIB,
+                resident_bytes: 0,
+            };
+            n.on(&gpu, |s, now| s.reclaimed(now, id, swapped));
+        }
+    }
+    n.reclaims.clear();
+    n.request(1);
+    n.request(2);
+    n.request(6);
+    // Rank 1 goes idle early, nobody waiting on a, so it keeps its memory resident
+    // (its GPU stays J's); rank 2 works on; 6 waits on b.
+    n.holding.remove(&1);
+    let usage = Usage {
+        working_set_bytes: 6 * GIB,
+        resident_bytes: 6 * GIB,
+    };
+    n.on("a", |s, now| s.release(now, 1, usage));
+    let t0 = n.now;
+    n.run_until(t0 + 250 * MS, |_, _| {});
+    assert!(
+        !n.reclaims.iter().any(|r| r.1 == 1),
+        "rank 1 was evicted in its group's turn: {:?}",
+        n.reclaims
+    );
+    // The turn ends at its quantum (6 waits); then rank 1, idle on a GPU taken in
+    // turns, is evicted like anyone idle.
+    n.run_until(t0 + 2_000 * MS, |_, _| {});
+    assert!(n.holding.contains(&6));
+    assert!(
+        n.reclaims.iter().any(|r| r.1 == 1),
+        "rank 1 idle after its group's turn: {:?}",
+        n.reclaims
     );
 }
 

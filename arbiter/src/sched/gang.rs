@@ -106,6 +106,15 @@ impl GpuScheduler {
                 }))
     }
 
+    /// Whether this GPU is reserved for the turn of group `gang` (claimed, running or
+    /// ending): its idle members are not evicted meanwhile.
+    pub(super) fn in_group_turn(&self, gang: Option<GangId>) -> bool {
+        match (self.reserve, gang) {
+            (Reserve::Claimed(r) | Reserve::Running(r), Some(g)) => r == g,
+            _ => false,
+        }
+    }
+
     // ---- what the node's gang coordinator asks and sets ----------------------
 
     /// Client `id` belongs to group `gang` (`None`: to none that spans GPUs).
