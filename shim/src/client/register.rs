@@ -156,9 +156,7 @@ pub(super) fn register_once(
         bounds,
         // The newest field goes with the next newest: an arbiter that refuses it is
         // asked again without both.
-        group: std::env::var("KIWI_GROUP")
-            .ok()
-            .filter(|g| bounds && !g.is_empty()),
+        group: job_group(|k| std::env::var(k).ok()).filter(|_| bounds),
     }))?;
     let (capacity, swap_budget) = match conn.recv()? {
         ArbiterMsg::Registered {
@@ -268,4 +266,63 @@ pub(super) fn next_message(
     }
     // Readable (or closed): reads what is there without waiting more than a moment.
     conn.recv_timeout(Duration::from_millis(1))
+}
+
+/// The job this process belongs to, as it registers (`group`): `KIWI_GROUP` when set
+/// (set and empty: none); else, for the ranks of a `torch.distributed` job
+/// (`torchrun`, or a launcher that sets the `env://` rendezvous), its rendezvous
+/// address, which every rank of one job shares and no other job does at the same
+/// time: ranks started on the host without `kiwictl run` or `KIWI_GROUP` are then
+/// still granted their GPUs together (a rank that held its GPU while its peer waited
+/// for another would spin in its collectives). The arbiter scopes the key to the
+/// process's tenant. `None` for a key the protocol would refuse (too long, control
+/// characters): the process is then its own job.
+fn job_group(env: impl Fn(&str) -> Option<String>) -> Option<String> {
+    let key = match env("KIWI_GROUP") {
+        Some(g) => g,
+        None => match (env("MASTER_ADDR"), env("MASTER_PORT")) {
+            (Some(a), Some(p)) if !a.is_empty() && !p.is_empty() => {
+                format!("torch.distributed {a}:{p}")
+            }
+            _ => return None,
+        },
+    };
+    (!key.is_empty() && kiwi_protocol::check_text("group", &key).is_ok()).then_some(key)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::job_group;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn the_job_is_named_by_kiwi_group_else_by_the_torch_rendezvous() {
+        assert_eq!(
+            job_group(env(&[("KIWI_GROUP", "train")])),
+            Some("train".into())
+        );
+        let torch = [("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")];
+        assert_eq!(
+            job_group(env(&torch)),
+            Some("torch.distributed 127.0.0.1:29500".into())
+        );
+        // KIWI_GROUP wins, and set empty names no group at all.
+        let both = [("KIWI_GROUP", "mine"), torch[0], torch[1]];
+        assert_eq!(job_group(env(&both)), Some("mine".into()));
+        let off = [("KIWI_GROUP", ""), torch[0], torch[1]];
+        assert_eq!(job_group(env(&off)), None);
+        // Half a rendezvous, none, or one the protocol would refuse: no group.
+        assert_eq!(job_group(env(&[torch[0]])), None);
+        assert_eq!(job_group(env(&[])), None);
+        let long = "x".repeat(10_000);
+        assert_eq!(job_group(env(&[("MASTER_ADDR", &long), torch[1]])), None);
+        assert_eq!(job_group(env(&[("KIWI_GROUP", "a\nb")])), None);
+    }
 }
