@@ -181,6 +181,17 @@ fn gpuburst(
     group: Option<&str>,
     args: &[&str],
 ) -> std::process::Child {
+    let env: Vec<(&str, &str)> = group.map(|g| ("KIWI_GROUP", g)).into_iter().collect();
+    gpuburst_env(m, arb, &env, args)
+}
+
+/// [`gpuburst`] with `env` set (and none of the variables that name a job otherwise).
+fn gpuburst_env(
+    m: &kiwi_sim_core::harness::SimMachine,
+    arb: &Arbiter,
+    env: &[(&str, &str)],
+    args: &[&str],
+) -> std::process::Child {
     let mut c = std::process::Command::new(kiwi_tests::bin("gpuburst"));
     m.apply(&mut c)
         .args(args)
@@ -189,11 +200,11 @@ fn gpuburst(
         .env("KIWI_SOCKET_DIR", arb.socket_dir())
         .env("KIWI_REQUIRE_ARBITER", "1")
         .env_remove("KIWI_GROUP")
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
-    if let Some(g) = group {
-        c.env("KIWI_GROUP", g);
-    }
     c.spawn().expect("spawn gpuburst")
 }
 
@@ -244,18 +255,22 @@ fn crosswise_exchanging_jobs_and_notebooks_finish_and_verify_under_kiwi() {
         a.extend(["--device", dev, "--name", name]);
         kids.push((name, gpuburst(&m, &arb, None, &a)));
     }
-    // Job J: rank 0 on GPU 0, rank 1 on GPU 1; job K crosswise.
+    // Job J: rank 0 on GPU 0, rank 1 on GPU 1, named by KIWI_GROUP; job K
+    // crosswise, named only by its torch.distributed rendezvous, as torchrun's ranks
+    // on the host are.
     let (j0, j1, k0, k1) = (file("J", 0), file("J", 1), file("K", 0), file("K", 1));
-    for (name, group, dev, ex) in [
-        ("J0", "J", "0", &j0),
-        ("J1", "J", "1", &j1),
-        ("K0", "K", "1", &k0),
-        ("K1", "K", "0", &k1),
+    let j = [("KIWI_GROUP", "J")];
+    let k = [("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29577")];
+    for (name, env, dev, ex) in [
+        ("J0", &j[..], "0", &j0),
+        ("J1", &j[..], "1", &j1),
+        ("K0", &k[..], "1", &k0),
+        ("K1", &k[..], "0", &k1),
     ] {
         let mut a = steps.to_vec();
         a.extend(["--device", dev, "--name", name, "--exchange", ex]);
         a.extend(["--exchange-timeout-ms", "90000"]);
-        kids.push((name, gpuburst(&m, &arb, Some(group), &a)));
+        kids.push((name, gpuburst_env(&m, &arb, env, &a)));
     }
     all_verified(kids, Duration::from_secs(150));
 
@@ -273,6 +288,12 @@ fn crosswise_exchanging_jobs_and_notebooks_finish_and_verify_under_kiwi() {
         })
         .collect();
     assert!(turns.len() >= 4, "both jobs had turns: {turns:?}");
+    for job in ["/ J", "/ torch.distributed 127.0.0.1:29577"] {
+        assert!(
+            turns.iter().any(|t| t.1.ends_with(job)),
+            "job {job} had group turns: {turns:?}"
+        );
+    }
     for pair in turns.chunks(2) {
         assert!(
             pair.len() == 2 && pair[0].1 == pair[1].1 && pair[0].2 != pair[1].2,
