@@ -104,6 +104,9 @@ pub struct Gangs {
     freeing: BTreeSet<String>,
     /// Group turns started since the arbiter started.
     turns: u64,
+    /// GPUs whose outsiders' drops are aligned to a claiming group's last quantum
+    /// end ([`GpuScheduler::set_claim_aligned`]).
+    aligned: BTreeSet<String>,
 }
 
 impl Gangs {
@@ -238,7 +241,11 @@ impl Gangs {
     /// for waiting groups, starts turns whose GPUs are ready. Cheap without groups.
     pub fn step(&mut self, scheds: &mut impl Scheds, now: Nanos) -> Outs {
         let mut outs = Vec::new();
-        if self.groups.is_empty() && self.wanted.is_empty() && self.freeing.is_empty() {
+        if self.groups.is_empty()
+            && self.wanted.is_empty()
+            && self.freeing.is_empty()
+            && self.aligned.is_empty()
+        {
             return outs;
         }
         let ids: Vec<GangId> = self.groups.keys().copied().collect();
@@ -392,6 +399,43 @@ impl Gangs {
                 outs.push((u.clone(), s.set_reserve(now, Reserve::Free)));
             }
         }
+
+        // 3b. A group that claims all its GPUs waits for the last of the holders
+        //     outside it: the others are dropped no sooner, so their GPUs do not
+        //     idle meanwhile (with per-GPU quanta out of step, each GPU of a
+        //     2-GPU job idled up to a quantum before every turn of the job).
+        let mut aligned: BTreeMap<String, Nanos> = BTreeMap::new();
+        for &(_, _, gid) in &waiting {
+            let g = &self.groups[&gid];
+            if g.turn != Turn::Claimed || g.reserved != g.gpus() {
+                continue;
+            }
+            let ends: Vec<Nanos> = g
+                .reserved
+                .iter()
+                .filter_map(|u| scheds.sched(u).and_then(|s| s.outsider_quantum_end(gid)))
+                .collect();
+            if ends.len() < 2 {
+                continue;
+            }
+            let last = ends.iter().copied().max().expect("two");
+            for u in &g.reserved {
+                aligned.insert(u.clone(), last);
+            }
+        }
+        for u in std::mem::take(&mut self.aligned) {
+            if !aligned.contains_key(&u) {
+                if let Some(s) = scheds.sched(&u) {
+                    outs.push((u.clone(), s.set_claim_aligned(now, None)));
+                }
+            }
+        }
+        for (u, &t) in &aligned {
+            if let Some(s) = scheds.sched(u) {
+                outs.push((u.clone(), s.set_claim_aligned(now, Some(t))));
+            }
+        }
+        self.aligned = aligned.into_keys().collect();
 
         // 4. Start the turns whose GPUs are all claimed and ready.
         for &(_, _, gid) in &waiting {

@@ -313,6 +313,10 @@ pub struct GpuScheduler {
     /// waits for this GPU while another group has it.
     reserve: Reserve,
     gang_wanted: bool,
+    /// While a group claims this GPU: the holders outside it are not dropped before
+    /// this (the latest quantum end on the group's other GPUs), so it is not left
+    /// idle while the group waits for them ([`GpuScheduler::set_claim_aligned`]).
+    claim_aligned: Option<Nanos>,
     out: Vec<Output>,
 }
 
@@ -406,6 +410,7 @@ impl GpuScheduler {
             oversubscribed_at: 0,
             reserve: Reserve::Free,
             gang_wanted: false,
+            claim_aligned: None,
             out: Vec::new(),
         }
     }
@@ -1374,10 +1379,10 @@ impl GpuScheduler {
             }
         }
         if !self.shared_mode() {
-            for h in self.holders.values() {
+            for (&id, h) in &self.holders {
                 match self.grace_end(h) {
                     Some(end) => at(end),
-                    None if self.contended_now() => at(self.quantum_end(h)),
+                    None if self.contended_now() => at(self.drop_due(id, h)),
                     None => {}
                 }
             }
@@ -1974,7 +1979,7 @@ impl GpuScheduler {
             let due: Vec<ClientId> = self
                 .holders
                 .iter()
-                .filter(|(_, h)| h.drop_sent.is_none() && now >= self.quantum_end(h))
+                .filter(|(&id, h)| h.drop_sent.is_none() && now >= self.drop_due(id, h))
                 .map(|(id, _)| *id)
                 .collect();
             for id in due {

@@ -26,6 +26,8 @@ struct Node {
     group_flag: BTreeMap<ClientId, bool>,
     /// Reclaims sent: (when, client).
     reclaims: Vec<(Nanos, ClientId)>,
+    /// Drops sent: (when, client).
+    dropped_at: Vec<(Nanos, ClientId)>,
     turns_logged: Vec<(Nanos, String, String)>,
     now: Nanos,
     /// How long a dropped client takes to release.
@@ -58,6 +60,7 @@ impl Node {
             grants: Vec::new(),
             group_flag: BTreeMap::new(),
             reclaims: Vec::new(),
+            dropped_at: Vec::new(),
             turns_logged: Vec::new(),
             now: 1_000 * MS,
             release_after: 5 * MS,
@@ -79,6 +82,7 @@ impl Node {
                     self.grants.push((self.now, id, gpu.to_string()));
                 }
                 Output::Send(id, ArbiterMsg::Drop { .. }) => {
+                    self.dropped_at.push((self.now, id));
                     self.drops.push((self.now + self.release_after, id));
                 }
                 Output::Send(id, ArbiterMsg::Reclaim { .. }) => {
@@ -346,6 +350,33 @@ fn a_member_idle_in_its_groups_turn_is_not_evicted_until_the_turn_ends() {
         "rank 1 idle after its group's turn: {:?}",
         n.reclaims
     );
+}
+
+#[test]
+fn a_claim_drops_the_holders_on_the_groups_gpus_together_at_the_last_quantum_end() {
+    let mut n = Node::job_beside_notebooks();
+    let t0 = n.now;
+    n.request(5);
+    n.now = t0 + 60 * MS;
+    n.request(6);
+    n.now = t0 + 10 * MS;
+    n.request(1);
+    n.request(2);
+    n.run_until(t0 + 400 * MS, |_, _| {});
+    let at = |id| {
+        n.dropped_at
+            .iter()
+            .find(|d| d.1 == id)
+            .map(|d| (d.0 - t0) / MS)
+    };
+    // Notebook 5's quantum ended at 100 ms, 6's at 160 ms: GPU a did not idle from
+    // 100 ms on waiting for b; both were dropped at 160 ms.
+    assert_eq!(at(5), Some(160), "notebook 5 dropped");
+    assert_eq!(at(6), Some(160), "notebook 6 dropped");
+    let g1 = n.grants.iter().find(|g| g.1 == 1).map(|g| (g.0 - t0) / MS);
+    let g2 = n.grants.iter().find(|g| g.1 == 2).map(|g| (g.0 - t0) / MS);
+    assert_eq!(g1, g2, "the job's ranks start together");
+    assert_eq!(g1, Some(165), "right after both released");
 }
 
 #[test]

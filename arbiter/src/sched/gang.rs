@@ -115,7 +115,46 @@ impl GpuScheduler {
         }
     }
 
+    /// When holder `id`'s quantum ends for the purpose of a drop: its own end, or,
+    /// while a group claims the GPU and `id` is outside it, no sooner than the
+    /// claim's alignment.
+    pub(super) fn drop_due(&self, id: ClientId, h: &Hold) -> Nanos {
+        let end = self.quantum_end(h);
+        match (self.reserve, self.claim_aligned) {
+            (Reserve::Claimed(g), Some(t)) if self.gang_of(id) != Some(g) => end.max(t),
+            _ => end,
+        }
+    }
+
     // ---- what the node's gang coordinator asks and sets ----------------------
+
+    /// When the last holder outside group `g` here reaches its quantum's end (none
+    /// asked to drop yet); `None`: none holds, or one is already handing over.
+    pub fn outsider_quantum_end(&self, g: GangId) -> Option<Nanos> {
+        let mut out = None;
+        for (&id, h) in &self.holders {
+            if self.gang_of(id) == Some(g) || !h.exclusive {
+                continue;
+            }
+            if h.drop_sent.is_some() {
+                return None;
+            }
+            out = out.max(Some(self.quantum_end(h)));
+        }
+        out
+    }
+
+    /// A group claims all its GPUs and the holders outside it there reach their
+    /// quanta's ends at different times: none is dropped before `t`, the latest, so
+    /// that no GPU of the group idles while it waits for another (the group's turn
+    /// could not start before anyway). `None`: each at its own end.
+    pub fn set_claim_aligned(&mut self, now: Nanos, t: Option<Nanos>) -> Vec<Output> {
+        if self.claim_aligned == t {
+            return Vec::new();
+        }
+        self.claim_aligned = t;
+        self.finish(now)
+    }
 
     /// Client `id` belongs to group `gang` (`None`: to none that spans GPUs).
     pub fn set_gang(&mut self, now: Nanos, id: ClientId, gang: Option<GangId>) -> Vec<Output> {
