@@ -5,6 +5,7 @@
 #
 #   scripts/gang-crosswise.sh            group turns (the ranks share KIWI_GROUP)
 #   GROUPED= scripts/gang-crosswise.sh   per-GPU turns (each rank on its own)
+#   CROSS= scripts/gang-crosswise.sh     job J and the notebooks only (no job K)
 #   TQ=2 LIMIT=150 BURSTS=5 GPUMS=2000 IDLEMS=2000 ...
 #
 # Prints how long the six took (or that some were still running at LIMIT seconds,
@@ -20,7 +21,7 @@ export LD_LIBRARY_PATH=$R/sim
 "$R/kiwi-arbiter" --socket-dir "$W/s" --tq "${TQ:-5}" >"$W/arbiter.log" 2>&1 &
 ARB=$!
 for _ in $(seq 100); do [ -S "$W/s/client/arbiter.sock" ] && break; sleep 0.05; done
-MEM=$(((((2 << 30) - 3 * (300 << 20)) / 100) * 55))
+MEM=${MEM:-$(((((2 << 30) - 2 * (300 << 20)) / 100) * 55))}
 run() { # name device group exchange
     env -u KIWI_GROUP ${3:+KIWI_GROUP=$3} LD_PRELOAD="$R/libkiwi.so" KIWI_SOCKET_DIR="$W/s" \
         KIWI_REQUIRE_ARBITER=1 "$R/gpuburst" --mem "$MEM" --bursts "${BURSTS:-5}" \
@@ -32,22 +33,26 @@ run() { # name device group exchange
 G=${GROUPED-1}
 run J0 0 "${G:+J}" J:0
 run J1 1 "${G:+J}" J:1
-run K0 1 "${G:+K}" K:0
-run K1 0 "${G:+K}" K:1
+PROCS="J0 J1 N0 N1"
+if [ -n "${CROSS-1}" ]; then
+    run K0 1 "${G:+K}" K:0
+    run K1 0 "${G:+K}" K:1
+    PROCS="$PROCS K0 K1"
+fi
 run N0 0 "" ""
 run N1 1 "" ""
 T0=$(date +%s)
 n=6
 while [ $(($(date +%s) - T0)) -lt "${LIMIT:-150}" ]; do
     n=0
-    for p in J0 J1 K0 K1 N0 N1; do kill -0 "$(cat "$W/$p.pid")" 2>/dev/null && n=$((n + 1)); done
+    for p in $PROCS; do kill -0 "$(cat "$W/$p.pid")" 2>/dev/null && n=$((n + 1)); done
     [ "$n" = 0 ] && break
     sleep 1
 done
 echo "elapsed $(($(date +%s) - T0)) s, still running: $n"
 KIWI_SOCKET_DIR="$W/s" "$R/kiwictl" status >"$W/status.txt" 2>&1
 KIWI_SOCKET_DIR="$W/s" "$R/kiwictl" events >"$W/events.jsonl" 2>&1
-for p in J0 J1 K0 K1 N0 N1; do kill -9 "$(cat "$W/$p.pid")" 2>/dev/null; done
+for p in $PROCS; do kill -9 "$(cat "$W/$p.pid")" 2>/dev/null; done
 kill "$ARB"
 wait 2>/dev/null
 grep -L '"ok":true' "$W"/*.out | sed 's/^/not verified: /'

@@ -415,10 +415,9 @@ impl Gangs {
                 .iter()
                 .filter_map(|u| scheds.sched(u).and_then(|s| s.outsider_quantum_end(gid)))
                 .collect();
-            if ends.len() < 2 {
+            let Some(last) = ends.iter().copied().max() else {
                 continue;
-            }
-            let last = ends.iter().copied().max().expect("two");
+            };
             for u in &g.reserved {
                 aligned.insert(u.clone(), last);
             }

@@ -231,6 +231,9 @@ struct Hold {
     /// Bytes reclaimed from others for its growth within this hold
     /// ([`GpuScheduler::growth_ask`]).
     grown: u64,
+    /// Granted on a GPU a group had claimed, until the group's turn could start
+    /// ([`GpuScheduler::drop_due`]): it holds no longer than the claim's alignment.
+    backfill: bool,
 }
 
 /// How slow a swap-out may be before its drainer loses its turn: 1 ns a byte, 1 GB/s.
@@ -806,6 +809,7 @@ impl GpuScheduler {
                         learned: false,
                         swap_allowance: 0,
                         grown: 0,
+                        backfill: false,
                     },
                 );
                 self.log(
@@ -1503,6 +1507,7 @@ impl GpuScheduler {
                 learned: false,
                 swap_allowance: 0,
                 grown: 0,
+                backfill: matches!(self.reserve, Reserve::Claimed(_)),
             },
         );
         c.revoked = false;
@@ -1540,7 +1545,7 @@ impl GpuScheduler {
             return;
         }
         // The first in line that the GPU's reservation allows ([`gang`]).
-        let Some(next) = self.next_in_line() else {
+        let Some(next) = self.next_in_line(now) else {
             return;
         };
         // A checkpointed process is restored before its turn.

@@ -380,6 +380,51 @@ fn a_claim_drops_the_holders_on_the_groups_gpus_together_at_the_last_quantum_end
 }
 
 #[test]
+fn a_gpu_claimed_while_the_group_waits_for_another_is_filled_until_then() {
+    let mut n = Node::job_beside_notebooks();
+    let t0 = n.now;
+    n.request(6);
+    n.now = t0 + MS;
+    n.request(1);
+    n.request(2);
+    // J claims a and b; it waits for 6's quantum on b (100 ms). Notebook 5 asks for
+    // a meanwhile: a would idle 99 ms, so 5 fills it until then.
+    n.now = t0 + 2 * MS;
+    n.request(5);
+    assert!(n.holding.contains(&5), "5 fills the claimed GPU");
+    n.run_until(t0 + 400 * MS, |_, _| {});
+    let dropped = |id| {
+        n.dropped_at
+            .iter()
+            .find(|d| d.1 == id)
+            .map(|d| (d.0 - t0) / MS)
+    };
+    assert_eq!(dropped(5), Some(100), "5 gives a back when J can start");
+    assert_eq!(dropped(6), Some(100));
+    let g1 = n.grants.iter().find(|g| g.1 == 1).map(|g| (g.0 - t0) / MS);
+    let g2 = n.grants.iter().find(|g| g.1 == 2).map(|g| (g.0 - t0) / MS);
+    assert_eq!(
+        (g1, g2),
+        (Some(105), Some(105)),
+        "J starts once both released"
+    );
+
+    // Too short a wait is not filled: J claims 30 ms before 6's quantum ends, less
+    // than half a quantum; 5 waits for J's turn.
+    let mut n = Node::job_beside_notebooks();
+    let t0 = n.now;
+    n.request(6);
+    n.now = t0 + 70 * MS;
+    n.request(1);
+    n.request(2);
+    n.request(5);
+    assert!(
+        !n.holding.contains(&5),
+        "30 ms left of the wait: not filled"
+    );
+}
+
+#[test]
 fn a_group_on_one_gpu_is_no_gang() {
     let mut n = Node::new(&["a", "b"], 100);
     n.add(1, "a", Some("J"), 6 * GIB);

@@ -21,6 +21,11 @@
 
 use super::*;
 
+/// A claimed GPU is filled by a client outside any group only while the group's wait
+/// for its other GPUs leaves at least a quantum over this (a shorter turn would be
+/// mostly its swaps).
+const MIN_BACKFILL_TQS: u64 = 2;
+
 /// A group of clients granted together, numbered by [`crate::gang::Gangs`].
 pub type GangId = u64;
 
@@ -41,10 +46,20 @@ impl GpuScheduler {
         self.clients.get(&id).and_then(|c| c.gang)
     }
 
-    /// Who may be granted next: the first in line that the reservation allows.
-    pub(super) fn next_in_line(&self) -> Option<ClientId> {
+    /// Who may be granted next: the first in line that the reservation allows. On a
+    /// GPU a group claims, nobody, except that a client outside any group may fill
+    /// it while the group waits for its other GPUs, when that wait (the claim's
+    /// alignment) leaves it at least [`MIN_BACKFILL_TQS`] of a quantum: it is then
+    /// dropped when the wait ends ([`GpuScheduler::drop_due`]).
+    pub(super) fn next_in_line(&self, now: Nanos) -> Option<ClientId> {
         let want = match self.reserve {
-            Reserve::Claimed(_) => return None,
+            Reserve::Claimed(_) => {
+                let room = self.claim_aligned.map_or(0, |t| t.saturating_sub(now));
+                if room < self.tq_ns() / MIN_BACKFILL_TQS || !self.holders.is_empty() {
+                    return None;
+                }
+                None
+            }
             Reserve::Free => None,
             Reserve::Running(g) => Some(g),
         };
@@ -118,9 +133,14 @@ impl GpuScheduler {
     /// When holder `id`'s quantum ends for the purpose of a drop: its own end, or,
     /// while a group claims the GPU and `id` is outside it, no sooner than the
     /// claim's alignment.
+    /// A holder that filled a claimed GPU ([`GpuScheduler::next_in_line`]) is due at
+    /// the alignment, or at once when there is none any more (the group's other
+    /// GPUs are ready).
     pub(super) fn drop_due(&self, id: ClientId, h: &Hold) -> Nanos {
         let end = self.quantum_end(h);
         match (self.reserve, self.claim_aligned) {
+            (Reserve::Claimed(_), Some(t)) if h.backfill => end.min(t),
+            (Reserve::Claimed(_), None) if h.backfill => h.since,
             (Reserve::Claimed(g), Some(t)) if self.gang_of(id) != Some(g) => end.max(t),
             _ => end,
         }
@@ -133,7 +153,8 @@ impl GpuScheduler {
     pub fn outsider_quantum_end(&self, g: GangId) -> Option<Nanos> {
         let mut out = None;
         for (&id, h) in &self.holders {
-            if self.gang_of(id) == Some(g) || !h.exclusive {
+            // A holder filling the claimed GPU ends with the others, not after them.
+            if self.gang_of(id) == Some(g) || !h.exclusive || h.backfill {
                 continue;
             }
             if h.drop_sent.is_some() {
