@@ -32,8 +32,8 @@
 //!    of its GPUs ends the turn's quantum on all of them (a member left holding
 //!    alone elsewhere would otherwise keep the whole turn).
 //!
-//! GPUs whose working sets fit run shared, as before: a reservation changes nothing
-//! there.
+//! A GPU where a member runs beside others is taken in turns even when the working
+//! sets fit ([`crate::sched`]); a job alone on its GPUs runs shared, as before.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 

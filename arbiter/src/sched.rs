@@ -594,7 +594,17 @@ impl GpuScheduler {
     /// only once the working sets have fit for [`STATE_INTERVAL_NS`]
     /// ([`GpuScheduler::settle_mode`]).
     fn shared_mode(&self) -> bool {
-        !self.settings.scheduler_on || (self.fits() && self.relaxed)
+        !self.settings.scheduler_on || (!self.takes_turns() && self.relaxed)
+    }
+
+    /// Whether the GPU must be taken in turns: its working sets do not fit, or a
+    /// member of a group on several GPUs ([`gang`]) runs here beside others. Shared,
+    /// that member's collectives would spin whenever a peer's GPU is busy with
+    /// someone else: a 2-GPU job beside a notebook on each GPU whose memory fit ran
+    /// 32.2 s shared against 25.8 s in turns (`kiwi-bench gang`'s shapes), and the
+    /// notebooks finished sooner too.
+    fn takes_turns(&self) -> bool {
+        !self.fits() || (self.clients.len() >= 2 && self.clients.values().any(|c| c.gang.is_some()))
     }
 
     /// Hysteresis between shared and exclusive: a GPU that stops fitting turns
@@ -604,7 +614,7 @@ impl GpuScheduler {
     /// `drop` for each sharer and a grant after it: 20,000 drops, and an honest
     /// notebook whose unread replies passed the cap lost its connection 5 times.
     fn settle_mode(&mut self, now: Nanos) {
-        if self.settings.scheduler_on && !self.fits() {
+        if self.settings.scheduler_on && self.takes_turns() {
             self.oversubscribed_at = now;
             self.relaxed = false;
         } else if !self.relaxed
@@ -1412,7 +1422,7 @@ impl GpuScheduler {
         if let Some(due) = self.checkpoint_deadline() {
             at(due);
         }
-        if !self.relaxed && self.fits() {
+        if !self.relaxed && !self.takes_turns() {
             at(self.oversubscribed_at.saturating_add(STATE_INTERVAL_NS));
         }
         d
@@ -2107,7 +2117,7 @@ impl GpuScheduler {
             .iter()
             .min_by_key(|(id, h)| (!h.exclusive, h.since, **id))
             .map(|(id, h)| (*id, *h));
-        let arbitrating = self.settings.scheduler_on && !self.fits();
+        let arbitrating = self.settings.scheduler_on && self.takes_turns();
         // The quantum ends at since + TQ (a lone holder has no deadline, but with
         // someone waiting it has one). A drop sent sooner (no longer fits) ends it then.
         let deadline = shown.and_then(|(_, h)| {

@@ -22,8 +22,9 @@ struct Node {
     drops: Vec<(Nanos, ClientId)>,
     /// Grants seen: (when, client, GPU).
     grants: Vec<(Nanos, ClientId, String)>,
-    /// Each client's last grant's `group` flag.
+    /// Each client's last grant's `group` and `exclusive` flags.
     group_flag: BTreeMap<ClientId, bool>,
+    exclusive_flag: BTreeMap<ClientId, bool>,
     /// Reclaims sent: (when, client).
     reclaims: Vec<(Nanos, ClientId)>,
     /// Drops sent: (when, client).
@@ -59,6 +60,7 @@ impl Node {
             drops: Vec::new(),
             grants: Vec::new(),
             group_flag: BTreeMap::new(),
+            exclusive_flag: BTreeMap::new(),
             reclaims: Vec::new(),
             dropped_at: Vec::new(),
             turns_logged: Vec::new(),
@@ -76,8 +78,14 @@ impl Node {
     fn apply_gpu(&mut self, gpu: &str, outs: Vec<Output>) {
         for o in outs {
             match o {
-                Output::Send(id, ArbiterMsg::Grant { group, .. }) => {
+                Output::Send(
+                    id,
+                    ArbiterMsg::Grant {
+                        group, exclusive, ..
+                    },
+                ) => {
                     self.group_flag.insert(id, group);
+                    self.exclusive_flag.insert(id, exclusive);
                     self.holding.insert(id);
                     self.grants.push((self.now, id, gpu.to_string()));
                 }
@@ -421,6 +429,42 @@ fn a_gpu_claimed_while_the_group_waits_for_another_is_filled_until_then() {
     assert!(
         !n.holding.contains(&5),
         "30 ms left of the wait: not filled"
+    );
+}
+
+#[test]
+fn a_gpu_where_a_member_runs_beside_others_takes_turns_though_everything_fits() {
+    // 2 GiB each on 10 GiB GPUs: every working set fits.
+    let mut n = Node::new(&["a", "b"], 100);
+    n.add(1, "a", Some("J"), 2 * GIB);
+    n.add(2, "b", Some("J"), 2 * GIB);
+    // Alone on its GPUs, the job runs shared, as anyone whose memory fits.
+    n.request(1);
+    n.request(2);
+    assert_eq!(n.exclusive_flag.get(&1), Some(&false));
+    assert_eq!(n.exclusive_flag.get(&2), Some(&false));
+    // A notebook joins GPU a: a is taken in turns (the job's rank there is asked
+    // to give way at once, as when a GPU stops fitting), b stays shared.
+    n.add(5, "a", None, 2 * GIB);
+    n.request(5);
+    let t0 = n.now;
+    n.run_until(t0 + 50 * MS, |_, _| {});
+    assert!(n.dropped_at.iter().any(|d| d.1 == 1), "rank 1 gave a up");
+    assert!(n.holding.contains(&5));
+    assert_eq!(n.exclusive_flag.get(&5), Some(&true), "a is taken in turns");
+    assert!(!n.scheds["a"].holds_exclusive(1));
+    // The job asks again: its turn starts when the notebook's quantum ends, on
+    // both GPUs.
+    n.request(1);
+    n.run_until(t0 + 400 * MS, |n, id| {
+        if id == 2 {
+            n.request(2)
+        }
+    });
+    assert!(
+        n.turns_logged.iter().any(|t| t.1.ends_with('J')),
+        "J had a group turn: {:?}",
+        n.turns_logged
     );
 }
 

@@ -13,11 +13,11 @@
 //!   ([`GpuScheduler::set_gang_wanted`]): its holder's quantum then ends as if
 //!   someone waited here, so the waiting group's turn comes.
 //!
-//! In shared mode (the working sets fit) reservations change nothing: every request
-//! is granted at once, as before, a member's too, and its shared grant neither
-//! starts nor ends its group's turn. (Its kernels may then wait there for a peer
-//! whose GPU is taken in turns: that costs the GPU's sharers compute, not memory,
-//! and lasts until the peer's turn.)
+//! A GPU where a member runs beside anyone else is taken in turns even when the
+//! working sets fit ([`GpuScheduler::takes_turns`]): shared, the member's
+//! collectives spin whenever a peer's GPU is busy with someone else. Where nobody
+//! else runs (the job alone on its GPUs), or the scheduler is off, reservations
+//! change nothing: every request is granted at once.
 
 use super::*;
 
