@@ -15,6 +15,17 @@
 //! (no faults), grants per second, bytes swapped, the faults injected and survived,
 //! and the seed: a failure replays with `--seed`.
 //!
+//! The patterns: notebooks, growing notebooks, JAX-like preallocation with and without
+//! the discard hint, idle processes that get checkpointed, an application that maps
+//! its own virtual memory as PyTorch's `expandable_segments` does (`--alloc vmm`,
+//! growing mid-run), managed memory (`--alloc managed`), and a CUDA IPC pair (an
+//! exporter and an importer of one allocation, `--ipc`, both verifying it). A pair is
+//! one client of two processes on one GPU: it ends when both have, fails if either
+//! does, and a client SIGKILL kills both together (an importer whose exporter died
+//! before it opened the memory fails to open it, and an exporter waits for its
+//! importer's close: killing one side alone would fail the other for a reason that
+//! is not Kiwi's).
+//!
 //! The arbiter runs with a swap pool smaller than the clients' swapped-out memory
 //! ([`SWAP_POOL`]) and a disk tier in the run's directory, so swap-outs borrow from the
 //! pool, idle clients are asked to spill, and swap-ins read back from disk; a fault
@@ -22,9 +33,7 @@
 //! refused, nothing may be lost). At the end the pool must have nothing lent and no
 //! spill file left.
 //!
-//! Not covered yet: clients of the application's own VMM memory, managed memory and
-//! CUDA IPC (C test programs, not gpuburst), and clients in containers on their own
-//! sockets.
+//! Not covered yet: clients in containers on their own sockets.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -110,15 +119,26 @@ enum Pattern {
     Prealloc,
     Discard,
     Idle,
+    /// The application's own VMM memory, as PyTorch's `expandable_segments`.
+    AppVmm,
+    Managed,
+    /// Two processes: an exporter and an importer of one allocation.
+    IpcPair,
 }
 
-const PATTERNS: [Pattern; 5] = [
+const PATTERNS: [Pattern; 8] = [
     Pattern::Notebook,
     Pattern::Grower,
     Pattern::Prealloc,
     Pattern::Discard,
     Pattern::Idle,
+    Pattern::AppVmm,
+    Pattern::Managed,
+    Pattern::IpcPair,
 ];
+
+/// What an IPC pair's exporter shares.
+const IPC_MEM: &str = "32MiB";
 
 impl Pattern {
     fn name(self) -> &'static str {
@@ -128,10 +148,50 @@ impl Pattern {
             Pattern::Prealloc => "prealloc",
             Pattern::Discard => "discard",
             Pattern::Idle => "idle",
+            Pattern::AppVmm => "vmm",
+            Pattern::Managed => "managed",
+            Pattern::IpcPair => "ipc-pair",
         }
     }
 
-    /// Its arguments and the time its own work takes, ms.
+    /// Its processes' roles and arguments (`file`: a fresh path for a pair's
+    /// handle, `bound_ms`: how long a side may wait for the other), and the time its
+    /// own work takes, ms.
+    fn procs(
+        self,
+        rng: &mut Rng,
+        file: &Path,
+        bound_ms: impl Fn(u64) -> u64,
+    ) -> (Vec<(&'static str, Vec<String>)>, u64) {
+        if self == Pattern::IpcPair {
+            let (exporter, work_ms) = Pattern::Notebook.args(rng);
+            let (importer, _) = Pattern::Notebook.args(rng);
+            let wait = bound_ms(work_ms).to_string();
+            let side = |mut a: Vec<String>, role: &str| {
+                a.extend([
+                    "--ipc".into(),
+                    format!("{role}:{}", file.display()),
+                    "--ipc-timeout-ms".into(),
+                    wait.clone(),
+                ]);
+                if role == "export" {
+                    a.extend(["--ipc-mem".into(), IPC_MEM.into()]);
+                }
+                a
+            };
+            return (
+                vec![
+                    ("exporter", side(exporter, "export")),
+                    ("importer", side(importer, "import")),
+                ],
+                work_ms,
+            );
+        }
+        let (a, work_ms) = self.args(rng);
+        (vec![(self.name(), a)], work_ms)
+    }
+
+    /// A one-process pattern's arguments and the time its own work takes, ms.
     fn args(self, rng: &mut Rng) -> (Vec<String>, u64) {
         // Small enough that 32 of them fit this machine's RAM: the simulator's device
         // memory is its processes' own host memory, and each swaps out to host
@@ -139,19 +199,31 @@ impl Pattern {
         // end them.
         let mem = rng.range(64, 192);
         match self {
-            Pattern::Notebook => {
+            Pattern::Notebook | Pattern::Managed | Pattern::IpcPair => {
                 let rounds = rng.range(2, 4);
                 let phases = vec!["gpu:200,cpu:300"; rounds as usize].join(",");
-                (
-                    vec![
-                        "--mem".into(),
-                        format!("{mem}MiB"),
-                        "--script".into(),
-                        phases,
-                    ],
-                    rounds * 500,
-                )
+                let mut a = vec![
+                    "--mem".into(),
+                    format!("{mem}MiB"),
+                    "--script".into(),
+                    phases,
+                ];
+                if self == Pattern::Managed {
+                    a.extend(["--alloc".into(), "managed".into()]);
+                }
+                (a, rounds * 500)
             }
+            Pattern::AppVmm => (
+                vec![
+                    "--alloc".into(),
+                    "vmm".into(),
+                    "--mem".into(),
+                    format!("{mem}MiB"),
+                    "--script".into(),
+                    "gpu:100,cpu:200,grow:64,gpu:200,cpu:200,gpu:100".into(),
+                ],
+                800,
+            ),
             Pattern::Grower => (
                 vec![
                     "--mem".into(),
@@ -195,30 +267,66 @@ impl Pattern {
     }
 }
 
-/// A client process of the soak.
-struct ClientProc {
+/// One process of a client.
+struct Proc {
     child: Child,
+    /// Its part: the pattern's name, or `exporter` / `importer` in a pair.
+    role: &'static str,
+    log: PathBuf,
+    /// How it ended, once it has.
+    ended: Option<std::process::ExitStatus>,
+}
+
+/// A client of the soak: one process, or the two of an IPC pair.
+struct ClientProc {
+    procs: Vec<Proc>,
     pattern: Pattern,
     gpu: u32,
     started: Instant,
     /// When it must have ended: its own work, the quanta of the others on its GPU
     /// ahead of it at each of its turns, and their swaps.
     bound: Instant,
-    log: PathBuf,
 }
 
 impl ClientProc {
-    /// One line: which client, after how long, `what`, and the last line it wrote.
-    fn failure(&self, what: &str) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+    /// One line: which client (and which of its processes), after how long, `what`,
+    /// and the last line it wrote.
+    fn failure(&self, p: &Proc, what: &str) -> String {
+        let text = std::fs::read_to_string(&p.log).unwrap_or_default();
+        let role = if p.role == self.pattern.name() {
+            String::new()
+        } else {
+            format!(" ({})", p.role)
+        };
         format!(
-            "{} on GPU {} (after {:.1} s) {what}: {}",
+            "{}{role} on GPU {} (after {:.1} s) {what}: {}",
             self.pattern.name(),
             self.gpu,
             self.started.elapsed().as_secs_f64(),
             tail(&text)
         )
     }
+
+    /// Reaps what ended; whether all of its processes have.
+    fn reap(&mut self) -> Result<bool> {
+        for p in self.procs.iter_mut().filter(|p| p.ended.is_none()) {
+            p.ended = p.child.try_wait()?;
+        }
+        Ok(self.procs.iter().all(|p| p.ended.is_some()))
+    }
+
+    /// SIGKILLs every process still running (a pair dies together).
+    fn kill(&mut self) {
+        for p in self.procs.iter_mut().filter(|p| p.ended.is_none()) {
+            let _ = p.child.kill();
+            p.ended = p.child.wait().ok();
+        }
+    }
+}
+
+/// Processes of `live` (a pair is two).
+fn processes(live: &[ClientProc]) -> usize {
+    live.iter().map(|c| c.procs.len()).sum()
 }
 
 /// The arbiter: the workspace's `kiwi-arbiter`, which the soak kills and restarts on
@@ -473,50 +581,76 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
             PATTERNS.map(Pattern::name).join(", ")
         );
     }
-    // A new client goes to the GPU with the fewest: clients of a busy GPU last
-    // longer, and GPUs picked in turn piled twice their share onto one.
+    // A new client goes to the GPU with the fewest processes: clients of a busy GPU
+    // last longer, and GPUs picked in turn piled twice their share onto one.
+    // Its work, then at each of its turns the quanta and swaps of the others on its
+    // GPU (a grace period and a swap of a few hundred MiB each), and the arbiter's
+    // restarts (a reconnection each).
+    let bound_ms = |work_ms: u64| {
+        let turns = 4 + work_ms / (TQ_S * 1000);
+        work_ms + turns * per_gpu * (TQ_S * 1000 + 5_500) + 30_000
+    };
     let spawn = |rng: &mut Rng, n: usize, live: &[ClientProc]| -> Result<ClientProc> {
         let pattern = patterns[n % patterns.len()];
         let gpu = (0..o.gpus)
-            .min_by_key(|g| live.iter().filter(|c| c.gpu == *g).count())
+            .min_by_key(|g| {
+                live.iter()
+                    .filter(|c| c.gpu == *g)
+                    .map(|c| c.procs.len())
+                    .sum::<usize>()
+            })
             .unwrap_or(0);
-        let (args, work_ms) = pattern.args(rng);
-        let log = work.path().join(format!("client-{n}.log"));
-        let file = std::fs::File::create(&log)?;
-        let mut cmd = Command::new(&b.gpuburst);
-        sim.apply(b, &mut cmd)
-            .env("KIWI_SIM_GPUS", o.gpus.to_string())
-            .env("LD_PRELOAD", &b.shim)
-            .env("KIWI_SOCKET_DIR", &dir)
-            .env("KIWI_REQUIRE_ARBITER", "1")
-            .env("KIWI_LOG", "warn")
-            .args(&args)
-            .args(["--device", &gpu.to_string(), "--verify"])
-            .args(["--name", &format!("{}-{n}", pattern.name())])
-            .args(["--seed", &n.to_string()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(file);
-        let child = cmd.spawn().context("cannot start gpuburst")?;
-        // Its work, then at each of its turns the quanta and swaps of the others on
-        // its GPU (a grace period and a swap of a few hundred MiB each), and the
-        // arbiter's restarts (a reconnection each).
-        let turns = 4 + work_ms / (TQ_S * 1000);
-        let bound_ms = work_ms + turns * per_gpu * (TQ_S * 1000 + 5_500) + 30_000;
+        let pair_file = work.path().join(format!("ipc-{n}"));
+        let (roles, work_ms) = pattern.procs(rng, &pair_file, bound_ms);
+        let mut procs: Vec<Proc> = Vec::with_capacity(roles.len());
+        for (role, args) in roles {
+            let log = work.path().join(format!("client-{n}-{role}.log"));
+            let file = std::fs::File::create(&log)?;
+            let mut cmd = Command::new(&b.gpuburst);
+            sim.apply(b, &mut cmd)
+                .env("KIWI_SIM_GPUS", o.gpus.to_string())
+                .env("LD_PRELOAD", &b.shim)
+                .env("KIWI_SOCKET_DIR", &dir)
+                .env("KIWI_REQUIRE_ARBITER", "1")
+                .env("KIWI_LOG", "warn")
+                .args(&args)
+                .args(["--device", &gpu.to_string(), "--verify"])
+                .args(["--name", &format!("{role}-{n}")])
+                .args(["--seed", &n.to_string()])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(file);
+            let child = match cmd.spawn() {
+                Ok(c) => c,
+                Err(e) => {
+                    // The pair's first side dies with it.
+                    for p in &mut procs {
+                        let _ = p.child.kill();
+                        let _ = p.child.wait();
+                    }
+                    return Err(e).context("cannot start gpuburst");
+                }
+            };
+            procs.push(Proc {
+                child,
+                role,
+                log,
+                ended: None,
+            });
+        }
         let now = Instant::now();
         Ok(ClientProc {
-            child,
+            procs,
             pattern,
             gpu,
             started: now,
-            bound: now + Duration::from_millis(bound_ms),
-            log,
+            bound: now + Duration::from_millis(bound_ms(work_ms)),
         })
     };
     while Instant::now() < end || !live.is_empty() {
         let now = Instant::now();
         // Keep `clients` alive until the end.
-        while now < end && live.len() < o.clients {
+        while now < end && processes(&live) < o.clients {
             let c = spawn(&mut rng, spawned, &live)?;
             live.push(c);
             spawned += 1;
@@ -525,21 +659,31 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
         let mut i = 0;
         while i < live.len() {
             let c = &mut live[i];
-            match c.child.try_wait()? {
-                Some(status) => {
-                    let c = live.swap_remove(i);
-                    out.clients_run += 1;
-                    if !status.success() {
-                        out.failures.push(c.failure(&format!("exited {status}")));
+            if c.reap()? {
+                let c = live.swap_remove(i);
+                out.clients_run += c.procs.len();
+                for p in &c.procs {
+                    match p.ended {
+                        Some(status) if !status.success() => {
+                            out.failures.push(c.failure(p, &format!("exited {status}")));
+                        }
+                        _ => {}
                     }
                 }
-                None if now > c.bound => {
-                    let _ = c.child.kill();
-                    let _ = c.child.wait();
-                    let c = live.swap_remove(i);
-                    out.failures.push(c.failure("waited past its bound"));
+            } else if now > c.bound {
+                // Those still running waited too long; a pair's other side may have
+                // ended well.
+                let late: Vec<usize> = (0..c.procs.len())
+                    .filter(|&k| c.procs[k].ended.is_none())
+                    .collect();
+                c.kill();
+                let c = live.swap_remove(i);
+                for k in late {
+                    out.failures
+                        .push(c.failure(&c.procs[k], "waited past its bound"));
                 }
-                None => i += 1,
+            } else {
+                i += 1;
             }
         }
         if faults && now >= next_fault && now < end {
@@ -559,10 +703,10 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
             };
             match kind {
                 Fault::Kill if !live.is_empty() => {
+                    // A pair's two processes together.
                     let k = rng.range(0, live.len() as u64 - 1) as usize;
                     let mut c = live.swap_remove(k);
-                    let _ = c.child.kill();
-                    let _ = c.child.wait();
+                    c.kill();
                     *out.faults.entry("client SIGKILL").or_default() += 1;
                 }
                 Fault::Storm => {
@@ -638,8 +782,7 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
         }
     }
     for mut c in live {
-        let _ = c.child.kill();
-        let _ = c.child.wait();
+        c.kill();
     }
     out.seconds = start.elapsed().as_secs_f64();
     log_so_far.extend(events(&dir)?);

@@ -21,15 +21,26 @@
 //! enqueued on the legacy stream after the step's work; the step's synchronization
 //! then polls `cuStreamQuery` so that a peer that never comes fails the program
 //! after `--exchange-timeout-ms` instead of hanging it.
+//!
+//! `--alloc device|vmm|managed` ([`crate::memory`]) says how the memory is
+//! allocated: `cuMemAlloc`, the application's own virtual memory as PyTorch's
+//! `expandable_segments` manages it, or managed memory (also read back on the host
+//! at every verification). `--ipc export:FILE` / `--ipc import:FILE`
+//! ([`crate::ipc`]) make two programs a CUDA IPC pair: the exporter shares one more
+//! allocation, the importer opens it, and both verify it, read only. A verification
+//! that fails names the device, the allocation and the first wrong word.
 
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use crate::cu;
+use crate::driver::IpcMemHandle;
 use crate::driver::{CUdevice, CUdeviceptr, Cuda, CudaError, Handle};
-use crate::driver::{CUDA_ERROR_NOT_READY, CUDA_SUCCESS};
+use crate::driver::{CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS};
 use crate::exchange::{self, Exchange, ExchangeSpec};
+use crate::ipc::{self, IpcSpec, Role};
 use crate::kernels::{BLOCK, GRID, PTX};
+use crate::memory::{self, AllocMode, Expandable, Source};
 
 /// Command-line options.
 #[derive(Debug, Clone, PartialEq)]
@@ -85,6 +96,15 @@ pub struct Options {
     /// `--exchange-timeout-ms N` (default 60000): a step whose synchronization
     /// takes longer fails the program (exit code 4).
     pub exchange_timeout_ms: u64,
+    /// `--alloc device|vmm|managed`: how `--mem` (and `grow:`) is allocated.
+    pub alloc: AllocMode,
+    /// `--ipc export:FILE | import:FILE`: one side of a CUDA IPC pair (one device).
+    pub ipc: Option<IpcSpec>,
+    /// `--ipc-mem SIZE` (exporter; default 32MiB): the bytes it shares.
+    pub ipc_mem: u64,
+    /// `--ipc-timeout-ms N` (default 60000): how long the importer waits for FILE
+    /// and the exporter for the importer's close (exit code 4 past it).
+    pub ipc_timeout_ms: u64,
 }
 
 /// One step of a `--script`.
@@ -173,7 +193,7 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N | --start-on-stdin] [--kernel-us 5000] [--queue-ms 100] [--prealloc 0.75 [--discard]] [--library] [--verify] [--json] [--device 0[,1,...]] [--exchange FILE:0|1|both [--exchange-timeout-ms 60000]] [--name LABEL] [--seed 1]";
+pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N | --start-on-stdin] [--kernel-us 5000] [--queue-ms 100] [--prealloc 0.75 [--discard]] [--library] [--verify] [--json] [--device 0[,1,...]] [--exchange FILE:0|1|both [--exchange-timeout-ms 60000]] [--alloc device|vmm|managed] [--ipc export:FILE [--ipc-mem 32MiB] | --ipc import:FILE] [--ipc-timeout-ms 60000] [--name LABEL] [--seed 1]";
 
 impl Options {
     /// Parses arguments (without the program name).
@@ -200,8 +220,13 @@ impl Options {
             library: false,
             exchange: None,
             exchange_timeout_ms: exchange::DEFAULT_TIMEOUT_MS,
+            alloc: AllocMode::Device,
+            ipc: None,
+            ipc_mem: ipc::DEFAULT_IPC_MEM,
+            ipc_timeout_ms: ipc::DEFAULT_TIMEOUT_MS,
         };
         let mut exchange_timeout_given = false;
+        let (mut ipc_mem_given, mut ipc_timeout_given) = (false, false);
         let mut it = args.iter();
         while let Some(a) = it.next() {
             let (flag, inline) = match a.split_once('=') {
@@ -259,6 +284,25 @@ impl Options {
                         return Err("--exchange-timeout-ms must be at least 1".into());
                     }
                 }
+                "--alloc" => o.alloc = AllocMode::parse(&value()?)?,
+                "--ipc" => o.ipc = Some(ipc::parse_ipc(&value()?)?),
+                "--ipc-mem" => {
+                    let v = value()?;
+                    o.ipc_mem =
+                        kiwi_config::parse_size(&v).map_err(|e| format!("--ipc-mem: {e}"))?;
+                    if o.ipc_mem < 4096 {
+                        return Err("--ipc-mem must be at least 4KiB".into());
+                    }
+                    o.ipc_mem = o.ipc_mem / 4 * 4;
+                    ipc_mem_given = true;
+                }
+                "--ipc-timeout-ms" => {
+                    o.ipc_timeout_ms = num(value()?)?;
+                    ipc_timeout_given = true;
+                    if o.ipc_timeout_ms == 0 {
+                        return Err("--ipc-timeout-ms must be at least 1".into());
+                    }
+                }
                 "--kernel-us" => {
                     o.kernel_us = num(value()?)?;
                     if o.kernel_us == 0 {
@@ -277,6 +321,27 @@ impl Options {
                 "--discard needs --prealloc (it discards the preallocation's untouched part)"
                     .into(),
             );
+        }
+        if o.prealloc.is_some() && o.alloc != AllocMode::Device {
+            return Err(format!(
+                "--prealloc allocates with cuMemAlloc: not with --alloc {}",
+                o.alloc.name()
+            ));
+        }
+        match &o.ipc {
+            Some(_) if o.devices.len() != 1 => {
+                return Err(format!(
+                    "--ipc: a pair shares memory on one device, not {}",
+                    o.devices.len()
+                ))
+            }
+            Some(x) if ipc_mem_given && x.role != Role::Export => {
+                return Err("--ipc-mem is the exporter's (--ipc export:FILE)".into())
+            }
+            None if ipc_mem_given || ipc_timeout_given => {
+                return Err("--ipc-mem and --ipc-timeout-ms need --ipc".into())
+            }
+            _ => {}
         }
         match &o.exchange {
             Some(x) => x.check_devices(&o.devices)?,
@@ -351,6 +416,7 @@ struct Allocation {
     ptr: CUdeviceptr,
     words: u64,
     value: u32,
+    source: Source,
 }
 
 /// Output sink: human lines or JSON lines.
@@ -462,13 +528,42 @@ fn verify(cuda: &Cuda, d: &Device) -> Result<(), Failure> {
     )?;
     for (i, (a, g)) in d.allocs.iter().zip(&got).enumerate() {
         let want = a.words * u64::from(a.value);
-        if *g != want {
-            return Err(Failure::Mismatch(format!(
-                "device {}, allocation {i} ({} bytes at {:#x}): checksum {g}, expected {want}",
+        let what = || {
+            format!(
+                "device {}, allocation {i} ({} bytes at {:#x}, {})",
                 d.ordinal,
                 a.words * 4,
-                a.ptr
+                a.ptr,
+                a.source.name()
+            )
+        };
+        if *g != want {
+            // Where: the first wrong word, read back.
+            let at = match memory::locate(cuda, a.ptr, a.words, a.value)? {
+                Some((w, got)) => format!(
+                    "first wrong word {w} (byte offset {:#x}) holds {got:#x}, expected {:#x}",
+                    4 * w,
+                    a.value
+                ),
+                None => "every word reads back as expected (a checksum kernel's fault?)".into(),
+            };
+            return Err(Failure::Mismatch(format!(
+                "{}: checksum {g}, expected {want}; {at}",
+                what()
             )));
+        }
+        if a.source == Source::Managed {
+            // SAFETY: a live managed allocation of this process; the synchronous
+            // cuMemcpyDtoH above ran after every kernel of the (only, legacy) stream,
+            // so nothing writes it now.
+            if let Some((w, got)) = unsafe { memory::host_mismatch(a.ptr, a.words, a.value) } {
+                return Err(Failure::Mismatch(format!(
+                    "{}, read on the host: word {w} (byte offset {:#x}) holds {got:#x}, expected {:#x}",
+                    what(),
+                    4 * w,
+                    a.value
+                )));
+            }
         }
     }
     Ok(())
@@ -508,6 +603,8 @@ struct Device {
     sums: CUdeviceptr,
     /// `--prealloc`: the part of the preallocation past `--mem` (never touched).
     tail: Option<(CUdeviceptr, u64)>,
+    /// `--alloc vmm`: the device's application-managed address range.
+    space: Option<Expandable>,
 }
 
 /// Makes `d`'s context current. With one device it is current from the start
@@ -618,21 +715,26 @@ fn open_device(
     } else {
         Vec::new()
     };
+    let mut space = match o.alloc {
+        AllocMode::Vmm => Some(Expandable::new(cuda, ordinal, dev)?),
+        _ => None,
+    };
     let mut allocs = Vec::with_capacity(pre.len() + planned.len());
     for (i, &(ptr, bytes)) in pre.iter().enumerate() {
         allocs.push(Allocation {
             ptr,
             words: bytes / 4,
             value: mix(o.seed, 0, (first_index + i) as u64),
+            source: Source::Device,
         });
     }
     for (i, &bytes) in planned.iter().enumerate() {
-        let mut ptr = 0;
-        cu!(cuda, mem_alloc, "cuMemAlloc_v2", &mut ptr, bytes as usize)?;
+        let (ptr, source) = memory::allocate(cuda, o.alloc, space.as_mut(), bytes)?;
         allocs.push(Allocation {
             ptr,
             words: bytes / 4,
             value: mix(o.seed, 0, (first_index + i) as u64),
+            source,
         });
     }
     let mut sums = 0;
@@ -654,6 +756,7 @@ fn open_device(
         allocs,
         sums,
         tail,
+        space,
     })
 }
 
@@ -668,16 +771,22 @@ fn grow(cuda: &Cuda, o: &Options, devs: &mut [Device], bytes: u64) -> Result<(),
     let first_index: usize = devs.iter().map(|d| d.allocs.len()).sum();
     let d = &mut devs[0];
     for (index, chunk) in (first_index..).zip(plan_allocations(bytes)) {
-        let mut ptr = 0;
-        cu!(cuda, mem_alloc, "cuMemAlloc_v2", &mut ptr, chunk as usize)?;
+        let (ptr, source) = memory::allocate(cuda, o.alloc, d.space.as_mut(), chunk)?;
         let a = Allocation {
             ptr,
             words: chunk / 4,
             value: mix(o.seed, 0, index as u64),
+            source,
         };
         mem_kernel(cuda, d.k.fill, &a, a.value)?;
         d.allocs.push(a);
     }
+    resize_sums(cuda, d)?;
+    cu!(cuda, ctx_synchronize, "cuCtxSynchronize")
+}
+
+/// A new checksums' buffer for `d`'s allocations, which grew. Its context is current.
+fn resize_sums(cuda: &Cuda, d: &mut Device) -> Result<(), CudaError> {
     cu!(cuda, mem_free, "cuMemFree_v2", d.sums)?;
     cu!(
         cuda,
@@ -685,8 +794,88 @@ fn grow(cuda: &Cuda, o: &Options, devs: &mut [Device], bytes: u64) -> Result<(),
         "cuMemAlloc_v2",
         &mut d.sums,
         8 * d.allocs.len()
+    )
+}
+
+/// The value index of an exporter's shared allocation: past any of its own.
+const SHARED_INDEX: u64 = 1 << 32;
+
+/// `--ipc export:`: one more `cuMemAlloc` of `--ipc-mem` on `d` (its context
+/// current), filled with its value and synchronized, its handle published in FILE.
+fn export_shared(
+    cuda: &Cuda,
+    o: &Options,
+    d: &mut Device,
+    spec: &IpcSpec,
+) -> Result<ipc::Published, Failure> {
+    let mut ptr = 0;
+    cu!(
+        cuda,
+        mem_alloc,
+        "cuMemAlloc_v2",
+        &mut ptr,
+        o.ipc_mem as usize
     )?;
-    cu!(cuda, ctx_synchronize, "cuCtxSynchronize")
+    let a = Allocation {
+        ptr,
+        words: o.ipc_mem / 4,
+        value: mix(o.seed, 0, SHARED_INDEX),
+        source: Source::Exported,
+    };
+    mem_kernel(cuda, d.k.fill, &a, a.value)?;
+    cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
+    let mut handle = IpcMemHandle { reserved: [0; 64] };
+    cu!(
+        cuda,
+        ipc_get_mem_handle,
+        "cuIpcGetMemHandle",
+        &mut handle,
+        ptr
+    )?;
+    let p = ipc::Published {
+        pid: std::process::id(),
+        bytes: a.words * 4,
+        value: a.value,
+        handle,
+    };
+    d.allocs.push(a);
+    resize_sums(cuda, d)?;
+    ipc::publish(&spec.path, &p).map_err(Failure::Input)?;
+    Ok(p)
+}
+
+/// `--ipc import:`: waits for the exporter's FILE, opens its memory on `d` (its
+/// context current) as an allocation of `d` that keeps the exporter's value, and
+/// verifies `d` at once.
+fn import_shared(
+    cuda: &Cuda,
+    o: &Options,
+    d: &mut Device,
+    spec: &IpcSpec,
+) -> Result<ipc::Published, Failure> {
+    let timeout = Duration::from_millis(o.ipc_timeout_ms);
+    let p = ipc::wait_published(&spec.path, timeout).map_err(|e| match e {
+        ipc::WaitError::Timeout(m) => Failure::Timeout(m),
+        ipc::WaitError::Bad(m) => Failure::Input(m),
+    })?;
+    let mut ptr = 0;
+    cu!(
+        cuda,
+        ipc_open_mem_handle,
+        "cuIpcOpenMemHandle",
+        &mut ptr,
+        p.handle,
+        CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+    )?;
+    d.allocs.push(Allocation {
+        ptr,
+        words: p.bytes / 4,
+        value: p.value,
+        source: Source::Imported,
+    });
+    resize_sums(cuda, d)?;
+    verify(cuda, d)?;
+    Ok(p)
 }
 
 /// One GPU burst of `gpu_ms` per device. On each device in turn (its context made
@@ -719,7 +908,8 @@ fn burst(
         cu!(cuda, ctx_synchronize, "cuCtxSynchronize")?;
         let first = probe.elapsed();
         waits.push((first.as_secs_f64() * 1e3 - FIRST_NS as f64 / 1e6).max(0.0));
-        for a in d.allocs.iter_mut() {
+        // Shared memory (`--ipc`) keeps its value: the importer only reads it.
+        for a in d.allocs.iter_mut().filter(|a| !a.source.fixed()) {
             let delta = mix(o.seed, u64::from(b) + 1, index as u64) | 1;
             mem_kernel(cuda, d.k.add, a, delta)?;
             a.value = a.value.wrapping_add(delta);
@@ -739,7 +929,7 @@ fn burst(
         }
         // --inject-fault: on the first device only.
         if o.inject_fault && b == 0 && di == 0 {
-            if let Some(a) = d.allocs.last() {
+            if let Some(a) = d.allocs.iter().rev().find(|a| !a.source.fixed()) {
                 mem_kernel(cuda, d.k.add, a, 1)?;
             }
         }
@@ -880,6 +1070,9 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
         Some(spec) => Some(Exchange::open(cuda, spec).map_err(Failure::Input)?),
         None => None,
     };
+    if let Some(spec) = o.ipc.as_ref().filter(|x| x.role == Role::Export) {
+        ipc::check_fresh(&spec.path).map_err(Failure::Input)?;
+    }
     cu!(cuda, init, "cuInit", 0)?;
     // Several GPUs: a context on each before any work, as a program that sets up all
     // its devices first does. Under Kiwi every GPU is then registered before the first
@@ -914,6 +1107,14 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
             x.add_device(cuda, rank)?;
         }
     }
+    // One device with --ipc (checked by the options).
+    let shared = match &o.ipc {
+        Some(spec) if spec.role == Role::Export => {
+            Some(export_shared(cuda, o, &mut devs[0], spec)?)
+        }
+        Some(spec) => Some(import_shared(cuda, o, &mut devs[0], spec)?),
+        None => None,
+    };
     if o.discard {
         start_discarding(&o.name, devs.iter().filter_map(|d| d.tail).collect());
     }
@@ -943,16 +1144,39 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
         }
         None => (String::new(), String::new()),
     };
+    let (human_ipc, json_ipc) = match (&o.ipc, &shared) {
+        (Some(spec), Some(p)) => {
+            let human = match spec.role {
+                Role::Export => format!(", {} bytes exported", p.bytes),
+                Role::Import => format!(", {} bytes imported from pid {}", p.bytes, p.pid),
+            };
+            (
+                format!("{human} via {}", spec.path.display()),
+                format!(
+                    ",\"ipc\":\"{}\",\"ipc_bytes\":{},\"ipc_exporter_pid\":{}",
+                    spec.role.name(),
+                    p.bytes,
+                    p.pid
+                ),
+            )
+        }
+        _ => (String::new(), String::new()),
+    };
+    let human_alloc = match o.alloc {
+        AllocMode::Device => String::new(),
+        m => format!(" ({})", m.name()),
+    };
     rep.line(
         format!(
-            "ready: pid {pid}, {} bytes{human_devices} in {allocations} allocations{human_exchange}, at {:.1} ms",
+            "ready: pid {pid}, {} bytes{human_alloc}{human_devices} in {allocations} allocations{human_exchange}{human_ipc}, at {:.1} ms",
             o.mem,
             rep.ms()
         ),
         format!(
-            "{{\"event\":\"ready\",\"name\":\"{}\",\"pid\":{pid},\"mem_bytes\":{},\"allocations\":{allocations},\"t_ms\":{:.3},\"devices\":{},\"device_ordinals\":[{ordinals}]{json_exchange}}}",
+            "{{\"event\":\"ready\",\"name\":\"{}\",\"pid\":{pid},\"mem_bytes\":{},\"alloc\":\"{}\",\"allocations\":{allocations},\"t_ms\":{:.3},\"devices\":{},\"device_ordinals\":[{ordinals}]{json_exchange}{json_ipc}}}",
             o.name,
             o.mem,
+            o.alloc.name(),
             rep.ms(),
             devs.len()
         ),
@@ -1041,14 +1265,43 @@ pub fn run(cuda: &Cuda, o: &Options) -> Result<(), Failure> {
         ),
     );
     verified?;
+    match &o.ipc {
+        Some(spec) if spec.role == Role::Import => {
+            for a in devs[0]
+                .allocs
+                .iter()
+                .filter(|a| a.source == Source::Imported)
+            {
+                cu!(cuda, ipc_close_mem_handle, "cuIpcCloseMemHandle", a.ptr)?;
+            }
+            ipc::mark_closed(&spec.path).map_err(Failure::Input)?;
+        }
+        Some(spec) => {
+            // The exporter stays, its memory shared, until the importer closed it.
+            if !ipc::wait_closed(&spec.path, Duration::from_millis(o.ipc_timeout_ms)) {
+                return Err(Failure::Timeout(format!(
+                    "--ipc export: the importer did not close {} within {} ms",
+                    spec.path.display(),
+                    o.ipc_timeout_ms
+                )));
+            }
+            // Closed, the shared memory may have been swapped meanwhile: once more.
+            verify_all(cuda, &devs)?;
+        }
+        None => {}
+    }
     if let Some(x) = ex.as_mut() {
         // Every stream is idle: the last step was synchronized.
         x.unregister(cuda)?;
     }
-    for d in &devs {
-        make_current(cuda, &devs, d)?;
+    for i in 0..devs.len() {
+        make_current(cuda, &devs, &devs[i])?;
+        let d = &mut devs[i];
         for a in &d.allocs {
-            cu!(cuda, mem_free, "cuMemFree_v2", a.ptr)?;
+            memory::free(cuda, a.ptr, a.source)?;
+        }
+        if let Some(s) = d.space.as_mut() {
+            s.free(cuda)?;
         }
         cu!(cuda, mem_free, "cuMemFree_v2", d.sums)?;
     }
@@ -1233,6 +1486,61 @@ mod tests {
         ] {
             let e = Options::parse(&args(bad)).unwrap_err();
             assert!(e.starts_with("--exchange"), "{bad}: {e}");
+            assert!(!e.contains('\n'), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn alloc_and_ipc_options_parse() {
+        let o = Options::parse(&[]).unwrap();
+        assert_eq!((o.alloc, o.ipc.clone()), (AllocMode::Device, None));
+        assert_eq!(o.ipc_mem, ipc::DEFAULT_IPC_MEM);
+        assert_eq!(o.ipc_timeout_ms, ipc::DEFAULT_TIMEOUT_MS);
+        assert_eq!(
+            Options::parse(&args("--alloc vmm --device 0,1"))
+                .unwrap()
+                .alloc,
+            AllocMode::Vmm
+        );
+        assert_eq!(
+            Options::parse(&args("--alloc=managed")).unwrap().alloc,
+            AllocMode::Managed
+        );
+        let o = Options::parse(&args(
+            "--ipc export:/tmp/p --ipc-mem 8MiB --ipc-timeout-ms 500 --alloc vmm",
+        ))
+        .unwrap();
+        let x = o.ipc.unwrap();
+        assert_eq!((x.role, x.path), (Role::Export, "/tmp/p".into()));
+        assert_eq!((o.ipc_mem, o.ipc_timeout_ms), (8 << 20, 500));
+        assert_eq!(
+            Options::parse(&args("--ipc import:/tmp/p"))
+                .unwrap()
+                .ipc
+                .unwrap()
+                .role,
+            Role::Import
+        );
+        for bad in [
+            "--alloc",
+            "--alloc host",
+            "--alloc vmm --prealloc 0.5",
+            "--alloc managed --prealloc 0.5 --discard",
+            "--ipc",
+            "--ipc export",
+            "--ipc peer:/tmp/p",
+            "--ipc export:/tmp/p --device 0,1",
+            "--ipc import:/tmp/p --ipc-mem 8MiB",
+            "--ipc export:/tmp/p --ipc-mem 1",
+            "--ipc export:/tmp/p --ipc-timeout-ms 0",
+            "--ipc-mem 8MiB",
+            "--ipc-timeout-ms 100",
+        ] {
+            let e = Options::parse(&args(bad)).unwrap_err();
+            assert!(
+                e.starts_with("--alloc") || e.starts_with("--ipc") || e.starts_with("--prealloc"),
+                "{bad}: {e}"
+            );
             assert!(!e.contains('\n'), "{bad}: {e}");
         }
     }

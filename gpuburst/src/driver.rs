@@ -50,6 +50,22 @@ pub struct MemAccessDesc {
     pub flags: i32,
 }
 
+/// `CUipcMemHandle`: 64 opaque bytes, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpcMemHandle {
+    pub reserved: [u8; 64],
+}
+
+/// `CU_MEM_ATTACH_GLOBAL`: managed memory any stream of any device may reach.
+pub const CU_MEM_ATTACH_GLOBAL: u32 = 0x1;
+/// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`: the only `cuIpcOpenMemHandle` flag.
+pub const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: u32 = 0x1;
+/// `CU_MEM_ACCESS_FLAGS_PROT_READWRITE`.
+pub const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: i32 = 3;
+/// `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`.
+pub const CU_MEM_ALLOC_GRANULARITY_RECOMMENDED: i32 = 1;
+
 /// A failed driver call.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CudaError {
@@ -158,6 +174,10 @@ driver_api! {
     mem_unmap = "cuMemUnmap": fn(CUdeviceptr, usize);
     mem_set_access = "cuMemSetAccess": fn(CUdeviceptr, usize, *const MemAccessDesc, usize);
     mem_get_allocation_granularity = "cuMemGetAllocationGranularity": fn(*mut usize, *const MemAllocationProp, i32);
+    mem_alloc_managed = "cuMemAllocManaged": fn(*mut CUdeviceptr, usize, u32);
+    ipc_get_mem_handle = "cuIpcGetMemHandle": fn(*mut IpcMemHandle, CUdeviceptr);
+    ipc_open_mem_handle = "cuIpcOpenMemHandle": fn(*mut CUdeviceptr, IpcMemHandle, u32);
+    ipc_close_mem_handle = "cuIpcCloseMemHandle": fn(CUdeviceptr);
 }
 
 /// Entry points only `--exchange` uses (stream memory operations, mapped host

@@ -14,4 +14,6 @@
 pub mod burst;
 pub mod driver;
 pub mod exchange;
+pub mod ipc;
 pub mod kernels;
+pub mod memory;

@@ -1,6 +1,7 @@
 //! `gpuburst`: see the crate docs. Exit codes: 0 ok, 1 bad usage, bad input or no driver,
 //! 2 a CUDA call failed (the call and error name are printed), 3 verification failed,
-//! 4 an `--exchange` step did not finish within `--exchange-timeout-ms`.
+//! 4 an `--exchange` step did not finish within `--exchange-timeout-ms`, or an `--ipc`
+//! peer did not come (the importer) or close (the exporter) within `--ipc-timeout-ms`.
 
 use gpuburst::burst::{run, Failure, Options};
 use gpuburst::driver::Cuda;
