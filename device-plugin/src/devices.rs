@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::fmt;
 
 use crate::api;
-use crate::gpu::Gpu;
+use kiwi_nvml::Gpu;
 
 /// The claim environment variable (DESIGN.md).
 pub const VISIBLE_DEVICES_ENV: &str = "KIWI_VISIBLE_DEVICES";
@@ -297,7 +297,7 @@ impl Inventory {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpu::{fake_uuid, FakeGpus};
+    use kiwi_nvml::{fake_uuid, FakeGpus};
 
     fn inv(gpus: u32, per: u32) -> Inventory {
         Inventory::new(FakeGpus::new(gpus).gpus(), per).unwrap()

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
-use crate::gpu::{Fault, Gpu, GpuDiscovery, Probe};
+use kiwi_nvml::{Fault, Gpu, GpuDiscovery, Probe};
 
 /// Health flags by position in the inventory's GPU list; `true` is healthy.
 pub type HealthFlags = Arc<Vec<bool>>;
@@ -146,7 +146,7 @@ fn apply_fault(gpus: &[Gpu], state: &mut [GpuHealth], fault: &Fault, until: Inst
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpu::{fake_uuid, FakeGpus};
+    use kiwi_nvml::{fake_uuid, FakeGpus};
 
     async fn wait_for(rx: &mut watch::Receiver<HealthFlags>, want: &[bool]) {
         let reached = tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|f| **f == want))

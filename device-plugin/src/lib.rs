@@ -3,8 +3,9 @@
 //! several Pods on one GPU; `Allocate` answers with `KIWI_VISIBLE_DEVICES`, which
 //! `kiwi-runtime` acts on.
 //!
-//! Modules by concern: [`api`] (the kubelet's v1beta1 protocol, generated),
-//! [`gpu`] / [`nvml`] / [`topology`] (finding GPUs and their health), [`health`]
+//! Finding GPUs and probing their health is the `kiwi-nvml` crate's (one
+//! [`kiwi_nvml::GpuDiscovery`] trait: NVML, the GPU list file, a fake for tests).
+//! Modules by concern: [`api`] (the kubelet's v1beta1 protocol, generated), [`health`]
 //! (the monitor thread), [`devices`] (vGPU IDs and allocation policy), [`plugin`]
 //! (the gRPC service), [`kubelet`] (registration), [`server`] (life cycle),
 //! [`settings`] (flags over the config file), [`metrics`], and [`fake_kubelet`] for
@@ -18,14 +19,11 @@ pub mod api {
 
 pub mod devices;
 pub mod fake_kubelet;
-pub mod gpu;
 pub mod health;
 pub mod kubelet;
 pub mod metrics;
-pub mod nvml;
 pub mod plugin;
 pub mod server;
 pub mod settings;
-pub mod topology;
 
 pub use server::{run, PluginError, Settings};

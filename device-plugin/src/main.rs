@@ -9,9 +9,8 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 use kiwi_device_plugin::devices::DeviceListStrategy;
-use kiwi_device_plugin::gpu::{GpuDiscovery, GpuListSource};
-use kiwi_device_plugin::nvml::{NvmlSource, NVML_LIBRARY};
 use kiwi_device_plugin::settings::{merge, Overrides};
+use kiwi_nvml::{GpuDiscovery, GpuListSource, NvmlSource, NVML_LIBRARY};
 
 /// Advertises each GPU to the kubelet as N Kiwi vGPUs.
 ///

@@ -22,11 +22,11 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::api::device_plugin_server::DevicePluginServer;
 use crate::devices::{DeviceListStrategy, Inventory, InventoryError};
-use crate::gpu::{GpuDiscovery, GpuError};
 use crate::health::HealthMonitor;
 use crate::kubelet::{self, KUBELET_SOCKET};
 use crate::metrics::Metrics;
 use crate::plugin::{PluginService, PluginState};
+use kiwi_nvml::{GpuDiscovery, GpuError};
 
 /// How often the socket files are checked.
 pub const POLL: Duration = Duration::from_millis(100);

@@ -13,9 +13,9 @@ use kiwi_device_plugin::api;
 use kiwi_device_plugin::api::device_plugin_client::DevicePluginClient;
 use kiwi_device_plugin::devices::{vgpu_id, DeviceListStrategy, HEALTHY, UNHEALTHY};
 use kiwi_device_plugin::fake_kubelet::FakeKubelet;
-use kiwi_device_plugin::gpu::{fake_uuid, FakeGpus};
 use kiwi_device_plugin::kubelet::dial;
 use kiwi_device_plugin::{run, PluginError, Settings};
+use kiwi_nvml::{fake_uuid, FakeGpus};
 
 const WAIT: Duration = Duration::from_secs(10);
 

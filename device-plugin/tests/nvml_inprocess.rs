@@ -7,8 +7,7 @@
 
 use std::time::Duration;
 
-use kiwi_device_plugin::gpu::{GpuDiscovery, Probe};
-use kiwi_device_plugin::nvml::NvmlSource;
+use kiwi_nvml::{GpuDiscovery, NvmlSource, Probe};
 use kiwi_sim_core::harness::{in_ci, SimMachine};
 use kiwi_sim_core::ident::gpu_uuid_string;
 use kiwi_sim_core::Machine;

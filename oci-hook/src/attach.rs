@@ -15,7 +15,7 @@ use kiwi_protocol::blocking::Connection;
 use kiwi_protocol::{ControlReply, ControlRequest};
 
 use crate::claim::{Claim, GpuRef};
-use crate::gpu::GpuInfo;
+use crate::gpu::Gpu;
 use crate::spec::Spec;
 
 /// containerd's CRI annotations (FIELD-NOTES, "Kubernetes through CRI").
@@ -41,13 +41,13 @@ pub enum AttachError {
 /// for index and `all` claims.
 pub fn claimed_uuids(
     claim: &Claim,
-    gpus: impl FnOnce() -> Option<Vec<GpuInfo>>,
+    gpus: impl FnOnce() -> Option<Vec<Gpu>>,
 ) -> (Vec<String>, bool) {
     let mut out = Vec::new();
     let mut any = false;
-    let mut known: Option<Option<Vec<GpuInfo>>> = None;
+    let mut known: Option<Option<Vec<Gpu>>> = None;
     let mut gpus = Some(gpus);
-    let mut table = |known: &mut Option<Option<Vec<GpuInfo>>>| -> Option<Vec<GpuInfo>> {
+    let mut table = |known: &mut Option<Option<Vec<Gpu>>>| -> Option<Vec<Gpu>> {
         known
             .get_or_insert_with(|| gpus.take().and_then(|f| f()))
             .clone()
@@ -60,9 +60,9 @@ pub fn claimed_uuids(
     match claim {
         Claim::None => {}
         Claim::All => match table(&mut known) {
-            Some(list) if !list.is_empty() && list.iter().all(|g| g.uuid.is_some()) => {
+            Some(list) if !list.is_empty() => {
                 for g in list {
-                    push(g.uuid.expect("checked"), &mut out);
+                    push(g.uuid, &mut out);
                 }
             }
             _ => any = true,
@@ -72,11 +72,9 @@ pub fn claimed_uuids(
                 match r {
                     GpuRef::Uuid(u) => push(u.clone(), &mut out),
                     GpuRef::Index(i) => {
-                        let found = table(&mut known).and_then(|list| {
-                            list.into_iter()
-                                .find(|g| g.index == *i)
-                                .and_then(|g| g.uuid)
-                        });
+                        let found = table(&mut known)
+                            .and_then(|list| list.into_iter().find(|g| g.index == *i))
+                            .map(|g| g.uuid);
                         match found {
                             Some(u) => push(u, &mut out),
                             None => any = true,
@@ -200,17 +198,9 @@ fn ask(socket_dir: &Path, req: ControlRequest) -> Result<(), Ask> {
 mod tests {
     use super::*;
 
-    fn info(index: u32, uuid: Option<&str>) -> GpuInfo {
-        GpuInfo {
-            index,
-            uuid: uuid.map(str::to_string),
-            minor: index,
-        }
-    }
-
     #[test]
     fn claims_become_uuids_or_any() {
-        let table = || Some(vec![info(0, Some("GPU-a")), info(1, Some("GPU-b"))]);
+        let table = || Some(vec![Gpu::new(0, "GPU-a"), Gpu::new(1, "GPU-b")]);
         let uuids = Claim::Gpus(vec![GpuRef::Uuid("GPU-x".into())]);
         // A UUID claim never asks discovery.
         assert_eq!(

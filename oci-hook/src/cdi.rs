@@ -20,7 +20,7 @@ use anyhow::Context;
 use kiwi_config::Config;
 use serde::{Deserialize, Serialize};
 
-use crate::gpu::{self, DeviceNode, GpuError, GpuInfo, HostDevices};
+use crate::gpu::{self, DeviceNode, GpuError, HostDevices};
 
 pub const CDI_KIND: &str = "kiwi.dev/gpu";
 
@@ -112,9 +112,52 @@ fn claim_env(v: &str) -> String {
     format!("{}={v}", crate::CLAIM_ENV)
 }
 
+/// A GPU as the spec names it: by index, and by UUID where discovery knows it (a GPU
+/// found only as a device node under the device root has none).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CdiGpu {
+    pub index: u32,
+    pub uuid: Option<String>,
+    /// Minor number of `<device_root>/nvidia<minor>`.
+    pub minor: u32,
+}
+
+/// The GPUs of this node for the spec: the configured GPU list, else NVML (both through
+/// `kiwi-nvml`), else, where NVML is missing or fails, the `nvidia<N>` device nodes
+/// under the device root (indexes only, no UUIDs). A malformed list is an error.
+pub fn discover_gpus(cfg: &Config) -> Result<Vec<CdiGpu>, GpuError> {
+    let discovered =
+        gpu::discovery_from_config(cfg).and_then(|mut d| d.discover().map_err(GpuError::from));
+    match discovered {
+        Ok(gpus) => gpus
+            .iter()
+            .map(|g| {
+                Ok(CdiGpu {
+                    index: g.index,
+                    uuid: Some(g.uuid.clone()),
+                    minor: kiwi_nvml::minor_for_uuid(&gpus, &g.uuid)?,
+                })
+            })
+            .collect(),
+        Err(e) if e.is_nvml() => {
+            let devices = HostDevices::new(&cfg.runtime.device_root);
+            Ok(devices
+                .gpu_minors()?
+                .into_iter()
+                .map(|m| CdiGpu {
+                    index: m,
+                    uuid: None,
+                    minor: m,
+                })
+                .collect())
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// Builds the spec for `gpus`, with the device numbers of the host's nodes under
 /// `runtime.device_root` and the hook of `runtime.hook_path`.
-pub fn generate_cdi_spec(gpus: &[GpuInfo], cfg: &Config) -> Result<CdiSpec, GpuError> {
+pub fn generate_cdi_spec(gpus: &[CdiGpu], cfg: &Config) -> Result<CdiSpec, GpuError> {
     let devices = HostDevices::new(&cfg.runtime.device_root);
     let mut out = Vec::new();
     let mut all_nodes = Vec::new();
@@ -215,7 +258,7 @@ pub struct CdiGenerateArgs {
 /// Discovers the GPUs, builds the spec and prints it as JSON.
 pub fn run_cdi_generate(args: &CdiGenerateArgs) -> anyhow::Result<()> {
     let cfg = Config::load(args.config.as_deref())?;
-    let gpus = gpu::discover_for_cdi(&cfg).context("cannot list the GPUs of this node")?;
+    let gpus = discover_gpus(&cfg).context("cannot list the GPUs of this node")?;
     let spec = generate_cdi_spec(&gpus, &cfg)?;
     let mut text = serde_json::to_string_pretty(&spec).context("serializing the CDI spec")?;
     text.push('\n');
@@ -278,7 +321,7 @@ mod tests {
         (dir, cfg)
     }
 
-    const GPU0: GpuInfo = GpuInfo {
+    const GPU0: CdiGpu = CdiGpu {
         index: 0,
         uuid: None,
         minor: 0,

@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::attach;
 use crate::claim::Claim;
-use crate::gpu::{self, DeviceNode, GpuError, HostDevices, StaticGpus};
+use crate::gpu::{self, DeviceNode, Gpu, GpuError, HostDevices};
 use crate::securejoin::secure_join;
 use crate::spec::{Spec, SpecError};
 
@@ -194,14 +194,14 @@ pub fn plan(
     // NVML starts threads; keep them out of this process, which must stay
     // single-threaded to fork safely below. Asked at most once, and only for a claim
     // that needs it (an index or `all`, or a UUID kiwi-runtime did not resolve).
-    let table: std::cell::OnceCell<Result<Vec<gpu::GpuInfo>, String>> = Default::default();
+    let table: std::cell::OnceCell<Result<Vec<Gpu>, String>> = Default::default();
     let discover = || {
         table
             .get_or_init(|| {
                 in_child(|| {
-                    gpu::discovery_from_config(cfg)
-                        .and_then(|d| d.gpus())
-                        .map_err(|e| e.to_string())
+                    let mut discovery =
+                        gpu::discovery_from_config(cfg).map_err(|e| e.to_string())?;
+                    discovery.discover().map_err(|e| e.to_string())
                 })
             })
             .clone()
@@ -211,8 +211,9 @@ pub fn plan(
         in_spec
     } else {
         let devices = HostDevices::new(&cfg.runtime.device_root);
-        gpu::resolve_claim(claim, &devices, || {
-            Ok(Box::new(StaticGpus(discover().map_err(GpuError::Nvml)?)))
+        gpu::resolve_claim(claim, &devices, |uuid| {
+            let gpus = discover().map_err(GpuError::DiscoveryIn)?;
+            Ok(kiwi_nvml::minor_for_uuid(&gpus, uuid)?)
         })?
     };
     // The container's own client socket, for the GPUs it claimed.

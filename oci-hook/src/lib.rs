@@ -10,7 +10,8 @@
 //! Modules, by concern:
 //! - [`attach`]: the container's own client socket (recorded, asked of the arbiter, dropped).
 //! - [`claim`]: parsing `KIWI_VISIBLE_DEVICES`.
-//! - [`gpu`]: turning a claim into host device nodes (GPU discovery behind a trait).
+//! - [`gpu`]: turning a claim into host device nodes (GPU discovery and the GPU list
+//!   file are the `kiwi-nvml` crate's, shared with the device plugin).
 //! - [`spec`]: reading, editing and writing back an OCI `config.json`.
 //! - [`runc_args`]: the runc-compatible command line the wrapper accepts.
 //! - [`runtime`]: what `kiwi-runtime` does before it execs the real runtime.

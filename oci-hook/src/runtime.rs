@@ -180,7 +180,7 @@ pub fn edit_spec(
 ) -> Result<(), RuntimeError> {
     check_host(cfg)?;
     let devices = HostDevices::new(&cfg.runtime.device_root);
-    let nodes = gpu::resolve_claim(claim, &devices, discovery)?;
+    let nodes = gpu::resolve_claim(claim, &devices, gpu::minor_through(discovery))?;
     let files = if nvidia_runtime {
         Vec::new()
     } else if !cfg.runtime.driver_files.is_empty() {

@@ -469,3 +469,61 @@ fn hook_unknown_flag_is_one_line() {
     let out = Command::new(HOOK).arg("--version").output().unwrap();
     assert!(out.status.success());
 }
+
+/// The GPU list is read with the device plugin's rules (one parser, in `kiwi-nvml`):
+/// a UUID listed twice or a malformed UUID is refused by kiwi-runtime and by the hook
+/// alone, with the one line that names the file and the line.
+#[test]
+fn a_gpu_list_the_device_plugin_refuses_is_refused_here_too() {
+    let fx = Fixture::new();
+    fx.write_config_with("[\"/bin/true\"]", &fx.shim, "");
+    let list = fx.gpu_list.display().to_string();
+    for (name, text, needle) in [
+        (
+            "twice",
+            format!("0 {UUID0}\n# gap\n1 {UUID0}\n"),
+            format!("GPU list {list}, line 3: GPU {UUID0} listed twice (first on line 1)"),
+        ),
+        (
+            "index",
+            format!("1 {UUID1}\n1 {UUID0}\n"),
+            format!("GPU list {list}, line 2: index 1 listed twice (first on line 1)"),
+        ),
+        (
+            "comma",
+            format!("0 {UUID0}\n1 GPU-a,b\n"),
+            format!("GPU list {list}, line 2: GPU UUID \"GPU-a,b\" contains ','"),
+        ),
+        (
+            "reserved",
+            "0 all\n".to_string(),
+            format!("GPU list {list}, line 1: \"all\" is reserved in KIWI_VISIBLE_DEVICES"),
+        ),
+    ] {
+        std::fs::write(&fx.gpu_list, &text).unwrap();
+        let spec = claimed_spec(UUID0);
+        let b = spec_only_bundle(&fx, name, &spec);
+        let (ok, stderr) = create(&fx, &b);
+        assert!(!ok, "{name}: create succeeded");
+        assert_one_line_error(&stderr, &needle);
+        assert!(
+            stderr.contains("cannot give the container its vGPU: GPU list"),
+            "{stderr}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(b.join("config.json")).unwrap(),
+            spec,
+            "{name}: spec changed"
+        );
+        // The hook alone (a hooks.d engine: no devices in the spec) reads the list in
+        // its child and refuses the same way, before entering any namespace.
+        let (code, err) = hook(&fx, &state(&b, std::process::id()));
+        assert_eq!(code, Some(1), "{name}: {err}");
+        assert_one_line_error(&err, &needle);
+    }
+    // The same list, well formed, serves the claim.
+    std::fs::write(&fx.gpu_list, format!("0 {UUID0}\n1 {UUID1}\n")).unwrap();
+    let b = spec_only_bundle(&fx, "good", &claimed_spec(UUID0));
+    let (ok, stderr) = create(&fx, &b);
+    assert!(ok, "{stderr}");
+}

@@ -1,37 +1,23 @@
-//! GPU discovery and health through NVML, loaded with `dlopen` at run time so the
-//! plugin builds and runs on machines without the NVIDIA driver.
-//!
-//! Three layers, as in cudarc: the raw C signatures ([`sys`]) and [`Nvml`], whose
-//! methods return `Result`s, live in the `kiwi-nvml` crate (shared with the arbiter)
-//! and are re-exported here; [`NvmlSource`] is the [`GpuDiscovery`] the plugin uses.
+//! [`NvmlSource`]: the [`GpuDiscovery`] backed by NVML (the real driver's, or the GPU
+//! simulator's `libnvidia-ml.so.1`): discovery, the device node of a UUID, critical XID
+//! events and probes. This module decides which XIDs are faults; the device plugin's
+//! health monitor decides what a fault does.
 
 use std::ffi::CStr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
-use crate::gpu::{normalize_bus_id, Fault, Gpu, GpuDiscovery, GpuError, Probe};
-
-pub use kiwi_nvml::{sys, DeviceHandle, Event, EventSet, LoadError, Nvml, NvmlError, NVML_LIBRARY};
+use crate::gpu::{validate_uuid, Fault, Gpu, GpuDiscovery, GpuError, Probe};
+use crate::nvml::{sys, DeviceHandle, EventSet, Nvml, NvmlError};
+use crate::topology::normalize_bus_id;
 
 /// XIDs caused by applications, not by the GPU; NVIDIA's plugin ignores them too.
 pub const APPLICATION_XIDS: [u64; 6] = [13, 31, 43, 45, 68, 109];
 
-impl From<NvmlError> for GpuError {
-    fn from(e: NvmlError) -> GpuError {
-        GpuError::Nvml {
-            call: e.call,
-            message: format!("{} (NVML error {})", e.message, e.code),
-        }
-    }
-}
-
-impl From<LoadError> for GpuError {
-    fn from(e: LoadError) -> GpuError {
-        match e {
-            LoadError::Library { library, message } => GpuError::NvmlLoad { library, message },
-            LoadError::Init(e) => e.into(),
-        }
-    }
+/// Whether an XID event makes the GPU unhealthy.
+pub fn is_critical_xid(xid: u64) -> bool {
+    !APPLICATION_XIDS.contains(&xid)
 }
 
 /// The PCI bus id of `d` in sysfs form.
@@ -49,42 +35,41 @@ fn pci_bus_id(nvml: &Nvml, d: DeviceHandle) -> Result<String, NvmlError> {
     }))
 }
 
-/// Whether an XID event makes the GPU unhealthy.
-pub fn is_critical_xid(xid: u64) -> bool {
-    !APPLICATION_XIDS.contains(&xid)
-}
-
-/// The [`GpuDiscovery`] backed by NVML.
+/// The [`GpuDiscovery`] backed by NVML. NVML stays initialized while the source (or
+/// its event set) lives, and shuts down when both are gone.
 pub struct NvmlSource {
-    // Field order matters: the event set borrows `nvml` and must drop first.
-    events: Option<EventSet<'static>>,
+    nvml: Arc<Nvml>,
+    /// The critical-XID event set over the discovered GPUs, made at the first wait
+    /// after a discovery (so discovery alone, all kiwi-runtime and kiwi-hook ask,
+    /// registers no events).
+    events: Events,
     /// Device handles and UUIDs of the discovered GPUs, to name event devices.
     known: Vec<(DeviceHandle, String)>,
-    nvml: &'static Nvml,
     sysfs: PathBuf,
     driver: String,
     /// The last event-wait error logged, so a lasting one is logged once.
     last_wait_error: Option<String>,
 }
 
-// SAFETY: the event set and handles are NVML tokens usable from any thread (NVML is
-// thread-safe); the monitor uses the source from one thread at a time.
-unsafe impl Send for NvmlSource {}
+enum Events {
+    /// Not asked for since the last discovery.
+    NotMade,
+    /// Made; `None` when this NVML has no events or registering failed (probes only).
+    Made(Option<EventSet>),
+}
 
 impl NvmlSource {
-    /// Loads NVML from `library` and initializes it.
+    /// Loads NVML from `library` (e.g. [`crate::NVML_LIBRARY`]) and initializes it.
     pub fn load(library: &str) -> Result<NvmlSource, GpuError> {
-        // The source lives as long as the plugin; leaking one `Nvml` lets the event
-        // set borrow it for 'static, and nvmlShutdown at exit is not needed.
-        let nvml: &'static Nvml = Box::leak(Box::new(Nvml::load(library)?));
+        let nvml = Arc::new(Nvml::load(library)?);
         let driver = nvml.driver_version().unwrap_or_else(|e| {
             tracing::debug!("{e}");
             "unknown".into()
         });
         Ok(NvmlSource {
-            events: None,
-            known: Vec::new(),
             nvml,
+            events: Events::NotMade,
+            known: Vec::new(),
             sysfs: PathBuf::from(crate::topology::SYSFS_ROOT),
             driver,
             last_wait_error: None,
@@ -104,47 +89,71 @@ impl NvmlSource {
             .map(|(_, u)| u.clone())
             .or_else(|| self.nvml.uuid(d).ok())
     }
+
+    fn events(&mut self) -> Option<&EventSet> {
+        if matches!(self.events, Events::NotMade) {
+            let devices: Vec<DeviceHandle> = self.known.iter().map(|(d, _)| *d).collect();
+            let set = self.nvml.xid_event_set(&devices).unwrap_or_else(|e| {
+                tracing::warn!("no NVML events, probing only: {e}");
+                None
+            });
+            self.events = Events::Made(set);
+        }
+        match &self.events {
+            Events::Made(set) => set.as_ref(),
+            Events::NotMade => None,
+        }
+    }
 }
 
 impl GpuDiscovery for NvmlSource {
     fn discover(&mut self) -> Result<Vec<Gpu>, GpuError> {
-        let nvml = self.nvml;
+        let nvml = Arc::clone(&self.nvml);
         let count = nvml.device_count()?;
         let mut gpus = Vec::with_capacity(count as usize);
         let mut handles = Vec::with_capacity(count as usize);
         for i in 0..count {
             let d = nvml.handle_by_index(i)?;
             let mut gpu = Gpu::new(nvml.index(d).unwrap_or(i), nvml.uuid(d)?);
-            crate::gpu::validate_uuid(&gpu.uuid).map_err(|message| GpuError::Nvml {
+            validate_uuid(&gpu.uuid).map_err(|message| GpuError::Nvml {
                 call: "nvmlDeviceGetUUID",
                 message,
             })?;
+            gpu.minor = nvml
+                .minor_number(d)
+                .inspect_err(|e| tracing::debug!(gpu = %gpu.uuid, "no device node minor: {e}"))
+                .ok();
             gpu.name = nvml.name(d).ok();
             gpu.memory_bytes = nvml.memory(d).ok().map(|m| m.total);
-            gpu.pci_bus_id = pci_bus_id(nvml, d).ok();
+            gpu.pci_bus_id = pci_bus_id(&nvml, d).ok();
             gpu.numa_node = gpu
                 .pci_bus_id
                 .as_deref()
                 .and_then(|bus| crate::topology::numa_node(&self.sysfs, bus));
-            if let Ok(minor) = nvml.minor_number(d) {
-                tracing::debug!(gpu = %gpu.uuid, "device node /dev/nvidia{minor}");
-            }
             handles.push((d, gpu.uuid.clone()));
             gpus.push(gpu);
         }
         gpus.sort_by_key(|g| g.index);
-        let raw: Vec<DeviceHandle> = handles.iter().map(|(d, _)| *d).collect();
         self.known = handles;
-        self.events = None;
-        match nvml.xid_event_set(&raw) {
-            Ok(set) => self.events = set,
-            Err(e) => tracing::warn!("no NVML events, probing only: {e}"),
-        }
+        self.events = Events::NotMade;
         Ok(gpus)
     }
 
+    /// One NVML look-up by UUID (`nvmlDeviceGetHandleByUUID`), without discovering
+    /// every GPU.
+    fn minor_for_uuid(&mut self, uuid: &str) -> Result<u32, GpuError> {
+        let d = self
+            .nvml
+            .handle_by_uuid(uuid)
+            .map_err(|e| GpuError::UnknownGpu {
+                uuid: uuid.to_string(),
+                reason: format!("NVML does not know it ({}, code {})", e.message, e.code),
+            })?;
+        Ok(self.nvml.minor_number(d)?)
+    }
+
     fn wait_faults(&mut self, timeout: Duration) -> Vec<Fault> {
-        let Some(events) = &self.events else {
+        let Some(events) = self.events() else {
             std::thread::sleep(timeout);
             return Vec::new();
         };
@@ -211,5 +220,17 @@ mod tests {
         }
         assert!(is_critical_xid(79));
         assert!(is_critical_xid(48));
+    }
+
+    #[test]
+    fn missing_library_is_an_nvml_error() {
+        let e = NvmlSource::load("/nonexistent/libnvidia-ml.so.1")
+            .err()
+            .unwrap();
+        assert!(e.is_nvml(), "{e}");
+        assert!(
+            e.to_string().starts_with("cannot load NVML (/nonexistent/"),
+            "{e}"
+        );
     }
 }
