@@ -56,7 +56,7 @@ pub async fn run_daemon(
         client_path.display(),
         control_path.display(),
         cfg.scheduler,
-        cfg.tq_ms as f64 / 1000.0,
+        cfg.tq,
         match cfg.swap_budget_bytes {
             None => "unlimited".to_string(),
             Some(b) => format!("{} MiB", b >> 20),

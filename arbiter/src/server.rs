@@ -47,7 +47,9 @@ use crate::swap;
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub scheduler: SchedulerMode,
-    pub tq_ms: u64,
+    /// The quantum every GPU starts with (`--tq`, `[arbiter] tq_seconds`); checked
+    /// where it was read.
+    pub tq: kiwi_config::Quantum,
     pub grace_ms: u64,
     /// Idle eviction (`[arbiter] idle_evict_seconds`), in ms; 0: off. See
     /// [`GpuScheduler::with_idle_evict`].
@@ -115,7 +117,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         Self {
             scheduler: SchedulerMode::On,
-            tq_ms: 30_000,
+            tq: kiwi_config::Quantum::default(),
             grace_ms: 5_000,
             idle_evict_ms: 30_000,
             reserve_mib: None,
@@ -869,7 +871,7 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let defaults = Settings {
         scheduler_on: cfg.scheduler.is_on(),
-        tq_ms: cfg.tq_ms.max(1),
+        tq_ms: cfg.tq.as_millis(),
     };
     // Client connections stop FD_RESERVE short of the descriptor limit, so the
     // control socket always has room.

@@ -326,7 +326,7 @@ fn arbiter_role(
     checkpoint: bool,
 ) -> Result<()> {
     let mut cfg = kiwi_arbiter::ServerConfig {
-        tq_ms: ((tq * 1000.0) as u64).max(1),
+        tq: kiwi_config::Quantum::from_secs(tq)?,
         scheduler: scheduler.parse().map_err(anyhow::Error::msg)?,
         // Every benchmark client is a child of this process, in one cgroup; on a node
         // they are separate containers, each under its own per-container cap.

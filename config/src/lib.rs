@@ -6,18 +6,27 @@
 //! Unknown keys are refused so that a typo never silently falls back to a default.
 //!
 //! This crate owns parsing and the well-known paths derived from `socket_dir`; it
-//! does not act on any value.
+//! does not act on any value. Values are typed where they are read ([`Quantum`],
+//! [`Nvml`], [`Checkpoint`], [`SwapPool`]), so no reader checks them again; the
+//! `[arbiter]` section declares each key and its flag once ([`arbiter`]).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::{Deserialize, Serialize};
 
+pub mod arbiter;
 pub mod cgroup;
 pub mod containers;
+pub mod quantum;
 pub mod report;
+pub mod value;
+pub use arbiter::{
+    parse_idle_evict_arg, parse_idle_evict_value, ArbiterConfig, Checkpoint, Nvml, SwapPool,
+};
+pub use quantum::Quantum;
 pub use report::one_line;
+pub use value::{flag_error, ValueError};
 
 /// Where the file is looked for when neither a flag nor `KIWI_CONFIG` names one.
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/kiwi/config.toml";
@@ -89,7 +98,7 @@ impl Default for Config {
 }
 
 /// `on` / `off`, as the operator writes it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum SchedulerMode {
     #[default]
@@ -122,104 +131,6 @@ impl std::str::FromStr for SchedulerMode {
                 "scheduler must be \"on\" or \"off\", not {other:?}"
             )),
         }
-    }
-}
-
-/// `[arbiter]`: the Kiwi Scheduler.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ArbiterConfig {
-    pub scheduler: SchedulerMode,
-    /// Time quantum in seconds; fractions allowed, must be > 0.
-    #[serde(deserialize_with = "positive_seconds")]
-    pub tq_seconds: f64,
-    /// How long a holder may ignore a drop before the GPU is taken from it.
-    pub grace_ms: u64,
-    /// Idle eviction: on an oversubscribed GPU, a client that neither holds nor waits
-    /// and has sent nothing (no request, no memory change) for this many seconds is
-    /// asked to swap all it has resident out, in the background. 0 turns it off.
-    #[serde(deserialize_with = "idle_evict_seconds")]
-    pub idle_evict_seconds: f64,
-    /// GPU memory held back for contexts and library workspaces, which cannot be
-    /// swapped. `None`: 1536 MiB, but never more than an eighth of the GPU.
-    pub reserve_mib: Option<u64>,
-    /// Host RAM the node lends as GPU swap, in MiB, over all clients. `None`: unlimited
-    /// (with a swap pool, the pool's size bounds it anyway).
-    pub swap_budget_mib: Option<u64>,
-    /// The node's swap pool, host memory the arbiter owns and lends to clients for
-    /// their swap-outs (never charged to a pod's memory limit): "auto" (half the
-    /// host's available memory at start), "off" (clients swap into their own memory),
-    /// or a size such as "64GiB".
-    pub swap_pool: String,
-    /// Bytes of the pool populated at start and kept ready, in MiB (default 0: the
-    /// pool populates ahead as working sets grow on shared GPUs).
-    pub swap_pool_floor_mib: Option<u64>,
-    /// The swap pool's disk tier: a directory on local disk where swapped-out memory
-    /// of the processes idle longest moves when the pool runs short (files with no
-    /// name, gone with the arbiter). `None`: no disk tier.
-    pub spill_dir: Option<String>,
-    /// The most the disk tier holds, in MiB. `None`: bounded by the disk's free
-    /// space (a reserve of 5%, at most 1 GiB, is always left).
-    pub spill_budget_mib: Option<u64>,
-    /// Events kept per GPU in the in-memory event log.
-    pub event_log_capacity: usize,
-    /// Prometheus endpoint, e.g. "127.0.0.1:9400". `None`: no metrics server.
-    pub metrics_addr: Option<String>,
-    /// Where the arbiter learns each GPU's UUID and memory: "auto" (libnvidia-ml.so.1
-    /// if it loads), "off" (no NVML: a GPU's first registration sets its size), or the
-    /// path of an NVML library, which must load.
-    pub nvml: String,
-    /// Whole-process eviction through the driver's checkpoint API (driver 570+):
-    /// "auto" (used when libcuda.so.1 loads and has it), or "off".
-    pub checkpoint: String,
-    /// Limits on what tenants can make the arbiter hold (docs/protocol.md, "Limits").
-    /// `None`: the arbiter's default. Flags of the same name win.
-    pub max_connections: Option<usize>,
-    pub max_conns_per_group: Option<usize>,
-    pub register_timeout_ms: Option<u64>,
-    pub frame_timeout_ms: Option<u64>,
-    pub partial_frame_budget_mib: Option<u64>,
-    pub event_log_mib: Option<u64>,
-    pub limit_nofile: Option<u64>,
-    /// The longest a client's swap-out may wait for its application's answer to which
-    /// of its memory is dead (the shim's `KIWI_HINT_WAIT_MS` is clamped to it), in ms:
-    /// the GPU and memory the next tenant needs wait for that answer. `None`: the
-    /// arbiter's default (100); 0: swap-outs never wait for it.
-    pub max_hint_wait_ms: Option<u64>,
-}
-
-impl Default for ArbiterConfig {
-    fn default() -> Self {
-        Self {
-            scheduler: SchedulerMode::On,
-            tq_seconds: 30.0,
-            grace_ms: 5_000,
-            idle_evict_seconds: 30.0,
-            reserve_mib: None,
-            swap_budget_mib: None,
-            swap_pool: "auto".into(),
-            swap_pool_floor_mib: None,
-            spill_dir: None,
-            spill_budget_mib: None,
-            event_log_capacity: 100_000,
-            metrics_addr: None,
-            nvml: "auto".into(),
-            checkpoint: "auto".into(),
-            max_connections: None,
-            max_conns_per_group: None,
-            register_timeout_ms: None,
-            frame_timeout_ms: None,
-            partial_frame_budget_mib: None,
-            event_log_mib: None,
-            limit_nofile: None,
-            max_hint_wait_ms: None,
-        }
-    }
-}
-
-impl ArbiterConfig {
-    pub fn tq(&self) -> Duration {
-        Duration::from_secs_f64(self.tq_seconds)
     }
 }
 
@@ -311,62 +222,6 @@ impl Default for DevicePluginConfig {
     }
 }
 
-fn positive_seconds<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
-    let v = f64::deserialize(d)?;
-    parse_tq_value(v).map_err(serde::de::Error::custom)
-}
-
-fn idle_evict_seconds<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
-    let v = f64::deserialize(d)?;
-    parse_idle_evict_value(v).map_err(serde::de::Error::custom)
-}
-
-/// Checks an idle-eviction delay in seconds: finite, 0 (off) or more, at most a day.
-pub fn parse_idle_evict_value(v: f64) -> Result<f64, String> {
-    if !v.is_finite() || v < 0.0 {
-        return Err(format!(
-            "idle_evict_seconds must be 0 (off) or a positive number of seconds, not {v}"
-        ));
-    }
-    if v > 86_400.0 {
-        return Err(format!(
-            "idle_evict_seconds must be at most 86400 seconds (a day), not {v}"
-        ));
-    }
-    Ok(v)
-}
-
-/// Parses an idle-eviction delay as a person types it (`30`, `0.5`, `0` for off).
-pub fn parse_idle_evict_arg(s: &str) -> Result<f64, String> {
-    let v: f64 = s.trim().parse().map_err(|_| {
-        format!("idle_evict_seconds must be 0 (off) or a positive number of seconds, not {s:?}")
-    })?;
-    parse_idle_evict_value(v)
-}
-
-/// Checks a TQ in seconds: finite, > 0, at most a day.
-pub fn parse_tq_value(v: f64) -> Result<f64, String> {
-    if !v.is_finite() || v <= 0.0 {
-        return Err(format!("TQ must be a positive number of seconds, not {v}"));
-    }
-    if v > 86_400.0 {
-        return Err(format!("TQ must be at most 86400 seconds (a day), not {v}"));
-    }
-    if v < 0.001 {
-        return Err(format!("TQ must be at least 0.001 seconds, not {v}"));
-    }
-    Ok(v)
-}
-
-/// Parses a TQ as a person types it (`30`, `2.5`); refuses `0`, negatives and words.
-pub fn parse_tq_arg(s: &str) -> Result<f64, String> {
-    let v: f64 = s
-        .trim()
-        .parse()
-        .map_err(|_| format!("TQ must be a positive number of seconds, not {s:?}"))?;
-    parse_tq_value(v)
-}
-
 impl Config {
     /// Loads the configuration: `explicit` (a `--config` flag) wins, then `KIWI_CONFIG`,
     /// then `/etc/kiwi/config.toml`. Only the last may be missing.
@@ -438,29 +293,7 @@ impl Config {
                 "runtime.runtimes must name at least one runtime".into(),
             ));
         }
-        if self.arbiter.event_log_capacity == 0 {
-            return Err(invalid(
-                "arbiter.event_log_capacity must be at least 1".into(),
-            ));
-        }
-        let a = &self.arbiter;
-        for (key, value) in [
-            ("max_connections", a.max_connections.map(|v| v as u64)),
-            (
-                "max_conns_per_group",
-                a.max_conns_per_group.map(|v| v as u64),
-            ),
-            ("register_timeout_ms", a.register_timeout_ms),
-            ("frame_timeout_ms", a.frame_timeout_ms),
-            ("partial_frame_budget_mib", a.partial_frame_budget_mib),
-            ("event_log_mib", a.event_log_mib),
-            ("limit_nofile", a.limit_nofile),
-        ] {
-            if value == Some(0) {
-                return Err(invalid(format!("arbiter.{key} must be at least 1")));
-            }
-        }
-        Ok(())
+        self.arbiter.validate().map_err(invalid)
     }
 
     /// The socket directory: `flag`, then `KIWI_SOCKET_DIR`, then this file, then `/run/kiwi`.
@@ -537,6 +370,7 @@ mod tests {
         let c = Config::from_str_at("", Path::new("x.toml")).unwrap();
         assert_eq!(c, Config::default());
         assert_eq!(c.arbiter.tq_seconds, 30.0);
+        assert_eq!(c.arbiter.tq_seconds, Quantum::default());
         assert_eq!(c.device_plugin.resource_name, "kiwi.dev/gpu");
     }
 
@@ -558,7 +392,7 @@ vgpus_per_gpu = 4
 "#;
         let c = Config::from_str_at(text, Path::new("x.toml")).unwrap();
         assert_eq!(c.arbiter.scheduler, SchedulerMode::Off);
-        assert_eq!(c.arbiter.tq(), Duration::from_millis(2500));
+        assert_eq!(c.arbiter.tq_seconds.as_millis(), 2500);
         assert_eq!(c.runtime.runtimes, vec!["crun"]);
         assert_eq!(c.device_plugin.vgpus_per_gpu, 4);
         assert_eq!(c.device_plugin.health_interval_ms, 5_000);
@@ -640,7 +474,7 @@ vgpus_per_gpu = 4
             .unwrap_err()
             .to_string();
         assert!(e.contains("idle_evict_seconds must be 0 (off)"), "{e}");
-        assert_eq!(parse_idle_evict_arg("0"), Ok(0.0));
+        assert_eq!(parse_idle_evict_arg("0").unwrap(), 0.0);
         for bad in ["-1", "abc", "", "nan", "inf", "1e9"] {
             assert!(parse_idle_evict_arg(bad).is_err(), "{bad} accepted");
         }
@@ -675,15 +509,6 @@ vgpus_per_gpu = 4
             .unwrap_err()
             .to_string();
         assert!(e.contains("line 2"), "{e}");
-    }
-
-    #[test]
-    fn tq_args() {
-        assert_eq!(parse_tq_arg("30").unwrap(), 30.0);
-        assert_eq!(parse_tq_arg("0.5").unwrap(), 0.5);
-        for bad in ["0", "-3", "abc", "", "nan", "inf", "1e9"] {
-            assert!(parse_tq_arg(bad).is_err(), "{bad} accepted");
-        }
     }
 
     #[test]

@@ -35,8 +35,8 @@ pub struct DemoArgs {
     #[arg(long, value_enum, default_value = "oversub")]
     scenario: Scenario,
     /// Time quantum in seconds.
-    #[arg(long, default_value = "3", value_parser = kiwi_config::parse_tq_arg)]
-    tq: f64,
+    #[arg(long, default_value = "3")]
+    tq: kiwi_config::Quantum,
     /// GPU memory of each notebook (default: 700MiB when oversubscribed, 400MiB when
     /// they fit, scaled to the GPU).
     #[arg(long)]
@@ -180,7 +180,7 @@ impl Drop for Cleanup {
 
 pub fn run(args: &DemoArgs) -> Result<ExitCode> {
     let build = find_build(args.gpu)?;
-    let tq_ms = ((args.tq * 1000.0).round() as u64).max(1);
+    let tq_ms = args.tq.as_millis();
     let gpu_mem = kiwi_config::parse_size(&args.gpu_mem).map_err(anyhow::Error::msg)?;
     let mem = match &args.mem {
         Some(m) => kiwi_config::parse_size(m).map_err(anyhow::Error::msg)?,

@@ -30,8 +30,13 @@ struct Cli {
     #[arg(short = 'S', long = "scheduler", value_name = "on|off", value_parser = parse_on_off)]
     scheduler: Option<bool>,
     /// Set the time quantum in seconds (> 0; fractions allowed).
-    #[arg(short = 'T', long = "tq", value_name = "SECONDS", value_parser = kiwi_config::parse_tq_arg, allow_hyphen_values = true)]
-    tq: Option<f64>,
+    #[arg(
+        short = 'T',
+        long = "tq",
+        value_name = "SECONDS",
+        allow_hyphen_values = true
+    )]
+    tq: Option<kiwi_config::Quantum>,
     /// GPU to act on (UUID or index); default: every GPU.
     #[arg(long)]
     gpu: Option<String>,
@@ -168,7 +173,7 @@ fn run(cli: Cli) -> Result<ExitCode> {
         }
         if let Some(tq) = cli.tq {
             done(ctl.call(&ControlRequest::SetTq {
-                tq_ms: ((tq * 1000.0).round() as u64).max(1),
+                tq_ms: tq.as_millis(),
                 gpu: cli.gpu.clone(),
             })?);
         }
