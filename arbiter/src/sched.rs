@@ -51,7 +51,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use kiwi_protocol::{
     ArbiterMsg, ClientState, ClientStatus, DropReason, ErrorCode, EventKind, GpuStatus, Keep,
-    Register, Settings, Usage,
+    Register, Settings, Usage, ViewProcess, MAX_VIEW_PROCESSES,
 };
 
 /// Connection-scoped client id, assigned by the server.
@@ -1742,6 +1742,31 @@ impl GpuScheduler {
                 },
             );
         }
+    }
+
+    /// What a tenant may see of this GPU (issue #39, [`ArbiterMsg::View`]): the
+    /// memory no swap frees that a client registering now would be told the others
+    /// hold, and each client `mine` accepts, by the pid it gave, with what Kiwi
+    /// counts for it (its working set and its memory no swap frees). At most
+    /// [`MAX_VIEW_PROCESSES`] clients, the largest first.
+    pub fn view(&self, mine: impl Fn(ClientId) -> bool) -> (u64, Vec<ViewProcess>) {
+        let fixed = if self.checkpoint_on {
+            self.unmovable_besides(ClientId::MAX)
+        } else {
+            self.fixed().saturating_sub(self.unseen)
+        };
+        let mut processes: Vec<ViewProcess> = self
+            .clients
+            .iter()
+            .filter(|(&id, _)| mine(id))
+            .map(|(_, c)| ViewProcess {
+                pid: c.info.pid,
+                used_bytes: c.usage.working_set_bytes.saturating_add(c.unswappable),
+            })
+            .collect();
+        processes.sort_by_key(|p| (std::cmp::Reverse(p.used_bytes), p.pid));
+        processes.truncate(MAX_VIEW_PROCESSES);
+        (fixed, processes)
     }
 
     /// What `room_info` client `id` is to be told: the memory no swap frees that the

@@ -521,6 +521,37 @@ impl gpus::Entries for BTreeMap<String, Gpu> {
 }
 
 impl State {
+    /// What client `id`'s tenant may see of GPU `uuid` ([`ArbiterMsg::View`]): its
+    /// own clients there, none of another tenant's.
+    fn view(&self, id: ClientId, uuid: String) -> ArbiterMsg {
+        let Some(tenant) = self.clients.get(&id).map(|c| c.tenant.clone()) else {
+            return ArbiterMsg::Error {
+                code: ErrorCode::NotRegistered,
+                message: "this connection is closing".into(),
+            };
+        };
+        let host = tenant.starts_with("uid ");
+        let Some(g) = self.gpus.get(&uuid) else {
+            return ArbiterMsg::View {
+                gpu_uuid: uuid,
+                known: false,
+                unswappable_bytes: 0,
+                processes: Vec::new(),
+                host,
+            };
+        };
+        let (unswappable_bytes, processes) = g
+            .sched
+            .view(|other| self.clients.get(&other).is_some_and(|c| c.tenant == tenant));
+        ArbiterMsg::View {
+            gpu_uuid: uuid,
+            known: true,
+            unswappable_bytes,
+            processes,
+            host,
+        }
+    }
+
     /// Checks a registration's GPU against what the arbiter knows ([`gpus`]) and
     /// creates its entry if it is the GPU's first client.
     fn admit_gpu(&mut self, now: u64, uuid: &str, claimed: u64) -> Result<(), gpus::Refusal> {
@@ -1374,6 +1405,8 @@ async fn client_connection(
     let mut closed = Closed::ByClient;
     // A `pool_open` as the first message makes this a pool connection.
     let mut pool_conn = false;
+    // A `view` as the first message makes this a view connection.
+    let mut viewer = false;
     'conn: loop {
         if peer.closing.load(Ordering::Relaxed) {
             break;
@@ -1439,6 +1472,19 @@ async fn client_connection(
                             "pool_open must be a connection's first message"
                         };
                         peer.send(&ArbiterMsg::Error { code: ErrorCode::InvalidArgument, message: message.into() });
+                        break 'conn;
+                    }
+                    // A `view` before any registration makes this a view connection
+                    // (the shim's NVML answers): no deadline, and no registering.
+                    if matches!(msg, ClientMsg::View { .. }) && my_gpu.is_none() {
+                        viewer = true;
+                        register_by = None;
+                    } else if viewer && !matches!(msg, ClientMsg::View { .. } | ClientMsg::Ping { .. }) {
+                        closed = Closed::Refused;
+                        peer.send(&ArbiterMsg::Error {
+                            code: ErrorCode::InvalidArgument,
+                            message: "a view connection carries only view and ping".into(),
+                        });
                         break 'conn;
                     }
                     let registering = matches!(msg, ClientMsg::Register(_));
@@ -1839,6 +1885,19 @@ fn handle_client_msg(
             });
             return true;
         }
+        (ClientMsg::View { gpu_uuid }, _) => {
+            if let Origin::Container(c) = origin {
+                if let Err(message) = c.may_use(&gpu_uuid) {
+                    peer.send(&ArbiterMsg::Error {
+                        code: ErrorCode::UnknownGpu,
+                        message,
+                    });
+                    return true;
+                }
+            }
+            peer.send(&st.view(id, gpu_uuid));
+            return true;
+        }
         (ClientMsg::Register(_), Some(_)) => {
             peer.send(&ArbiterMsg::Error {
                 code: ErrorCode::AlreadyRegistered,
@@ -1920,7 +1979,8 @@ fn handle_client_msg(
                 | ClientMsg::PoolTake { .. }
                 | ClientMsg::PoolGive { .. }
                 | ClientMsg::PoolKept { .. }
-                | ClientMsg::PoolSpill { .. } => Vec::new(),
+                | ClientMsg::PoolSpill { .. }
+                | ClientMsg::View { .. } => Vec::new(),
             };
             (uuid, outs)
         }

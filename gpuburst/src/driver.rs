@@ -137,6 +137,7 @@ driver_api! {
     device_get_count = "cuDeviceGetCount": fn(*mut i32);
     device_get_name = "cuDeviceGetName": fn(*mut c_char, i32, CUdevice);
     device_total_mem = "cuDeviceTotalMem": fn(*mut usize, CUdevice);
+    device_get_uuid = "cuDeviceGetUuid": fn(*mut [u8; 16], CUdevice);
     primary_ctx_retain = "cuDevicePrimaryCtxRetain": fn(*mut Handle, CUdevice);
     primary_ctx_release = "cuDevicePrimaryCtxRelease": fn(CUdevice);
     ctx_create = "cuCtxCreate": fn(*mut Handle, u32, CUdevice);

@@ -274,7 +274,19 @@ pub enum ClientMsg {
     PoolSpill {
         ids: Vec<u64>,
     },
+    /// What this client's tenant may see of GPU `gpu_uuid` (issue #39: NVML inside a
+    /// process under Kiwi answers for that process's view). Answered by
+    /// [`ArbiterMsg::View`]. Allowed on any client connection, registered or not;
+    /// on one that has not registered it lifts the registration deadline (the shim
+    /// keeps one such connection for its NVML answers) and the connection may carry
+    /// only `view` and `ping` after it.
+    View {
+        gpu_uuid: String,
+    },
 }
+
+/// Most processes one [`ArbiterMsg::View`] lists.
+pub const MAX_VIEW_PROCESSES: usize = 256;
 
 /// Most bytes one [`ClientMsg::PoolTake`] asks for.
 pub const MAX_POOL_TAKE_BYTES: u64 = 4 << 30;
@@ -302,6 +314,13 @@ impl ClientMsg {
                     ids.len()
                 ),
             }),
+            ClientMsg::View { gpu_uuid } if gpu_uuid.is_empty() || gpu_uuid.len() > 128 => {
+                Err(FieldError {
+                    field: "gpu_uuid",
+                    problem: "must be 1 to 128 bytes".into(),
+                })
+            }
+            ClientMsg::View { gpu_uuid } => check_text("gpu_uuid", gpu_uuid),
             ClientMsg::PoolSpill { ids } if ids.is_empty() || ids.len() > MAX_POOL_SPILL_IDS => {
                 Err(FieldError {
                     field: "ids",
@@ -314,6 +333,18 @@ impl ClientMsg {
             _ => Ok(()),
         }
     }
+}
+
+/// One process of a tenant's view of a GPU ([`ArbiterMsg::View`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ViewProcess {
+    /// Its pid as it sees itself (its registration's): the caller's tenant shares
+    /// its PID namespace.
+    pub pid: u32,
+    /// What Kiwi counts for it on the GPU: its working set (resident and swapped)
+    /// and its memory no swap frees (contexts, modules).
+    pub used_bytes: u64,
 }
 
 /// One slice of the node's swap pool lent to a client ([`ArbiterMsg::PoolLent`]).
@@ -487,6 +518,25 @@ pub enum ArbiterMsg {
         /// growth (the node's swap pool, or its budget) and who fills it.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         message: Option<String>,
+    },
+    /// Answer to [`ClientMsg::View`]: what the caller's tenant (its container; on
+    /// the host, its uid) may see of the GPU. `known: false`: the arbiter schedules
+    /// no client on that GPU (nothing of Kiwi's is on it: the driver's own figures
+    /// are the truth). Otherwise `unswappable_bytes` is the memory no swap frees on
+    /// it, every client's and every process's outside Kiwi (what a client
+    /// registering now would be told others hold, [`ArbiterMsg::Room`]), and
+    /// `processes` the tenant's own clients on it, at most [`MAX_VIEW_PROCESSES`].
+    /// `host`: the caller is a host process (its pid namespace is the node's), so
+    /// the driver's own process list, filtered to its uid, means something to it.
+    View {
+        gpu_uuid: String,
+        known: bool,
+        #[serde(default)]
+        unswappable_bytes: u64,
+        #[serde(default)]
+        processes: Vec<ViewProcess>,
+        #[serde(default)]
+        host: bool,
     },
     /// Answer to [`ClientMsg::PoolOpen`]: the pool's size and its slices' usual size.
     PoolOpened {

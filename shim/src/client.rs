@@ -1148,7 +1148,8 @@ impl Client {
                 self.wake_pinning();
             }
             ArbiterMsg::Pong { token } => turn.on_pong(token),
-            // The swap pool's answers come on its own connection (`crate::pool`).
+            // The swap pool's and the NVML view's answers come on their own
+            // connections (`crate::pool`, `crate::view`).
             ArbiterMsg::PoolReclaim { bytes } => {
                 self.spill_want.fetch_max(bytes, Ordering::AcqRel);
                 self.wake_pinning();
@@ -1156,7 +1157,8 @@ impl Client {
             ArbiterMsg::PoolOpened { .. }
             | ArbiterMsg::PoolLent { .. }
             | ArbiterMsg::PoolSpilled { .. }
-            | ArbiterMsg::PoolRefused { .. } => {}
+            | ArbiterMsg::PoolRefused { .. }
+            | ArbiterMsg::View { .. } => {}
             // Said right after `registered`, where `register` applies it; one that
             // came later still applies (only ever to the process's own wait).
             ArbiterMsg::Bounds { hint_wait_ms } => register::apply_bounds(hint_wait_ms),

@@ -591,7 +591,9 @@ pub(crate) fn nvml_free(uuid: &str) -> Option<u64> {
 /// NVML, loaded once; `None` where it does not load.
 fn nvml() -> Option<&'static kiwi_nvml::Nvml> {
     static NVML: std::sync::OnceLock<Option<kiwi_nvml::Nvml>> = std::sync::OnceLock::new();
-    NVML.get_or_init(|| kiwi_nvml::Nvml::load(kiwi_nvml::NVML_LIBRARY).ok())
+    // Inside the shim: its lookups get the driver's functions, not the view's
+    // (`crate::nvml`).
+    NVML.get_or_init(|| crate::ffi::inside(|| kiwi_nvml::Nvml::load(kiwi_nvml::NVML_LIBRARY).ok()))
         .as_ref()
 }
 

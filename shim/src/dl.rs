@@ -22,6 +22,11 @@
 //! The driver-side objects' address spans are computed once, after the driver is
 //! loaded ([`driver_side`]); a lookup then costs a few comparisons and no lock. Names
 //! the shim does not wrap never get this far.
+//!
+//! NVML's memory and process queries are answered the same way, with the view's
+//! wrappers ([`crate::nvml`]), to every caller outside the shim (NVML has no proxy
+//! below the shim to tell apart; finding one would load the CUDA driver, which a
+//! process that only reads NVML never loads).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ptr::null_mut;
@@ -129,6 +134,19 @@ pub unsafe extern "C" fn dlsym_hook(
     // SAFETY: the caller passed a NUL-terminated symbol name.
     let bytes = unsafe { CStr::from_ptr(name) }.to_bytes();
     let Some(index) = lookup(bytes) else {
+        // NVML's memory and process queries: the view's wrappers (`crate::nvml`), to
+        // the application only (the shim's own lookups are made inside it).
+        if let Some(index) = crate::nvml::lookup(bytes) {
+            if crate::ffi::reentered() {
+                return null_mut();
+            }
+            // SAFETY: forwarding the caller's handle and name to glibc's dlsym.
+            let found = unsafe { real(handle, name) };
+            if found.is_null() {
+                return null_mut();
+            }
+            return crate::nvml::wrap_found(index, handle, found);
+        }
         return null_mut();
     };
     // Below the shim: the driver's own function (see the module docs).

@@ -34,6 +34,9 @@ pub struct ShimEnv {
     /// swap-out: at most the arbiter's bound (`bounds` at registration, `kiwi-arbiter
     /// --max-hint-wait-ms`, default 100 ms) is used.
     pub hint_wait: Duration,
+    /// `KIWI_NVML_VIEW` (default on; `0` turns it off): NVML in this process answers
+    /// for its own view of the GPU (`crate::view`), as `cuMemGetInfo` does.
+    pub nvml_view: bool,
 }
 
 /// Parses a duration: plain number = `default_unit`; suffixes `ms`, `s`.
@@ -92,6 +95,8 @@ impl ShimEnv {
                 .filter(|s| !s.is_empty())
                 .map(PathBuf::from),
             hint_wait: dur("KIWI_HINT_WAIT_MS", 1.0, Duration::from_millis(10)),
+            nvml_view: !get("KIWI_NVML_VIEW")
+                .is_some_and(|v| matches!(v.trim(), "0" | "false" | "no" | "off")),
         }
     }
 

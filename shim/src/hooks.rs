@@ -505,16 +505,26 @@ pub unsafe fn mem_get_info(
     if free.is_null() || total.is_null() {
         return CUDA_ERROR_INVALID_VALUE;
     }
+    let (f, t) = told_free(turn);
+    // SAFETY: both out-pointers checked non-null.
+    unsafe {
+        *total = t as usize;
+        *free = f as usize;
+    }
+    CUDA_SUCCESS
+}
+
+/// What `cuMemGetInfo` tells the process of `turn`'s GPU now: (free, total). Free is
+/// what its working set can still grow by and be resident in its turn: the total
+/// less its working set, the others' memory no swap frees and its own contexts
+/// (brought up to date first, [`client::Turn::sync_room`]). NVML answers with the
+/// same figure ([`crate::view`]).
+pub fn told_free(turn: &client::Turn) -> (u64, u64) {
     turn.sync_room();
     let t = turn.info().total_memory;
     let reserve = t.saturating_sub(turn.told_capacity());
     let used = turn.figures().working_set;
-    // SAFETY: both out-pointers checked non-null.
-    unsafe {
-        *total = t as usize;
-        *free = t.saturating_sub(used).saturating_sub(reserve) as usize;
-    }
-    CUDA_SUCCESS
+    (t.saturating_sub(used).saturating_sub(reserve), t)
 }
 
 /// # Safety

@@ -9,11 +9,11 @@ use std::path::Path;
 
 /// Top (the C ABI) to bottom (the leaves anyone may use).
 const LAYERS: &[(&str, &[&str])] = &[
-    ("1 C ABI", &["exports", "dl", "procaddr"]),
+    ("1 C ABI", &["exports", "dl", "procaddr", "nvml"]),
     (
         "2 hooked behaviour",
         &[
-            "hooks", "attrs", "ipc", "submit", "pools", "room", "appvmm", "modules",
+            "hooks", "attrs", "ipc", "submit", "pools", "room", "appvmm", "modules", "view",
         ],
     ),
     (

@@ -3,7 +3,8 @@
 //!
 //! Loaded with `LD_PRELOAD` or `/etc/ld.so.preload`, it exports the driver's entry
 //! points ([`exports`]), its own `dlsym` ([`dl`]) and `cuGetProcAddress`
-//! ([`procaddr`]), so every path into the driver meets the shim. Allocations are
+//! ([`procaddr`]), so every path into the driver meets the shim; and NVML's memory
+//! and process queries ([`nvml`]), answered for the process's own view ([`view`]). Allocations are
 //! VMM-backed and swappable at stable addresses ([`mem`]); submissions pass a gate
 //! ([`gate`], its slow path [`submit`]) that is open only while this process holds
 //! the GPU and its memory is resident; the arbiter conversation lives in [`client`].
@@ -30,6 +31,7 @@
 //! | `KIWI_HINT_WAIT_MS` | how long a swap-out waits for the application to say which memory is dead (default 10); at most the arbiter's `--max-hint-wait-ms` (default 100), which the shim is told at registration: the next tenant waits for that swap-out |
 //! | `KIWI_SWAP_PAGEABLE` | `1`: a swap-out that finds no pinned buffer ready copies into pageable memory, registered in place afterwards (default `0`: it page-locks one on its critical path; see `docs/shim.md`) |
 //! | `KIWI_SWAP_POOL` | `0`: swap into this process's own memory, not the node's swap pool (default: borrow the pool's slices where the arbiter has one; see `pool`) |
+//! | `KIWI_NVML_VIEW` | `0`: NVML in this process tells the physical GPU (every tenant's memory and processes) instead of this process's view, the one `cuMemGetInfo` gives (default on; see `view`) |
 //! | `KIWI_POD_NAME`, `KIWI_POD_NAMESPACE`, `KIWI_CONTAINER_ID` | shown by `kiwictl status` |
 
 pub mod appvmm;
@@ -54,6 +56,7 @@ pub mod log;
 pub mod managed;
 pub mod mem;
 pub mod modules;
+pub mod nvml;
 pub mod pool;
 pub mod pools;
 pub mod procaddr;
@@ -63,3 +66,4 @@ pub mod stats;
 pub mod status;
 pub mod submit;
 pub mod symbols;
+pub mod view;

@@ -7,7 +7,10 @@
 //! - another pod's container that claimed GPU 1 but uses GPU 0 is refused, with a
 //!   message naming only its own GPU, never the other pod, and runs unmanaged;
 //! - an unclaimed container and the pod sandboxes get nothing: no socket directory, no
-//!   record; the claimed containers' records go when their pods are removed.
+//!   record; the claimed containers' records go when their pods are removed;
+//! - NVML inside a third pod's container on the notebook's GPU (`cuprobe nvml`: dlopen
+//!   and dlsym, as the monitoring tools reach it) tells the free memory its CUDA
+//!   tells, and lists its own process only, never the notebook's.
 //!
 //! containerd runs privately (its own root, state, socket, runc root and CNI
 //! directories in a temp dir; overlayfs if this kernel mounts it there, else `native`),
@@ -137,6 +140,8 @@ fn gpu_rootfs(root: &Path) {
     busybox_rootfs(root, &["sh", "cat", "echo", "ls", "sleep"]);
     let gpuburst = bin("gpuburst");
     std::fs::copy(&gpuburst, root.join("bin/gpuburst")).unwrap();
+    // The same libraries as gpuburst's (libc's): what NVML says inside a container.
+    std::fs::copy(bin("cuprobe"), root.join("bin/cuprobe")).unwrap();
     let ldd = Command::new("ldd").arg(&gpuburst).output().unwrap();
     assert!(ldd.status.success());
     for line in String::from_utf8_lossy(&ldd.stdout).lines() {
@@ -742,6 +747,60 @@ fn cri_pods_get_their_own_sockets_named_by_pod() {
         assert_eq!(ann[k].as_str(), Some(v), "{k} in {ann}");
     }
 
+    // Pod C, on the notebook's GPU too: NVML inside it (dlopen + dlsym, as the tools
+    // do) says what its CUDA says is free and lists its own process only, never the
+    // notebook of pod A (issue #39).
+    let pod_c = ctrd.run_pod("nb-2", "team-c");
+    let (probe, probe_log) = ctrd.start_container(
+        &pod_c,
+        "nb-2",
+        "probe",
+        &sim_env(Some("0"), true),
+        &["/bin/cuprobe", "nvml", "--mib", "64", "--hold-ms", "600000"],
+    );
+    let mut said = String::new();
+    wait_or(
+        "pod C's NVML line",
+        Duration::from_secs(30),
+        || {
+            said = std::fs::read_to_string(&probe_log).unwrap_or_default();
+            said.contains("nvml free ")
+        },
+        || diag(&probe_log),
+    );
+    let line = said
+        .lines()
+        .find(|l| l.contains("nvml free "))
+        .unwrap()
+        .to_string();
+    let words: Vec<&str> = line[line.find("nvml free ").unwrap()..]
+        .split_whitespace()
+        .collect();
+    let (nvml_free, cuda_free): (i64, i64) = (words[2].parse().unwrap(), words[5].parse().unwrap());
+    assert!(
+        (nvml_free - cuda_free).abs() <= 2 << 20,
+        "NVML's free is CUDA's in pod C: {line}"
+    );
+    let own_pid = words[7];
+    let listed: Vec<&str> = words
+        .get(9)
+        .map(|l| l.split(',').filter_map(|e| e.split(':').next()).collect())
+        .unwrap_or_default();
+    assert_eq!(
+        listed,
+        vec![own_pid],
+        "pod C sees its own process only: {line}"
+    );
+    for c in &clients {
+        assert!(
+            !listed.contains(&c.host_pid.to_string().as_str()),
+            "the notebook's pid {} leaked to pod C: {line}",
+            c.host_pid
+        );
+    }
+    ctrd.stop_remove_pod(&pod_c);
+    eprintln!("pod C's NVML view checked at {:?}", t0.elapsed());
+
     // Pod B: claims GPU 1 but uses GPU 0, the notebook's: refused, runs unmanaged.
     let pod_b = ctrd.run_pod("nb-1", "team-b");
     let (thief, thief_log) = ctrd.start_container(
@@ -817,7 +876,7 @@ fn cri_pods_get_their_own_sockets_named_by_pod() {
     // Records: only the claimed containers' (the notebook's while it runs; the
     // thief's until its exited container is deleted), never a sandbox's.
     let (recs, others) = records(&sock_dir);
-    let claimed = [nb.as_str(), thief.as_str()];
+    let claimed = [nb.as_str(), thief.as_str(), probe.as_str()];
     let key = |id: &str| kiwi_config::containers::key_for(id).unwrap();
     for r in &recs {
         assert!(

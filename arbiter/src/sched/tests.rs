@@ -2162,3 +2162,24 @@ fn flips_across_the_room_turn_the_gpu_exclusive_at_once_and_shared_after_an_inte
     let outs = s.tick(last + STATE_INTERVAL_NS);
     assert_eq!(granted(&outs, dropped_one), Some(false), "{outs:?}");
 }
+
+/// A tenant's view (issue #39): the clients it owns, each with its working set and
+/// its memory no swap frees, the largest first; and every client's memory no swap
+/// frees, which a process without a turn is told is in use.
+#[test]
+fn a_view_lists_the_chosen_clients_and_every_clients_unswappable_memory() {
+    let mut s = sched(4096 * MIB, 1_000, 500);
+    for (id, pid, ws, fixed) in [(1, 11, 500, 100), (2, 22, 2000, 300), (3, 33, 900, 50)] {
+        let info = ClientInfo {
+            pid,
+            unswappable: Some(fixed * MIB),
+            ..ClientInfo::default()
+        };
+        s.register(0, id, info, usage(ws * MIB, 0), None);
+    }
+    let (fixed, mine) = s.view(|id| id != 2);
+    assert_eq!(fixed, 450 * MIB, "everyone's memory no swap frees");
+    let listed: Vec<(u32, u64)> = mine.iter().map(|p| (p.pid, p.used_bytes)).collect();
+    assert_eq!(listed, vec![(33, 950 * MIB), (11, 600 * MIB)]);
+    assert!(s.view(|_| false).1.is_empty(), "no one else's");
+}

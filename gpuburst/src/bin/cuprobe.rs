@@ -11,6 +11,7 @@
 //! cuprobe procaddr                   cuGetProcAddress resolution rules
 //! cuprobe launch-rate --count N      host cost of an async launch and of cuCtxGetCurrent
 //! cuprobe streams                    stream order, events, cross-context waits
+//! cuprobe nvml --mib N [--hold-ms M]  allocate N MiB, then print what NVML and CUDA say
 //! ```
 
 use std::ffi::c_void;
@@ -379,6 +380,100 @@ fn alloc(p: &Probe, mib: u64, hold_ms: u64) -> Result<(), CudaError> {
     Ok(())
 }
 
+/// What NVML says of this process's GPU next to what CUDA says, in one line:
+/// `nvml free F cuda free C pid P processes PID:BYTES,...` (issue #39: under Kiwi the
+/// two agree and the list holds only this tenant's processes). NVML is reached as
+/// most tools reach it: `dlopen("libnvidia-ml.so.1")` and `dlsym` by name.
+fn nvml(p: &Probe, mib: u64, hold_ms: u64) -> Result<(), CudaError> {
+    use std::ffi::{c_char, c_uint, c_void};
+    #[repr(C)]
+    struct Memory {
+        total: u64,
+        free: u64,
+        used: u64,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Process {
+        pid: c_uint,
+        used: u64,
+        gpu_instance: c_uint,
+        compute_instance: c_uint,
+    }
+    let mut d = 0;
+    cu!(
+        p.cuda,
+        mem_alloc,
+        "cuMemAlloc_v2",
+        &mut d,
+        (mib << 20) as usize
+    )?;
+    expect!(p.fill(d, 1, (mib << 20) / 4) == 0, "touching the memory");
+    expect!(p.sync() == 0, "fill");
+    let mut uuid = [0u8; 16];
+    cu!(p.cuda, device_get_uuid, "cuDeviceGetUuid", &mut uuid, 0)?;
+    let h = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let uuid = format!(
+        "GPU-{}-{}-{}-{}-{}\0",
+        h(&uuid[..4]),
+        h(&uuid[4..6]),
+        h(&uuid[6..8]),
+        h(&uuid[8..10]),
+        h(&uuid[10..])
+    );
+    let cuda_free = p.free_mem()?;
+    // SAFETY: dlopen and dlsym with NUL-terminated names; each symbol is used with
+    // its nvml.h signature.
+    let (free, list) = unsafe {
+        let lib = libc::dlopen(c"libnvidia-ml.so.1".as_ptr(), libc::RTLD_NOW);
+        expect!(!lib.is_null(), "dlopen libnvidia-ml.so.1");
+        let sym = |name: &std::ffi::CStr| {
+            let f = libc::dlsym(lib, name.as_ptr());
+            expect!(!f.is_null(), "dlsym {name:?}");
+            f
+        };
+        let init: unsafe extern "C" fn() -> c_uint = std::mem::transmute(sym(c"nvmlInit_v2"));
+        let by_uuid: unsafe extern "C" fn(*const c_char, *mut *mut c_void) -> c_uint =
+            std::mem::transmute(sym(c"nvmlDeviceGetHandleByUUID"));
+        let memory: unsafe extern "C" fn(*mut c_void, *mut Memory) -> c_uint =
+            std::mem::transmute(sym(c"nvmlDeviceGetMemoryInfo"));
+        let processes: unsafe extern "C" fn(*mut c_void, *mut c_uint, *mut Process) -> c_uint =
+            std::mem::transmute(sym(c"nvmlDeviceGetComputeRunningProcesses_v3"));
+        expect!(init() == 0, "nvmlInit_v2");
+        let mut dev = std::ptr::null_mut();
+        expect!(
+            by_uuid(uuid.as_ptr().cast(), &mut dev) == 0,
+            "nvmlDeviceGetHandleByUUID {uuid}"
+        );
+        let mut m = Memory {
+            total: 0,
+            free: 0,
+            used: 0,
+        };
+        expect!(memory(dev, &mut m) == 0, "nvmlDeviceGetMemoryInfo");
+        let mut list = [Process::default(); 64];
+        let mut n: c_uint = 64;
+        expect!(
+            processes(dev, &mut n, list.as_mut_ptr()) == 0,
+            "nvmlDeviceGetComputeRunningProcesses_v3"
+        );
+        (m.free, list[..n as usize].to_vec())
+    };
+    let listed: Vec<String> = list
+        .iter()
+        .map(|p| format!("{}:{}", p.pid, p.used))
+        .collect();
+    println!(
+        "nvml free {free} cuda free {cuda_free} pid {} processes {}",
+        std::process::id(),
+        listed.join(",")
+    );
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    std::thread::sleep(Duration::from_millis(hold_ms));
+    Ok(())
+}
+
 fn copy(p: &Probe, mib: u64) -> Result<(), CudaError> {
     let n = (mib << 20) as usize;
     let host = vec![7u8; n];
@@ -635,7 +730,7 @@ fn arg(args: &[String], name: &str) -> Option<u64> {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let Some(cmd) = args.first().cloned() else {
-        eprintln!("usage: cuprobe vmm|alloc --mib N [--hold-ms M]|copy --mib N|spin --ms N --count K|procaddr|launch-rate [--count N]|streams");
+        eprintln!("usage: cuprobe vmm|alloc --mib N [--hold-ms M]|nvml --mib N [--hold-ms M]|copy --mib N|spin --ms N --count K|procaddr|launch-rate [--count N]|streams");
         std::process::exit(1);
     };
     let need = |name: &str| {
@@ -654,6 +749,7 @@ fn main() {
     let r = match cmd.as_str() {
         "vmm" => vmm(&p),
         "alloc" => alloc(&p, need("--mib"), arg(&args, "--hold-ms").unwrap_or(0)),
+        "nvml" => nvml(&p, need("--mib"), arg(&args, "--hold-ms").unwrap_or(0)),
         "copy" => copy(&p, need("--mib")),
         "spin" => spin(&p, need("--ms"), need("--count") as u32),
         "procaddr" => procaddr(&p),

@@ -4,7 +4,7 @@ monitoring-tool tests (sim/nvml/tests/monitoring_tools.rs) expect every tool to 
 Usage: python3 hold_memory.py GPU BYTES
 
 Loads libcuda.so.1 (the simulator's, by LD_LIBRARY_PATH) with ctypes, creates a
-context on GPU and allocates BYTES there, then prints one line of JSON: its pid,
+context on GPU and allocates (and writes) BYTES there, then prints one line of JSON: its pid,
 argv[0] as /proc shows it, what cuMemGetInfo says (free, total) with the
 allocation held, and the GPU's compute capability as cuDeviceGetAttribute gives it.
 """
@@ -28,6 +28,9 @@ context = ctypes.c_void_p()
 check(cuda.cuCtxCreate_v2(ctypes.byref(context), 0, device), "cuCtxCreate_v2")
 pointer = ctypes.c_uint64()
 check(cuda.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(size)), "cuMemAlloc_v2")
+# Written, so it is resident on the GPU under Kiwi too (shim/tests/nvml_view.rs).
+check(cuda.cuMemsetD8_v2(pointer, 1, ctypes.c_size_t(size)), "cuMemsetD8_v2")
+check(cuda.cuCtxSynchronize(), "cuCtxSynchronize")
 free, total = ctypes.c_size_t(), ctypes.c_size_t()
 check(cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)), "cuMemGetInfo_v2")
 major, minor = ctypes.c_int(), ctypes.c_int()
