@@ -6,8 +6,9 @@
 //! context, which uses [`Nvml`] only).
 //!
 //! Modules, lowest layer first:
-//! - [`nvml`] (re-exported here): the raw C signatures ([`sys`]) and [`Nvml`], whose
-//!   methods return `Result`s.
+//! - [`sys`]: NVML's C ABI, once (the loader, the shim's NVML view and the simulator's
+//!   `libnvidia-ml.so.1` share it).
+//! - [`nvml`] (re-exported here): [`Nvml`], whose methods return `Result`s.
 //! - [`gpu`]: what a GPU is ([`Gpu`]), the rule a UUID must pass, and the one
 //!   discovery trait, [`GpuDiscovery`].
 //! - [`list`]: the GPU list file's one format and parser, and [`GpuListSource`].
@@ -23,10 +24,11 @@ pub mod gpu;
 pub mod list;
 pub mod nvml;
 pub mod source;
+pub mod sys;
 pub mod topology;
 
 pub use fake::{fake_uuid, FakeGpus};
 pub use gpu::{minor_for_uuid, validate_uuid, Fault, Gpu, GpuDiscovery, GpuError, Probe};
 pub use list::{parse_gpu_list, read_gpu_list, GpuListSource};
-pub use nvml::{sys, DeviceHandle, Event, EventSet, LoadError, Nvml, NvmlError, NVML_LIBRARY};
+pub use nvml::{DeviceHandle, Event, EventSet, LoadError, Nvml, NvmlError, NVML_LIBRARY};
 pub use source::NvmlSource;

@@ -11,91 +11,7 @@ use std::time::Duration;
 /// The library loaded by default (found through the dynamic linker's search path).
 pub const NVML_LIBRARY: &str = "libnvidia-ml.so.1";
 
-/// Raw NVML types and signatures (nvml.h).
-pub mod sys {
-    use std::ffi::{c_char, c_uint, c_ulonglong, c_void};
-
-    pub type NvmlReturn = c_uint;
-    pub type Device = *mut c_void;
-    pub type EventSet = *mut c_void;
-
-    pub const SUCCESS: NvmlReturn = 0;
-    pub const ERROR_NOT_SUPPORTED: NvmlReturn = 3;
-    pub const ERROR_TIMEOUT: NvmlReturn = 10;
-    pub const ERROR_GPU_IS_LOST: NvmlReturn = 15;
-
-    pub const EVENT_TYPE_XID_CRITICAL_ERROR: c_ulonglong = 0x0000_0000_0000_0008;
-
-    pub const UUID_BUFFER_SIZE: usize = 96;
-    pub const NAME_BUFFER_SIZE: usize = 96;
-    pub const DRIVER_VERSION_BUFFER_SIZE: usize = 80;
-
-    #[repr(C)]
-    #[derive(Debug, Default, Clone, Copy)]
-    pub struct Memory {
-        pub total: c_ulonglong,
-        pub free: c_ulonglong,
-        pub used: c_ulonglong,
-    }
-
-    #[repr(C)]
-    #[derive(Debug, Clone, Copy)]
-    pub struct PciInfo {
-        pub bus_id_legacy: [c_char; 16],
-        pub domain: c_uint,
-        pub bus: c_uint,
-        pub device: c_uint,
-        pub pci_device_id: c_uint,
-        pub pci_sub_system_id: c_uint,
-        pub bus_id: [c_char; 32],
-    }
-
-    #[repr(C)]
-    #[derive(Debug, Clone, Copy)]
-    pub struct EventData {
-        pub device: Device,
-        pub event_type: c_ulonglong,
-        pub event_data: c_ulonglong,
-        pub gpu_instance_id: c_uint,
-        pub compute_instance_id: c_uint,
-    }
-
-    /// `nvmlProcessInfo_t` (`nvmlProcessInfo_v2_t`'s layout), as the `_v3` process
-    /// queries fill it.
-    #[repr(C)]
-    #[derive(Debug, Default, Clone, Copy)]
-    pub struct ProcessInfo {
-        pub pid: c_uint,
-        pub used_gpu_memory: c_ulonglong,
-        pub gpu_instance_id: c_uint,
-        pub compute_instance_id: c_uint,
-    }
-
-    /// What `usedGpuMemory` holds where NVML cannot tell (no permission, WDDM).
-    pub const VALUE_NOT_AVAILABLE: c_ulonglong = c_ulonglong::MAX;
-    pub const ERROR_INSUFFICIENT_SIZE: NvmlReturn = 7;
-
-    pub type Init = unsafe extern "C" fn() -> NvmlReturn;
-    pub type Shutdown = unsafe extern "C" fn() -> NvmlReturn;
-    pub type ErrorString = unsafe extern "C" fn(NvmlReturn) -> *const c_char;
-    pub type SystemGetDriverVersion = unsafe extern "C" fn(*mut c_char, c_uint) -> NvmlReturn;
-    pub type DeviceGetCount = unsafe extern "C" fn(*mut c_uint) -> NvmlReturn;
-    pub type DeviceGetHandleByIndex = unsafe extern "C" fn(c_uint, *mut Device) -> NvmlReturn;
-    pub type DeviceGetHandleByUuid = unsafe extern "C" fn(*const c_char, *mut Device) -> NvmlReturn;
-    pub type DeviceGetString = unsafe extern "C" fn(Device, *mut c_char, c_uint) -> NvmlReturn;
-    pub type DeviceGetMemoryInfo = unsafe extern "C" fn(Device, *mut Memory) -> NvmlReturn;
-    pub type DeviceGetUint = unsafe extern "C" fn(Device, *mut c_uint) -> NvmlReturn;
-    pub type DeviceGetPciInfo = unsafe extern "C" fn(Device, *mut PciInfo) -> NvmlReturn;
-    pub type DeviceGetProcesses =
-        unsafe extern "C" fn(Device, *mut c_uint, *mut ProcessInfo) -> NvmlReturn;
-    pub type EventSetCreate = unsafe extern "C" fn(*mut EventSet) -> NvmlReturn;
-    pub type DeviceRegisterEvents =
-        unsafe extern "C" fn(Device, c_ulonglong, EventSet) -> NvmlReturn;
-    pub type DeviceGetSupportedEventTypes =
-        unsafe extern "C" fn(Device, *mut c_ulonglong) -> NvmlReturn;
-    pub type EventSetWait = unsafe extern "C" fn(EventSet, *mut EventData, c_uint) -> NvmlReturn;
-    pub type EventSetFree = unsafe extern "C" fn(EventSet) -> NvmlReturn;
-}
+pub use crate::sys;
 
 /// A failed NVML call.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -241,7 +157,7 @@ impl Nvml {
         };
         // SAFETY: nvmlInit_v2 takes no arguments and may be called from any thread.
         let ret = unsafe { (fns.init)() };
-        if ret != sys::SUCCESS {
+        if ret != sys::NVML_SUCCESS {
             // Not wrapped in `Nvml` yet, so no nvmlShutdown runs for a failed init.
             return Err(error_with(fns.error_string, "nvmlInit_v2", ret).into());
         }
@@ -253,7 +169,7 @@ impl Nvml {
     }
 
     fn check(&self, call: &'static str, code: sys::NvmlReturn) -> Result<(), NvmlError> {
-        if code == sys::SUCCESS {
+        if code == sys::NVML_SUCCESS {
             Ok(())
         } else {
             Err(self.error(call, code))
@@ -263,7 +179,7 @@ impl Nvml {
     fn missing(call: &'static str) -> NvmlError {
         NvmlError {
             call,
-            code: sys::ERROR_NOT_SUPPORTED,
+            code: sys::NVML_ERROR_NOT_SUPPORTED,
             message: "not exported by this NVML".into(),
         }
     }
@@ -378,7 +294,7 @@ impl Nvml {
             let mut n = cap;
             // SAFETY: `d` came from NVML; `infos` holds `n` entries of nvml.h's layout.
             let r = unsafe { f(d.0, &mut n, infos.as_mut_ptr()) };
-            if r == sys::ERROR_INSUFFICIENT_SIZE {
+            if r == sys::NVML_ERROR_INSUFFICIENT_SIZE {
                 cap = n.max(cap.saturating_mul(2)).min(4096);
                 continue;
             }
@@ -390,7 +306,7 @@ impl Nvml {
                 .map(|p| (p.pid, p.used_gpu_memory))
                 .collect());
         }
-        Err(self.error(CALL, sys::ERROR_INSUFFICIENT_SIZE))
+        Err(self.error(CALL, sys::NVML_ERROR_INSUFFICIENT_SIZE))
     }
 
     fn uint(
@@ -455,7 +371,7 @@ impl Nvml {
             if let Some(f) = self.fns.supported {
                 // SAFETY: `d` came from NVML; `supported` is a valid out pointer.
                 let ret = unsafe { f(d.0, &mut supported) };
-                if ret != sys::SUCCESS {
+                if ret != sys::NVML_SUCCESS {
                     tracing::warn!("{}", self.error("nvmlDeviceGetSupportedEventTypes", ret));
                     continue;
                 }
@@ -466,7 +382,7 @@ impl Nvml {
             }
             // SAFETY: `d` came from NVML and `set.raw` from nvmlEventSetCreate.
             let ret = unsafe { register(d.0, mask, set.raw) };
-            if ret != sys::SUCCESS {
+            if ret != sys::NVML_SUCCESS {
                 tracing::warn!("{}", self.error("nvmlDeviceRegisterEvents", ret));
             }
         }
@@ -514,12 +430,12 @@ impl EventSet {
         // SAFETY: `raw` came from nvmlEventSetCreate; `data` is a valid out pointer.
         let ret = unsafe { f(self.raw, &mut data, ms) };
         match ret {
-            sys::SUCCESS => Ok(Some(Event {
+            sys::NVML_SUCCESS => Ok(Some(Event {
                 device: (!data.device.is_null()).then_some(DeviceHandle(data.device)),
                 event_type: data.event_type,
                 data: data.event_data,
             })),
-            sys::ERROR_TIMEOUT => Ok(None),
+            sys::NVML_ERROR_TIMEOUT => Ok(None),
             code => Err(self.nvml.error("nvmlEventSetWait_v2", code)),
         }
     }

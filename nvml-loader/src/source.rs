@@ -197,7 +197,7 @@ impl GpuDiscovery for NvmlSource {
             .and_then(|d| self.nvml.memory(d));
         match result {
             Ok(_) => Probe::Ok,
-            Err(e) if e.code == sys::ERROR_GPU_IS_LOST => {
+            Err(e) if e.code == sys::NVML_ERROR_GPU_IS_LOST => {
                 Probe::Failed(format!("GPU is lost: {e}"))
             }
             Err(e) => Probe::Failed(e.to_string()),

@@ -23,91 +23,16 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 
 use crate::view::{self, Free};
 
-pub type NvmlReturn = c_uint;
-pub type Device = *mut c_void;
-
-pub const SUCCESS: NvmlReturn = 0;
-pub const ERROR_INVALID_ARGUMENT: NvmlReturn = 2;
-pub const ERROR_INSUFFICIENT_SIZE: NvmlReturn = 7;
-pub const ERROR_NOT_FOUND: NvmlReturn = 6;
-pub const ERROR_FUNCTION_NOT_FOUND: NvmlReturn = 13;
-pub const ERROR_UNKNOWN: NvmlReturn = 999;
-
-/// `nvmlMemory_t`.
-#[repr(C)]
-pub struct Memory {
-    pub total: u64,
-    pub free: u64,
-    pub used: u64,
-}
-
-/// `nvmlMemory_v2_t`.
-#[repr(C)]
-pub struct MemoryV2 {
-    pub version: c_uint,
-    pub total: u64,
-    pub reserved: u64,
-    pub free: u64,
-    pub used: u64,
-}
-
-/// `nvmlProcessInfo_v1_t`.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct ProcessInfoV1 {
-    pub pid: c_uint,
-    pub used_gpu_memory: u64,
-}
-
-/// `nvmlProcessInfo_v2_t` (`nvmlProcessInfo_t`), as the `_v2` and `_v3` lists fill it.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct ProcessInfoV2 {
-    pub pid: c_uint,
-    pub used_gpu_memory: u64,
-    pub gpu_instance_id: c_uint,
-    pub compute_instance_id: c_uint,
-}
-
-/// `nvmlProcessDetail_v1_t`.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct ProcessDetailV1 {
-    pub pid: c_uint,
-    pub used_gpu_memory: u64,
-    pub gpu_instance_id: c_uint,
-    pub compute_instance_id: c_uint,
-    pub used_gpu_cc_protected_memory: u64,
-}
-
-/// `nvmlProcessDetailList_v1_t`.
-#[repr(C)]
-pub struct ProcessDetailListV1 {
-    pub version: c_uint,
-    pub mode: c_uint,
-    pub num_proc_array_entries: c_uint,
-    pub proc_array: *mut ProcessDetailV1,
-}
-
-/// `nvmlProcessDetailList_v1`: the structure's size and version 1.
-pub const PROCESS_DETAIL_LIST_V1: c_uint =
-    std::mem::size_of::<ProcessDetailListV1>() as c_uint | (1 << 24);
-
-/// `nvmlProcessUtilizationSample_t`.
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-pub struct ProcessUtilizationSample {
-    pub pid: c_uint,
-    pub time_stamp: u64,
-    pub sm_util: c_uint,
-    pub mem_util: c_uint,
-    pub enc_util: c_uint,
-    pub dec_util: c_uint,
-}
-
-/// `NVML_VALUE_NOT_AVAILABLE` for a `usedGpuMemory` and `NVML_..._INVALID_ID` (no
-/// MIG instance).
-const NO_INSTANCE: c_uint = 0xFFFF_FFFF;
+use kiwi_nvml::sys::{
+    Device, DeviceGetMemoryInfo as MemoryFn, DeviceGetMemoryInfoV2 as MemoryV2Fn,
+    DeviceGetProcessDetailList as DetailFn, DeviceGetProcessUtilization as UtilizationFn, Memory,
+    MemoryV2, NvmlReturn, ProcessDetailListV1, ProcessDetailV1, ProcessInfoV1, ProcessInfoV2,
+    ProcessUtilizationSample, NO_MIG_INSTANCE as NO_INSTANCE,
+    NVML_ERROR_FUNCTION_NOT_FOUND as ERROR_FUNCTION_NOT_FOUND,
+    NVML_ERROR_INSUFFICIENT_SIZE as ERROR_INSUFFICIENT_SIZE,
+    NVML_ERROR_NOT_FOUND as ERROR_NOT_FOUND, NVML_ERROR_UNKNOWN as ERROR_UNKNOWN,
+    NVML_PROCESS_DETAIL_LIST_V1 as PROCESS_DETAIL_LIST_V1, NVML_SUCCESS as SUCCESS,
+};
 
 /// The most entries the driver's own list is read into (the view lists at most
 /// [`kiwi_protocol::MAX_VIEW_PROCESSES`] of Kiwi's beside it).
@@ -274,9 +199,6 @@ fn view_free(d: Device, total: u64, reserved: u64) -> Option<u64> {
         Free::Besides(b) => Some(room.saturating_sub(b)),
     }
 }
-
-type MemoryFn = unsafe extern "C" fn(Device, *mut Memory) -> NvmlReturn;
-type MemoryV2Fn = unsafe extern "C" fn(Device, *mut MemoryV2) -> NvmlReturn;
 
 /// `nvmlDeviceGetMemoryInfo`.
 ///
@@ -491,8 +413,6 @@ process_lists! {
     nvmlDeviceGetMPSComputeRunningProcesses_v3: 10, ProcessInfoV2, false;
 }
 
-type DetailFn = unsafe extern "C" fn(Device, *mut ProcessDetailListV1) -> NvmlReturn;
-
 /// `nvmlDeviceGetRunningProcessDetailList` (drivers ≥ 550): `mode` 0 is the compute
 /// list, 1 graphics, 2 MPS.
 ///
@@ -539,9 +459,6 @@ pub unsafe extern "C" fn nvmlDeviceGetRunningProcessDetailList(
         }
     })
 }
-
-type UtilizationFn =
-    unsafe extern "C" fn(Device, *mut ProcessUtilizationSample, *mut c_uint, u64) -> NvmlReturn;
 
 /// `nvmlDeviceGetProcessUtilization`: the driver's samples of the processes the view
 /// lists only.
@@ -626,20 +543,6 @@ mod tests {
         assert_eq!(lookup(b"nvmlDeviceGetUUID"), None, "used, not wrapped");
         assert_eq!(lookup(b"nvmlDeviceGetUtilizationRates"), None);
         assert_eq!(lookup(b"cuInit"), None);
-    }
-
-    #[test]
-    fn structures_have_nvml_h_layouts() {
-        use std::mem::{offset_of, size_of};
-        assert_eq!(size_of::<Memory>(), 24);
-        assert_eq!(offset_of!(MemoryV2, total), 8);
-        assert_eq!(size_of::<MemoryV2>(), 40);
-        assert_eq!(size_of::<ProcessInfoV1>(), 16);
-        assert_eq!(size_of::<ProcessInfoV2>(), 24);
-        assert_eq!(size_of::<ProcessDetailV1>(), 32);
-        assert_eq!(size_of::<ProcessDetailListV1>(), 24);
-        assert_eq!(PROCESS_DETAIL_LIST_V1, 24 | 1 << 24);
-        assert_eq!(size_of::<ProcessUtilizationSample>(), 32);
     }
 
     #[test]

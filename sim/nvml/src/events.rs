@@ -77,7 +77,7 @@ pub(crate) fn wait(
                         return out(
                             data,
                             EventData {
-                                device: *gpu as Device + 1,
+                                device: (*gpu as Device + 1) as *mut std::ffi::c_void,
                                 event_type: EVENT_TYPE_XID_CRITICAL_ERROR,
                                 event_data: f.xid,
                                 gpu_instance_id: NO_MIG_INSTANCE,
