@@ -362,7 +362,8 @@ fn vmm(p: &Probe) -> Result<(), CudaError> {
     Ok(())
 }
 
-fn alloc(p: &Probe, mib: u64, hold_ms: u64) -> Result<(), CudaError> {
+/// `mib` MiB allocated and written (so they are resident).
+fn alloc_touched(p: &Probe, mib: u64) -> Result<CUdeviceptr, CudaError> {
     let mut d = 0;
     cu!(
         p.cuda,
@@ -373,10 +374,20 @@ fn alloc(p: &Probe, mib: u64, hold_ms: u64) -> Result<(), CudaError> {
     )?;
     expect!(p.fill(d, 1, (mib << 20) / 4) == 0, "touching the memory");
     expect!(p.sync() == 0, "fill");
-    println!("allocated {mib} MiB");
+    Ok(d)
+}
+
+/// Prints `line` at once, then holds everything for `hold_ms`.
+fn say_and_hold(line: &str, hold_ms: u64) {
+    println!("{line}");
     use std::io::Write;
     let _ = std::io::stdout().flush();
     std::thread::sleep(Duration::from_millis(hold_ms));
+}
+
+fn alloc(p: &Probe, mib: u64, hold_ms: u64) -> Result<(), CudaError> {
+    alloc_touched(p, mib)?;
+    say_and_hold(&format!("allocated {mib} MiB"), hold_ms);
     Ok(())
 }
 
@@ -400,16 +411,7 @@ fn nvml(p: &Probe, mib: u64, hold_ms: u64) -> Result<(), CudaError> {
         gpu_instance: c_uint,
         compute_instance: c_uint,
     }
-    let mut d = 0;
-    cu!(
-        p.cuda,
-        mem_alloc,
-        "cuMemAlloc_v2",
-        &mut d,
-        (mib << 20) as usize
-    )?;
-    expect!(p.fill(d, 1, (mib << 20) / 4) == 0, "touching the memory");
-    expect!(p.sync() == 0, "fill");
+    alloc_touched(p, mib)?;
     let mut uuid = [0u8; 16];
     cu!(p.cuda, device_get_uuid, "cuDeviceGetUuid", &mut uuid, 0)?;
     let h = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
@@ -463,14 +465,12 @@ fn nvml(p: &Probe, mib: u64, hold_ms: u64) -> Result<(), CudaError> {
         .iter()
         .map(|p| format!("{}:{}", p.pid, p.used))
         .collect();
-    println!(
+    let line = format!(
         "nvml free {free} cuda free {cuda_free} pid {} processes {}",
         std::process::id(),
         listed.join(",")
     );
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
-    std::thread::sleep(Duration::from_millis(hold_ms));
+    say_and_hold(&line, hold_ms);
     Ok(())
 }
 
