@@ -332,34 +332,9 @@ pub fn context_reserve_bytes(cfg: &ArbiterConfig, gpu_total: u64) -> u64 {
     }
 }
 
-/// Parses sizes as people write them: `700MiB`, `1GiB`, `1.5GB`, `4096`, `512k`.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("not a size: {s:?} (try 700MiB or 1GiB)"))?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kib" => 1024.0,
-        "kb" => 1e3,
-        "m" | "mib" => 1024.0 * 1024.0,
-        "mb" => 1e6,
-        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        "gb" => 1e9,
-        "t" | "tib" => 1024f64.powi(4),
-        "tb" => 1e12,
-        other => return Err(format!("unknown size unit {other:?} in {s:?}")),
-    };
-    let v = n * mult;
-    if !v.is_finite() || v < 0.0 || v > u64::MAX as f64 {
-        return Err(format!("size out of range: {s:?}"));
-    }
-    Ok(v.round() as u64)
-}
+/// Parses sizes as people write them: `700MiB`, `1GiB`, `1.5GB`, `4096`, `512k`
+/// (the one parser, [`kiwi_units::parse_size`]).
+pub use kiwi_units::parse_size;
 
 #[cfg(test)]
 mod tests {

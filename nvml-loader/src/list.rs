@@ -104,7 +104,7 @@ fn parse_plain_line(line: &str) -> Result<Gpu, String> {
             let node: i64 = v.parse().map_err(|_| format!("bad NUMA node {v:?}"))?;
             gpu.numa_node = (node >= 0).then_some(node);
         } else if let Some(v) = word.strip_prefix("memory=") {
-            gpu.memory_bytes = Some(parse_size(v)?);
+            gpu.memory_bytes = Some(kiwi_units::parse_size(v)?);
         } else if i == 0 && word.bytes().all(|b| b.is_ascii_digit()) {
             minor = Some(parse_minor(word)?);
         } else {
@@ -116,38 +116,6 @@ fn parse_plain_line(line: &str) -> Result<Gpu, String> {
         gpu.name = Some(name.join(" "));
     }
     Ok(gpu)
-}
-
-/// A size in `memory=`, in the config file's syntax (`kiwi_config::parse_size`:
-/// `80GiB`, `80GB`, `1.5TiB`, `700M`). The same function, kept here so that the shim,
-/// which links this crate, does not build the config crate (and clap, toml); a property
-/// test holds the two to the same answers, errors included.
-fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("not a size: {s:?} (try 700MiB or 1GiB)"))?;
-    let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1.0,
-        "k" | "kib" => 1024.0,
-        "kb" => 1e3,
-        "m" | "mib" => 1024.0 * 1024.0,
-        "mb" => 1e6,
-        "g" | "gib" => 1024.0 * 1024.0 * 1024.0,
-        "gb" => 1e9,
-        "t" | "tib" => 1024f64.powi(4),
-        "tb" => 1e12,
-        other => return Err(format!("unknown size unit {other:?} in {s:?}")),
-    };
-    let v = n * mult;
-    if !v.is_finite() || v < 0.0 || v > u64::MAX as f64 {
-        return Err(format!("size out of range: {s:?}"));
-    }
-    Ok(v.round() as u64)
 }
 
 fn parse_smi_line(line: &str) -> Result<Gpu, String> {
@@ -415,15 +383,6 @@ mod tests {
         ] {
             let gpus = parse(&format!("0 {U0} memory={v}\n")).unwrap();
             assert_eq!(gpus[0].memory_bytes, Some(want), "{v}");
-        }
-    }
-
-    proptest::proptest! {
-        #[test]
-        fn memory_sizes_parse_as_the_config_file_parses_them(
-            s in "[ ]?[0-9]{0,5}(\\.[0-9]{0,3})?[0-9.]?[ ]?(|b|B|k|K|kb|kib|KiB|m|M|mb|MB|mib|MiB|g|G|gb|GB|gib|GiB|t|tb|TB|tib|TiB|x|ki|-1|e9)[ ]?",
-        ) {
-            proptest::prop_assert_eq!(parse_size(&s), kiwi_config::parse_size(&s));
         }
     }
 
