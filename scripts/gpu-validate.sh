@@ -14,7 +14,8 @@
 #    the runtime's kernels lazily (the shim's debug lines: the simulator assumes
 #    cuLibraryGetModule then cuModuleGetFunction at a kernel's first launch); two JAX processes
 #    with their default preallocation; CuPy managed memory beside a competitor; the
-#    README's `kiwictl demo --gpu`;
+#    NVML under Kiwi (cuprobe nvml, nvidia-smi) beside another tenant; the README's
+#    `kiwictl demo --gpu`;
 # 3. with two GPUs or more: two gpuburst processes using GPUs 0 and 1 in opposite
 #    orders (one turn per GPU, acquired in one order: no deadlock);
 # 4. swap throughput and hand-offs from the arbiter's event log;
@@ -26,7 +27,7 @@
 #    checkpointed (checkpoint and restore events, with their durations).
 #
 # KIWI_VALIDATE_STEPS=newcomer,lazy,... runs only those steps (burst, torch, expand,
-# newcomer, lazy, jax, managed, demo, graph, hint, multi, checkpoint, costs; all by
+# newcomer, lazy, jax, managed, nvml, demo, graph, hint, multi, checkpoint, costs; all by
 # default), for a lent GPU's short time; KIWI_VALIDATE_STEP_TIMEOUT (seconds, 600)
 # bounds each program; KIWI_RELEASE_DIR names where the release build is
 # (target/release).
@@ -37,7 +38,7 @@ T=${KIWI_VALIDATE_STEP_TIMEOUT:-600}
 want() { [ -z "${KIWI_VALIDATE_STEPS:-}" ] || [[ ",${KIWI_VALIDATE_STEPS}," == *",$1,"* ]]; }
 # What a step's result says when it does not run: why, or that it was not asked for.
 unless() { if want "$1"; then echo "$2"; else echo "not run (KIWI_VALIDATE_STEPS)"; fi; }
-for f in kiwi-arbiter kiwictl gpuburst kiwi-bench libkiwi.so; do
+for f in kiwi-arbiter kiwictl gpuburst cuprobe kiwi-bench libkiwi.so; do
   [ -e "$R/$f" ] || { echo "missing $R/$f: run cargo build --release first" >&2; exit 1; }
 done
 command -v nvidia-smi >/dev/null || { echo "nvidia-smi not found: no NVIDIA driver here" >&2; exit 1; }
@@ -207,6 +208,25 @@ PY
   rm1=0; rm2=0; wait $M1 || rm1=$?; wait $M2 || rm2=$?
   managed_result="managed exit $rm1: $(tail -1 "$WORK/m1.out"); competitor exit $rm2 ($(grep -c 'all bytes as expected' "$WORK/m2.out" || true) verified)"
   echo "$managed_result"
+fi
+
+nvml_result=$(unless nvml skipped)
+if want nvml; then
+  echo "== NVML under Kiwi (issue #39): nvidia-smi and cuprobe nvml beside another tenant"
+  # The other tenant: a gpuburst notebook at 60% that idles while the checks run, as
+  # another user where this is root (uid 65534: its process is not listed here).
+  other=""; [ "$(id -u)" = 0 ] && command -v setpriv >/dev/null && other="setpriv --reuid=65534 --regid=65534 --clear-groups"
+  timeout "$T" $other "$R/kiwictl" --socket-dir "$SOCK" run -- "$R/gpuburst" --mem "${MEM_MIB}MiB" --script gpu:500,idle:20000 --name N >"$WORK/n1.out" 2>&1 & N1=$!
+  for _ in $(seq 100); do grep -q 'ready:' "$WORK/n1.out" 2>/dev/null && break; sleep 0.2; done
+  # In this process: NVML (dlopen + dlsym) against cuMemGetInfo, and the process list.
+  timeout 120 "$R/kiwictl" --socket-dir "$SOCK" run -- "$R/cuprobe" nvml --mib 256 >"$WORK/n2.out" 2>&1 || true
+  # nvidia-smi under the shim, as a notebook's terminal runs it, and without it.
+  timeout 60 "$R/kiwictl" --socket-dir "$SOCK" run -- nvidia-smi --query-gpu=memory.used,memory.free --format=csv,noheader >"$WORK/n3.out" 2>&1 || true
+  timeout 60 "$R/kiwictl" --socket-dir "$SOCK" run -- nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader >"$WORK/n4.out" 2>&1 || true
+  nvidia-smi --query-gpu=memory.used,memory.free --format=csv,noheader >"$WORK/n5.out" 2>&1 || true
+  wait $N1 || true
+  nvml_result="cuprobe nvml: $(grep 'nvml free' "$WORK/n2.out" | head -1); nvidia-smi under Kiwi: $(head -1 "$WORK/n3.out"), apps [$(tr '\n' ';' <"$WORK/n4.out")]; without: $(head -1 "$WORK/n5.out") (the other tenant${other:+, uid 65534,} holds ${MEM_MIB} MiB)"
+  echo "$nvml_result"
 fi
 
 demo_result=$(unless demo skipped)
@@ -419,6 +439,7 @@ fi
   echo "- the runtime's kernels loaded lazily, as the shim measured them (PyTorch, KIWI_LOG=debug): ${lazy_result}"
   echo "- two JAX processes with default preallocation: ${jax_result}"
   echo "- CuPy managed memory beside a gpuburst competitor: ${managed_result}"
+  echo "- NVML under Kiwi beside a tenant at 60% (#39): ${nvml_result}"
   echo "- kiwictl demo --gpu: ${demo_result}"
   echo "- torch.cuda.graph capture and replay under Kiwi: ${graph_result}"
   echo "- torch.multiprocessing CUDA tensor: ${ipc_result}"
