@@ -5,14 +5,22 @@
 //!
 //! This module owns the model ([`Timeline`], [`Lane`], [`Interval`], [`Mark`]), how
 //! it is built from events ([`from_events`], [`seed_marks`], [`summarize`]), and the
-//! `timeline` subcommand ([`run`]). Drawing lives in [`term`] (ANSI terminal) and
-//! [`svg`]. It talks to the arbiter only through [`Control`]; it never writes to it.
+//! `timeline` subcommand ([`run`]). The T-marks are found in `marks.rs`, the per-lane
+//! sums and their wording in `summary.rs`; drawing lives in [`term`] (ANSI terminal)
+//! and [`svg`]. It talks to the arbiter only through [`Control`]; it never writes to it.
 
 // `kiwictl demo` (the lead's) is the caller of the refinement and summary API that
 // `timeline` itself does not need; until it lands, the binary does not use all of it.
 
+mod marks;
+mod summary;
 pub mod svg;
 pub mod term;
+
+#[cfg(test)]
+pub use marks::seed_marks;
+pub use marks::seed_marks_from;
+pub use summary::{fmt_bytes, fmt_secs, render_summary, summarize};
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::IsTerminal;
@@ -169,40 +177,6 @@ impl Timeline {
                     .any(|l| l.time_in(*s, self.t0_ns, self.t1_ns) > 0)
             })
             .collect()
-    }
-}
-
-/// One lane's figures in [`Summary`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LaneSummary {
-    pub name: String,
-    pub client: Option<u64>,
-    /// Running on (or holding) the GPU, swaps included.
-    pub gpu_ns: u64,
-    pub waited_ns: u64,
-    pub cpu_ns: u64,
-    /// Idle, or off the GPU when CPU work and idleness cannot be told apart.
-    pub idle_ns: u64,
-    pub swapped_out_bytes: u64,
-    pub swapped_in_bytes: u64,
-}
-
-/// The short summary printed under a timeline.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Summary {
-    pub span_ns: u64,
-    /// Whether CPU work is told apart from idleness (refined lanes); from the event
-    /// log alone it is not, and `idle_ns` is all the time off the GPU.
-    pub cpu_known: bool,
-    /// Time at least one lane was on (or held) the GPU.
-    pub gpu_busy_ns: u64,
-    pub lanes: Vec<LaneSummary>,
-}
-
-impl Summary {
-    /// GPU busy time as a percentage of the span.
-    pub fn gpu_busy_pct(&self) -> f64 {
-        100.0 * self.gpu_busy_ns as f64 / self.span_ns.max(1) as f64
     }
 }
 
@@ -637,283 +611,6 @@ pub fn refine_lane(lane: &mut Lane, gpu_busy: &[(u64, u64)], cpu: &[(u64, u64)])
         push_interval(&mut out, a, b, state);
     }
     lane.intervals = out;
-}
-
-/// The seed's marks, where the log shows its pattern. T1: the grant in effect for
-/// the first holder A when another client B asks for the GPU; T2: B's request; T3:
-/// B's grant, once A's quantum is over (or A released); T4: B's early release (and
-/// A's next grant). Returns the marks found, in order (none without a B waiting
-/// behind an A). Each GPU is looked at on its own; the first with the pattern wins.
-#[cfg(test)]
-pub fn seed_marks(events: &[Event]) -> Vec<Mark> {
-    seed_marks_from(events, 0)
-}
-
-/// [`seed_marks`] for the first B request at or after `from_ns` (A's grant, T1, may
-/// be earlier): a window into a long log shows its own occurrence of the pattern.
-pub fn seed_marks_from(events: &[Event], from_ns: u64) -> Vec<Mark> {
-    let mut gpus: Vec<&str> = Vec::new();
-    for e in events {
-        if !gpus.contains(&e.gpu.as_str()) {
-            gpus.push(&e.gpu);
-        }
-    }
-    let names = short_names(events);
-    let name = |id: u64| names.get(&id).cloned().unwrap_or(format!("client {id}"));
-    for g in gpus {
-        let mut evs: Vec<&Event> = events.iter().filter(|e| e.gpu == g).collect();
-        evs.sort_by_key(|e| (e.t_ns, e.seq));
-        let marks = seed_marks_one_gpu(&evs, from_ns, &name);
-        if !marks.is_empty() {
-            return marks;
-        }
-    }
-    Vec::new()
-}
-
-fn seed_marks_one_gpu(evs: &[&Event], from_ns: u64, name: &dyn Fn(u64) -> String) -> Vec<Mark> {
-    // T1/T2: B requests while A holds.
-    let mut holders: BTreeMap<u64, u64> = BTreeMap::new();
-    let mut found: Option<(usize, u64, u64, u64)> = None; // (index of T2, A, B, T1)
-    for (i, e) in evs.iter().enumerate() {
-        let Some(id) = e.client else { continue };
-        match e.kind {
-            EventKind::Grant { .. } => {
-                holders.insert(id, e.t_ns);
-            }
-            EventKind::Release { .. } | EventKind::Revoke | EventKind::Exit => {
-                holders.remove(&id);
-            }
-            EventKind::Request if e.t_ns >= from_ns => {
-                if let Some((&a, &t1)) = holders.iter().find(|(h, _)| **h != id) {
-                    found = Some((i, a, id, t1));
-                    break;
-                }
-            }
-            _ => {}
-        }
-    }
-    let Some((i2, a, b, t1)) = found else {
-        return Vec::new();
-    };
-    let (na, nb) = (name(a), name(b));
-    let mut marks = vec![
-        Mark {
-            label: "T1".into(),
-            t_ns: t1,
-            note: format!("{na} gets the GPU"),
-        },
-        Mark {
-            label: "T2".into(),
-            t_ns: evs[i2].t_ns,
-            note: format!("{nb} asks for the GPU and waits"),
-        },
-    ];
-    // T3: B's grant; how A let go decides the words.
-    let mut a_dropped_for_tq = false;
-    let mut a_released_early = false;
-    let mut i3 = None;
-    for (i, e) in evs.iter().enumerate().skip(i2 + 1) {
-        match (e.client, &e.kind) {
-            (
-                Some(c),
-                EventKind::Drop {
-                    reason: DropReason::TqExpired,
-                    ..
-                },
-            ) if c == a => a_dropped_for_tq = true,
-            (Some(c), EventKind::Release { early, .. }) if c == a => a_released_early = *early,
-            (Some(c), EventKind::Grant { .. }) if c == b => {
-                i3 = Some(i);
-                break;
-            }
-            (Some(c), EventKind::Exit) if c == b => break,
-            _ => {}
-        }
-    }
-    let Some(i3) = i3 else { return marks };
-    let t3 = evs[i3].t_ns;
-    // Did A ask again right away (it still had GPU work, like the seed's A)?
-    let a_waits = evs
-        .iter()
-        .skip(i2 + 1)
-        .filter(|e| e.client == Some(a))
-        .take_while(|e| e.t_ns <= t3 + NS_PER_S / 10)
-        .any(|e| matches!(e.kind, EventKind::Request));
-    let why = if a_dropped_for_tq && !a_released_early {
-        format!("{na}'s time quantum is over")
-    } else {
-        format!("{na} releases the GPU")
-    };
-    marks.push(Mark {
-        label: "T3".into(),
-        t_ns: t3,
-        note: if a_waits {
-            format!("{why}: {nb} gets the GPU, {na} waits")
-        } else {
-            format!("{why}: {nb} gets the GPU")
-        },
-    });
-    // T4: B gives the GPU back before its quantum is over.
-    for (i, e) in evs.iter().enumerate().skip(i3 + 1) {
-        if e.client != Some(b) {
-            continue;
-        }
-        match e.kind {
-            EventKind::Release { early: true, .. } => {
-                let a_next = evs[i + 1..]
-                    .iter()
-                    .find(|x| matches!(x.kind, EventKind::Grant { .. }))
-                    .is_some_and(|x| x.client == Some(a));
-                marks.push(Mark {
-                    label: "T4".into(),
-                    t_ns: e.t_ns,
-                    note: if a_next {
-                        format!("{nb} releases early: {na} gets the GPU again")
-                    } else {
-                        format!("{nb} releases early")
-                    },
-                });
-                break;
-            }
-            EventKind::Release { .. } | EventKind::Revoke | EventKind::Exit => break,
-            _ => {}
-        }
-    }
-    marks
-}
-
-/// Per-lane time in each state within the picture, bytes swapped (from the log's
-/// swap events in the window, by client), and how busy the GPU was: the union of
-/// every lane's GPU (or held) intervals over the span.
-pub fn summarize(t: &Timeline, events: &[Event]) -> Summary {
-    let (t0, t1) = (t.t0_ns, t.t1_ns);
-    let mut lanes = Vec::new();
-    let mut busy: Vec<(u64, u64)> = Vec::new();
-    for l in &t.lanes {
-        let mut s = LaneSummary {
-            name: l.name.clone(),
-            client: l.client,
-            gpu_ns: [
-                LaneState::Gpu,
-                LaneState::Held,
-                LaneState::SwapOut,
-                LaneState::SwapIn,
-            ]
-            .iter()
-            .map(|&st| l.time_in(st, t0, t1))
-            .sum(),
-            waited_ns: l.time_in(LaneState::Waiting, t0, t1),
-            cpu_ns: l.time_in(LaneState::Cpu, t0, t1),
-            idle_ns: l.time_in(LaneState::Idle, t0, t1) + l.time_in(LaneState::OffGpu, t0, t1),
-            swapped_out_bytes: 0,
-            swapped_in_bytes: 0,
-        };
-        if let Some(id) = l.client {
-            for e in events
-                .iter()
-                .filter(|e| e.client == Some(id) && e.t_ns >= t0 && e.t_ns <= t1)
-            {
-                match e.kind {
-                    EventKind::SwapOut { bytes, .. } => s.swapped_out_bytes += bytes,
-                    EventKind::SwapIn { bytes, .. } => s.swapped_in_bytes += bytes,
-                    _ => {}
-                }
-            }
-        }
-        busy.extend(
-            l.intervals
-                .iter()
-                .filter(|i| i.state.on_gpu())
-                .map(|i| (i.start_ns.max(t0), i.end_ns.min(t1))),
-        );
-        lanes.push(s);
-    }
-    let gpu_busy_ns = merge_intervals(&busy, 0).iter().map(|(s, e)| e - s).sum();
-    let cpu_known = t.lanes.iter().any(|l| {
-        l.intervals
-            .iter()
-            .any(|i| matches!(i.state, LaneState::Cpu | LaneState::Idle))
-    });
-    Summary {
-        span_ns: t.span_ns(),
-        cpu_known,
-        gpu_busy_ns,
-        lanes,
-    }
-}
-
-/// The summary as text: GPU busy %, then a row per lane.
-pub fn render_summary(s: &Summary) -> String {
-    let w = s
-        .lanes
-        .iter()
-        .map(|l| l.name.chars().count())
-        .max()
-        .unwrap_or(4)
-        .max(4);
-    let mut out = format!(
-        "GPU busy {:.1}% of {} s\n",
-        s.gpu_busy_pct(),
-        fmt_secs(s.span_ns)
-    );
-    out.push_str(&format!(
-        "{:<w$}  {:>9}  {:>9}  {:>9}  {:>9}  {:>11}  {:>11}\n",
-        "app",
-        "on GPU",
-        "waited",
-        "CPU",
-        if s.cpu_known { "idle" } else { "off GPU" },
-        "swapped out",
-        "swapped in"
-    ));
-    for l in &s.lanes {
-        out.push_str(&format!(
-            "{:<w$}  {:>9}  {:>9}  {:>9}  {:>9}  {:>11}  {:>11}\n",
-            l.name,
-            format!("{} s", fmt_secs(l.gpu_ns)),
-            format!("{} s", fmt_secs(l.waited_ns)),
-            if s.cpu_known {
-                format!("{} s", fmt_secs(l.cpu_ns))
-            } else {
-                "-".to_string()
-            },
-            format!("{} s", fmt_secs(l.idle_ns)),
-            fmt_bytes(l.swapped_out_bytes),
-            fmt_bytes(l.swapped_in_bytes),
-        ));
-    }
-    out
-}
-
-/// Seconds with a precision that suits the size: `0.305`, `12.3`, `4000`.
-pub fn fmt_secs(ns: u64) -> String {
-    let s = ns as f64 / NS_PER_S as f64;
-    if s == 0.0 {
-        "0".into()
-    } else if s < 10.0 {
-        format!("{s:.3}")
-    } else if s < 1000.0 {
-        format!("{s:.1}")
-    } else {
-        format!("{s:.0}")
-    }
-}
-
-/// Bytes for people: `0 B`, `700 MiB`, `1.5 GiB`.
-pub fn fmt_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u + 1 < UNITS.len() {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 || v.fract() == 0.0 {
-        format!("{v:.0} {}", UNITS[u])
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
 }
 
 /// `90s`, `10m`, `2h` (also `500ms`, fractions like `1.5h`) as nanoseconds (> 0).
