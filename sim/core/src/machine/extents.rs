@@ -1,0 +1,250 @@
+//! The allocator of each GPU's memory file: a table of 2 MiB granules in the segment,
+//! each free or owned by a process, handed out as extents and reclaimed when their
+//! owner is dead; and populating a GPU's file ahead.
+
+use super::*;
+
+impl Machine {
+    /// The granule table of `gpu`'s memory file.
+    pub(super) fn granule_table(&self, slot: &GpuSlot) -> &[std::sync::atomic::AtomicU16] {
+        let n = slot.granules.load(Ordering::Relaxed) as usize;
+        let off = slot.granule_table.load(Ordering::Relaxed) as usize;
+        assert!(
+            off + 2 * n <= self.seg_len,
+            "granule table inside the segment"
+        );
+        // SAFETY: the table lies inside the mapping (checked above), 2-aligned (the
+        // header's size is a multiple of 8, tables are 2 bytes per granule), and is
+        // only ever accessed through atomics.
+        unsafe {
+            std::slice::from_raw_parts(
+                (self.seg as *const u8)
+                    .add(off)
+                    .cast::<std::sync::atomic::AtomicU16>(),
+                n,
+            )
+        }
+    }
+
+    /// Drops the granules of owners that no longer exist; returns granules in use
+    /// after.
+    pub(super) fn collect_dead_owners(&self, slot: &GpuSlot) -> u64 {
+        let table = self.granule_table(slot);
+        let mut used = 0;
+        for (i, o) in slot.owners.iter().enumerate() {
+            let pid = o.pid.load(Ordering::Relaxed);
+            if pid == 0 {
+                continue;
+            }
+            let alive = u32::try_from(pid)
+                .ok()
+                .and_then(process_start_time)
+                .is_some_and(|t| t == o.start_time.load(Ordering::Relaxed));
+            if alive {
+                used += o.bytes.load(Ordering::Relaxed);
+                continue;
+            }
+            let tag = i as u16 + 1;
+            for g in table {
+                if g.load(Ordering::Relaxed) == tag {
+                    g.store(0, Ordering::Relaxed);
+                }
+            }
+            o.bytes.store(0, Ordering::Relaxed);
+            o.start_time.store(0, Ordering::Relaxed);
+            o.pid.store(0, Ordering::Relaxed);
+        }
+        used
+    }
+
+    /// Takes `count` granules of `gpu`'s memory file for this process, as runs
+    /// `(first granule, granules)`: the lowest run long enough when there is one,
+    /// else the lowest free granules in several runs. Granules of dead processes
+    /// are reclaimed before a refusal (`FileFull`).
+    pub fn extent_alloc(&self, gpu: u32, count: u64) -> Result<Vec<(u64, u64)>, MachineError> {
+        let slot = self.gpu(gpu)?;
+        let _lock = FileLock::exclusive(&self.file);
+        let table = self.granule_table(slot);
+        let free_runs = || {
+            let mut runs = Vec::new();
+            let mut at = 0;
+            while at < table.len() {
+                if table[at].load(Ordering::Relaxed) != 0 {
+                    at += 1;
+                    continue;
+                }
+                let start = at;
+                while at < table.len() && table[at].load(Ordering::Relaxed) == 0 {
+                    at += 1;
+                }
+                runs.push((start as u64, (at - start) as u64));
+            }
+            runs
+        };
+        let mut runs = free_runs();
+        if runs.iter().map(|r| r.1).sum::<u64>() < count {
+            self.collect_dead_owners(slot);
+            runs = free_runs();
+        }
+        let taken = if let Some(&(first, _)) = runs.iter().find(|r| r.1 >= count) {
+            vec![(first, count)]
+        } else {
+            let mut need = count;
+            let mut taken = Vec::new();
+            for &(first, n) in &runs {
+                if need == 0 {
+                    break;
+                }
+                let k = n.min(need);
+                taken.push((first, k));
+                need -= k;
+            }
+            if need > 0 {
+                return Err(MachineError::FileFull {
+                    gpu,
+                    granules: count,
+                });
+            }
+            taken
+        };
+        let idx = slot
+            .owners
+            .iter()
+            .position(|o| {
+                o.pid.load(Ordering::Relaxed) == self.me.0
+                    && o.start_time.load(Ordering::Relaxed) == self.me.1
+            })
+            .or_else(|| {
+                let i = slot
+                    .owners
+                    .iter()
+                    .position(|o| o.pid.load(Ordering::Relaxed) == 0)?;
+                let o = &slot.owners[i];
+                o.start_time.store(self.me.1, Ordering::Relaxed);
+                o.bytes.store(0, Ordering::Relaxed);
+                o.pid.store(self.me.0, Ordering::Relaxed);
+                Some(i)
+            })
+            .ok_or(MachineError::TooManyProcesses(gpu))?;
+        let tag = idx as u16 + 1;
+        for &(first, n) in &taken {
+            for g in &table[first as usize..(first + n) as usize] {
+                g.store(tag, Ordering::Relaxed);
+            }
+        }
+        slot.owners[idx].bytes.fetch_add(count, Ordering::Relaxed);
+        self.touch();
+        Ok(taken)
+    }
+
+    /// Gives back granules [`Machine::extent_alloc`] gave this process (their pages
+    /// stay populated for the next allocation).
+    pub fn extent_free(&self, gpu: u32, runs: &[(u64, u64)]) {
+        let Ok(slot) = self.gpu(gpu) else { return };
+        let _lock = FileLock::exclusive(&self.file);
+        let table = self.granule_table(slot);
+        let Some(idx) = slot.owners.iter().position(|o| {
+            o.pid.load(Ordering::Relaxed) == self.me.0
+                && o.start_time.load(Ordering::Relaxed) == self.me.1
+        }) else {
+            return;
+        };
+        let tag = idx as u16 + 1;
+        let mut freed = 0;
+        for &(first, n) in runs {
+            let end = (first + n).min(table.len() as u64);
+            for g in &table[first.min(end) as usize..end as usize] {
+                if g.load(Ordering::Relaxed) == tag {
+                    g.store(0, Ordering::Relaxed);
+                    freed += 1;
+                }
+            }
+        }
+        self.touch();
+        let o = &slot.owners[idx];
+        let left = o.bytes.load(Ordering::Relaxed).saturating_sub(freed);
+        o.bytes.store(left, Ordering::Relaxed);
+        if left == 0 {
+            o.start_time.store(0, Ordering::Relaxed);
+            o.pid.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// Granules of `gpu`'s memory file: (owned by live processes, all), after
+    /// reclaiming dead owners' granules.
+    pub fn extents_in_use(&self, gpu: u32) -> Result<(u64, u64), MachineError> {
+        let slot = self.gpu(gpu)?;
+        let _lock = FileLock::exclusive(&self.file);
+        let used = self.collect_dead_owners(slot);
+        Ok((used, slot.granules.load(Ordering::Relaxed)))
+    }
+
+    /// The file holding `gpu`'s device memory (`kiwi-sim-<name>.gpu<N>.mem`), and
+    /// its length (granule `i` is bytes `[i × 2 MiB, (i + 1) × 2 MiB)`).
+    pub fn mem_file(&self, gpu: u32) -> Result<(&File, u64), MachineError> {
+        let slot = self.gpu(gpu)?;
+        let f = self
+            .mem_files
+            .get(gpu as usize)
+            .ok_or(MachineError::NoSuchGpu {
+                gpu,
+                count: self.gpu_count(),
+            })?;
+        Ok((
+            f,
+            slot.granules.load(Ordering::Relaxed) * crate::GRANULARITY,
+        ))
+    }
+
+    /// Populates `gpu`'s memory file up to its capacity (rounded up to a granule)
+    /// from this process, so its pages exist before any tenant allocates them and
+    /// are charged to this process's memory cgroup, not to the processes that later
+    /// map them (a memory cgroup charges a shared page to whoever faults it in
+    /// first). Contents are left as they are. Returns the bytes populated.
+    pub fn populate(&self, gpu: u32) -> Result<u64, MachineError> {
+        let (file, _) = self.mem_file(gpu)?;
+        let len = self.capacity(gpu)?.next_multiple_of(crate::GRANULARITY);
+        let path = mem_file_path(&self.name, gpu);
+        let io = |source| MachineError::Io {
+            path: path.clone(),
+            source,
+        };
+        // SAFETY: a new shared mapping of a file we hold open, inside its length.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_NORESERVE,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io(std::io::Error::last_os_error()));
+        }
+        const PART: usize = 64 << 20;
+        self.touch();
+        let mut result = Ok(len);
+        for at in (0..len as usize).step_by(PART) {
+            let n = PART.min(len as usize - at);
+            // SAFETY: advice on a part of the mapping just made; populating a shared
+            // mapping writable faults its pages in without changing their bytes.
+            let r = unsafe { libc::madvise(p.cast::<u8>().add(at).cast(), n, MADV_POPULATE_WRITE) };
+            if r != 0 {
+                // Kernels before 5.14: allocate the pages (their contents stay).
+                // SAFETY: fallocate on a file we hold open; mode 0 only allocates.
+                let r = unsafe {
+                    libc::fallocate(file.as_raw_fd(), 0, at as libc::off_t, n as libc::off_t)
+                };
+                if r != 0 {
+                    result = Err(io(std::io::Error::last_os_error()));
+                    break;
+                }
+            }
+        }
+        // SAFETY: unmapping the mapping made above, which nothing else refers to.
+        unsafe { libc::munmap(p, len as usize) };
+        result
+    }
+}
