@@ -1,17 +1,17 @@
 //! Running the daemon on a socket directory: create it, make the container sockets'
 //! directory private, bind both sockets with the right modes (refusing to steal a
-//! live arbiter's), serve, and remove the sockets on the way out. Used by the `kiwi-arbiter` binary and by benchmarks and demos
-//! that run an arbiter of their own.
+//! live arbiter's: `server/socket.rs`), serve, and remove the sockets on the way
+//! out. Used by the `kiwi-arbiter` binary and by benchmarks and demos that run an
+//! arbiter of their own.
 
 use std::future::Future;
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use kiwi_config::{client_dir, client_socket, containers, control_socket};
-use tokio::net::UnixListener;
 
-use crate::{serve, ServerConfig};
+use crate::server::socket::bind;
+use crate::server::{serve, ServerConfig};
 
 /// Serves on `dir` until `shutdown` resolves, then removes the sockets.
 pub async fn run_daemon(
@@ -69,26 +69,4 @@ pub async fn run_daemon(
     let _ = std::fs::remove_file(&client_path);
     let _ = std::fs::remove_file(&control_path);
     res
-}
-
-/// Binds a socket with `mode`, refusing to steal one a live arbiter still serves.
-pub(crate) fn bind(path: &Path, mode: u32) -> Result<UnixListener> {
-    if path.exists() {
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            bail!("another kiwi-arbiter is already serving {}", path.display());
-        }
-        std::fs::remove_file(path)
-            .with_context(|| format!("cannot remove stale socket {}", path.display()))?;
-    }
-    // Bind under a umask that leaves the socket no wider than `mode`, so the control
-    // socket is never reachable by others, not even briefly.
-    // SAFETY: umask only changes this process's file-creation mask; no memory involved.
-    let old = unsafe { libc::umask(0o777 & !mode as libc::mode_t) };
-    let res = UnixListener::bind(path);
-    // SAFETY: as above, restoring the previous mask.
-    unsafe { libc::umask(old) };
-    let listener = res.with_context(|| format!("cannot listen on {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-        .with_context(|| format!("cannot set mode of {}", path.display()))?;
-    Ok(listener)
 }

@@ -6,7 +6,7 @@
 //! memory itself: a registration for another UUID, or claiming more memory than the
 //! GPU has, is refused. Without NVML the first registration of a UUID sets its size,
 //! a later different size is refused, and the table holds at most [`MAX_GPUS`].
-//! The server owns the table itself (`server::State::gpus`); this module decides.
+//! The server owns the table itself (`server::state::State::gpus`); this module decides.
 
 use std::path::PathBuf;
 

@@ -326,7 +326,7 @@ impl ArbiterMetrics {
     }
 
     /// Counts a client connection the arbiter closed, by why (a fixed set of
-    /// labels: see `server::Closed`).
+    /// labels: see `server::client::Closed`).
     pub fn disconnect(&self, reason: &'static str) {
         self.disconnects
             .get_or_create(&ReasonLabels {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, watch};
 
-use super::{log_safe, Shared, State};
+use super::state::{Shared, State};
 use crate::checkpoint::{CheckpointError, Checkpointer};
 use crate::clock::monotonic_ns;
 use crate::sched::{CheckpointFailure, ClientId};

@@ -25,7 +25,9 @@ use kiwi_protocol::{ControlReply, ErrorCode};
 use tokio::net::unix::UCred;
 use tokio::sync::{watch, OwnedSemaphorePermit};
 
-use super::{accept_clients, log_safe, Origin, Shared};
+use super::client::{accept_clients, Origin};
+use super::socket;
+use super::state::Shared;
 use crate::sched::ClientInfo;
 
 /// Container sockets served at once, at most (each also takes a connection place).
@@ -227,8 +229,8 @@ fn start(
     let path = containers::container_socket(dir, key);
     // 0666: any uid inside the container connects (through its bind mount); on the
     // host, `containers/` (0700) keeps everyone but root out.
-    let listener = crate::daemon::bind(&path, 0o666)
-        .map_err(|e| error(ErrorCode::Internal, format!("{e:#}")))?;
+    let listener =
+        socket::bind(&path, 0o666).map_err(|e| error(ErrorCode::Internal, format!("{e:#}")))?;
     let (tx, rx) = watch::channel(false);
     let mut entry = Served {
         key: key.to_string(),

@@ -34,7 +34,10 @@ use tokio::io::Interest;
 use tokio::net::UnixStream;
 use tokio::sync::watch;
 
-use super::{decode_client, log_safe, read_into, ClientDecodeError, RateLimit, Shared};
+use super::client::{decode_client, read_into, sleep_until, ClientDecodeError};
+use super::limits::{RateLimit, SMALL_FRAME};
+use super::logging::log_safe;
+use super::state::Shared;
 use crate::events::Tenant;
 use crate::pool::{Pool, PoolError, Process};
 
@@ -257,7 +260,7 @@ pub(super) async fn serve(
         frame_by = decoder
             .partial_frame()
             .map(|_| frame_by.unwrap_or_else(|| tokio::time::Instant::now() + frame_timeout));
-        if decoder.partial_frame().unwrap_or(0) > super::SMALL_FRAME {
+        if decoder.partial_frame().unwrap_or(0) > SMALL_FRAME {
             let _ = send(
                 &stream,
                 &error(ErrorCode::Oversize, "pool messages are small; closing"),
@@ -266,7 +269,7 @@ pub(super) async fn serve(
             .await;
             break;
         }
-        let expired = super::sleep_until(frame_by);
+        let expired = sleep_until(frame_by);
         tokio::select! {
             r = stream.readable() => {
                 if r.is_err() { break; }
