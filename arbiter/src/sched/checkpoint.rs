@@ -108,7 +108,7 @@ impl GpuScheduler {
             return;
         };
         match (h.driver_bytes, h.looks.back()) {
-            (None, _) if self.listing && h.info.host_pid != 0 => return,
+            (None, _) if self.ledger.listing() && h.info.host_pid != 0 => return,
             (Some(_), Some(&(0, _))) => {
                 self.note_eviction_limit(
                     now,
@@ -326,7 +326,8 @@ impl GpuScheduler {
     /// GPU memory free by this scheduler's count: total less what no swap frees and
     /// what is resident.
     fn free_by_count(&self) -> u64 {
-        self.total
+        self.ledger
+            .total()
             .saturating_sub(self.fixed())
             .saturating_sub(self.resident())
     }
@@ -359,7 +360,8 @@ impl GpuScheduler {
                     .saturating_sub(c.usage.resident_bytes)
             });
         Some(
-            self.total
+            self.ledger
+                .total()
                 .saturating_sub(self.fixed())
                 .saturating_sub(taken)
                 .saturating_sub(next),
@@ -472,8 +474,8 @@ impl GpuScheduler {
             .filter(|(&other, c)| other != id && Self::unmovable(c))
             .map(|(_, c)| c.unswappable)
             .fold(own, u64::saturating_add)
-            .saturating_add(self.outside_kiwi)
-            .min(self.total)
+            .saturating_add(self.ledger.outside_kiwi())
+            .min(self.ledger.total())
     }
 
     /// What a checkpoint of client `c`'s process takes off the GPU that no swap

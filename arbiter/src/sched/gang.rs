@@ -102,7 +102,7 @@ impl GpuScheduler {
     /// window, a checkpointed process's restore (started here when due), and a
     /// drainer's swap-out beside which only a pipelined swap-in starts.
     pub(super) fn grantable(&mut self, now: Nanos, next: ClientId) -> bool {
-        if self.quiet_until.is_some_and(|q| now < q) {
+        if self.resume.quiet_until().is_some_and(|q| now < q) {
             return false;
         }
         if !self.ready_for_grant(now, next) {
