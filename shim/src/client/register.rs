@@ -269,26 +269,52 @@ pub(super) fn next_message(
 }
 
 /// The job this process belongs to, as it registers (`group`): `KIWI_GROUP` when set
-/// (set and empty: none); else, for the ranks of a `torch.distributed` job
-/// (`torchrun`, or a launcher that sets the `env://` rendezvous), its rendezvous
-/// address, which every rank of one job shares and no other job does at the same
-/// time: ranks started on the host without `kiwictl run` or `KIWI_GROUP` are then
-/// still granted their GPUs together (a rank that held its GPU while its peer waited
-/// for another would spin in its collectives). The arbiter scopes the key to the
-/// process's tenant. `None` for a key the protocol would refuse (too long, control
-/// characters): the process is then its own job.
+/// (set and empty: none); else what the launcher of a multi-process job gives every
+/// rank of one job and no other job at the same time ([`LAUNCHERS`]: the
+/// `torch.distributed` rendezvous of `torchrun`, DeepSpeed and Ray Train; the PMIx
+/// namespace of Open MPI 5, PRRTE and Slurm's PMIx; Open MPI 4's daemon URI; a Slurm
+/// job step; JAX's coordinator; Horovod's Gloo rendezvous): ranks started on the
+/// host without `kiwictl run` or `KIWI_GROUP` are then still granted their GPUs
+/// together (a rank that held its GPU while its peer waited for another would spin in
+/// its collectives). The arbiter scopes the key to the process's tenant. `None` for a
+/// key the protocol would refuse (too long, control characters): the process is then
+/// its own job.
 fn job_group(env: impl Fn(&str) -> Option<String>) -> Option<String> {
     let key = match env("KIWI_GROUP") {
         Some(g) => g,
-        None => match (env("MASTER_ADDR"), env("MASTER_PORT")) {
-            (Some(a), Some(p)) if !a.is_empty() && !p.is_empty() => {
-                format!("torch.distributed {a}:{p}")
-            }
-            _ => return None,
-        },
+        None => LAUNCHERS.iter().find_map(|(name, vars)| {
+            let values: Option<Vec<String>> = vars
+                .iter()
+                .map(|v| env(v).filter(|x| !x.is_empty()))
+                .collect();
+            values.map(|v| format!("{name} {}", v.join(":")))
+        })?,
     };
     (!key.is_empty() && kiwi_protocol::check_text("group", &key).is_ok()).then_some(key)
 }
+
+/// Launchers of multi-process jobs, first match wins: the name the key starts with
+/// and the variables (all set and non-empty) whose values name one job.
+const LAUNCHERS: &[(&str, &[&str])] = &[
+    // torchrun, torch.distributed.launch, DeepSpeed, Ray Train, Lightning: `env://`.
+    ("torch.distributed", &["MASTER_ADDR", "MASTER_PORT"]),
+    // Open MPI 5 (PRRTE), Slurm's srun --mpi=pmix, any PMIx launcher.
+    ("pmix", &["PMIX_NAMESPACE"]),
+    // Open MPI 4's mpirun: the URI of the job's daemon.
+    ("openmpi", &["OMPI_MCA_orte_hnp_uri"]),
+    // A Slurm job step (srun; sbatch's batch step is step `batch`).
+    ("slurm", &["SLURM_JOB_ID", "SLURM_STEP_ID"]),
+    // jax.distributed.initialize() from the environment.
+    ("jax", &["JAX_COORDINATOR_ADDRESS"]),
+    // horovodrun with Gloo.
+    (
+        "horovod",
+        &[
+            "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+            "HOROVOD_GLOO_RENDEZVOUS_PORT",
+        ],
+    ),
+];
 
 #[cfg(test)]
 mod tests {
@@ -324,5 +350,48 @@ mod tests {
         let long = "x".repeat(10_000);
         assert_eq!(job_group(env(&[("MASTER_ADDR", &long), torch[1]])), None);
         assert_eq!(job_group(env(&[("KIWI_GROUP", "a\nb")])), None);
+    }
+
+    #[test]
+    fn other_launchers_name_their_jobs_and_the_first_found_wins() {
+        for (vars, want) in [
+            (
+                &[("PMIX_NAMESPACE", "prterun-node1-4242@1")][..],
+                "pmix prterun-node1-4242@1",
+            ),
+            (
+                &[("OMPI_MCA_orte_hnp_uri", "123.0;tcp://10.0.0.1:4000")][..],
+                "openmpi 123.0;tcp://10.0.0.1:4000",
+            ),
+            (
+                &[("SLURM_JOB_ID", "77"), ("SLURM_STEP_ID", "0")][..],
+                "slurm 77:0",
+            ),
+            (
+                &[("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")][..],
+                "jax 10.0.0.1:1234",
+            ),
+            (
+                &[
+                    ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "h"),
+                    ("HOROVOD_GLOO_RENDEZVOUS_PORT", "9"),
+                ][..],
+                "horovod h:9",
+            ),
+            (
+                &[
+                    ("SLURM_JOB_ID", "77"),
+                    ("SLURM_STEP_ID", "0"),
+                    ("MASTER_ADDR", "a"),
+                    ("MASTER_PORT", "1"),
+                ][..],
+                "torch.distributed a:1",
+            ),
+        ] {
+            assert_eq!(job_group(env(vars)), Some(want.to_string()), "{vars:?}");
+        }
+        // A Slurm job without a step, or an empty namespace: no group.
+        assert_eq!(job_group(env(&[("SLURM_JOB_ID", "77")])), None);
+        assert_eq!(job_group(env(&[("PMIX_NAMESPACE", "")])), None);
     }
 }
