@@ -6,12 +6,19 @@
 //!
 //! This module owns the driver side: [`Checkpointer`], the small trait the daemon
 //! drives (blocking calls, made off the daemon's thread), with [`DriverCheckpointer`]
-//! over `libcuda.so.1` loaded with `dlopen` at run time (as NVML is: the arbiter
-//! builds and runs without the driver) and a fake for tests. Which processes are
+//! over `libcuda.so.1` loaded at run time by `kiwi_cuda`'s loader (as NVML is: the
+//! arbiter builds and runs without the driver) and a fake for tests. Which processes are
 //! evicted and when is the scheduler's (`sched.rs`).
 
-use std::ffi::{c_int, c_uint, c_void};
+use std::ffi::{c_int, c_uint, c_void, CStr};
 use std::time::Duration;
+
+use kiwi_cuda::sys::{
+    CUcheckpointLockArgs, CUresult, CUDA_ERROR_ILLEGAL_STATE, CUDA_ERROR_INVALID_VALUE,
+    CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_NOT_READY, CUDA_ERROR_NOT_SUPPORTED,
+    CU_PROCESS_STATE_CHECKPOINTED, CU_PROCESS_STATE_LOCKED, CU_PROCESS_STATE_RUNNING,
+};
+use kiwi_cuda::{CudaError, Library, LoadError};
 
 /// Why a process could not be checkpointed or restored: the driver's result and the
 /// step that returned it.
@@ -19,7 +26,7 @@ use std::time::Duration;
 #[error("{step}: {}", result_name(*.code))]
 pub struct CheckpointError {
     pub step: &'static str,
-    pub code: i32,
+    pub code: CUresult,
 }
 
 impl CheckpointError {
@@ -34,34 +41,16 @@ impl CheckpointError {
     }
 }
 
-const CUDA_SUCCESS: i32 = 0;
-const CUDA_ERROR_INVALID_VALUE: i32 = 1;
-const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
-const CUDA_ERROR_NOT_INITIALIZED: i32 = 3;
-const CUDA_ERROR_ILLEGAL_STATE: i32 = 401;
-const CUDA_ERROR_NOT_READY: i32 = 600;
-const CUDA_ERROR_NOT_PERMITTED: i32 = 800;
-const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
-
-const STATE_RUNNING: c_uint = 0;
-const STATE_LOCKED: c_uint = 1;
-const STATE_CHECKPOINTED: c_uint = 2;
-
-/// The driver's name for a result (the ones this API documents), else its number.
-pub fn result_name(code: i32) -> String {
-    match code {
-        CUDA_SUCCESS => "CUDA_SUCCESS".into(),
-        CUDA_ERROR_INVALID_VALUE => "CUDA_ERROR_INVALID_VALUE (no CUDA state there)".into(),
-        CUDA_ERROR_OUT_OF_MEMORY => "CUDA_ERROR_OUT_OF_MEMORY".into(),
-        CUDA_ERROR_NOT_INITIALIZED => "CUDA_ERROR_NOT_INITIALIZED".into(),
-        CUDA_ERROR_ILLEGAL_STATE => "CUDA_ERROR_ILLEGAL_STATE".into(),
-        CUDA_ERROR_NOT_READY => "CUDA_ERROR_NOT_READY (the lock timed out)".into(),
-        CUDA_ERROR_NOT_PERMITTED => "CUDA_ERROR_NOT_PERMITTED".into(),
-        CUDA_ERROR_NOT_SUPPORTED => {
-            "CUDA_ERROR_NOT_SUPPORTED (managed or IPC memory, or no driver support)".into()
-        }
-        c => format!("CUresult {c}"),
-    }
+/// The driver's name for a result (`kiwi_cuda`'s table), with what it means for this
+/// API where the API documents it, else its number.
+pub fn result_name(code: CUresult) -> String {
+    let meaning = match code {
+        CUDA_ERROR_INVALID_VALUE => " (no CUDA state there)",
+        CUDA_ERROR_NOT_READY => " (the lock timed out)",
+        CUDA_ERROR_NOT_SUPPORTED => " (managed or IPC memory, or no driver support)",
+        _ => "",
+    };
+    format!("{}{meaning}", CudaError(code))
 }
 
 /// Checkpoints and restores whole processes by host pid. Calls block (a checkpoint
@@ -75,22 +64,13 @@ pub trait Checkpointer: Send + Sync + std::fmt::Debug {
     fn restore(&self, pid: u32) -> Result<(), CheckpointError>;
 }
 
-type GetState = unsafe extern "C" fn(c_int, *mut c_uint) -> c_int;
-type Step = unsafe extern "C" fn(c_int, *mut c_void) -> c_int;
-
-/// `CUcheckpointLockArgs` (cuda.h 12.8+): the other argument structs are 8 reserved
-/// words, all zero.
-#[repr(C)]
-struct LockArgs {
-    timeout_ms: c_uint,
-    reserved0: c_uint,
-    reserved1: [u64; 7],
-}
+type GetState = unsafe extern "C" fn(c_int, *mut c_uint) -> CUresult;
+type Step = unsafe extern "C" fn(c_int, *mut c_void) -> CUresult;
 
 /// The checkpoint API of the node's driver, `libcuda.so.1`.
 #[derive(Debug)]
 pub struct DriverCheckpointer {
-    _lib: libloading::Library,
+    _lib: Library,
     get_state: GetState,
     lock: Step,
     checkpoint: Step,
@@ -102,27 +82,30 @@ impl DriverCheckpointer {
     /// Loads the driver and initializes it (a restore needs `cuInit` in the caller);
     /// `Err` says why the API cannot be used here, in one line.
     pub fn load() -> Result<DriverCheckpointer, String> {
-        // SAFETY: loading the CUDA driver runs its initializers, which have no
-        // preconditions on the loading process.
-        let lib = unsafe { libloading::Library::new("libcuda.so.1") }
-            .map_err(|e| format!("no CUDA driver ({e})"))?;
+        let lib = Library::libcuda().map_err(|e| match e {
+            LoadError::Open { reason, .. } => format!("no CUDA driver ({reason})"),
+            e => format!("no CUDA driver ({e})"),
+        })?;
         /// Looks up `name`, whose C signature is `T`.
-        fn sym<T: Copy>(lib: &libloading::Library, name: &str) -> Result<T, String> {
+        fn sym<T: Copy>(lib: &Library, name: &CStr) -> Result<T, String> {
             // SAFETY: `T` is the signature `cuda.h` declares for `name`.
-            unsafe { lib.get::<T>(name.as_bytes()) }
-                .map(|s| *s)
-                .map_err(|_| format!("the driver has no {name} (driver 570 or later has it)"))
+            unsafe { lib.get::<T>(name) }.map_err(|_| {
+                format!(
+                    "the driver has no {} (driver 570 or later has it)",
+                    name.to_string_lossy()
+                )
+            })
         }
-        let init: unsafe extern "C" fn(c_uint) -> c_int = sym(&lib, "cuInit")?;
-        let get_state: GetState = sym(&lib, "cuCheckpointProcessGetState")?;
-        let lock: Step = sym(&lib, "cuCheckpointProcessLock")?;
-        let checkpoint: Step = sym(&lib, "cuCheckpointProcessCheckpoint")?;
-        let restore: Step = sym(&lib, "cuCheckpointProcessRestore")?;
-        let unlock: Step = sym(&lib, "cuCheckpointProcessUnlock")?;
+        let init: unsafe extern "C" fn(c_uint) -> CUresult = sym(&lib, c"cuInit")?;
+        let get_state: GetState = sym(&lib, c"cuCheckpointProcessGetState")?;
+        let lock: Step = sym(&lib, c"cuCheckpointProcessLock")?;
+        let checkpoint: Step = sym(&lib, c"cuCheckpointProcessCheckpoint")?;
+        let restore: Step = sym(&lib, c"cuCheckpointProcessRestore")?;
+        let unlock: Step = sym(&lib, c"cuCheckpointProcessUnlock")?;
         // SAFETY: cuInit(0) takes no pointers.
         let rc = unsafe { init(0) };
-        if rc != CUDA_SUCCESS {
-            return Err(format!("cuInit: {}", result_name(rc)));
+        if let Err(e) = kiwi_cuda::check(rc) {
+            return Err(format!("cuInit: {}", result_name(e.code())));
         }
         let d = DriverCheckpointer {
             _lib: lib,
@@ -156,29 +139,32 @@ impl DriverCheckpointer {
     }
 }
 
-fn ok(step: &'static str, rc: c_int) -> Result<(), CheckpointError> {
-    if rc == CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(CheckpointError { step, code: rc })
-    }
+fn ok(step: &'static str, rc: CUresult) -> Result<(), CheckpointError> {
+    kiwi_cuda::check(rc).map_err(|e| CheckpointError {
+        step,
+        code: e.code(),
+    })
 }
 
 impl Checkpointer for DriverCheckpointer {
     fn checkpoint(&self, pid: u32, lock_timeout: Duration) -> Result<(), CheckpointError> {
-        if self.state(pid)? != STATE_RUNNING {
+        if self.state(pid)? != CU_PROCESS_STATE_RUNNING {
             return Err(CheckpointError {
                 step: "lock",
                 code: CUDA_ERROR_ILLEGAL_STATE,
             });
         }
-        let mut args = LockArgs {
+        let mut args = CUcheckpointLockArgs {
             timeout_ms: lock_timeout.as_millis().clamp(1, u32::MAX.into()) as c_uint,
-            reserved0: 0,
-            reserved1: [0; 7],
+            ..CUcheckpointLockArgs::default()
         };
         // SAFETY: a pid and a whole, zeroed-but-the-timeout CUcheckpointLockArgs.
-        let rc = unsafe { (self.lock)(pid as c_int, (&mut args as *mut LockArgs).cast()) };
+        let rc = unsafe {
+            (self.lock)(
+                pid as c_int,
+                (&mut args as *mut CUcheckpointLockArgs).cast(),
+            )
+        };
         ok("lock", rc)?;
         if let Err(e) = self.step(self.checkpoint, "checkpoint", pid) {
             // Refused (managed or IPC memory): the process goes on as it was.
@@ -190,9 +176,9 @@ impl Checkpointer for DriverCheckpointer {
 
     fn restore(&self, pid: u32) -> Result<(), CheckpointError> {
         let st = self.state(pid)?;
-        if st == STATE_CHECKPOINTED {
+        if st == CU_PROCESS_STATE_CHECKPOINTED {
             self.step(self.restore, "restore", pid)?;
-        } else if st != STATE_LOCKED {
+        } else if st != CU_PROCESS_STATE_LOCKED {
             return Ok(());
         }
         self.step(self.unlock, "unlock", pid)
@@ -227,6 +213,7 @@ impl Checkpointer for FakeCheckpointer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kiwi_cuda::sys::CUDA_ERROR_OUT_OF_MEMORY;
 
     #[test]
     fn refusals_read_as_the_driver_names_them_and_say_whether_to_try_again() {

@@ -183,15 +183,7 @@ pub fn parse_devices(s: &str) -> Result<Vec<i32>, String> {
 }
 
 /// CLOCK_MONOTONIC in ns (the arbiter's and the simulator's clock).
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid out-pointer; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+pub use kiwi_protocol::monotonic_ns;
 
 pub const USAGE: &str = "usage: gpuburst [--mem 700MiB] [--bursts 5] [--gpu-ms 400] [--cpu-ms 300] [--idle-ms 0] [--script cpu:MS,gpu:MS,idle:MS,...] [--start-at-ns N | --start-on-stdin] [--kernel-us 5000] [--queue-ms 100] [--prealloc 0.75 [--discard]] [--library] [--verify] [--json] [--device 0[,1,...]] [--exchange FILE:0|1|both [--exchange-timeout-ms 60000]] [--alloc device|vmm|managed] [--ipc export:FILE [--ipc-mem 32MiB] | --ipc import:FILE] [--ipc-timeout-ms 60000] [--name LABEL] [--seed 1]";
 

@@ -2,69 +2,33 @@
 //! ("libcuda.so.1")`, `dlsym` of `cuGetProcAddress_v2` only, and every other entry
 //! point through it by base name (CUDA 12.0, default flags). A failing call becomes
 //! a [`CudaError`] naming the call and the error (`cuGetErrorName`).
+//!
+//! The ABI (types, values, structs) and the loader are `kiwi_cuda`'s; this module
+//! owns only the table of entry points gpuburst calls and how it calls them.
 #![allow(non_snake_case)]
 
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::fmt;
 
-pub type CUresult = u32;
-pub type CUdevice = i32;
-pub type CUdeviceptr = u64;
-pub type Handle = *mut c_void;
-
-pub const CUDA_SUCCESS: CUresult = 0;
-pub const CUDA_ERROR_NOT_READY: CUresult = 600;
-
-/// `CUmemAllocationProp`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct MemAllocationProp {
-    pub type_: i32,
-    pub requested_handle_types: i32,
-    pub location_type: i32,
-    pub location_id: i32,
-    pub win32_handle_meta_data: *mut c_void,
-    pub alloc_flags: [u8; 8],
-}
-
-impl MemAllocationProp {
-    /// Pinned device memory on `device`.
-    pub fn device(device: i32) -> Self {
-        MemAllocationProp {
-            type_: 1,
-            requested_handle_types: 0,
-            location_type: 1,
-            location_id: device,
-            win32_handle_meta_data: std::ptr::null_mut(),
-            alloc_flags: [0; 8],
-        }
-    }
-}
-
-/// `CUmemAccessDesc`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-pub struct MemAccessDesc {
-    pub location_type: i32,
-    pub location_id: i32,
-    pub flags: i32,
-}
+use kiwi_cuda::sys::PFN_cuGetProcAddress_v2;
+use kiwi_cuda::Library;
 
 /// `CUipcMemHandle`: 64 opaque bytes, passed by value.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct IpcMemHandle {
-    pub reserved: [u8; 64],
-}
+pub use kiwi_cuda::sys::CUipcMemHandle as IpcMemHandle;
+/// `CUmemAccessDesc`.
+pub use kiwi_cuda::sys::CUmemAccessDesc as MemAccessDesc;
+/// `CUmemAllocationProp` (`MemAllocationProp::device(d)`: pinned memory on `d`).
+pub use kiwi_cuda::sys::CUmemAllocationProp as MemAllocationProp;
+pub use kiwi_cuda::sys::CUmemLocation;
+pub use kiwi_cuda::sys::{
+    CUdevice, CUdeviceptr, CUresult, CUDA_ERROR_NOT_READY, CUDA_SUCCESS,
+    CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    CU_MEM_ALLOC_GRANULARITY_RECOMMENDED, CU_MEM_ATTACH_GLOBAL,
+};
+pub use kiwi_cuda::LoadError;
 
-/// `CU_MEM_ATTACH_GLOBAL`: managed memory any stream of any device may reach.
-pub const CU_MEM_ATTACH_GLOBAL: u32 = 0x1;
-/// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`: the only `cuIpcOpenMemHandle` flag.
-pub const CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: u32 = 0x1;
-/// `CU_MEM_ACCESS_FLAGS_PROT_READWRITE`.
-pub const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: i32 = 3;
-/// `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`.
-pub const CU_MEM_ALLOC_GRANULARITY_RECOMMENDED: i32 = 1;
+/// Any driver handle (context, module, function, stream, event, library, kernel).
+pub type Handle = *mut c_void;
 
 /// A failed driver call.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -82,48 +46,29 @@ impl fmt::Display for CudaError {
 
 impl std::error::Error for CudaError {}
 
-/// Why the driver could not be loaded.
-#[derive(Debug)]
-pub enum LoadError {
-    Dlopen(String),
-    Missing(String),
-}
-
-impl fmt::Display for LoadError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LoadError::Dlopen(e) => write!(f, "cannot load libcuda.so.1: {e}"),
-            LoadError::Missing(s) => write!(f, "libcuda.so.1 has no entry point {s}"),
-        }
-    }
-}
-
-impl std::error::Error for LoadError {}
-
-type GetProcAddress =
-    unsafe extern "C" fn(*const c_char, *mut *mut c_void, i32, u64, *mut i32) -> CUresult;
+type GetProcAddress = PFN_cuGetProcAddress_v2;
 
 macro_rules! driver_api {
     ($($field:ident = $name:literal : fn($($arg:ty),*);)*) => {
         /// Entry points of the loaded driver.
         pub struct Cuda {
-            handle: *mut c_void,
+            lib: Library,
             pub get_proc_address: GetProcAddress,
             $(pub $field: unsafe extern "C" fn($($arg),*) -> CUresult,)*
         }
 
         impl Cuda {
-            fn resolve_all(handle: *mut c_void, gpa: GetProcAddress) -> Result<Cuda, LoadError> {
+            fn resolve_all(lib: Library, gpa: GetProcAddress) -> Result<Cuda, LoadError> {
                 Ok(Cuda {
-                    handle,
-                    get_proc_address: gpa,
                     $($field: {
                         let p = resolve(gpa, $name, 12000, 0)
-                            .ok_or_else(|| LoadError::Missing($name.to_string()))?;
+                            .ok_or_else(|| missing(&lib, $name))?;
                         // SAFETY: the driver returned this entry point for this base
                         // name; its C signature is the one declared here (cuda.h).
                         unsafe { std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($arg),*) -> CUresult>(p) }
                     },)*
+                    lib,
+                    get_proc_address: gpa,
                 })
             }
         }
@@ -193,50 +138,28 @@ pub struct ExchangeApi {
     pub stream_wait_value32: unsafe extern "C" fn(Handle, CUdeviceptr, u32, u32) -> CUresult,
 }
 
-/// Resolves `name` through `cuGetProcAddress_v2`.
+/// Resolves `name` through `cuGetProcAddress_v2` (`gpa`, the driver's).
 pub fn resolve(gpa: GetProcAddress, name: &str, version: i32, flags: u64) -> Option<*mut c_void> {
     let c = CString::new(name).ok()?;
-    let mut p: *mut c_void = std::ptr::null_mut();
-    let mut status = 0i32;
-    // SAFETY: valid C string and out-pointers for the duration of the call.
-    let r = unsafe { gpa(c.as_ptr(), &mut p, version, flags, &mut status) };
-    (r == CUDA_SUCCESS && !p.is_null()).then_some(p)
+    // SAFETY: `gpa` is the driver's cuGetProcAddress_v2 ([`Cuda::get_proc_address`]).
+    unsafe { kiwi_cuda::loader::proc_address(gpa, &c, version, flags) }.map(|p| p.as_ptr())
 }
 
-// SAFETY: the driver's entry points are thread-safe C functions.
-unsafe impl Send for Cuda {}
-// SAFETY: as above.
-unsafe impl Sync for Cuda {}
-
-fn dlerror() -> String {
-    // SAFETY: dlerror returns NULL or a valid C string owned by libc.
-    let e = unsafe { libc::dlerror() };
-    if e.is_null() {
-        "unknown dlopen error".into()
-    } else {
-        // SAFETY: non-NULL, NUL-terminated.
-        unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
+fn missing(lib: &Library, name: &str) -> LoadError {
+    LoadError::Missing {
+        library: lib.name().to_string(),
+        symbol: name.to_string(),
     }
 }
 
 impl Cuda {
-    /// Loads `libcuda.so.1` from the library search path.
+    /// Loads `libcuda.so.1` from the library search path (kept for the life of the
+    /// process, never closed).
     pub fn load() -> Result<Cuda, LoadError> {
-        // SAFETY: dlopen of a library by its soname; the handle is kept for the life
-        // of the process (never dlclosed).
-        let h =
-            unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-        if h.is_null() {
-            return Err(LoadError::Dlopen(dlerror()));
-        }
-        // SAFETY: looking up a symbol in the handle we just opened.
-        let p = unsafe { libc::dlsym(h, c"cuGetProcAddress_v2".as_ptr()) };
-        if p.is_null() {
-            return Err(LoadError::Missing("cuGetProcAddress_v2".into()));
-        }
+        let lib = Library::libcuda()?;
         // SAFETY: cuGetProcAddress_v2 has this signature in cuda.h (CUDA 12).
-        let gpa = unsafe { std::mem::transmute::<*mut c_void, GetProcAddress>(p) };
-        Self::resolve_all(h, gpa)
+        let gpa = unsafe { lib.get::<GetProcAddress>(c"cuGetProcAddress_v2") }?;
+        Self::resolve_all(lib, gpa)
     }
 
     /// The entry points of `--exchange` (CUDA 12.0 resolves the base names to
@@ -245,8 +168,7 @@ impl Cuda {
     /// first one the driver lacks.
     pub fn exchange_api(&self) -> Result<ExchangeApi, LoadError> {
         let get = |name: &str| {
-            resolve(self.get_proc_address, name, 12000, 0)
-                .ok_or_else(|| LoadError::Missing(name.to_string()))
+            resolve(self.get_proc_address, name, 12000, 0).ok_or_else(|| missing(&self.lib, name))
         };
         let host_register = get("cuMemHostRegister")?;
         let host_unregister = get("cuMemHostUnregister")?;
@@ -287,18 +209,20 @@ impl Cuda {
     /// `dlsym` in the driver library (for tests comparing entry points).
     pub fn dlsym(&self, name: &str) -> Option<*mut c_void> {
         let c = CString::new(name).ok()?;
-        // SAFETY: a valid handle and C string.
-        let p = unsafe { libc::dlsym(self.handle, c.as_ptr()) };
+        let p = self.lib.symbol(&c);
         (!p.is_null()).then_some(p)
     }
 
-    /// The name of a result code (`cuGetErrorName`).
+    /// The name of a result code: the driver's (`cuGetErrorName`), else Kiwi's.
     pub fn error_name(&self, code: CUresult) -> String {
         let mut s: *const c_char = std::ptr::null();
         // SAFETY: valid out-pointer; the driver returns a static string or NULL.
         let r = unsafe { (self.get_error_name)(code, &mut s) };
         if r != CUDA_SUCCESS || s.is_null() {
-            return format!("CUDA error {code}");
+            return match kiwi_cuda::CudaError(code).name() {
+                Some(name) => name.to_string(),
+                None => format!("CUDA error {code}"),
+            };
         }
         // SAFETY: a static NUL-terminated string from the driver.
         unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned()
@@ -306,15 +230,11 @@ impl Cuda {
 
     /// Turns a result code into `Result`, naming the call.
     pub fn check(&self, call: &'static str, code: CUresult) -> Result<(), CudaError> {
-        if code == CUDA_SUCCESS {
-            Ok(())
-        } else {
-            Err(CudaError {
-                call,
-                code,
-                name: self.error_name(code),
-            })
-        }
+        kiwi_cuda::check(code).map_err(|e| CudaError {
+            call,
+            code: e.code(),
+            name: self.error_name(e.code()),
+        })
     }
 }
 

@@ -18,19 +18,18 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::driver::{CUdeviceptr, Cuda, CudaError, ExchangeApi, Handle};
+// The flags the exchange passes: the host page is registered in every context with a
+// device address; a wait is `(int32_t)(*addr - value) >= 0`; a write is ordered
+// after earlier work.
+use kiwi_cuda::sys::{
+    CU_MEMHOSTREGISTER_DEVICEMAP, CU_MEMHOSTREGISTER_PORTABLE, CU_STREAM_WAIT_VALUE_GEQ,
+    CU_STREAM_WRITE_VALUE_DEFAULT,
+};
 
 /// Bytes of the shared file that are mapped (one page).
 pub const FILE_BYTES: usize = 4096;
 /// Bytes between two ranks' slots (a cache line each).
 pub const SLOT_STRIDE: u64 = 64;
-/// `CU_MEMHOSTREGISTER_PORTABLE`: the registration counts in every context.
-pub const CU_MEMHOSTREGISTER_PORTABLE: u32 = 0x01;
-/// `CU_MEMHOSTREGISTER_DEVICEMAP`: the range gets a device address.
-pub const CU_MEMHOSTREGISTER_DEVICEMAP: u32 = 0x02;
-/// `CU_STREAM_WAIT_VALUE_GEQ`: wait until `(int32_t)(*addr - value) >= 0`.
-pub const CU_STREAM_WAIT_VALUE_GEQ: u32 = 0;
-/// `CU_STREAM_WRITE_VALUE_DEFAULT`: the write is ordered after earlier work.
-pub const CU_STREAM_WRITE_VALUE_DEFAULT: u32 = 0;
 /// `--exchange-timeout-ms` when not given.
 pub const DEFAULT_TIMEOUT_MS: u64 = 60_000;
 

@@ -16,7 +16,9 @@
 //! hold (the values, the kernels) is `burst`'s.
 
 use crate::cu;
-use crate::driver::{CUdeviceptr, Cuda, CudaError, MemAccessDesc, MemAllocationProp};
+use crate::driver::{
+    CUdeviceptr, CUmemLocation, Cuda, CudaError, MemAccessDesc, MemAllocationProp,
+};
 use crate::driver::{
     CU_MEM_ACCESS_FLAGS_PROT_READWRITE, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED, CU_MEM_ATTACH_GLOBAL,
 };
@@ -201,8 +203,7 @@ impl Expandable {
         self.handles.push((at, size, h));
         self.mapped_end += size;
         let access = MemAccessDesc {
-            location_type: 1,
-            location_id: self.ordinal,
+            location: CUmemLocation::device(self.ordinal),
             flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         cu!(

@@ -1,5 +1,7 @@
 //! CLOCK_MONOTONIC in nanoseconds: the clock of every timestamp Kiwi exchanges (the
-//! event log's `t_ns`, the simulator's trace), so they can be compared directly.
+//! event log's `t_ns`, the simulator's trace, gpuburst's start times), so they can be
+//! compared directly. Kiwi's one copy: the arbiter, the simulator (`kiwi-sim-core`)
+//! and gpuburst re-export it.
 
 /// Now, in CLOCK_MONOTONIC nanoseconds.
 pub fn monotonic_ns() -> u64 {

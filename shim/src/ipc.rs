@@ -653,7 +653,7 @@ fn send_layout(s: &UnixStream, share: &Share) -> Result<(), CUresult> {
 fn refuse(s: &UnixStream, status: CUresult) -> std::io::Result<()> {
     let mut head = [0u8; REPLY_LEN];
     head[..8].copy_from_slice(REPLY_MAGIC);
-    head[8..12].copy_from_slice(&(status as u32).to_le_bytes());
+    head[8..12].copy_from_slice(&status.to_le_bytes());
     s.set_nonblocking(true)?;
     let mut w = s;
     w.write_all(&head)

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use gpuburst::cu;
 use gpuburst::driver::{
-    resolve, CUdeviceptr, Cuda, CudaError, Handle, MemAccessDesc, MemAllocationProp,
+    resolve, CUdeviceptr, CUmemLocation, Cuda, CudaError, Handle, MemAccessDesc, MemAllocationProp,
 };
 use gpuburst::kernels::PTX;
 
@@ -220,8 +220,7 @@ fn vmm(p: &Probe) -> Result<(), CudaError> {
     let r = unsafe { (c.memset_d32)(va, 1, words as usize) };
     expect!(r == INVALID_VALUE, "memset before cuMemSetAccess -> {r}");
     let rw = MemAccessDesc {
-        location_type: 1,
-        location_id: 0,
+        location: CUmemLocation::device(0),
         flags: 3,
     };
     cu!(

@@ -127,7 +127,7 @@ impl FakeDriver {
     /// The mapping holding `va`: (handle, offset in it, bytes left in it).
     fn locate(&self, va: u64) -> Result<(u64, u64, u64), CUresult> {
         let st = self.st.borrow();
-        let (&base, &(size, h)) = st.maps.range(..=va).next_back().ok_or(700)?;
+        let (&base, &(size, h)) = st.maps.range(..=va).next_back().ok_or::<CUresult>(700)?;
         if va >= base + size {
             return Err(700);
         }
@@ -211,7 +211,7 @@ impl Driver for FakeDriver {
     }
     fn release(&self, handle: u64) -> Result<(), CUresult> {
         let mut st = self.st.borrow_mut();
-        let v = st.handles.remove(&handle).ok_or(1)?;
+        let v = st.handles.remove(&handle).ok_or::<CUresult>(1)?;
         st.physical_used -= v.len() as u64;
         Ok(())
     }

@@ -11,16 +11,9 @@ use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-/// Nanoseconds of `CLOCK_MONOTONIC`.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: ts is a valid out-pointer; CLOCK_MONOTONIC always exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+/// Nanoseconds of `CLOCK_MONOTONIC`: Kiwi's one clock, `kiwi_protocol`'s, so traces
+/// compare directly with the arbiter's event log.
+pub use kiwi_protocol::monotonic_ns;
 
 /// One executed kernel.
 #[derive(Debug, Clone, PartialEq, Eq)]
