@@ -116,7 +116,7 @@ enum Scenario {
         #[arg(long)]
         seed: Option<u64>,
         /// Only these client patterns (comma-separated: notebook, grower, prealloc,
-        /// discard, idle, vmm, managed, ipc-pair), to replay a failure of one.
+        /// discard, idle, vmm, managed, ipc-pair, container), to replay a failure of one.
         #[arg(long, value_delimiter = ',')]
         patterns: Vec<String>,
     },

@@ -1,10 +1,12 @@
 //! The short seeded soak CI runs (issue #38): 12 verifying clients on 4 simulated
-//! GPUs for 60 s while clients and the arbiter are killed and tenants storm or never
-//! read, then the same clients quiet. `kiwi-bench soak` fails if a client not killed
-//! loses a byte or waits past its bound, if the arbiter's memory or descriptors grow
-//! past their bounds, or if anything is left behind; it prints the seed, so a
-//! failure replays. Alone in its test binary: its clients' bounds assume the machine
-//! is not also running the other benchmarks.
+//! GPUs for 60 s while clients and the arbiter are killed, tenants storm or never
+//! read, and containers are attached and detached (one under its running client),
+//! then the same clients quiet. `kiwi-bench soak` fails if a client not killed loses
+//! a byte or waits past its bound, if the arbiter's memory or descriptors grow past
+//! their bounds, if a container's client is not labelled by its record, or if
+//! anything is left behind (a detached container's record, socket or listener
+//! included); it prints the seed, so a failure replays. Alone in its test binary: its
+//! clients' bounds assume the machine is not also running the other benchmarks.
 
 use std::process::Command;
 
@@ -31,8 +33,18 @@ fn a_short_seeded_soak_loses_nothing() {
         "report storm",
         "client that never reads",
         "arbiter SIGKILL and restart",
+        "spill directory gone",
+        "container churn",
+        "container detached under its client",
     ] {
         assert!(err.contains(kind), "no {kind} in: {err}");
     }
     assert!(survived["value"].as_f64().unwrap() >= 8.0, "{survived}");
+    // Clients ran in containers, on their containers' sockets.
+    let in_containers: usize = err
+        .split("; ")
+        .find_map(|p| p.split_once(" clients in containers verified every byte"))
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count of clients in containers in: {err}"));
+    assert!(in_containers > 0, "{err}");
 }

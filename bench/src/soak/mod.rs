@@ -6,25 +6,40 @@
 //! it ends, while faults come at seeded random moments: SIGKILL of clients (whatever
 //! they are doing: a swap-out, a swap-in, a checkpoint), SIGKILL and restart of the
 //! arbiter, a tenant that storms the arbiter with reports that flip its GPU in and out
-//! of oversubscription, and one that never reads its replies.
+//! of oversubscription, one that never reads its replies, and containers attached and
+//! detached around the clients that run in them.
 //!
 //! It checks that every client not killed verifies every byte and ends within its
 //! bound, that the arbiter's memory and descriptors stay bounded, and that nothing is
-//! left once all have exited (simulated device memory, the arbiter's clients). It
-//! prints the hand-off p50/p99 under load against a quiet run of the same clients
-//! (no faults), grants per second, bytes swapped, the faults injected and survived,
-//! and the seed: a failure replays with `--seed`.
+//! left once all have exited (simulated device memory, the arbiter's clients, the
+//! containers' records, sockets and listeners). It prints the hand-off p50/p99 under
+//! load against a quiet run of the same clients (no faults), grants per second, bytes
+//! swapped, the faults injected and survived, and the seed: a failure replays with
+//! `--seed`.
 //!
-//! The patterns: notebooks, growing notebooks, JAX-like preallocation with and without
-//! the discard hint, idle processes that get checkpointed, an application that maps
-//! its own virtual memory as PyTorch's `expandable_segments` does (`--alloc vmm`,
-//! growing mid-run), managed memory (`--alloc managed`), and a CUDA IPC pair (an
-//! exporter and an importer of one allocation, `--ipc`, both verifying it). A pair is
-//! one client of two processes on one GPU: it ends when both have, fails if either
-//! does, and a client SIGKILL kills both together (an importer whose exporter died
-//! before it opened the memory fails to open it, and an exporter waits for its
-//! importer's close: killing one side alone would fail the other for a reason that
-//! is not Kiwi's).
+//! The patterns (`clients`): notebooks, growing notebooks, JAX-like preallocation with
+//! and without the discard hint, idle processes that get checkpointed, an application
+//! that maps its own virtual memory as PyTorch's `expandable_segments` does (`--alloc
+//! vmm`, growing mid-run), managed memory (`--alloc managed`), a CUDA IPC pair (an
+//! exporter and an importer of one allocation, `--ipc`, both verifying it), and
+//! notebooks in containers. A pair is one client of two processes on one GPU: it ends
+//! when both have, fails if either does, and a client SIGKILL kills both together (an
+//! importer whose exporter died before it opened the memory fails to open it, and an
+//! exporter waits for its importer's close: killing one side alone would fail the
+//! other for a reason that is not Kiwi's).
+//!
+//! A client in a container (`containers`) runs on the container's own socket, which
+//! the arbiter serves after `attach_container` (as `kiwi-hook` asks at prestart, with
+//! the record the hook writes, claiming the client's GPU), and claims to be someone
+//! else: the arbiter must label it from the record. A container stops once its few
+//! clients are done; container churn attaches a new one and stops an idle one early.
+//! A container stops by its poststop hook (`detach_container`) or, every other time
+//! under faults, without one (a runtime that crashed: the arbiter's next attach or
+//! start sweeps it); either way nothing of it may be left, its listener included. A
+//! harsher fault detaches a container while its client runs, which must still verify
+//! every byte and exit 0 on the connections it has (one an arbiter restart would cut
+//! off is killed before the restart and counted apart). Every other storming or deaf
+//! tenant is in a container.
 //!
 //! The arbiter runs with a swap pool smaller than the clients' swapped-out memory
 //! ([`SWAP_POOL`]) and a disk tier in the run's directory, so swap-outs borrow from the
@@ -33,19 +48,29 @@
 //! refused, nothing may be lost). At the end the pool must have nothing lent and no
 //! spill file left.
 //!
-//! Not covered yet: clients in containers on their own sockets.
+//! Not covered yet: clients in real containers (their own mount and pid namespaces,
+//! as `kiwi-tests`' `FakeContainer` makes them; the soak's share the host's), and a
+//! full spill disk.
+
+mod arbiter;
+mod clients;
+mod containers;
+mod tenants;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use kiwi_protocol::blocking::Connection;
-use kiwi_protocol::{ArbiterMsg, ClientMsg, Event, EventKind, Register, Usage, PROTOCOL_VERSION};
+use kiwi_protocol::{Event, EventKind};
 
 use crate::jobs::{Build, Sim};
 use crate::report::Figure;
+use arbiter::{arbiter_footprint, Arbiter};
+use clients::{processes, ClientProc, Pattern, Proc, PATTERNS};
+use containers::Containers;
 
 const MIB: u64 = 1 << 20;
 /// Each simulated GPU's memory.
@@ -60,6 +85,9 @@ const DISK_GONE: Duration = Duration::from_secs(3);
 /// The most the arbiter may hold resident, and descriptors beyond its clients'.
 const MAX_ARBITER_RSS: u64 = 256 << 20;
 const SPARE_FDS: usize = 64;
+/// Descriptors the arbiter may hold at the end, once nothing is left, beyond those
+/// it held at its first start and its swap pool's.
+const END_SPARE_FDS: usize = 16;
 
 /// What `kiwi-bench soak` is asked for.
 #[derive(Debug, Clone)]
@@ -88,6 +116,11 @@ impl Rng {
     fn range(&mut self, lo: u64, hi: u64) -> u64 {
         lo + self.next() % (hi - lo + 1)
     }
+
+    /// One of `v`, if any.
+    fn pick<T: Copy>(&mut self, v: &[T]) -> Option<T> {
+        (!v.is_empty()).then(|| v[self.range(0, v.len() as u64 - 1) as usize])
+    }
 }
 
 /// The faults a soak injects, in turn.
@@ -99,329 +132,25 @@ enum Fault {
     Restart,
     /// The spill directory disappears for [`DISK_GONE`] (a missing disk).
     DiskGone,
+    /// A new container is attached and an idle one stops, with its poststop hook or
+    /// (every other time) without.
+    Churn,
+    /// A container is detached while a client of it runs.
+    DetachLive,
 }
 
-const FAULTS: [Fault; 7] = [
+const FAULTS: [Fault; 9] = [
     Fault::Kill,
     Fault::Storm,
+    Fault::Churn,
     Fault::Kill,
     Fault::Deaf,
     Fault::DiskGone,
     Fault::Kill,
     Fault::Restart,
+    // Right after a restart: its client has the longest to run on before the next.
+    Fault::DetachLive,
 ];
-
-/// A client's pattern: what it runs, as gpuburst arguments.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Pattern {
-    Notebook,
-    Grower,
-    Prealloc,
-    Discard,
-    Idle,
-    /// The application's own VMM memory, as PyTorch's `expandable_segments`.
-    AppVmm,
-    Managed,
-    /// Two processes: an exporter and an importer of one allocation.
-    IpcPair,
-}
-
-const PATTERNS: [Pattern; 8] = [
-    Pattern::Notebook,
-    Pattern::Grower,
-    Pattern::Prealloc,
-    Pattern::Discard,
-    Pattern::Idle,
-    Pattern::AppVmm,
-    Pattern::Managed,
-    Pattern::IpcPair,
-];
-
-/// What an IPC pair's exporter shares.
-const IPC_MEM: &str = "32MiB";
-
-impl Pattern {
-    fn name(self) -> &'static str {
-        match self {
-            Pattern::Notebook => "notebook",
-            Pattern::Grower => "grower",
-            Pattern::Prealloc => "prealloc",
-            Pattern::Discard => "discard",
-            Pattern::Idle => "idle",
-            Pattern::AppVmm => "vmm",
-            Pattern::Managed => "managed",
-            Pattern::IpcPair => "ipc-pair",
-        }
-    }
-
-    /// Its processes' roles and arguments (`file`: a fresh path for a pair's
-    /// handle, `bound_ms`: how long a side may wait for the other), and the time its
-    /// own work takes, ms.
-    fn procs(
-        self,
-        rng: &mut Rng,
-        file: &Path,
-        bound_ms: impl Fn(u64) -> u64,
-    ) -> (Vec<(&'static str, Vec<String>)>, u64) {
-        if self == Pattern::IpcPair {
-            let (exporter, work_ms) = Pattern::Notebook.args(rng);
-            let (importer, _) = Pattern::Notebook.args(rng);
-            let wait = bound_ms(work_ms).to_string();
-            let side = |mut a: Vec<String>, role: &str| {
-                a.extend([
-                    "--ipc".into(),
-                    format!("{role}:{}", file.display()),
-                    "--ipc-timeout-ms".into(),
-                    wait.clone(),
-                ]);
-                if role == "export" {
-                    a.extend(["--ipc-mem".into(), IPC_MEM.into()]);
-                }
-                a
-            };
-            return (
-                vec![
-                    ("exporter", side(exporter, "export")),
-                    ("importer", side(importer, "import")),
-                ],
-                work_ms,
-            );
-        }
-        let (a, work_ms) = self.args(rng);
-        (vec![(self.name(), a)], work_ms)
-    }
-
-    /// A one-process pattern's arguments and the time its own work takes, ms.
-    fn args(self, rng: &mut Rng) -> (Vec<String>, u64) {
-        // Small enough that 32 of them fit this machine's RAM: the simulator's device
-        // memory is its processes' own host memory, and each swaps out to host
-        // buffers of its own (issue #37); larger ones had the kernel's OOM killer
-        // end them.
-        let mem = rng.range(64, 192);
-        match self {
-            Pattern::Notebook | Pattern::Managed | Pattern::IpcPair => {
-                let rounds = rng.range(2, 4);
-                let phases = vec!["gpu:200,cpu:300"; rounds as usize].join(",");
-                let mut a = vec![
-                    "--mem".into(),
-                    format!("{mem}MiB"),
-                    "--script".into(),
-                    phases,
-                ];
-                if self == Pattern::Managed {
-                    a.extend(["--alloc".into(), "managed".into()]);
-                }
-                (a, rounds * 500)
-            }
-            Pattern::AppVmm => (
-                vec![
-                    "--alloc".into(),
-                    "vmm".into(),
-                    "--mem".into(),
-                    format!("{mem}MiB"),
-                    "--script".into(),
-                    "gpu:100,cpu:200,grow:64,gpu:200,cpu:200,gpu:100".into(),
-                ],
-                800,
-            ),
-            Pattern::Grower => (
-                vec![
-                    "--mem".into(),
-                    format!("{mem}MiB"),
-                    "--script".into(),
-                    "gpu:100,cpu:200,grow:96,gpu:200,cpu:200,gpu:100".into(),
-                ],
-                800,
-            ),
-            Pattern::Prealloc | Pattern::Discard => {
-                let mut a = vec![
-                    "--prealloc".into(),
-                    "0.1".into(),
-                    "--mem".into(),
-                    "64MiB".into(),
-                    "--bursts".into(),
-                    "3".into(),
-                    "--gpu-ms".into(),
-                    "150".into(),
-                    "--cpu-ms".into(),
-                    "250".into(),
-                ];
-                if self == Pattern::Discard {
-                    a.push("--discard".into());
-                }
-                (a, 1200)
-            }
-            Pattern::Idle => {
-                let idle = rng.range(2000, 5000);
-                (
-                    vec![
-                        "--mem".into(),
-                        format!("{mem}MiB"),
-                        "--script".into(),
-                        format!("gpu:100,idle:{idle},gpu:100"),
-                    ],
-                    idle + 200,
-                )
-            }
-        }
-    }
-}
-
-/// One process of a client.
-struct Proc {
-    child: Child,
-    /// Its part: the pattern's name, or `exporter` / `importer` in a pair.
-    role: &'static str,
-    log: PathBuf,
-    /// How it ended, once it has.
-    ended: Option<std::process::ExitStatus>,
-}
-
-/// A client of the soak: one process, or the two of an IPC pair.
-struct ClientProc {
-    procs: Vec<Proc>,
-    pattern: Pattern,
-    gpu: u32,
-    started: Instant,
-    /// When it must have ended: its own work, the quanta of the others on its GPU
-    /// ahead of it at each of its turns, and their swaps.
-    bound: Instant,
-}
-
-impl ClientProc {
-    /// One line: which client (and which of its processes), after how long, `what`,
-    /// and the last line it wrote.
-    fn failure(&self, p: &Proc, what: &str) -> String {
-        let text = std::fs::read_to_string(&p.log).unwrap_or_default();
-        let role = if p.role == self.pattern.name() {
-            String::new()
-        } else {
-            format!(" ({})", p.role)
-        };
-        format!(
-            "{}{role} on GPU {} (after {:.1} s) {what}: {}",
-            self.pattern.name(),
-            self.gpu,
-            self.started.elapsed().as_secs_f64(),
-            tail(&text)
-        )
-    }
-
-    /// Reaps what ended; whether all of its processes have.
-    fn reap(&mut self) -> Result<bool> {
-        for p in self.procs.iter_mut().filter(|p| p.ended.is_none()) {
-            p.ended = p.child.try_wait()?;
-        }
-        Ok(self.procs.iter().all(|p| p.ended.is_some()))
-    }
-
-    /// SIGKILLs every process still running (a pair dies together).
-    fn kill(&mut self) {
-        for p in self.procs.iter_mut().filter(|p| p.ended.is_none()) {
-            let _ = p.child.kill();
-            p.ended = p.child.wait().ok();
-        }
-    }
-}
-
-/// Processes of `live` (a pair is two).
-fn processes(live: &[ClientProc]) -> usize {
-    live.iter().map(|c| c.procs.len()).sum()
-}
-
-/// The arbiter: the workspace's `kiwi-arbiter`, which the soak kills and restarts on
-/// the same socket directory.
-struct Arbiter {
-    exe: PathBuf,
-    dir: PathBuf,
-    child: Option<Child>,
-}
-
-impl Arbiter {
-    fn start(b: &Build, sim: &Sim, gpus: u32, dir: &Path) -> Result<Arbiter> {
-        let exe = b
-            .gpuburst
-            .parent()
-            .context("no build directory")?
-            .join("kiwi-arbiter");
-        if !exe.exists() {
-            bail!("{} is missing: build the workspace first", exe.display());
-        }
-        std::fs::create_dir_all(spill_dir(dir)).context("cannot make the spill directory")?;
-        let mut a = Arbiter {
-            exe,
-            dir: dir.to_path_buf(),
-            child: None,
-        };
-        a.spawn(b, sim, gpus)?;
-        Ok(a)
-    }
-
-    fn spawn(&mut self, b: &Build, sim: &Sim, gpus: u32) -> Result<()> {
-        let mut cmd = Command::new(&self.exe);
-        sim.apply(b, &mut cmd)
-            .env("KIWI_SIM_GPUS", gpus.to_string())
-            .env_remove("KIWI_CONFIG")
-            .arg("--socket-dir")
-            .arg(&self.dir)
-            .args([
-                "--tq",
-                &TQ_S.to_string(),
-                "--nvml",
-                "auto",
-                "--checkpoint",
-                "auto",
-                "--swap-pool",
-                SWAP_POOL,
-            ])
-            .arg("--spill-dir")
-            .arg(spill_dir(&self.dir))
-            // Every soak client is a child of this process, of one uid.
-            .args(["--max-conns-per-group", "100000"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        self.child = Some(cmd.spawn().context("cannot start kiwi-arbiter")?);
-        let socket = kiwi_config::client_socket(&self.dir);
-        let control = kiwi_config::control_socket(&self.dir);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::os::unix::net::UnixStream::connect(&socket).is_err()
-            || std::os::unix::net::UnixStream::connect(&control).is_err()
-        {
-            if Instant::now() > deadline {
-                bail!("the arbiter did not come up");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Ok(())
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.as_ref().map_or(0, Child::id)
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for Arbiter {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// The arbiter's own resident memory (anonymous) and open descriptors.
-fn arbiter_footprint(pid: u32) -> Option<(u64, usize)> {
-    // Its own memory: the swap pool's slices it maps while it populates or spills
-    // them are the pool's, bounded by its size.
-    let rss = crate::procs::anon_rss_bytes(pid).ok()?;
-    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count();
-    Some((rss, fds))
-}
 
 /// What one run saw.
 #[derive(Default)]
@@ -437,6 +166,16 @@ struct Outcome {
     peak_fds: usize,
     /// The most the swap pool's disk tier held at once (sampled every second).
     peak_spilled: u64,
+    /// The arbiter's descriptors at the end, once nothing was left, and at its first
+    /// start.
+    end_fds: (usize, usize),
+    /// Clients in containers that exited 0.
+    container_clients_ok: usize,
+    /// Swaps of clients whose container was detached under them, after the detach,
+    /// and their bytes.
+    orphan_swaps: usize,
+    orphan_swapped_bytes: u64,
+    containers: containers::Tally,
     failures: Vec<String>,
 }
 
@@ -484,72 +223,6 @@ fn tally(events: &[Event], out: &mut Outcome) {
     }
 }
 
-/// A tenant that flips its working set between 0 and 3 GiB as fast as the rate limit
-/// lets it, for `for_`, then leaves.
-fn storm(socket: PathBuf, uuid: String, total: u64, for_: Duration) -> Result<()> {
-    let mut c: Connection<ClientMsg, ArbiterMsg> = Connection::connect(&socket)?;
-    c.send(&ClientMsg::Register(register(&uuid, total)))?;
-    let end = Instant::now() + for_;
-    let mut token = 0;
-    while Instant::now() < end {
-        for k in 0..4_000u64 {
-            let ws = if k % 2 == 0 { 3 << 30 } else { 0 };
-            c.send(&ClientMsg::Usage(Usage {
-                working_set_bytes: ws,
-                resident_bytes: 0,
-            }))?;
-        }
-        token += 1;
-        c.send(&ClientMsg::Ping { token })?;
-        // Its replies are read: it is not the deaf one.
-        while let Ok(Some(m)) = c.recv_timeout(Duration::from_secs(10)) {
-            if matches!(m, ArbiterMsg::Pong { token: t } if t == token) {
-                break;
-            }
-        }
-        std::thread::sleep(Duration::from_millis(250));
-    }
-    Ok(())
-}
-
-/// A tenant that registers, asks and never reads a reply, for `for_`.
-fn deaf(socket: PathBuf, uuid: String, total: u64, for_: Duration) -> Result<()> {
-    let mut c: Connection<ClientMsg, ArbiterMsg> = Connection::connect(&socket)?;
-    c.send(&ClientMsg::Register(register(&uuid, total)))?;
-    let end = Instant::now() + for_;
-    let mut token = 0;
-    while Instant::now() < end {
-        token += 1;
-        if c.send(&ClientMsg::Ping { token }).is_err() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    Ok(())
-}
-
-fn register(uuid: &str, total: u64) -> Register {
-    Register {
-        version: PROTOCOL_VERSION,
-        pid: std::process::id(),
-        gpu_uuid: uuid.to_string(),
-        gpu_total_memory: total,
-        working_set_bytes: 0,
-        resident_bytes: 0,
-        container_id: None,
-        pod_name: None,
-        pod_namespace: None,
-        name: Some("soak-tenant".into()),
-        resume: None,
-        wait_info: false,
-        unswappable_bytes: Some(0),
-        pipelined: false,
-        room_info: false,
-        bounds: false,
-        group: None,
-    }
-}
-
 /// One run of `o.clients` clients for `o.seconds`, with faults when `faults`.
 fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
     let sim = Sim::new(if faults { "soak" } else { "soak-quiet" }, GPU_MEMORY);
@@ -557,6 +230,9 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
     let dir = work.path().join("run");
     std::fs::create_dir(&dir)?;
     let mut arb = Arbiter::start(b, &sim, o.gpus, &dir)?;
+    // What it holds with nothing to serve: the end's bound is counted from it.
+    let base_fds = arbiter_footprint(arb.pid()).map_or(0, |f| f.1);
+    let mut containers = Containers::new(&dir, work.path(), faults);
     let mut rng = Rng(o.seed ^ if faults { 0 } else { 0x5eed });
     let per_gpu = o.clients.div_ceil(o.gpus as usize) as u64;
     let mut out = Outcome::default();
@@ -570,6 +246,7 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
     let mut last_restart = start;
     let mut spawned = 0usize;
     let mut fault_no = 0usize;
+    let mut detach_tries = 0;
     let patterns: Vec<Pattern> = PATTERNS
         .into_iter()
         .filter(|p| o.patterns.is_empty() || o.patterns.iter().any(|n| n == p.name()))
@@ -581,8 +258,7 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
             PATTERNS.map(Pattern::name).join(", ")
         );
     }
-    // A new client goes to the GPU with the fewest processes: clients of a busy GPU
-    // last longer, and GPUs picked in turn piled twice their share onto one.
+    let uuid = |gpu: u32| kiwi_sim_core::ident::gpu_uuid_string(&sim.name, gpu);
     // Its work, then at each of its turns the quanta and swaps of the others on its
     // GPU (a grace period and a swap of a few hundred MiB each), and the arbiter's
     // restarts (a reconnection each).
@@ -590,16 +266,14 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
         let turns = 4 + work_ms / (TQ_S * 1000);
         work_ms + turns * per_gpu * (TQ_S * 1000 + 5_500) + 30_000
     };
-    let spawn = |rng: &mut Rng, n: usize, live: &[ClientProc]| -> Result<ClientProc> {
-        let pattern = patterns[n % patterns.len()];
-        let gpu = (0..o.gpus)
-            .min_by_key(|g| {
-                live.iter()
-                    .filter(|c| c.gpu == *g)
-                    .map(|c| c.procs.len())
-                    .sum::<usize>()
-            })
-            .unwrap_or(0);
+    // Client `n` of `pattern` on `gpu`, in container `container` (its number and its
+    // processes' socket directory) if any.
+    let spawn = |rng: &mut Rng,
+                 n: usize,
+                 pattern: Pattern,
+                 gpu: u32,
+                 container: Option<(usize, PathBuf)>|
+     -> Result<ClientProc> {
         let pair_file = work.path().join(format!("ipc-{n}"));
         let (roles, work_ms) = pattern.procs(rng, &pair_file, bound_ms);
         let mut procs: Vec<Proc> = Vec::with_capacity(roles.len());
@@ -620,6 +294,14 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(file);
+            if let Some((_, socket_dir)) = &container {
+                // Its container's socket, and an identity of its own making that
+                // the arbiter must not believe.
+                cmd.env("KIWI_SOCKET_DIR", socket_dir)
+                    .env("KIWI_POD_NAME", containers::IMPOSTOR)
+                    .env("KIWI_POD_NAMESPACE", containers::IMPOSTOR)
+                    .env("KIWI_CONTAINER_ID", containers::IMPOSTOR);
+            }
             let child = match cmd.spawn() {
                 Ok(c) => c,
                 Err(e) => {
@@ -643,17 +325,41 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
             procs,
             pattern,
             gpu,
+            container: container.map(|c| c.0),
+            orphaned: None,
             started: now,
             bound: now + Duration::from_millis(bound_ms(work_ms)),
         })
     };
     while Instant::now() < end || !live.is_empty() {
         let now = Instant::now();
-        // Keep `clients` alive until the end.
+        // Keep `clients` alive until the end. A new client goes to the GPU with the
+        // fewest processes: clients of a busy GPU last longer, and GPUs picked in
+        // turn piled twice their share onto one.
         while now < end && processes(&live) < o.clients {
-            let c = spawn(&mut rng, spawned, &live)?;
-            live.push(c);
+            let n = spawned;
             spawned += 1;
+            let pattern = patterns[n % patterns.len()];
+            let gpu = (0..o.gpus)
+                .min_by_key(|g| {
+                    live.iter()
+                        .filter(|c| c.gpu == *g)
+                        .map(|c| c.procs.len())
+                        .sum::<usize>()
+                })
+                .unwrap_or(0);
+            let container = if pattern == Pattern::Container {
+                match containers.for_client(gpu, &uuid(gpu), &live) {
+                    Some(c) => Some(c),
+                    // Its failure is recorded; the next pattern's turn, at the
+                    // next tick.
+                    None => break,
+                }
+            } else {
+                None
+            };
+            let c = spawn(&mut rng, n, pattern, gpu, container)?;
+            live.push(c);
         }
         // Reap the ended ones; kill and fail the ones past their bound.
         let mut i = 0;
@@ -662,12 +368,23 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
             if c.reap()? {
                 let c = live.swap_remove(i);
                 out.clients_run += c.procs.len();
+                let mut ok = true;
                 for p in &c.procs {
                     match p.ended {
                         Some(status) if !status.success() => {
+                            ok = false;
                             out.failures.push(c.failure(p, &format!("exited {status}")));
                         }
                         _ => {}
+                    }
+                }
+                if ok && c.container.is_some() {
+                    out.container_clients_ok += 1;
+                    if let Some(t) = c.orphaned {
+                        let tally = &mut containers.tally;
+                        tally.ran_on += 1;
+                        tally.ran_on_longest_s =
+                            tally.ran_on_longest_s.max(t.elapsed().as_secs_f64());
                     }
                 }
             } else if now > c.bound {
@@ -686,10 +403,11 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
                 i += 1;
             }
         }
+        // Containers whose clients are done stop, as their jobs' do.
+        containers.stop_done(&live);
         if faults && now >= next_fault && now < end {
             next_fault = now + Duration::from_millis(rng.range(1000, 3000));
             let gpu = rng.range(0, o.gpus as u64 - 1) as u32;
-            let uuid = kiwi_sim_core::ident::gpu_uuid_string(&sim.name, gpu);
             let socket = kiwi_config::client_socket(&dir);
             // Every kind in turn, at random moments and on random victims: a short
             // run still sees each.
@@ -701,6 +419,26 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
             } else {
                 kind
             };
+            // A container can be detached under its client only while one runs,
+            // connected: churn instead, and try again at the next fault's moment
+            // (up to 3 times, so a short run sees it).
+            let busy = match kind {
+                Fault::DetachLive => containers.busy(&live, &registered(&dir)),
+                _ => Vec::new(),
+            };
+            let kind = if kind == Fault::DetachLive && busy.is_empty() {
+                let again = patterns.contains(&Pattern::Container) && detach_tries < 3;
+                detach_tries = if again { detach_tries + 1 } else { 0 };
+                if again {
+                    fault_no -= 1;
+                }
+                Fault::Churn
+            } else {
+                if kind == Fault::DetachLive {
+                    detach_tries = 0;
+                }
+                kind
+            };
             match kind {
                 Fault::Kill if !live.is_empty() => {
                     // A pair's two processes together.
@@ -709,17 +447,29 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
                     c.kill();
                     *out.faults.entry("client SIGKILL").or_default() += 1;
                 }
-                Fault::Storm => {
+                Fault::Storm | Fault::Deaf => {
+                    // Every other one in a container, on its socket and its GPU.
+                    let inside = rng.next().is_multiple_of(2);
+                    let (socket, gpu) = match inside.then(|| containers.any(&mut rng)) {
+                        Some(Some(place)) => place,
+                        _ => (socket, gpu),
+                    };
+                    let in_container = socket != kiwi_config::client_socket(&dir);
+                    let uuid = uuid(gpu);
+                    let name = match (kind, in_container) {
+                        (Fault::Storm, false) => "report storm",
+                        (Fault::Storm, true) => "report storm in a container",
+                        (_, false) => "client that never reads",
+                        (_, true) => "client that never reads in a container",
+                    };
                     tenants.push(std::thread::spawn(move || {
-                        storm(socket, uuid, GPU_MEMORY, Duration::from_secs(2))
+                        if kind == Fault::Storm {
+                            tenants::storm(socket, uuid, GPU_MEMORY, Duration::from_secs(2))
+                        } else {
+                            tenants::deaf(socket, uuid, GPU_MEMORY, Duration::from_secs(3))
+                        }
                     }));
-                    *out.faults.entry("report storm").or_default() += 1;
-                }
-                Fault::Deaf => {
-                    tenants.push(std::thread::spawn(move || {
-                        deaf(socket, uuid, GPU_MEMORY, Duration::from_secs(3))
-                    }));
-                    *out.faults.entry("client that never reads").or_default() += 1;
+                    *out.faults.entry(name).or_default() += 1;
                 }
                 Fault::DiskGone => {
                     let (here, away) = (spill_dir(&dir), dir.join("spill.gone"));
@@ -731,11 +481,49 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
                     }));
                     *out.faults.entry("spill directory gone").or_default() += 1;
                 }
+                Fault::Churn => {
+                    // An idle one stops early (every other time with no poststop
+                    // hook: a runtime that crashed), then a new one comes, which
+                    // sweeps it.
+                    if let Some(no) = rng.pick(&containers.idle(&live)) {
+                        containers.stop_idle(no);
+                    }
+                    if containers.served() < 2 * o.gpus as usize {
+                        containers.attach(gpu, &uuid(gpu));
+                    }
+                    *out.faults.entry("container churn").or_default() += 1;
+                }
+                Fault::DetachLive => {
+                    if let Some(no) = rng.pick(&busy) {
+                        containers.detach_live(no);
+                        for c in live.iter_mut().filter(|c| c.container == Some(no)) {
+                            c.orphaned = Some(now);
+                            let t = kiwi_protocol::monotonic_ns();
+                            let pids = c.procs.iter().map(|p| (p.child.id(), t));
+                            containers.tally.orphans.extend(pids);
+                        }
+                        *out.faults
+                            .entry("container detached under its client")
+                            .or_default() += 1;
+                    }
+                }
                 Fault::Restart => {
+                    // A client of a detached container has no socket to reconnect
+                    // to: it would wait for the arbiter for ever.
+                    let mut k = 0;
+                    while k < live.len() {
+                        if live[k].orphaned.is_some() {
+                            live.swap_remove(k).kill();
+                            containers.tally.cut_off += 1;
+                        } else {
+                            k += 1;
+                        }
+                    }
                     // What this arbiter logged, before its log goes with it.
                     log_so_far.extend(events(&dir).unwrap_or_default());
                     arb.kill();
                     arb.spawn(b, &sim, o.gpus)?;
+                    containers.after_restart();
                     last_restart = Instant::now();
                     *out.faults.entry("arbiter SIGKILL and restart").or_default() += 1;
                 }
@@ -747,18 +535,18 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
             if let Some(spill) = status(&dir).and_then(|s| s.swap_pool).and_then(|p| p.spill) {
                 out.peak_spilled = out.peak_spilled.max(spill.spilled_bytes);
             }
+            containers.look(arb.pid());
         }
+        out.failures.append(&mut containers.failures);
         if let Some((rss, fds)) = arbiter_footprint(arb.pid()) {
             out.peak_rss = out.peak_rss.max(rss);
             out.peak_fds = out.peak_fds.max(fds);
-            let mut bound = o.clients + tenants.len() + SPARE_FDS;
+            // Each container's socket is a listener of the arbiter's.
+            let mut bound = o.clients + tenants.len() + containers.served() + SPARE_FDS;
             if fds > bound + 64 {
                 // The swap pool's memfds and spill files are the arbiter's to hold,
                 // bounded by the pool and the disk tier.
-                bound += status(&dir)
-                    .and_then(|s| s.swap_pool)
-                    .map_or(0, |p| p.memfds + p.spill.map_or(0, |s| s.files))
-                    as usize;
+                bound += pool_fds(&dir);
             }
             if rss > MAX_ARBITER_RSS || fds > bound + 64 {
                 out.failures.push(format!(
@@ -785,16 +573,57 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
         c.kill();
     }
     out.seconds = start.elapsed().as_secs_f64();
+    // Every container stops with its poststop hook; nothing of them may be left.
+    containers.finish(arb.pid());
+    out.failures.append(&mut containers.failures);
     log_so_far.extend(events(&dir)?);
     tally(&log_so_far, &mut out);
+    (out.orphan_swaps, out.orphan_swapped_bytes) =
+        containers::swaps_after_detach(&log_so_far, &containers.tally.orphans);
+    out.failures.extend(containers::check_labels(
+        &log_so_far,
+        containers.numbered(),
+        out.container_clients_ok,
+    ));
     // Nothing left: no client in the arbiter, no simulated device memory in use.
     let leftover = wait_for_nothing_left(&dir, &sim.name, o.gpus);
     if let Err(why) = leftover {
         out.failures.push(why);
     }
+    // Its descriptors back to what it held at its first start, beside the pool's.
+    if let Some((_, fds)) = arbiter_footprint(arb.pid()) {
+        let bound = base_fds + pool_fds(&dir) + END_SPARE_FDS;
+        out.end_fds = (fds, base_fds);
+        if fds > bound {
+            out.failures.push(format!(
+                "the arbiter holds {fds} descriptors once nothing is left (it held {base_fds} at its first start; bound {bound} with its pool's)"
+            ));
+        }
+    }
+    out.containers = std::mem::take(&mut containers.tally);
     drop(arb);
     let _ = kiwi_sim_core::machine::reset(&sim.name);
     Ok(out)
+}
+
+/// The arbiter's clients now: host pid → the container it labelled each with.
+fn registered(dir: &Path) -> BTreeMap<u32, Option<String>> {
+    status(dir)
+        .map(|s| {
+            s.gpus
+                .into_iter()
+                .flat_map(|g| g.clients)
+                .map(|c| (c.host_pid, c.container_id))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The swap pool's memfds and spill files: descriptors the arbiter holds for it.
+fn pool_fds(dir: &Path) -> usize {
+    status(dir)
+        .and_then(|s| s.swap_pool)
+        .map_or(0, |p| p.memfds + p.spill.map_or(0, |s| s.files)) as usize
 }
 
 /// The disk tier's directory in the run's directory.
@@ -846,15 +675,6 @@ fn status(dir: &Path) -> Option<kiwi_protocol::StatusReport> {
     }
 }
 
-/// The last line of a client's log.
-fn tail(text: &str) -> String {
-    text.lines()
-        .rev()
-        .find(|l| !l.trim().is_empty())
-        .unwrap_or("(no output)")
-        .to_string()
-}
-
 fn percentile(v: &[f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
@@ -870,8 +690,13 @@ pub fn soak(o: &SoakOptions) -> Result<Vec<Figure>> {
         bail!("--gpus, --clients and --seconds must be at least 1");
     }
     let b = Build::find()?;
+    let only = if o.patterns.is_empty() {
+        String::new()
+    } else {
+        format!(" --patterns {}", o.patterns.join(","))
+    };
     eprintln!(
-        "kiwi-bench soak: {} clients on {} GPUs for {} s, seed {} (replay: kiwi-bench soak --gpus {} --clients {} --seconds {} --seed {})",
+        "kiwi-bench soak: {} clients on {} GPUs for {} s, seed {} (replay: kiwi-bench soak --gpus {} --clients {} --seconds {} --seed {}{only})",
         o.clients, o.gpus, o.seconds, o.seed, o.gpus, o.clients, o.seconds, o.seed
     );
     let loaded = run(&b, o, true)?;
@@ -896,6 +721,23 @@ pub fn soak(o: &SoakOptions) -> Result<Vec<Figure>> {
         failures.len(),
         loaded.peak_rss >> 20,
         loaded.peak_fds
+    );
+    let c = &loaded.containers;
+    eprintln!(
+        "kiwi-bench soak: containers: {} attached, {} detached by their poststop hook, {} swept after stopping without one; {} detached under a client: {} of their clients ran on (up to {:.1} s, {} swaps of {} MiB after the detach) and verified every byte, {} cut off by an arbiter restart; {} clients in containers verified every byte (quiet run: {}); arbiter descriptors at the end {} (at its first start {})",
+        c.attached,
+        c.poststop,
+        c.swept,
+        c.detached_live,
+        c.ran_on,
+        c.ran_on_longest_s,
+        loaded.orphan_swaps,
+        loaded.orphan_swapped_bytes / MIB,
+        c.cut_off,
+        loaded.container_clients_ok,
+        quiet.container_clients_ok,
+        loaded.end_fds.0,
+        loaded.end_fds.1
     );
     if !failures.is_empty() {
         bail!(
