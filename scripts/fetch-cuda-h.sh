@@ -4,28 +4,16 @@
 # Usage: scripts/fetch-cuda-h.sh [DEST_DIR]   (prints the include directory)
 set -eu
 root=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/fetch-cuda-common.sh
+. "$root/scripts/fetch-cuda-common.sh"
 dest=${1:-"$root/target/cuda-include"}
-if [ -f "$dest/cuda.h" ]; then
-    echo "$dest"
-    exit 0
-fi
-pip=""
-for p in pip3 pip; do
-    if command -v "$p" >/dev/null 2>&1; then pip=$p; break; fi
-done
-if [ -z "$pip" ]; then
-    if command -v python3 >/dev/null 2>&1 && python3 -m pip --version >/dev/null 2>&1; then
-        pip="python3 -m pip"
-    else
-        echo "fetch-cuda-h: neither pip nor python3 -m pip is available" >&2
-        exit 1
-    fi
-fi
+exit_if_fetched "$dest/cuda.h" "$dest"
+find_pip fetch-cuda-h
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 # The runtime wheel ships include/cuda.h (the driver API header).
 # Pinned: the same wheel scripts/fetch-cuda-runtime.sh takes the runtime from.
-$pip download --quiet --no-deps --only-binary=:all: --dest "$tmp" "nvidia-cuda-runtime-cu12==12.9.79" >&2
+$pip download --quiet --no-deps --only-binary=:all: --dest "$tmp" "nvidia-cuda-runtime-cu12==$CUDA_RUNTIME_VERSION" >&2
 whl=$(ls "$tmp"/*.whl | head -n 1)
 python3 - "$whl" "$tmp/x" <<'PY'
 import sys, zipfile

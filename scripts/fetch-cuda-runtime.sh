@@ -9,26 +9,14 @@
 # (cuGetExportTable) are checked against this runtime.
 # Usage: scripts/fetch-cuda-runtime.sh [DEST_DIR]   (prints the directory)
 set -eu
-RUNTIME_VERSION=12.9.79
-NVCC_VERSION=12.9.86
 root=$(cd "$(dirname "$0")/.." && pwd)
+# shellcheck source=scripts/fetch-cuda-common.sh
+. "$root/scripts/fetch-cuda-common.sh"
+RUNTIME_VERSION=$CUDA_RUNTIME_VERSION
+NVCC_VERSION=12.9.86
 dest=${1:-"$root/target/cuda-runtime-$RUNTIME_VERSION"}
-if [ -f "$dest/.complete" ]; then
-    echo "$dest"
-    exit 0
-fi
-pip=""
-for p in pip3 pip; do
-    if command -v "$p" >/dev/null 2>&1; then pip=$p; break; fi
-done
-if [ -z "$pip" ]; then
-    if command -v python3 >/dev/null 2>&1 && python3 -m pip --version >/dev/null 2>&1; then
-        pip="python3 -m pip"
-    else
-        echo "fetch-cuda-runtime: neither pip nor python3 -m pip is available" >&2
-        exit 1
-    fi
-fi
+exit_if_fetched "$dest/.complete" "$dest"
+find_pip fetch-cuda-runtime
 parent=$(dirname "$dest")
 mkdir -p "$parent"
 # Built next to the destination (same file system), then renamed into place: tests

@@ -7,8 +7,9 @@
 
 use std::collections::HashMap;
 
+use kiwi_metrics::Registrar;
 use kiwi_protocol::{ClientState, DropReason, EventKind, GpuStatus};
-use prometheus_client::encoding::{text::encode, EncodeLabelSet};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -131,193 +132,98 @@ impl Default for ArbiterMetrics {
 
 impl ArbiterMetrics {
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("kiwi");
-        let handoff_seconds =
-            Family::<GpuLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> _);
-        let wait_seconds =
-            Family::<GpuLabels, Histogram>::new_with_constructor(latency_histogram as fn() -> _);
-        let m = Self {
-            grants: Family::default(),
-            drops_tq: Family::default(),
-            drops_no_fit: Family::default(),
-            early_releases: Family::default(),
-            revocations: Family::default(),
-            group_turns: Family::default(),
-            checkpoints: Family::default(),
-            checkpoint_bytes: Family::default(),
-            restores: Family::default(),
-            checkpoints_skipped: Family::default(),
-            swap_bytes: Family::default(),
-            swap_seconds: Family::default(),
-            handoff_seconds,
-            wait_seconds,
-            holder: Family::default(),
-            holders: Family::default(),
-            queue_length: Family::default(),
-            clients: Family::default(),
-            scheduler_on: Family::default(),
-            tq_seconds: Family::default(),
-            capacity_bytes: Family::default(),
-            client_resident: Family::default(),
-            client_swapped: Family::default(),
-            client_waited: Family::default(),
-            client_held: Family::default(),
-            client_holding: Family::default(),
-            swap_budget: Gauge::default(),
-            swap_need: Gauge::default(),
-            swap_in_use: Gauge::default(),
-            admissions_refused: Counter::default(),
-            disconnects: Family::default(),
-            swap_pool: Family::default(),
+        // Added in the order of the exposition.
+        let mut r = Registrar::with_prefix("kiwi");
+        Self {
+            grants: r.add("grants", "GPU grants"),
+            drops_tq: r.add(
+                "drops_tq",
+                "Holders asked to give the GPU back because their TQ ended while others waited",
+            ),
+            drops_no_fit: r.add(
+                "drops_no_fit",
+                "Holders asked to yield because the working sets stopped fitting",
+            ),
+            early_releases: r.add(
+                "early_releases",
+                "Holders that gave the GPU back before being asked",
+            ),
+            revocations: r.add("revocations", "Holders that ignored a drop past the grace period"),
+            group_turns: r.add(
+                "group_turns",
+                "Turns of a group (one job on several GPUs) that started on this GPU, granted together with its other GPUs",
+            ),
+            checkpoints: r.add(
+                "checkpoints",
+                "Whole processes the driver checkpointed to host memory to make room",
+            ),
+            checkpoint_bytes: r.add(
+                "checkpoint_bytes",
+                "GPU memory no swap frees (contexts, modules) that checkpoints took off the GPU",
+            ),
+            restores: r.add("restores", "Checkpointed processes restored"),
+            checkpoints_skipped: r.add(
+                "checkpoints_skipped",
+                "Checkpoints or restores the driver refused or the arbiter skipped",
+            ),
+            swap_bytes: r.add("swap_bytes", "Bytes swapped between GPU and host"),
+            swap_seconds: r.add("swap_seconds", "Seconds spent swapping"),
+            handoff_seconds: r.add_metric(
+                "handoff_seconds",
+                "From a holder giving the GPU back to the next exclusive grant",
+                Family::new_with_constructor(latency_histogram as fn() -> _),
+            ),
+            wait_seconds: r.add_metric(
+                "wait_seconds",
+                "Time from a request to its grant",
+                Family::new_with_constructor(latency_histogram as fn() -> _),
+            ),
+            holder: r.add("holder_client", "Client id of the exclusive holder (0: none)"),
+            holders: r.add("holders", "Clients holding the GPU"),
+            queue_length: r.add("queue_length", "Clients waiting for the GPU"),
+            clients: r.add("clients", "Registered clients"),
+            scheduler_on: r.add("scheduler_on", "1 when the Kiwi scheduler is on"),
+            tq_seconds: r.add("tq_seconds", "Time quantum"),
+            capacity_bytes: r.add(
+                "capacity_bytes",
+                "GPU memory scheduled against (total minus context reserve)",
+            ),
+            client_resident: r.add("client_resident_bytes", "A client's bytes in GPU memory"),
+            client_swapped: r.add(
+                "client_swapped_bytes",
+                "A client's bytes swapped out to host memory",
+            ),
+            client_waited: r.add("client_waited_seconds", "Total time a client waited for the GPU"),
+            client_held: r.add("client_held_seconds", "Total time a client held the GPU"),
+            client_holding: r.add("client_holding", "1 while a client holds the GPU"),
+            swap_budget: r.add(
+                "swap_budget_bytes",
+                "Host RAM the node lends as GPU swap, over all GPUs (0: unlimited)",
+            ),
+            swap_pool: r.add(
+                "swap_pool_bytes",
+                "The node's swap pool by state: size, populated, ready (populated, not lent), lent, scrubbing (returned, not scrubbed yet)",
+            ),
+            swap_need: r.add(
+                "swap_need_bytes",
+                "Node swap need: working sets that do not fit in their GPU, summed over GPUs",
+            ),
+            swap_in_use: r.add(
+                "swap_in_use_bytes",
+                "Bytes of GPU memory swapped out to host memory now, over all clients",
+            ),
+            admissions_refused: r.add(
+                "swap_admissions_refused",
+                "Working-set growths refused because they would exceed the swap budget",
+            ),
+            disconnects: r.add(
+                "client_disconnects",
+                "Client connections the arbiter closed, by reason (a client's own close is not counted)",
+            ),
             last_release_ns: HashMap::new(),
             last_exclusive: HashMap::new(),
-            registry: Registry::default(),
-        };
-        registry.register("grants", "GPU grants", m.grants.clone());
-        registry.register(
-            "drops_tq",
-            "Holders asked to give the GPU back because their TQ ended while others waited",
-            m.drops_tq.clone(),
-        );
-        registry.register(
-            "drops_no_fit",
-            "Holders asked to yield because the working sets stopped fitting",
-            m.drops_no_fit.clone(),
-        );
-        registry.register(
-            "early_releases",
-            "Holders that gave the GPU back before being asked",
-            m.early_releases.clone(),
-        );
-        registry.register(
-            "revocations",
-            "Holders that ignored a drop past the grace period",
-            m.revocations.clone(),
-        );
-        registry.register(
-            "group_turns",
-            "Turns of a group (one job on several GPUs) that started on this GPU, granted together with its other GPUs",
-            m.group_turns.clone(),
-        );
-        registry.register(
-            "checkpoints",
-            "Whole processes the driver checkpointed to host memory to make room",
-            m.checkpoints.clone(),
-        );
-        registry.register(
-            "checkpoint_bytes",
-            "GPU memory no swap frees (contexts, modules) that checkpoints took off the GPU",
-            m.checkpoint_bytes.clone(),
-        );
-        registry.register(
-            "restores",
-            "Checkpointed processes restored",
-            m.restores.clone(),
-        );
-        registry.register(
-            "checkpoints_skipped",
-            "Checkpoints or restores the driver refused or the arbiter skipped",
-            m.checkpoints_skipped.clone(),
-        );
-        registry.register(
-            "swap_bytes",
-            "Bytes swapped between GPU and host",
-            m.swap_bytes.clone(),
-        );
-        registry.register(
-            "swap_seconds",
-            "Seconds spent swapping",
-            m.swap_seconds.clone(),
-        );
-        registry.register(
-            "handoff_seconds",
-            "From a holder giving the GPU back to the next exclusive grant",
-            m.handoff_seconds.clone(),
-        );
-        registry.register(
-            "wait_seconds",
-            "Time from a request to its grant",
-            m.wait_seconds.clone(),
-        );
-        registry.register(
-            "holder_client",
-            "Client id of the exclusive holder (0: none)",
-            m.holder.clone(),
-        );
-        registry.register("holders", "Clients holding the GPU", m.holders.clone());
-        registry.register(
-            "queue_length",
-            "Clients waiting for the GPU",
-            m.queue_length.clone(),
-        );
-        registry.register("clients", "Registered clients", m.clients.clone());
-        registry.register(
-            "scheduler_on",
-            "1 when the Kiwi scheduler is on",
-            m.scheduler_on.clone(),
-        );
-        registry.register("tq_seconds", "Time quantum", m.tq_seconds.clone());
-        registry.register(
-            "capacity_bytes",
-            "GPU memory scheduled against (total minus context reserve)",
-            m.capacity_bytes.clone(),
-        );
-        registry.register(
-            "client_resident_bytes",
-            "A client's bytes in GPU memory",
-            m.client_resident.clone(),
-        );
-        registry.register(
-            "client_swapped_bytes",
-            "A client's bytes swapped out to host memory",
-            m.client_swapped.clone(),
-        );
-        registry.register(
-            "client_waited_seconds",
-            "Total time a client waited for the GPU",
-            m.client_waited.clone(),
-        );
-        registry.register(
-            "client_held_seconds",
-            "Total time a client held the GPU",
-            m.client_held.clone(),
-        );
-        registry.register(
-            "client_holding",
-            "1 while a client holds the GPU",
-            m.client_holding.clone(),
-        );
-        registry.register(
-            "swap_budget_bytes",
-            "Host RAM the node lends as GPU swap, over all GPUs (0: unlimited)",
-            m.swap_budget.clone(),
-        );
-        registry.register(
-            "swap_pool_bytes",
-            "The node's swap pool by state: size, populated, ready (populated, not lent), lent, scrubbing (returned, not scrubbed yet)",
-            m.swap_pool.clone(),
-        );
-        registry.register(
-            "swap_need_bytes",
-            "Node swap need: working sets that do not fit in their GPU, summed over GPUs",
-            m.swap_need.clone(),
-        );
-        registry.register(
-            "swap_in_use_bytes",
-            "Bytes of GPU memory swapped out to host memory now, over all clients",
-            m.swap_in_use.clone(),
-        );
-        registry.register(
-            "swap_admissions_refused",
-            "Working-set growths refused because they would exceed the swap budget",
-            m.admissions_refused.clone(),
-        );
-        registry.register(
-            "client_disconnects",
-            "Client connections the arbiter closed, by reason (a client's own close is not counted)",
-            m.disconnects.clone(),
-        );
-        Self { registry, ..m }
+            registry: r.finish(),
+        }
     }
 
     /// Counts an `admit` refused for the swap budget.
@@ -556,11 +462,7 @@ impl ArbiterMetrics {
                     .set(matches!(c.state, ClientState::Holding | ClientState::Running) as i64);
             }
         }
-        let mut out = String::new();
-        if encode(&mut out, &self.registry).is_err() {
-            out.clear();
-        }
-        out
+        kiwi_metrics::render(&self.registry)
     }
 }
 

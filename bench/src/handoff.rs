@@ -12,39 +12,17 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use kiwi_protocol::blocking::Connection;
-use kiwi_protocol::{ArbiterMsg, ClientMsg, Register, Usage, PROTOCOL_VERSION};
+use kiwi_protocol::{ArbiterMsg, ClientMsg, Usage};
 
-use crate::procs::{cpu_seconds, monotonic_ns, rss_bytes, ArbiterProc};
+use crate::procs::{self, cpu_seconds, monotonic_ns, registration, rss_bytes, ArbiterProc};
 use crate::report::{percentile, Figure};
 
 const GPU_TOTAL: u64 = 16 << 30;
 
 fn register(socket: &Path, ws: u64) -> Result<Connection<ClientMsg, ArbiterMsg>> {
-    let mut c = Connection::connect(socket)?;
-    c.stream().set_read_timeout(Some(Duration::from_secs(30)))?;
-    let reg = Register {
-        version: PROTOCOL_VERSION,
-        pid: std::process::id(),
-        gpu_uuid: "GPU-bench-0000".into(),
-        gpu_total_memory: GPU_TOTAL,
-        working_set_bytes: ws,
-        resident_bytes: 0,
-        container_id: None,
-        pod_name: None,
-        pod_namespace: None,
-        name: Some("kiwi-bench".into()),
-        resume: None,
-        wait_info: false,
-        unswappable_bytes: None,
-        pipelined: false,
-        room_info: false,
-        bounds: false,
-        group: None,
-    };
-    match c.call(&ClientMsg::Register(reg))? {
-        ArbiterMsg::Registered { .. } => Ok(c),
-        other => bail!("registration refused: {other:?}"),
-    }
+    let reg = registration("GPU-bench-0000".into(), GPU_TOTAL, ws, "kiwi-bench");
+    let (c, _) = procs::register(socket, Duration::from_secs(30), reg, "registration refused")?;
+    Ok(c)
 }
 
 /// Client role: `rounds` times request, on grant note the time, release at once,

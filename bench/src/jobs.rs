@@ -184,22 +184,11 @@ pub struct Job {
 
 /// Starts one job; `kiwi`: preloaded shim talking to the arbiter on `socket_dir`.
 pub fn spawn_job(b: &Build, sim: &Sim, job: Job, seed: u64, kiwi: Option<&Path>) -> Result<Child> {
-    spawn_job_with(b, sim, job, seed, kiwi, &[])
+    spawn_job_args(b, sim, job, seed, kiwi, &[], &[])
 }
 
-/// [`spawn_job`] with more environment (`KIWI_*` knobs of the shim).
-pub fn spawn_job_with(
-    b: &Build,
-    sim: &Sim,
-    job: Job,
-    seed: u64,
-    kiwi: Option<&Path>,
-    env: &[(&str, &str)],
-) -> Result<Child> {
-    spawn_job_args(b, sim, job, seed, kiwi, env, &[])
-}
-
-/// [`spawn_job_with`] with more gpuburst arguments (`--device`, `--exchange`).
+/// [`spawn_job`] with more environment (`env`: `KIWI_*` knobs of the shim) and more
+/// gpuburst arguments (`args`: `--device`, `--exchange`).
 pub fn spawn_job_args(
     b: &Build,
     sim: &Sim,
@@ -244,6 +233,20 @@ pub fn spawn_job_args(
 }
 
 impl Job {
+    /// A notebook of `mem` bytes (`oversub`, `fit`): phases of a second or more (two
+    /// in a full run), since a hand-off costs an idle check (KIWI_IDLE_MS), a swap-out
+    /// and a swap-in, which shorter phases cannot amortize.
+    pub fn notebook(mem: u64, quick: bool) -> Job {
+        Job {
+            mem,
+            bursts: if quick { 3 } else { 5 },
+            gpu_ms: if quick { 1000 } else { 2000 },
+            cpu_ms: if quick { 1000 } else { 2000 },
+            idle_ms: 0,
+            kernel_us: 5000,
+        }
+    }
+
     /// How long one run of two of these jobs may take at most: three times both
     /// jobs' phases back to back, and 30 s for starting up.
     pub fn limit(&self) -> Duration {
@@ -535,16 +538,7 @@ pub fn together_without_kiwi(b: &Build, job: Job, gpu: u64) -> Result<(bool, Dur
 
 pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
     let b = Build::find()?;
-    // Notebook-like phases of a second or more: a hand-off costs an idle check
-    // (KIWI_IDLE_MS), a swap-out and a swap-in, which shorter phases cannot amortize.
-    let job = Job {
-        mem: job_mem(70),
-        bursts: if quick { 3 } else { 5 },
-        gpu_ms: if quick { 1000 } else { 2000 },
-        cpu_ms: if quick { 1000 } else { 2000 },
-        idle_ms: 0,
-        kernel_us: 5000,
-    };
+    let job = Job::notebook(job_mem(70), quick);
     let tq = 5.0;
     let (serial_d, alone) = serial(&b, job, GPU)?;
     let serial_t = serial_d.as_secs_f64();
@@ -658,14 +652,7 @@ pub fn oversub(quick: bool) -> Result<Vec<Figure>> {
 
 pub fn fit(quick: bool) -> Result<Vec<Figure>> {
     let b = Build::find()?;
-    let job = Job {
-        mem: job_mem(40),
-        bursts: if quick { 3 } else { 5 },
-        gpu_ms: if quick { 1000 } else { 2000 },
-        cpu_ms: if quick { 1000 } else { 2000 },
-        idle_ms: 0,
-        kernel_us: 5000,
-    };
+    let job = Job::notebook(job_mem(40), quick);
     let off = together_under_kiwi(&b, job, GPU, 30.0, false)?
         .0
         .as_secs_f64();

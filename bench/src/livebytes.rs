@@ -70,7 +70,8 @@ fn pair(b: &Build, v: Variant, used: u64, rounds: u32) -> Result<Pair> {
     };
     let mut jobs = Vec::new();
     for seed in 1..=2 {
-        jobs.push(Job::ready_with(b, &sim, &arb, used, &script, seed, extra)?);
+        let job = Job::ready_with(b, &sim, &arb, used, &script, seed, extra, &[])?;
+        jobs.push(job);
     }
     let start = monotonic_ns() + 50_000_000;
     let t0 = Instant::now();

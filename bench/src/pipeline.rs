@@ -23,11 +23,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use kiwi_protocol::blocking::Connection;
-use kiwi_protocol::{ArbiterMsg, ClientMsg, Event, EventKind, Register, Usage, PROTOCOL_VERSION};
+use kiwi_protocol::{ArbiterMsg, ClientMsg, Event, EventKind, Register, Usage};
 use kiwi_sim_core::TraceRecord;
 
 use crate::jobs::{job_mem, Build, Sim, COSTS, GPU};
-use crate::procs::{monotonic_ns, ArbiterProc};
+use crate::procs::{self, monotonic_ns, registration, ArbiterProc};
 use crate::report::{percentile, Figure};
 use crate::shimbench::arbiter_events;
 
@@ -53,37 +53,13 @@ impl Job {
         script: &str,
         seed: u64,
     ) -> Result<Job> {
-        Self::ready_with(b, sim, arb, mem, script, seed, &[])
+        Self::ready_with(b, sim, arb, mem, script, seed, &[], &[])
     }
 
-    /// [`Job::ready`] with more environment (the shim's knobs).
-    pub(crate) fn ready_env(
-        b: &Build,
-        sim: &Sim,
-        arb: &ArbiterProc,
-        mem: u64,
-        script: &str,
-        seed: u64,
-        env: &[(&str, &str)],
-    ) -> Result<Job> {
-        Self::start(b, sim, arb, mem, script, seed, &[], env)
-    }
-
-    /// [`Job::ready`] with more gpuburst arguments.
-    pub(crate) fn ready_with(
-        b: &Build,
-        sim: &Sim,
-        arb: &ArbiterProc,
-        mem: u64,
-        script: &str,
-        seed: u64,
-        extra: &[&str],
-    ) -> Result<Job> {
-        Self::start(b, sim, arb, mem, script, seed, extra, &[])
-    }
-
+    /// [`Job::ready`] with more gpuburst arguments (`extra`) and more environment
+    /// (`env`: the shim's knobs).
     #[allow(clippy::too_many_arguments)]
-    fn start(
+    pub(crate) fn ready_with(
         b: &Build,
         sim: &Sim,
         arb: &ArbiterProc,
@@ -312,6 +288,24 @@ fn median(mut v: Vec<f64>) -> f64 {
     percentile(&mut v, 50.0)
 }
 
+/// A protocol-only client of `arb` on `sim`'s GPU 0, named `name`, wanting `mem`
+/// bytes and, as a real process would, reporting a context's memory no swap frees:
+/// the connection and its client id (`refused` says whose registration failed).
+fn register_beside(
+    arb: &ArbiterProc,
+    sim: &Sim,
+    mem: u64,
+    name: &str,
+    refused: &str,
+) -> Result<(Connection<ClientMsg, ArbiterMsg>, u64)> {
+    let gpu = kiwi_sim_core::ident::gpu_uuid_string(&sim.name, 0);
+    let reg = Register {
+        unswappable_bytes: Some(COSTS.context_memory),
+        ..registration(gpu, sim.memory, mem, name)
+    };
+    procs::register(&arb.client_socket(), Duration::from_secs(60), reg, refused)
+}
+
 /// A's swap-out and swap-in, each alone on the link, in ms (medians, the first
 /// swap-out and swap-in left out: those are cold), and the MiB moved.
 fn swaps_alone(b: &Build, mem: u64, cycles: u32, pcie_gbps: f64) -> Result<(f64, f64, f64)> {
@@ -326,31 +320,13 @@ fn swaps_alone(b: &Build, mem: u64, cycles: u32, pcie_gbps: f64) -> Result<(f64,
     // A's swap-out is all that happens while A is dropped, and A's swap-in all that
     // happens when A gets the GPU back. It reports a context's unswappable memory,
     // as a real partner would, so A swaps what it swaps in a real hand-off.
-    let mut c: Connection<ClientMsg, ArbiterMsg> = Connection::connect(&arb.client_socket())?;
-    c.stream().set_read_timeout(Some(Duration::from_secs(60)))?;
-    let reg = Register {
-        version: PROTOCOL_VERSION,
-        pid: std::process::id(),
-        gpu_uuid: kiwi_sim_core::ident::gpu_uuid_string(&sim.name, 0),
-        gpu_total_memory: sim.memory,
-        working_set_bytes: mem,
-        resident_bytes: 0,
-        container_id: None,
-        pod_name: None,
-        pod_namespace: None,
-        name: Some("kiwi-bench-partner".into()),
-        resume: None,
-        wait_info: false,
-        unswappable_bytes: Some(crate::jobs::COSTS.context_memory),
-        pipelined: false,
-        room_info: false,
-        bounds: false,
-        group: None,
-    };
-    match c.call(&ClientMsg::Register(reg))? {
-        ArbiterMsg::Registered { .. } => {}
-        other => bail!("the partner's registration was refused: {other:?}"),
-    }
+    let (mut c, _) = register_beside(
+        &arb,
+        &sim,
+        mem,
+        "kiwi-bench-partner",
+        "the partner's registration was refused",
+    )?;
     for _ in 0..cycles {
         // Let A have its turn (and swap in) first.
         std::thread::sleep(Duration::from_millis(1200));
@@ -484,39 +460,22 @@ fn swap_out_after_growth(b: &Build, pageable: bool) -> Result<(f64, f64, f64)> {
     // TQ 50 ms: the drop comes as soon as the other asks.
     let arb = ArbiterProc::start(0.05, &[])?;
     // The other notebook: registered from the start (the GPU is shared), idle, small.
-    let mut c: Connection<ClientMsg, ArbiterMsg> = Connection::connect(&arb.client_socket())?;
-    c.stream().set_read_timeout(Some(Duration::from_secs(60)))?;
-    let reg = Register {
-        version: PROTOCOL_VERSION,
-        pid: std::process::id(),
-        gpu_uuid: kiwi_sim_core::ident::gpu_uuid_string(&sim.name, 0),
-        gpu_total_memory: sim.memory,
-        working_set_bytes: BASE,
-        resident_bytes: 0,
-        container_id: None,
-        pod_name: None,
-        pod_namespace: None,
-        name: Some("kiwi-bench-asker".into()),
-        resume: None,
-        wait_info: false,
-        unswappable_bytes: Some(crate::jobs::COSTS.context_memory),
-        pipelined: false,
-        room_info: false,
-        bounds: false,
-        group: None,
-    };
-    let me = match c.call(&ClientMsg::Register(reg))? {
-        ArbiterMsg::Registered { client_id, .. } => client_id,
-        other => bail!("the asker's registration was refused: {other:?}"),
-    };
+    let (mut c, me) = register_beside(
+        &arb,
+        &sim,
+        BASE,
+        "kiwi-bench-asker",
+        "the asker's registration was refused",
+    )?;
     let knob = if pageable { "1" } else { "0" };
-    let mut a = Job::ready_env(
+    let mut a = Job::ready_with(
         b,
         &sim,
         &arb,
         BASE,
         &format!("grow:{},gpu:1500", GROWN >> 20),
         1,
+        &[],
         &[("KIWI_SWAP_PAGEABLE", knob)],
     )?;
     a.go(monotonic_ns())?;

@@ -1,11 +1,14 @@
 //! Helper processes the benchmarks start: an arbiter of their own (this binary
-//! re-executed in the `__arbiter` role), and /proc readings.
+//! re-executed in the `__arbiter` role), protocol-only clients of it, and /proc
+//! readings.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use kiwi_protocol::blocking::Connection;
+use kiwi_protocol::{ArbiterMsg, ClientMsg, Register, PROTOCOL_VERSION};
 
 /// CLOCK_MONOTONIC in ns: the arbiter's clock, shared by every process.
 pub use kiwi_protocol::monotonic_ns;
@@ -70,6 +73,53 @@ impl Drop for ArbiterProc {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// What a protocol-only client (no CUDA, no memory of its own) registers as: this
+/// process, `name`, wanting `working_set_bytes` of `gpu_uuid` (`gpu_total_memory`
+/// bytes), none of it resident, no other claim.
+pub fn registration(
+    gpu_uuid: String,
+    gpu_total_memory: u64,
+    working_set_bytes: u64,
+    name: &str,
+) -> Register {
+    Register {
+        version: PROTOCOL_VERSION,
+        pid: std::process::id(),
+        gpu_uuid,
+        gpu_total_memory,
+        working_set_bytes,
+        resident_bytes: 0,
+        container_id: None,
+        pod_name: None,
+        pod_namespace: None,
+        name: Some(name.into()),
+        resume: None,
+        wait_info: false,
+        unswappable_bytes: None,
+        pipelined: false,
+        room_info: false,
+        bounds: false,
+        group: None,
+    }
+}
+
+/// Connects to the arbiter's client `socket` (reads time out after `read_timeout`)
+/// and registers `reg`: the connection and the client id it was given. Any other
+/// answer fails with `refused` and the answer.
+pub fn register(
+    socket: &Path,
+    read_timeout: Duration,
+    reg: Register,
+    refused: &str,
+) -> Result<(Connection<ClientMsg, ArbiterMsg>, u64)> {
+    let mut c = Connection::connect(socket)?;
+    c.stream().set_read_timeout(Some(read_timeout))?;
+    match c.call(&ClientMsg::Register(reg))? {
+        ArbiterMsg::Registered { client_id, .. } => Ok((c, client_id)),
+        other => bail!("{refused}: {other:?}"),
     }
 }
 

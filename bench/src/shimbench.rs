@@ -11,10 +11,11 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{bail, Result};
+use kiwi_cuda::sys::CUmemAllocationProp;
 use kiwi_protocol::blocking::Connection;
 use kiwi_protocol::{ControlReply, ControlRequest, Event, EventKind};
 
-use crate::jobs::{job_mem, spawn_job_with, wait_all, Build, Job, Sim, GPU};
+use crate::jobs::{job_mem, spawn_job_args, wait_all, Build, Job, Sim, GPU};
 use crate::procs::ArbiterProc;
 use crate::report::{percentile, Figure};
 
@@ -74,15 +75,11 @@ pub fn launch_overhead_role(shim: &Path) -> Result<()> {
     let cuda = open(c"libcuda.so.1", libc::RTLD_NOW | libc::RTLD_GLOBAL)?;
     let cshim = CString::new(shim.as_os_str().as_encoded_bytes())?;
     let kiwi = open(&cshim, libc::RTLD_NOW | libc::RTLD_LOCAL)?;
+    // cuInit through the shim, so it initializes too.
+    make_context(cuda, kiwi)?;
     // SAFETY: the types below are those of cuda.h for these entry points.
-    let (init, dev_get, ctx_create, load, get_fn, sync, direct, through) = unsafe {
+    let (load, get_fn, sync, direct, through) = unsafe {
         (
-            sym::<unsafe extern "C" fn(c_uint) -> c_int>(kiwi, c"cuInit")?,
-            sym::<unsafe extern "C" fn(*mut c_int, c_int) -> c_int>(cuda, c"cuDeviceGet")?,
-            sym::<unsafe extern "C" fn(*mut *mut c_void, c_uint, c_int) -> c_int>(
-                cuda,
-                c"cuCtxCreate_v2",
-            )?,
             sym::<unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> c_int>(
                 cuda,
                 c"cuModuleLoadData",
@@ -98,17 +95,9 @@ pub fn launch_overhead_role(shim: &Path) -> Result<()> {
     };
     let ptx =
         c".version 7.0\n.target sm_52\n.address_size 64\n.visible .entry kiwi_spin() { ret; }\n";
-    let (mut dev, mut ctx, mut module, mut f) = (
-        0,
-        std::ptr::null_mut(),
-        std::ptr::null_mut(),
-        std::ptr::null_mut(),
-    );
-    // SAFETY: driver calls with valid out-pointers, in cuInit → context → module order.
+    let (mut module, mut f) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: driver calls with valid out-pointers, in a current context.
     unsafe {
-        check(init(0), "cuInit")?;
-        check(dev_get(&mut dev, 0), "cuDeviceGet")?;
-        check(ctx_create(&mut ctx, 0, dev), "cuCtxCreate")?;
         check(load(&mut module, ptx.as_ptr().cast()), "cuModuleLoadData")?;
         check(
             get_fn(&mut f, module, c"kiwi_spin".as_ptr()),
@@ -168,10 +157,17 @@ const BASELINE_ROUNDS: usize = 4;
 /// this thread: what every driver-side child role starts with.
 fn driver_with_context() -> Result<*mut c_void> {
     let cuda = open(c"libcuda.so.1", libc::RTLD_NOW | libc::RTLD_GLOBAL)?;
+    make_context(cuda, cuda)?;
+    Ok(cuda)
+}
+
+/// Makes a context on device 0 current on this thread: `cuInit` from `init_from`
+/// (the driver, or the shim to initialize it too), the rest from the driver `cuda`.
+fn make_context(cuda: *mut c_void, init_from: *mut c_void) -> Result<()> {
     // SAFETY: cuda.h's types for these entry points.
     let (init, dev_get, ctx_create) = unsafe {
         (
-            sym::<unsafe extern "C" fn(c_uint) -> c_int>(cuda, c"cuInit")?,
+            sym::<unsafe extern "C" fn(c_uint) -> c_int>(init_from, c"cuInit")?,
             sym::<unsafe extern "C" fn(*mut c_int, c_int) -> c_int>(cuda, c"cuDeviceGet")?,
             sym::<unsafe extern "C" fn(*mut *mut c_void, c_uint, c_int) -> c_int>(
                 cuda,
@@ -186,7 +182,7 @@ fn driver_with_context() -> Result<*mut c_void> {
         check(dev_get(&mut ordinal, 0), "cuDeviceGet")?;
         check(ctx_create(&mut ctx, 0, ordinal), "cuCtxCreate")?;
     }
-    Ok(cuda)
+    Ok(())
 }
 
 /// A context, `bytes` of device memory and as much pinned host memory, touched once
@@ -290,42 +286,22 @@ pub fn copy_bandwidth_role(bytes: usize, one_way: Option<(bool, u64, u64)>) -> R
     Ok(())
 }
 
-/// What `cuMemCreate`'s `prop` holds (cuda.h's `CUmemAllocationProp`): pinned device
-/// memory on device 0, no shareable handle type.
-#[repr(C)]
-struct AllocationProp {
-    kind: c_int,
-    handle_types: c_int,
-    location_type: c_int,
-    location_id: c_int,
-    win32_metadata: *mut c_void,
-    alloc_flags: [u8; 8],
-}
-
 /// Child role: the rate (GB/s) at which `cuMemCreate` makes physical memory in
 /// handles of `segment` bytes, `bytes` in all (after one round to warm up, released
 /// each time; releases not timed): what a swap-in pays for the memory it copies into,
 /// as the shim makes it (`shim/src/mem.rs`, `SEGMENT_MAX`).
 pub fn create_rate_role(bytes: usize, segment: usize) -> Result<()> {
     let cuda = driver_with_context()?;
+    type Create = unsafe extern "C" fn(*mut u64, usize, *const CUmemAllocationProp, u64) -> c_int;
     // SAFETY: cuda.h's types for these entry points.
     let (create, release) = unsafe {
         (
-            sym::<unsafe extern "C" fn(*mut u64, usize, *const AllocationProp, u64) -> c_int>(
-                cuda,
-                c"cuMemCreate",
-            )?,
+            sym::<Create>(cuda, c"cuMemCreate")?,
             sym::<unsafe extern "C" fn(u64) -> c_int>(cuda, c"cuMemRelease")?,
         )
     };
-    let prop = AllocationProp {
-        kind: 1,          // CU_MEM_ALLOCATION_TYPE_PINNED
-        handle_types: 0,  // CU_MEM_HANDLE_TYPE_NONE
-        location_type: 1, // CU_MEM_LOCATION_TYPE_DEVICE
-        location_id: 0,
-        win32_metadata: std::ptr::null_mut(),
-        alloc_flags: [0; 8],
-    };
+    // Pinned device memory on device 0, no shareable handle type.
+    let prop = CUmemAllocationProp::device(0);
     let n = (bytes / segment).max(1);
     let mut secs = 0.0;
     for round in 0..2 {
@@ -497,8 +473,8 @@ fn contend(b: &Build, job: Job, tq: f64, env: &[(&str, &str)]) -> Result<Vec<Eve
     let sim = Sim::populated("swap", GPU)?;
     let arb = ArbiterProc::start(tq, &[])?;
     let kids = vec![
-        spawn_job_with(b, &sim, job, 1, Some(arb.socket_dir()), env)?,
-        spawn_job_with(b, &sim, job, 2, Some(arb.socket_dir()), env)?,
+        spawn_job_args(b, &sim, job, 1, Some(arb.socket_dir()), env, &[])?,
+        spawn_job_args(b, &sim, job, 2, Some(arb.socket_dir()), env, &[])?,
     ];
     let (ok, why) = wait_all(kids, std::time::Instant::now() + job.limit())?;
     if !ok {

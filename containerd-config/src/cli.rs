@@ -221,7 +221,7 @@ fn install_containerd_cmd(a: &ContainerdInstallArgs, out: &mut dyn Write) -> Res
     if a.drop_in {
         let (drop_path, import_path) = drop_in_paths(cfg, a.host_root.as_deref())?;
         let r = containerd::install_containerd_drop_in(old_text, &import_path, &opts)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", cfg.display()))?;
+            .map_err(in_file(cfg))?;
         let old_drop = read_optional(&drop_path)?;
         if let Some(existing) = &old_drop {
             if !containerd::is_our_drop_in(existing) && !a.force {
@@ -236,19 +236,12 @@ fn install_containerd_cmd(a: &ContainerdInstallArgs, out: &mut dyn Write) -> Res
             changes.push((drop_path, old_drop, r.drop_in));
         }
     } else {
-        let new = containerd::install_containerd(old_text, &opts)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", cfg.display()))?;
+        let new = containerd::install_containerd(old_text, &opts).map_err(in_file(cfg))?;
         push_change(&mut changes, cfg, old.as_deref(), new)?;
     }
 
     if changes.is_empty() {
-        writeln!(
-            out,
-            "[INFO] Runtime \"{}\" is already configured in {}; nothing changed.",
-            a.runtime_name,
-            cfg.display()
-        )?;
-        return Ok(());
+        return already_configured(out, &a.runtime_name, cfg);
     }
     if a.dry_run {
         return print_diffs(&changes, out);
@@ -295,7 +288,7 @@ fn uninstall_containerd_cmd(a: &ContainerdUninstallArgs, out: &mut dyn Write) ->
     let old = read_optional(cfg)?;
     if let Some(old_text) = &old {
         let r = containerd::uninstall_containerd(old_text, &a.runtime_name, &import_path)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", cfg.display()))?;
+            .map_err(in_file(cfg))?;
         for note in &r.notes {
             writeln!(out, "[WARN] {}: {note}", cfg.display())?;
         }
@@ -333,18 +326,46 @@ fn uninstall_containerd_cmd(a: &ContainerdUninstallArgs, out: &mut dyn Write) ->
             .with_context(|| format!("cannot delete {}", drop_path.display()))?;
         writeln!(out, "[INFO] Deleted {}.", drop_path.display())?;
     }
-    writeln!(
-        out,
-        "[INFO] Removed runtime \"{}\" from {}{}.",
-        a.runtime_name,
-        cfg.display(),
-        backup_note(&backups)
-    )?;
+    removed(out, &a.runtime_name, cfg, &backups)?;
     writeln!(
         out,
         "[INFO] Restart containerd to apply: systemctl restart containerd"
     )?;
     Ok(())
+}
+
+/// The user's line for an install that found its runtime already there.
+fn already_configured(out: &mut dyn Write, runtime_name: &str, cfg: &Path) -> Result<()> {
+    writeln!(
+        out,
+        "[INFO] Runtime \"{runtime_name}\" is already configured in {}; nothing changed.",
+        cfg.display()
+    )?;
+    Ok(())
+}
+
+/// The user's line for an uninstall that took the runtime out of `cfg`.
+fn removed(out: &mut dyn Write, runtime_name: &str, cfg: &Path, backups: &[PathBuf]) -> Result<()> {
+    writeln!(
+        out,
+        "[INFO] Removed runtime \"{runtime_name}\" from {}{}.",
+        cfg.display(),
+        backup_note(backups)
+    )?;
+    Ok(())
+}
+
+/// An edit's error, prefixed with the file it was about.
+fn in_file<E: std::fmt::Display>(path: &Path) -> impl Fn(E) -> anyhow::Error + '_ {
+    move |e| anyhow::anyhow!("{}: {e}", path.display())
+}
+
+/// docker's undo record at `undo_file` (none yet: an empty one).
+fn read_undo(undo_file: &Path) -> Result<DockerUndo> {
+    match read_optional(undo_file)? {
+        Some(t) => DockerUndo::from_json(&t).map_err(in_file(undo_file)),
+        None => Ok(DockerUndo::default()),
+    }
 }
 
 fn undo_path(config: &Path) -> PathBuf {
@@ -358,26 +379,16 @@ fn install_docker_cmd(a: &DockerInstallArgs, out: &mut dyn Write) -> Result<()> 
     let cfg = &a.config;
     let old = read_optional(cfg)?;
     let undo_file = undo_path(cfg);
-    let undo = match read_optional(&undo_file)? {
-        Some(t) => DockerUndo::from_json(&t)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", undo_file.display()))?,
-        None => DockerUndo::default(),
-    };
+    let undo = read_undo(&undo_file)?;
     let opts = DockerOptions {
         runtime_name: a.runtime_name.clone(),
         runtime_path: a.runtime_path.clone(),
         set_as_default: a.set_as_default,
     };
-    let (new, new_undo) = docker::install_docker(old.as_deref().unwrap_or(""), &undo, &opts)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", cfg.display()))?;
+    let (new, new_undo) =
+        docker::install_docker(old.as_deref().unwrap_or(""), &undo, &opts).map_err(in_file(cfg))?;
     if old.as_deref() == Some(new.as_str()) {
-        writeln!(
-            out,
-            "[INFO] Runtime \"{}\" is already configured in {}; nothing changed.",
-            a.runtime_name,
-            cfg.display()
-        )?;
-        return Ok(());
+        return already_configured(out, &a.runtime_name, cfg);
     }
     let mut changes = vec![(cfg.clone(), old, new)];
     if new_undo != undo && !new_undo.is_empty() {
@@ -411,11 +422,7 @@ fn install_docker_cmd(a: &DockerInstallArgs, out: &mut dyn Write) -> Result<()> 
 fn uninstall_docker_cmd(a: &DockerUninstallArgs, out: &mut dyn Write) -> Result<()> {
     let cfg = &a.config;
     let undo_file = undo_path(cfg);
-    let undo = match read_optional(&undo_file)? {
-        Some(t) => DockerUndo::from_json(&t)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", undo_file.display()))?,
-        None => DockerUndo::default(),
-    };
+    let undo = read_undo(&undo_file)?;
     let Some(old) = read_optional(cfg)? else {
         writeln!(
             out,
@@ -424,8 +431,7 @@ fn uninstall_docker_cmd(a: &DockerUninstallArgs, out: &mut dyn Write) -> Result<
         )?;
         return Ok(());
     };
-    let new = docker::uninstall_docker(&old, &undo, &a.runtime_name)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", cfg.display()))?;
+    let new = docker::uninstall_docker(&old, &undo, &a.runtime_name).map_err(in_file(cfg))?;
     if new == old {
         writeln!(
             out,
@@ -444,13 +450,7 @@ fn uninstall_docker_cmd(a: &DockerUninstallArgs, out: &mut dyn Write) -> Result<
         std::fs::remove_file(&undo_file)
             .with_context(|| format!("cannot delete {}", undo_file.display()))?;
     }
-    writeln!(
-        out,
-        "[INFO] Removed runtime \"{}\" from {}{}.",
-        a.runtime_name,
-        cfg.display(),
-        backup_note(&backups)
-    )?;
+    removed(out, &a.runtime_name, cfg, &backups)?;
     writeln!(out, "{DOCKER_RELOAD_ADVICE} to apply")?;
     Ok(())
 }

@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use prometheus_client::encoding::text::encode;
+use kiwi_metrics::Registrar;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -29,49 +29,18 @@ pub struct Metrics {
 
 impl Default for Metrics {
     fn default() -> Self {
-        let mut registry = Registry::with_prefix("kiwi_device_plugin");
-        let m = Metrics {
-            vgpus_advertised: Gauge::default(),
-            gpus: Gauge::default(),
-            allocate_calls: Counter::default(),
-            allocate_errors: Counter::default(),
-            registrations: Counter::default(),
-            list_and_watch_streams: Gauge::default(),
-            healthy_gpus: Gauge::default(),
-            registry: Registry::default(),
-        };
-        registry.register(
-            "vgpus_advertised",
-            "vGPUs advertised to the kubelet",
-            m.vgpus_advertised.clone(),
-        );
-        registry.register("gpus", "Physical GPUs found", m.gpus.clone());
-        registry.register(
-            "healthy_gpus",
-            "Physical GPUs currently healthy",
-            m.healthy_gpus.clone(),
-        );
-        registry.register(
-            "allocate_calls",
-            "Allocate calls received",
-            m.allocate_calls.clone(),
-        );
-        registry.register(
-            "allocate_errors",
-            "Allocate calls refused",
-            m.allocate_errors.clone(),
-        );
-        registry.register(
-            "registrations",
-            "Successful registrations with the kubelet",
-            m.registrations.clone(),
-        );
-        registry.register(
-            "list_and_watch_streams",
-            "Open ListAndWatch streams",
-            m.list_and_watch_streams.clone(),
-        );
-        Metrics { registry, ..m }
+        // Added in the order of the exposition.
+        let mut r = Registrar::with_prefix("kiwi_device_plugin");
+        Metrics {
+            vgpus_advertised: r.add("vgpus_advertised", "vGPUs advertised to the kubelet"),
+            gpus: r.add("gpus", "Physical GPUs found"),
+            healthy_gpus: r.add("healthy_gpus", "Physical GPUs currently healthy"),
+            allocate_calls: r.add("allocate_calls", "Allocate calls received"),
+            allocate_errors: r.add("allocate_errors", "Allocate calls refused"),
+            registrations: r.add("registrations", "Successful registrations with the kubelet"),
+            list_and_watch_streams: r.add("list_and_watch_streams", "Open ListAndWatch streams"),
+            registry: r.finish(),
+        }
     }
 }
 
@@ -80,11 +49,7 @@ impl Metrics {
     pub fn render(&self, health: &[bool]) -> String {
         self.healthy_gpus
             .set(health.iter().filter(|h| **h).count() as i64);
-        let mut out = String::new();
-        if encode(&mut out, &self.registry).is_err() {
-            out.clear();
-        }
-        out
+        kiwi_metrics::render(&self.registry)
     }
 }
 

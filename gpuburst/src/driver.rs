@@ -21,7 +21,7 @@ pub use kiwi_cuda::sys::CUmemAccessDesc as MemAccessDesc;
 pub use kiwi_cuda::sys::CUmemAllocationProp as MemAllocationProp;
 pub use kiwi_cuda::sys::CUmemLocation;
 pub use kiwi_cuda::sys::{
-    CUdevice, CUdeviceptr, CUresult, CUDA_ERROR_NOT_READY, CUDA_SUCCESS,
+    CUdevice, CUdeviceptr, CUresult, CUuuid, CUDA_ERROR_NOT_READY, CUDA_SUCCESS,
     CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     CU_MEM_ALLOC_GRANULARITY_RECOMMENDED, CU_MEM_ATTACH_GLOBAL,
 };
@@ -82,7 +82,7 @@ driver_api! {
     device_get_count = "cuDeviceGetCount": fn(*mut i32);
     device_get_name = "cuDeviceGetName": fn(*mut c_char, i32, CUdevice);
     device_total_mem = "cuDeviceTotalMem": fn(*mut usize, CUdevice);
-    device_get_uuid = "cuDeviceGetUuid": fn(*mut [u8; 16], CUdevice);
+    device_get_uuid = "cuDeviceGetUuid": fn(*mut CUuuid, CUdevice);
     primary_ctx_retain = "cuDevicePrimaryCtxRetain": fn(*mut Handle, CUdevice);
     primary_ctx_release = "cuDevicePrimaryCtxRelease": fn(CUdevice);
     ctx_create = "cuCtxCreate": fn(*mut Handle, u32, CUdevice);

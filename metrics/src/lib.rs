@@ -4,12 +4,17 @@
 //!
 //! The endpoint renders on every scrape through a callback, so daemons can refresh
 //! gauges from their live state first.
+//!
+//! [`Registrar`] fills a registry (each metric made and registered in one step) and
+//! [`render`] encodes it: the two steps every daemon's metrics take.
 
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 pub use prometheus_client;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::registry::{Metric, Registry};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -18,6 +23,50 @@ pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// Content type of OpenMetrics text, as produced by `prometheus_client::encoding::text`.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// A registry being filled: each metric is made and registered in one step, so a
+/// daemon's metrics are listed once, each with its name and help text. The
+/// exposition lists them in the order they were added.
+#[derive(Debug)]
+pub struct Registrar {
+    registry: Registry,
+}
+
+impl Registrar {
+    /// Metrics named `<prefix>_<name>`.
+    pub fn with_prefix(prefix: &str) -> Self {
+        Self {
+            registry: Registry::with_prefix(prefix),
+        }
+    }
+
+    /// A new metric (counter, gauge or family), registered as `name` with `help`.
+    /// The returned handle and the registered metric share their values.
+    pub fn add<M: Metric + Clone + Default>(&mut self, name: &str, help: &str) -> M {
+        self.add_metric(name, help, M::default())
+    }
+
+    /// [`Registrar::add`] for a metric made otherwise (a family whose metrics are
+    /// built by a constructor of its own, such as histograms with their buckets).
+    pub fn add_metric<M: Metric + Clone>(&mut self, name: &str, help: &str, metric: M) -> M {
+        self.registry.register(name, help, metric.clone());
+        metric
+    }
+
+    /// The filled registry.
+    pub fn finish(self) -> Registry {
+        self.registry
+    }
+}
+
+/// The exposition text of `registry` (OpenMetrics); empty where it cannot be encoded.
+pub fn render(registry: &Registry) -> String {
+    let mut out = String::new();
+    if encode(&mut out, registry).is_err() {
+        out.clear();
+    }
+    out
+}
 
 /// Serves `/metrics` on `listener` until `shutdown` resolves.
 pub async fn serve(listener: TcpListener, render: Render, shutdown: impl Future<Output = ()>) {
@@ -77,7 +126,7 @@ async fn answer(mut stream: TcpStream, render: Render) -> std::io::Result<()> {
 mod tests {
     use super::*;
     use prometheus_client::metrics::counter::Counter;
-    use prometheus_client::registry::Registry;
+    use prometheus_client::metrics::gauge::Gauge;
 
     async fn get(addr: std::net::SocketAddr, req: &str) -> String {
         let mut s = TcpStream::connect(addr).await.unwrap();
@@ -89,16 +138,11 @@ mod tests {
 
     #[tokio::test]
     async fn serves_metrics_from_the_registry() {
-        let c: Counter = Counter::default();
-        let mut reg = Registry::default();
-        reg.register("kiwi_test_events", "test counter", c.clone());
+        let mut registrar = Registrar::with_prefix("kiwi_test");
+        let c: Counter = registrar.add("events", "test counter");
         c.inc();
-        let reg = Arc::new(reg);
-        let render: Render = Arc::new(move || {
-            let mut s = String::new();
-            prometheus_client::encoding::text::encode(&mut s, &reg).unwrap();
-            s
-        });
+        let reg = Arc::new(registrar.finish());
+        let render: Render = Arc::new(move || super::render(&reg));
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -114,5 +158,22 @@ mod tests {
         assert!(r.starts_with("HTTP/1.1 405"), "{r}");
         let _ = tx.send(());
         task.await.unwrap();
+    }
+
+    /// Metrics come out in the order they were added, each under the prefix, and a
+    /// handle moves the registered metric.
+    #[test]
+    fn registrar_registers_in_order_under_the_prefix() {
+        let mut r = Registrar::with_prefix("kiwi_x");
+        let b: Gauge = r.add("b", "the second letter");
+        let a: Counter = r.add_metric("a", "the first letter", Counter::default());
+        b.set(7);
+        a.inc();
+        let out = render(&r.finish());
+        let b_at = out.find("# HELP kiwi_x_b the second letter").expect(&out);
+        let a_at = out.find("# HELP kiwi_x_a the first letter").expect(&out);
+        assert!(b_at < a_at, "{out}");
+        assert!(out.contains("\nkiwi_x_b 7\n"), "{out}");
+        assert!(out.contains("\nkiwi_x_a_total 1\n"), "{out}");
     }
 }

@@ -21,11 +21,13 @@ use gpuburst::cu;
 use gpuburst::driver::{
     resolve, CUdeviceptr, CUmemLocation, Cuda, CudaError, Handle, MemAccessDesc, MemAllocationProp,
 };
-use gpuburst::kernels::PTX;
-
-const ILLEGAL_ADDRESS: u32 = 700;
-const INVALID_VALUE: u32 = 1;
-const NOT_FOUND: u32 = 500;
+use gpuburst::kernels::Ptx;
+use kiwi_cuda::sys::{
+    CUuuid, CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND,
+    CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CU_GET_PROC_ADDRESS_DEFAULT,
+    CU_GET_PROC_ADDRESS_LEGACY_STREAM, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM,
+    CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND, CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+};
 
 macro_rules! expect {
     ($cond:expr, $($msg:tt)*) => {
@@ -59,37 +61,24 @@ impl Probe {
             0
         )?;
         cu!(cuda, ctx_set_current, "cuCtxSetCurrent", ctx)?;
-        let mut m: Handle = std::ptr::null_mut();
-        cu!(
-            cuda,
-            module_load_data,
-            "cuModuleLoadData",
-            &mut m,
-            PTX.as_ptr().cast()
-        )?;
-        let get = |n: &std::ffi::CStr| -> Result<Handle, CudaError> {
-            let mut f: Handle = std::ptr::null_mut();
-            cu!(
-                cuda,
-                module_get_function,
-                "cuModuleGetFunction",
-                &mut f,
-                m,
-                n.as_ptr()
-            )?;
-            Ok(f)
-        };
+        let ptx = Ptx::load(&cuda, false)?;
         Ok(Probe {
-            fill: get(c"kiwi_fill")?,
-            checksum: get(c"kiwi_checksum")?,
-            spin: get(c"kiwi_spin")?,
+            fill: ptx.kernel(&cuda, c"kiwi_fill")?,
+            checksum: ptx.kernel(&cuda, c"kiwi_checksum")?,
+            spin: ptx.kernel(&cuda, c"kiwi_spin")?,
             cuda,
         })
     }
 
-    /// Launches a kernel; returns the raw launch result.
+    /// Launches a kernel (one thread) on the legacy stream; returns the raw launch
+    /// result.
     fn launch(&self, f: Handle, args: &mut [*mut c_void]) -> u32 {
-        // SAFETY: a resolved cuLaunchKernel and argument pointers valid for the call.
+        self.launch_on(f, std::ptr::null_mut(), args)
+    }
+
+    /// Launches a kernel (one thread) on `stream`; returns the raw launch result.
+    fn launch_on(&self, f: Handle, stream: Handle, args: &mut [*mut c_void]) -> u32 {
+        // SAFETY: a resolved cuLaunchKernel; argument pointers live for the call.
         unsafe {
             (self.cuda.launch_kernel)(
                 f,
@@ -100,7 +89,7 @@ impl Probe {
                 1,
                 1,
                 0,
-                std::ptr::null_mut(),
+                stream,
                 args.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
@@ -177,6 +166,37 @@ fn vmm(p: &Probe) -> Result<(), CudaError> {
     let mut out = 0;
     cu!(c, mem_alloc, "cuMemAlloc", &mut out, 8)?;
     let free0 = p.free_mem()?;
+    // The scenario's handles: pinned memory on device 0, mapped read-write there.
+    let create = |bytes: u64| -> Result<u64, CudaError> {
+        let mut h = 0u64;
+        cu!(
+            c,
+            mem_create,
+            "cuMemCreate",
+            &mut h,
+            bytes as usize,
+            &prop,
+            0
+        )?;
+        Ok(h)
+    };
+    let map =
+        |at: u64, bytes: u64, h: u64| cu!(c, mem_map, "cuMemMap", at, bytes as usize, 0, h, 0);
+    let rw = MemAccessDesc {
+        location: CUmemLocation::device(0),
+        flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    let set_rw = |at: u64, bytes: u64| {
+        cu!(
+            c,
+            mem_set_access,
+            "cuMemSetAccess",
+            at,
+            bytes as usize,
+            &rw,
+            1
+        )
+    };
 
     let mut va = 0;
     cu!(
@@ -190,50 +210,35 @@ fn vmm(p: &Probe) -> Result<(), CudaError> {
         0
     )?;
     expect!(p.free_mem()? == free0, "reserving VA must not use memory");
-    let mut h1 = 0u64;
-    cu!(
-        c,
-        mem_create,
-        "cuMemCreate",
-        &mut h1,
-        (2 * g) as usize,
-        &prop,
-        0
-    )?;
+    let h1 = create(2 * g)?;
     expect!(
         p.free_mem()? == free0 - 2 * g,
         "cuMemCreate accounts physical memory"
     );
     // SAFETY: a resolved driver entry point; integer arguments.
     let r = unsafe { (c.mem_map)(va, (2 * g) as usize, 4096, h1, 0) };
-    expect!(r == INVALID_VALUE, "map with offset != 0 -> {r}");
+    expect!(r == CUDA_ERROR_INVALID_VALUE, "map with offset != 0 -> {r}");
     // SAFETY: a resolved driver entry point; integer and live-pointer arguments.
     let r = unsafe { (c.mem_map)(va, g as usize + 4096, 0, h1, 0) };
-    expect!(r == INVALID_VALUE, "map of a non-granular size -> {r}");
-    cu!(c, mem_map, "cuMemMap", va, (2 * g) as usize, 0, h1, 0)?;
+    expect!(
+        r == CUDA_ERROR_INVALID_VALUE,
+        "map of a non-granular size -> {r}"
+    );
+    map(va, 2 * g, h1)?;
     step("map");
     // SAFETY: a resolved driver entry point; integer and live-pointer arguments.
     let r = unsafe { (c.mem_map)(va + g, g as usize, 0, h1, 0) };
-    expect!(r != 0, "overlapping map must fail");
+    expect!(r != CUDA_SUCCESS, "overlapping map must fail");
     // Before cuMemSetAccess the range is not accessible.
     // SAFETY: a resolved driver entry point; integer and live-pointer arguments.
     let r = unsafe { (c.memset_d32)(va, 1, words as usize) };
-    expect!(r == INVALID_VALUE, "memset before cuMemSetAccess -> {r}");
-    let rw = MemAccessDesc {
-        location: CUmemLocation::device(0),
-        flags: 3,
-    };
-    cu!(
-        c,
-        mem_set_access,
-        "cuMemSetAccess",
-        va,
-        (2 * g) as usize,
-        &rw,
-        1
-    )?;
-    expect!(p.fill(va, 3, 2 * words) == 0, "fill launch");
-    expect!(p.sync() == 0, "fill after set access");
+    expect!(
+        r == CUDA_ERROR_INVALID_VALUE,
+        "memset before cuMemSetAccess -> {r}"
+    );
+    set_rw(va, 2 * g)?;
+    expect!(p.fill(va, 3, 2 * words) == CUDA_SUCCESS, "fill launch");
+    expect!(p.sync() == CUDA_SUCCESS, "fill after set access");
     expect!(
         p.checksum(va, 2 * words, out)? == 3 * 2 * words,
         "checksum after fill"
@@ -242,7 +247,10 @@ fn vmm(p: &Probe) -> Result<(), CudaError> {
 
     // SAFETY: a resolved driver entry point; integer and live-pointer arguments.
     let r = unsafe { (c.mem_unmap)(va, g as usize) };
-    expect!(r == INVALID_VALUE, "unmap of half a mapping -> {r}");
+    expect!(
+        r == CUDA_ERROR_INVALID_VALUE,
+        "unmap of half a mapping -> {r}"
+    );
     // Release before unmap: the memory stays while mapped.
     cu!(c, mem_release, "cuMemRelease", h1)?;
     expect!(
@@ -256,37 +264,14 @@ fn vmm(p: &Probe) -> Result<(), CudaError> {
     step("release-before-unmap");
 
     // A second handle mapped right after the first: one kernel spans both.
-    let mut h2 = 0u64;
-    cu!(
-        c,
-        mem_create,
-        "cuMemCreate",
-        &mut h2,
-        (2 * g) as usize,
-        &prop,
-        0
-    )?;
-    cu!(
-        c,
-        mem_map,
-        "cuMemMap",
-        va + 2 * g,
-        (2 * g) as usize,
-        0,
-        h2,
-        0
-    )?;
-    cu!(
-        c,
-        mem_set_access,
-        "cuMemSetAccess",
-        va + 2 * g,
-        (2 * g) as usize,
-        &rw,
-        1
-    )?;
-    expect!(p.fill(va, 5, 4 * words) == 0, "spanning fill launch");
-    expect!(p.sync() == 0, "spanning fill");
+    let h2 = create(2 * g)?;
+    map(va + 2 * g, 2 * g, h2)?;
+    set_rw(va + 2 * g, 2 * g)?;
+    expect!(
+        p.fill(va, 5, 4 * words) == CUDA_SUCCESS,
+        "spanning fill launch"
+    );
+    expect!(p.sync() == CUDA_SUCCESS, "spanning fill");
     expect!(
         p.checksum(va, 4 * words, out)? == 5 * 4 * words,
         "spanning checksum"
@@ -301,16 +286,8 @@ fn vmm(p: &Probe) -> Result<(), CudaError> {
         "unmap frees the released handle only"
     );
     // Map h2 again at the start of the same VA: contents are kept.
-    cu!(c, mem_map, "cuMemMap", va, (2 * g) as usize, 0, h2, 0)?;
-    cu!(
-        c,
-        mem_set_access,
-        "cuMemSetAccess",
-        va,
-        (2 * g) as usize,
-        &rw,
-        1
-    )?;
+    map(va, 2 * g, h2)?;
+    set_rw(va, 2 * g)?;
     expect!(
         p.checksum(va, 2 * words, out)? == 5 * 2 * words,
         "remapped data kept"
@@ -321,43 +298,45 @@ fn vmm(p: &Probe) -> Result<(), CudaError> {
     expect!(p.free_mem()? == free0, "everything freed");
 
     // A mapping without access in a second context: illegal address there only.
-    let mut h3 = 0u64;
-    cu!(c, mem_create, "cuMemCreate", &mut h3, g as usize, &prop, 0)?;
-    cu!(c, mem_map, "cuMemMap", va, g as usize, 0, h3, 0)?;
+    let h3 = create(g)?;
+    map(va, g, h3)?;
     let mut ctx2: Handle = std::ptr::null_mut();
     let mut primary: Handle = std::ptr::null_mut();
     cu!(c, ctx_get_current, "cuCtxGetCurrent", &mut primary)?;
     cu!(c, ctx_create, "cuCtxCreate", &mut ctx2, 0, 0)?;
-    expect!(p.fill(va, 1, words) == 0, "launch is accepted");
+    expect!(p.fill(va, 1, words) == CUDA_SUCCESS, "launch is accepted");
     let r = p.sync();
     expect!(
-        r == ILLEGAL_ADDRESS,
+        r == CUDA_ERROR_ILLEGAL_ADDRESS,
         "kernel on a mapping without access -> {r}"
     );
     let mut x = 0;
     // SAFETY: a resolved driver entry point; integer and live-pointer arguments.
     let r = unsafe { (c.mem_alloc)(&mut x, 4096) };
     expect!(
-        r == ILLEGAL_ADDRESS,
+        r == CUDA_ERROR_ILLEGAL_ADDRESS,
         "the error is sticky in that context -> {r}"
     );
     cu!(c, ctx_destroy, "cuCtxDestroy", ctx2)?;
     cu!(c, ctx_set_current, "cuCtxSetCurrent", primary)?;
-    expect!(p.sync() == 0, "other contexts are unaffected");
+    expect!(p.sync() == CUDA_SUCCESS, "other contexts are unaffected");
     step("no access -> illegal address");
 
     // Unmapped memory (a shim that forgot to swap back in): illegal address.
     cu!(c, mem_unmap, "cuMemUnmap", va, g as usize)?;
     cu!(c, mem_release, "cuMemRelease", h3)?;
-    expect!(p.fill(va, 1, words) == 0, "launch is accepted");
+    expect!(p.fill(va, 1, words) == CUDA_SUCCESS, "launch is accepted");
     let r = p.sync();
-    expect!(r == ILLEGAL_ADDRESS, "kernel on unmapped memory -> {r}");
+    expect!(
+        r == CUDA_ERROR_ILLEGAL_ADDRESS,
+        "kernel on unmapped memory -> {r}"
+    );
     let r = p.sync();
-    expect!(r == ILLEGAL_ADDRESS, "sticky: still {r}");
+    expect!(r == CUDA_ERROR_ILLEGAL_ADDRESS, "sticky: still {r}");
     step("unmapped -> illegal address (sticky)");
     // SAFETY: a resolved driver entry point; integer and live-pointer arguments.
     let r = unsafe { (c.mem_address_free)(va, (4 * g) as usize) };
-    expect!(r == 0, "address free -> {r}");
+    expect!(r == CUDA_SUCCESS, "address free -> {r}");
     Ok(())
 }
 
@@ -371,8 +350,11 @@ fn alloc_touched(p: &Probe, mib: u64) -> Result<CUdeviceptr, CudaError> {
         &mut d,
         (mib << 20) as usize
     )?;
-    expect!(p.fill(d, 1, (mib << 20) / 4) == 0, "touching the memory");
-    expect!(p.sync() == 0, "fill");
+    expect!(
+        p.fill(d, 1, (mib << 20) / 4) == CUDA_SUCCESS,
+        "touching the memory"
+    );
+    expect!(p.sync() == CUDA_SUCCESS, "fill");
     Ok(d)
 }
 
@@ -411,17 +393,9 @@ fn nvml(p: &Probe, mib: u64, hold_ms: u64) -> Result<(), CudaError> {
         compute_instance: c_uint,
     }
     alloc_touched(p, mib)?;
-    let mut uuid = [0u8; 16];
+    let mut uuid = CUuuid::default();
     cu!(p.cuda, device_get_uuid, "cuDeviceGetUuid", &mut uuid, 0)?;
-    let h = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
-    let uuid = format!(
-        "GPU-{}-{}-{}-{}-{}\0",
-        h(&uuid[..4]),
-        h(&uuid[4..6]),
-        h(&uuid[6..8]),
-        h(&uuid[8..10]),
-        h(&uuid[10..])
-    );
+    let uuid = format!("{}\0", kiwi_cuda::format_uuid(&uuid));
     let cuda_free = p.free_mem()?;
     // SAFETY: dlopen and dlsym with NUL-terminated names; each symbol is used with
     // its nvml.h signature.
@@ -440,7 +414,7 @@ fn nvml(p: &Probe, mib: u64, hold_ms: u64) -> Result<(), CudaError> {
             std::mem::transmute(sym(c"nvmlDeviceGetMemoryInfo"));
         let processes: unsafe extern "C" fn(*mut c_void, *mut c_uint, *mut Process) -> c_uint =
             std::mem::transmute(sym(c"nvmlDeviceGetComputeRunningProcesses_v3"));
-        expect!(init() == 0, "nvmlInit_v2");
+        expect!(init() == CUDA_SUCCESS, "nvmlInit_v2");
         let mut dev = std::ptr::null_mut();
         expect!(
             by_uuid(uuid.as_ptr().cast(), &mut dev) == 0,
@@ -451,7 +425,10 @@ fn nvml(p: &Probe, mib: u64, hold_ms: u64) -> Result<(), CudaError> {
             free: 0,
             used: 0,
         };
-        expect!(memory(dev, &mut m) == 0, "nvmlDeviceGetMemoryInfo");
+        expect!(
+            memory(dev, &mut m) == CUDA_SUCCESS,
+            "nvmlDeviceGetMemoryInfo"
+        );
         let mut list = [Process::default(); 64];
         let mut n: c_uint = 64;
         expect!(
@@ -530,18 +507,23 @@ fn procaddr(p: &Probe) -> Result<(), CudaError> {
         ("cuStreamBeginCapture", "cuStreamBeginCapture_v2"),
         ("cuGraphLaunch", "cuGraphLaunch"),
     ] {
-        let got = resolve(gpa, base, 12000, 0);
+        let got = resolve(gpa, base, 12000, CU_GET_PROC_ADDRESS_DEFAULT);
         expect!(got.is_some() && got == sym(symbol), "{base} -> {symbol}");
     }
     step("base names resolve to the newest version");
     // An old CUDA version gets the old symbol (cuDevicePrimaryCtxRelease v1 in 10.x).
-    let got = resolve(gpa, "cuDevicePrimaryCtxRelease", 10020, 0);
+    let got = resolve(
+        gpa,
+        "cuDevicePrimaryCtxRelease",
+        10020,
+        CU_GET_PROC_ADDRESS_DEFAULT,
+    );
     expect!(
         got == sym("cuDevicePrimaryCtxRelease"),
         "version-limited lookup"
     );
     expect!(
-        resolve(gpa, "cuMemAlloc", 3000, 0).is_none(),
+        resolve(gpa, "cuMemAlloc", 3000, CU_GET_PROC_ADDRESS_DEFAULT).is_none(),
         "too old a version"
     );
     step("versions honoured");
@@ -568,12 +550,17 @@ fn procaddr(p: &Probe) -> Result<(), CudaError> {
         ("cuMemcpy2DAsync", "cuMemcpy2DAsync_v2_ptsz"),
         ("cuMemsetD2D32Async", "cuMemsetD2D32Async_ptsz"),
     ] {
-        let got = resolve(gpa, base, 12000, 2);
+        let got = resolve(
+            gpa,
+            base,
+            12000,
+            CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM,
+        );
         expect!(
             got.is_some() && got == sym(symbol),
             "per-thread {base} -> {symbol}"
         );
-        let legacy = resolve(gpa, base, 12000, 1);
+        let legacy = resolve(gpa, base, 12000, CU_GET_PROC_ADDRESS_LEGACY_STREAM);
         expect!(
             legacy != got,
             "legacy {base} must not be the per-thread variant"
@@ -581,16 +568,31 @@ fn procaddr(p: &Probe) -> Result<(), CudaError> {
     }
     // Per-thread variants follow the requested version too.
     expect!(
-        resolve(gpa, "cuMemPrefetchAsync", 12000, 2) == sym("cuMemPrefetchAsync_ptsz"),
+        resolve(
+            gpa,
+            "cuMemPrefetchAsync",
+            12000,
+            CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+        ) == sym("cuMemPrefetchAsync_ptsz"),
         "cuMemPrefetchAsync per-thread at 12.0"
     );
     expect!(
-        resolve(gpa, "cuMemPrefetchAsync", 12040, 2) == sym("cuMemPrefetchAsync_v2_ptsz"),
+        resolve(
+            gpa,
+            "cuMemPrefetchAsync",
+            12040,
+            CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+        ) == sym("cuMemPrefetchAsync_v2_ptsz"),
         "cuMemPrefetchAsync per-thread at 12.4"
     );
     // Calls without a per-thread variant give the ordinary symbol.
     expect!(
-        resolve(gpa, "cuMemAlloc", 12000, 2) == sym("cuMemAlloc_v2"),
+        resolve(
+            gpa,
+            "cuMemAlloc",
+            12000,
+            CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+        ) == sym("cuMemAlloc_v2"),
         "no ptds variant"
     );
     step("per-thread default stream variants");
@@ -598,9 +600,19 @@ fn procaddr(p: &Probe) -> Result<(), CudaError> {
     let mut pfn: *mut c_void = std::ptr::dangling_mut::<c_void>();
     let mut status = -1;
     // SAFETY: valid arguments for cuGetProcAddress_v2.
-    let r = unsafe { gpa(name.as_ptr(), &mut pfn, 12000, 0, &mut status) };
+    let r = unsafe {
+        gpa(
+            name.as_ptr(),
+            &mut pfn,
+            12000,
+            CU_GET_PROC_ADDRESS_DEFAULT,
+            &mut status,
+        )
+    };
     expect!(
-        r == NOT_FOUND && pfn.is_null() && status == 1,
+        r == CUDA_ERROR_NOT_FOUND
+            && pfn.is_null()
+            && status == CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND,
         "unknown name -> {r}, status {status}"
     );
     step("unknown names");
@@ -634,25 +646,6 @@ fn launch_rate(p: &Probe, count: u32) -> Result<(), CudaError> {
     Ok(())
 }
 
-fn launch_on(p: &Probe, f: Handle, stream: Handle, args: &mut [*mut c_void]) -> u32 {
-    // SAFETY: a resolved cuLaunchKernel; argument pointers live for the call.
-    unsafe {
-        (p.cuda.launch_kernel)(
-            f,
-            1,
-            1,
-            1,
-            1,
-            1,
-            1,
-            0,
-            stream,
-            args.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    }
-}
-
 fn streams(p: &Probe) -> Result<(), CudaError> {
     let c = &p.cuda;
     let mut primary: Handle = std::ptr::null_mut();
@@ -672,14 +665,14 @@ fn streams(p: &Probe) -> Result<(), CudaError> {
     // Stream order and events on one stream.
     cu!(c, event_record, "cuEventRecord", e0, s1)?;
     let mut ns = 40_000_000u64;
-    let r = launch_on(p, p.spin, s1, &mut [(&mut ns as *mut u64).cast()]);
+    let r = p.launch_on(p.spin, s1, &mut [(&mut ns as *mut u64).cast()]);
     c.check("cuLaunchKernel", r)?;
     cu!(c, memset_d32_async, "cuMemsetD32Async", buf, 7, 1024, s1)?;
     cu!(c, event_record, "cuEventRecord", e1, s1)?;
     // SAFETY: resolved entry points with live handles.
     let (q, eq) = unsafe { ((c.stream_query)(s1), (c.event_query)(e1)) };
     expect!(
-        q == 600 && eq == 600,
+        q == CUDA_ERROR_NOT_READY && eq == CUDA_ERROR_NOT_READY,
         "pending work is NOT_READY ({q}, {eq})"
     );
     step("query while pending");
