@@ -341,9 +341,10 @@ impl GpuScheduler {
     }
 
     /// `kiwictl -T`.
-    pub fn set_tq(&mut self, now: Nanos, tq_ms: u64) -> Vec<Output> {
+    pub fn set_tq(&mut self, now: Nanos, tq: kiwi_config::Quantum) -> Vec<Output> {
+        let tq_ms = tq.as_millis();
         if self.settings.tq_ms != tq_ms {
-            self.settings.tq_ms = tq_ms.max(1);
+            self.settings.tq_ms = tq_ms;
             self.log(
                 None,
                 EventKind::Tq {

@@ -49,6 +49,17 @@ impl Quantum {
         })
     }
 
+    /// The quantum of `ms` milliseconds, as the wire carries it (`kiwictl -T`'s
+    /// `set_tq`); the same range as [`Quantum::from_secs`].
+    pub fn from_millis(ms: u64) -> Result<Quantum, ValueError> {
+        if ms == 0 || ms > 86_400_000 {
+            return Err(ValueError(format!(
+                "TQ must be between 1 ms and one day, not {ms} ms"
+            )));
+        }
+        Ok(Quantum { ms })
+    }
+
     /// Whole milliseconds, as the wire and the schedulers count it.
     pub fn as_millis(self) -> u64 {
         self.ms
@@ -153,5 +164,21 @@ mod tests {
             "abc".parse::<Quantum>().unwrap_err().to_string(),
             "TQ must be a positive number of seconds, not \"abc\""
         );
+    }
+
+    #[test]
+    fn the_wires_milliseconds_pass_the_same_range() {
+        assert_eq!(Quantum::from_millis(1).unwrap().as_millis(), 1);
+        assert_eq!(
+            Quantum::from_millis(86_400_000).unwrap(),
+            Quantum::from_secs(86_400.0).unwrap()
+        );
+        for bad in [0, 86_400_001, u64::MAX] {
+            let e = Quantum::from_millis(bad).unwrap_err().to_string();
+            assert_eq!(
+                e,
+                format!("TQ must be between 1 ms and one day, not {bad} ms")
+            );
+        }
     }
 }

@@ -275,12 +275,16 @@ fn set_tq(st: &mut State, now: u64, tq_ms: u64, gpu: Option<String>, who: &str) 
         "INFO",
         "Received SET_TQ {tq_ms} ms from kiwictl (pid {who})"
     );
-    if tq_ms == 0 || tq_ms > 86_400_000 {
-        return ControlReply::Error {
-            code: ErrorCode::InvalidArgument,
-            message: format!("TQ must be between 1 ms and one day, not {tq_ms} ms"),
-        };
-    }
+    // The wire's number, untyped until here: checked once, as every quantum is.
+    let tq = match kiwi_config::Quantum::from_millis(tq_ms) {
+        Ok(tq) => tq,
+        Err(e) => {
+            return ControlReply::Error {
+                code: ErrorCode::InvalidArgument,
+                message: e.to_string(),
+            }
+        }
+    };
     match select(st, &gpu) {
         Err(e) => e,
         Ok(uuids) => {
@@ -291,7 +295,7 @@ fn set_tq(st: &mut State, now: u64, tq_ms: u64, gpu: Option<String>, who: &str) 
                 let outs = st
                     .gpus
                     .get_mut(u)
-                    .map(|g| g.sched.set_tq(now, tq_ms))
+                    .map(|g| g.sched.set_tq(now, tq))
                     .unwrap_or_default();
                 st.dispatch(u, outs);
             }

@@ -81,7 +81,7 @@ fn idle_eviction_waits_for_a_free_link_and_goes_one_at_a_time() {
     let mut s = idle_b(1_000);
     reg(&mut s, 0, 3, 100 * MIB);
     s.usage(100 * MS, 3, usage(100 * MIB, 100 * MIB));
-    s.set_tq(0, 1_000);
+    s.set_tq(0, kiwi_config::Quantum::from_millis(1_000).unwrap());
 
     // 1) A hand-off under way (D waits, A is dropped at its TQ): no eviction until
     // A's release ends it.

@@ -67,7 +67,7 @@ fn waiters_hear_who_holds_their_place_and_the_quantum_once_per_change() {
         vec![(Some("nb-b".into()), 1, Some(29_000))]
     );
     // A TQ change moves the quantum's end: both waiters hear it once.
-    let outs = s.set_tq(34 * SEC, 60_000);
+    let outs = s.set_tq(34 * SEC, kiwi_config::Quantum::from_millis(60_000).unwrap());
     assert_eq!(
         waiting(&outs, 3),
         vec![(Some("nb-b".into()), 0, Some(58_000))]

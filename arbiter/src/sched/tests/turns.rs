@@ -208,7 +208,7 @@ fn tq_change_applies_to_current_holder() {
     s.request(0, 1);
     s.request(0, 2);
     assert_eq!(s.next_deadline(), Some(30 * SEC));
-    s.set_tq(SEC, 2_000);
+    s.set_tq(SEC, kiwi_config::Quantum::from_millis(2_000).unwrap());
     assert_eq!(s.next_deadline(), Some(2 * SEC));
 }
 
