@@ -8,7 +8,6 @@
 //! a later different size is refused, and the table holds at most [`MAX_GPUS`].
 //! The server owns the table itself (`server::state::State::gpus`); this module decides.
 
-use std::path::PathBuf;
 
 use kiwi_nvml::{LoadError, Nvml, NvmlError, NVML_LIBRARY};
 
@@ -38,29 +37,9 @@ pub enum GpuTruth {
     Nvml(Vec<KnownGpu>),
 }
 
-/// `--nvml` / `[arbiter] nvml`: where to find NVML.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum NvmlSetting {
-    /// `libnvidia-ml.so.1` through the dynamic linker; without it, no NVML.
-    Auto,
-    /// Never use NVML (e.g. a node whose GPUs are simulated).
-    Off,
-    /// This library, which must load.
-    Path(PathBuf),
-}
-
-impl std::str::FromStr for NvmlSetting {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(NvmlSetting::Auto),
-            "off" => Ok(NvmlSetting::Off),
-            "" => Err("expected auto, off or the path of libnvidia-ml.so.1".into()),
-            p => Ok(NvmlSetting::Path(PathBuf::from(p))),
-        }
-    }
-}
+/// `--nvml` / `[arbiter] nvml`: where to find NVML, parsed once by the settings
+/// (`kiwi_config::Nvml`).
+pub use kiwi_config::Nvml as NvmlSetting;
 
 /// Why the GPU table could not be read from NVML.
 #[derive(Debug, thiserror::Error)]
@@ -388,17 +367,6 @@ mod tests {
         let e = GpuTruth::Claims.check(&t, "GPU-new", GIB).unwrap_err();
         assert!(e.to_string().contains("limit of 64 GPUs"), "{e}");
         assert!(GpuTruth::Claims.check(&t, "GPU-3", GIB).is_ok());
-    }
-
-    #[test]
-    fn setting_parses() {
-        assert_eq!("auto".parse(), Ok(NvmlSetting::Auto));
-        assert_eq!("off".parse(), Ok(NvmlSetting::Off));
-        assert_eq!(
-            "/x/libnvidia-ml.so.1".parse(),
-            Ok(NvmlSetting::Path("/x/libnvidia-ml.so.1".into()))
-        );
-        assert!("".parse::<NvmlSetting>().is_err());
     }
 
     #[test]

@@ -12,10 +12,9 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
 use kiwi_arbiter::checkpoint::{Checkpointer, DriverCheckpointer};
-use kiwi_arbiter::gpus::NvmlSetting;
 use kiwi_arbiter::pool::{PoolConfig, SpillConfig};
 use kiwi_arbiter::{run_daemon, ServerConfig};
-use kiwi_config::{ArbiterConfig, Checkpoint, Config, Nvml, SwapPool};
+use kiwi_config::{ArbiterConfig, Checkpoint, Config, SwapPool};
 use tokio::signal::unix::{signal, SignalKind};
 
 /// The flags that are no `[arbiter]` key; [`cli`] adds [`ArbiterConfig`]'s.
@@ -69,7 +68,7 @@ fn run(matches: &ArgMatches) -> Result<()> {
     let (dir, a) = settings(matches)?;
     let swap_pool = swap_pool(a.swap_pool, a.swap_pool_floor_bytes());
     let spill = spill(&a, swap_pool.is_some())?;
-    let loaded = kiwi_arbiter::gpus::load(&nvml_setting(&a.nvml)).with_context(|| {
+    let loaded = kiwi_arbiter::gpus::load(&a.nvml).with_context(|| {
         format!(
             "--nvml {}: NVML is unusable; use --nvml off to run without it",
             a.nvml
@@ -138,14 +137,6 @@ fn run(matches: &ArgMatches) -> Result<()> {
     })
 }
 
-fn nvml_setting(nvml: &Nvml) -> NvmlSetting {
-    match nvml {
-        Nvml::Auto => NvmlSetting::Auto,
-        Nvml::Off => NvmlSetting::Off,
-        Nvml::Path(p) => NvmlSetting::Path(p.clone()),
-    }
-}
-
 /// The driver's checkpoint API when asked for and usable, and the start line that
 /// says so.
 fn checkpointer(setting: Checkpoint) -> (Option<Arc<dyn Checkpointer>>, String) {
@@ -201,6 +192,7 @@ fn spill(a: &ArbiterConfig, pool: bool) -> Result<Option<SpillConfig>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kiwi_config::Nvml;
 
     /// The arbiter's settings from a config file's text and a command line.
     fn arbiter(file: &str, args: &[&str]) -> Result<ArbiterConfig> {
