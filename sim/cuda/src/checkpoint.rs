@@ -21,8 +21,6 @@
 //! memory when they no longer fit) and leaves the process LOCKED; unlock lets the
 //! blocked calls go on.
 
-#![allow(non_snake_case)]
-
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -35,10 +33,6 @@ use kiwi_sim_core::machine::checkpoint_socket_path;
 use crate::abi::*;
 use crate::driver::{driver, Driver};
 use crate::ffi::out;
-
-pub const CU_PROCESS_STATE_RUNNING: u32 = 0;
-pub const CU_PROCESS_STATE_LOCKED: u32 = 1;
-pub const CU_PROCESS_STATE_CHECKPOINTED: u32 = 2;
 
 /// This process's state (`CUprocessState`).
 static STATE: AtomicU32 = AtomicU32::new(CU_PROCESS_STATE_RUNNING);
@@ -138,9 +132,9 @@ extern "C" fn remove_socket_at_exit() {
 const OP_STATE: u32 = 1;
 const OP_TID: u32 = 2;
 const OP_LOCK: u32 = 3;
-const OP_CHECKPOINT: u32 = 4;
-const OP_RESTORE: u32 = 5;
-const OP_UNLOCK: u32 = 6;
+pub(crate) const OP_CHECKPOINT: u32 = 4;
+pub(crate) const OP_RESTORE: u32 = 5;
+pub(crate) const OP_UNLOCK: u32 = 6;
 
 fn serve(d: &'static Driver, mut conn: UnixStream) {
     if !peer_may_checkpoint(&conn) {
@@ -227,13 +221,7 @@ fn lock(d: &'static Driver, timeout_ms: u32) -> CUresult {
     }
     // ...then the work they submitted, stream callbacks included.
     if in_time {
-        let contexts: Vec<_> = d
-            .contexts
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect();
+        let contexts = d.contexts.all();
         in_time = contexts.iter().all(|c| c.wait_all_until(deadline));
     }
     if !in_time {
@@ -387,7 +375,8 @@ fn reserved_zero(args: *const u64, words: usize) -> Result<(), CUresult> {
     Ok(())
 }
 
-pub(crate) fn cuCheckpointProcessGetState(pid: i32, state: *mut u32) -> Result<(), CUresult> {
+/// `cuCheckpointProcessGetState`.
+pub(crate) fn get_state(pid: i32, state: *mut u32) -> Result<(), CUresult> {
     if state.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -395,10 +384,8 @@ pub(crate) fn cuCheckpointProcessGetState(pid: i32, state: *mut u32) -> Result<(
     out(state, s as u32)
 }
 
-pub(crate) fn cuCheckpointProcessGetRestoreThreadId(
-    pid: i32,
-    tid: *mut i32,
-) -> Result<(), CUresult> {
+/// `cuCheckpointProcessGetRestoreThreadId`.
+pub(crate) fn restore_thread_id(pid: i32, tid: *mut i32) -> Result<(), CUresult> {
     if tid.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -406,8 +393,9 @@ pub(crate) fn cuCheckpointProcessGetRestoreThreadId(
     out(tid, t)
 }
 
-/// `CUcheckpointLockArgs`: `timeoutMs` (u32), `reserved0` (u32), `reserved1[7]`.
-pub(crate) fn cuCheckpointProcessLock(pid: i32, args: *const u64) -> Result<(), CUresult> {
+/// `cuCheckpointProcessLock`; `CUcheckpointLockArgs`: `timeoutMs` (u32),
+/// `reserved0` (u32), `reserved1[7]`.
+pub(crate) fn lock_process(pid: i32, args: *const u64) -> Result<(), CUresult> {
     let timeout_ms = if args.is_null() {
         0
     } else {
@@ -424,17 +412,10 @@ pub(crate) fn cuCheckpointProcessLock(pid: i32, args: *const u64) -> Result<(), 
     ask(pid, OP_LOCK, timeout_ms).map(drop)
 }
 
-pub(crate) fn cuCheckpointProcessCheckpoint(pid: i32, args: *const u64) -> Result<(), CUresult> {
+/// `cuCheckpointProcessCheckpoint` ([`OP_CHECKPOINT`]), `…Restore`
+/// ([`OP_RESTORE`]), `…Unlock` ([`OP_UNLOCK`]): their arguments are all reserved
+/// (8 words).
+pub(crate) fn request(pid: i32, args: *const u64, op: u32) -> Result<(), CUresult> {
     reserved_zero(args, 8)?;
-    ask(pid, OP_CHECKPOINT, 0).map(drop)
-}
-
-pub(crate) fn cuCheckpointProcessRestore(pid: i32, args: *const u64) -> Result<(), CUresult> {
-    reserved_zero(args, 8)?;
-    ask(pid, OP_RESTORE, 0).map(drop)
-}
-
-pub(crate) fn cuCheckpointProcessUnlock(pid: i32, args: *const u64) -> Result<(), CUresult> {
-    reserved_zero(args, 8)?;
-    ask(pid, OP_UNLOCK, 0).map(drop)
+    ask(pid, op, 0).map(drop)
 }

@@ -24,10 +24,12 @@ use kiwi_sim_core::ident;
 use kiwi_sim_core::integrity::{integrity_answer, CheckInput, DeviceHashInfo};
 
 use crate::abi::*;
-use crate::api::{attribute_value, module_load, primary_context, DRIVER_VERSION};
+use crate::context::primary_context;
+use crate::device::{attribute_value, DRIVER_VERSION};
 use crate::driver::{self, driver};
 use crate::exec::{ClsDestructor, Context};
 use crate::ffi::{guard, out, read};
+use crate::launch::module_load;
 
 /// One table: pointer-sized slots, immutable.
 #[repr(transparent)]
@@ -112,11 +114,7 @@ static CONTEXT_CHECKS: Table<4> = Table({
 });
 
 /// `cuGetExportTable(table, id)`.
-#[allow(non_snake_case)]
-pub(crate) fn cuGetExportTable(
-    table: *mut *const c_void,
-    id: *const CUuuid,
-) -> Result<(), CUresult> {
+pub(crate) fn export_table(table: *mut *const c_void, id: *const CUuuid) -> Result<(), CUresult> {
     let id = read(id)?.bytes;
     let start = match id {
         CUDART_INTERFACE_ID => CUDART_INTERFACE.start(),
@@ -139,7 +137,7 @@ pub(crate) fn cuGetExportTable(
 
 /// The runtime registers fatbins through these; the simulator accepts any image
 /// (its kernels are built in), as `cuModuleLoadData` does, without charging module
-/// memory (the runtime's modules are not seen by a shim; see `api::module_load`).
+/// memory (the runtime's modules are not seen by a shim; see `launch::module_load`).
 extern "C" fn module_from_fatbin(module: *mut CUmodule, fatbin: *const c_void) -> CUresult {
     guard(|| module_load(module, fatbin, false))
 }

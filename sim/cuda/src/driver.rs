@@ -28,6 +28,58 @@ pub struct Module {
     pub deferred: u64,
 }
 
+/// Objects C holds by handle, the object's address: contexts, streams, events,
+/// graphs and their instantiations.
+pub struct Handles<T>(RwLock<HashMap<usize, Arc<T>>>);
+
+impl<T> Handles<T> {
+    fn new() -> Self {
+        Handles(RwLock::new(HashMap::new()))
+    }
+
+    /// Adds `obj`; returns its handle.
+    pub fn add(&self, obj: Arc<T>) -> usize {
+        let h = Arc::as_ptr(&obj) as usize;
+        self.0
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(h, obj);
+        h
+    }
+
+    /// The object of handle `h`, if there is one.
+    pub fn get(&self, h: usize) -> Option<Arc<T>> {
+        self.0
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&h)
+            .cloned()
+    }
+
+    /// Removes handle `h`; the object, if there was one.
+    pub fn remove(&self, h: usize) -> Option<Arc<T>> {
+        self.0.write().unwrap_or_else(|e| e.into_inner()).remove(&h)
+    }
+
+    /// Keeps the objects `keep` accepts.
+    pub fn retain(&self, mut keep: impl FnMut(&Arc<T>) -> bool) {
+        self.0
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|_, o| keep(o));
+    }
+
+    /// Every object, at this moment.
+    pub fn all(&self) -> Vec<Arc<T>> {
+        self.0
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+}
+
 pub struct Primary {
     pub ctx: Option<Arc<Context>>,
     pub refs: u32,
@@ -40,9 +92,9 @@ pub struct Primary {
 pub struct Driver {
     pub hw: Hw,
     pub primary: Vec<Mutex<Primary>>,
-    pub contexts: RwLock<HashMap<usize, Arc<Context>>>,
-    pub streams: RwLock<HashMap<usize, Arc<Stream>>>,
-    pub events: RwLock<HashMap<usize, Arc<Event>>>,
+    pub contexts: Handles<Context>,
+    pub streams: Handles<Stream>,
+    pub events: Handles<Event>,
     pub modules: Mutex<HashMap<usize, Module>>,
     /// Device memory each driver-API module load costs (`KIWI_SIM_MODULE_MEMORY`).
     pub module_memory: u64,
@@ -51,8 +103,8 @@ pub struct Driver {
     pub fail_memcreate_every: u64,
     pub memcreate_calls: AtomicU64,
     /// Captured graphs and their instantiations: handle → operations.
-    pub graphs: RwLock<HashMap<usize, Arc<Vec<Op>>>>,
-    pub graph_execs: RwLock<HashMap<usize, Arc<Vec<Op>>>>,
+    pub graphs: Handles<Vec<Op>>,
+    pub graph_execs: Handles<Vec<Op>>,
     next_module: AtomicU64,
     /// The checkpoint API (`KIWI_SIM_CHECKPOINT`), and what a checkpoint and a
     /// restore of this process cost: seconds plus bytes at bytes/s (0: free).
@@ -131,15 +183,15 @@ fn init_driver() -> Result<Driver, CUresult> {
                 })
             })
             .collect(),
-        contexts: RwLock::new(HashMap::new()),
-        streams: RwLock::new(HashMap::new()),
-        events: RwLock::new(HashMap::new()),
+        contexts: Handles::new(),
+        streams: Handles::new(),
+        events: Handles::new(),
         modules: Mutex::new(HashMap::new()),
         module_memory: cfg.module_memory,
         fail_memcreate_every: cfg.fail_memcreate_every,
         memcreate_calls: AtomicU64::new(0),
-        graphs: RwLock::new(HashMap::new()),
-        graph_execs: RwLock::new(HashMap::new()),
+        graphs: Handles::new(),
+        graph_execs: Handles::new(),
         next_module: AtomicU64::new(1),
         checkpoint_api: cfg.checkpoint,
         checkpoint_s: cfg.checkpoint_ms * 1e-3,
@@ -217,19 +269,11 @@ impl Driver {
     }
 
     pub fn register_context(&self, ctx: &Arc<Context>) {
-        self.contexts
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(ctx.handle(), ctx.clone());
+        self.contexts.add(ctx.clone());
     }
 
     pub fn context(&self, handle: usize) -> Result<Arc<Context>, CUresult> {
-        self.contexts
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&handle)
-            .cloned()
-            .ok_or(CUDA_ERROR_INVALID_CONTEXT)
+        self.contexts.get(handle).ok_or(CUDA_ERROR_INVALID_CONTEXT)
     }
 
     /// A module loaded into context `ctx` (on `gpu`), costing `charge` bytes of device
@@ -358,13 +402,7 @@ impl Driver {
             }
             CU_STREAM_PER_THREAD => per_thread_stream(),
             _ => {
-                let s = self
-                    .streams
-                    .read()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get(&h)
-                    .cloned()
-                    .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+                let s = self.streams.get(h).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
                 s.ctx.check()?;
                 Ok(s)
             }
@@ -372,12 +410,7 @@ impl Driver {
     }
 
     pub fn event(&self, h: CUevent) -> Result<Arc<Event>, CUresult> {
-        self.events
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&(h as usize))
-            .cloned()
-            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+        self.events.get(h as usize).ok_or(CUDA_ERROR_INVALID_HANDLE)
     }
 }
 

@@ -14,82 +14,28 @@
 //! The submission path takes one uncontended mutex, writes into a preallocated ring
 //! and wakes the worker only when it sleeps: no syscall and no allocation while the
 //! worker is busy.
+//!
+//! What an operation does when its turn comes is the kernels' (`crate::builtin`),
+//! the copies' and memsets' (`crate::transfer`) and the stream memory operations'
+//! (`crate::memop`); this module orders and runs them, and keeps each context's
+//! sticky error and limits.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
 
-use kiwi_sim_core::{dma, monotonic_ns, LinkDir, TraceRecord};
+use kiwi_sim_core::{monotonic_ns, LinkDir};
 
 use crate::abi::*;
+use crate::builtin::Builtin;
 use crate::hw::Hw;
 use crate::memop::{self, MemOp};
 use crate::memory::Fault;
+use crate::transfer::{self, Memset2D, Side};
 
 /// Most operations queued on one context before submission blocks.
 pub const QUEUE_DEPTH: usize = 1024;
-
-/// The built-in kernels, found by entry name in any module.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Builtin {
-    /// `kiwi_fill(u32* ptr, u32 value, u64 words)`
-    Fill,
-    /// `kiwi_add(u32* ptr, u32 delta, u64 words)`
-    Add,
-    /// `kiwi_checksum(const u32* ptr, u64 words, u64* out)`: u64 sum of the words.
-    Checksum,
-    /// `kiwi_spin(u64 nanoseconds)`
-    Spin,
-}
-
-/// The four built-in kernels; a `CUfunction` is a pointer into this table.
-pub static BUILTINS: [Builtin; 4] = [
-    Builtin::Fill,
-    Builtin::Add,
-    Builtin::Checksum,
-    Builtin::Spin,
-];
-
-impl Builtin {
-    /// Its `CUfunction`: its entry of [`BUILTINS`].
-    pub fn handle(self) -> CUfunction {
-        let b = BUILTINS
-            .iter()
-            .find(|b| **b == self)
-            .unwrap_or(&BUILTINS[0]);
-        b as *const Builtin as CUfunction
-    }
-
-    /// Its name as a C string (`cuKernelGetName`).
-    pub fn c_name(self) -> *const std::ffi::c_char {
-        match self {
-            Builtin::Fill => c"kiwi_fill".as_ptr(),
-            Builtin::Add => c"kiwi_add".as_ptr(),
-            Builtin::Checksum => c"kiwi_checksum".as_ptr(),
-            Builtin::Spin => c"kiwi_spin".as_ptr(),
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Builtin::Fill => "kiwi_fill",
-            Builtin::Add => "kiwi_add",
-            Builtin::Checksum => "kiwi_checksum",
-            Builtin::Spin => "kiwi_spin",
-        }
-    }
-
-    /// Parameter sizes in order (for `kernelParams` and the packed `extra` buffer).
-    pub fn param_sizes(self) -> &'static [usize] {
-        match self {
-            Builtin::Fill | Builtin::Add => &[8, 4, 8],
-            Builtin::Checksum => &[8, 8, 8],
-            Builtin::Spin => &[8],
-        }
-    }
-}
 
 /// One queued operation (cloned when a captured graph is replayed).
 #[derive(Clone)]
@@ -98,16 +44,11 @@ pub enum Op {
         kind: Builtin,
         args: [u64; 3],
     },
-    /// Host → device (`src` is a host address).
-    HtoD {
-        dst: u64,
-        src: usize,
-        n: u64,
-    },
-    /// Device → host.
-    DtoH {
-        dst: usize,
-        src: u64,
+    /// Between device memory and a host address, the way `dir` says.
+    HostCopy {
+        dir: LinkDir,
+        device: u64,
+        host: usize,
         n: u64,
     },
     DtoD {
@@ -133,15 +74,8 @@ pub enum Op {
         width: u64,
         height: u64,
     },
-    /// 2D memset: `height` rows of `width` elements, `pitch` bytes apart.
-    Memset2D {
-        dst: u64,
-        pitch: u64,
-        value: u32,
-        elem: u8,
-        width: u64,
-        height: u64,
-    },
+    /// 2D memset (`cuMemsetD2D*`).
+    Memset2D(Memset2D),
     EventRecord {
         event: Arc<Event>,
         generation: u64,
@@ -177,14 +111,6 @@ pub enum Op {
     MemOps(Arc<[MemOp]>),
     /// Keeps stream order for work that has nothing to do here.
     Nop,
-}
-
-/// One side of a 2D copy: the address of its first byte (host or device) and pitch.
-#[derive(Clone, Copy, Debug)]
-pub struct Side {
-    pub device: bool,
-    pub addr: u64,
-    pub pitch: u64,
 }
 
 struct Queue {
@@ -699,6 +625,14 @@ impl Context {
             .compare_exchange(CUDA_SUCCESS, e, Ordering::AcqRel, Ordering::Acquire);
     }
 
+    /// Work whose memory went away since submission fails as on hardware: a sticky
+    /// `CUDA_ERROR_ILLEGAL_ADDRESS`.
+    fn or_fail(&self, r: Result<(), Fault>) {
+        if r.is_err() {
+            self.fail(CUDA_ERROR_ILLEGAL_ADDRESS);
+        }
+    }
+
     fn execute(&self, op: Op) {
         let broken = self.sticky.load(Ordering::Acquire) != CUDA_SUCCESS;
         let d = self.driver;
@@ -711,144 +645,28 @@ impl Context {
             }
             Op::WaitFor { ctx, lane, seq } => ctx.wait_for(lane, seq),
             _ if broken => {}
-            Op::Kernel { kind, args } => {
-                if let Err(f) = self.run_kernel(kind, args) {
-                    let _ = f;
-                    self.fail(CUDA_ERROR_ILLEGAL_ADDRESS);
-                }
-            }
-            Op::HtoD { dst, src, n } => {
-                let start = monotonic_ns();
-                match d.mem.resolve(dst, n, true, self.device) {
-                    Ok(pieces) => {
-                        let end = self.link(LinkDir::HostToDevice, start, n as f64);
-                        let end = pageable_end(d, src, n, start, end, d.pageable_h2d_bps);
-                        let mut at = src;
-                        for p in pieces {
-                            // SAFETY: host range validated by the caller's contract;
-                            // device piece resolved and kept alive by `p.phys`.
-                            unsafe {
-                                dma::copy(
-                                    p.phys.host_ptr(p.offset),
-                                    at as *const u8,
-                                    p.len as usize,
-                                )
-                            };
-                            at += p.len as usize;
-                        }
-                        pace_until(end);
-                    }
-                    Err(_) => self.fail(CUDA_ERROR_ILLEGAL_ADDRESS),
-                }
-            }
-            Op::DtoH { dst, src, n } => {
-                let start = monotonic_ns();
-                match d.mem.resolve(src, n, false, self.device) {
-                    Ok(pieces) => {
-                        let end = self.link(LinkDir::DeviceToHost, start, n as f64);
-                        let end = pageable_end(d, dst, n, start, end, d.pageable_d2h_bps);
-                        let mut at = dst;
-                        for p in pieces {
-                            // SAFETY: as for HtoD, in the other direction.
-                            unsafe {
-                                dma::copy(at as *mut u8, p.phys.host_ptr(p.offset), p.len as usize)
-                            };
-                            at += p.len as usize;
-                        }
-                        pace_until(end);
-                    }
-                    Err(_) => self.fail(CUDA_ERROR_ILLEGAL_ADDRESS),
-                }
-            }
-            Op::DtoD { dst, src, n } => {
-                let start = monotonic_ns();
-                match (
-                    d.mem.resolve(src, n, false, self.device),
-                    d.mem.resolve(dst, n, true, self.device),
-                ) {
-                    (Ok(s), Ok(t)) => {
-                        copy_pieces(&s, &t);
-                        pace(start, 2.0 * n as f64 / d.hbm_bps);
-                    }
-                    _ => self.fail(CUDA_ERROR_ILLEGAL_ADDRESS),
-                }
-            }
-            Op::HtoH { dst, src, n } => {
-                let start = monotonic_ns();
-                // SAFETY: both host ranges are the caller's, per the cuMemcpy contract.
-                unsafe {
-                    std::ptr::copy(src as *const u8, dst as *mut u8, n as usize);
-                }
-                pace(start, n as f64 / d.pcie_bps);
-            }
+            Op::Kernel { kind, args } => self.or_fail(kind.run(d, self.device, args)),
+            Op::HostCopy {
+                dir,
+                device,
+                host,
+                n,
+            } => self.or_fail(transfer::host_copy(d, self.device, dir, device, host, n)),
+            Op::DtoD { dst, src, n } => self.or_fail(transfer::dtod(d, self.device, dst, src, n)),
+            Op::HtoH { dst, src, n } => transfer::htoh(d, dst, src, n),
             Op::Memset {
                 dst,
                 value,
                 elem,
                 count,
-            } => {
-                let start = monotonic_ns();
-                let n = count * u64::from(elem);
-                match memset_range(d, self.device, dst, value, elem, count) {
-                    Ok(()) => pace(start, n as f64 / d.hbm_bps),
-                    Err(_) => self.fail(CUDA_ERROR_ILLEGAL_ADDRESS),
-                }
-            }
-            Op::Memset2D {
-                dst,
-                pitch,
-                value,
-                elem,
-                width,
-                height,
-            } => {
-                let start = monotonic_ns();
-                let ok = (0..height).all(|row| {
-                    memset_range(d, self.device, dst + row * pitch, value, elem, width).is_ok()
-                });
-                if ok {
-                    pace(start, (width * u64::from(elem) * height) as f64 / d.hbm_bps);
-                } else {
-                    self.fail(CUDA_ERROR_ILLEGAL_ADDRESS);
-                }
-            }
+            } => self.or_fail(transfer::memset(d, self.device, dst, value, elem, count)),
+            Op::Memset2D(m) => self.or_fail(m.run(d, self.device)),
             Op::Copy2D {
                 src,
                 dst,
                 width,
                 height,
-            } => {
-                let start = monotonic_ns();
-                let bytes = (width * height) as f64;
-                // A copy with a host side crosses the link (reserved before it
-                // starts, as for HtoD/DtoH); device to device stays in HBM.
-                let end = match (src.device, dst.device) {
-                    (false, true) => Some(self.link(LinkDir::HostToDevice, start, bytes)),
-                    (true, false) => Some(self.link(LinkDir::DeviceToHost, start, bytes)),
-                    _ => None,
-                };
-                let ok = (0..height).all(|row| {
-                    copy_row(
-                        d,
-                        self.device,
-                        src.device,
-                        src.addr + row * src.pitch,
-                        dst.device,
-                        dst.addr + row * dst.pitch,
-                        width,
-                    )
-                    .is_ok()
-                });
-                if ok {
-                    match end {
-                        Some(end) => pace_until(end),
-                        None if src.device => pace(start, 2.0 * bytes / d.hbm_bps),
-                        None => pace(start, bytes / d.pcie_bps),
-                    }
-                } else {
-                    self.fail(CUDA_ERROR_ILLEGAL_ADDRESS);
-                }
-            }
+            } => self.or_fail(transfer::copy_2d(d, self.device, src, dst, width, height)),
             Op::HostFn { f, data } => {
                 // SAFETY: the user's host function with the user's data, as
                 // cuLaunchHostFunc promises.
@@ -863,13 +681,7 @@ impl Context {
                     crate::pool_usage::note_free(ptr);
                 }
             }
-            Op::Migrate { ptr, n, to } => {
-                let start = monotonic_ns();
-                // Moved at the link's rate (a prefetch is a bulk transfer; the driver
-                // migrates faulted pages slower, which is not modelled).
-                let moved = d.mem.migrate(ptr, n, to).unwrap_or(0);
-                pace(start, moved as f64 / d.pcie_bps);
-            }
+            Op::Migrate { ptr, n, to } => transfer::migrate(d, ptr, n, to),
             Op::MemOp(m) => self.run_memops(std::slice::from_ref(&m)),
             Op::MemOps(ms) => self.run_memops(&ms),
             Op::Nop => {}
@@ -887,234 +699,4 @@ impl Context {
             }
         }
     }
-
-    /// Reserves this GPU's PCIe link in direction `dir` for `bytes` (at the link rate)
-    /// for a copy ready at `start_ns`, behind every copy already queued in that
-    /// direction by any process; returns when the copy ends (see
-    /// `Machine::link_reserve`).
-    fn link(&self, dir: LinkDir, start_ns: u64, bytes: f64) -> u64 {
-        let d = self.driver;
-        let ns = (bytes / d.pcie_bps * 1e9) as u64;
-        d.machine
-            .link_reserve(self.device, dir, start_ns, ns)
-            .unwrap_or(start_ns + ns)
-    }
-
-    /// Runs a built-in kernel holding the device exclusively (across processes) for
-    /// at least its modelled duration, then appends its trace line.
-    fn run_kernel(&self, kind: Builtin, args: [u64; 3]) -> Result<(), Fault> {
-        let d = self.driver;
-        let guard = d.machine.kernel_lock(self.device).ok();
-        let start = monotonic_ns();
-        let modelled_s = match kind {
-            Builtin::Spin => args[0] as f64 / 1e9,
-            Builtin::Fill => {
-                let (ptr, value, words) = (args[0], args[1] as u32, args[2]);
-                for p in d.mem.resolve(ptr, bytes_of(words)?, true, self.device)? {
-                    for_words(&p, |w| *w = value);
-                }
-                words as f64 * 4.0 / d.hbm_bps
-            }
-            Builtin::Add => {
-                let (ptr, delta, words) = (args[0], args[1] as u32, args[2]);
-                for p in d.mem.resolve(ptr, bytes_of(words)?, true, self.device)? {
-                    for_words(&p, |w| *w = w.wrapping_add(delta));
-                }
-                words as f64 * 8.0 / d.hbm_bps
-            }
-            Builtin::Checksum => {
-                let (ptr, words, out) = (args[0], args[1], args[2]);
-                let mut sum = 0u64;
-                for p in d.mem.resolve(ptr, bytes_of(words)?, false, self.device)? {
-                    for_words(&p, |w| sum = sum.wrapping_add(u64::from(*w)));
-                }
-                let dst = d.mem.resolve(out, 8, true, self.device)?;
-                copy_from_host(&dst, &sum.to_le_bytes());
-                words as f64 * 4.0 / d.hbm_bps
-            }
-        };
-        pace(start, modelled_s);
-        let end = monotonic_ns();
-        drop(guard);
-        if let Some(t) = &d.trace {
-            let _ = t.append(&TraceRecord {
-                pid: std::process::id(),
-                device: self.device,
-                start_ns: start,
-                end_ns: end,
-                name: kind.name().to_string(),
-            });
-        }
-        Ok(())
-    }
-}
-
-/// Bytes of `words` u32 words; a count no device could hold is an illegal address.
-fn bytes_of(words: u64) -> Result<u64, Fault> {
-    words.checked_mul(4).ok_or(Fault::Unmapped)
-}
-
-/// Sleeps until `seconds` of wall time have passed since `start_ns`.
-fn pace(start_ns: u64, seconds: f64) {
-    pace_until(start_ns + (seconds * 1e9) as u64);
-}
-
-/// Sleeps until `CLOCK_MONOTONIC` reads `target_ns`.
-fn pace_until(target_ns: u64) {
-    let now = monotonic_ns();
-    if target_ns > now {
-        std::thread::sleep(Duration::from_nanos(target_ns - now));
-    }
-}
-
-/// Applies `f` to each whole u32 of a piece (pieces of kernels are 4-byte multiples
-/// whenever the kernel's pointer is 4-byte aligned; a misaligned tail is ignored).
-fn for_words(p: &crate::memory::Piece, mut f: impl FnMut(&mut u32)) {
-    let base = p.phys.host_ptr(p.offset);
-    let words = (p.len / 4) as usize;
-    if (base as usize).is_multiple_of(4) {
-        // SAFETY: resolved piece of `p.len` bytes, aligned, kept alive by p.phys.
-        let s = unsafe { std::slice::from_raw_parts_mut(base.cast::<u32>(), words) };
-        s.iter_mut().for_each(f);
-    } else {
-        for i in 0..words {
-            // SAFETY: as above, using unaligned accesses.
-            unsafe {
-                let w = base.add(i * 4).cast::<u32>();
-                let mut v = w.read_unaligned();
-                f(&mut v);
-                w.write_unaligned(v);
-            }
-        }
-    }
-}
-
-fn fill_pattern(bytes: &mut [u8], pattern: &[u8; 4], phase: usize) {
-    if pattern.iter().all(|&b| b == pattern[0]) {
-        bytes.fill(pattern[0]);
-        return;
-    }
-    for (i, b) in bytes.iter_mut().enumerate() {
-        *b = pattern[(phase + i) % 4];
-    }
-}
-
-fn copy_from_host(dst: &[crate::memory::Piece], src: &[u8]) {
-    let mut at = 0;
-    for p in dst {
-        // SAFETY: resolved writable piece; src has at least p.len bytes left.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                src.as_ptr().add(at),
-                p.phys.host_ptr(p.offset),
-                p.len as usize,
-            )
-        };
-        at += p.len as usize;
-    }
-}
-
-fn copy_pieces(src: &[crate::memory::Piece], dst: &[crate::memory::Piece]) {
-    let (mut si, mut so, mut di, mut doff) = (0, 0u64, 0, 0u64);
-    while si < src.len() && di < dst.len() {
-        let s = &src[si];
-        let t = &dst[di];
-        let n = (s.len - so).min(t.len - doff);
-        // SAFETY: both pieces resolved and alive; `copy` tolerates overlap.
-        unsafe {
-            std::ptr::copy(
-                s.phys.host_ptr(s.offset + so),
-                t.phys.host_ptr(t.offset + doff),
-                n as usize,
-            )
-        };
-        so += n;
-        doff += n;
-        if so == s.len {
-            si += 1;
-            so = 0;
-        }
-        if doff == t.len {
-            di += 1;
-            doff = 0;
-        }
-    }
-}
-
-/// Fills `count` elements of `elem` bytes at device address `dst` with `value`.
-fn memset_range(d: &Hw, dev: u32, dst: u64, value: u32, elem: u8, count: u64) -> Result<(), Fault> {
-    let n = count * u64::from(elem);
-    let pattern: [u8; 4] = match elem {
-        1 => [value as u8; 4],
-        2 => {
-            let b = (value as u16).to_le_bytes();
-            [b[0], b[1], b[0], b[1]]
-        }
-        _ => value.to_le_bytes(),
-    };
-    let mut phase = 0usize;
-    for p in d.mem.resolve(dst, n, true, dev)? {
-        // SAFETY: resolved, writable device piece kept alive by p.phys.
-        let bytes =
-            unsafe { std::slice::from_raw_parts_mut(p.phys.host_ptr(p.offset), p.len as usize) };
-        fill_pattern(bytes, &pattern, phase);
-        phase = (phase + bytes.len()) % 4;
-    }
-    Ok(())
-}
-
-/// Copies `n` bytes between any combination of host and device addresses.
-fn copy_row(
-    d: &Hw,
-    dev: u32,
-    src_dev: bool,
-    src: u64,
-    dst_dev: bool,
-    dst: u64,
-    n: u64,
-) -> Result<(), Fault> {
-    match (src_dev, dst_dev) {
-        (true, true) => {
-            let s = d.mem.resolve(src, n, false, dev)?;
-            let t = d.mem.resolve(dst, n, true, dev)?;
-            copy_pieces(&s, &t);
-        }
-        (false, true) => {
-            let mut at = src as usize;
-            for p in d.mem.resolve(dst, n, true, dev)? {
-                // SAFETY: host source readable per the caller's contract; device
-                // piece resolved and alive.
-                unsafe { dma::copy(p.phys.host_ptr(p.offset), at as *const u8, p.len as usize) };
-                at += p.len as usize;
-            }
-        }
-        (true, false) => {
-            let mut at = dst as usize;
-            for p in d.mem.resolve(src, n, false, dev)? {
-                // SAFETY: as above, in the other direction.
-                unsafe { dma::copy(at as *mut u8, p.phys.host_ptr(p.offset), p.len as usize) };
-                at += p.len as usize;
-            }
-        }
-        (false, false) => {
-            // SAFETY: both host ranges are the caller's, per the cuMemcpy2D contract.
-            unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n as usize) };
-        }
-    }
-    Ok(())
-}
-
-/// When a host↔device copy of `n` bytes at host address `host`, started at `start`
-/// and done on the link by `link_end`, ends: then, for pinned (allocated or
-/// registered) host memory; no sooner than at `pageable_bps` for pageable memory,
-/// which the driver stages through its own pinned buffers.
-fn pageable_end(d: &Hw, host: usize, n: u64, start: u64, link_end: u64, pageable_bps: f64) -> u64 {
-    let pinned = d
-        .mem
-        .host_range(host)
-        .is_some_and(|(s, l)| host.saturating_add(n as usize) <= s + l);
-    if pinned || pageable_bps <= 0.0 {
-        return link_end;
-    }
-    link_end.max(start + (n as f64 / pageable_bps * 1e9) as u64)
 }

@@ -20,15 +20,13 @@
 //! current context's at once, and `cuLibraryGetModule` another's. Any image is
 //! accepted; its kernels are the built-ins.
 
-#![allow(non_snake_case, clippy::too_many_arguments)]
-
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void};
 use std::sync::Mutex;
 
 use crate::abi::*;
+use crate::builtin::{Builtin, BUILTINS};
 use crate::driver::{self, driver, Driver};
-use crate::exec::{Builtin, BUILTINS};
 use crate::ffi::{c_str, out};
 
 /// A loaded library: its module in each context it was loaded into.
@@ -119,7 +117,8 @@ fn kernel(k: CUkernel) -> Result<Kernel, CUresult> {
     with(|r| r.kernels.get(&(k as usize)).copied()).ok_or(CUDA_ERROR_INVALID_HANDLE)
 }
 
-fn load(lib: *mut CUlibrary, code: *const c_void) -> Result<(), CUresult> {
+/// `cuLibraryLoadData` (the JIT and library options are ignored).
+pub(crate) fn load(lib: *mut CUlibrary, code: *const c_void) -> Result<(), CUresult> {
     let d = driver()?;
     if lib.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
@@ -147,29 +146,8 @@ fn load(lib: *mut CUlibrary, code: *const c_void) -> Result<(), CUresult> {
     out(lib, h as CUlibrary)
 }
 
-pub(crate) fn cuLibraryLoadData(
-    lib: *mut CUlibrary,
-    code: *const c_void,
-    _jit_options: *mut i32,
-    _jit_values: *mut *mut c_void,
-    _n_jit: u32,
-    _lib_options: *mut i32,
-    _lib_values: *mut *mut c_void,
-    _n_lib: u32,
-) -> Result<(), CUresult> {
-    load(lib, code)
-}
-
-pub(crate) fn cuLibraryLoadFromFile(
-    lib: *mut CUlibrary,
-    file: *const c_char,
-    _jit_options: *mut i32,
-    _jit_values: *mut *mut c_void,
-    _n_jit: u32,
-    _lib_options: *mut i32,
-    _lib_values: *mut *mut c_void,
-    _n_lib: u32,
-) -> Result<(), CUresult> {
+/// `cuLibraryLoadFromFile`: a file that exists, loaded as an image.
+pub(crate) fn load_from_file(lib: *mut CUlibrary, file: *const c_char) -> Result<(), CUresult> {
     if !std::path::Path::new(c_str(file)?).is_file() {
         return Err(CUDA_ERROR_FILE_NOT_FOUND);
     }
@@ -178,7 +156,7 @@ pub(crate) fn cuLibraryLoadFromFile(
 
 /// Unloads the library from every context it was loaded into, giving their memory
 /// back; its kernel handles become invalid.
-pub(crate) fn cuLibraryUnload(lib: CUlibrary) -> Result<(), CUresult> {
+pub(crate) fn unload(lib: CUlibrary) -> Result<(), CUresult> {
     let d = driver()?;
     let l = with(|r| {
         let l = r.libraries.remove(&(lib as usize))?;
@@ -192,7 +170,8 @@ pub(crate) fn cuLibraryUnload(lib: CUlibrary) -> Result<(), CUresult> {
     Ok(())
 }
 
-pub(crate) fn cuLibraryGetKernel(
+/// `cuLibraryGetKernel`: a built-in by its entry name, one handle per library.
+pub(crate) fn get_kernel(
     k: *mut CUkernel,
     lib: CUlibrary,
     name: *const c_char,
@@ -226,15 +205,15 @@ pub(crate) fn cuLibraryGetKernel(
     out(k, h as CUkernel)
 }
 
-pub(crate) fn cuLibraryGetKernelCount(count: *mut u32, lib: CUlibrary) -> Result<(), CUresult> {
+/// `cuLibraryGetKernelCount`: every built-in.
+pub(crate) fn kernel_count(count: *mut u32, lib: CUlibrary) -> Result<(), CUresult> {
     driver()?;
-    if !with(|r| r.libraries.contains_key(&(lib as usize))) {
-        return Err(CUDA_ERROR_INVALID_HANDLE);
-    }
+    known(lib)?;
     out(count, BUILTINS.len() as u32)
 }
 
-pub(crate) fn cuLibraryEnumerateKernels(
+/// `cuLibraryEnumerateKernels`: `n` must be the count.
+pub(crate) fn enumerate_kernels(
     kernels: *mut CUkernel,
     n: u32,
     lib: CUlibrary,
@@ -245,7 +224,7 @@ pub(crate) fn cuLibraryEnumerateKernels(
     for (i, b) in BUILTINS.iter().enumerate() {
         let name = std::ffi::CString::new(b.name()).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
         // SAFETY: within the caller's array of `n` handles (checked above).
-        cuLibraryGetKernel(unsafe { kernels.add(i) }, lib, name.as_ptr())?;
+        get_kernel(unsafe { kernels.add(i) }, lib, name.as_ptr())?;
     }
     Ok(())
 }
@@ -253,7 +232,7 @@ pub(crate) fn cuLibraryEnumerateKernels(
 /// The library's module in the current context, made there if it is not: its code
 /// is loaded now with eager loading, else at the module's first
 /// `cuModuleGetFunction`.
-pub(crate) fn cuLibraryGetModule(m: *mut CUmodule, lib: CUlibrary) -> Result<(), CUresult> {
+pub(crate) fn get_module(m: *mut CUmodule, lib: CUlibrary) -> Result<(), CUresult> {
     let d = driver()?;
     if m.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
@@ -262,30 +241,16 @@ pub(crate) fn cuLibraryGetModule(m: *mut CUmodule, lib: CUlibrary) -> Result<(),
     out(m, h as CUmodule)
 }
 
-/// No built-in image has globals or managed variables.
-pub(crate) fn cuLibraryGetGlobal(
-    _ptr: *mut CUdeviceptr,
-    _size: *mut usize,
-    lib: CUlibrary,
-    _name: *const c_char,
-) -> Result<(), CUresult> {
+/// `cuLibraryGetGlobal`, `cuLibraryGetManaged`: no built-in image has globals or
+/// managed variables.
+pub(crate) fn no_variable(lib: CUlibrary) -> Result<(), CUresult> {
     driver()?;
-    kernel_library(lib)?;
+    known(lib)?;
     Err(CUDA_ERROR_NOT_FOUND)
 }
 
-pub(crate) fn cuLibraryGetManaged(
-    _ptr: *mut CUdeviceptr,
-    _size: *mut usize,
-    lib: CUlibrary,
-    _name: *const c_char,
-) -> Result<(), CUresult> {
-    driver()?;
-    kernel_library(lib)?;
-    Err(CUDA_ERROR_NOT_FOUND)
-}
-
-fn kernel_library(lib: CUlibrary) -> Result<(), CUresult> {
+/// A library handle that is loaded; else `CUDA_ERROR_INVALID_HANDLE`.
+fn known(lib: CUlibrary) -> Result<(), CUresult> {
     if with(|r| r.libraries.contains_key(&(lib as usize))) {
         Ok(())
     } else {
@@ -295,7 +260,7 @@ fn kernel_library(lib: CUlibrary) -> Result<(), CUresult> {
 
 /// The kernel's function in the current context: its library is loaded there first
 /// (its code takes device memory now; out of memory when it does not fit).
-pub(crate) fn cuKernelGetFunction(f: *mut CUfunction, k: CUkernel) -> Result<(), CUresult> {
+pub(crate) fn kernel_function(f: *mut CUfunction, k: CUkernel) -> Result<(), CUresult> {
     let d = driver()?;
     if f.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
@@ -305,7 +270,8 @@ pub(crate) fn cuKernelGetFunction(f: *mut CUfunction, k: CUkernel) -> Result<(),
     out(f, kn.kind.handle())
 }
 
-pub(crate) fn cuKernelGetName(name: *mut *const c_char, k: CUkernel) -> Result<(), CUresult> {
+/// `cuKernelGetName`.
+pub(crate) fn kernel_name(name: *mut *const c_char, k: CUkernel) -> Result<(), CUresult> {
     driver()?;
     if name.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
@@ -315,7 +281,7 @@ pub(crate) fn cuKernelGetName(name: *mut *const c_char, k: CUkernel) -> Result<(
 }
 
 /// `CU_FUNC_CACHE_PREFER_*` (0–3): a preference, nothing to do.
-pub(crate) fn cuKernelSetCacheConfig(
+pub(crate) fn kernel_set_cache_config(
     k: CUkernel,
     config: i32,
     dev: CUdevice,

@@ -24,7 +24,7 @@
 //! simulated machine has the default (off), so they are `CUDA_ERROR_NOT_SUPPORTED`
 //! ([`V1_ENABLED`]), as on a stock driver, while the v2 API needs nothing.
 //!
-//! Below the executors (`crate::exec` runs the operations, `crate::api` builds
+//! Below the executors (`crate::exec` runs the operations, `crate::stream` builds
 //! them) and over the device address space (`crate::memory`).
 
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
@@ -165,7 +165,7 @@ fn word(mem: &Memory, by: Submitter, addr: u64, wide: bool, write: bool) -> Resu
             .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
         return Ok(w);
     }
-    match mem.host_map(addr as usize, w.size() as usize) {
+    match mem.host.map(addr as usize, w.size() as usize) {
         Some(m) if m.device_map && !(write && m.read_only) => Ok(Word { host: true, ..w }),
         _ => Err(CUDA_ERROR_INVALID_VALUE),
     }
@@ -283,7 +283,7 @@ pub fn run(hw: &Hw, dev: u32, op: &MemOp, broken: &dyn Fn() -> bool) -> Result<(
 
 /// Runs `f` on the address where this process reaches `word`'s bytes, while they
 /// stay there: the device's view of mapped host memory (its pages, even if the
-/// process unmapped them, see `Memory::with_mapped_host`) under the host registry,
+/// process unmapped them, see `HostRanges::with_mapped`) under the host registry,
 /// or device memory's backing, holding the resolved piece.
 fn with_word<R>(
     hw: &Hw,
@@ -296,7 +296,8 @@ fn with_word<R>(
         let len = word.size() as usize;
         return hw
             .mem
-            .with_mapped_host(word.addr as usize, len, write, f)
+            .host
+            .with_mapped(word.addr as usize, len, write, f)
             .ok_or(Fault::Unmapped);
     }
     let pieces = hw.mem.resolve(word.addr, word.size(), write, dev)?;

@@ -181,6 +181,11 @@ pub fn destroy(handle: *mut c_void) -> Result<(), CUresult> {
     Ok(())
 }
 
+/// `cuMemPoolTrimTo`: pools cache nothing here, so there is never anything to trim.
+pub fn trim_to(handle: *mut c_void) -> Result<(), CUresult> {
+    pool(handle).map(|_| ())
+}
+
 pub fn set_attribute(handle: *mut c_void, a: i32, value: *mut c_void) -> Result<(), CUresult> {
     let p = pool(handle)?;
     match a {

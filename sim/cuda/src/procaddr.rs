@@ -71,27 +71,7 @@ fn table() -> &'static Table {
     })
 }
 
-#[allow(non_snake_case)]
-pub(crate) fn cuGetProcAddress(
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    version: i32,
-    flags: u64,
-) -> Result<(), CUresult> {
-    get_proc_address(symbol, pfn, version, flags, std::ptr::null_mut())
-}
-
-#[allow(non_snake_case)]
-pub(crate) fn cuGetProcAddress_v2(
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    version: i32,
-    flags: u64,
-    status: *mut i32,
-) -> Result<(), CUresult> {
-    get_proc_address(symbol, pfn, version, flags, status)
-}
-
+/// `cuGetProcAddress` (`status` NULL) and `cuGetProcAddress_v2`.
 pub fn get_proc_address(
     symbol: *const c_char,
     pfn: *mut *mut c_void,
