@@ -13,27 +13,17 @@
 
 use std::ffi::{c_int, c_void};
 
+use crate::cuda::ptr_attr::{
+    BUFFER_ID, CONTEXT, DEVICE_ORDINAL, DEVICE_POINTER, HOST_POINTER, IS_MANAGED, MAPPED,
+    MEMORY_TYPE, MEMPOOL_HANDLE, RANGE_SIZE, RANGE_START_ADDR,
+};
 use crate::cuda::*;
 use crate::devices::{app_context, current_device, device_of, with_allocation, with_device_memory};
 
 type Real<A> = A;
 
-const CONTEXT: c_int = 1;
-const MEMORY_TYPE: c_int = 2;
-const DEVICE_POINTER: c_int = 3;
-const HOST_POINTER: c_int = 4;
-const BUFFER_ID: c_int = 7;
-const IS_MANAGED: c_int = 8;
-const DEVICE_ORDINAL: c_int = 9;
+/// `CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE` (not in `kiwi_cuda::sys::ptr_attr`).
 const IS_LEGACY_CUDA_IPC_CAPABLE: c_int = 10;
-const RANGE_START_ADDR: c_int = 11;
-const RANGE_SIZE: c_int = 12;
-const MAPPED: c_int = 13;
-const MEMPOOL_HANDLE: c_int = 17;
-/// `CU_MEMORYTYPE_DEVICE`.
-const MEMORYTYPE_DEVICE: u32 = 2;
-/// `CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`: the grant is recorded all the same.
-const CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: CUresult = 704;
 
 /// The answer for attribute `attr` of `ptr` in the shim allocation `(base, size)` on
 /// device `d`, written to `data`; `None` for an attribute the driver answers.
@@ -51,7 +41,7 @@ unsafe fn answer(
     unsafe {
         match attr {
             CONTEXT => *data.cast::<CUcontext>() = app_context(d),
-            MEMORY_TYPE => *data.cast::<u32>() = MEMORYTYPE_DEVICE,
+            MEMORY_TYPE => *data.cast::<u32>() = CU_MEMORYTYPE_DEVICE,
             DEVICE_POINTER => *data.cast::<u64>() = ptr,
             // Device memory has no host address (the driver's answer for it).
             HOST_POINTER => return Some(CUDA_ERROR_INVALID_VALUE),
@@ -218,6 +208,7 @@ pub unsafe fn ctx_enable_peer_access(
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
     let r = unsafe { real(peer, flags) };
+    // Already enabled: the grant is recorded all the same.
     if r == CUDA_SUCCESS || r == CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
         peer_changed(peer, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
     }

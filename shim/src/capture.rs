@@ -34,16 +34,6 @@ use std::time::{Duration, Instant};
 use crate::cuda::*;
 use crate::real::call_real as real;
 
-pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: CUresult = 900;
-pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: CUresult = 901;
-pub const CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD: CUresult = 908;
-const CU_STREAM_LEGACY: usize = 1;
-const CU_STREAM_PER_THREAD: usize = 2;
-const CU_STREAM_NON_BLOCKING: Uint = 1;
-const CU_STREAM_CAPTURE_STATUS_NONE: c_int = 0;
-const CU_STREAM_CAPTURE_MODE_GLOBAL: Uint = 0;
-const CU_STREAM_CAPTURE_MODE_RELAXED: Uint = 2;
-
 /// How long a drain or swap waits for the process's captures to end before it gives
 /// up (the swap is then refused, never forced through a capture): under the arbiter's
 /// default grace (5 s), so a drop that arrives during a capture is answered when the
@@ -360,16 +350,19 @@ fn ended(s: StreamArg, r: CUresult) -> CUresult {
 
 type Graph = *mut c_void;
 
+// Every hook serves two entry points: the legacy-stream one (`PER_THREAD` false) and
+// its `_ptsz` twin, whose NULL stream is the per-thread stream.
+
 /// # Safety
 /// `real` is the driver's original of this entry point; the other arguments are the
 /// application's, valid as `cuda.h` documents them.
-pub unsafe fn begin_v1(
+pub unsafe fn begin_v1<const PER_THREAD: bool>(
     real: unsafe extern "C" fn(CUstream) -> CUresult,
     stream: CUstream,
 ) -> CUresult {
     // SAFETY: forwarding the caller's argument.
     begin_with(
-        StreamArg::new(stream, false),
+        StreamArg::new(stream, PER_THREAD),
         CU_STREAM_CAPTURE_MODE_GLOBAL,
         || unsafe { real(stream) },
     )
@@ -377,40 +370,13 @@ pub unsafe fn begin_v1(
 
 /// # Safety
 /// As [`begin_v1`].
-pub unsafe fn begin_v1_ptsz(
-    real: unsafe extern "C" fn(CUstream) -> CUresult,
-    stream: CUstream,
-) -> CUresult {
-    // SAFETY: forwarding the caller's argument.
-    begin_with(
-        StreamArg::new(stream, true),
-        CU_STREAM_CAPTURE_MODE_GLOBAL,
-        || unsafe { real(stream) },
-    )
-}
-
-/// # Safety
-/// As [`begin_v1`].
-pub unsafe fn begin(
+pub unsafe fn begin<const PER_THREAD: bool>(
     real: unsafe extern "C" fn(CUstream, Uint) -> CUresult,
     stream: CUstream,
     mode: Uint,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    begin_with(StreamArg::new(stream, false), mode, || unsafe {
-        real(stream, mode)
-    })
-}
-
-/// # Safety
-/// As [`begin_v1`].
-pub unsafe fn begin_ptsz(
-    real: unsafe extern "C" fn(CUstream, Uint) -> CUresult,
-    stream: CUstream,
-    mode: Uint,
-) -> CUresult {
-    // SAFETY: forwarding the caller's arguments.
-    begin_with(StreamArg::new(stream, true), mode, || unsafe {
+    begin_with(StreamArg::new(stream, PER_THREAD), mode, || unsafe {
         real(stream, mode)
     })
 }
@@ -419,7 +385,7 @@ type ToGraphFn = unsafe extern "C" fn(CUstream, Graph, Opaque, Opaque, usize, Ui
 
 /// # Safety
 /// As [`begin_v1`].
-pub unsafe fn begin_to_graph(
+pub unsafe fn begin_to_graph<const PER_THREAD: bool>(
     real: ToGraphFn,
     stream: CUstream,
     graph: Graph,
@@ -429,50 +395,22 @@ pub unsafe fn begin_to_graph(
     mode: Uint,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    begin_with(StreamArg::new(stream, false), mode, || unsafe {
+    begin_with(StreamArg::new(stream, PER_THREAD), mode, || unsafe {
         real(stream, graph, deps, dep_data, n, mode)
     })
 }
 
 /// # Safety
 /// As [`begin_v1`].
-pub unsafe fn begin_to_graph_ptsz(
-    real: ToGraphFn,
-    stream: CUstream,
-    graph: Graph,
-    deps: Opaque,
-    dep_data: Opaque,
-    n: usize,
-    mode: Uint,
-) -> CUresult {
-    // SAFETY: forwarding the caller's arguments.
-    begin_with(StreamArg::new(stream, true), mode, || unsafe {
-        real(stream, graph, deps, dep_data, n, mode)
-    })
-}
-
-/// # Safety
-/// As [`begin_v1`].
-pub unsafe fn end(
+pub unsafe fn end<const PER_THREAD: bool>(
     real: unsafe extern "C" fn(CUstream, *mut Graph) -> CUresult,
     stream: CUstream,
     graph: *mut Graph,
 ) -> CUresult {
     // SAFETY: forwarding the caller's arguments.
-    ended(StreamArg::new(stream, false), unsafe {
+    ended(StreamArg::new(stream, PER_THREAD), unsafe {
         real(stream, graph)
     })
-}
-
-/// # Safety
-/// As [`begin_v1`].
-pub unsafe fn end_ptsz(
-    real: unsafe extern "C" fn(CUstream, *mut Graph) -> CUresult,
-    stream: CUstream,
-    graph: *mut Graph,
-) -> CUresult {
-    // SAFETY: forwarding the caller's arguments.
-    ended(StreamArg::new(stream, true), unsafe { real(stream, graph) })
 }
 
 #[cfg(test)]

@@ -22,7 +22,6 @@ use std::ptr::null_mut;
 use std::time::Instant;
 
 use crate::cuda::*;
-use crate::ipc::CUipcMemHandle;
 use crate::symbols::{Sym, ALL};
 // The hook paths of the declaration list resolve here.
 use crate::{appvmm, attrs, capture, hooks, ipc, modules, pools, room};
@@ -40,17 +39,29 @@ macro_rules! exports {
         /// C ABI export: arguments as `cuda.h` documents them; forwarded unchanged.
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name($($arg: $ty),*) -> CUresult {
-            let p = crate::real::original(Sym::$name as usize);
-            if p.is_null() {
-                return crate::real::missing(stringify!($name));
-            }
-            // SAFETY: p is the real driver's symbol of this very name, whose C signature
-            // is the one declared here (cuda.h).
-            let real = unsafe {
-                std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ty),*) -> CUresult>(p)
-            };
+            let real = exports!(@real $name ($($ty),*));
             // SAFETY: the caller's arguments, forwarded unchanged.
             unsafe { real($($arg),*) }
+        }
+    };
+    // The original behind `$name` as its C signature; an export whose driver lacks it
+    // returns `CUDA_ERROR_NOT_FOUND` (`crate::real::missing`).
+    (@real $name:ident ($($ty:ty),*)) => {{
+        let p = crate::real::original(Sym::$name as usize);
+        if p.is_null() {
+            return crate::real::missing(stringify!($name));
+        }
+        // SAFETY: p is the real driver's symbol of this very name, whose C signature is
+        // the one declared here (cuda.h).
+        unsafe {
+            std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ty),*) -> CUresult>(p)
+        }
+    }};
+    // The driver calling itself through an export: forwarded unchanged.
+    (@reentered $real:ident ($($arg:ident),*)) => {
+        if crate::ffi::reentered() {
+            // SAFETY: the driver's own call, its arguments forwarded unchanged.
+            return unsafe { $real($($arg),*) };
         }
     };
     (@fn submit $name:ident ($($arg:ident : $ty:ty),*)) => {
@@ -59,18 +70,8 @@ macro_rules! exports {
         /// holds the GPU and its memory is resident.
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name($($arg: $ty),*) -> CUresult {
-            let p = crate::real::original(Sym::$name as usize);
-            if p.is_null() {
-                return crate::real::missing(stringify!($name));
-            }
-            // SAFETY: as for `pass`: the real symbol of this name and signature.
-            let real = unsafe {
-                std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ty),*) -> CUresult>(p)
-            };
-            if crate::ffi::reentered() {
-                // SAFETY: the driver calling itself through an export: forward unchanged.
-                return unsafe { real($($arg),*) };
-            }
+            let real = exports!(@real $name ($($ty),*));
+            exports!(@reentered real ($($arg),*));
             // SAFETY: the caller's arguments, forwarded unchanged once admitted (or at once
             // when recorded into a capture).
             crate::submit::submit(
@@ -102,18 +103,8 @@ macro_rules! exports {
         /// C ABI export: arguments as `cuda.h` documents them.
         #[cfg_attr(not(test), no_mangle)]
         pub unsafe extern "C" fn $name($($arg: $ty),*) -> CUresult {
-            let p = crate::real::original(Sym::$name as usize);
-            if p.is_null() {
-                return crate::real::missing(stringify!($name));
-            }
-            // SAFETY: as for `pass`: the real symbol of this name and signature.
-            let real = unsafe {
-                std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($ty),*) -> CUresult>(p)
-            };
-            if crate::ffi::reentered() {
-                // SAFETY: the driver calling itself through an export: forward unchanged.
-                return unsafe { real($($arg),*) };
-            }
+            let real = exports!(@real $name ($($ty),*));
+            exports!(@reentered real ($($arg),*));
             // SAFETY: the hook receives the caller's arguments and the original.
             crate::ffi::guarded(stringify!($name), || unsafe { $hook(real, $($arg),*) })
         }

@@ -380,9 +380,7 @@ pub unsafe fn mem_free(
     }
     match free_ours(dptr) {
         // A capture began between the check and the wait: the allocation is intact.
-        Some(crate::capture::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) if crate::capture::active() => {
-            defer()
-        }
+        Some(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) if crate::capture::active() => defer(),
         Some(r) => r,
         None => {
             // SAFETY: forwarding the caller's argument.

@@ -14,9 +14,6 @@ use crate::client::MAX_TURNS as MAX_DEVICES;
 use crate::cuda::*;
 use crate::real::call_real as call;
 
-/// `CU_DEVICE_CPU`: a prefetch's destination for the host.
-const CU_DEVICE_CPU: CUdevice = -1;
-
 #[derive(Default)]
 struct Device {
     /// The live managed allocations made with this device current: start → size.

@@ -23,8 +23,10 @@
 //! - Allocation never waits: when backing is not allowed (another process holds the
 //!   GPU) the range is reserved and left unbacked until the next grant.
 //!
-//! Its parts: the allocator here, `swap` (the swap engine), `share` (allocations
-//! shared through CUDA IPC), `app` (the application's own VMM handles).
+//! Its parts: the allocator here, `driver` (the [`Driver`] it runs over), `swap` (the
+//! swap engine), `host` (the host buffers swap-outs copy into), `access` (other
+//! devices' access, kept across swaps), `share` (allocations shared through CUDA IPC),
+//! `app` (the application's own VMM handles).
 //!
 //! This module does not talk to the arbiter and does not decide when to swap: the
 //! client ([`crate::client`]) does. The driver sits behind [`Driver`] so the logic is
@@ -46,168 +48,6 @@ pub const SMALL_ALIGN: u64 = 256;
 /// come for this long is held by memory the arbiter cannot see, and the caller tells
 /// it so ([`crate::client`]'s `no_room`) rather than wait out the whole deadline.
 pub const ROOM_STALL: Duration = Duration::from_millis(200);
-
-/// The driver calls the allocator needs. Device, context and access flags are the
-/// implementation's business.
-pub trait Driver: Send {
-    fn granularity(&self) -> Result<u64, CUresult>;
-    fn reserve(&self, size: u64, align: u64) -> Result<u64, CUresult>;
-    fn free_va(&self, va: u64, size: u64) -> Result<(), CUresult>;
-    fn create(&self, size: u64) -> Result<u64, CUresult>;
-    /// Physical memory as the application asked for it (its own `cuMemCreate`,
-    /// recreated on a swap-in). The default makes the allocator's own kind.
-    fn create_like(&self, size: u64, prop: &AppProp) -> Result<u64, CUresult> {
-        let _ = prop;
-        self.create(size)
-    }
-    fn release(&self, handle: u64) -> Result<(), CUresult>;
-    /// Maps `handle` at `va` and grants read-write access.
-    fn map(&self, va: u64, size: u64, handle: u64) -> Result<(), CUresult>;
-    fn unmap(&self, va: u64, size: u64) -> Result<(), CUresult>;
-    /// A page-locked host buffer of `size` bytes, for swap copies.
-    fn host_alloc(&self, size: u64) -> Result<*mut u8, CUresult>;
-    /// Frees a buffer [`Driver::host_alloc`] returned for `size` bytes, or one
-    /// [`Driver::pageable_alloc`] returned that [`Driver::host_register`] page-locked.
-    fn host_free(&self, p: *mut u8, size: u64);
-    /// A pageable host buffer of `size` bytes (plain memory, not page-locked), for a
-    /// swap-out that must not wait for page-locking; `None`: the driver offers no
-    /// such buffer (the swap-out page-locks as before).
-    fn pageable_alloc(&self, size: u64) -> Option<*mut u8> {
-        let _ = size;
-        None
-    }
-    /// Frees a buffer [`Driver::pageable_alloc`] returned for `size` bytes that was
-    /// not registered.
-    fn pageable_free(&self, p: *mut u8, size: u64) {
-        let _ = (p, size);
-    }
-    /// Page-locks, in place, a buffer [`Driver::pageable_alloc`] returned for `size`
-    /// bytes, its contents kept: afterwards it copies at pinned speed and is freed
-    /// with [`Driver::host_free`].
-    fn host_register(&self, p: *mut u8, size: u64) -> Result<(), CUresult> {
-        let _ = (p, size);
-        Err(crate::cuda::CUDA_ERROR_NOT_SUPPORTED)
-    }
-    /// Copies `n` bytes of device memory at `src` to the host.
-    ///
-    /// # Safety
-    /// `dst` points to at least `n` writable bytes.
-    unsafe fn to_host(&self, dst: *mut u8, src: u64, n: u64) -> Result<(), CUresult>;
-    /// Copies `n` host bytes to device memory at `dst`.
-    ///
-    /// # Safety
-    /// `src` points to at least `n` readable bytes.
-    unsafe fn to_device(&self, dst: u64, src: *const u8, n: u64) -> Result<(), CUresult>;
-    /// Starts copying `n` bytes of device memory at `src` to the pinned host buffer
-    /// `dst`; the copy is complete when [`Driver::wait_copies`] returns. The swapper
-    /// starts one copy, does other driver work (allocating the next pinned buffer),
-    /// then waits: a driver with a copy engine (a dedicated stream) overlaps the two.
-    /// The default copies synchronously.
-    ///
-    /// # Safety
-    /// `dst` points to at least `n` writable bytes that stay valid and untouched until
-    /// [`Driver::wait_copies`] returns.
-    unsafe fn to_host_async(&self, dst: *mut u8, src: u64, n: u64) -> Result<(), CUresult> {
-        // SAFETY: the caller's contract is to_host's.
-        unsafe { self.to_host(dst, src, n) }
-    }
-    /// Starts copying `n` pinned host bytes to device memory at `dst`; complete when
-    /// [`Driver::wait_copies`] returns. The default copies synchronously.
-    ///
-    /// # Safety
-    /// `src` points to at least `n` readable bytes that stay valid and unchanged until
-    /// [`Driver::wait_copies`] returns.
-    unsafe fn to_device_async(&self, dst: u64, src: *const u8, n: u64) -> Result<(), CUresult> {
-        // SAFETY: the caller's contract is to_device's.
-        unsafe { self.to_device(dst, src, n) }
-    }
-    /// Waits until every copy started with `to_host_async` / `to_device_async` is
-    /// complete; the error of a failed one. The default has nothing to wait for.
-    fn wait_copies(&self) -> Result<(), CUresult> {
-        Ok(())
-    }
-    /// Whether the copies started so far are complete, without waiting; `None`: the
-    /// driver cannot tell (the default).
-    fn copies_done(&self) -> Option<bool> {
-        None
-    }
-    /// Moves the contents of the pinned buffer `p` ([`Driver::host_alloc`], `size`
-    /// bytes, no copy in flight) to the node's disk tier and frees the buffer: a
-    /// handle for [`Driver::spilled_to_device`]. `None` (the default): it stays as
-    /// it was.
-    fn host_spill(&self, p: *mut u8, size: u64) -> Option<u64> {
-        let _ = (p, size);
-        None
-    }
-    /// Whether [`Driver::host_spill`] may move buffer `p` (it is the node's swap
-    /// pool's: the process's own memory never goes to the disk tier). The default:
-    /// none may.
-    fn host_spillable(&self, p: *mut u8) -> bool {
-        let _ = p;
-        false
-    }
-    /// Copies `pieces` (offset, length) of the spilled contents `h` to device memory
-    /// at `va` + offset, synchronously.
-    fn spilled_to_device(&self, h: u64, va: u64, pieces: &[(u64, u64)]) -> Result<(), CUresult> {
-        let _ = (h, va, pieces);
-        Err(crate::cuda::CUDA_ERROR_NOT_SUPPORTED)
-    }
-    /// Forgets spilled contents (read back, or their segment freed).
-    fn spill_free(&self, h: u64) {
-        let _ = h;
-    }
-    /// Waits until every piece of work of this process's context is done.
-    fn sync(&self) -> Result<(), CUresult>;
-    /// Grants other devices access to the mapping at `va` (`cuMemSetAccess`), beyond
-    /// the read-write access [`Driver::map`] gives the owning device. The default does
-    /// nothing.
-    fn set_access(&self, _va: u64, _size: u64, _grants: &[Grant]) -> Result<(), CUresult> {
-        Ok(())
-    }
-}
-
-/// Access of one other device to a mapping: (device ordinal, `CUmemAccess_flags`:
-/// 0 none, 1 read, 3 read-write). The application's `cuMemSetAccess` and
-/// `cuCtxEnablePeerAccess` are recorded as grants and applied to every new mapping,
-/// so they survive swaps.
-pub type Grant = (i32, i32);
-
-/// Sets `device`'s entry in `grants` (a later grant replaces an earlier one).
-fn merge_grant(grants: &mut Vec<Grant>, g: Grant) {
-    match grants.iter_mut().find(|x| x.0 == g.0) {
-        Some(x) => x.1 = g.1,
-        None => grants.push(g),
-    }
-}
-
-/// A host buffer: held by a swapped-out segment (its contents) or spare. Spares are
-/// always pinned; a segment's may be pageable (a swap-out that found no pinned buffer
-/// ready), until the pinning thread registers it in place
-/// ([`Memory::register_next`]).
-struct HostBuf {
-    ptr: *mut u8,
-    /// Bytes allocated (at least the size of the segment it holds).
-    cap: u64,
-    /// Page-locked (allocated so, or registered in place).
-    pinned: bool,
-    /// Being registered in place by the pinning thread, outside the allocator's lock:
-    /// it must not be freed until that ends ([`Memory::finish_register`]).
-    registering: bool,
-}
-
-impl HostBuf {
-    fn pinned(ptr: *mut u8, cap: u64) -> Self {
-        Self {
-            ptr,
-            cap,
-            pinned: true,
-            registering: false,
-        }
-    }
-}
-// SAFETY: the buffer is plain memory owned by the allocator (a segment or the spares);
-// only the thread holding the allocator's lock touches it.
-unsafe impl Send for HostBuf {}
 
 struct Chunk {
     /// Free ranges (offset, length), sorted by offset, coalesced.
@@ -243,6 +83,27 @@ struct Segment {
     /// While swapped out, instead of `host`: its contents moved to the node's disk
     /// tier ([`Driver::host_spill`]), by handle.
     spilled: Option<u64>,
+}
+
+impl Segment {
+    /// `size` bytes at `va`, last touched at `touch`, never backed: no handle, no
+    /// contents, no grants, pins or dead ranges.
+    fn unbacked(va: u64, size: u64, touch: u64) -> Self {
+        Segment {
+            va,
+            size,
+            handle: None,
+            host: None,
+            touch,
+            chunk: None,
+            access: Vec::new(),
+            pins: 0,
+            dead: Dead::default(),
+            pieces: None,
+            app: None,
+            spilled: None,
+        }
+    }
 }
 
 enum Alloc {
@@ -465,120 +326,6 @@ impl<D: Driver> Memory<D> {
         Ok(())
     }
 
-    /// The other devices' access segment `i` must have: the peers', overridden by
-    /// what the application asked for on its allocations.
-    fn grants_of(&self, i: usize) -> Vec<Grant> {
-        let mut g = self.peers.clone();
-        for &a in &self.segs[i].as_ref().expect("live segment").access {
-            merge_grant(&mut g, a);
-        }
-        g
-    }
-
-    /// Applies the recorded access to segment `i`, freshly mapped (a new mapping gives
-    /// only the owning device access). A failure is logged, not returned: the
-    /// application's data is intact and this device's work goes on; another device's
-    /// access then fails with the driver's own error.
-    fn reapply_access(&mut self, i: usize) {
-        let g = self.grants_of(i);
-        if g.is_empty() {
-            return;
-        }
-        let (va, size) = {
-            let s = self.seg(i);
-            (s.va, s.size)
-        };
-        if let Err(e) = self.drv.set_access(va, size, &g) {
-            crate::kwarn!(
-                "re-granting other devices' access to {size} bytes at {va:#x} after mapping failed with CUDA error {e}"
-            );
-        }
-    }
-
-    /// The segments holding any byte of `[ptr, ptr+size)`, which must lie inside one
-    /// allocation; `None` when `ptr` is in no allocation of this allocator.
-    fn segments_in(&self, ptr: u64, size: u64) -> Option<Result<Vec<usize>, CUresult>> {
-        if let Some(i) = self.app_seg_at(ptr) {
-            let s = self.segs[i].as_ref().expect("live segment");
-            if size == 0 || ptr.checked_add(size).is_none_or(|end| end > s.va + s.size) {
-                return Some(Err(CUDA_ERROR_INVALID_VALUE));
-            }
-            return Some(Ok(vec![i]));
-        }
-        let (&base, a) = self.allocs.range(..=ptr).next_back()?;
-        let (asize, segs) = match a {
-            Alloc::Large { size, segs, .. } => (*size, segs.clone()),
-            Alloc::Small { seg, size, .. } => (*size, vec![*seg]),
-        };
-        if ptr >= base + asize {
-            return None;
-        }
-        if size == 0 || ptr.checked_add(size).is_none_or(|end| end > base + asize) {
-            return Some(Err(CUDA_ERROR_INVALID_VALUE));
-        }
-        let hit = segs
-            .into_iter()
-            .filter(|&i| {
-                let s = self.segs[i].as_ref().expect("live segment");
-                s.va < ptr + size && ptr < s.va + s.size
-            })
-            .collect();
-        Some(Ok(hit))
-    }
-
-    /// The application's `cuMemSetAccess(ptr, size, grants)` on memory of this
-    /// allocator: recorded on every segment holding the range (a small allocation's
-    /// whole shared chunk, a large one's whole 64 MiB segments) and applied now to
-    /// those that are mapped; every later mapping of them gets it too. `None`: `ptr`
-    /// is not this allocator's (the driver's business).
-    pub fn set_access(
-        &mut self,
-        ptr: u64,
-        size: u64,
-        grants: &[Grant],
-    ) -> Option<Result<(), CUresult>> {
-        let segs = match self.segments_in(ptr, size)? {
-            Ok(s) => s,
-            Err(e) => return Some(Err(e)),
-        };
-        for &i in &segs {
-            let s = self.seg(i);
-            for &g in grants {
-                merge_grant(&mut s.access, g);
-            }
-            if s.handle.is_some() {
-                let (va, size) = (s.va, s.size);
-                if let Err(e) = self.drv.set_access(va, size, grants) {
-                    return Some(Err(e));
-                }
-            }
-        }
-        Some(Ok(()))
-    }
-
-    /// Another device's context enabled (`flags` 3) or disabled (0) peer access to
-    /// this device: applied to every mapped segment now (where the application set no
-    /// access of its own for that device) and to every later mapping.
-    pub fn set_peer(&mut self, device: i32, flags: i32) -> Result<(), CUresult> {
-        if flags == 0 {
-            self.peers.retain(|g| g.0 != device);
-        } else {
-            merge_grant(&mut self.peers, (device, flags));
-        }
-        let mut r = Ok(());
-        for i in 0..self.segs.len() {
-            let Some(s) = self.segs[i].as_ref() else {
-                continue;
-            };
-            if s.handle.is_none() || s.access.iter().any(|g| g.0 == device) {
-                continue;
-            }
-            let (va, size) = (s.va, s.size);
-            r = r.and(self.drv.set_access(va, size, &[(device, flags)]));
-        }
-        r
-    }
-
     /// Undoes [`Self::map_fresh`] (after a failed copy-in: the contents stay in the
     /// host buffer).
     fn unmap_fresh(&mut self, i: usize) {
@@ -588,124 +335,6 @@ impl<D: Driver> Memory<D> {
             let _ = self.drv.unmap(va, size);
             let _ = self.drv.release(h);
             self.resident -= size;
-        }
-    }
-
-    /// A spare pinned buffer for `size` bytes: the exact size if there is one, else the
-    /// smallest larger one.
-    fn take_spare(&mut self, size: u64) -> Option<HostBuf> {
-        let k = self
-            .spare
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.cap >= size)
-            .min_by_key(|(_, b)| b.cap)
-            .map(|(k, _)| k)?;
-        Some(self.spare.swap_remove(k))
-    }
-
-    fn new_host_buf(&mut self, size: u64) -> Result<HostBuf, CUresult> {
-        let t = Instant::now();
-        let ptr = self.drv.host_alloc(size)?;
-        self.host_bytes += size;
-        self.pinned_now += size;
-        self.pinning_time += t.elapsed();
-        Ok(HostBuf::pinned(ptr, size))
-    }
-
-    /// A buffer for a swap-out that found no pinned one ready: pageable when the
-    /// driver offers it (a pageable copy runs several times faster than page-locking
-    /// fresh memory: docs/benchmarks.md, `swap_out_after_growth`), registered in
-    /// place later, off the critical path; else pinned now.
-    fn swap_out_buf(&mut self, size: u64) -> Result<HostBuf, CUresult> {
-        match self.drv.pageable_alloc(size) {
-            Some(ptr) => {
-                self.host_bytes += size;
-                self.pageable_now += size;
-                Ok(HostBuf {
-                    ptr,
-                    cap: size,
-                    pinned: false,
-                    registering: false,
-                })
-            }
-            None => self.new_host_buf(size),
-        }
-    }
-
-    /// A buffer no segment holds any more: a pinned one becomes a spare, a pageable
-    /// one is freed (one the pinning thread is registering waits in `limbo`).
-    fn recycle(&mut self, b: HostBuf) {
-        if b.registering {
-            self.limbo.push(b);
-        } else if b.pinned {
-            self.spare.push(b);
-        } else {
-            self.drv.pageable_free(b.ptr, b.cap);
-            self.host_bytes -= b.cap;
-        }
-    }
-
-    /// The next swapped-out segment's pageable buffer to register in place, marked
-    /// as being registered: `(ptr, cap)`. The caller registers it without the
-    /// allocator's lock (page-locking runs at a few GB/s), then calls
-    /// [`Memory::finish_register`].
-    pub fn register_next(&mut self) -> Option<(*mut u8, u64)> {
-        let b = self
-            .segs
-            .iter_mut()
-            .flatten()
-            .filter_map(|s| s.host.as_mut())
-            .find(|b| !b.pinned && !b.registering)?;
-        b.registering = true;
-        Some((b.ptr, b.cap))
-    }
-
-    /// Ends the registration [`Memory::register_next`] started for the buffer at
-    /// `ptr`: pinned when `ok`. A buffer its segment let go meanwhile is now freed,
-    /// or kept as a spare when it got pinned.
-    pub fn finish_register(&mut self, ptr: *mut u8, ok: bool) {
-        let held = self
-            .segs
-            .iter_mut()
-            .flatten()
-            .filter_map(|s| s.host.as_mut())
-            .find(|b| b.ptr == ptr);
-        if let Some(b) = held {
-            b.registering = false;
-            b.pinned = ok;
-            return;
-        }
-        if let Some(k) = self.limbo.iter().position(|b| b.ptr == ptr) {
-            let mut b = self.limbo.swap_remove(k);
-            b.registering = false;
-            b.pinned = ok;
-            self.recycle(b);
-            self.trim_spare();
-        }
-    }
-
-    /// Bytes of swapped-out contents in pageable buffers, not yet registered.
-    pub fn pageable_bytes(&self) -> u64 {
-        self.segs
-            .iter()
-            .flatten()
-            .filter_map(|s| s.host.as_ref())
-            .filter(|b| !b.pinned)
-            .map(|b| b.cap)
-            .sum()
-    }
-
-    /// Frees spare pinned buffers (largest first) while all pinned buffers together
-    /// exceed the working set: more is never needed at once.
-    fn trim_spare(&mut self) {
-        while self.host_bytes > self.working_set {
-            let Some(k) = (0..self.spare.len()).max_by_key(|&k| self.spare[k].cap) else {
-                break;
-            };
-            let b = self.spare.swap_remove(k);
-            self.drv.host_free(b.ptr, b.cap);
-            self.host_bytes -= b.cap;
         }
     }
 
@@ -754,20 +383,7 @@ impl<D: Driver> Memory<D> {
         let seg_max = round_up(SEGMENT_MAX, self.gran);
         while off < reserved {
             let len = seg_max.min(reserved - off);
-            let i = self.new_seg(Segment {
-                va: base + off,
-                size: len,
-                handle: None,
-                host: None,
-                touch: self.epoch,
-                chunk: None,
-                access: Vec::new(),
-                pins: 0,
-                dead: Dead::default(),
-                pieces: None,
-                app: None,
-                spilled: None,
-            });
+            let i = self.new_seg(Segment::unbacked(base + off, len, self.epoch));
             segs.push(i);
             off += len;
         }
@@ -823,21 +439,11 @@ impl<D: Driver> Memory<D> {
         self.check_limit(self.gran)?;
         let va = self.drv.reserve(self.gran, self.gran)?;
         let seg = self.new_seg(Segment {
-            va,
-            size: self.gran,
-            handle: None,
-            host: None,
-            touch: self.epoch,
             chunk: Some(Chunk {
                 free: vec![(need, self.gran - need)],
                 used: need,
             }),
-            access: Vec::new(),
-            pins: 0,
-            dead: Dead::default(),
-            pieces: None,
-            app: None,
-            spilled: None,
+            ..Segment::unbacked(va, self.gran, self.epoch)
         });
         self.working_set += self.gran;
         if self.backing_allowed {
@@ -982,11 +588,17 @@ impl<D: Driver> Memory<D> {
     }
 }
 
+mod access;
 mod app;
+mod driver;
+mod host;
 mod share;
 mod swap;
 
+pub use access::Grant;
 pub use app::AppProp;
+pub use driver::Driver;
+use host::HostBuf;
 use share::Shared;
 pub use share::{PinError, SharedLayout};
 

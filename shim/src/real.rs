@@ -1,17 +1,19 @@
-//! The real driver: glibc's own `dlsym`, the `libcuda.so.1` handle, and the original
-//! function pointers behind every entry of the declaration list ([`crate::symbols`]),
-//! resolved once ([`REAL`]). Owns nothing else. The bottom layer: it uses only the
-//! list and the leaves.
+//! The real driver: glibc's own `dlsym`, `libcuda.so.1` (opened once through
+//! [`kiwi_cuda::Library`], its symbols looked up with glibc's `dlsym`), and the
+//! original function pointers behind every entry of the declaration list
+//! ([`crate::symbols`]), resolved once ([`REAL`]). Owns nothing else. The bottom
+//! layer: it uses only the list and the leaves.
 
 use std::ffi::{c_char, c_void, CStr};
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::Once;
+use std::sync::{Once, OnceLock};
+
+use kiwi_cuda::loader::DlsymFn;
+use kiwi_cuda::{Library, LoadError, LIBCUDA};
 
 use crate::cuda::{CUresult, CUDA_ERROR_NOT_FOUND};
 use crate::symbols::{Sym, COUNT, SYMBOLS};
-
-type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
 
 /// glibc's `dlsym`. Read by the `dlsym` trampoline in [`crate::dl`], so it must stay a
 /// plain pointer-sized static.
@@ -21,7 +23,9 @@ pub static REAL_DLSYM: AtomicPtr<c_void> = AtomicPtr::new(null_mut());
 /// driver lacks it), in [`Sym`] order.
 pub static REAL: [AtomicPtr<c_void>; COUNT] = [const { AtomicPtr::new(null_mut()) }; COUNT];
 
-static LIBCUDA: AtomicPtr<c_void> = AtomicPtr::new(null_mut());
+/// The real driver, opened once (never closed), its symbols looked up with glibc's
+/// own `dlsym` ([`real_dlsym`]).
+static DRIVER: OnceLock<Library> = OnceLock::new();
 static LOAD: Once = Once::new();
 
 unsafe extern "C" fn dlsym_unavailable(_: *mut c_void, _: *const c_char) -> *mut c_void {
@@ -66,33 +70,25 @@ fn load_now() {
     let path = env
         .real_libcuda
         .clone()
-        .unwrap_or_else(|| "libcuda.so.1".to_string());
-    let Ok(cpath) = std::ffi::CString::new(path.clone()) else {
-        crate::kerror!("KIWI_REAL_LIBCUDA={path:?} is not a valid path");
-        return;
+        .unwrap_or_else(|| LIBCUDA.to_string());
+    let lib = match Library::open_with(&path, real_dlsym()) {
+        Ok(lib) => lib,
+        Err(LoadError::BadName(_)) => {
+            crate::kerror!("KIWI_REAL_LIBCUDA={path:?} is not a valid path");
+            return;
+        }
+        Err(LoadError::Open { reason, .. }) => {
+            crate::kerror!("cannot load the real CUDA driver {path:?}: {reason}");
+            return;
+        }
+        Err(e) => {
+            crate::kerror!("cannot load the real CUDA driver {path:?}: {e}");
+            return;
+        }
     };
-    // SAFETY: dlopen with a NUL-terminated path.
-    let h = unsafe { libc::dlopen(cpath.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-    if h.is_null() {
-        // SAFETY: dlerror returns a thread-local message or null.
-        let err = unsafe { libc::dlerror() };
-        let msg = if err.is_null() {
-            String::new()
-        } else {
-            // SAFETY: dlerror's result is a NUL-terminated string.
-            unsafe { CStr::from_ptr(err) }
-                .to_string_lossy()
-                .into_owned()
-        };
-        crate::kerror!("cannot load the real CUDA driver {path:?}: {msg}");
-        return;
-    }
-    LIBCUDA.store(h, Ordering::Release);
-    let dlsym = real_dlsym();
+    let lib = DRIVER.get_or_init(|| lib);
     for (i, s) in SYMBOLS.iter().enumerate() {
-        // SAFETY: h is a live dlopen handle and the name is NUL-terminated.
-        let p = unsafe { dlsym(h, s.cname().as_ptr()) };
-        REAL[i].store(p, Ordering::Release);
+        REAL[i].store(lib.symbol(s.cname()), Ordering::Release);
     }
     crate::kdebug!("real driver {path} loaded");
 }
@@ -143,12 +139,7 @@ pub fn original_of(s: Sym) -> *mut c_void {
 /// context probe), or null.
 pub fn lookup(name: &CStr) -> *mut c_void {
     load();
-    let h = LIBCUDA.load(Ordering::Acquire);
-    if h.is_null() {
-        return null_mut();
-    }
-    // SAFETY: h is a live dlopen handle and the name is NUL-terminated.
-    unsafe { real_dlsym()(h, name.as_ptr()) }
+    DRIVER.get().map_or(null_mut(), |lib| lib.symbol(name))
 }
 
 /// What an export answers when the real driver lacks its symbol.

@@ -496,17 +496,17 @@ macro_rules! for_each_export {
             /// Attaches managed memory (paged by the driver) to a stream; runs no work.
             driver cuStreamAttachMemAsync_ptsz;
             /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-            hook cuStreamBeginCapture(stream: CUstream) => capture::begin_v1;
+            hook cuStreamBeginCapture(stream: CUstream) => capture::begin_v1::<false>;
             /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-            hook cuStreamBeginCaptureToGraph(stream: CUstream, graph: *mut c_void, deps: Opaque, dep_data: Opaque, n: usize, mode: Uint) => capture::begin_to_graph;
+            hook cuStreamBeginCaptureToGraph(stream: CUstream, graph: *mut c_void, deps: Opaque, dep_data: Opaque, n: usize, mode: Uint) => capture::begin_to_graph::<false>;
             /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-            hook cuStreamBeginCaptureToGraph_ptsz(stream: CUstream, graph: *mut c_void, deps: Opaque, dep_data: Opaque, n: usize, mode: Uint) => capture::begin_to_graph_ptsz;
+            hook cuStreamBeginCaptureToGraph_ptsz(stream: CUstream, graph: *mut c_void, deps: Opaque, dep_data: Opaque, n: usize, mode: Uint) => capture::begin_to_graph::<true>;
             /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-            hook cuStreamBeginCapture_ptsz(stream: CUstream) => capture::begin_v1_ptsz;
+            hook cuStreamBeginCapture_ptsz(stream: CUstream) => capture::begin_v1::<true>;
             /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-            hook cuStreamBeginCapture_v2(stream: CUstream, mode: Uint) => capture::begin;
+            hook cuStreamBeginCapture_v2(stream: CUstream, mode: Uint) => capture::begin::<false>;
             /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-            hook cuStreamBeginCapture_v2_ptsz(stream: CUstream, mode: Uint) => capture::begin_ptsz;
+            hook cuStreamBeginCapture_v2_ptsz(stream: CUstream, mode: Uint) => capture::begin::<true>;
             /// Reads or sets a stream's properties; runs no work.
             driver cuStreamCopyAttributes;
             /// Reads or sets a stream's properties; runs no work.
@@ -520,9 +520,9 @@ macro_rules! for_each_export {
             /// Creates or destroys a stream; runs no work.
             driver cuStreamDestroy_v2;
             /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-            hook cuStreamEndCapture(stream: CUstream, graph: *mut *mut c_void) => capture::end;
+            hook cuStreamEndCapture(stream: CUstream, graph: *mut *mut c_void) => capture::end::<false>;
             /// Stream capture: the shim tracks it (`capture.rs`): no shim sync while a stream captures.
-            hook cuStreamEndCapture_ptsz(stream: CUstream, graph: *mut *mut c_void) => capture::end_ptsz;
+            hook cuStreamEndCapture_ptsz(stream: CUstream, graph: *mut *mut c_void) => capture::end::<true>;
             /// Reads or sets a stream's properties; runs no work.
             driver cuStreamGetAttribute;
             /// Reads or sets a stream's properties; runs no work.

@@ -35,18 +35,9 @@ impl<D: Driver> Memory<D> {
         self.external_released(handle);
         let epoch = self.epoch;
         let i = self.new_seg(Segment {
-            va,
-            size,
             handle: Some(handle),
-            host: None,
-            touch: epoch,
-            chunk: None,
-            access: Vec::new(),
-            pins: 0,
-            dead: Dead::default(),
-            pieces: None,
             app: Some(prop),
-            spilled: None,
+            ..Segment::unbacked(va, size, epoch)
         });
         self.working_set += size;
         self.resident += size;

@@ -6,6 +6,7 @@
 //! `wait_copies` runs the queue, as a copy engine would: a swapper that unmapped a
 //! segment before waiting for its copy would read an unmapped address.
 
+use super::access::merge_grant;
 use super::*;
 use std::cell::RefCell;
 
