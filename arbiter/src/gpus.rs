@@ -8,7 +8,6 @@
 //! a later different size is refused, and the table holds at most [`MAX_GPUS`].
 //! The server owns the table itself (`server::state::State::gpus`); this module decides.
 
-
 use kiwi_nvml::{LoadError, Nvml, NvmlError, NVML_LIBRARY};
 
 /// Most GPU entries the arbiter keeps; registrations for more GPUs are refused.
