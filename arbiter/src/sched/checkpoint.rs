@@ -528,41 +528,7 @@ impl GpuScheduler {
         id: ClientId,
         outcome: Result<u64, CheckpointFailure>,
     ) -> Vec<Output> {
-        let Some(c) = self.clients.get_mut(&id) else {
-            return Vec::new();
-        };
-        if c.ckpt != Ckpt::Checkpointing {
-            return self.finish(now);
-        }
-        let kind = match outcome {
-            Ok(duration_ns) => {
-                if c.info.notices {
-                    self.out.push(Output::Send(
-                        id,
-                        ArbiterMsg::Checkpointed { restored: false },
-                    ));
-                }
-                c.ckpt = Ckpt::Checkpointed;
-                // Whatever it did not reclaim went with its process.
-                c.reclaim_pending = 0;
-                c.reclaim_sent = None;
-                EventKind::Checkpoint {
-                    bytes: c.unswappable,
-                    duration_ns,
-                }
-            }
-            Err(f) => {
-                c.ckpt = if f.permanent {
-                    Ckpt::Refused
-                } else {
-                    Ckpt::None
-                };
-                c.ckpt_failed_at = Some(now);
-                EventKind::CheckpointSkipped { reason: f.reason }
-            }
-        };
-        self.log(Some(id), kind);
-        self.finish(now)
+        self.job_done(now, id, Ckpt::Checkpointing, outcome)
     }
 
     /// The daemon's restore of client `id` ended: `Ok` with its duration (the client
@@ -573,36 +539,56 @@ impl GpuScheduler {
         id: ClientId,
         outcome: Result<u64, CheckpointFailure>,
     ) -> Vec<Output> {
+        self.job_done(now, id, Ckpt::Restoring, outcome)
+    }
+
+    /// The daemon's `job` on client `id` (`Checkpointing` or `Restoring`) ended. The
+    /// outcome is stale, and ignored, when the client is gone or its state moved on.
+    fn job_done(
+        &mut self,
+        now: Nanos,
+        id: ClientId,
+        job: Ckpt,
+        outcome: Result<u64, CheckpointFailure>,
+    ) -> Vec<Output> {
         let Some(c) = self.clients.get_mut(&id) else {
             return Vec::new();
         };
-        if c.ckpt != Ckpt::Restoring {
+        if c.ckpt != job {
             return self.finish(now);
         }
+        let restored = job == Ckpt::Restoring;
+        let bytes = c.unswappable;
         let kind = match outcome {
             Ok(duration_ns) => {
-                c.ckpt = Ckpt::None;
-                c.ckpt_failed_at = None;
                 if c.info.notices {
-                    self.out.push(Output::Send(
-                        id,
-                        ArbiterMsg::Checkpointed { restored: true },
-                    ));
+                    self.out
+                        .push(Output::Send(id, ArbiterMsg::Checkpointed { restored }));
                 }
-                EventKind::Restore {
-                    bytes: c.unswappable,
-                    duration_ns,
+                if restored {
+                    c.ckpt = Ckpt::None;
+                    c.ckpt_failed_at = None;
+                    EventKind::Restore { bytes, duration_ns }
+                } else {
+                    c.ckpt = Ckpt::Checkpointed;
+                    // Whatever it did not reclaim went with its process.
+                    c.reclaim_pending = 0;
+                    c.reclaim_sent = None;
+                    EventKind::Checkpoint { bytes, duration_ns }
                 }
             }
             Err(f) => {
-                c.ckpt = Ckpt::Checkpointed;
+                c.ckpt = match job {
+                    Ckpt::Restoring => Ckpt::Checkpointed,
+                    _ if f.permanent => Ckpt::Refused,
+                    _ => Ckpt::None,
+                };
                 c.ckpt_failed_at = Some(now);
-                let need = c.unswappable;
                 self.log(Some(id), EventKind::CheckpointSkipped { reason: f.reason });
-                // No room for it yet (others' memory is resident): the clients that
-                // do not hold the GPU give it.
-                if !f.permanent {
-                    let need = need.saturating_sub(self.freeing());
+                // No room for a restore yet (others' memory is resident): the clients
+                // that do not hold the GPU give it.
+                if restored && !f.permanent {
+                    let need = bytes.saturating_sub(self.freeing());
                     let _ = self.reclaim_bytes(now, id, need);
                 }
                 return self.finish(now);

@@ -148,22 +148,9 @@ impl GpuScheduler {
                 // It kept working while no arbiter ran; take it as holder again. If that
                 // makes two exclusive holders, the transition logic drops one.
                 let exclusive = !self.shared_mode() && self.holders.is_empty();
-                self.holders.insert(
-                    id,
-                    Hold {
-                        since: now,
-                        exclusive,
-                        drop_sent: None,
-                        drop_need: 0,
-                        early: false,
-                        // It was working already: its quantum runs from now.
-                        quantum_from: Some(now),
-                        learned: false,
-                        swap_allowance: 0,
-                        grown: 0,
-                        backfill: false,
-                    },
-                );
+                // It was working already: its quantum runs from now.
+                self.holders
+                    .insert(id, Hold::granted(now, exclusive, Some(now), false));
                 self.log(
                     Some(id),
                     EventKind::Grant {

@@ -17,6 +17,30 @@ use super::*;
 /// drainer's memory is only freed by its swap-out.
 pub const SLOWEST_SWAP_OUT_NS_PER_BYTE: u64 = 1;
 
+impl Hold {
+    /// A hold granted at `since`, its quantum running from `quantum_from`: not asked
+    /// to let go, nothing learned, reclaimed or allowed yet.
+    pub(super) fn granted(
+        since: Nanos,
+        exclusive: bool,
+        quantum_from: Option<Nanos>,
+        backfill: bool,
+    ) -> Self {
+        Self {
+            since,
+            exclusive,
+            drop_sent: None,
+            drop_need: 0,
+            early: false,
+            quantum_from,
+            learned: false,
+            swap_allowance: 0,
+            grown: 0,
+            backfill,
+        }
+    }
+}
+
 impl GpuScheduler {
     /// Current holders (one when exclusive), for tests and status.
     pub fn holders(&self) -> Vec<ClientId> {
@@ -41,18 +65,7 @@ impl GpuScheduler {
             // Already holding (e.g. a client that lost track after a reconnect):
             // confirm idempotently.
             let exclusive = h.exclusive;
-            let waiting = self.queue.len() as u32;
-            let group = exclusive && self.gang_of(id).is_some();
-            self.send(
-                id,
-                ArbiterMsg::Grant {
-                    exclusive,
-                    tq_ms: self.settings.tq_ms,
-                    waiting,
-                    pipelined: false,
-                    group,
-                },
-            );
+            self.send_grant(id, exclusive, false);
             return self.finish(now);
         }
         if self.queue.contains(&id) {
@@ -220,23 +233,10 @@ impl GpuScheduler {
         c.last_seen = now;
         self.resume.granted();
         let quantum_from = Self::quantum_start(c, now);
-        self.holders.insert(
-            id,
-            Hold {
-                since: now,
-                exclusive,
-                drop_sent: None,
-                drop_need: 0,
-                early: false,
-                quantum_from,
-                learned: false,
-                swap_allowance: 0,
-                grown: 0,
-                backfill: matches!(self.reserve, Reserve::Claimed(_)),
-            },
-        );
+        let backfill = matches!(self.reserve, Reserve::Claimed(_));
+        self.holders
+            .insert(id, Hold::granted(now, exclusive, quantum_from, backfill));
         c.revoked = false;
-        let waiting = self.queue.len() as u32;
         self.log(
             Some(id),
             EventKind::Grant {
@@ -244,6 +244,20 @@ impl GpuScheduler {
                 waited_ns: waited,
             },
         );
+        self.send_grant(id, exclusive, pipelined);
+        let contended = exclusive && !self.queue.is_empty();
+        let need = if contended {
+            self.queue.front().map_or(0, |&n| self.need_for(n))
+        } else {
+            0
+        };
+        self.told.set_contention(contended, need);
+    }
+
+    /// Tells holder `id` its grant (again, to one that asks while holding), with how
+    /// many wait after it.
+    fn send_grant(&mut self, id: ClientId, exclusive: bool, pipelined: bool) {
+        let waiting = self.queue.len() as u32;
         let group = exclusive && self.gang_of(id).is_some();
         self.send(
             id,
@@ -255,13 +269,6 @@ impl GpuScheduler {
                 group,
             },
         );
-        let contended = exclusive && waiting > 0;
-        let need = if contended {
-            self.queue.front().map_or(0, |&n| self.need_for(n))
-        } else {
-            0
-        };
-        self.told.set_contention(contended, need);
     }
 
     /// Grants the first in line and reclaims whatever memory it still lacks from idle
@@ -290,16 +297,7 @@ impl GpuScheduler {
         self.ledger.forget_unseen(now);
         // Grace: a drainer whose release does not come in the grace plus the time its
         // swap-out may take loses the GPU like a holder.
-        let expired: Vec<ClientId> = self
-            .draining
-            .iter()
-            .filter(|(_, h)| self.grace_end(h).is_some_and(|end| now >= end))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in expired {
-            let h = self.draining.remove(&id).expect("listed");
-            self.revoke(now, id, h);
-        }
+        self.revoke_expired(now, |s| &mut s.draining);
         if self.shared_mode() {
             // Everyone fits (or no arbitration): grant every waiter, shared — except
             // just after a restart, while a holder the arbiter cannot see yet may
@@ -341,29 +339,13 @@ impl GpuScheduler {
                 .filter(|&i| i != keep)
                 .collect();
             for id in others {
-                let h = self.holders.get_mut(&id).expect("listed");
-                if h.drop_sent.is_some() {
+                if self.holders[&id].drop_sent.is_some() {
                     continue;
                 }
-                h.drop_sent = Some(now);
                 let resident = self.clients.get(&id).map_or(0, |c| c.usage.resident_bytes);
                 let need = resident.min(overflow);
-                h.drop_need = need;
                 overflow -= need;
-                self.log(
-                    Some(id),
-                    EventKind::Drop {
-                        need_bytes: need,
-                        reason: DropReason::NoLongerFits,
-                    },
-                );
-                self.send(
-                    id,
-                    ArbiterMsg::Drop {
-                        need_bytes: need,
-                        reason: DropReason::NoLongerFits,
-                    },
-                );
+                self.ask_to_drop(now, id, need, DropReason::NoLongerFits);
             }
             let start = self
                 .clients
@@ -379,16 +361,7 @@ impl GpuScheduler {
         }
 
         // Grace: a holder that ignored its drop loses the GPU.
-        let expired: Vec<ClientId> = self
-            .holders
-            .iter()
-            .filter(|(_, h)| self.grace_end(h).is_some_and(|end| now >= end))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in expired {
-            let h = self.holders.remove(&id).expect("listed");
-            self.revoke(now, id, h);
-        }
+        self.revoke_expired(now, |s| &mut s.holders);
 
         // Nobody holds: hand over to the first in line.
         self.handoff(now);
@@ -413,6 +386,11 @@ impl GpuScheduler {
     /// needs.
     pub(super) fn drop_holder(&mut self, now: Nanos, id: ClientId, reason: DropReason) {
         let need = self.next_for_need().map_or(0, |n| self.need_for(n));
+        self.ask_to_drop(now, id, need, reason);
+    }
+
+    /// Drops holder `id`, asking it to free `need` bytes: the grace runs from `now`.
+    fn ask_to_drop(&mut self, now: Nanos, id: ClientId, need: u64, reason: DropReason) {
         if let Some(h) = self.holders.get_mut(&id) {
             h.drop_sent = Some(now);
             h.drop_need = need;
@@ -442,6 +420,22 @@ impl GpuScheduler {
             sent.saturating_add(self.grace_ns)
                 .saturating_add(h.swap_allowance),
         )
+    }
+
+    /// Takes the GPU from every hold in `holds` (the holders, or the drainers) whose
+    /// grace ended by `now`, in client order.
+    fn revoke_expired(
+        &mut self,
+        now: Nanos,
+        holds: fn(&mut Self) -> &mut BTreeMap<ClientId, Hold>,
+    ) {
+        let (expired, kept): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(holds(self))
+            .into_iter()
+            .partition(|(_, h)| self.grace_end(h).is_some_and(|end| now >= end));
+        *holds(self) = kept;
+        for (id, h) in expired {
+            self.revoke(now, id, h);
+        }
     }
 
     /// Takes the GPU from a holder (or drainer) that ignored its drop past the grace.

@@ -8,7 +8,7 @@
 //! it a view connection.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kiwi_protocol::frame::{decode_payload, encode_into};
@@ -18,7 +18,7 @@ use kiwi_protocol::{
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 
-use super::limits::{ConnSlot, Limits, RateLimit, Throttle, SMALL_FRAME};
+use super::limits::{AcceptBackoff, ConnSlot, Limits, RateLimit, SMALL_FRAME};
 use super::logging::log_safe;
 use super::peer::{Peer, MAX_PENDING_WRITE};
 use super::state::{ClientConn, Shared};
@@ -120,14 +120,13 @@ pub(super) async fn accept_clients(
     let mut stop = shared.stop.clone();
     let limit = shared.conn_limit.clone();
     let mut tasks = tokio::task::JoinSet::new();
-    let mut backoff = Duration::from_millis(1);
+    let mut backoff = AcceptBackoff::new();
     let cap = shared.conn_limit_total;
-    let accept_errors = Mutex::new(Throttle::new(1));
     loop {
         tokio::select! {
             res = listener.accept() => match res {
                 Ok((stream, _)) => {
-                    backoff = Duration::from_millis(1);
+                    backoff.reset();
                     let Ok(permit) = limit.clone().try_acquire_owned() else {
                         warn_throttled!(shared.warn, "{cap} client connections open, the limit; refusing a client");
                         refuse(stream, ErrorCode::RateLimited, "too many connections to the arbiter").await;
@@ -157,13 +156,7 @@ pub(super) async fn accept_clients(
                         drop(slot);
                     });
                 }
-                Err(e) => {
-                    // EMFILE and friends: back off instead of spinning, and say so
-                    // once in a while rather than on every try.
-                    warn_throttled!(accept_errors, "accept failed: {e}; retrying in up to 1 s");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
-                }
+                Err(e) => backoff.failed("accept", &e).await,
             },
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             _ = stop.changed() => break,

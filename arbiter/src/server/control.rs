@@ -3,21 +3,22 @@
 //! connections never take), and one function per request, each answered under the
 //! state lock (container sockets' attach and detach in [`containers`]).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kiwi_protocol::frame::decode_payload;
 use kiwi_protocol::{
-    ClientMsg, ControlReply, ControlRequest, ErrorCode, FrameDecoder, StatusReport,
+    ClientMsg, ControlReply, ControlRequest, ErrorCode, FrameDecoder, Settings, StatusReport,
 };
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::watch;
 
-use super::limits::Throttle;
+use super::limits::AcceptBackoff;
 use super::logging::log_safe;
 use super::state::{Shared, State};
 use super::{containers, pool};
 use crate::clock::monotonic_ns;
+use crate::sched::{GpuScheduler, Output};
 
 /// Simultaneous control connections (root's); they live in
 /// [`FD_RESERVE`](super::FD_RESERVE).
@@ -29,13 +30,12 @@ pub(super) async fn accept_control(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut tasks = tokio::task::JoinSet::new();
-    let mut backoff = Duration::from_millis(1);
-    let accept_errors = Mutex::new(Throttle::new(1));
+    let mut backoff = AcceptBackoff::new();
     loop {
         tokio::select! {
             res = listener.accept() => match res {
                 Ok((stream, _)) => {
-                    backoff = Duration::from_millis(1);
+                    backoff.reset();
                     if tasks.len() >= MAX_CONTROL_CONNS {
                         warn_throttled!(shared.warn, "{MAX_CONTROL_CONNS} control connections open, the limit; refusing one");
                         let reply = ControlReply::Error {
@@ -50,11 +50,7 @@ pub(super) async fn accept_control(
                     let shared = shared.clone();
                     tasks.spawn(control_connection(shared, stream));
                 }
-                Err(e) => {
-                    warn_throttled!(accept_errors, "control accept failed: {e}; retrying in up to 1 s");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
-                }
+                Err(e) => backoff.failed("control accept", &e).await,
             },
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             _ = stop.changed() => break,
@@ -230,6 +226,25 @@ fn select(st: &State, gpu: &Option<String>) -> Result<Vec<String>, ControlReply>
     }
 }
 
+/// A setting made on the GPUs `gpu` selects, each one's scheduler stepped with
+/// `step`; made on every GPU, it is also the default of GPUs to come
+/// (`set_default`). `Ok`: the GPUs it was made on.
+fn apply_setting(
+    st: &mut State,
+    gpu: &Option<String>,
+    set_default: impl FnOnce(&mut Settings),
+    step: impl Fn(&mut GpuScheduler) -> Vec<Output>,
+) -> Result<Vec<String>, ControlReply> {
+    let uuids = select(st, gpu)?;
+    if gpu.is_none() {
+        set_default(&mut st.defaults);
+    }
+    for u in &uuids {
+        st.step(u, &step);
+    }
+    Ok(uuids)
+}
+
 /// `kiwictl -S`: the scheduler on or off, on one GPU or on all (and for GPUs to come).
 fn set_scheduler(
     st: &mut State,
@@ -240,20 +255,15 @@ fn set_scheduler(
 ) -> ControlReply {
     let word = if on { "ON" } else { "OFF" };
     log_line!("INFO", "Received SCHED_{word} from kiwictl (pid {who})");
-    match select(st, &gpu) {
+    let set = apply_setting(
+        st,
+        &gpu,
+        |d| d.scheduler_on = on,
+        |s| s.set_scheduler(now, on),
+    );
+    match set {
         Err(e) => e,
         Ok(uuids) => {
-            if gpu.is_none() {
-                st.defaults.scheduler_on = on;
-            }
-            for u in &uuids {
-                let outs = st
-                    .gpus
-                    .get_mut(u)
-                    .map(|g| g.sched.set_scheduler(now, on))
-                    .unwrap_or_default();
-                st.dispatch(u, outs);
-            }
             log_line!(
                 "INFO",
                 "Scheduler status changed to {word}, broadcasting it"
@@ -285,28 +295,15 @@ fn set_tq(st: &mut State, now: u64, tq_ms: u64, gpu: Option<String>, who: &str) 
             }
         }
     };
-    match select(st, &gpu) {
+    match apply_setting(st, &gpu, |d| d.tq_ms = tq_ms, |s| s.set_tq(now, tq)) {
         Err(e) => e,
-        Ok(uuids) => {
-            if gpu.is_none() {
-                st.defaults.tq_ms = tq_ms;
-            }
-            for u in &uuids {
-                let outs = st
-                    .gpus
-                    .get_mut(u)
-                    .map(|g| g.sched.set_tq(now, tq))
-                    .unwrap_or_default();
-                st.dispatch(u, outs);
-            }
-            ControlReply::Done {
-                message: format!(
-                    "Successfully set the Kiwi scheduler's time quantum to {} s.",
-                    tq_ms as f64 / 1000.0
-                ),
-                gpus: uuids,
-            }
-        }
+        Ok(uuids) => ControlReply::Done {
+            message: format!(
+                "Successfully set the Kiwi scheduler's time quantum to {} s.",
+                tq_ms as f64 / 1000.0
+            ),
+            gpus: uuids,
+        },
     }
 }
 

@@ -2,7 +2,8 @@
 //! "Limits"): descriptors (client connections stop short of RLIMIT_NOFILE, and each
 //! container or uid has a share, [`ConnSlot`]), time (registration and each frame
 //! have deadlines, [`Limits`]), memory (one node-wide budget for partly received
-//! frames, [`FrameBudget`]), messages ([`RateLimit`]) and log volume ([`Throttle`]).
+//! frames, [`FrameBudget`]), messages ([`RateLimit`]), log volume ([`Throttle`]) and
+//! a failing accept's retries ([`AcceptBackoff`]).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -61,6 +62,41 @@ impl Throttle {
         } else {
             format!(" ({n} similar warnings suppressed)")
         })
+    }
+}
+
+/// An accept loop's answer to a failed accept (EMFILE and friends): it backs off
+/// instead of spinning, from 1 ms doubling to 1 s, and says so once in a while
+/// rather than on every try.
+pub(super) struct AcceptBackoff {
+    delay: Duration,
+    warn: Throttle,
+}
+
+impl AcceptBackoff {
+    const FIRST: Duration = Duration::from_millis(1);
+    const LONGEST: Duration = Duration::from_secs(1);
+
+    pub(super) fn new() -> Self {
+        Self {
+            delay: Self::FIRST,
+            warn: Throttle::new(1),
+        }
+    }
+
+    /// An accept succeeded: the next failure waits the shortest again.
+    pub(super) fn reset(&mut self) {
+        self.delay = Self::FIRST;
+    }
+
+    /// `what` (the listener's accept) failed with `e`: warns, waits, and waits twice
+    /// as long next time.
+    pub(super) async fn failed(&mut self, what: &str, e: &std::io::Error) {
+        if let Some(note) = self.warn.allow() {
+            log_line!("WARN", "{what} failed: {e}; retrying in up to 1 s{note}");
+        }
+        tokio::time::sleep(self.delay).await;
+        self.delay = (self.delay * 2).min(Self::LONGEST);
     }
 }
 

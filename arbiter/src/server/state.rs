@@ -130,12 +130,7 @@ impl State {
                 raise_to: Some(total),
             } => {
                 let capacity = total - reserve_for(total);
-                let outs = self
-                    .gpus
-                    .get_mut(uuid)
-                    .map(|g| g.sched.raise_total(now, total, capacity))
-                    .unwrap_or_default();
-                self.dispatch(uuid, outs);
+                self.step(uuid, |s| s.raise_total(now, total, capacity));
                 log_line!(
                     "INFO",
                     "GPU {uuid}: {} MiB, as a later client reported",
@@ -173,6 +168,17 @@ impl State {
             self.metrics.forget_gpu(uuid);
             log_line!("INFO", "GPU {uuid} has no clients left; forgotten");
         }
+    }
+
+    /// Steps GPU `gpu`'s scheduler with `input` (none when the GPU has no entry) and
+    /// dispatches its outputs.
+    pub(super) fn step(&mut self, gpu: &str, input: impl FnOnce(&mut GpuScheduler) -> Vec<Output>) {
+        let outs = self
+            .gpus
+            .get_mut(gpu)
+            .map(|g| input(&mut g.sched))
+            .unwrap_or_default();
+        self.dispatch(gpu, outs);
     }
 
     /// Applies scheduler outputs: messages to peers, events to the log.

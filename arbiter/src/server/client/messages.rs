@@ -176,12 +176,7 @@ fn ping(from: Sender, st: &mut State, token: u64, gpu: Option<String>) -> Next {
     // A `room` due to this client goes before the answer: the shim's
     // `cuMemGetInfo` counts on it (docs/protocol.md, "Memory no swap frees").
     if let Some(uuid) = gpu {
-        let outs = st
-            .gpus
-            .get_mut(&uuid)
-            .map(|g| g.sched.flush_room(now, id))
-            .unwrap_or_default();
-        st.dispatch(&uuid, outs);
+        st.step(&uuid, |s| s.flush_room(now, id));
     }
     peer.send(&ArbiterMsg::Pong { token });
     Next::Done
