@@ -36,8 +36,7 @@ pub(super) async fn run_timers(shared: Arc<Shared>, mut stop: watch::Receiver<bo
                     .map(|(u, _)| u.clone())
                     .collect();
                 for u in uuids {
-                    let outs = st.gpus.get_mut(&u).map(|g| g.sched.tick(now)).unwrap_or_default();
-                    st.dispatch(&u, outs);
+                    st.step(&u, |s| s.tick(now));
                 }
             }
             _ = shared.timer.notified() => {}
@@ -103,12 +102,7 @@ pub(super) async fn run_reconcile(
                     let _ = st.admit_gpu(now, &u, total);
                 }
             }
-            let outs = st
-                .gpus
-                .get_mut(&u)
-                .map(|g| g.sched.reconcile(now, &procs))
-                .unwrap_or_default();
-            st.dispatch(&u, outs);
+            st.step(&u, |s| s.reconcile(now, &procs));
         }
         drop(st);
         shared.timer.notify_one();
