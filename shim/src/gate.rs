@@ -137,17 +137,8 @@ impl Gate {
 
     /// Stops admitting and waits for submissions already past the check.
     pub fn close_and_wait(&self) {
-        self.state.store(CLOSED, Ordering::SeqCst);
-        self.devices.store(0, Ordering::SeqCst);
-        let mut spins = 0u32;
-        while self.counter.load(Ordering::SeqCst) & INFLIGHT_MASK != 0 {
-            spins += 1;
-            if spins < 100 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-        }
+        self.close();
+        self.wait_in_flight();
     }
 
     /// Stops admitting without waiting (memory became non-resident: the next submission
@@ -168,6 +159,13 @@ impl Gate {
         } else {
             self.devices.fetch_and(!bit, Ordering::SeqCst);
         }
+        self.wait_in_flight();
+    }
+
+    /// The closer's side of the handshake (module docs): waits until no submission is
+    /// between its check and its driver call. Spins briefly (a driver call is short),
+    /// then yields.
+    fn wait_in_flight(&self) {
         let mut spins = 0u32;
         while self.counter.load(Ordering::SeqCst) & INFLIGHT_MASK != 0 {
             spins += 1;

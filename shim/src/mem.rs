@@ -388,23 +388,11 @@ impl<D: Driver> Memory<D> {
             off += len;
         }
         self.working_set += reserved;
-        if self.backing_allowed {
-            for k in 0..segs.len() {
-                if let Err(e) = self.map_fresh(segs[k]) {
-                    // Undo everything: the caller gets an error and no address.
-                    self.allocs.insert(
-                        base,
-                        Alloc::Large {
-                            reserved,
-                            size,
-                            segs,
-                        },
-                    );
-                    let _ = self.free(base);
-                    return Err(e);
-                }
-            }
-        }
+        let mapped = if self.backing_allowed {
+            segs.iter().try_for_each(|&i| self.map_fresh(i))
+        } else {
+            Ok(())
+        };
         self.allocs.insert(
             base,
             Alloc::Large {
@@ -413,6 +401,11 @@ impl<D: Driver> Memory<D> {
                 segs,
             },
         );
+        if let Err(e) = mapped {
+            // Undo everything: the caller gets an error and no address.
+            let _ = self.free(base);
+            return Err(e);
+        }
         Ok(base)
     }
 

@@ -266,55 +266,38 @@ trait Entry: Copy + Default {
     fn bytes(&self) -> u64;
 }
 
-impl Entry for ProcessInfoV1 {
-    fn make(pid: u32, bytes: u64) -> Self {
-        ProcessInfoV1 {
-            pid,
-            used_gpu_memory: bytes,
+/// [`Entry`] for a process list's entry type: every one has `pid` and
+/// `used_gpu_memory`; `$field: $value` fill the fields the type adds.
+macro_rules! entry {
+    ($t:ident { $($field:ident: $value:expr),* $(,)? }) => {
+        impl Entry for $t {
+            fn make(pid: u32, bytes: u64) -> Self {
+                $t {
+                    pid,
+                    used_gpu_memory: bytes,
+                    $($field: $value,)*
+                }
+            }
+            fn pid(&self) -> u32 {
+                self.pid
+            }
+            fn bytes(&self) -> u64 {
+                self.used_gpu_memory
+            }
         }
-    }
-    fn pid(&self) -> u32 {
-        self.pid
-    }
-    fn bytes(&self) -> u64 {
-        self.used_gpu_memory
-    }
+    };
 }
 
-impl Entry for ProcessInfoV2 {
-    fn make(pid: u32, bytes: u64) -> Self {
-        ProcessInfoV2 {
-            pid,
-            used_gpu_memory: bytes,
-            gpu_instance_id: NO_INSTANCE,
-            compute_instance_id: NO_INSTANCE,
-        }
-    }
-    fn pid(&self) -> u32 {
-        self.pid
-    }
-    fn bytes(&self) -> u64 {
-        self.used_gpu_memory
-    }
-}
-
-impl Entry for ProcessDetailV1 {
-    fn make(pid: u32, bytes: u64) -> Self {
-        ProcessDetailV1 {
-            pid,
-            used_gpu_memory: bytes,
-            gpu_instance_id: NO_INSTANCE,
-            compute_instance_id: NO_INSTANCE,
-            used_gpu_cc_protected_memory: 0,
-        }
-    }
-    fn pid(&self) -> u32 {
-        self.pid
-    }
-    fn bytes(&self) -> u64 {
-        self.used_gpu_memory
-    }
-}
+entry!(ProcessInfoV1 {});
+entry!(ProcessInfoV2 {
+    gpu_instance_id: NO_INSTANCE,
+    compute_instance_id: NO_INSTANCE,
+});
+entry!(ProcessDetailV1 {
+    gpu_instance_id: NO_INSTANCE,
+    compute_instance_id: NO_INSTANCE,
+    used_gpu_cc_protected_memory: 0,
+});
 
 /// Writes `list` as NVML does: `*count` in is the room at `out`; too little (or no
 /// array for a non-empty list) sets `*count` to what is needed and answers

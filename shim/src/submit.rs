@@ -21,17 +21,25 @@ pub fn submit(
     mut f: impl FnMut() -> CUresult,
 ) -> CUresult {
     if GATE.try_enter() {
-        let r = f();
-        GATE.exit();
-        if r == CUDA_ERROR_OUT_OF_MEMORY {
-            return crate::room::launch_out_of_memory(name, r, &mut f);
-        }
-        if THROTTLE.load(Ordering::Relaxed) {
-            QUEUE_BOUND.after_submit(drain_queue);
-        }
-        return r;
+        return run_admitted(name, &mut f);
     }
     submit_slow(name, stream, f)
+}
+
+/// Runs `f` once the gate admitted it (the caller entered) and leaves the gate: a
+/// launch the driver found no room for waits for room ([`crate::room`]), and while a
+/// GPU is held the queue bound counts the submission.
+#[inline(always)]
+fn run_admitted(name: &'static str, f: &mut impl FnMut() -> CUresult) -> CUresult {
+    let r = f();
+    GATE.exit();
+    if r == CUDA_ERROR_OUT_OF_MEMORY {
+        return crate::room::launch_out_of_memory(name, r, f);
+    }
+    if THROTTLE.load(Ordering::Relaxed) {
+        QUEUE_BOUND.after_submit(drain_queue);
+    }
+    r
 }
 
 #[cold]
@@ -64,15 +72,7 @@ fn submit_slow(
             .partial()
             .then(|| crate::devices::current_device().unwrap_or(crate::client::ANY_DEVICE));
         if device.is_some_and(|d| GATE.try_enter_device(d)) {
-            let r = f();
-            GATE.exit();
-            if r == CUDA_ERROR_OUT_OF_MEMORY {
-                return crate::room::launch_out_of_memory(name, r, &mut f);
-            }
-            if THROTTLE.load(Ordering::Relaxed) {
-                QUEUE_BOUND.after_submit(drain_queue);
-            }
-            return r;
+            return run_admitted(name, &mut f);
         }
         crate::stats::SLOW_SUBMITS.fetch_add(1, Ordering::Relaxed);
         if let Err(code) = crate::client::acquire(&GATE, device) {
