@@ -45,7 +45,7 @@ mod shared;
 mod step;
 mod verify;
 
-pub use device::{mix, plan_allocations};
+pub use device::{mix, plan_allocations, retain_primary};
 /// CLOCK_MONOTONIC in ns (the arbiter's and the simulator's clock).
 pub use kiwi_protocol::monotonic_ns;
 pub use options::{parse_devices, Options, USAGE};

@@ -1,6 +1,8 @@
 //! `kiwictl status`: the human table, and the formatting helpers `kiwictl top`
-//! shares with it.
+//! shares with it. Text that comes from tenants (process names, pods, namespaces,
+//! container ids, groups) is printed only through [`printable`] or [`column`].
 
+use std::borrow::Cow;
 use std::fmt::Write;
 
 use kiwi_protocol::{ClientState, ClientStatus, GpuStatus, StatusReport};
@@ -15,6 +17,40 @@ pub(crate) fn mib(b: u64) -> String {
 
 pub(crate) fn secs(ns: u64) -> String {
     format!("{:.1}s", ns as f64 / 1e9)
+}
+
+/// `text` with each control character as `?`. Names come from tenants: an escape
+/// sequence or a line break among them must reach neither the operator's terminal
+/// nor a pipe as one.
+pub(crate) fn printable(text: &str) -> Cow<'_, str> {
+    if text.chars().any(char::is_control) {
+        Cow::Owned(
+            text.chars()
+                .map(|c| if c.is_control() { '?' } else { c })
+                .collect(),
+        )
+    } else {
+        Cow::Borrowed(text)
+    }
+}
+
+/// A table's column of tenant text: at most `width` characters, [`printable`].
+pub(crate) fn column(text: &str, width: usize) -> String {
+    let cut: String = text.chars().take(width).collect();
+    printable(&cut).into_owned()
+}
+
+pub(crate) fn on_off(on: bool) -> &'static str {
+    if on {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+/// A client's process name, or `-`.
+pub(crate) fn client_name(c: &ClientStatus) -> &str {
+    c.name.as_deref().unwrap_or("-")
 }
 
 /// Where a client runs: `namespace/pod`, the pod, a short container id, or `-`.
@@ -57,6 +93,50 @@ pub(crate) fn client_state_marked(c: &ClientStatus) -> String {
     }
 }
 
+/// The columns both tables show of a client, from its name to the time it held the
+/// GPU, defined once so that a table's heading lines up with its rows: `place` is
+/// the width of the pod / container column, `memory` of the resident and swapped
+/// ones.
+pub(crate) struct ClientColumns {
+    pub place: usize,
+    pub memory: usize,
+}
+
+impl ClientColumns {
+    pub(crate) fn heading(&self) -> String {
+        self.row([
+            "NAME",
+            "POD / CONTAINER",
+            "STATE",
+            "RESIDENT",
+            "SWAPPED",
+            "WAITED",
+            "HELD",
+        ])
+    }
+
+    /// `c`'s cells; its name and place [`column`]s.
+    pub(crate) fn cells(&self, c: &ClientStatus) -> String {
+        let cells = [
+            column(client_name(c), 16),
+            column(&client_where(c), self.place),
+            client_state_marked(c),
+            mib(c.resident_bytes),
+            mib(c.swapped_bytes),
+            secs(c.waited_ns),
+            secs(c.held_ns),
+        ];
+        self.row(cells.each_ref().map(String::as_str))
+    }
+
+    fn row(&self, [name, place, state, resident, swapped, waited, held]: [&str; 7]) -> String {
+        let (p, m) = (self.place, self.memory);
+        format!(
+            "{name:<16} {place:<p$} {state:<8} {resident:>m$} {swapped:>m$} {waited:>8} {held:>8}"
+        )
+    }
+}
+
 /// The lines under a GPU's table about groups: whose turn the GPU is reserved for,
 /// and what `*` means for each group with clients here.
 pub(crate) fn group_lines(g: &GpuStatus) -> Vec<String> {
@@ -64,7 +144,7 @@ pub(crate) fn group_lines(g: &GpuStatus) -> Vec<String> {
     if let Some(t) = &g.group_turn {
         lines.push(format!(
             "  turn reserved for group {}: {}",
-            t.group,
+            printable(&t.group),
             if t.running {
                 "its turn runs on all its GPUs"
             } else {
@@ -84,7 +164,8 @@ pub(crate) fn group_lines(g: &GpuStatus) -> Vec<String> {
     for (k, ids) in groups {
         let ids: Vec<String> = ids.iter().map(u64::to_string).collect();
         lines.push(format!(
-            "  * group {k} (clients {} here): granted together with its other GPUs",
+            "  * group {} (clients {} here): granted together with its other GPUs",
+            printable(k),
             ids.join(", ")
         ));
     }
@@ -119,7 +200,7 @@ pub(crate) fn pool_line(r: &StatusReport) -> Option<String> {
         .tenants
         .iter()
         .take(3)
-        .map(|(t, b)| format!("{t} {}", mib(*b)))
+        .map(|(t, b)| format!("{} {}", printable(t), mib(*b)))
         .collect();
     Some(
         format!(
@@ -140,7 +221,7 @@ pub(crate) fn pool_line(r: &StatusReport) -> Option<String> {
                 .tenants
                 .iter()
                 .take(3)
-                .map(|(t, b)| format!("{t} {}", mib(*b)))
+                .map(|(t, b)| format!("{} {}", printable(t), mib(*b)))
                 .collect();
             format!(
                 "; on disk {} in {} files{}{}{}",
@@ -157,7 +238,7 @@ pub(crate) fn pool_line(r: &StatusReport) -> Option<String> {
                     format!(
                         "; {} spills refused, last: {}",
                         s.failures,
-                        s.last_error.as_deref().unwrap_or("?")
+                        printable(s.last_error.as_deref().unwrap_or("?"))
                     )
                 } else {
                     String::new()
@@ -178,6 +259,27 @@ pub(crate) fn omitted_line(r: &StatusReport) -> Option<String> {
     ))
 }
 
+/// The line for a node with no GPU in use: the settings a GPU's first client gets.
+pub(crate) fn no_gpus_line(r: &StatusReport) -> String {
+    format!(
+        "No GPU has clients yet. Defaults: scheduler {}, TQ {} s.",
+        on_off(r.default_settings.scheduler_on),
+        r.default_settings.tq_ms as f64 / 1000.0
+    )
+}
+
+/// The start of a GPU's heading: its index, UUID, scheduler and TQ (each view adds
+/// its memory figures).
+pub(crate) fn gpu_heading(g: &GpuStatus) -> String {
+    format!(
+        "GPU {}  {}  scheduler {}  TQ {} s",
+        g.index,
+        g.uuid,
+        on_off(g.settings.scheduler_on),
+        g.settings.tq_ms as f64 / 1000.0
+    )
+}
+
 /// Renders the status report as a table per GPU, after the node's swap line.
 pub fn render(r: &StatusReport) -> String {
     let mut s = render_gpus(r);
@@ -194,26 +296,14 @@ fn render_gpus(r: &StatusReport) -> String {
         let _ = writeln!(s, "{l}");
     }
     if r.gpus.is_empty() {
-        let _ = writeln!(
-            s,
-            "No GPU has clients yet. Defaults: scheduler {}, TQ {} s.",
-            if r.default_settings.scheduler_on {
-                "on"
-            } else {
-                "off"
-            },
-            r.default_settings.tq_ms as f64 / 1000.0
-        );
+        let _ = writeln!(s, "{}", no_gpus_line(r));
         return s;
     }
     for g in &r.gpus {
         let _ = writeln!(
             s,
-            "GPU {}  {}  scheduler {}  TQ {} s  memory {} ({} schedulable)  {}",
-            g.index,
-            g.uuid,
-            if g.settings.scheduler_on { "on" } else { "off" },
-            g.settings.tq_ms as f64 / 1000.0,
+            "{}  memory {} ({} schedulable)  {}",
+            gpu_heading(g),
             mib(g.total_memory_bytes),
             mib(g.capacity_bytes),
             if g.fits {
@@ -238,42 +328,27 @@ fn render_gpus(r: &StatusReport) -> String {
             list(&g.holders),
             list(&g.queue)
         );
+        let columns = ClientColumns {
+            place: 28,
+            memory: 10,
+        };
         let _ = writeln!(
             s,
-            "  {:>4} {:>7} {:>8} {:<16} {:<28} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8}",
+            "  {:>4} {:>7} {:>8} {} {:>8}",
             "ID",
             "PID",
             "HOST PID",
-            "NAME",
-            "POD / CONTAINER",
-            "STATE",
-            "RESIDENT",
-            "SWAPPED",
-            "WAITED",
-            "HELD",
+            columns.heading(),
             "IDLE"
         );
         for c in &g.clients {
-            let where_ = client_where(c);
-            let state = client_state_marked(c);
             let _ = writeln!(
                 s,
-                "  {:>4} {:>7} {:>8} {:<16} {:<28} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8}",
+                "  {:>4} {:>7} {:>8} {} {:>8}",
                 c.id,
                 c.pid,
                 c.host_pid,
-                c.name
-                    .as_deref()
-                    .unwrap_or("-")
-                    .chars()
-                    .take(16)
-                    .collect::<String>(),
-                where_.chars().take(28).collect::<String>(),
-                state,
-                mib(c.resident_bytes),
-                mib(c.swapped_bytes),
-                secs(c.waited_ns),
-                secs(c.held_ns),
+                columns.cells(c),
                 c.idle_since_ns
                     .map_or_else(|| "-".to_string(), |t| secs(r.now_ns.saturating_sub(t)))
             );
@@ -354,6 +429,58 @@ mod tests {
             line.contains("2 spills refused, last: swap pool spill"),
             "{line}"
         );
+    }
+
+    #[test]
+    fn printable_text_keeps_its_width_and_loses_its_control_characters() {
+        assert!(matches!(printable("team-a/nb"), Cow::Borrowed("team-a/nb")));
+        assert_eq!(printable("a\u{1b}[2J\nb\u{7}"), "a?[2J?b?");
+        assert_eq!(column("ab\u{1b}cdef", 4), "ab?c");
+        assert_eq!(column("é\tx", 16), "é?x");
+    }
+
+    #[test]
+    fn tenant_names_reach_the_table_without_their_control_characters() {
+        let evil = "ev\u{1b}[2J\nFAKE";
+        let mut r = report(None, 0, 0);
+        r.gpus.push(
+            serde_json::from_value(serde_json::json!({
+                "index": 0, "uuid": "GPU-x",
+                "settings": {"scheduler_on": true, "tq_ms": 10_000},
+                "total_memory_bytes": 1u64 << 30, "capacity_bytes": 1000u64 << 20,
+                "fits": false, "holders": [1], "queue": [],
+                "group_turn": {"group": evil, "running": false},
+                "clients": [{
+                    "id": 1, "pid": 10, "host_pid": 20, "name": evil,
+                    "container_id": null, "pod_name": evil, "pod_namespace": evil,
+                    "state": "holding", "working_set_bytes": 0, "resident_bytes": 0,
+                    "swapped_bytes": 0, "waited_ns": 0, "held_ns": 0, "group": evil
+                }]
+            }))
+            .unwrap(),
+        );
+        r.swap_pool = Some(Box::new(kiwi_protocol::PoolStatus {
+            size_bytes: 1 << 30,
+            populated_bytes: 0,
+            ready_bytes: 0,
+            lent_bytes: 1 << 20,
+            scrubbing_bytes: 0,
+            page_mode: "4KiB".into(),
+            memfds: 1,
+            tenants: vec![(evil.into(), 1 << 20)],
+            spill: None,
+        }));
+        let t = render(&r);
+        assert!(!t.chars().any(|c| c.is_control() && c != '\n'), "{t:?}");
+        assert!(!t.lines().any(|l| l.starts_with("FAKE")), "{t}");
+        let row = t.lines().find(|l| l.contains("holding")).expect(&t);
+        assert!(
+            row.contains("ev?[2J?FAKE ") && row.contains("ev?[2J?FAKE/ev?[2J?FAKE"),
+            "{row}"
+        );
+        assert!(t.contains("turn reserved for group ev?[2J?FAKE:"), "{t}");
+        assert!(t.contains("* group ev?[2J?FAKE (clients 1 here)"), "{t}");
+        assert!(t.contains("most lent to ev?[2J?FAKE 1 MiB"), "{t}");
     }
 
     #[test]

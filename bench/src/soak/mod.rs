@@ -748,49 +748,43 @@ pub fn soak(o: &SoakOptions) -> Result<Vec<Figure>> {
         );
     }
     let s = "soak";
-    let p50 = percentile(&loaded.handoffs_ms, 0.5);
-    let p99 = percentile(&loaded.handoffs_ms, 0.99);
+    // A figure of the run with faults against the same clients' quiet run: `of`
+    // reads it from either.
+    let vs_quiet = |metric: &str, unit: &str, of: fn(&Outcome) -> f64, baseline: &str| {
+        Figure::new(s, metric, of(&loaded), unit).against(of(&quiet), baseline)
+    };
+    const QUIET: &str = "the same clients without faults, same run";
     Ok(vec![
-        Figure::new(s, "handoff_p50", p50, "ms")
-            .against(
-                percentile(&quiet.handoffs_ms, 0.5),
-                "the same clients without faults, same run",
-            )
-            .goal("bounded: the faults cost the others little"),
-        Figure::new(s, "handoff_p99", p99, "ms")
-            .against(
-                percentile(&quiet.handoffs_ms, 0.99),
-                "the same clients without faults, same run",
-            )
-            .goal("bounded"),
-        Figure::new(
-            s,
+        vs_quiet(
+            "handoff_p50",
+            "ms",
+            |r| percentile(&r.handoffs_ms, 0.5),
+            QUIET,
+        )
+        .goal("bounded: the faults cost the others little"),
+        vs_quiet(
+            "handoff_p99",
+            "ms",
+            |r| percentile(&r.handoffs_ms, 0.99),
+            QUIET,
+        )
+        .goal("bounded"),
+        vs_quiet(
             "grants_per_second",
-            loaded.grants as f64 / loaded.seconds,
             "/s",
-        )
-        .against(
-            quiet.grants as f64 / quiet.seconds,
-            "the same clients without faults, same run",
+            |r| r.grants as f64 / r.seconds,
+            QUIET,
         ),
-        Figure::new(
-            s,
+        vs_quiet(
             "swapped",
-            loaded.swapped_bytes as f64 / MIB as f64,
             "MiB",
-        )
-        .against(
-            quiet.swapped_bytes as f64 / MIB as f64,
+            |r| r.swapped_bytes as f64 / MIB as f64,
             "the same clients without faults (half as long), same run",
         ),
-        Figure::new(
-            s,
+        vs_quiet(
             "spilled_peak",
-            loaded.peak_spilled as f64 / MIB as f64,
             "MiB",
-        )
-        .against(
-            quiet.peak_spilled as f64 / MIB as f64,
+            |r| r.peak_spilled as f64 / MIB as f64,
             "the same clients without faults, same run; the pool is 1 GiB",
         ),
         Figure::new(s, "faults_survived", injected as f64, "faults")

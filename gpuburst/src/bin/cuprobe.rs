@@ -17,6 +17,7 @@
 use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
+use gpuburst::burst::retain_primary;
 use gpuburst::cu;
 use gpuburst::driver::{
     resolve, CUdeviceptr, CUmemLocation, Cuda, CudaError, Handle, MemAccessDesc, MemAllocationProp,
@@ -52,14 +53,7 @@ impl Probe {
             std::process::exit(1);
         });
         cu!(cuda, init, "cuInit", 0)?;
-        let mut ctx: Handle = std::ptr::null_mut();
-        cu!(
-            cuda,
-            primary_ctx_retain,
-            "cuDevicePrimaryCtxRetain",
-            &mut ctx,
-            0
-        )?;
+        let (_, ctx) = retain_primary(&cuda, 0)?;
         cu!(cuda, ctx_set_current, "cuCtxSetCurrent", ctx)?;
         let ptx = Ptx::load(&cuda, false)?;
         Ok(Probe {

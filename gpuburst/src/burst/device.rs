@@ -137,8 +137,8 @@ pub(super) fn make_current(cuda: &Cuda, devs: &[Device], d: &Device) -> Result<(
     Ok(())
 }
 
-/// `ordinal`'s device and a reference on its primary context.
-pub(super) fn retain_primary(cuda: &Cuda, ordinal: i32) -> Result<(CUdevice, Handle), CudaError> {
+/// `ordinal`'s device and a reference on its primary context (also `cuprobe`'s).
+pub fn retain_primary(cuda: &Cuda, ordinal: i32) -> Result<(CUdevice, Handle), CudaError> {
     let mut dev = 0;
     cu!(cuda, device_get, "cuDeviceGet", &mut dev, ordinal)?;
     let mut ctx: Handle = std::ptr::null_mut();

@@ -3,6 +3,8 @@
 //! the screen one per row, cut to the width and height. The same lines, without
 //! their styles, are `--once`'s output. Reads the tracker; owns no terminal.
 
+use std::borrow::Cow;
+
 use kiwi_protocol::{ClientState, ClientStatus, GpuStatus, StatusReport};
 use ratatui::buffer::Buffer;
 use ratatui::layout::Rect;
@@ -12,8 +14,8 @@ use ratatui::widgets::Widget;
 
 use super::tracker::{Rate, Tracker};
 use crate::status::{
-    client_state_marked, client_where, group_lines, mib, omitted_line, pool_line, secs, swap_line,
-    CKPT_LEGEND,
+    client_name, client_where, gpu_heading, group_lines, mib, no_gpus_line, omitted_line,
+    pool_line, printable, secs, swap_line, ClientColumns, CKPT_LEGEND,
 };
 
 /// The frame's lines, laid one per row from the top of the area: a line longer than
@@ -30,15 +32,13 @@ impl Widget for Screen<'_> {
     }
 }
 
-/// One line of `text` in `style`. Names come from tenants: a control character
-/// becomes `?`, so none reaches the terminal (nor a pipe, in `--once`).
+/// One line of `text` in `style`, [`printable`]: names come from tenants, and a
+/// control character among them reaches neither the terminal nor, in `--once`, a
+/// pipe.
 fn styled(text: String, style: Style) -> Line<'static> {
-    let text = if text.chars().any(char::is_control) {
-        text.chars()
-            .map(|c| if c.is_control() { '?' } else { c })
-            .collect()
-    } else {
-        text
+    let text = match printable(&text) {
+        Cow::Borrowed(_) => text,
+        Cow::Owned(clean) => clean,
     };
     Line::from(Span::raw(text)).style(style)
 }
@@ -96,11 +96,7 @@ impl Tracker {
             out.push(plain(l));
         }
         if report.gpus.is_empty() {
-            out.push(plain(format!(
-                "No GPU has clients yet. Defaults: scheduler {}, TQ {} s.",
-                on_off(report.default_settings.scheduler_on),
-                report.default_settings.tq_ms as f64 / 1000.0
-            )));
+            out.push(plain(no_gpus_line(report)));
         }
         for g in &report.gpus {
             out.push(plain(String::new()));
@@ -116,11 +112,8 @@ impl Tracker {
         let resident: u64 = g.clients.iter().map(|c| c.resident_bytes).sum();
         let ws: u64 = g.clients.iter().map(|c| c.working_set_bytes).sum();
         out.push(bold(format!(
-            "GPU {}  {}  scheduler {}  TQ {} s  capacity {} of {}  {}",
-            g.index,
-            g.uuid,
-            on_off(g.settings.scheduler_on),
-            g.settings.tq_ms as f64 / 1000.0,
+            "{}  capacity {} of {}  {}",
+            gpu_heading(g),
             mib(g.capacity_bytes),
             mib(g.total_memory_bytes),
             if g.fits {
@@ -146,11 +139,7 @@ impl Tracker {
         )));
         let by_id = |id: u64| g.clients.iter().find(|c| c.id == id);
         let label = |id: u64| match by_id(id) {
-            Some(c) => format!(
-                "#{id} {} ({})",
-                c.name.as_deref().unwrap_or("-"),
-                client_where(c)
-            ),
+            Some(c) => format!("#{id} {} ({})", client_name(c), client_where(c)),
             None => format!("#{id}"),
         };
         if g.holders.is_empty() {
@@ -181,17 +170,15 @@ impl Tracker {
                 .join("  ")
         };
         out.push(plain(format!("  queue  {queue}")));
+        let columns = ClientColumns {
+            place: 24,
+            memory: 9,
+        };
         out.push(inverse(format!(
-            "  {:>5} {:>7} {:<16} {:<24} {:<8} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9}",
+            "  {:>5} {:>7} {} {:>9} {:>9}",
             "ID",
             "PID",
-            "NAME",
-            "POD / CONTAINER",
-            "STATE",
-            "RESIDENT",
-            "SWAPPED",
-            "WAITED",
-            "HELD",
+            columns.heading(),
             "IN MiB/s",
             "OUT MiB/s"
         )));
@@ -217,16 +204,10 @@ impl Tracker {
                 None => "-".into(),
             };
             out.push(plain(format!(
-                "  {:>5} {:>7} {:<16} {:<24} {:<8} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9}",
+                "  {:>5} {:>7} {} {:>9} {:>9}",
                 c.id,
                 c.host_pid,
-                cut(c.name.as_deref().unwrap_or("-"), 16),
-                cut(&client_where(c), 24),
-                client_state_marked(c),
-                mib(c.resident_bytes),
-                mib(c.swapped_bytes),
-                secs(c.waited_ns),
-                secs(c.held_ns),
+                columns.cells(c),
                 fmt_rate(|r| r.in_bps),
                 fmt_rate(|r| r.out_bps),
             )));
@@ -238,18 +219,6 @@ impl Tracker {
             out.push(plain(line));
         }
     }
-}
-
-fn on_off(on: bool) -> &'static str {
-    if on {
-        "on"
-    } else {
-        "off"
-    }
-}
-
-fn cut(s: &str, n: usize) -> String {
-    s.chars().take(n).collect()
 }
 
 /// `[#####.....]`: `part` of `whole` in `width` cells.

@@ -40,10 +40,22 @@ struct Table<const N: usize>([*const c_void; N]);
 unsafe impl<const N: usize> Sync for Table<N> {}
 
 impl<const N: usize> Table<N> {
-    /// A table whose slot 0 holds its size in bytes, as the runtime expects.
-    const fn sized() -> [*const c_void; N] {
+    /// A table of `slots` (index, function), the others NULL.
+    const fn new(slots: &[(usize, *const c_void)]) -> Self {
         let mut t = [std::ptr::null(); N];
-        t[0] = (N * std::mem::size_of::<usize>()) as *const c_void;
+        let mut i = 0;
+        while i < slots.len() {
+            t[slots[i].0] = slots[i].1;
+            i += 1;
+        }
+        Table(t)
+    }
+
+    /// A table whose slot 0 holds its size in bytes, as the runtime expects, and
+    /// `slots` after it.
+    const fn sized(slots: &[(usize, *const c_void)]) -> Self {
+        let mut t = Self::new(slots);
+        t.0[0] = (N * std::mem::size_of::<usize>()) as *const c_void;
         t
     }
 
@@ -71,47 +83,35 @@ const CONTEXT_CHECKS_ID: [u8; 16] = [
     0x26, 0x3e, 0x88, 0x60, 0x7c, 0xd2, 0x61, 0x43, 0x92, 0xf6, 0xbb, 0xd5, 0x00, 0x6d, 0xfa, 0x7e,
 ];
 
-static CUDART_INTERFACE: Table<13> = Table({
-    let mut t = Table::<13>::sized();
-    t[1] = module_from_fatbin as *const c_void;
-    t[2] = primary_context_unretained as *const c_void;
-    t[6] = module_from_fatbin_ext as *const c_void;
-    t[7] = cudart_noop as *const c_void;
-    t[8] = module_from_fatbin_header as *const c_void;
-    t[12] = load_compilers as *const c_void;
-    t
-});
+static CUDART_INTERFACE: Table<13> = Table::sized(&[
+    (1, module_from_fatbin as *const c_void),
+    (2, primary_context_unretained as *const c_void),
+    (6, module_from_fatbin_ext as *const c_void),
+    (7, cudart_noop as *const c_void),
+    (8, module_from_fatbin_header as *const c_void),
+    (12, load_compilers as *const c_void),
+]);
 
-static TOOLS_RUNTIME_CALLBACK_HOOKS: Table<7> = Table({
-    let mut t = Table::<7>::sized();
-    t[2] = callback_buffer_1 as *const c_void;
-    t[6] = callback_buffer_2 as *const c_void;
-    t
-});
+static TOOLS_RUNTIME_CALLBACK_HOOKS: Table<7> = Table::sized(&[
+    (2, callback_buffer_1 as *const c_void),
+    (6, callback_buffer_2 as *const c_void),
+]);
 
-static TOOLS_TLS: Table<4> = Table(Table::<4>::sized());
+static TOOLS_TLS: Table<4> = Table::sized(&[]);
 
 /// No size word: slot 0 is already a function.
-static CONTEXT_LOCAL_STORAGE_V0301: Table<4> = Table({
-    let mut t = [std::ptr::null(); 4];
-    t[0] = cls_put as *const c_void;
-    t[1] = cls_delete as *const c_void;
-    t[2] = cls_get as *const c_void;
-    t
-});
+static CONTEXT_LOCAL_STORAGE_V0301: Table<4> = Table::new(&[
+    (0, cls_put as *const c_void),
+    (1, cls_delete as *const c_void),
+    (2, cls_get as *const c_void),
+]);
 
-static INTEGRITY_CHECK: Table<3> = Table({
-    let mut t = Table::<3>::sized();
-    t[1] = integrity_check as *const c_void;
-    t
-});
+static INTEGRITY_CHECK: Table<3> = Table::sized(&[(1, integrity_check as *const c_void)]);
 
-static CONTEXT_CHECKS: Table<4> = Table({
-    let mut t = Table::<4>::sized();
-    t[2] = context_check as *const c_void;
-    t[3] = context_flag_check as *const c_void;
-    t
-});
+static CONTEXT_CHECKS: Table<4> = Table::sized(&[
+    (2, context_check as *const c_void),
+    (3, context_flag_check as *const c_void),
+]);
 
 /// `cuGetExportTable(table, id)`.
 pub(crate) fn export_table(table: *mut *const c_void, id: *const CUuuid) -> Result<(), CUresult> {

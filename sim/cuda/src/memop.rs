@@ -143,9 +143,17 @@ pub enum MemOp {
 }
 
 /// Checks the word a memory operation names: aligned to its size, and memory the
-/// submitting stream's device may reach (see the module's documentation).
-fn word(mem: &Memory, by: Submitter, addr: u64, wide: bool, write: bool) -> Result<Word, CUresult> {
-    let w = Word {
+/// submitting stream's device may reach (see the module's documentation). Returns
+/// it with `value` taken at its width.
+fn word(
+    mem: &Memory,
+    by: Submitter,
+    addr: u64,
+    value: u64,
+    wide: bool,
+    write: bool,
+) -> Result<(Word, u64), CUresult> {
+    let mut w = Word {
         addr,
         wide,
         host: false,
@@ -163,12 +171,13 @@ fn word(mem: &Memory, by: Submitter, addr: u64, wide: bool, write: bool) -> Resu
         }
         mem.resolve(addr, w.size(), write, by.device)
             .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
-        return Ok(w);
+    } else {
+        match mem.host.map(addr as usize, w.size() as usize) {
+            Some(m) if m.device_map && !(write && m.read_only) => w.host = true,
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        }
     }
-    match mem.host.map(addr as usize, w.size() as usize) {
-        Some(m) if m.device_map && !(write && m.read_only) => Ok(Word { host: true, ..w }),
-        _ => Err(CUDA_ERROR_INVALID_VALUE),
-    }
+    Ok((w, value & w.mask()))
 }
 
 /// `cuStreamWaitValue32/64`: a wait on the word at `addr` (`value` is taken at the
@@ -191,12 +200,8 @@ pub fn wait(
         CU_STREAM_WAIT_VALUE_NOR => Cond::Nor,
         _ => return Err(CUDA_ERROR_INVALID_VALUE),
     };
-    let word = word(mem, by, addr, wide, false)?;
-    Ok(MemOp::Wait {
-        word,
-        value: value & word.mask(),
-        cond,
-    })
+    let (word, value) = word(mem, by, addr, value, wide, false)?;
+    Ok(MemOp::Wait { word, value, cond })
 }
 
 /// `cuStreamWriteValue32/64`: a store of `value` (at the word's width) to `addr`.
@@ -216,10 +221,10 @@ pub fn write(
         (CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER, Api::V1) => false,
         _ => return Err(CUDA_ERROR_INVALID_VALUE),
     };
-    let word = word(mem, by, addr, wide, true)?;
+    let (word, value) = word(mem, by, addr, value, wide, true)?;
     Ok(MemOp::Write {
         word,
-        value: value & word.mask(),
+        value,
         barrier,
     })
 }

@@ -532,34 +532,23 @@ impl Memory {
         if size > phys.size {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let mut va = self.write();
-        let (&start, region) = va
-            .regions
-            .range_mut(..=ptr)
-            .next_back()
-            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        if ptr + size > start + region.size {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let RegionKind::Reserved { mappings } = &mut region.kind else {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        };
-        // No overlap with an existing mapping.
-        if let Some((&ms, m)) = mappings.range(..ptr + size).next_back() {
-            if ms + m.size > ptr {
-                return Err(CUDA_ERROR_ALREADY_MAPPED);
+        self.with_reservation(ptr, size, |mappings| {
+            // No overlap with an existing mapping.
+            if let Some((&ms, m)) = mappings.range(..ptr + size).next_back() {
+                if ms + m.size > ptr {
+                    return Err(CUDA_ERROR_ALREADY_MAPPED);
+                }
             }
-        }
-        mappings.insert(
-            ptr,
-            Mapping {
-                size,
-                phys,
-                access: vec![Access::None; self.gpus as usize],
-            },
-        );
-        drop(va);
-        Ok(())
+            mappings.insert(
+                ptr,
+                Mapping {
+                    size,
+                    phys,
+                    access: vec![Access::None; self.gpus as usize],
+                },
+            );
+            Ok(())
+        })
     }
 
     /// Visits the mappings that exactly tile `[ptr, ptr+size)`; refuses ranges with
@@ -584,6 +573,9 @@ impl Memory {
         Ok(keys)
     }
 
+    /// Runs `f` on the mappings of the reservation `[ptr, ptr+size)` lies in, under
+    /// the address space's write lock: a range outside every reservation, past its
+    /// end, empty, or in linear memory is `CUDA_ERROR_INVALID_VALUE`.
     fn with_reservation<R>(
         &self,
         ptr: u64,

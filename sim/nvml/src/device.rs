@@ -7,7 +7,7 @@ use std::ffi::{c_char, c_int, c_uint};
 use kiwi_sim_core::ident;
 
 use crate::abi::*;
-use crate::ffi::{c_str, fill_chars, out, write_str};
+use crate::ffi::{c_str, fill_chars, out, out_pair, write_str};
 use crate::model;
 use crate::state::{state, Gpu};
 
@@ -105,11 +105,8 @@ pub(crate) fn cuda_compute_capability(
     minor: *mut c_int,
 ) -> Result<(), NvmlReturn> {
     Gpu::of(handle)?;
-    if major.is_null() || minor.is_null() {
-        return Err(NVML_ERROR_INVALID_ARGUMENT);
-    }
-    out(major, model::COMPUTE_CAPABILITY.0)?;
-    out(minor, model::COMPUTE_CAPABILITY.1)
+    let (maj, min) = model::COMPUTE_CAPABILITY;
+    out_pair(major, maj, minor, min)
 }
 
 pub(crate) fn architecture(handle: Device, arch: *mut c_uint) -> Result<(), NvmlReturn> {

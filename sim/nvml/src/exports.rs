@@ -64,15 +64,15 @@ exports! {
     // Memory and processes.
     nvmlDeviceGetMemoryInfo(d: Device, memory: *mut Memory) => memory::memory_info(d, memory);
     nvmlDeviceGetMemoryInfo_v2(d: Device, memory: *mut MemoryV2) => memory::memory_info_v2(d, memory);
-    nvmlDeviceGetComputeRunningProcesses(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV1) => memory::running_processes_v1(d, Compute, count, infos);
-    nvmlDeviceGetComputeRunningProcesses_v2(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV2) => memory::running_processes_v2(d, Compute, count, infos);
-    nvmlDeviceGetComputeRunningProcesses_v3(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV2) => memory::running_processes_v2(d, Compute, count, infos);
-    nvmlDeviceGetGraphicsRunningProcesses(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV1) => memory::running_processes_v1(d, Graphics, count, infos);
-    nvmlDeviceGetGraphicsRunningProcesses_v2(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV2) => memory::running_processes_v2(d, Graphics, count, infos);
-    nvmlDeviceGetGraphicsRunningProcesses_v3(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV2) => memory::running_processes_v2(d, Graphics, count, infos);
-    nvmlDeviceGetMPSComputeRunningProcesses(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV1) => memory::running_processes_v1(d, Mps, count, infos);
-    nvmlDeviceGetMPSComputeRunningProcesses_v2(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV2) => memory::running_processes_v2(d, Mps, count, infos);
-    nvmlDeviceGetMPSComputeRunningProcesses_v3(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV2) => memory::running_processes_v2(d, Mps, count, infos);
+    nvmlDeviceGetComputeRunningProcesses(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV1) => memory::running_processes(d, Compute, count, infos);
+    nvmlDeviceGetComputeRunningProcesses_v2(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV2) => memory::running_processes(d, Compute, count, infos);
+    nvmlDeviceGetComputeRunningProcesses_v3(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV2) => memory::running_processes(d, Compute, count, infos);
+    nvmlDeviceGetGraphicsRunningProcesses(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV1) => memory::running_processes(d, Graphics, count, infos);
+    nvmlDeviceGetGraphicsRunningProcesses_v2(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV2) => memory::running_processes(d, Graphics, count, infos);
+    nvmlDeviceGetGraphicsRunningProcesses_v3(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV2) => memory::running_processes(d, Graphics, count, infos);
+    nvmlDeviceGetMPSComputeRunningProcesses(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV1) => memory::running_processes(d, Mps, count, infos);
+    nvmlDeviceGetMPSComputeRunningProcesses_v2(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV2) => memory::running_processes(d, Mps, count, infos);
+    nvmlDeviceGetMPSComputeRunningProcesses_v3(d: Device, count: *mut c_uint, infos: *mut ProcessInfoV2) => memory::running_processes(d, Mps, count, infos);
     nvmlDeviceGetProcessUtilization(d: Device, samples: *mut ProcessUtilizationSample, count: *mut c_uint, last_seen_us: u64) => memory::process_utilization(d, samples, count, last_seen_us);
 
     // Sensors, clocks, power, PCIe.

@@ -29,6 +29,17 @@ pub(crate) fn out<T>(p: *mut T, v: T) -> Result<(), NvmlReturn> {
     Ok(())
 }
 
+/// Writes a query's two answers (current and pending mode, major and minor, low and
+/// high): either pointer NULL is `NVML_ERROR_INVALID_ARGUMENT`, and then neither is
+/// written.
+pub(crate) fn out_pair<T, U>(p: *mut T, v: T, q: *mut U, w: U) -> Result<(), NvmlReturn> {
+    if p.is_null() || q.is_null() {
+        return Err(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    out(p, v)?;
+    out(q, w)
+}
+
 /// Reads a T from a caller's in/out pointer; NULL is `NVML_ERROR_INVALID_ARGUMENT`.
 pub(crate) fn read<T: Copy>(p: *const T) -> Result<T, NvmlReturn> {
     if p.is_null() {

@@ -69,40 +69,43 @@ fn processes(handle: Device, kind: Contexts) -> Result<Vec<ProcessUsage>, NvmlRe
     })
 }
 
-/// The unversioned `nvmlDevice*RunningProcesses`: `nvmlProcessInfo_v1_t` entries.
-pub(crate) fn running_processes_v1(
-    handle: Device,
-    kind: Contexts,
-    count: *mut c_uint,
-    infos: *mut ProcessInfoV1,
-) -> Result<(), NvmlReturn> {
-    let list = processes(handle, kind)?
-        .into_iter()
-        .map(|p| ProcessInfoV1 {
-            pid: p.pid,
-            used_gpu_memory: p.bytes,
-        })
-        .collect();
-    write_array(count, infos, list)
+/// A running-process list's entry, in one of NVML's layouts.
+pub(crate) trait ProcessEntry {
+    fn of(p: &ProcessUsage) -> Self;
 }
 
-/// `nvmlDevice*RunningProcesses_v2` and `_v3`: `nvmlProcessInfo_v2_t` entries
-/// (`nvmlProcessInfo_t`), with no MIG instance.
-pub(crate) fn running_processes_v2(
-    handle: Device,
-    kind: Contexts,
-    count: *mut c_uint,
-    infos: *mut ProcessInfoV2,
-) -> Result<(), NvmlReturn> {
-    let list = processes(handle, kind)?
-        .into_iter()
-        .map(|p| ProcessInfoV2 {
+/// The unversioned `nvmlDevice*RunningProcesses`: `nvmlProcessInfo_v1_t`.
+impl ProcessEntry for ProcessInfoV1 {
+    fn of(p: &ProcessUsage) -> Self {
+        ProcessInfoV1 {
+            pid: p.pid,
+            used_gpu_memory: p.bytes,
+        }
+    }
+}
+
+/// `_v2` and `_v3`: `nvmlProcessInfo_v2_t` (`nvmlProcessInfo_t`), with no MIG
+/// instance.
+impl ProcessEntry for ProcessInfoV2 {
+    fn of(p: &ProcessUsage) -> Self {
+        ProcessInfoV2 {
             pid: p.pid,
             used_gpu_memory: p.bytes,
             gpu_instance_id: NO_MIG_INSTANCE,
             compute_instance_id: NO_MIG_INSTANCE,
-        })
-        .collect();
+        }
+    }
+}
+
+/// `nvmlDevice{Compute,Graphics,MPSCompute}RunningProcesses` in every version: the
+/// entries in the layout `infos` points to.
+pub(crate) fn running_processes<T: ProcessEntry>(
+    handle: Device,
+    kind: Contexts,
+    count: *mut c_uint,
+    infos: *mut T,
+) -> Result<(), NvmlReturn> {
+    let list = processes(handle, kind)?.iter().map(T::of).collect();
     write_array(count, infos, list)
 }
 

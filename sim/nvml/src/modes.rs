@@ -5,7 +5,7 @@
 use std::ffi::c_uint;
 
 use crate::abi::*;
-use crate::ffi::out;
+use crate::ffi::{out, out_pair};
 use crate::model;
 use crate::state::Gpu;
 
@@ -40,11 +40,8 @@ pub(crate) fn ecc_mode(
     pending: *mut c_uint,
 ) -> Result<(), NvmlReturn> {
     Gpu::of(handle)?;
-    if current.is_null() || pending.is_null() {
-        return Err(NVML_ERROR_INVALID_ARGUMENT);
-    }
-    out(current, feature(model::ECC_ENABLED))?;
-    out(pending, feature(model::ECC_ENABLED))
+    let ecc = feature(model::ECC_ENABLED);
+    out_pair(current, ecc, pending, ecc)
 }
 
 /// `nvmlDeviceGetTotalEccErrors` of either error type (corrected, uncorrected) and
@@ -69,11 +66,12 @@ pub(crate) fn mig_mode(
     pending: *mut c_uint,
 ) -> Result<(), NvmlReturn> {
     Gpu::of(handle)?;
-    if current.is_null() || pending.is_null() {
-        return Err(NVML_ERROR_INVALID_ARGUMENT);
-    }
-    out(current, NVML_DEVICE_MIG_DISABLE)?;
-    out(pending, NVML_DEVICE_MIG_DISABLE)
+    out_pair(
+        current,
+        NVML_DEVICE_MIG_DISABLE,
+        pending,
+        NVML_DEVICE_MIG_DISABLE,
+    )
 }
 
 /// `nvmlDeviceIsMigDeviceHandle`: MIG is off, so no handle is a MIG device's.
@@ -90,10 +88,7 @@ pub(crate) fn driver_model(
 ) -> Result<(), NvmlReturn> {
     Gpu::of(handle)?;
     match model::DRIVER_MODEL {
-        Some(m) => {
-            out(current, m)?;
-            out(pending, m)
-        }
+        Some(m) => out_pair(current, m, pending, m),
         None => Err(NVML_ERROR_NOT_SUPPORTED),
     }
 }

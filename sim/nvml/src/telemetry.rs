@@ -6,7 +6,7 @@
 use std::ffi::c_uint;
 
 use crate::abi::*;
-use crate::ffi::{out, read, struct_version};
+use crate::ffi::{out, out_pair, read, struct_version};
 use crate::model;
 use crate::state::Gpu;
 
@@ -28,11 +28,12 @@ pub(crate) fn codec_utilization(
     sampling_period_us: *mut c_uint,
 ) -> Result<(), NvmlReturn> {
     Gpu::of(handle)?;
-    if utilization.is_null() || sampling_period_us.is_null() {
-        return Err(NVML_ERROR_INVALID_ARGUMENT);
-    }
-    out(utilization, model::CODEC_UTILIZATION_PERCENT)?;
-    out(sampling_period_us, model::CODEC_SAMPLING_PERIOD_US)
+    out_pair(
+        utilization,
+        model::CODEC_UTILIZATION_PERCENT,
+        sampling_period_us,
+        model::CODEC_SAMPLING_PERIOD_US,
+    )
 }
 
 /// `nvmlDeviceGetTemperature`: the GPU die is the one sensor.
@@ -101,11 +102,12 @@ pub(crate) fn power_limit_constraints(
     max_mw: *mut c_uint,
 ) -> Result<(), NvmlReturn> {
     Gpu::of(handle)?;
-    if min_mw.is_null() || max_mw.is_null() {
-        return Err(NVML_ERROR_INVALID_ARGUMENT);
-    }
-    out(min_mw, model::POWER_LIMIT_MIN_MW)?;
-    out(max_mw, model::POWER_LIMIT_MW)
+    out_pair(
+        min_mw,
+        model::POWER_LIMIT_MIN_MW,
+        max_mw,
+        model::POWER_LIMIT_MW,
+    )
 }
 
 fn clock_of(clock_type: c_uint) -> Result<(u32, u32), NvmlReturn> {
