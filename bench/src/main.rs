@@ -112,6 +112,10 @@ enum Scenario {
         clients: usize,
         #[arg(long, default_value_t = 120)]
         seconds: u64,
+        /// Each simulated GPU's memory, MiB: smaller GPUs oversubscribe with fewer
+        /// clients (a client alone needs about 700).
+        #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(768..=81920))]
+        gpu_mib: u64,
         /// Replays a run (printed by every run); default: from the clock.
         #[arg(long)]
         seed: Option<u64>,
@@ -226,12 +230,14 @@ fn run(cli: Cli) -> Result<()> {
             gpus,
             clients,
             seconds,
+            gpu_mib,
             seed,
             patterns,
         } => soak::soak(&soak::SoakOptions {
             gpus,
             clients,
             seconds,
+            gpu_memory: gpu_mib << 20,
             seed: seed.unwrap_or_else(|| procs::monotonic_ns() % 1_000_000),
             patterns,
         })?,

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use super::{spill_dir, SWAP_POOL, TQ_S};
+use super::disk::SpillDisk;
+use super::{SWAP_POOL, TQ_S};
 use crate::jobs::{Build, Sim};
 
 /// The arbiter: the workspace's `kiwi-arbiter`, which the soak kills and restarts on
@@ -17,11 +18,18 @@ use crate::jobs::{Build, Sim};
 pub(super) struct Arbiter {
     exe: PathBuf,
     dir: PathBuf,
+    disk: SpillDisk,
     child: Option<Child>,
 }
 
 impl Arbiter {
-    pub(super) fn start(b: &Build, sim: &Sim, gpus: u32, dir: &Path) -> Result<Arbiter> {
+    pub(super) fn start(
+        b: &Build,
+        sim: &Sim,
+        gpus: u32,
+        dir: &Path,
+        disk: SpillDisk,
+    ) -> Result<Arbiter> {
         let exe = b
             .gpuburst
             .parent()
@@ -30,10 +38,10 @@ impl Arbiter {
         if !exe.exists() {
             bail!("{} is missing: build the workspace first", exe.display());
         }
-        std::fs::create_dir_all(spill_dir(dir)).context("cannot make the spill directory")?;
         let mut a = Arbiter {
             exe,
             dir: dir.to_path_buf(),
+            disk,
             child: None,
         };
         a.spawn(b, sim, gpus)?;
@@ -58,12 +66,20 @@ impl Arbiter {
                 SWAP_POOL,
             ])
             .arg("--spill-dir")
-            .arg(spill_dir(&self.dir))
+            .arg(self.disk.spill_dir())
             // Every soak client is a child of this process, of one uid.
             .args(["--max-conns-per-group", "100000"])
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
+            .stdout(Stdio::null());
+        // Its log, across restarts, beside the clients' (kept when a run fails).
+        let log = self.dir.parent().unwrap_or(&self.dir).join("arbiter.log");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .with_context(|| format!("cannot open {}", log.display()))?;
+        cmd.stderr(log);
+        self.disk.prepare(&mut cmd)?;
         self.child = Some(cmd.spawn().context("cannot start kiwi-arbiter")?);
         let socket = kiwi_config::client_socket(&self.dir);
         let control = kiwi_config::control_socket(&self.dir);

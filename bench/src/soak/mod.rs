@@ -48,13 +48,17 @@
 //! refused, nothing may be lost). At the end the pool must have nothing lent and no
 //! spill file left.
 //!
+//! Run as root, each arbiter gets a tmpfs of its own for its spill directory
+//! (`disk`), and a fault fills it to the last byte for a few seconds (a full disk:
+//! spills are refused, nothing may be lost).
+//!
 //! Not covered yet: clients in real containers (their own mount and pid namespaces,
-//! as `kiwi-tests`' `FakeContainer` makes them; the soak's share the host's), and a
-//! full spill disk.
+//! as `kiwi-tests`' `FakeContainer` makes them; the soak's share the host's).
 
 mod arbiter;
 mod clients;
 mod containers;
+mod disk;
 mod tenants;
 
 use std::collections::BTreeMap;
@@ -71,16 +75,16 @@ use crate::report::Figure;
 use arbiter::{arbiter_footprint, Arbiter};
 use clients::{processes, ClientProc, Pattern, Proc, PATTERNS};
 use containers::Containers;
+use disk::SpillDisk;
 
 const MIB: u64 = 1 << 20;
-/// Each simulated GPU's memory.
-const GPU_MEMORY: u64 = 4 << 30;
 /// The arbiter's time quantum.
 const TQ_S: u64 = 1;
 /// The arbiter's swap pool: less than the clients' swapped-out memory, so the disk
 /// tier works.
 const SWAP_POOL: &str = "1GiB";
-/// How long the spill directory is gone in a [`Fault::DiskGone`].
+/// How long the spill directory is gone in a [`Fault::DiskGone`], or its disk full in
+/// a [`Fault::DiskFull`].
 const DISK_GONE: Duration = Duration::from_secs(3);
 /// The most the arbiter may hold resident, and descriptors beyond its clients'.
 const MAX_ARBITER_RSS: u64 = 256 << 20;
@@ -95,6 +99,8 @@ pub struct SoakOptions {
     pub gpus: u32,
     pub clients: usize,
     pub seconds: u64,
+    /// Each simulated GPU's memory, bytes.
+    pub gpu_memory: u64,
     pub seed: u64,
     /// Only these patterns (by name; empty: all), to replay a failure of one.
     pub patterns: Vec<String>,
@@ -132,6 +138,9 @@ enum Fault {
     Restart,
     /// The spill directory disappears for [`DISK_GONE`] (a missing disk).
     DiskGone,
+    /// The spill directory's disk is full for [`DISK_GONE`] (when the soak can fill
+    /// it: [`disk`]).
+    DiskFull,
     /// A new container is attached and an idle one stops, with its poststop hook or
     /// (every other time) without.
     Churn,
@@ -139,7 +148,7 @@ enum Fault {
     DetachLive,
 }
 
-const FAULTS: [Fault; 9] = [
+const FAULTS: [Fault; 10] = [
     Fault::Kill,
     Fault::Storm,
     Fault::Churn,
@@ -147,6 +156,7 @@ const FAULTS: [Fault; 9] = [
     Fault::Deaf,
     Fault::DiskGone,
     Fault::Kill,
+    Fault::DiskFull,
     Fault::Restart,
     // Right after a restart: its client has the longest to run on before the next.
     Fault::DetachLive,
@@ -166,6 +176,9 @@ struct Outcome {
     peak_fds: usize,
     /// The most the swap pool's disk tier held at once (sampled every second).
     peak_spilled: u64,
+    /// Spills the disk tier refused (summed over the arbiter's lives; sampled every
+    /// second), and of those, whether one said the disk had no room.
+    spill_refusals: (u64, bool),
     /// The arbiter's descriptors at the end, once nothing was left, and at its first
     /// start.
     end_fds: (usize, usize),
@@ -225,11 +238,12 @@ fn tally(events: &[Event], out: &mut Outcome) {
 
 /// One run of `o.clients` clients for `o.seconds`, with faults when `faults`.
 fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
-    let sim = Sim::new(if faults { "soak" } else { "soak-quiet" }, GPU_MEMORY);
+    let sim = Sim::new(if faults { "soak" } else { "soak-quiet" }, o.gpu_memory);
     let work = tempfile::Builder::new().prefix("kiwi-soak").tempdir()?;
     let dir = work.path().join("run");
     std::fs::create_dir(&dir)?;
-    let mut arb = Arbiter::start(b, &sim, o.gpus, &dir)?;
+    let disk = SpillDisk::new(&dir)?;
+    let mut arb = Arbiter::start(b, &sim, o.gpus, &dir, disk.clone())?;
     // What it holds with nothing to serve: the end's bound is counted from it.
     let base_fds = arbiter_footprint(arb.pid()).map_or(0, |f| f.1);
     let mut containers = Containers::new(&dir, work.path(), faults);
@@ -247,6 +261,8 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
     let mut spawned = 0usize;
     let mut fault_no = 0usize;
     let mut detach_tries = 0;
+    // Spills the arbiter running now has refused.
+    let mut refused_now = 0;
     let patterns: Vec<Pattern> = PATTERNS
         .into_iter()
         .filter(|p| o.patterns.is_empty() || o.patterns.iter().any(|n| n == p.name()))
@@ -413,6 +429,11 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
             // run still sees each.
             let kind = FAULTS[fault_no % FAULTS.len()];
             fault_no += 1;
+            // A disk the soak cannot fill without filling the machine's: gone instead.
+            let kind = match kind {
+                Fault::DiskFull if !disk.can_fill() => Fault::DiskGone,
+                k => k,
+            };
             // At most one arbiter restart per 10 s: a client is killed instead.
             let kind = if kind == Fault::Restart && now < last_restart + Duration::from_secs(10) {
                 Fault::Kill
@@ -462,24 +483,32 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
                         (_, false) => "client that never reads",
                         (_, true) => "client that never reads in a container",
                     };
+                    let memory = o.gpu_memory;
                     tenants.push(std::thread::spawn(move || {
                         if kind == Fault::Storm {
-                            tenants::storm(socket, uuid, GPU_MEMORY, Duration::from_secs(2))
+                            tenants::storm(socket, uuid, memory, Duration::from_secs(2))
                         } else {
-                            tenants::deaf(socket, uuid, GPU_MEMORY, Duration::from_secs(3))
+                            tenants::deaf(socket, uuid, memory, Duration::from_secs(3))
                         }
                     }));
                     *out.faults.entry(name).or_default() += 1;
                 }
-                Fault::DiskGone => {
-                    let (here, away) = (spill_dir(&dir), dir.join("spill.gone"));
-                    tenants.push(std::thread::spawn(move || {
-                        std::fs::rename(&here, &away)?;
-                        std::thread::sleep(DISK_GONE);
-                        std::fs::rename(&away, &here)?;
-                        Ok(())
-                    }));
-                    *out.faults.entry("spill directory gone").or_default() += 1;
+                Fault::DiskGone | Fault::DiskFull => {
+                    // Held open: undone on the disk it was done to, even once its
+                    // arbiter is restarted meanwhile.
+                    let d = disk.open(arb.pid())?;
+                    let name = if kind == Fault::DiskGone {
+                        tenants.push(std::thread::spawn(move || d.gone(DISK_GONE)));
+                        "spill directory gone"
+                    } else {
+                        tenants.push(std::thread::spawn(move || {
+                            let full = d.fill()?;
+                            std::thread::sleep(DISK_GONE);
+                            full.empty()
+                        }));
+                        "spill disk full"
+                    };
+                    *out.faults.entry(name).or_default() += 1;
                 }
                 Fault::Churn => {
                     // An idle one stops early (every other time with no poststop
@@ -522,6 +551,7 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
                     // What this arbiter logged, before its log goes with it.
                     log_so_far.extend(events(&dir).unwrap_or_default());
                     arb.kill();
+                    out.spill_refusals.0 += std::mem::take(&mut refused_now);
                     arb.spawn(b, &sim, o.gpus)?;
                     containers.after_restart();
                     last_restart = Instant::now();
@@ -534,6 +564,11 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
             last_look = Instant::now();
             if let Some(spill) = status(&dir).and_then(|s| s.swap_pool).and_then(|p| p.spill) {
                 out.peak_spilled = out.peak_spilled.max(spill.spilled_bytes);
+                refused_now = spill.failures;
+                let full = ["free space", "no room"];
+                out.spill_refusals.1 |= spill
+                    .last_error
+                    .is_some_and(|e| full.iter().any(|f| e.contains(f)));
             }
             containers.look(arb.pid());
         }
@@ -560,6 +595,7 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+    out.spill_refusals.0 += refused_now;
     for t in tenants {
         match t.join() {
             Ok(Ok(())) => {}
@@ -603,6 +639,13 @@ fn run(b: &Build, o: &SoakOptions, faults: bool) -> Result<Outcome> {
     out.containers = std::mem::take(&mut containers.tally);
     drop(arb);
     let _ = kiwi_sim_core::machine::reset(&sim.name);
+    if !out.failures.is_empty() {
+        // The clients' and the arbiter's logs, for the failure's story.
+        eprintln!(
+            "kiwi-bench soak: the run's logs are kept in {}",
+            work.keep().display()
+        );
+    }
     Ok(out)
 }
 
@@ -624,11 +667,6 @@ fn pool_fds(dir: &Path) -> usize {
     status(dir)
         .and_then(|s| s.swap_pool)
         .map_or(0, |p| p.memfds + p.spill.map_or(0, |s| s.files)) as usize
-}
-
-/// The disk tier's directory in the run's directory.
-fn spill_dir(dir: &Path) -> PathBuf {
-    dir.join("spill")
 }
 
 /// Waits (up to 10 s) until the arbiter has no client, the simulated GPUs no memory in
@@ -695,10 +733,17 @@ pub fn soak(o: &SoakOptions) -> Result<Vec<Figure>> {
     } else {
         format!(" --patterns {}", o.patterns.join(","))
     };
+    let mib = o.gpu_memory / MIB;
     eprintln!(
-        "kiwi-bench soak: {} clients on {} GPUs for {} s, seed {} (replay: kiwi-bench soak --gpus {} --clients {} --seconds {} --seed {}{only})",
+        "kiwi-bench soak: {} clients on {} GPUs of {mib} MiB for {} s, seed {} (replay: kiwi-bench soak --gpus {} --clients {} --seconds {} --gpu-mib {mib} --seed {}{only})",
         o.clients, o.gpus, o.seconds, o.seed, o.gpus, o.clients, o.seconds, o.seed
     );
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!(
+            "kiwi-bench soak: not root: the spill directory is on the run's own disk, and a full disk is not injected (a missing one is)"
+        );
+    }
     let loaded = run(&b, o, true)?;
     let quiet_opts = SoakOptions {
         seconds: (o.seconds / 2).max(10),
@@ -715,12 +760,14 @@ pub fn soak(o: &SoakOptions) -> Result<Vec<Figure>> {
         .collect::<Vec<_>>()
         .join(", ");
     eprintln!(
-        "kiwi-bench soak: seed {}: {} clients run, {injected} faults injected ({faults}), {} failures; arbiter peak {} MiB, {} descriptors",
+        "kiwi-bench soak: seed {}: {} clients run, {injected} faults injected ({faults}), {} failures; arbiter peak {} MiB, {} descriptors; the disk tier refused {} spills (one for want of room: {})",
         o.seed,
         loaded.clients_run,
         failures.len(),
         loaded.peak_rss >> 20,
-        loaded.peak_fds
+        loaded.peak_fds,
+        loaded.spill_refusals.0,
+        if loaded.spill_refusals.1 { "yes" } else { "no" }
     );
     let c = &loaded.containers;
     eprintln!(
