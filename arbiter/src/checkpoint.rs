@@ -62,6 +62,19 @@ pub trait Checkpointer: Send + Sync + std::fmt::Debug {
     /// Restores and unlocks `pid` (whatever step it was left at); out of memory while
     /// its memory does not fit yet.
     fn restore(&self, pid: u32) -> Result<(), CheckpointError>;
+    /// Where the driver holds `pid` now.
+    fn held(&self, pid: u32) -> Result<Held, CheckpointError>;
+}
+
+/// Where the driver holds a process (`CUprocessState`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    /// Running: its calls go on.
+    Running,
+    /// Locked: its calls wait, its memory still on the GPU.
+    Locked,
+    /// Checkpointed: its calls wait, its GPU state in its host memory.
+    Checkpointed,
 }
 
 type GetState = unsafe extern "C" fn(c_int, *mut c_uint) -> CUresult;
@@ -183,6 +196,14 @@ impl Checkpointer for DriverCheckpointer {
         }
         self.step(self.unlock, "unlock", pid)
     }
+
+    fn held(&self, pid: u32) -> Result<Held, CheckpointError> {
+        Ok(match self.state(pid)? {
+            CU_PROCESS_STATE_CHECKPOINTED => Held::Checkpointed,
+            CU_PROCESS_STATE_LOCKED => Held::Locked,
+            _ => Held::Running,
+        })
+    }
 }
 
 /// A [`Checkpointer`] for tests: records the calls, refuses the pids it is told to.
@@ -190,6 +211,9 @@ impl Checkpointer for DriverCheckpointer {
 pub struct FakeCheckpointer {
     pub calls: std::sync::Mutex<Vec<(&'static str, u32)>>,
     pub refuse: std::sync::Mutex<Vec<u32>>,
+    /// Processes the driver holds checkpointed (the others run); a checkpoint adds
+    /// its pid, a restore takes it away.
+    pub checkpointed: std::sync::Mutex<Vec<u32>>,
 }
 
 impl Checkpointer for FakeCheckpointer {
@@ -201,12 +225,26 @@ impl Checkpointer for FakeCheckpointer {
                 code: CUDA_ERROR_NOT_SUPPORTED,
             });
         }
+        self.checkpointed.lock().expect("lock").push(pid);
         Ok(())
     }
 
     fn restore(&self, pid: u32) -> Result<(), CheckpointError> {
         self.calls.lock().expect("lock").push(("restore", pid));
+        self.checkpointed
+            .lock()
+            .expect("lock")
+            .retain(|&p| p != pid);
         Ok(())
+    }
+
+    fn held(&self, pid: u32) -> Result<Held, CheckpointError> {
+        self.calls.lock().expect("lock").push(("held", pid));
+        Ok(if self.checkpointed.lock().expect("lock").contains(&pid) {
+            Held::Checkpointed
+        } else {
+            Held::Running
+        })
     }
 }
 

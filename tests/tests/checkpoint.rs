@@ -442,3 +442,58 @@ fn a_process_whose_memory_limit_cannot_hold_its_gpu_memory_is_not_checkpointed()
         "the event log says why it was not checkpointed\n{log}"
     );
 }
+
+/// Issue #38 (found by the soak): the arbiter SIGKILLed while an idle notebook is
+/// checkpointed. The driver keeps the process checkpointed, every CUDA call of it
+/// waiting inside the driver, until someone restores it, and only an arbiter does.
+/// The notebook reconnects to the next arbiter, which learns from the driver that it
+/// is checkpointed and restores it once the GPU has room (the holder done): it
+/// verifies every byte, as does the holder.
+#[test]
+fn a_process_checkpointed_when_the_arbiter_dies_is_restored_by_the_next() {
+    let m = SimMachine::new("ckpt-restart", 1, 4096 * MIB)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_env("KIWI_SIM_CONTEXT_MEMORY", "300MiB");
+    m.populate().unwrap_or_else(|e| panic!("{e}"));
+    let mut arb = Arbiter::start_evicting(&["--tq", "1"], m.env());
+    let idle = burst(
+        &m,
+        &arb,
+        "idle",
+        &["--mem", "200MiB", "--script", "gpu:100,idle:6000,gpu:100"],
+    );
+    kiwi_tests::wait_until(
+        "the idle notebook's memory",
+        Duration::from_secs(30),
+        || {
+            arb.status()
+                .gpus
+                .iter()
+                .any(|g| g.clients.iter().any(|c| c.resident_bytes >= 200 * MIB))
+        },
+    );
+    let holder = burst(
+        &m,
+        &arb,
+        "holder",
+        &["--mem", "3600MiB", "--script", "gpu:3000"],
+    );
+    kiwi_tests::wait_until("the idle notebook checkpointed", Duration::from_secs(60), || {
+        arb.status()
+            .gpus
+            .iter()
+            .any(|g| g.clients.iter().any(|c| c.checkpointed))
+    });
+    let before = log_of(&arb.events());
+    arb.restart_hard();
+    let (ho, hhung) = finish(holder, Duration::from_secs(90));
+    let (io, ihung) = finish(idle, Duration::from_secs(90));
+    let log = log_of(&arb.events());
+    for (tag, o, hung) in [("holder", &ho, hhung), ("idle", &io, ihung)] {
+        assert!(
+            !hung && o.status.success(),
+            "{tag}: {}\n--- the first arbiter's log\n{before}\n--- the second's\n{log}",
+            text(o)
+        );
+    }
+}

@@ -520,6 +520,29 @@ impl GpuScheduler {
             .collect()
     }
 
+    /// The driver holds client `id`'s process checkpointed, though this scheduler did
+    /// not put it there: a daemon restarted after the one that did was killed before
+    /// restoring it, and learns so when the client comes back. It is restored as any
+    /// other: before its next grant, or once the GPU can take its memory back (at
+    /// once if it was granted the GPU meanwhile: its calls wait in the driver).
+    pub fn found_checkpointed(&mut self, now: Nanos, id: ClientId) -> Vec<Output> {
+        let holds = self.holders.contains_key(&id);
+        if let Some(c) = self.clients.get_mut(&id) {
+            if matches!(c.ckpt, Ckpt::None | Ckpt::Wanted | Ckpt::Refused) {
+                c.reclaim_pending = 0;
+                c.reclaim_sent = None;
+                c.ckpt = if holds {
+                    let pid = c.info.host_pid;
+                    self.out.push(Output::Restore { id, pid });
+                    Ckpt::Restoring
+                } else {
+                    Ckpt::Checkpointed
+                };
+            }
+        }
+        self.finish(now)
+    }
+
     /// The daemon's checkpoint of client `id` ended: `Ok` with its duration, or why
     /// not.
     pub fn checkpoint_done(

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 
 use super::state::{Shared, State};
-use crate::checkpoint::{CheckpointError, Checkpointer};
+use crate::checkpoint::{CheckpointError, Checkpointer, Held};
 use crate::clock::monotonic_ns;
 use crate::sched::{CheckpointFailure, ClientId};
 
@@ -24,13 +24,24 @@ use crate::sched::{CheckpointFailure, ClientId};
 /// or nearly.
 const LOCK_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// One checkpoint or restore asked by GPU `gpu`'s scheduler.
+/// What a [`Job`] does to a client's process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Task {
+    Checkpoint,
+    Restore,
+    /// Asks the driver where it holds a client that came back after a restart
+    /// ([`learn_if_left`]).
+    Learn,
+}
+
+/// One checkpoint or restore asked by GPU `gpu`'s scheduler, or a look at a client
+/// that came back.
 #[derive(Debug)]
 pub(super) struct Job {
     pub gpu: String,
     pub id: ClientId,
     pub pid: u32,
-    pub restore: bool,
+    pub task: Task,
 }
 
 /// Who connected: the pid and its start time (clock ticks since boot), read as it
@@ -94,10 +105,17 @@ pub(super) async fn run(
                 .fold(0, u64::saturating_add);
             (refuse(&st, &job), keeps)
         };
+        if job.task == Task::Learn {
+            if skip.is_none() {
+                learn(&shared, &checkpointer, &job).await;
+            }
+            continue;
+        }
+        let restore = job.task == Task::Restore;
         // The driver keeps a checkpointed process's GPU memory in that process's
         // host memory, which its memory limit pays for: where that has no room, the
         // checkpoint would have the kernel kill it. Skipped, and tried again later.
-        let short = (!job.restore && skip.is_none())
+        let short = (!restore && skip.is_none())
             .then(|| kiwi_config::cgroup::memory_room(job.pid))
             .flatten()
             .filter(|&room| room < keeps);
@@ -105,7 +123,7 @@ pub(super) async fn run(
             (Some(why), _) => Err(CheckpointFailure {
                 reason: format!(
                     "{} skipped: {why}",
-                    if job.restore { "restore" } else { "checkpoint" }
+                    if restore { "restore" } else { "checkpoint" }
                 ),
                 permanent: true,
             }),
@@ -119,7 +137,7 @@ pub(super) async fn run(
             }),
             (None, None) => {
                 let c = checkpointer.clone();
-                let (pid, restore) = (job.pid, job.restore);
+                let pid = job.pid;
                 let ran = tokio::task::spawn_blocking(move || {
                     let t0 = Instant::now();
                     let r = if restore {
@@ -142,7 +160,7 @@ pub(super) async fn run(
         let mut st = shared.lock();
         let now = monotonic_ns();
         let outs = match st.gpus.get_mut(&job.gpu) {
-            Some(g) if job.restore => g.sched.restore_done(now, job.id, outcome),
+            Some(g) if restore => g.sched.restore_done(now, job.id, outcome),
             Some(g) => g.sched.checkpoint_done(now, job.id, outcome),
             None => continue,
         };
@@ -174,15 +192,54 @@ async fn restore_all(shared: &Shared, checkpointer: &Arc<dyn Checkpointer>) {
 }
 
 /// After a restart, a client that comes back may have been left checkpointed or
-/// locked by the arbiter before (killed without its shutdown): it is restored and
-/// unlocked if so (a running process is left alone).
-pub(super) fn restore_if_left(st: &State, gpu: &str, id: ClientId, pid: u32) {
+/// locked by the arbiter before (killed without its shutdown): [`learn`] asks the
+/// driver.
+pub(super) fn learn_if_left(st: &State, gpu: &str, id: ClientId, pid: u32) {
     if let Some(tx) = &st.checkpoint_jobs {
         let _ = tx.send(Job {
             gpu: gpu.to_string(),
             id,
             pid,
-            restore: true,
+            task: Task::Learn,
         });
+    }
+}
+
+/// Where the driver holds `job`'s process. Locked (its memory still on the GPU): it
+/// is unlocked at once. Checkpointed: its GPU's scheduler learns so and restores it
+/// as any other, before its next grant or once its memory fits (a restore now could
+/// find no room, and a client thought running would be granted the GPU while its
+/// calls wait in the driver for good). Running: left alone.
+async fn learn(shared: &Shared, checkpointer: &Arc<dyn Checkpointer>, job: &Job) {
+    let (c, pid) = (checkpointer.clone(), job.pid);
+    let held = match tokio::task::spawn_blocking(move || c.held(pid)).await {
+        Ok(Ok(h)) => h,
+        // No CUDA state (a client that reports without CUDA): nothing to undo.
+        Ok(Err(_)) | Err(_) => return,
+    };
+    match held {
+        Held::Running => {}
+        Held::Locked => {
+            let c = checkpointer.clone();
+            match tokio::task::spawn_blocking(move || c.restore(pid)).await {
+                Ok(Ok(())) => log_line!(
+                    "INFO",
+                    "process {pid} was left locked by the arbiter before: unlocked"
+                ),
+                Ok(Err(e)) => log_line!("WARN", "could not unlock process {pid}: {e}"),
+                Err(e) => log_line!("WARN", "could not unlock process {pid}: {e}"),
+            }
+        }
+        Held::Checkpointed => {
+            log_line!(
+                "INFO",
+                "process {pid} was left checkpointed by the arbiter before: restored before its next turn"
+            );
+            let mut st = shared.lock();
+            let now = monotonic_ns();
+            st.step(&job.gpu, |s| s.found_checkpointed(now, job.id));
+            drop(st);
+            shared.timer.notify_one();
+        }
     }
 }

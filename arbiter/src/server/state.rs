@@ -214,13 +214,16 @@ impl State {
                     self.events.push(now, gpu, id, tenant, kind);
                 }
                 Output::Checkpoint { id, pid } | Output::Restore { id, pid } => {
-                    let restore = matches!(o, Output::Restore { .. });
+                    let task = match o {
+                        Output::Restore { .. } => checkpoints::Task::Restore,
+                        _ => checkpoints::Task::Checkpoint,
+                    };
                     if let Some(tx) = &self.checkpoint_jobs {
                         let _ = tx.send(checkpoints::Job {
                             gpu: gpu.to_string(),
                             id,
                             pid,
-                            restore,
+                            task,
                         });
                     }
                 }

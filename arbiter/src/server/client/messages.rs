@@ -303,7 +303,7 @@ fn join_gpu(from: Sender, st: &mut State, r: Register, uuid: String) -> Next {
         outs.insert(k + 1, Output::Send(id, bounds));
     }
     if r.resume.is_some() && host_pid != 0 {
-        checkpoints::restore_if_left(st, &uuid, id, host_pid);
+        checkpoints::learn_if_left(st, &uuid, id, host_pid);
     }
     if r.resume.is_some_and(|x| x.holding)
         && outs
