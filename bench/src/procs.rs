@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use kiwi_protocol::blocking::Connection;
-use kiwi_protocol::{ArbiterMsg, ClientMsg, Register, PROTOCOL_VERSION};
+use kiwi_protocol::{ArbiterMsg, ClientMsg, Register};
 
 /// CLOCK_MONOTONIC in ns: the arbiter's clock, shared by every process.
 pub use kiwi_protocol::monotonic_ns;
@@ -86,23 +86,8 @@ pub fn registration(
     name: &str,
 ) -> Register {
     Register {
-        version: PROTOCOL_VERSION,
-        pid: std::process::id(),
-        gpu_uuid,
-        gpu_total_memory,
-        working_set_bytes,
-        resident_bytes: 0,
-        container_id: None,
-        pod_name: None,
-        pod_namespace: None,
         name: Some(name.into()),
-        resume: None,
-        wait_info: false,
-        unswappable_bytes: None,
-        pipelined: false,
-        room_info: false,
-        bounds: false,
-        group: None,
+        ..Register::new(gpu_uuid, gpu_total_memory, working_set_bytes)
     }
 }
 

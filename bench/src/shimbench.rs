@@ -443,29 +443,7 @@ pub fn arbiter_events(arb: &ArbiterProc) -> Result<Vec<Event>> {
 pub fn events_at(socket_dir: &std::path::Path) -> Result<Vec<Event>> {
     let mut c: Connection<ControlRequest, ControlReply> =
         Connection::connect(&kiwi_config::control_socket(socket_dir))?;
-    let mut out = Vec::new();
-    let mut since = 0;
-    loop {
-        match c.call(&ControlRequest::Events {
-            gpu: None,
-            since_seq: since,
-            limit: 2000,
-        })? {
-            ControlReply::Events {
-                events,
-                next_seq,
-                more,
-                ..
-            } => {
-                out.extend(events);
-                since = next_seq;
-                if !more {
-                    return Ok(out);
-                }
-            }
-            other => bail!("unexpected reply {other:?}"),
-        }
-    }
+    Ok(c.events(None, 0)?.0)
 }
 
 /// Two apps of 70% of the GPU under Kiwi, taking turns, with `env`; the arbiter's log.

@@ -39,6 +39,7 @@ use std::time::Instant;
 
 use anyhow::{bail, ensure, Context, Result};
 use kiwi_arbiter::pool::{Lent, Pool, PoolConfig, SpillConfig, Spilled};
+use kiwi_cuda::filemap::{self, FilePart};
 
 use crate::report::{percentile, Figure};
 
@@ -318,68 +319,27 @@ fn plain_read(f: &File, dst: &mut [u8]) -> Result<()> {
 }
 
 /// Reads the spill files back into `dst` as the shim does (`shim/src/pool.rs`,
-/// `read_back`): one address range reserved, each file mapped read-only into it with
-/// `MAP_POPULATE`, the whole copied out, unmapped, then each file's pages dropped.
+/// `read_back`), through the same code ([`filemap::read_files`]): each file mapped
+/// read-only with `MAP_POPULATE` side by side at one address, the whole copied out,
+/// unmapped, then each file's pages dropped.
 fn read_back(spilled: &[Spilled], dst: &mut [u8]) -> Result<()> {
     let len = dst.len();
-    // SAFETY: a fresh reservation of address space; nothing else is affected.
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    if base == libc::MAP_FAILED {
-        bail!("reserving {len} bytes: {}", std::io::Error::last_os_error());
-    }
-    let mut at = 0usize;
-    for s in spilled {
-        let n = usize::try_from(s.bytes)?;
-        if at + n > len {
-            // SAFETY: the reservation made above and the files mapped into it.
-            unsafe { libc::munmap(base, len) };
-            bail!("the spill files hold more than the {len} bytes spilled");
-        }
-        // SAFETY: replaces part of the reservation made above (`at + n <= len`) with a
-        // read-only mapping of a spill file, whole; its descriptor stays open while
-        // it is mapped.
-        let q = unsafe {
-            libc::mmap(
-                base.cast::<u8>().add(at).cast(),
-                n,
-                libc::PROT_READ,
-                libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_POPULATE,
-                s.fd.as_raw_fd(),
-                0,
-            )
-        };
-        if q == libc::MAP_FAILED {
-            let e = std::io::Error::last_os_error();
-            // SAFETY: the reservation made above and the files mapped into it.
-            unsafe { libc::munmap(base, len) };
-            bail!("mapping a spill file: {e}");
-        }
-        at += n;
-    }
-    if at != len {
-        // SAFETY: the reservation made above and the files mapped into it.
-        unsafe { libc::munmap(base, len) };
-        bail!("the spill files hold {at} bytes, not {len}");
-    }
-    // SAFETY: `base..base + len` is now wholly the read-only mappings of the spill
-    // files (`at == len`), which nothing writes (the pool's descriptor is not used
-    // until they are given back); `dst` is our own buffer, apart from them.
-    unsafe { std::ptr::copy_nonoverlapping(base.cast::<u8>(), dst.as_mut_ptr(), len) };
-    // SAFETY: the mapping made above, not referenced after this.
-    unsafe { libc::munmap(base, len) };
-    for s in spilled {
-        drop_cache(s.fd.as_fd(), s.bytes);
-    }
-    Ok(())
+    let files: Vec<FilePart> = spilled
+        .iter()
+        .map(|s| Ok(FilePart::whole(s.fd.as_raw_fd(), usize::try_from(s.bytes)?)))
+        .collect::<Result<_>>()?;
+    let held: usize = files.iter().map(|f| f.len).sum();
+    ensure!(
+        held == len,
+        "the spill files hold {held} bytes, not the {len} bytes spilled"
+    );
+    filemap::read_files(&files, |base, n| {
+        // SAFETY: `base..base + n` is the read-only mappings of the spill files
+        // (`n == len`), which nothing writes (the pool's descriptor is not used until
+        // they are given back); `dst` is our own buffer, apart from them.
+        unsafe { std::ptr::copy_nonoverlapping(base, dst.as_mut_ptr(), n) }
+    })
+    .context("mapping the spill files")
 }
 
 /// `POSIX_FADV_DONTNEED` over the first `bytes` of `fd`: its clean cached pages go

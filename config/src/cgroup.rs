@@ -12,6 +12,8 @@
 
 use std::path::{Path, PathBuf};
 
+use kiwi_units::cgroup::{memory_cgroups, room};
+
 /// Room left under `pid`'s memory limits (the least over its cgroup and its
 /// ancestors); `None` when it has no limit or none can be read.
 pub fn memory_room(pid: u32) -> Option<u64> {
@@ -41,37 +43,14 @@ pub fn memory_room_in(root: &Path, text: &str) -> Option<u64> {
 
 /// The directories of a process's memory cgroups and their limit and usage files.
 fn limit_files(root: &Path, text: &str) -> Vec<(PathBuf, &'static str, &'static str)> {
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
-        else {
-            continue;
-        };
+    memory_cgroups(text)
         // A path outside the reader's namespace ("/.."): not ours to read.
-        if path.split('/').any(|c| c == "..") {
-            continue;
-        }
-        let rel = path.trim_start_matches('/');
-        if controllers.is_empty() {
-            out.push((root.join(rel), "memory.max", "memory.current"));
-        } else if controllers.split(',').any(|c| c == "memory") {
-            out.push((
-                root.join("memory").join(rel),
-                "memory.limit_in_bytes",
-                "memory.usage_in_bytes",
-            ));
-        }
-    }
-    out
-}
-
-/// Room under one limit; `None` when unlimited (v2's `max`, v1's page-rounded
-/// `i64::MAX`) or unreadable.
-fn room(max: &str, current: &str) -> Option<u64> {
-    let max = max.trim().parse::<u64>().ok()?;
-    let cur = current.trim().parse::<u64>().ok()?;
-    (max < 1 << 62).then(|| max.saturating_sub(cur))
+        .filter(|c| !c.path.split('/').any(|part| part == ".."))
+        .map(|c| {
+            let rel = c.path.trim_start_matches('/');
+            (root.join(c.mount).join(rel), c.limit_file, c.usage_file)
+        })
+        .collect()
 }
 
 #[cfg(test)]

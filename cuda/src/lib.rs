@@ -10,11 +10,16 @@
 //!   `dlopen` at run time, so nothing that uses this crate needs CUDA to build, and
 //!   its entry points resolved by name.
 //!
+//! Beside them, [`filemap`]: host memory made of files mapped side by side at one
+//! address (the shim's swap-out buffers and spilled memory, the simulator's device
+//! memory), here because all its users link this crate.
+//!
 //! The shim (`libkiwi.so`), the simulator's `libcuda.so.1`, gpuburst and the arbiter's
 //! checkpointer all use it. It owns no state and no policy: which entry points a user
 //! resolves, and how it calls them, are the user's. No serde, no async runtime, and
 //! nothing on a path a launch takes allocates or locks, so the shim can link it.
 
+pub mod filemap;
 pub mod loader;
 pub mod result;
 pub mod sys;

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use kiwi_protocol::blocking::Connection;
+use kiwi_protocol::blocking::{read_event_log, Connection};
 use kiwi_protocol::{ControlReply, ControlRequest, Event};
 
 /// A connection to `<socket-dir>/control.sock`.
@@ -48,28 +48,11 @@ impl Control {
 
     /// Every event with `seq >= since` (all pages), and the arbiter's clock now.
     pub fn events(&mut self, gpu: Option<String>, since: u64) -> Result<(Vec<Event>, u64)> {
-        let mut out = Vec::new();
-        let mut since = since;
-        loop {
-            match self.call(&ControlRequest::Events {
-                gpu: gpu.clone(),
-                since_seq: since,
-                limit: 2_000,
-            })? {
-                ControlReply::Events {
-                    events,
-                    next_seq,
-                    more,
-                    now_ns,
-                } => {
-                    out.extend(events);
-                    since = next_seq;
-                    if !more {
-                        return Ok((out, now_ns));
-                    }
-                }
-                other => bail!("unexpected reply from the arbiter: {other:?}"),
-            }
-        }
+        read_event_log(
+            gpu,
+            since,
+            |req| self.call(req),
+            |other| anyhow::anyhow!("unexpected reply from the arbiter: {other:?}"),
+        )
     }
 }

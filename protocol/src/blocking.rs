@@ -2,7 +2,7 @@
 //!
 //! Generic over the message types so one type serves both sockets:
 //! `Connection<ClientMsg, ArbiterMsg>` for a client, `Connection<ControlRequest,
-//! ControlReply>` for kiwictl.
+//! ControlReply>` for kiwictl (with the event log's pages read in one call).
 
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Write};
@@ -16,7 +16,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::frame::{encode_into, FrameDecoder};
-use crate::ProtocolError;
+use crate::{ControlReply, ControlRequest, Event, ProtocolError};
 
 /// One framed connection. `S`: what this side sends; `R`: what it receives.
 pub struct Connection<S, R> {
@@ -140,6 +140,57 @@ impl<S: Serialize, R: DeserializeOwned> Connection<S, R> {
         }
         self.decoder.push(&buf[..n]);
         Ok(())
+    }
+}
+
+impl Connection<ControlRequest, ControlReply> {
+    /// [`read_event_log`] on this connection: any reply but a page of events (an
+    /// error among them) is [`ProtocolError::Malformed`].
+    pub fn events(
+        &mut self,
+        gpu: Option<String>,
+        since: u64,
+    ) -> Result<(Vec<Event>, u64), ProtocolError> {
+        read_event_log(
+            gpu,
+            since,
+            |req| self.call(req),
+            |other| ProtocolError::Malformed(format!("unexpected reply to `events`: {other:?}")),
+        )
+    }
+}
+
+/// The event log from `since` on (`seq >= since`; `gpu`'s, or every GPU's), asked for
+/// page after page through `call`, and the arbiter's clock at the last page; any
+/// other reply is `unexpected`'s error. `call` may make errors of replies itself.
+pub fn read_event_log<E>(
+    gpu: Option<String>,
+    since: u64,
+    mut call: impl FnMut(&ControlRequest) -> Result<ControlReply, E>,
+    unexpected: impl FnOnce(ControlReply) -> E,
+) -> Result<(Vec<Event>, u64), E> {
+    let mut out = Vec::new();
+    let mut since = since;
+    loop {
+        match call(&ControlRequest::Events {
+            gpu: gpu.clone(),
+            since_seq: since,
+            limit: 2_000,
+        })? {
+            ControlReply::Events {
+                events,
+                next_seq,
+                more,
+                now_ns,
+            } => {
+                out.extend(events);
+                since = next_seq;
+                if !more {
+                    return Ok((out, now_ns));
+                }
+            }
+            other => return Err(unexpected(other)),
+        }
     }
 }
 

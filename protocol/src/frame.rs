@@ -233,23 +233,8 @@ mod tests {
     #[test]
     fn partial_frame_is_known_from_the_header_and_memory_is_given_back() {
         let frame = encode(&ClientMsg::Register(Register {
-            version: 1,
-            pid: 1,
-            gpu_uuid: "GPU-1".into(),
-            gpu_total_memory: 1,
-            working_set_bytes: 0,
-            resident_bytes: 0,
-            container_id: None,
-            pod_name: None,
-            pod_namespace: None,
             name: Some("n".repeat(200_000)),
-            resume: None,
-            wait_info: false,
-            unswappable_bytes: None,
-            pipelined: false,
-            room_info: false,
-            bounds: false,
-            group: None,
+            ..Register::new("GPU-1", 1, 0)
         }))
         .unwrap();
         let mut d = FrameDecoder::new();

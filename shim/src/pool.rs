@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+use kiwi_cuda::filemap::{self, FilePart};
 use kiwi_protocol::blocking::Connection;
 use kiwi_protocol::{ArbiterMsg, ClientMsg, MAX_POOL_GIVE_IDS, MAX_POOL_TAKE_BYTES};
 
@@ -335,25 +336,17 @@ pub fn spill(p: *mut u8) -> Option<u64> {
 /// address (`f(address, length)`); `None` when `h` is unknown or the mapping failed.
 /// The pages read are dropped from the page cache afterwards.
 pub fn read_back<T>(h: u64, f: impl FnOnce(*const u8, usize) -> T) -> Option<T> {
-    let fds: Vec<(i32, u64)> = {
+    let files: Vec<FilePart> = {
         let b = books();
         let d = b.as_ref()?.disk.get(&h)?;
         d.files
             .iter()
-            .map(|(fd, n, _)| (fd.as_raw_fd(), *n))
+            .map(|(fd, n, _)| FilePart::whole(fd.as_raw_fd(), *n as usize))
             .collect()
     };
     // The descriptors stay open meanwhile: only `forget`, on this thread's caller,
     // closes them.
-    let (base, len) = map_files(&fds, libc::PROT_READ, libc::MAP_SHARED | libc::MAP_POPULATE)?;
-    let out = f(base.cast_const(), len);
-    // SAFETY: the mapping made above, used by nobody now.
-    unsafe { libc::munmap(base.cast(), len) };
-    for &(fd, n) in &fds {
-        // SAFETY: advice on an open descriptor: its cached pages may go.
-        unsafe { libc::posix_fadvise(fd, 0, n as i64, libc::POSIX_FADV_DONTNEED) };
-    }
-    Some(out)
+    filemap::read_files(&files, f).ok()
 }
 
 /// Forgets spilled buffer `h` (read back, or its memory freed): its files are closed
@@ -452,12 +445,14 @@ fn map_slices(fds: &[Option<OwnedFd>], lens: &[u64], size: u64) -> Option<(*mut 
     if total < size || lens.iter().any(|l| l % 4096 != 0) {
         return None;
     }
-    let files: Vec<(i32, u64)> = fds
+    let files: Vec<FilePart> = fds
         .iter()
         .zip(lens)
-        .map(|(fd, &l)| Some((fd.as_ref()?.as_raw_fd(), l)))
+        .map(|(fd, &l)| Some(FilePart::whole(fd.as_ref()?.as_raw_fd(), l as usize)))
         .collect::<Option<_>>()?;
-    let (base, len) = map_files(&files, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED)?;
+    let (base, len) =
+        filemap::map_side_by_side(&files, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED)
+            .ok()?;
     // Page-table entries now, not at the first copy: the pages exist (the arbiter
     // populated them), so this allocates nothing this process is charged for.
     // SAFETY: advice on the mapping just made.
@@ -465,51 +460,4 @@ fn map_slices(fds: &[Option<OwnedFd>], lens: &[u64], size: u64) -> Option<(*mut 
         libc::madvise(base.cast(), len, 23 /* MADV_POPULATE_WRITE */)
     };
     Some((base, len))
-}
-
-/// Maps `files` (descriptor, length: each whole, lengths page multiples) back to back
-/// at one address, with `prot` and `flags` (`MAP_FIXED` added): `(address, length)`;
-/// `None` if a mapping fails (nothing stays mapped then) or there is nothing to map.
-fn map_files(files: &[(i32, u64)], prot: i32, flags: i32) -> Option<(*mut u8, usize)> {
-    let len = usize::try_from(files.iter().map(|f| f.1).sum::<u64>()).ok()?;
-    if len == 0 {
-        return None;
-    }
-    // SAFETY: a fresh reservation of address space; nothing else is affected.
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    if base == libc::MAP_FAILED {
-        return None;
-    }
-    let mut at = 0usize;
-    for &(fd, n) in files {
-        let n = n as usize;
-        // SAFETY: replaces part of the reservation made above with a mapping of the
-        // file, whole; the caller keeps the descriptor open while it maps.
-        let p = unsafe {
-            libc::mmap(
-                base.cast::<u8>().add(at).cast(),
-                n,
-                prot,
-                flags | libc::MAP_FIXED,
-                fd,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            // SAFETY: the reservation made above and the files mapped into it.
-            unsafe { libc::munmap(base, len) };
-            return None;
-        }
-        at += n;
-    }
-    Some((base.cast(), len))
 }

@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use kiwi_protocol::blocking::Connection;
 use kiwi_protocol::{
     ArbiterMsg, ClientMsg, ControlReply, ControlRequest, Event, EventKind, Register, StatusReport,
-    PROTOCOL_VERSION,
 };
 
 /// `target/<profile>`: the directory holding the workspace's binaries.
@@ -478,33 +477,7 @@ impl Arbiter {
     }
 
     pub fn events(&self) -> Vec<Event> {
-        let mut c = self.control();
-        let mut out = Vec::new();
-        let mut since = 0;
-        loop {
-            match c
-                .call(&ControlRequest::Events {
-                    gpu: None,
-                    since_seq: since,
-                    limit: 2000,
-                })
-                .expect("events")
-            {
-                ControlReply::Events {
-                    events,
-                    next_seq,
-                    more,
-                    ..
-                } => {
-                    out.extend(events);
-                    since = next_seq;
-                    if !more {
-                        return out;
-                    }
-                }
-                other => panic!("unexpected {other:?}"),
-            }
-        }
+        self.control().events(None, 0).expect("events").0
     }
 }
 
@@ -540,23 +513,8 @@ pub fn shared_grants(events: &[Event]) -> usize {
 
 pub fn register_msg(gpu: &str, total: u64, ws: u64) -> Register {
     Register {
-        version: PROTOCOL_VERSION,
-        pid: std::process::id(),
-        gpu_uuid: gpu.to_string(),
-        gpu_total_memory: total,
-        working_set_bytes: ws,
-        resident_bytes: 0,
-        container_id: None,
-        pod_name: None,
-        pod_namespace: None,
         name: Some("test".into()),
-        resume: None,
-        wait_info: false,
-        unswappable_bytes: None,
-        pipelined: false,
-        room_info: false,
-        bounds: false,
-        group: None,
+        ..Register::new(gpu, total, ws)
     }
 }
 

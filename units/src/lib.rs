@@ -1,6 +1,11 @@
 //! Sizes as people write them, parsed once (issue #40): the config file's sizes,
 //! the GPU list's `memory=`, and every command line that takes a size go through
 //! [`parse_size`]. No dependencies, so the shim's `cdylib` may link it.
+//!
+//! Beside them, [`cgroup`]: a memory cgroup's figures as the kernel writes them,
+//! which kiwi-config and the shim both read.
+
+pub mod cgroup;
 
 /// Parses sizes as people write them: `700MiB`, `1GiB`, `1.5GB`, `4096`, `512k`.
 pub fn parse_size(s: &str) -> Result<u64, String> {

@@ -108,21 +108,12 @@ pub(super) fn create_slice(mode: PageMode, bytes: u64) -> Result<Slice, PoolErro
 fn populate_advised(fd: &OwnedFd, bytes: u64) -> Result<(), PoolError> {
     let len = usize::try_from(bytes).map_err(|_| PoolError::Config("slice too large".into()))?;
     let span = len + UNIT as usize;
-    // SAFETY: a fresh anonymous PROT_NONE reservation at an address of the kernel's
-    // choosing; nothing else is touched.
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            span,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    if base == libc::MAP_FAILED {
-        return Err(io_err("mmap (reserving a populating window)"));
-    }
+    let base = kiwi_cuda::filemap::reserve(span)
+        .map_err(|source| PoolError::Io {
+            op: "mmap (reserving a populating window)",
+            source,
+        })?
+        .cast::<libc::c_void>();
     struct Unmap(*mut libc::c_void, usize);
     impl Drop for Unmap {
         fn drop(&mut self) {

@@ -124,6 +124,31 @@ pub struct Register {
 }
 
 impl Register {
+    /// This process's registration for `gpu_uuid` (`gpu_total_memory` bytes) with a
+    /// working set of `working_set_bytes`, none of it resident, at this protocol
+    /// version: no claims, no name, none of the opt-ins (set them with `..`).
+    pub fn new(gpu_uuid: impl Into<String>, gpu_total_memory: u64, working_set_bytes: u64) -> Self {
+        Self {
+            version: crate::PROTOCOL_VERSION,
+            pid: std::process::id(),
+            gpu_uuid: gpu_uuid.into(),
+            gpu_total_memory,
+            working_set_bytes,
+            resident_bytes: 0,
+            container_id: None,
+            pod_name: None,
+            pod_namespace: None,
+            name: None,
+            resume: None,
+            wait_info: false,
+            unswappable_bytes: None,
+            pipelined: false,
+            room_info: false,
+            bounds: false,
+            group: None,
+        }
+    }
+
     /// Checks every string the client chose (see [`check_text`]).
     pub fn validate(&self) -> Result<(), FieldError> {
         if self.gpu_uuid.is_empty() {

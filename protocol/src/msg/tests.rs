@@ -320,23 +320,9 @@ fn idle_eviction_fields_are_additive() {
 #[test]
 fn client_text_is_bounded_and_printable() {
     let mut r = Register {
-        version: 1,
-        pid: 1,
-        gpu_uuid: "GPU-1".into(),
-        gpu_total_memory: 1 << 30,
-        working_set_bytes: 0,
-        resident_bytes: 0,
-        container_id: None,
         pod_name: Some("p".repeat(MAX_TEXT_BYTES)),
-        pod_namespace: None,
         name: Some("jupyter-ü".into()),
-        resume: None,
-        wait_info: false,
-        unswappable_bytes: None,
-        pipelined: false,
-        room_info: false,
-        bounds: false,
-        group: None,
+        ..Register::new("GPU-1", 1 << 30, 0)
     };
     assert_eq!(r.validate(), Ok(()));
     r.name = Some("x".repeat(1 << 20));

@@ -226,7 +226,7 @@ fn host_available() -> Option<u64> {
     let cgroup = cgroup_files(&own).into_iter().find_map(|(max, cur)| {
         let max = std::fs::read_to_string(max).ok()?;
         let cur = std::fs::read_to_string(cur).ok()?;
-        Some(cgroup_room(&max, &cur))
+        Some(kiwi_units::cgroup::room(&max, &cur))
     });
     match (host, cgroup.flatten()) {
         (Some(h), Some(c)) => Some(h.min(c)),
@@ -242,25 +242,17 @@ fn host_available() -> Option<u64> {
 /// namespace or by its runtime).
 pub(super) fn cgroup_files(own: &str) -> Vec<(String, String)> {
     let mut files = Vec::new();
-    for line in own.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
-        else {
-            continue;
+    for c in kiwi_units::cgroup::memory_cgroups(own) {
+        let root = match c.mount {
+            "" => "/sys/fs/cgroup".to_string(),
+            mount => format!("/sys/fs/cgroup/{mount}"),
         };
-        let path = path.trim_end_matches('/');
-        if controllers.is_empty() {
-            for dir in [format!("/sys/fs/cgroup{path}"), "/sys/fs/cgroup".into()] {
-                files.push((format!("{dir}/memory.max"), format!("{dir}/memory.current")));
-            }
-        } else if controllers.split(',').any(|c| c == "memory") {
-            let root = "/sys/fs/cgroup/memory";
-            for dir in [format!("{root}{path}"), root.into()] {
-                files.push((
-                    format!("{dir}/memory.limit_in_bytes"),
-                    format!("{dir}/memory.usage_in_bytes"),
-                ));
-            }
+        let path = c.path.trim_end_matches('/');
+        for dir in [format!("{root}{path}"), root] {
+            files.push((
+                format!("{dir}/{}", c.limit_file),
+                format!("{dir}/{}", c.usage_file),
+            ));
         }
     }
     files.dedup();
@@ -277,15 +269,6 @@ pub(super) fn mem_available(meminfo: &str) -> Option<u64> {
         .map(|kb| kb << 10)
 }
 
-/// Room left under a cgroup's memory limit and use (v2's `memory.max` and
-/// `memory.current`, or v1's `memory.limit_in_bytes` and `memory.usage_in_bytes`);
-/// `None` when unlimited (v2's `max`, v1's page-rounded `i64::MAX`) or unreadable.
-pub(super) fn cgroup_room(max: &str, current: &str) -> Option<u64> {
-    let max = max.trim().parse::<u64>().ok()?;
-    let cur = current.trim().parse::<u64>().ok()?;
-    (max < 1 << 62).then(|| max.saturating_sub(cur))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -296,14 +279,6 @@ mod tests {
             "MemTotal:       131072000 kB\nMemFree:         1000 kB\nMemAvailable:   10485760 kB\n";
         assert_eq!(mem_available(meminfo), Some(10 << 30));
         assert_eq!(mem_available("MemTotal: 5 kB\n"), None);
-        assert_eq!(cgroup_room("max\n", "123\n"), None);
-        assert_eq!(cgroup_room("1073741824\n", "536870912\n"), Some(512 << 20));
-        assert_eq!(cgroup_room("100\n", "200\n"), Some(0));
-        assert_eq!(
-            cgroup_room("9223372036854771712\n", "5\n"),
-            None,
-            "v1 unlimited"
-        );
         // Where to read them: v2 under the process's path, then the root; v1 the
         // memory controller's likewise; other controllers are not looked at.
         let v2 = cgroup_files("0::/kubepods/pod1/abc\n");

@@ -33,6 +33,7 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
+use kiwi_cuda::filemap::{self, FilePart};
 use kiwi_sim_core::machine::MADV_POPULATE_WRITE;
 use kiwi_sim_core::{Machine, GRANULARITY};
 
@@ -109,26 +110,11 @@ fn store() -> &'static Store {
 fn window(gpu: u32) -> Option<*mut u8> {
     let s = store();
     let w = *s.windows.get(gpu as usize)?.get_or_init(|| {
-        let Ok((file, len)) = s.machine.mem_file(gpu) else {
+        let Ok((_, len)) = s.machine.mem_file(gpu) else {
             return 0;
         };
-        // SAFETY: a new shared mapping of a file we hold open, of its whole length;
-        // only the granules this process is given are ever touched through it.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_NORESERVE,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            0
-        } else {
-            p as usize
-        }
+        // Only the granules this process is given are ever touched through it.
+        s.machine.map_mem_file(gpu, len).map_or(0, |p| p as usize)
     });
     (w != 0).then_some(w as *mut u8)
 }
@@ -151,44 +137,21 @@ fn map_runs(gpu: u32, runs: &[(u64, u64)]) -> Option<(*mut u8, bool)> {
         ));
     }
     let (file, _) = store().machine.mem_file(gpu).ok()?;
-    let len = (runs.iter().map(|r| r.1).sum::<u64>() * GRANULARITY) as usize;
-    // SAFETY: reserves fresh address space for the runs; no existing memory moves.
-    let base = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    if base == libc::MAP_FAILED {
-        return None;
-    }
-    let mut at = 0usize;
-    for &(first, n) in runs {
-        let bytes = (n * GRANULARITY) as usize;
-        // SAFETY: replaces a part of the reservation just made with the run's
-        // granules of the file (held open), inside its length.
-        let p = unsafe {
-            libc::mmap(
-                base.cast::<u8>().add(at).cast(),
-                bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_FIXED | libc::MAP_NORESERVE,
-                file.as_raw_fd(),
-                (first * GRANULARITY) as libc::off_t,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            // SAFETY: unmapping the reservation made above, which nothing uses.
-            unsafe { libc::munmap(base, len) };
-            return None;
-        }
-        at += bytes;
-    }
-    Some((base.cast(), true))
+    let parts: Vec<FilePart> = runs
+        .iter()
+        .map(|&(first, n)| FilePart {
+            fd: file.as_raw_fd(),
+            offset: first * GRANULARITY,
+            len: (n * GRANULARITY) as usize,
+        })
+        .collect();
+    let (base, _) = filemap::map_side_by_side(
+        &parts,
+        libc::PROT_READ | libc::PROT_WRITE,
+        libc::MAP_SHARED | libc::MAP_NORESERVE,
+    )
+    .ok()?;
+    Some((base, true))
 }
 
 impl Backing {

@@ -196,20 +196,13 @@ impl Machine {
         ))
     }
 
-    /// Populates `gpu`'s memory file up to its capacity (rounded up to a granule)
-    /// from this process, so its pages exist before any tenant allocates them and
-    /// are charged to this process's memory cgroup, not to the processes that later
-    /// map them (a memory cgroup charges a shared page to whoever faults it in
-    /// first). Contents are left as they are. Returns the bytes populated.
-    pub fn populate(&self, gpu: u32) -> Result<u64, MachineError> {
+    /// A new writable shared mapping (`MAP_NORESERVE`) of the first `len` bytes of
+    /// `gpu`'s memory file, at an address of the kernel's choosing. The caller unmaps
+    /// it.
+    pub fn map_mem_file(&self, gpu: u32, len: u64) -> Result<*mut u8, MachineError> {
         let (file, _) = self.mem_file(gpu)?;
-        let len = self.capacity(gpu)?.next_multiple_of(crate::GRANULARITY);
-        let path = mem_file_path(&self.name, gpu);
-        let io = |source| MachineError::Io {
-            path: path.clone(),
-            source,
-        };
-        // SAFETY: a new shared mapping of a file we hold open, inside its length.
+        // SAFETY: a new shared mapping of a file this machine holds open; no existing
+        // memory is affected.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -221,8 +214,23 @@ impl Machine {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(io(std::io::Error::last_os_error()));
+            return Err(MachineError::Io {
+                path: mem_file_path(&self.name, gpu),
+                source: std::io::Error::last_os_error(),
+            });
         }
+        Ok(p.cast())
+    }
+
+    /// Populates `gpu`'s memory file up to its capacity (rounded up to a granule)
+    /// from this process, so its pages exist before any tenant allocates them and
+    /// are charged to this process's memory cgroup, not to the processes that later
+    /// map them (a memory cgroup charges a shared page to whoever faults it in
+    /// first). Contents are left as they are. Returns the bytes populated.
+    pub fn populate(&self, gpu: u32) -> Result<u64, MachineError> {
+        let (file, _) = self.mem_file(gpu)?;
+        let len = self.capacity(gpu)?.next_multiple_of(crate::GRANULARITY);
+        let p = self.map_mem_file(gpu, len)?;
         const PART: usize = 64 << 20;
         self.touch();
         let mut result = Ok(len);
@@ -230,7 +238,7 @@ impl Machine {
             let n = PART.min(len as usize - at);
             // SAFETY: advice on a part of the mapping just made; populating a shared
             // mapping writable faults its pages in without changing their bytes.
-            let r = unsafe { libc::madvise(p.cast::<u8>().add(at).cast(), n, MADV_POPULATE_WRITE) };
+            let r = unsafe { libc::madvise(p.add(at).cast(), n, MADV_POPULATE_WRITE) };
             if r != 0 {
                 // Kernels before 5.14: allocate the pages (their contents stay).
                 // SAFETY: fallocate on a file we hold open; mode 0 only allocates.
@@ -238,13 +246,16 @@ impl Machine {
                     libc::fallocate(file.as_raw_fd(), 0, at as libc::off_t, n as libc::off_t)
                 };
                 if r != 0 {
-                    result = Err(io(std::io::Error::last_os_error()));
+                    result = Err(MachineError::Io {
+                        path: mem_file_path(&self.name, gpu),
+                        source: std::io::Error::last_os_error(),
+                    });
                     break;
                 }
             }
         }
         // SAFETY: unmapping the mapping made above, which nothing else refers to.
-        unsafe { libc::munmap(p, len as usize) };
+        unsafe { libc::munmap(p.cast(), len as usize) };
         result
     }
 }
