@@ -478,12 +478,16 @@ fn a_process_checkpointed_when_the_arbiter_dies_is_restored_by_the_next() {
         "holder",
         &["--mem", "3600MiB", "--script", "gpu:3000"],
     );
-    kiwi_tests::wait_until("the idle notebook checkpointed", Duration::from_secs(60), || {
-        arb.status()
-            .gpus
-            .iter()
-            .any(|g| g.clients.iter().any(|c| c.checkpointed))
-    });
+    kiwi_tests::wait_until(
+        "the idle notebook checkpointed",
+        Duration::from_secs(60),
+        || {
+            arb.status()
+                .gpus
+                .iter()
+                .any(|g| g.clients.iter().any(|c| c.checkpointed))
+        },
+    );
     let before = log_of(&arb.events());
     arb.restart_hard();
     let (ho, hhung) = finish(holder, Duration::from_secs(90));
