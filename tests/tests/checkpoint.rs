@@ -451,17 +451,28 @@ fn a_process_whose_memory_limit_cannot_hold_its_gpu_memory_is_not_checkpointed()
 /// verifies every byte, as does the holder.
 #[test]
 fn a_process_checkpointed_when_the_arbiter_dies_is_restored_by_the_next() {
-    let m = SimMachine::new("ckpt-restart", 1, 4096 * MIB)
+    checkpointed_when_the_arbiter_dies("ckpt-restart", &[]);
+}
+
+/// The same for an application that maps its own virtual memory (PyTorch's
+/// `expandable_segments`, `gpuburst --alloc vmm`).
+#[test]
+fn a_vmm_process_checkpointed_when_the_arbiter_dies_is_restored_by_the_next() {
+    checkpointed_when_the_arbiter_dies("ckpt-restart-vmm", &["--alloc", "vmm"]);
+}
+
+fn checkpointed_when_the_arbiter_dies(tag: &str, alloc: &[&str]) {
+    let m = SimMachine::new(tag, 1, 4096 * MIB)
         .unwrap_or_else(|e| panic!("{e}"))
         .with_env("KIWI_SIM_CONTEXT_MEMORY", "300MiB");
     m.populate().unwrap_or_else(|e| panic!("{e}"));
     let mut arb = Arbiter::start_evicting(&["--tq", "1"], m.env());
-    let idle = burst(
-        &m,
-        &arb,
-        "idle",
+    let idle_args = [
+        alloc,
         &["--mem", "200MiB", "--script", "gpu:100,idle:6000,gpu:100"],
-    );
+    ]
+    .concat();
+    let idle = burst(&m, &arb, "idle", &idle_args);
     kiwi_tests::wait_until(
         "the idle notebook's memory",
         Duration::from_secs(30),

@@ -529,6 +529,12 @@ impl GpuScheduler {
         let holds = self.holders.contains_key(&id);
         if let Some(c) = self.clients.get_mut(&id) {
             if matches!(c.ckpt, Ckpt::None | Ckpt::Wanted | Ckpt::Refused) {
+                // Its shim may not know (the notice died with the arbiter before):
+                // it puts off what would wait in the driver.
+                if c.info.notices {
+                    let notice = ArbiterMsg::Checkpointed { restored: false };
+                    self.out.push(Output::Send(id, notice));
+                }
                 c.reclaim_pending = 0;
                 c.reclaim_sent = None;
                 c.ckpt = if holds {
@@ -539,6 +545,17 @@ impl GpuScheduler {
                     Ckpt::Checkpointed
                 };
             }
+        }
+        self.finish(now)
+    }
+
+    /// The driver runs client `id`'s process, which came back after a restart: its
+    /// shim is told so, in case the arbiter before died between a restore and its
+    /// notice.
+    pub fn found_running(&mut self, now: Nanos, id: ClientId) -> Vec<Output> {
+        if self.clients.get(&id).is_some_and(|c| c.info.notices) {
+            let notice = ArbiterMsg::Checkpointed { restored: true };
+            self.out.push(Output::Send(id, notice));
         }
         self.finish(now)
     }

@@ -431,3 +431,62 @@ fn a_checkpointed_process_comes_back_as_soon_as_it_fits_beside_the_holder() {
     let outs = s.usage(3 * SEC, 1, usage(3200 * MIB, 3200 * MIB));
     assert_eq!(restores(&outs), vec![(2, 102)], "{outs:?}");
 }
+
+/// Issue #38 (found by the soak): a client that comes back to a restarted arbiter
+/// while the driver holds its process checkpointed is known as checkpointed (its
+/// memory no swap frees off the GPU), told so, not asked to spill to the pool's disk
+/// tier (its calls would wait in the driver), and restored before it is granted;
+/// one granted meanwhile is restored at once.
+#[test]
+fn a_process_found_checkpointed_after_a_restart_is_restored_before_its_turn() {
+    let mut s = sched_4000(true);
+    let info = |pid| ClientInfo {
+        host_pid: pid,
+        unswappable: Some(300 * MIB),
+        notices: true,
+        ..ClientInfo::default()
+    };
+    let resume = Some(kiwi_protocol::Resume {
+        holding: false,
+        waiting: false,
+    });
+    s.register(0, 1, info(101), usage(1000 * MIB, 0), resume);
+    assert!(s.activity(1).is_some(), "idle: the disk tier may ask it");
+    let outs = s.found_checkpointed(MS, 1);
+    assert!(outs.iter().any(|o| matches!(
+        o,
+        Output::Send(1, ArbiterMsg::Checkpointed { restored: false })
+    )));
+    assert_eq!(s.clients[&1].ckpt, Ckpt::Checkpointed);
+    assert_eq!(
+        s.activity(1),
+        None,
+        "never asked to spill while checkpointed"
+    );
+    // Its turn (past the post-restart window) comes only after a restore.
+    let outs = s.request(30 * SEC, 1);
+    assert_eq!(restores(&outs), vec![(1, 101)], "{outs:?}");
+    assert!(!granted(&outs, 1), "{outs:?}");
+    let outs = s.restore_done(30 * SEC + MS, 1, Ok(MS));
+    assert!(granted(&outs, 1), "{outs:?}");
+    assert!(s.activity(1).is_none(), "it holds");
+
+    // Granted before the driver's answer came: restored at once.
+    let mut s = sched_4000(true);
+    s.register(0, 2, info(102), usage(1000 * MIB, 0), resume);
+    let outs = s.request(30 * SEC, 2);
+    assert!(granted(&outs, 2), "{outs:?}");
+    let outs = s.found_checkpointed(30 * SEC + MS, 2);
+    assert_eq!(restores(&outs), vec![(2, 102)], "{outs:?}");
+    assert_eq!(s.clients[&2].ckpt, Ckpt::Restoring);
+    // Running: told so (the arbiter before may have died between a restore and its
+    // notice).
+    let mut s = sched_4000(true);
+    s.register(0, 3, info(103), usage(0, 0), resume);
+    let outs = s.found_running(MS, 3);
+    assert!(outs.iter().any(|o| matches!(
+        o,
+        Output::Send(3, ArbiterMsg::Checkpointed { restored: true })
+    )));
+    assert_eq!(s.clients[&3].ckpt, Ckpt::None);
+}

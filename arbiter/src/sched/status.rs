@@ -1,6 +1,7 @@
 //! What the scheduler shows: `kiwictl status`'s snapshot, a tenant's view of the GPU
 //! (issue #39), and where a client stands for the swap pool's disk tier.
 
+use super::checkpoint::Ckpt;
 use super::*;
 
 impl GpuScheduler {
@@ -87,11 +88,13 @@ impl GpuScheduler {
     }
 
     /// Where client `id` stands for the swap pool's disk tier, which takes the
-    /// processes idle longest first: `None` while it holds the GPU (or is not
-    /// registered here), else whether it waits for it and its last activity.
+    /// processes idle longest first: `None` while it holds the GPU, while its process
+    /// is chosen for, under or back from a checkpoint (its calls may wait in the
+    /// driver: a spill would wait there holding its shim's allocator), or when it is
+    /// not registered here; else whether it waits for it and its last activity.
     pub fn activity(&self, id: ClientId) -> Option<(bool, Nanos)> {
         let c = self.clients.get(&id)?;
-        if self.holders.contains_key(&id) {
+        if self.holders.contains_key(&id) || !matches!(c.ckpt, Ckpt::None | Ckpt::Refused) {
             return None;
         }
         Some((c.requested_at.is_some(), c.last_seen))

@@ -119,7 +119,19 @@ pub(super) async fn run(
             .then(|| kiwi_config::cgroup::memory_room(job.pid))
             .flatten()
             .filter(|&room| room < keeps);
+        // A spill under way would wait in the driver, holding the shim's allocator,
+        // until the restore (`super::pool::SPILL_QUIET`).
+        let spilling = (!restore && skip.is_none())
+            .then(|| shared.pool_book.spilled_lately(job.pid))
+            .flatten();
         let outcome = match (skip, short) {
+            (None, None) if spilling.is_some() => Err(CheckpointFailure {
+                reason: format!(
+                    "checkpoint skipped: its process was asked to move swapped-out memory to the disk tier {} ms ago, and may be doing so",
+                    spilling.unwrap_or_default().as_millis()
+                ),
+                permanent: false,
+            }),
             (Some(why), _) => Err(CheckpointFailure {
                 reason: format!(
                     "{} skipped: {why}",
@@ -218,7 +230,11 @@ async fn learn(shared: &Shared, checkpointer: &Arc<dyn Checkpointer>, job: &Job)
         Ok(Err(_)) | Err(_) => return,
     };
     match held {
-        Held::Running => {}
+        Held::Running => {
+            let mut st = shared.lock();
+            let now = monotonic_ns();
+            st.step(&job.gpu, |s| s.found_running(now, job.id));
+        }
         Held::Locked => {
             let c = checkpointer.clone();
             match tokio::task::spawn_blocking(move || c.restore(pid)).await {

@@ -54,6 +54,12 @@ pub(super) const SPILL_WAIT: Duration = Duration::from_secs(8);
 const SPILL_RETRY: Duration = Duration::from_millis(25);
 /// A process asked to reclaim is not asked again before this.
 const ASK_EVERY: Duration = Duration::from_secs(1);
+/// How long after its last spill (asked, or one it made) a process is not
+/// checkpointed: a spill unregisters the process's buffers with the driver while its
+/// shim holds its allocator, and a call of a process the driver locks waits there
+/// until the restore; its other threads would wait on the allocator meanwhile (its
+/// reconnection to a restarted arbiter among them).
+pub(super) const SPILL_QUIET: Duration = Duration::from_secs(5);
 
 /// What each process borrows from the pool (by host pid), and what the disk tier's
 /// tick must find: the bytes of takes waiting for room, and whom it asked when.
@@ -66,6 +72,8 @@ pub(super) struct Book {
 struct BookInner {
     held: HashMap<u32, u64>,
     asked: HashMap<u32, Instant>,
+    /// When each process was last asked to spill or spilled ([`SPILL_QUIET`]).
+    spilled: HashMap<u32, Instant>,
     /// The largest take now waiting for room.
     short: u64,
 }
@@ -86,6 +94,7 @@ impl Book {
             if *h == 0 {
                 b.held.remove(&pid);
                 b.asked.remove(&pid);
+                b.spilled.remove(&pid);
             }
         }
     }
@@ -93,6 +102,17 @@ impl Book {
     fn short(&self, bytes: u64) {
         let mut b = self.lock();
         b.short = b.short.max(bytes);
+    }
+
+    fn spilling(&self, pid: u32, now: Instant) {
+        self.lock().spilled.insert(pid, now);
+    }
+
+    /// How long ago process `pid` was last asked to spill or spilled, if within
+    /// [`SPILL_QUIET`].
+    pub(super) fn spilled_lately(&self, pid: u32) -> Option<Duration> {
+        let ago = self.lock().spilled.get(&pid)?.elapsed();
+        (ago < SPILL_QUIET).then_some(ago)
     }
 }
 
@@ -196,6 +216,7 @@ pub(super) async fn serve(
                     shared.pool_book.sub(host_pid, n);
                 }
                 ClientMsg::PoolSpill { ids } => {
+                    shared.pool_book.spilling(host_pid, Instant::now());
                     let p = pool.clone();
                     let who = tenant.to_string();
                     let asked = ids.len();
@@ -584,6 +605,7 @@ fn reclaim(shared: &Shared, pool: &Pool) {
     let mut b = shared.pool_book.lock();
     for (pid, ask) in asks {
         b.asked.insert(pid, now);
+        b.spilled.insert(pid, now);
         log_line!(
             "INFO",
             "swap pool: {} MiB free of {} MiB; asked pid {pid} (idle longest) to move up to {} MiB of its swapped-out memory to the disk tier",

@@ -71,6 +71,13 @@ impl Client {
                 }
                 *w = false;
             }
+            // Checkpointed, every driver call waits for the restore, and some of this
+            // thread's make them holding the allocator's lock, which the client thread
+            // needs to go on (to reconnect to a restarted arbiter, say): nothing until
+            // the restore wakes it.
+            if self.turns().any(|t| t.checkpointed()) {
+                continue;
+            }
             let want = self.spill_want.swap(0, Ordering::AcqRel);
             if want > 0 {
                 self.give_back_pool(want);

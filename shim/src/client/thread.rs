@@ -108,7 +108,13 @@ impl Client {
             // Said right after `registered`, where `register` applies it; one that
             // came later still applies (only ever to the process's own wait).
             ArbiterMsg::Bounds { hint_wait_ms } => register::apply_bounds(hint_wait_ms),
-            ArbiterMsg::Checkpointed { restored } => turn.on_checkpointed(restored),
+            ArbiterMsg::Checkpointed { restored } => {
+                turn.on_checkpointed(restored);
+                // What the pinning thread put off while checkpointed goes on.
+                if restored {
+                    self.wake_pinning();
+                }
+            }
             ArbiterMsg::Registered { .. } => {}
         }
     }

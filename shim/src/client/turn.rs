@@ -167,6 +167,12 @@ impl Turn {
         self.checkpoint.on_checkpointed(self.info.ordinal, restored);
     }
 
+    /// The arbiter said the driver holds this process checkpointed, and not yet that
+    /// it was restored.
+    pub(super) fn checkpointed(&self) -> bool {
+        self.checkpoint.at.load(Ordering::Relaxed) != 0
+    }
+
     pub fn info(&self) -> &DeviceInfo {
         &self.info
     }
