@@ -455,7 +455,8 @@ pub fn from_events(
                 (None, pid) => format!("{short} (pid {pid})"),
             };
             Some(Lane {
-                name,
+                // Tenants name themselves: no escape sequence reaches a terminal.
+                name: crate::status::printable(&name).into_owned(),
                 client: Some(id),
                 intervals: clipped,
             })

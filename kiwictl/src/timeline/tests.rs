@@ -345,6 +345,17 @@ fn same_names_are_told_apart_and_pods_shown() {
 }
 
 #[test]
+fn a_tenants_name_reaches_no_terminal_as_control_characters() {
+    let b = 100 * S;
+    let mut pod = reg("py\x1b[2Jthon", 7);
+    if let EventKind::Register { pod_name, .. } = &mut pod {
+        *pod_name = Some("nb\n\x1b]0;owned\x07".into());
+    }
+    let t = from_events(&[ev(1, b, Some(1), pod)], None, None, b + S);
+    assert_eq!(t.lanes[0].name, "py?[2Jthon (nb??]0;owned?)");
+}
+
+#[test]
 fn merge_joins_close_intervals() {
     assert_eq!(
         merge_intervals(&[(10, 20), (0, 5), (22, 30), (50, 60), (7, 7)], 3),

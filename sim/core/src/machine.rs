@@ -491,7 +491,7 @@ impl Machine {
         }
         for g in 0..self.gpu_count() {
             let Ok(slot) = self.gpu(g) else { return };
-            if Self::collect_garbage(slot) > 0 || self.collect_dead_owners(slot) > 0 {
+            if Self::collect_garbage(slot) > 0 || self.collect_dead_owners(g, slot) > 0 {
                 return;
             }
         }

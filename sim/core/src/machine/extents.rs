@@ -1,6 +1,13 @@
 //! The allocator of each GPU's memory file: a table of 2 MiB granules in the segment,
 //! each free or owned by a process, handed out as extents and reclaimed when their
 //! owner is dead; and populating a GPU's file ahead.
+//!
+//! The file has twice the GPU's granules ([`super::file_granules`]), but only the
+//! first capacity's worth stays populated: extents are taken there first (in several
+//! runs rather than one run beyond it), and granules beyond it are punched out of the
+//! file when they are given back or reclaimed. Otherwise a long run touches the whole
+//! file over time, and the simulated GPUs hold twice their memory of the host's RAM
+//! (the soak's 30-minute run was ended by the kernel's OOM killer so).
 
 use super::*;
 
@@ -28,8 +35,9 @@ impl Machine {
 
     /// Drops the granules of owners that no longer exist; returns granules in use
     /// after.
-    pub(super) fn collect_dead_owners(&self, slot: &GpuSlot) -> u64 {
+    pub(super) fn collect_dead_owners(&self, gpu: u32, slot: &GpuSlot) -> u64 {
         let table = self.granule_table(slot);
+        let cap = Self::capacity_granules(slot);
         let mut used = 0;
         for (i, o) in slot.owners.iter().enumerate() {
             let pid = o.pid.load(Ordering::Relaxed);
@@ -45,11 +53,16 @@ impl Machine {
                 continue;
             }
             let tag = i as u16 + 1;
-            for g in table {
+            let mut beyond = Vec::new();
+            for (k, g) in table.iter().enumerate() {
                 if g.load(Ordering::Relaxed) == tag {
                     g.store(0, Ordering::Relaxed);
+                    if k as u64 >= cap {
+                        beyond.push((k as u64, 1));
+                    }
                 }
             }
+            self.punch_beyond_capacity(gpu, cap, &beyond);
             o.bytes.store(0, Ordering::Relaxed);
             o.start_time.store(0, Ordering::Relaxed);
             o.pid.store(0, Ordering::Relaxed);
@@ -83,30 +96,33 @@ impl Machine {
         };
         let mut runs = free_runs();
         if runs.iter().map(|r| r.1).sum::<u64>() < count {
-            self.collect_dead_owners(slot);
+            self.collect_dead_owners(gpu, slot);
             runs = free_runs();
         }
-        let taken = if let Some(&(first, _)) = runs.iter().find(|r| r.1 >= count) {
-            vec![(first, count)]
-        } else {
-            let mut need = count;
-            let mut taken = Vec::new();
-            for &(first, n) in &runs {
-                if need == 0 {
-                    break;
+        // One run within the populated part, else the lowest free granules.
+        let cap = Self::capacity_granules(slot);
+        let taken =
+            if let Some(&(first, _)) = runs.iter().find(|r| r.1 >= count && r.0 + count <= cap) {
+                vec![(first, count)]
+            } else {
+                let mut need = count;
+                let mut taken = Vec::new();
+                for &(first, n) in &runs {
+                    if need == 0 {
+                        break;
+                    }
+                    let k = n.min(need);
+                    taken.push((first, k));
+                    need -= k;
                 }
-                let k = n.min(need);
-                taken.push((first, k));
-                need -= k;
-            }
-            if need > 0 {
-                return Err(MachineError::FileFull {
-                    gpu,
-                    granules: count,
-                });
-            }
-            taken
-        };
+                if need > 0 {
+                    return Err(MachineError::FileFull {
+                        gpu,
+                        granules: count,
+                    });
+                }
+                taken
+            };
         let idx = slot
             .owners
             .iter()
@@ -138,7 +154,7 @@ impl Machine {
     }
 
     /// Gives back granules [`Machine::extent_alloc`] gave this process (their pages
-    /// stay populated for the next allocation).
+    /// stay populated for the next allocation, but those beyond the capacity).
     pub fn extent_free(&self, gpu: u32, runs: &[(u64, u64)]) {
         let Ok(slot) = self.gpu(gpu) else { return };
         let _lock = FileLock::exclusive(&self.file);
@@ -150,16 +166,27 @@ impl Machine {
             return;
         };
         let tag = idx as u16 + 1;
+        let cap = Self::capacity_granules(slot);
         let mut freed = 0;
+        let mut beyond = Vec::new();
         for &(first, n) in runs {
             let end = (first + n).min(table.len() as u64);
-            for g in &table[first.min(end) as usize..end as usize] {
+            for (k, g) in table
+                .iter()
+                .enumerate()
+                .take(end as usize)
+                .skip(first.min(end) as usize)
+            {
                 if g.load(Ordering::Relaxed) == tag {
                     g.store(0, Ordering::Relaxed);
                     freed += 1;
+                    if k as u64 >= cap {
+                        beyond.push((k as u64, 1));
+                    }
                 }
             }
         }
+        self.punch_beyond_capacity(gpu, cap, &beyond);
         self.touch();
         let o = &slot.owners[idx];
         let left = o.bytes.load(Ordering::Relaxed).saturating_sub(freed);
@@ -175,8 +202,43 @@ impl Machine {
     pub fn extents_in_use(&self, gpu: u32) -> Result<(u64, u64), MachineError> {
         let slot = self.gpu(gpu)?;
         let _lock = FileLock::exclusive(&self.file);
-        let used = self.collect_dead_owners(slot);
+        let used = self.collect_dead_owners(gpu, slot);
         Ok((used, slot.granules.load(Ordering::Relaxed)))
+    }
+
+    /// The granules of `slot`'s capacity: the part of its file that stays populated.
+    fn capacity_granules(slot: &GpuSlot) -> u64 {
+        slot.capacity
+            .load(Ordering::Relaxed)
+            .div_ceil(crate::GRANULARITY)
+    }
+
+    /// Frees the pages of `granules` (runs of single granules, in order) of `gpu`'s
+    /// file that lie at or beyond `cap`: nobody owns them now, and reads give zeros.
+    fn punch_beyond_capacity(&self, gpu: u32, cap: u64, granules: &[(u64, u64)]) {
+        let Some(file) = self.mem_files.get(gpu as usize) else {
+            return;
+        };
+        // Adjacent granules in one call.
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for &(g, n) in granules.iter().filter(|(g, _)| *g >= cap) {
+            match runs.last_mut() {
+                Some((first, len)) if *first + *len == g => *len += n,
+                _ => runs.push((g, n)),
+            }
+        }
+        for (first, n) in runs {
+            // SAFETY: fallocate on a file this machine holds open; punching a hole
+            // frees its pages (reads give zeros), and no process owns these granules.
+            unsafe {
+                libc::fallocate(
+                    file.as_raw_fd(),
+                    libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                    (first * crate::GRANULARITY) as libc::off_t,
+                    (n * crate::GRANULARITY) as libc::off_t,
+                )
+            };
+        }
     }
 
     /// The file holding `gpu`'s device memory (`kiwi-sim-<name>.gpu<N>.mem`), and

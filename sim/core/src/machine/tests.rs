@@ -137,6 +137,45 @@ fn extents_are_handed_out_freed_and_reclaimed() {
 }
 
 #[test]
+fn extents_stay_in_the_populated_part_and_what_lies_beyond_it_is_punched() {
+    use std::os::unix::fs::MetadataExt;
+    const G: u64 = crate::GRANULARITY;
+    // 32 granules of capacity, 80 in the file.
+    let c = cfg("beyond", 1, 64 << 20);
+    let m = Machine::open(&c).unwrap();
+    m.populate(0).unwrap();
+    let blocks = || m.mem_file(0).unwrap().0.metadata().unwrap().blocks() * 512;
+    let populated = blocks();
+    assert!(populated >= 64 << 20, "{populated}");
+    let a = m.extent_alloc(0, 10).unwrap();
+    assert_eq!(m.extent_alloc(0, 10).unwrap(), vec![(10, 10)]);
+    m.extent_free(0, &a);
+    // No run of 16 within the capacity ((0, 10) and (20, 12) are free there): two
+    // runs there, not one beyond it, whose pages would have to be faulted in.
+    assert_eq!(m.extent_alloc(0, 16).unwrap(), vec![(0, 10), (20, 6)]);
+    assert_eq!(m.extent_alloc(0, 6).unwrap(), vec![(26, 6)]);
+    // The capacity full, rounding may take granules beyond it: given back, their
+    // pages leave the host's memory.
+    let beyond = m.extent_alloc(0, 4).unwrap();
+    assert_eq!(beyond, vec![(32, 4)]);
+    let p = m.map_mem_file(0, 36 * G).unwrap();
+    // SAFETY: the mapping just made is 36 granules long; granules 32..36 are this
+    // process's.
+    unsafe {
+        std::ptr::write_bytes(p.add((32 * G) as usize), 0xa5, (4 * G) as usize);
+        libc::munmap(p.cast(), (36 * G) as usize);
+    }
+    assert_eq!(blocks(), populated + 4 * G);
+    m.extent_free(0, &beyond);
+    assert_eq!(
+        blocks(),
+        populated,
+        "the granules beyond the capacity punched"
+    );
+    reset(&c.name).unwrap();
+}
+
+#[test]
 fn idle_machines_nobody_holds_memory_on_give_their_pages_back() {
     use std::os::unix::fs::MetadataExt;
     let c = cfg("sweep", 1, 16 << 20);
