@@ -94,13 +94,19 @@ impl Machine {
             }
             runs
         };
+        let cap = Self::capacity_granules(slot);
         let mut runs = free_runs();
-        if runs.iter().map(|r| r.1).sum::<u64>() < count {
+        // Dead processes' granules come back before a refusal, and before granules
+        // beyond the populated part are taken.
+        let within: u64 = runs
+            .iter()
+            .map(|&(first, n)| n.min(cap.saturating_sub(first)))
+            .sum();
+        if within < count {
             self.collect_dead_owners(gpu, slot);
             runs = free_runs();
         }
         // One run within the populated part, else the lowest free granules.
-        let cap = Self::capacity_granules(slot);
         let taken =
             if let Some(&(first, _)) = runs.iter().find(|r| r.1 >= count && r.0 + count <= cap) {
                 vec![(first, count)]

@@ -172,6 +172,24 @@ fn extents_stay_in_the_populated_part_and_what_lies_beyond_it_is_punched() {
         populated,
         "the granules beyond the capacity punched"
     );
+    // A process that exited never gave its granules back: they are reclaimed before
+    // any beyond the capacity are taken (forged for a process that exited).
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    let start = process_start_time(pid);
+    child.wait().unwrap();
+    let slot = &m.seg().gpu[0];
+    slot.owners[7].pid.store(u64::from(pid), Ordering::Relaxed);
+    slot.owners[7]
+        .start_time
+        .store(start.unwrap_or(1), Ordering::Relaxed);
+    slot.owners[7].bytes.store(6, Ordering::Relaxed);
+    m.extent_free(0, &[(26, 6)]);
+    for g in &m.granule_table(slot)[26..32] {
+        g.store(8, Ordering::Relaxed);
+    }
+    assert_eq!(m.extent_alloc(0, 4).unwrap(), vec![(26, 4)]);
+    assert_eq!(slot.owners[7].pid.load(Ordering::Relaxed), 0);
     reset(&c.name).unwrap();
 }
 
