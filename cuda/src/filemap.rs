@@ -51,10 +51,44 @@ pub fn reserve(len: usize) -> io::Result<*mut u8> {
     Ok(base.cast())
 }
 
+/// The huge page parts are aligned to: a hugetlb file can be mapped only at a
+/// multiple of its page (`MAP_FIXED` elsewhere fails with `EINVAL`), and shared memory
+/// gets huge page-table entries (transparent huge pages) only where its offset and
+/// the address agree modulo it. 1 GiB hugetlb pages are not used for what is mapped
+/// here (the swap pool's slices are 64 MiB).
+pub const HUGE_PAGE: usize = 2 << 20;
+
+/// [`reserve`], at a multiple of `align` (a power of two) where `len` is at least
+/// `align`: `len + align` bytes are reserved, and what lies outside the aligned `len`
+/// given back.
+pub fn reserve_aligned(len: usize, align: usize) -> io::Result<*mut u8> {
+    if len < align {
+        return reserve(len);
+    }
+    let span = len
+        .checked_add(align)
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "too long to align"))?;
+    let base = reserve(span)?;
+    let head = (align - (base as usize) % align) % align;
+    let tail = span - head - len;
+    // SAFETY: both ranges lie inside the reservation just made, which nothing else
+    // knows of; what stays is `[base + head, base + head + len)`.
+    unsafe {
+        if head > 0 {
+            libc::munmap(base.cast(), head);
+        }
+        if tail > 0 {
+            libc::munmap(base.add(head + len).cast(), tail);
+        }
+        Ok(base.add(head))
+    }
+}
+
 /// Maps `parts`, in order, side by side at one address of the kernel's choosing, each
 /// with `prot` and `flags` (`MAP_FIXED` added): the address and the length of the
 /// whole. On an error (nothing to map included) nothing stays mapped. Each descriptor
-/// must stay open while this runs; the mappings keep their files after.
+/// must stay open while this runs; the mappings keep their files after. A range of a
+/// huge page or more starts at a multiple of [`HUGE_PAGE`].
 pub fn map_side_by_side(parts: &[FilePart], prot: i32, flags: i32) -> io::Result<(*mut u8, usize)> {
     let invalid = |what: &str| io::Error::new(io::ErrorKind::InvalidInput, what.to_string());
     let len = parts
@@ -64,7 +98,7 @@ pub fn map_side_by_side(parts: &[FilePart], prot: i32, flags: i32) -> io::Result
     if len == 0 {
         return Err(invalid("nothing to map"));
     }
-    let base = reserve(len)?;
+    let base = reserve_aligned(len, HUGE_PAGE)?;
     let mut at = 0usize;
     for part in parts {
         let mapped = libc::off_t::try_from(part.offset)
@@ -182,6 +216,37 @@ mod tests {
         let mut first = [0u8; 1];
         a.read_exact_at(&mut first, 0).unwrap();
         assert_eq!(first, [9], "a shared mapping writes through to its file");
+    }
+
+    #[test]
+    fn a_range_of_a_huge_page_or_more_starts_at_a_huge_page() {
+        // Lengths that are no multiple of it too: newer kernels align anonymous
+        // mappings of whole huge pages by themselves, older ones none.
+        for len in [3 * HUGE_PAGE, 3 * HUGE_PAGE + PAGE, HUGE_PAGE + 5 * PAGE] {
+            for _ in 0..4 {
+                let p = reserve_aligned(len, HUGE_PAGE).unwrap();
+                assert_eq!(p as usize % HUGE_PAGE, 0, "{p:?}, {len} bytes");
+                // SAFETY: the reservation just made, of that length, unmapped once.
+                assert_eq!(unsafe { libc::munmap(p.cast(), len) }, 0);
+            }
+        }
+        let a = file_of(&vec![5u8; HUGE_PAGE]);
+        let b = file_of(&[6u8; PAGE]);
+        let (p, n) = map_side_by_side(
+            &[
+                FilePart::whole(a.as_raw_fd(), HUGE_PAGE),
+                FilePart::whole(b.as_raw_fd(), PAGE),
+            ],
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+        )
+        .unwrap();
+        assert_eq!((p as usize % HUGE_PAGE, n), (0, HUGE_PAGE + PAGE));
+        // SAFETY: the mapping just made, readable, unmapped after.
+        unsafe {
+            assert_eq!((*p.add(HUGE_PAGE - 1), *p.add(HUGE_PAGE)), (5, 6));
+            libc::munmap(p.cast(), n);
+        }
     }
 
     #[test]
