@@ -85,13 +85,10 @@ fn run(matches: &ArgMatches) -> Result<()> {
         reserve_mib: a.reserve_mib,
         event_log_capacity: a.event_log_capacity.max(1),
         metrics_addr: a.metrics_addr.clone(),
-        // A budget the operator sets is bounded by the pool (the smaller of both),
-        // said in the start line. Without one, growth is not asked for: an
-        // allocation waits for nobody, and a swap-out the full pool refuses goes to
-        // the process's own memory with a line.
-        swap_budget_bytes: a
-            .swap_budget_bytes()
-            .map(|b| swap_pool.as_ref().map_or(b, |p| b.min(p.size))),
+        // With the pool on, the budget is what the pool and its disk tier hold, or
+        // one the operator sets below that (`start_pool`, said in a start line).
+        // Without the pool, only a budget the operator sets is asked for.
+        swap_budget_bytes: a.swap_budget_bytes(),
         // Each limit: the flag, then the config key, then the arbiter's default (0 is
         // refused where it is read: it would lock every client out or disable a bound).
         max_connections: a.max_connections.unwrap_or(defaults.max_connections),

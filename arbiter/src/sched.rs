@@ -127,6 +127,10 @@ struct Client {
     /// holds at all (a claim no process backs): not counted
     /// ([`GpuScheduler::reconcile`]).
     overclaimed: u64,
+    /// The working set the arbiter last admitted for it ([`GpuScheduler::admit`]):
+    /// what backs its claims before its process is seen holding the memory
+    /// ([`GpuScheduler::admission_need`]).
+    admitted: u64,
     /// The last [`RECONCILE_LOOKS`] looks at the driver's figure for its process
     /// while no swap of it was asked: (the driver's figure, what its reports
     /// claimed then: resident + memory no swap frees). Not started over when its

@@ -297,48 +297,52 @@ fn connection_limits(cfg: &ServerConfig) -> (usize, Limits) {
     (max_connections, limits)
 }
 
-/// Starts the node's swap pool (and its disk tier) when configured; the swap budget
-/// is bounded by its size.
+/// Starts the node's swap pool (and its disk tier) when configured. The pool and its
+/// disk tier are the swap budget (issue #37: admission is the pool): without one
+/// set, the budget is what they can hold at start; one the operator sets is bounded
+/// by it.
 fn start_pool(cfg: &mut ServerConfig) -> anyhow::Result<Option<Arc<crate::pool::Pool>>> {
-    let pool = match cfg.swap_pool {
-        Some(p) => {
-            let pool = crate::pool::Pool::start(p).context("cannot start the node's swap pool")?;
-            let s = pool.stats();
-            cfg.swap_budget_bytes = cfg.swap_budget_bytes.map(|b| b.min(s.size));
-            log_line!(
-                "INFO",
-                "swap pool: {} MiB of host memory lent to clients for their swap-outs ({} pages, {} MiB populated at start), swap budget {}",
-                s.size >> 20,
-                s.page_mode,
-                s.floor >> 20,
-                cfg.swap_budget_bytes
-                    .map_or("none".to_string(), |b| format!("{} MiB", b >> 20))
-            );
-            if let Some(spill) = cfg.spill.clone() {
-                let dir = spill.dir.display().to_string();
-                let budget = spill
-                    .budget
-                    .map_or("the disk's free space".to_string(), |b| {
-                        format!("{} MiB", b >> 20)
-                    });
-                match pool.enable_spill(spill) {
-                    Ok(()) => log_line!(
-                        "INFO",
-                        "swap pool disk tier: {dir} (at most {budget}): the swapped-out memory of the processes idle longest moves there when the pool runs short"
-                    ),
-                    // The node's GPUs work without it: spills are refused, with the
-                    // reason, until the directory is usable.
-                    Err(e) => log_line!(
-                        "WARN",
-                        "swap pool disk tier {dir} is unusable now ({e}); spills are refused until it is"
-                    ),
-                }
-            }
-            Some(pool)
-        }
-        None => None,
+    let Some(p) = cfg.swap_pool else {
+        return Ok(None);
     };
-    Ok(pool)
+    let pool = crate::pool::Pool::start(p).context("cannot start the node's swap pool")?;
+    let s = pool.stats();
+    log_line!(
+        "INFO",
+        "swap pool: {} MiB of host memory lent to clients for their swap-outs ({} pages, {} MiB populated at start)",
+        s.size >> 20,
+        s.page_mode,
+        s.floor >> 20,
+    );
+    if let Some(spill) = cfg.spill.clone() {
+        let dir = spill.dir.display().to_string();
+        let budget = spill
+            .budget
+            .map_or("the disk's free space".to_string(), |b| {
+                format!("{} MiB", b >> 20)
+            });
+        match pool.enable_spill(spill) {
+            Ok(()) => log_line!(
+                "INFO",
+                "swap pool disk tier: {dir} (at most {budget}): the swapped-out memory of the processes idle longest moves there when the pool runs short"
+            ),
+            // The node's GPUs work without it: spills are refused, with the
+            // reason, until the directory is usable.
+            Err(e) => log_line!(
+                "WARN",
+                "swap pool disk tier {dir} is unusable now ({e}); spills are refused until it is"
+            ),
+        }
+    }
+    let holds = s.size.saturating_add(pool.spill_room());
+    cfg.swap_budget_bytes = Some(cfg.swap_budget_bytes.map_or(holds, |b| b.min(holds)));
+    log_line!(
+        "INFO",
+        "swap budget: {} MiB (the pool and its disk tier hold {} MiB): a growth whose swap need passes it fails with out-of-memory",
+        cfg.swap_budget_bytes.unwrap_or(0) >> 20,
+        holds >> 20
+    );
+    Ok(Some(pool))
 }
 
 /// Serves `/metrics` on `listener` until the daemon stops: the metrics and, at each

@@ -60,17 +60,26 @@ pub fn node_swapped_bytes<'a>(gpus: impl IntoIterator<Item = &'a GpuScheduler>) 
 /// `working_set` bytes. `all` is every GPU of the node, `target` among them. Changes
 /// nothing: on `ok` the caller records the working set with
 /// [`GpuScheduler::admit`] before it lets go of the state.
+///
+/// The need is counted as [`GpuScheduler::admission_need`] counts it: the requester's
+/// own working set as it reports it, every other client's only as far as an
+/// admission or memory its process is seen to hold (`held(host pid)`: the swap
+/// pool's lending) backs it.
 pub fn decide<'a>(
     budget: Option<u64>,
     all: impl IntoIterator<Item = &'a GpuScheduler>,
     target: &GpuScheduler,
     id: ClientId,
     working_set: u64,
+    held: &dyn Fn(u32) -> u64,
 ) -> Admission {
-    let need_before = node_swap_need(all);
+    let need_before = all
+        .into_iter()
+        .map(|g| g.admission_need(id, None, held))
+        .fold(0u64, u64::saturating_add);
     let need_after = need_before
-        .saturating_sub(target.swap_need())
-        .saturating_add(target.swap_need_with(id, working_set));
+        .saturating_sub(target.admission_need(id, None, held))
+        .saturating_add(target.admission_need(id, Some(working_set), held));
     Admission {
         ok: admissible(budget, need_before, need_after),
         need_before,
@@ -121,7 +130,7 @@ mod tests {
         id: ClientId,
         ws: u64,
     ) -> Admission {
-        let a = decide(budget, gpus.iter(), &gpus[on], id, ws);
+        let a = decide(budget, gpus.iter(), &gpus[on], id, ws, &|_| u64::MAX);
         if a.ok {
             let now: Nanos = 1;
             gpus[on].admit(now, id, ws);
@@ -254,6 +263,58 @@ mod tests {
             },
         );
         assert_eq!(node_swap_need(gpus.iter()), 200 * MIB);
+    }
+
+    #[test]
+    fn a_claim_nothing_backs_never_refuses_another_tenants_growth() {
+        let budget = Some(100 * MIB);
+        let mut gpus = [gpu(1000 * MIB, budget), gpu(1000 * MIB, budget)];
+        // A tenant reports 3 GiB on GPU 0, nothing of it admitted or seen held.
+        reg(&mut gpus[0], 1, 3000 * MIB, 0);
+        reg(&mut gpus[0], 2, 0, 0);
+        reg(&mut gpus[1], 3, 0, 0);
+        assert_eq!(
+            node_swap_need(gpus.iter()),
+            2000 * MIB,
+            "status shows the claim"
+        );
+        let nothing_held = |_: u32| 0;
+        for (on, id) in [(0, 2), (1, 3)] {
+            let a = decide(budget, gpus.iter(), &gpus[on], id, 900 * MIB, &nothing_held);
+            assert!(a.ok, "client {id}: {a:?}");
+            assert_eq!(a.need_before, 0);
+        }
+        // What the pool lends its process backs its claim, up to what it claims.
+        let held = |pid: u32| if pid == 7 { 1500 * MIB } else { 0 };
+        let mut g = gpu(1000 * MIB, budget);
+        g.register(
+            0,
+            1,
+            ClientInfo {
+                host_pid: 7,
+                ..ClientInfo::default()
+            },
+            Usage {
+                working_set_bytes: 3000 * MIB,
+                resident_bytes: 0,
+            },
+            None,
+        );
+        reg(&mut g, 2, 0, 0);
+        let gs = [g];
+        let a = decide(budget, gs.iter(), &gs[0], 2, 100 * MIB, &held);
+        assert_eq!(
+            (a.ok, a.need_before, a.need_after),
+            (false, 500 * MIB, 600 * MIB)
+        );
+        // And its own admission backs it.
+        let mut gpus = [gpu(1000 * MIB, budget)];
+        reg(&mut gpus[0], 1, 0, 0);
+        reg(&mut gpus[0], 2, 0, 0);
+        assert!(decide(budget, gpus.iter(), &gpus[0], 1, 1050 * MIB, &nothing_held).ok);
+        gpus[0].admit(1, 1, 1050 * MIB);
+        let a = decide(budget, gpus.iter(), &gpus[0], 2, 100 * MIB, &nothing_held);
+        assert_eq!((a.ok, a.need_after), (false, 150 * MIB));
     }
 
     #[test]

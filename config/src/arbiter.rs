@@ -62,7 +62,9 @@ pub struct ArbiterConfig {
     /// Host RAM this node lends as GPU swap, over all GPUs and clients, e.g. 64GiB or
     /// 512MiB (config: [arbiter] swap_budget_mib). A client whose working set would
     /// push the node's swap need (the GPU memory that does not fit, summed over GPUs)
-    /// past it is refused the allocation. 0 or absent: unlimited.
+    /// past it is refused the allocation. 0 or absent: what the swap pool and its
+    /// disk tier hold (unlimited with --swap-pool off); a budget set is bounded by
+    /// that.
     #[arg(
         long,
         value_name = "SIZE",
@@ -71,8 +73,8 @@ pub struct ArbiterConfig {
     )]
     #[serde(skip)]
     pub swap_budget: Option<u64>,
-    /// `--swap-budget` in the file, in MiB. `None`: unlimited (with a swap pool, the
-    /// pool's size bounds it anyway).
+    /// `--swap-budget` in the file, in MiB. `None`: none set (with a swap pool, what
+    /// the pool and its disk tier hold is the budget).
     #[arg(skip)]
     pub swap_budget_mib: Option<u64>,
     /// The node's swap pool (config: [arbiter] swap_pool): host memory the arbiter

@@ -146,6 +146,23 @@ impl Pool {
         checked
     }
 
+    /// The most the disk tier can hold now: its budget, or where it has none, what
+    /// it holds plus the disk's free space less its reserve; 0 without a usable tier.
+    pub fn spill_room(&self) -> u64 {
+        let (cfg, held) = {
+            let st = self.inner.lock();
+            (st.disk.spill.clone(), st.disk.spilled_bytes())
+        };
+        match cfg {
+            None => 0,
+            Some(SpillConfig {
+                budget: Some(b), ..
+            }) => b,
+            Some(SpillConfig { dir, budget: None }) => spill::free_space(&dir)
+                .map_or(0, |(free, reserve)| held + free.saturating_sub(reserve)),
+        }
+    }
+
     /// Moves the slices `ids` lent to `owner` to disk, all or none (see the module
     /// doc): each is copied to a spill file of its own; once every copy is written,
     /// each slice is taken back as by [`Pool::give`] and its file recorded under a

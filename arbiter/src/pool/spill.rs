@@ -65,7 +65,7 @@ pub(super) fn check_dir(dir: &Path) -> Result<(), PoolError> {
 // `fsblkcnt_t` and `c_ulong` are 32 bits on some targets: the `u64::from`s are not
 // useless there.
 #[allow(clippy::useless_conversion)]
-fn free_space(dir: &Path) -> Result<(u64, u64), PoolError> {
+pub(super) fn free_space(dir: &Path) -> Result<(u64, u64), PoolError> {
     let path = c_path(dir)?;
     // SAFETY: an all-zero `statvfs` is a valid value to be overwritten.
     let mut vfs: libc::statvfs = unsafe { std::mem::zeroed() };

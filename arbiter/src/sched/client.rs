@@ -98,6 +98,7 @@ impl GpuScheduler {
                 reported_unswappable: unswappable,
                 unreported: 0,
                 overclaimed: 0,
+                admitted: 0,
                 looks: VecDeque::new(),
                 driver_bytes: None,
                 evicted_at: VecDeque::new(),

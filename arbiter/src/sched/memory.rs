@@ -155,6 +155,37 @@ impl GpuScheduler {
         self.working_sets().saturating_sub(self.room())
     }
 
+    /// [`Self::swap_need`] as an admission of client `requester` counts it, with its
+    /// working set `working_set` (`None`: as it stands; it need not be on this GPU).
+    /// Every other client's working set counts only as far as something backs it:
+    /// what the arbiter admitted for it, or what its process is seen to hold (the
+    /// driver's figure on this GPU, plus `held(host pid)`: the swap pool's memory lent
+    /// to it). A report no allocation backs is a claim no one checks; counted, one
+    /// tenant claiming a GPU's worth would make every other tenant's allocations on
+    /// the node fail. What is not counted is at worst swapped into its owner's own
+    /// memory when the pool runs short.
+    pub fn admission_need(
+        &self,
+        requester: ClientId,
+        working_set: Option<u64>,
+        held: &dyn Fn(u32) -> u64,
+    ) -> u64 {
+        let others = self
+            .clients
+            .iter()
+            .filter(|(&id, _)| id != requester)
+            .map(|(_, c)| {
+                let seen = c
+                    .driver_bytes
+                    .unwrap_or(0)
+                    .saturating_add(held(c.info.host_pid));
+                c.usage.working_set_bytes.min(c.admitted.max(seen))
+            })
+            .fold(0u64, u64::saturating_add);
+        let own = working_set.unwrap_or_else(|| self.working_set_of(requester));
+        others.saturating_add(own).saturating_sub(self.room())
+    }
+
     /// [`Self::swap_need`] if client `id`'s working set were `working_set` bytes.
     pub fn swap_need_with(&self, id: ClientId, working_set: u64) -> u64 {
         let current = self
@@ -307,6 +338,7 @@ impl GpuScheduler {
         let Some(c) = self.clients.get_mut(&id) else {
             return Vec::new();
         };
+        c.admitted = working_set;
         let usage = Usage {
             working_set_bytes: working_set,
             resident_bytes: c.usage.resident_bytes,

@@ -99,6 +99,14 @@ impl Book {
         }
     }
 
+    /// Bytes of the pool process `pid` holds now (0 for an unknown pid).
+    pub(crate) fn held(&self, pid: u32) -> u64 {
+        if pid == 0 {
+            return 0;
+        }
+        self.lock().held.get(&pid).copied().unwrap_or(0)
+    }
+
     fn short(&self, bytes: u64) {
         let mut b = self.lock();
         b.short = b.short.max(bytes);

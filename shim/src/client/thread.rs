@@ -2,6 +2,8 @@
 //! detector), bounds the submission queue while a turn is held, and reconnects when
 //! the arbiter restarts.
 
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+
 use super::*;
 
 impl Client {
@@ -131,17 +133,26 @@ impl Client {
         if let Some(m) = first {
             self.handle(&turn, m);
         }
-        let mut conn = match reader {
+        let conn = match reader {
             Some(c) => c,
             None => self.reconnect(&turn),
         };
+        let mut inbox = Inbox::start(&turn, conn);
+        // Whatever else arrived is handled before ticking, up to a bound: a stream of
+        // messages never starves the idle detector.
+        let mut drained = 0;
         loop {
-            match next_message(&mut conn, self.next_tick(k)) {
+            let wait = if drained > 0 {
+                Duration::ZERO
+            } else {
+                self.next_tick(k)
+            };
+            match inbox.next(wait) {
                 Ok(Some(msg)) => {
                     self.handle(&turn, msg);
-                    // Drain whatever else arrived before ticking.
-                    while let Ok(Some(m)) = conn.try_decode() {
-                        self.handle(&turn, m);
+                    drained += 1;
+                    if drained < DRAIN_MAX {
+                        continue;
                     }
                 }
                 Ok(None) => {}
@@ -151,9 +162,10 @@ impl Client {
                         .map(|w| format!("; it said {w}"))
                         .unwrap_or_default();
                     crate::kwarn!("lost the arbiter ({e}{why}); reconnecting");
-                    conn = self.reconnect(&turn);
+                    inbox = Inbox::start(&turn, self.reconnect(&turn));
                 }
             }
+            drained = 0;
             self.tick(k);
             self.refresh_throttle(&lock(&self.state));
         }
@@ -253,6 +265,90 @@ impl Client {
                     return r.reader;
                 }
                 Err(e) => crate::kdebug!("reconnect failed: {e}"),
+            }
+        }
+    }
+}
+
+/// The most messages handled in a row before a tick.
+const DRAIN_MAX: usize = 64;
+
+/// What the reader thread hands the turn's thread.
+type Received = Result<ArbiterMsg, ProtocolError>;
+
+/// A turn's incoming messages. A reader thread of its own takes them off the
+/// connection and answers an admission at once ([`Turn::admit`] waits in the
+/// application's allocation for it), while the turn's thread may be in a swap of
+/// seconds; every other message reaches the turn's thread in the arbiter's order.
+/// Where no thread can be started, the turn's thread reads the connection itself, as
+/// before (an admission then waits for its swaps).
+enum Inbox {
+    Thread(Receiver<Received>),
+    Inline(Conn),
+}
+
+impl Inbox {
+    fn start(turn: &Arc<Turn>, conn: Conn) -> Inbox {
+        let (tx, rx) = mpsc::channel();
+        // The connection goes to the reader through a slot, which a failed start
+        // leaves full: the turn's thread then reads it itself.
+        let slot = Arc::new(Mutex::new(Some(conn)));
+        let taken = Arc::clone(&slot);
+        let t = Arc::clone(turn);
+        let spawned = std::thread::Builder::new()
+            .name("kiwi-arbiter-rx".into())
+            .spawn(move || {
+                let Some(mut conn) = lock(&taken).take() else {
+                    return;
+                };
+                read(&t, &mut conn, &tx);
+            });
+        match spawned {
+            Ok(_) => Inbox::Thread(rx),
+            Err(e) => {
+                crate::kwarn!(
+                    "cannot start the arbiter reader thread ({e}); reading on the turn's thread"
+                );
+                match lock(&slot).take() {
+                    Some(conn) => Inbox::Inline(conn),
+                    // Unreachable: a thread that never started never took it.
+                    None => Inbox::Thread(rx),
+                }
+            }
+        }
+    }
+
+    /// The next message, waiting at most `timeout`; `Ok(None)` when none came.
+    fn next(&mut self, timeout: Duration) -> Result<Option<ArbiterMsg>, ProtocolError> {
+        match self {
+            Inbox::Thread(rx) => match rx.recv_timeout(timeout) {
+                Ok(r) => r.map(Some),
+                Err(RecvTimeoutError::Timeout) => Ok(None),
+                Err(RecvTimeoutError::Disconnected) => Err(ProtocolError::Io(
+                    std::io::Error::other("the arbiter reader thread ended"),
+                )),
+            },
+            Inbox::Inline(conn) => next_message(conn, timeout),
+        }
+    }
+}
+
+/// The reader thread: until the connection fails (then the error goes to the turn's
+/// thread, which reconnects and starts another) or the turn's thread is gone.
+fn read(turn: &Turn, conn: &mut Conn, tx: &Sender<Received>) {
+    loop {
+        match next_message(conn, Duration::from_secs(1)) {
+            Ok(None) => {}
+            Ok(Some(ArbiterMsg::Admitted { ok, message, .. })) => turn.on_admitted(ok, message),
+            Ok(Some(m)) => {
+                if tx.send(Ok(m)).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                turn.on_connection_lost();
+                let _ = tx.send(Err(e));
+                return;
             }
         }
     }

@@ -274,9 +274,13 @@ impl Turn {
         }
         let guard = lock(&self.admitting);
         *lock(&self.admitted) = None;
-        self.send(&ClientMsg::Admit {
+        if !self.try_send(&ClientMsg::Admit {
             working_set_bytes: working_set,
-        });
+        }) {
+            // No arbiter to ask now (it is restarting): the growth goes ahead, as
+            // the usage report that follows tells the next one.
+            return Some(Admission(Some(guard)));
+        }
         let deadline = Instant::now() + ADMIT_WAIT;
         let mut answer = lock(&self.admitted);
         while answer.is_none() {
@@ -345,6 +349,12 @@ impl Turn {
         self.pong_cv.notify_all();
     }
 
+    /// The connection an admission was asked on is gone: no answer comes, the growth
+    /// goes ahead (as when the arbiter does not answer in time).
+    pub(super) fn on_connection_lost(&self) {
+        self.on_admitted(true, None);
+    }
+
     pub(super) fn on_admitted(&self, ok: bool, message: Option<String>) {
         *lock(&self.refusal) = message;
         *lock(&self.admitted) = Some(ok);
@@ -352,15 +362,24 @@ impl Turn {
     }
 
     pub(super) fn send(&self, msg: &ClientMsg) {
+        self.try_send(msg);
+    }
+
+    /// [`Turn::send`], saying whether the message went out (false: no connection now,
+    /// the arbiter is away or restarting).
+    fn try_send(&self, msg: &ClientMsg) -> bool {
         let mut w = lock(&self.writer);
-        if let Some(conn) = w.as_mut() {
-            if let Err(e) = conn.send(msg) {
-                crate::kdebug!("send to the arbiter (GPU {}) failed: {e}", self.info.uuid);
-                // The reader notices the broken connection and reconnects.
-                let _ = conn.stream().shutdown(std::net::Shutdown::Both);
-                *w = None;
-            }
+        let Some(conn) = w.as_mut() else {
+            return false;
+        };
+        if let Err(e) = conn.send(msg) {
+            crate::kdebug!("send to the arbiter (GPU {}) failed: {e}", self.info.uuid);
+            // The reader notices the broken connection and reconnects.
+            let _ = conn.stream().shutdown(std::net::Shutdown::Both);
+            *w = None;
+            return false;
         }
+        true
     }
 
     /// Memory of the process's contexts, modules and limits on this GPU, as counted.

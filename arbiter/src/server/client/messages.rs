@@ -71,6 +71,10 @@ fn refusal_line(
     pool: Option<&crate::pool::PoolStats>,
 ) -> String {
     let what = match pool {
+        Some(p) if p.size <= a.budget && p.spill_dir.is_some() => format!(
+            "the node's swap pool and its disk tier ({} MiB together)",
+            a.budget >> 20
+        ),
         Some(p) if p.size <= a.budget => format!("the node's swap pool ({} MiB)", p.size >> 20),
         _ => format!("the node's swap budget ({} MiB)", a.budget >> 20),
     };
@@ -353,12 +357,14 @@ fn admit(from: Sender, st: &mut State, uuid: String, working_set_bytes: u64) -> 
     let Some(g) = st.gpus.get(&uuid) else {
         return Next::Close;
     };
+    let held = |pid: u32| shared.pool_book.held(pid);
     let a = swap::decide(
         st.cfg.swap_budget_bytes,
         st.gpus.values().map(|g| &g.sched),
         &g.sched,
         id,
         working_set_bytes,
+        &held,
     );
     // The answer first: the client is blocked in its allocator waiting for it.
     let message = (!a.ok && g.sched.takes_notices(id)).then(|| {

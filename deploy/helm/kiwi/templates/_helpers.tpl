@@ -21,7 +21,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- fail (printf "tq must be a positive number of seconds, not %v" .Values.tq) -}}
 {{- end -}}
 {{- if lt (int .Values.swapBudgetMiB) 0 -}}
-{{- fail (printf "swapBudgetMiB must be 0 (unlimited) or more, not %v" .Values.swapBudgetMiB) -}}
+{{- fail (printf "swapBudgetMiB must be 0 (what the swap pool holds) or more, not %v" .Values.swapBudgetMiB) -}}
 {{- end -}}
 {{- if lt (int .Values.vgpusPerGpu) 1 -}}
 {{- fail (printf "vgpusPerGpu must be at least 1, not %v" .Values.vgpusPerGpu) -}}
