@@ -887,6 +887,13 @@ mod tests {
         }
     }
 
+    fn release() -> EventKind {
+        EventKind::Release {
+            early: false,
+            resident_bytes: 0,
+        }
+    }
+
     fn drop_() -> EventKind {
         EventKind::Drop {
             need_bytes: 0,
@@ -901,39 +908,15 @@ mod tests {
             // 2 is granted at 420: 270 ms.
             at(10, "a", 1, grant(0)),
             at(150, "a", 1, drop_()),
-            at(
-                400,
-                "a",
-                1,
-                EventKind::Release {
-                    early: false,
-                    resident_bytes: 0,
-                },
-            ),
+            at(400, "a", 1, release()),
             at(420, "a", 2, grant(320)),
             // A newcomer asks after the drop it caused: from its request (430).
             at(425, "a", 2, drop_()),
-            at(
-                900,
-                "a",
-                2,
-                EventKind::Release {
-                    early: false,
-                    resident_bytes: 0,
-                },
-            ),
+            at(900, "a", 2, release()),
             at(900, "a", 3, grant(470)),
             // Two waiters granted in the one step that answers the same ask.
             at(950, "a", 3, drop_()),
-            at(
-                1200,
-                "a",
-                3,
-                EventKind::Release {
-                    early: false,
-                    resident_bytes: 0,
-                },
-            ),
+            at(1200, "a", 3, release()),
             at(1210, "a", 4, grant(500)),
             at(1210, "a", 5, grant(400)),
             // GPU b: its holder exits (killed); the waiter gets the room at once,
@@ -942,15 +925,7 @@ mod tests {
             at(600, "b", 7, EventKind::Exit),
             at(600, "b", 8, grant(300)),
             // The old ask on a was answered: a later grant of room is not measured from it.
-            at(
-                1500,
-                "a",
-                4,
-                EventKind::Release {
-                    early: false,
-                    resident_bytes: 0,
-                },
-            ),
+            at(1500, "a", 4, release()),
             at(1500, "a", 6, grant(100)),
         ];
         let mut out = Outcome::default();
