@@ -14,7 +14,7 @@ use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser};
 use kiwi_arbiter::checkpoint::{Checkpointer, DriverCheckpointer};
 use kiwi_arbiter::pool::{PoolConfig, SpillConfig};
 use kiwi_arbiter::{run_daemon, ServerConfig};
-use kiwi_config::{ArbiterConfig, Checkpoint, Config, SwapPool};
+use kiwi_config::{ArbiterConfig, Checkpoint, Config};
 use tokio::signal::unix::{signal, SignalKind};
 
 /// The flags that are no `[arbiter]` key; [`cli`] adds [`ArbiterConfig`]'s.
@@ -66,7 +66,7 @@ fn settings(matches: &ArgMatches) -> Result<(PathBuf, ArbiterConfig)> {
 
 fn run(matches: &ArgMatches) -> Result<()> {
     let (dir, a) = settings(matches)?;
-    let swap_pool = swap_pool(a.swap_pool, a.swap_pool_floor_bytes());
+    let swap_pool = PoolConfig::from_setting(a.swap_pool, a.swap_pool_floor_bytes());
     let spill = spill(&a, swap_pool.is_some())?;
     let loaded = kiwi_arbiter::gpus::load(&a.nvml).with_context(|| {
         format!(
@@ -149,20 +149,6 @@ fn checkpointer(setting: Checkpoint) -> (Option<Arc<dyn Checkpointer>>, String) 
     }
 }
 
-/// The swap pool's settings; `None` when off.
-fn swap_pool(setting: SwapPool, floor: u64) -> Option<PoolConfig> {
-    let size = match setting {
-        SwapPool::Off => return None,
-        SwapPool::Auto => kiwi_arbiter::pool::default_size(),
-        SwapPool::Size(size) => size,
-    };
-    Some(PoolConfig {
-        size,
-        floor: floor.min(size),
-        ..PoolConfig::new(size)
-    })
-}
-
 /// The disk tier's settings; `None` when no directory is set. It needs the pool.
 fn spill(a: &ArbiterConfig, pool: bool) -> Result<Option<SpillConfig>> {
     let budget = a.spill_budget_bytes();
@@ -189,7 +175,7 @@ fn spill(a: &ArbiterConfig, pool: bool) -> Result<Option<SpillConfig>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kiwi_config::Nvml;
+    use kiwi_config::{Nvml, SwapPool};
 
     /// The arbiter's settings from a config file's text and a command line.
     fn arbiter(file: &str, args: &[&str]) -> Result<ArbiterConfig> {
@@ -284,9 +270,9 @@ mod tests {
         assert!(e.contains("needs the swap pool"), "{e}");
         let s = spill(&a, true).unwrap().unwrap();
         assert_eq!((s.dir, s.budget), (PathBuf::from("/x"), None));
-        let pool = swap_pool(SwapPool::Size(1 << 30), 2 << 30).unwrap();
+        let pool = PoolConfig::from_setting(SwapPool::Size(1 << 30), 2 << 30).unwrap();
         assert_eq!((pool.size, pool.floor), (1 << 30, 1 << 30));
-        assert!(swap_pool(SwapPool::Off, 0).is_none());
+        assert!(PoolConfig::from_setting(SwapPool::Off, 0).is_none());
     }
 
     #[test]

@@ -34,8 +34,10 @@
 //!   what it was lent to the process ([`Pool::release_owner`], [`Pool::reap`]).
 //! - **Page size.** Detected at start ([`PageMode::detect`]): hugetlb pages when enough
 //!   are free for a slice, else transparent huge pages when `shmem_enabled` allows them
-//!   for a memfd (`always`/`within_size`/`force`: `fallocate`; `advise`: a temporary
-//!   mapping with `MADV_HUGEPAGE` and `MADV_POPULATE_WRITE`), else 4 KiB pages.
+//!   for a memfd (`always`/`within_size`/`force`; `advise`, with `MADV_HUGEPAGE`),
+//!   else 4 KiB pages. Every page is faulted in for write through a temporary mapping
+//!   (`MADV_POPULATE_WRITE`), which clears it here: pages `fallocate` gives tmpfs are
+//!   not cleared until their first fault, which would be the client's.
 //! - **The disk tier** (optional, [`Pool::enable_spill`], `[arbiter] spill_dir` and
 //!   `spill_budget`). A client that no longer uses some lent slices (unregistered and
 //!   unmapped) has the pool move them to disk ([`Pool::spill`]): each slice is copied
@@ -113,6 +115,20 @@ impl PoolConfig {
             floor: 0,
             slice: DEFAULT_SLICE,
         }
+    }
+
+    /// The pool `[arbiter] swap_pool` asks for (half the host's available memory for
+    /// `auto`), `floor` bytes of it populated at start; `None` when off.
+    pub fn from_setting(setting: kiwi_config::SwapPool, floor: u64) -> Option<Self> {
+        let size = match setting {
+            kiwi_config::SwapPool::Off => return None,
+            kiwi_config::SwapPool::Auto => default_size(),
+            kiwi_config::SwapPool::Size(size) => size,
+        };
+        Some(PoolConfig {
+            floor: floor.min(size),
+            ..PoolConfig::new(size)
+        })
     }
 
     fn validate(&self) -> Result<(), PoolError> {

@@ -139,6 +139,10 @@ enum Scenario {
         /// environment).
         #[arg(long)]
         checkpoint: bool,
+        /// `[arbiter] swap_pool`: the daemon's default, so that swaps go where they
+        /// go on a node (into the pool's slices).
+        #[arg(long, default_value = "auto")]
+        swap_pool: kiwi_config::SwapPool,
     },
     #[command(name = "__launch-overhead", hide = true)]
     LaunchOverheadRole { shim: PathBuf },
@@ -248,7 +252,17 @@ fn run(cli: Cli) -> Result<()> {
             scheduler,
             idle_evict_ms,
             checkpoint,
-        } => return arbiter_role(socket_dir, tq, &scheduler, idle_evict_ms, checkpoint),
+            swap_pool,
+        } => {
+            return arbiter_role(
+                socket_dir,
+                tq,
+                &scheduler,
+                idle_evict_ms,
+                checkpoint,
+                swap_pool,
+            )
+        }
         Scenario::HandoffClient { socket, rounds } => {
             return handoff::client_role(&socket, rounds, true)
         }
@@ -330,6 +344,7 @@ fn arbiter_role(
     scheduler: &str,
     idle_evict_ms: Option<u64>,
     checkpoint: bool,
+    swap_pool: kiwi_config::SwapPool,
 ) -> Result<()> {
     let mut cfg = kiwi_arbiter::ServerConfig {
         tq: kiwi_config::Quantum::from_secs(tq)?,
@@ -341,6 +356,7 @@ fn arbiter_role(
         // `KIWI_HINT_WAIT_MS` stands (`bench/tests/quick.rs` raises it for loaded
         // hosts).
         max_hint_wait_ms: u64::MAX,
+        swap_pool: kiwi_arbiter::pool::PoolConfig::from_setting(swap_pool, 0),
         ..Default::default()
     };
     if let Some(ms) = idle_evict_ms {

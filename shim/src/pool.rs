@@ -142,9 +142,11 @@ pub fn owns(p: *mut u8) -> bool {
 }
 
 /// A buffer of at least `size` bytes of the node's swap pool, mapped read-write,
-/// its pages present; `None`: none could be borrowed (the caller uses its own
-/// memory).
-pub fn map(size: u64) -> Option<*mut u8> {
+/// its page-table entries made now when `populate` (a caller that page-locks the
+/// buffer next leaves that to the driver, which faults the pages in as it locks
+/// them: populating first walked every page twice); `None`: none could be borrowed
+/// (the caller uses its own memory).
+pub fn map(size: u64, populate: bool) -> Option<*mut u8> {
     if !enabled() || size == 0 || size > MAX_POOL_TAKE_BYTES {
         return None;
     }
@@ -184,7 +186,7 @@ pub fn map(size: u64) -> Option<*mut u8> {
             let fds: Vec<Option<OwnedFd>> = slices.iter().map(|_| conn.take_fd()).collect();
             let ids: Vec<u64> = slices.iter().map(|s| s.id).collect();
             let lens: Vec<u64> = slices.iter().map(|s| s.bytes).collect();
-            match map_slices(&fds, &lens, size) {
+            match map_slices(&fds, &lens, size, populate) {
                 Some((p, len)) => {
                     let generation = st.generation;
                     books().get_or_insert_with(Books::default).maps.insert(
@@ -440,7 +442,12 @@ fn open() -> Result<Conn, String> {
 
 /// Maps the slices back to back at one address: `(address, length)`; `None` if a
 /// descriptor is missing or a mapping fails (nothing stays mapped then).
-fn map_slices(fds: &[Option<OwnedFd>], lens: &[u64], size: u64) -> Option<(*mut u8, usize)> {
+fn map_slices(
+    fds: &[Option<OwnedFd>],
+    lens: &[u64],
+    size: u64,
+    populate: bool,
+) -> Option<(*mut u8, usize)> {
     let total: u64 = lens.iter().sum();
     if total < size || lens.iter().any(|l| l % 4096 != 0) {
         return None;
@@ -455,9 +462,11 @@ fn map_slices(fds: &[Option<OwnedFd>], lens: &[u64], size: u64) -> Option<(*mut 
             .ok()?;
     // Page-table entries now, not at the first copy: the pages exist (the arbiter
     // populated them), so this allocates nothing this process is charged for.
-    // SAFETY: advice on the mapping just made.
-    unsafe {
-        libc::madvise(base.cast(), len, 23 /* MADV_POPULATE_WRITE */)
-    };
+    if populate {
+        // SAFETY: advice on the mapping just made.
+        unsafe {
+            libc::madvise(base.cast(), len, 23 /* MADV_POPULATE_WRITE */)
+        };
+    }
     Some((base, len))
 }

@@ -8,10 +8,10 @@ use super::*;
 /// How the pool's pages are made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PageMode {
-    /// 4 KiB pages, populated with `fallocate`.
+    /// 4 KiB pages.
     Small,
-    /// Transparent huge pages by `fallocate` (`shmem_enabled` is `always`,
-    /// `within_size` or `force`).
+    /// Transparent huge pages (`shmem_enabled` is `always`, `within_size` or
+    /// `force`).
     ThpFallocate,
     /// Transparent huge pages through a temporary mapping with `MADV_HUGEPAGE` and
     /// `MADV_POPULATE_WRITE` (`shmem_enabled` is `advise`).
@@ -90,9 +90,14 @@ pub(super) fn create_slice(mode: PageMode, bytes: u64) -> Result<Slice, PoolErro
     if retry_eintr(|| unsafe { libc::ftruncate(fd.as_raw_fd(), len) }) != 0 {
         return Err(io_err("ftruncate of a new slice"));
     }
+    // `fallocate` on tmpfs allocates pages without clearing them: the first fault
+    // clears each page, which would be the client's, as it maps or page-locks the
+    // slice (`mincore` does not even count such pages as present). Faulting them in
+    // here for write clears them on this thread. Hugetlbfs clears at `fallocate`.
     match mode {
-        PageMode::ThpAdvise => populate_advised(&fd, bytes)?,
-        PageMode::Small | PageMode::ThpFallocate | PageMode::HugeTlb { .. } => {
+        PageMode::ThpAdvise => populate_mapped(&fd, bytes, true)?,
+        PageMode::Small | PageMode::ThpFallocate => populate_mapped(&fd, bytes, false)?,
+        PageMode::HugeTlb { .. } => {
             // SAFETY: plain syscall on a descriptor we own.
             if retry_eintr(|| unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, len) }) != 0 {
                 return Err(io_err("fallocate (populating a slice)"));
@@ -103,9 +108,9 @@ pub(super) fn create_slice(mode: PageMode, bytes: u64) -> Result<Slice, PoolErro
 }
 
 /// Populates `fd` through a temporary 2 MiB-aligned shared mapping with
-/// `MADV_HUGEPAGE` and `MADV_POPULATE_WRITE` (falling back to `fallocate` on a kernel
-/// without `MADV_POPULATE_WRITE`).
-fn populate_advised(fd: &OwnedFd, bytes: u64) -> Result<(), PoolError> {
+/// `MADV_POPULATE_WRITE`, after `MADV_HUGEPAGE` when `advise` (falling back to
+/// `fallocate` on a kernel without `MADV_POPULATE_WRITE`).
+fn populate_mapped(fd: &OwnedFd, bytes: u64, advise: bool) -> Result<(), PoolError> {
     let len = usize::try_from(bytes).map_err(|_| PoolError::Config("slice too large".into()))?;
     let span = len + UNIT as usize;
     let base = kiwi_cuda::filemap::reserve(span)
@@ -140,7 +145,7 @@ fn populate_advised(fd: &OwnedFd, bytes: u64) -> Result<(), PoolError> {
         return Err(io_err("mmap (a slice to populate)"));
     }
     // SAFETY: advice on our own mapping of `len` bytes at `aligned`.
-    if unsafe { libc::madvise(aligned, len, libc::MADV_HUGEPAGE) } != 0 {
+    if advise && unsafe { libc::madvise(aligned, len, libc::MADV_HUGEPAGE) } != 0 {
         return Err(io_err("madvise(MADV_HUGEPAGE)"));
     }
     // SAFETY: as above; POPULATE_WRITE only faults pages in, it writes no data.

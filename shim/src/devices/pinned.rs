@@ -101,8 +101,8 @@ fn populate(p: *mut c_void, len: usize) {
 pub fn alloc(size: u64) -> Result<*mut u8, CUresult> {
     entry_points().ok_or(CUDA_ERROR_NOT_FOUND)?;
     // The node's swap pool first: its pages are populated already, and charged to
-    // Kiwi rather than to this process's memory limit.
-    if let Some(p) = crate::pool::map(size) {
+    // Kiwi rather than to this process's memory limit. Page-locking maps them.
+    if let Some(p) = crate::pool::map(size, false) {
         match register(p, size) {
             Ok(()) => return Ok(p),
             Err(r) => {
@@ -133,7 +133,7 @@ pub fn alloc_pageable(size: u64) -> Option<*mut u8> {
         return None;
     }
     entry_points()?;
-    crate::pool::map(size).or_else(|| map(size).map(|p| p.cast()))
+    crate::pool::map(size, true).or_else(|| map(size).map(|p| p.cast()))
 }
 
 pub fn free_pageable(p: *mut u8, size: u64) {
