@@ -143,6 +143,9 @@ enum Scenario {
         /// go on a node (into the pool's slices).
         #[arg(long, default_value = "auto")]
         swap_pool: kiwi_config::SwapPool,
+        /// `[arbiter] swap_pool_floor_mib`: populated at start and kept ready.
+        #[arg(long, default_value_t = 0)]
+        swap_pool_floor_mib: u64,
     },
     #[command(name = "__launch-overhead", hide = true)]
     LaunchOverheadRole { shim: PathBuf },
@@ -253,6 +256,7 @@ fn run(cli: Cli) -> Result<()> {
             idle_evict_ms,
             checkpoint,
             swap_pool,
+            swap_pool_floor_mib,
         } => {
             return arbiter_role(
                 socket_dir,
@@ -261,6 +265,7 @@ fn run(cli: Cli) -> Result<()> {
                 idle_evict_ms,
                 checkpoint,
                 swap_pool,
+                swap_pool_floor_mib << 20,
             )
         }
         Scenario::HandoffClient { socket, rounds } => {
@@ -345,6 +350,7 @@ fn arbiter_role(
     idle_evict_ms: Option<u64>,
     checkpoint: bool,
     swap_pool: kiwi_config::SwapPool,
+    swap_pool_floor: u64,
 ) -> Result<()> {
     let mut cfg = kiwi_arbiter::ServerConfig {
         tq: kiwi_config::Quantum::from_secs(tq)?,
@@ -356,7 +362,7 @@ fn arbiter_role(
         // `KIWI_HINT_WAIT_MS` stands (`bench/tests/quick.rs` raises it for loaded
         // hosts).
         max_hint_wait_ms: u64::MAX,
-        swap_pool: kiwi_arbiter::pool::PoolConfig::from_setting(swap_pool, 0),
+        swap_pool: kiwi_arbiter::pool::PoolConfig::from_setting(swap_pool, swap_pool_floor),
         ..Default::default()
     };
     if let Some(ms) = idle_evict_ms {

@@ -165,11 +165,13 @@ const NOTES: &[&str] = &[
      1.5 GiB (gpuburst `grow:1536`) and it is dropped when the other asks, 100 ms \
      after the arbiter saw the growth (the interval, from the arbiter's log, is in \
      the row); its swap-out rate against the pinned copy on the same simulated \
-     machine. The shim prepares swap buffers from the growth on (the GPU is shared); \
-     what is not ready is page-locked on the critical path (the default) or, with \
-     `KIWI_SWAP_PAGEABLE=1` (`_pageable`), copied into pageable memory and registered \
-     in place afterwards (`docs/shim.md`). `host_populate` is how fast this host \
-     faults in fresh memory on two threads, which bounds both.",
+     machine. The shim page-locks slices of the swap pool from the growth on (the GPU \
+     is shared); what is not ready is page-locked on the critical path (the default) \
+     or, with `KIWI_SWAP_PAGEABLE=1` (`_pageable`), copied into pageable memory and \
+     registered in place afterwards (`docs/shim.md`). Both run with a pool floor of \
+     2 GiB, populated before; `_no_floor` is the default, where the pool populates \
+     the growth's slices as it comes, and `host_populate` (how fast this host faults \
+     in fresh memory on two threads) bounds it.",
     "**live-bytes**: two JAX-like notebooks (gpuburst `--prealloc 0.75`: one allocation \
      of 75% of the free memory they are told about, 205 MiB of it used) on a 4 GiB GPU \
      take turns in short bursts with idle pauses. With the hint (`--discard` answers the \

@@ -446,6 +446,16 @@ pub fn events_at(socket_dir: &std::path::Path) -> Result<Vec<Event>> {
     Ok(c.events(None, 0)?.0)
 }
 
+/// The status of the arbiter serving `socket_dir`; `None` when it does not answer.
+pub fn status_at(socket_dir: &std::path::Path) -> Option<kiwi_protocol::StatusReport> {
+    let mut c: Connection<ControlRequest, ControlReply> =
+        Connection::connect(&kiwi_config::control_socket(socket_dir)).ok()?;
+    match c.call(&ControlRequest::Status { gpu: None }).ok()? {
+        ControlReply::Status(s) => Some(s),
+        _ => None,
+    }
+}
+
 /// Two apps of 70% of the GPU under Kiwi, taking turns, with `env`; the arbiter's log.
 fn contend(b: &Build, job: Job, tq: f64, env: &[(&str, &str)]) -> Result<Vec<Event>> {
     let sim = Sim::populated("swap", GPU)?;

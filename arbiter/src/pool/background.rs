@@ -53,6 +53,9 @@ impl Pool {
     }
 }
 
+/// The background thread's nice value.
+const BACKGROUND_NICE: libc::c_int = 10;
+
 /// What the thread does next.
 enum Work {
     Scrub(Slice),
@@ -64,6 +67,18 @@ enum Work {
 /// The background thread: scrubs returned slices, keeps the ready target, frees ready
 /// slices past it.
 pub(super) fn background(inner: &Inner) {
+    // Populating ahead and scrubbing are nobody's critical path: they yield the CPU
+    // to the tenants (and to a take populating on its caller's thread). A notebook
+    // that just grew page-locks its slices while this refills the floor it took
+    // them from; at equal priority, on two cores, the refill slowed that down.
+    // SAFETY: setpriority on this thread's own id (a thread is a process to it).
+    unsafe {
+        libc::setpriority(
+            libc::PRIO_PROCESS,
+            libc::gettid() as libc::id_t,
+            BACKGROUND_NICE,
+        )
+    };
     let cfg = inner.cfg;
     let unit = inner.mode.unit();
     loop {

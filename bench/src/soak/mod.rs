@@ -67,7 +67,6 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use kiwi_protocol::blocking::Connection;
 use kiwi_protocol::{Event, EventKind};
 
 use crate::jobs::{Build, Sim};
@@ -720,24 +719,15 @@ fn wait_for_nothing_left(dir: &Path, sim: &str, gpus: u32) -> std::result::Resul
 }
 
 fn status(dir: &Path) -> Option<kiwi_protocol::StatusReport> {
-    let mut c: Connection<kiwi_protocol::ControlRequest, kiwi_protocol::ControlReply> =
-        Connection::connect(&kiwi_config::control_socket(dir)).ok()?;
-    match c
-        .call(&kiwi_protocol::ControlRequest::Status { gpu: None })
-        .ok()?
-    {
-        kiwi_protocol::ControlReply::Status(s) => Some(s),
-        _ => None,
-    }
+    crate::shimbench::status_at(dir)
 }
 
+/// The `p`th (0 to 1) of `v`; 0 when empty.
 fn percentile(v: &[f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
     }
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s[((s.len() - 1) as f64 * p).round() as usize]
+    crate::report::percentile(&mut v.to_vec(), p * 100.0)
 }
 
 /// The soak, then the same clients quiet; fails if anything was lost.
